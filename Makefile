@@ -1,0 +1,36 @@
+# Corral: `make up` runs a local fleet, `make test` runs every check. Both set up what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-install only when the dependency list changes; pip's cache makes a re-install cheap.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install-system.sh 2>/dev/null | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: install up test lint typecheck unit e2e k8s-tools clean
+
+install: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	bash scripts/install-system.sh
+	@rm -f $(VENV)/.installed-* && touch $@
+
+up: install
+	$(VENV)/bin/corral up --demo
+
+lint: install
+	$(VENV)/bin/ruff check engine gateway operator cli tests e2e bench
+	$(VENV)/bin/ruff format --check engine gateway operator cli tests e2e bench
+	$(VENV)/bin/lint-imports
+
+typecheck: install
+	$(VENV)/bin/mypy engine/corral_engine gateway/corral_gateway operator/corral_operator cli/corral_cli
+
+test: install lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,71 @@
+"""What the engine hands back: per-request outputs and an engine-wide stats snapshot (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-k alternatives as (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the request's n sequences. `delta_*` is what is new since the previous output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    delta_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps in seconds (time.monotonic) and per-request counts."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's load and cumulative counters."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0  # includes cached blocks nothing references (reclaimable)
+    num_cached_blocks: int = 0
+    block_size: int = 16
+    kv_usage_ratio: float = 0.0  # used / total, reclaimable cached blocks count as free
+    num_preemptions_total: int = 0
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
+    num_prefix_cache_queries_total: int = 0  # tokens looked up
+    num_prefix_cache_hits_total: int = 0  # tokens found
+    num_steps_total: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,92 @@
+"""Sampling parameters of one request, validated once when the request is built."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; `param` names it as the OpenAI API spells it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str, param: str) -> SamplingError:
+            return SamplingError(msg, param)
+
+        if self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise bad(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty"
+            )
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty"
+            )
+        if not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed must fit in 64 bits", "seed")
+        if len(self.stop) > 16 or any(not s for s in self.stop):
+            raise bad("stop must be at most 16 non-empty strings", "stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative", "stop_token_ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def replace(self, **changes: object) -> SamplingParams:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Corral gateway: one OpenAI-compatible endpoint in front of many engine replicas."""

@@ -1,0 +1,1 @@
+"""Corral operator: reconciles LLMDeployment resources into running, autoscaled engine fleets."""
