@@ -5,16 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from corral_engine.errors import InvalidRequestError
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 
 
-class SamplingError(ValueError):
+class SamplingError(InvalidRequestError):
     """A sampling parameter is out of range; `param` names it as the OpenAI API spells it."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
