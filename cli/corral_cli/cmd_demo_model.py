@@ -1,0 +1,35 @@
+"""`corral demo-model DIR`: write a small random-weight Hugging Face checkpoint with a local tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+# Kept in step with corral_engine.demo_model (not imported here: the engine side pulls in torch).
+_PRESETS = ("tiny", "small")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
+    parser.add_argument(
+        "--preset",
+        choices=_PRESETS,
+        default="tiny",
+        help="tiny: for tests (hidden 64, 2 layers); small: ~107M-parameter Llama for benchmarks",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer (default: 0)")
+    parser.add_argument("--arch", choices=_ARCHS, default="llama", help="model architecture (default: llama)")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def run(args: argparse.Namespace) -> int:
+    from corral_engine.demo_model import write_demo_model
+
+    out = write_demo_model(
+        args.dir, preset=args.preset, seed=args.seed, arch=args.arch, progress=not args.quiet
+    )
+    log.info("wrote %s checkpoint (%s, seed %d) to %s", args.preset, args.arch, args.seed, out)
+    return 0

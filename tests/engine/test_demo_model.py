@@ -1,0 +1,153 @@
+"""`corral demo-model`: real, loadable, deterministic checkpoints with a local byte-level tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import pytest
+import torch
+from corral_cli.main import main as corral_main
+from corral_engine.demo_model import (
+    ARCHITECTURES,
+    EOS_TOKEN_ID,
+    build_config_dict,
+    count_parameters,
+    write_demo_model,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+TEXTS = (
+    "Hello world, the quick brown fox.",
+    "Café naïve résumé — 😀🚀 你好，世界。こんにちは",
+    "def f(x):\n    return x + 1\n\n\ttabs  and   spaces ",
+)
+
+
+def _digests(path: pathlib.Path) -> dict[str, str]:
+    return {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in FILES}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_loads_with_transformers_and_generates(tiny_model_dirs, arch):
+    path = tiny_model_dirs[arch]
+    assert sorted(p.name for p in path.iterdir()) == sorted(FILES)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+
+    assert type(model).__name__ == ARCHITECTURES[arch] == config["architectures"][0]
+    assert len(tok) == config["vocab_size"] == model.get_input_embeddings().weight.shape[0]
+    assert tok.eos_token_id == config["eos_token_id"] == EOS_TOKEN_ID
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == EOS_TOKEN_ID
+    assert tok.bos_token_id is not None and tok.pad_token_id is not None
+
+    ids = tok("the quick brown fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+
+
+def test_arch_specific_shapes(tiny_model_dirs):
+    qwen2 = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"])
+    assert qwen2.model.layers[0].self_attn.q_proj.bias is not None
+    assert qwen2.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0  # random, not zero-initialised
+
+    qwen3 = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen3"])
+    cfg = qwen3.config
+    assert cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads  # explicit head_dim is exercised
+    assert qwen3.model.layers[0].self_attn.q_norm.weight.shape == (cfg.head_dim,)
+    assert not torch.allclose(qwen3.model.layers[0].self_attn.q_norm.weight, torch.ones(cfg.head_dim))
+
+
+def test_greedy_top1_is_not_a_near_tie(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok("Once upon a time there was a small cat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0]  # [seq, vocab]
+    top2 = logits.topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+
+
+def test_same_seed_writes_identical_files_and_other_seed_differs(tmp_path, tiny_model_dir):
+    again = write_demo_model(tmp_path / "again", preset="tiny", seed=0)
+    assert _digests(again) == _digests(tiny_model_dir)
+    other = _digests(write_demo_model(tmp_path / "other", preset="tiny", seed=1))
+    assert other["model.safetensors"] != _digests(tiny_model_dir)["model.safetensors"]
+    assert other["tokenizer.json"] != _digests(tiny_model_dir)["tokenizer.json"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tokenizer_round_trips_utf8(tiny_model_dirs, arch):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dirs[arch])
+    for text in TEXTS:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert all(0 <= i < len(tok) for i in ids)
+        assert tok.decode(ids) == text
+
+
+def test_chat_template_renders(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith(tok.bos_token)
+    assert "Be brief." in text and "Hi there" in text
+    assert text.endswith("<|assistant|>\n")
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert ids.count(tok.bos_token_id) == 1 and ids.count(tok.eos_token_id) == 2
+
+
+def test_config_overrides(tmp_path):
+    rope = {"rope_type": "linear", "factor": 2.0}
+    overrides = {
+        "tie_word_embeddings": True,
+        "attention_bias": True,
+        "num_hidden_layers": 1,
+        "rope_scaling": rope,
+    }
+    path = write_demo_model(tmp_path / "m", config_overrides=overrides)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.num_hidden_layers == 1
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert model.model.layers[0].self_attn.k_proj.bias is not None
+    assert model.config.rope_parameters["rope_type"] == "linear"
+    assert rope == {"rope_type": "linear", "factor": 2.0}  # the caller's dict is not mutated
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(
+        build_config_dict("tiny", "llama", overrides)
+    )
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_parameter_count_formula_matches_transformers(tiny_model_dirs, arch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[arch])
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(build_config_dict("tiny", arch))
+
+
+def test_small_preset_is_about_110m_parameters():
+    cfg = build_config_dict("small", "llama")
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (768, 12, 32000)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (12, 4)
+    assert 100e6 <= count_parameters(cfg) <= 120e6
+
+
+def test_bad_preset_and_arch_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="supported"):
+        write_demo_model(tmp_path, preset="huge")
+    with pytest.raises(ValueError, match="qwen3"):
+        write_demo_model(tmp_path, arch="gpt2")
+
+
+def test_cli_writes_a_checkpoint(tmp_path, tiny_model_dir):
+    assert (
+        corral_main(["demo-model", str(tmp_path / "cli"), "--preset", "tiny", "--seed", "0", "--quiet"]) == 0
+    )
+    assert _digests(tmp_path / "cli") == _digests(tiny_model_dir)
