@@ -1,0 +1,170 @@
+"""Iteration-level scheduler: each step spends a token budget on running sequences, then waiting ones.
+
+Running sequences go first (decodes and unfinished prompt chunks, oldest first), then waiting ones
+FCFS, the last admitted possibly as a chunk (chunked prefill). Under `preempt`, a step that runs out
+of blocks preempts the newest running sequence (its KV is recomputed later); under `reserve`, a
+sequence is admitted only with blocks for prompt + max_tokens, so nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from corral_engine.core.block_manager import BlockManager
+from corral_engine.core.sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_policy: Literal["preempt", "reserve"] = "preempt"
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first token position computed this step (== num_computed_tokens before the step)
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last known token, so a new one is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        first, *siblings = request.seqs
+        request.pending_forks = siblings
+        self.waiting.append(first)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.bm.allocate(seq, num_new):
+                victim = self.running[-1]  # newest first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                break  # FCFS: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Give `seq` its cached prefix and the blocks for what it computes now (or, under
+        `reserve`, for everything it may ever need). On failure nothing new is held."""
+        had_blocks = bool(seq.block_table)  # a forked sibling already shares its prompt blocks
+        matched = 0
+        if not had_blocks:
+            cached = self.bm.match_prefix(seq)
+            self.bm.adopt_prefix(seq, cached)
+            matched = len(cached) * self.bm.block_size
+        if self.config.kv_policy == "reserve":
+            num_new = max(0, seq.max_total_tokens - seq.num_computed_tokens)
+        else:
+            num_new = min(seq.num_uncomputed_tokens, budget)
+        if not self.bm.allocate(seq, num_new):
+            if not had_blocks:
+                self.bm.free(seq)
+            return False
+        if not had_blocks and seq.num_preemptions == 0:
+            self.bm.record_prefix_query(seq.num_tokens, matched)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        seq.request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- after a step ---------------------------------------------------------------------------
+    def fork_siblings(self, request: Request) -> None:
+        """Once the first sequence has computed its prompt, siblings share its full prompt blocks
+        and queue at the front (they belong to a request that is already running)."""
+        parent = request.seqs[0]
+        for sibling in reversed(request.pending_forks):
+            self.bm.fork(parent, sibling)
+            self.waiting.appendleft(sibling)
+        request.pending_forks = []
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def abort(self, request: Request) -> None:
+        for seq in request.pending_forks:
+            seq.finish_reason = "abort"
+            seq.status = SequenceStatus.FINISHED
+        request.pending_forks = []
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.finish(seq)

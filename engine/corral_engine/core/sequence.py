@@ -1,0 +1,82 @@
+"""Sequences and requests as the scheduler sees them: token ids, progress, blocks, status.
+
+The one rule (after vLLM v1): a sequence knows how many of its tokens have KV computed
+(`num_computed_tokens`); each step computes some of the rest. That covers chunked prefill,
+prefix-cache hits and resume-after-preemption alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from corral_engine.outputs import FinishReason, RequestMetrics, TokenLogprob
+from corral_engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet scheduled, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n completions this is
+    token_ids: list[int]  # prompt followed by output tokens
+    num_prompt_tokens: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained prefix hashes of this sequence's full blocks, in order (kept across preemption).
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    # Filled by the engine's output side (detokenizer); the core never reads them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this sequence can reach: prompt + max_tokens (what `reserve` admits against)."""
+        return self.num_prompt_tokens + self.request.params.max_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_order: int
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    # n > 1: siblings wait here until the first sequence has computed its prompt, then fork
+    # from it and share its full prompt blocks.
+    pending_forks: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return not self.pending_forks and all(s.is_finished for s in self.seqs)

@@ -1,0 +1,267 @@
+"""The synchronous engine: add requests, step, read outputs (tests and benchmarks drive it directly).
+
+One step: schedule -> run the model -> sample -> append tokens -> detokenize and check stops ->
+free what finished -> hand back an output per request that progressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceABC
+
+from corral_engine.args import EngineArgs
+from corral_engine.core.block_manager import BlockManager
+from corral_engine.core.scheduler import Scheduler, SchedulerConfig
+from corral_engine.core.sequence import Request, Sequence
+from corral_engine.errors import InvalidRequestError
+from corral_engine.model.config import load_model_config
+from corral_engine.model.runner import ModelRunner
+from corral_engine.model.sampler import Sampler
+from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.model_config = load_model_config(args.model)
+        self.tokenizer = load_tokenizer(args.model)
+        self.max_model_len = min(
+            args.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.served_model_name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+        self.eos_token_ids = self.model_config.eos_token_ids
+        self.runner = ModelRunner(self.model_config, args, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy),
+            self.block_manager,
+        )
+        self.sampler = Sampler(args.seed)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
+
+    # -- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def make_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> Request:
+        """Validate and build a request without touching engine state (safe from any thread)."""
+        token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_order=next(self._arrivals),
+            metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+        )
+        request.seqs = [
+            Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))
+            for i in range(params.n)
+        ]
+        return request
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        num = len(token_ids)
+        if num >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num} tokens; this model's maximum context length is {self.max_model_len}",
+                "prompt",
+            )
+        if num + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {num} "
+                f"and max_tokens asks for {params.max_tokens} more",
+                "max_tokens",
+            )
+        need = self.block_manager.blocks_for_tokens(num + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}",
+                "max_tokens",
+            )
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> Request:
+        request = self.make_request(request_id, prompt, params, arrival_time)
+        self.insert_request(request)
+        return request
+
+    def insert_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
+        self.requests[request.request_id] = request
+        self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
+        for seq in request.seqs:
+            params = request.params
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
+            )
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.abort(request)
+        return self._finish_request(request, self._build_output(request, set()))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            metrics = s.seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        logits = self.runner.execute(sched.scheduled)
+        sampling: list[Sequence] = []
+        for s in sched.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.register_computed(seq)
+            if s.samples:
+                sampling.append(seq)
+        result = self.sampler.sample(logits, sampling)
+        now = time.monotonic()
+        touched: dict[str, set[int]] = {}
+        for seq, token_id, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            request = seq.request
+            if seq.index == 0 and request.pending_forks:
+                self.scheduler.fork_siblings(request)
+            seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            self._check_stop(seq, token_id)
+            touched.setdefault(request.request_id, set()).add(seq.seq_id)
+        self._stats.num_generation_tokens_total += len(sampling)
+        self._stats.num_steps_total += 1
+        outputs = []
+        for request_id, seq_ids in touched.items():
+            request = self.requests[request_id]
+            output = self._build_output(request, seq_ids)
+            outputs.append(self._finish_request(request, output) if request.is_finished else output)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        params = seq.request.params
+        detok = self._detokenizers[seq.seq_id]
+        stop_str = detok.add_token(token_id)
+        if stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return
+        if stop_str is None:
+            detok.flush()
+        self.scheduler.finish(seq)
+
+    def _build_output(self, request: Request, touched: set[int]) -> RequestOutput:
+        outs = []
+        for seq in request.seqs:
+            detok = self._detokenizers[seq.seq_id]
+            delta_text = detok.take_delta(seq.is_finished)
+            new = 1 if seq.seq_id in touched else 0
+            delta_ids = seq.output_token_ids[-new:] if new else []
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.text[: detok.num_emitted_chars],
+                    token_ids=seq.output_token_ids,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_logprobs=seq.logprobs[-new:] if new and seq.logprobs else None,
+                )
+            )
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, outs, request.is_finished, request.metrics
+        )
+
+    def _finish_request(self, request: Request, output: RequestOutput) -> RequestOutput:
+        request.metrics.finished_time = time.monotonic()
+        for seq in request.seqs:
+            self._detokenizers.pop(seq.seq_id, None)
+            self.sampler.release(seq.seq_id)
+            reason = seq.finish_reason or "abort"
+            self._stats.finished_by_reason[reason] = self._stats.finished_by_reason.get(reason, 0) + 1
+        del self.requests[request.request_id]
+        output.finished = True
+        return output
+
+    # -- observability --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        s = self._stats
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.num_free_blocks = bm.num_free_blocks
+        s.num_cached_blocks = bm.num_cached_free_blocks
+        s.kv_usage_ratio = bm.usage_ratio
+        s.num_preemptions_total = self.scheduler.num_preemptions
+        s.num_prefix_cache_queries_total = bm.num_prefix_queries
+        s.num_prefix_cache_hits_total = bm.num_prefix_hits
+        snapshot = dataclasses.replace(s)
+        snapshot.finished_by_reason = dict(s.finished_by_reason)
+        return snapshot
+
+    # -- convenience ----------------------------------------------------------------------------
+    def generate(
+        self, prompts: SequenceABC[Prompt], params: SamplingParams | SequenceABC[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order (the final output of each)."""
+        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, param_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def live_sequences(self) -> list[Sequence]:
+        return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
+
+    def __repr__(self) -> str:
+        return f"LLMEngine({self.served_model_name!r}, blocks={self.block_manager.num_blocks})"

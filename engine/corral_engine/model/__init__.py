@@ -1,0 +1,1 @@
+"""The model side: checkpoint config and loading, the decoder, paged attention, sampling, the runner."""

@@ -1,0 +1,99 @@
+"""Attention over the paged KV cache, and the per-step context every layer shares.
+
+CPU path: one scaled_dot_product_attention call per sequence over its gathered blocks (measured
+3-5x faster on CPU than one padded, masked batched call). When a sequence's queries are fewer than
+its keys (chunked prefill, prefix-cache hits) the causal mask is aligned bottom-right: query i sits
+at absolute position ctx_len - num_queries + i. SDPA's `is_causal=True` aligns top-left, which is
+only right when queries and keys coincide, so it is used only for fresh prefills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SeqAttention:
+    q_start: int  # row range of this sequence in the step's flattened token batch
+    q_end: int
+    ctx_len: int  # tokens of context after this step (cached + new)
+    block_ids: torch.Tensor  # [num_blocks] long: the blocks covering ctx_len
+    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by sliding window (0 = none)
+
+    @property
+    def num_queries(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def is_fresh(self) -> bool:
+        """Nothing cached before this step: keys are exactly this step's new tokens."""
+        return self.num_queries == self.ctx_len
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """Boolean [num_queries, ctx_len] (True = attend) or None when SDPA needs no mask."""
+        key = window or 0
+        if key not in self.masks:
+            self.masks[key] = _bottom_right_mask(self.num_queries, self.ctx_len, window)
+        return self.masks[key]
+
+
+def _bottom_right_mask(num_queries: int, ctx_len: int, window: int | None) -> torch.Tensor | None:
+    if num_queries == 1 and (window is None or ctx_len <= window):
+        return None  # one query at the end sees every key
+    q_pos = torch.arange(ctx_len - num_queries, ctx_len).unsqueeze(1)  # [nq, 1]
+    k_pos = torch.arange(ctx_len).unsqueeze(0)  # [1, L]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= q_pos - k_pos < window
+    return allowed
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """Built once per step by the model runner; read by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
+    seqs: list[SeqAttention]
+    block_size: int
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    ctx: AttentionContext,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # [T, H, D]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, ctx.slot_mapping, k)
+    flat_v.index_copy_(0, ctx.slot_mapping, v)
+    out = torch.empty_like(q)
+    for s in ctx.seqs:
+        qs = q[s.q_start : s.q_end].transpose(0, 1)  # [H, nq, D]
+        if s.is_fresh:
+            ks = k[s.q_start : s.q_end]  # [L, KVH, D]
+            vs = v[s.q_start : s.q_end]
+        else:
+            ks = k_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
+            vs = v_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
+        mask = s.mask(window)
+        use_causal = s.is_fresh and mask is not None and window is None
+        o = F.scaled_dot_product_attention(
+            qs,
+            ks.transpose(0, 1),  # [KVH, L, D]
+            vs.transpose(0, 1),
+            attn_mask=None if use_causal else mask,
+            is_causal=use_causal,
+            scale=scale,
+            enable_gqa=True,
+        )  # [H, nq, D]
+        out[s.q_start : s.q_end] = o.transpose(0, 1)
+    return out

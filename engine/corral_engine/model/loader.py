@@ -1,0 +1,112 @@
+"""Load a Hugging Face safetensors checkpoint (sharded or not) into the engine's model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from corral_engine.errors import ModelLoadError
+from corral_engine.model.config import ModelConfig
+from corral_engine.model.llama import CausalLM, FusedLinear
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index} is malformed: {e}") from e
+        files = sorted({path / name for name in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)"
+        )
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"checkpoint shards listed in the index are missing: {', '.join(missing)}")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, f.get_tensor(name)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from e
+
+
+def _fused_target(name: str) -> tuple[str, str] | None:
+    """Map `...self_attn.q_proj.weight` to (`...self_attn.qkv_proj.weight`, `q_proj`)."""
+    for fused, shards in (
+        ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("gate_up_proj", ("gate_proj", "up_proj")),
+    ):
+        for shard in shards:
+            marker = f".{shard}."
+            if marker in name:
+                return name.replace(marker, f".{fused}."), shard
+    return None
+
+
+def load_weights(model: CausalLM, config: ModelConfig) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    expected = {n for n in params if not (config.tie_word_embeddings and n == "lm_head.weight")}
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in iter_tensors(checkpoint_files(config.path)):
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target = _fused_target(name)
+            if target is not None:
+                fused_name, shard = target
+                module = modules.get(fused_name.rsplit(".", 1)[0])
+                param = params.get(fused_name)
+                if not isinstance(module, FusedLinear) or param is None:
+                    raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+                offset, size = module.shard_offsets[shard]
+                dest = param[offset : offset + size]
+                key = f"{fused_name}:{shard}"
+            else:
+                dest = params.get(name)
+                key = name
+                if dest is None:
+                    raise ModelLoadError(
+                        f"unexpected tensor {name!r} in checkpoint for {config.architecture}"
+                    )
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(key)
+    missing = sorted(_missing(expected, loaded, modules))
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
+
+
+def _missing(expected: set[str], loaded: set[str], modules: dict[str, torch.nn.Module]) -> set[str]:
+    out = set()
+    for name in expected:
+        module = modules.get(name.rsplit(".", 1)[0])
+        if isinstance(module, FusedLinear):
+            out |= {f"{name}:{s}" for s in module.shard_offsets if f"{name}:{s}" not in loaded}
+        elif name not in loaded:
+            out.add(name)
+    return out

@@ -1,0 +1,143 @@
+"""The model runner: picks device and dtype, loads weights, owns the KV cache, executes a step."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from corral_engine.args import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineArgs
+from corral_engine.core.scheduler import ScheduledSeq
+from corral_engine.errors import ModelLoadError
+from corral_engine.model.attention import AttentionContext, SeqAttention
+from corral_engine.model.config import ModelConfig
+from corral_engine.model.llama import CausalLM, rope_parameters
+from corral_engine.model.loader import load_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def select_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(requested)
+    except RuntimeError as e:
+        raise ModelLoadError(f"invalid device {requested!r}: {e}") from e
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def select_dtype(requested: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    if device.type == "cuda":
+        if checkpoint_dtype in ("bfloat16", "float16"):
+            return _DTYPES[checkpoint_dtype]
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    ctx: AttentionContext
+    logits_indices: torch.Tensor  # [S] rows of the batch whose next token is sampled
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, args: EngineArgs, max_model_len: int) -> None:
+        self.config = config
+        self.block_size = args.block_size
+        self.device = select_device(args.device)
+        self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads or max(1, len(os.sched_getaffinity(0))))
+        self.model = self._build_model()
+        self.num_kv_blocks = self._num_kv_blocks(args, max_model_len)
+        shape = (self.num_kv_blocks, self.block_size, config.num_kv_heads, config.head_dim)
+        # torch.empty: pages are touched only when written, so an idle cache costs little RSS on CPU.
+        self.kv_caches = [
+            (
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(config.num_layers)
+        ]
+        logger.info(
+            "model %s on %s/%s: %d KV blocks of %d tokens",
+            config.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.num_kv_blocks,
+            self.block_size,
+        )
+
+    def _build_model(self) -> CausalLM:
+        with torch.device("meta"):
+            model = CausalLM(self.config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        if self.config.tie_word_embeddings:  # moving off the meta device unties shared parameters
+            model.lm_head.weight = model.model.embed_tokens.weight
+        load_weights(model, self.config)
+        inv_freq, _ = rope_parameters(self.config)
+        model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
+        return model.eval()
+
+    def _num_kv_blocks(self, args: EngineArgs, max_model_len: int) -> int:
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        budget = args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        bytes_per_block = self.block_size * self.config.kv_bytes_per_token * self.dtype.itemsize
+        num = budget // bytes_per_block
+        if num < 1:
+            raise ModelLoadError(
+                f"kv cache memory {budget} bytes holds no block of {bytes_per_block} bytes; raise it"
+            )
+        return int(num)
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqAttention] = []
+        logits_indices: list[int] = []
+        row = 0
+        for s in scheduled:
+            seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            num_blocks = -(-end // bs)
+            block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+            seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))
+            row += s.num_new_tokens
+            if s.samples:
+                logits_indices.append(row - 1)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        ctx = AttentionContext(as_tensor(slots), seqs, bs)
+        return StepBatch(as_tensor(input_ids), as_tensor(positions), ctx, as_tensor(logits_indices))
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; return float32 logits [S, V] for the sequences that sample, in order."""
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx)
+        if batch.logits_indices.numel() == 0:
+            return torch.empty((0, self.config.vocab_size))
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -1,0 +1,109 @@
+"""Token sampling for a step's batch: penalties, greedy, temperature, top-k, top-p, min-p, seeds.
+
+Rows that need nothing beyond greedy take one argmax; the rest are processed together. Seeded
+sequences draw from their own torch.Generator (kept across steps), so their output does not depend
+on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from corral_engine.core.sequence import Sequence
+from corral_engine.outputs import TokenLogprob
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self._seq_generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._seq_generators.pop(seq_id, None)
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator:
+        seed = seq.request.params.seed
+        if seed is None:
+            return self.generator
+        gen = self._seq_generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator().manual_seed((seed + seq.index) % (2**64))
+            self._seq_generators[seq.seq_id] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """logits: [S, V] float32, one row per sequence in `seqs` order."""
+        logits = logits.cpu()
+        raw_logprobs = None
+        if any(s.request.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(s.request.params.has_penalties for s in seqs):
+            logits = logits.clone()
+            for row, seq in enumerate(seqs):
+                if seq.request.params.has_penalties:
+                    _apply_penalties(logits[row], seq)
+        tokens = torch.argmax(logits, dim=-1)  # [S]; greedy rows are done
+        for row, seq in enumerate(seqs):
+            params = seq.request.params
+            if not params.is_greedy:
+                tokens[row] = _sample_row(logits[row], seq, self._generator_for(seq))
+        token_ids = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for row, seq in enumerate(seqs):
+                k = seq.request.params.logprobs
+                if k is not None:
+                    logprobs[row] = _token_logprob(raw_logprobs[row], token_ids[row], k)
+        return SampleResult(token_ids, logprobs)
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:  # row: [V], modified in place
+    params = seq.request.params
+    vocab = row.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in seq.token_ids if t < vocab}), dtype=torch.long)
+        if seen.numel():
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
+    output = [t for t in seq.output_token_ids if t < vocab]
+    if output and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _sample_row(row: torch.Tensor, seq: Sequence, generator: torch.Generator) -> int:
+    params = seq.request.params
+    row = row / params.temperature
+    if params.top_k > 0 and params.top_k < row.shape[0]:
+        kth = torch.topk(row, params.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop_sorted = cumulative - sorted_probs >= params.top_p  # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised p is fine).
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        values, ids = torch.topk(row, k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id=token_id, logprob=float(row[token_id]), top=top)

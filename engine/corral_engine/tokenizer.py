@@ -1,0 +1,94 @@
+"""Tokenizer loading and incremental detokenization with stop strings.
+
+The detokenizer decodes a small window of tokens each step and emits only text that ends on a
+complete character, so streamed pieces never split UTF-8, and their concatenation equals decoding
+all output tokens at once. Text that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from corral_engine.errors import ModelLoadError
+
+# Prompt tokens decoded along with the output, so the first output token's leading space (and
+# similar context-dependent decoding) comes out as it would in a full decode.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        raise ModelLoadError(f"{path} has no tokenizer.json or tokenizer.model")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {e}") from e
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # output text so far, cut at a stop string when one matched
+        self.num_emitted_chars = 0
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.holdback = self.max_stop_len - 1 if stop and not include_stop_str_in_output else 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one output token; return the stop string it completed, if any."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return None  # an incomplete character: wait for more bytes
+        piece = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._append(piece)
+
+    def flush(self) -> None:
+        """At the end (not at a stop string): emit whatever is pending, even an incomplete char."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text):
+            self._append(new_text[len(prefix_text) :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+
+    def _append(self, piece: str) -> str | None:
+        start = max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += piece
+        if not self.stop:
+            return None
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        return s
+
+    def take_delta(self, finished: bool) -> str:
+        end = len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.holdback)
+        delta = self.text[self.num_emitted_chars : end]
+        self.num_emitted_chars = end
+        return delta
