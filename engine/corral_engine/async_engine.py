@@ -1,0 +1,195 @@
+"""The asyncio front: a step loop on its own thread, per-request output streams, thread-safe abort.
+
+The model's forward pass blocks, so the engine steps on a dedicated thread while the event loop
+keeps serving HTTP. Requests and aborts cross to the step thread through queues; outputs come back
+through `loop.call_soon_threadsafe`, one callback per step for all requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from corral_engine.args import EngineArgs
+from corral_engine.core.sequence import Request
+from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from corral_engine.llm_engine import LLMEngine, Prompt
+from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs, engine: LLMEngine | None = None) -> None:
+        self.args = args
+        self.engine = engine or LLMEngine(args)
+        self.tokenizer: Any = self.engine.tokenizer
+        self.served_model_name = self.engine.served_model_name
+        self.max_model_len = self.engine.max_model_len
+        self.eos_token_ids = self.engine.eos_token_ids
+        self._adds: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._dead: BaseException | None = None
+        self._stats = self.engine.stats()
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> AsyncEngine:
+        return cls(args)
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="corral-engine-step", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._running = False
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+            self._thread = None
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError("the engine is shutting down"))
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._streams and not self._adds:
+                return True
+            await asyncio.sleep(0.05)
+        return not self._streams
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self._dead is None
+
+    # -- requests -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        stats = self._stats
+        pending = len(self._adds)
+        if pending:
+            stats = dataclasses.replace(stats)
+            stats.num_waiting += pending  # counted on enqueue, not only once per step
+        return stats
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate now (raising InvalidRequestError / QueueFullError / EngineDeadError) and return
+        the request's output stream. Leaving the stream early aborts the request."""
+        if self._dead is not None or not self._running:
+            raise EngineDeadError("the engine is not running")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        max_waiting = self.args.max_waiting
+        if max_waiting is not None and self._stats.num_waiting + len(self._adds) >= max_waiting:
+            raise QueueFullError(f"the engine's waiting queue is full ({max_waiting} requests)", 1.0)
+        request = self.engine.make_request(request_id, prompt, params)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._adds.append(request)
+        self._wakeup.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's blocks are freed at the start of the next step."""
+        self._aborts.append(request_id)
+        self._wakeup.set()
+
+    # -- the step thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while self._running:
+                self._drain_inputs()
+                if not engine.has_unfinished_requests():
+                    self._stats = engine.stats()
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self._stats = engine.stats()
+                if outputs:
+                    self._deliver(outputs)
+            for request_id in list(engine.requests):
+                engine.abort_request(request_id)
+        except BaseException as e:  # the step loop must report, not vanish
+            logger.exception("engine step loop died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine failed: {e}"))
+        finally:
+            self._stats = engine.stats()
+
+    def _drain_inputs(self) -> None:
+        engine = self.engine
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            if any(r.request_id == request_id for r in self._adds):
+                self._adds = deque(r for r in self._adds if r.request_id != request_id)
+            engine.abort_request(request_id)
+        while self._adds:
+            request = self._adds.popleft()
+            try:
+                engine.insert_request(request)
+            except InvalidRequestError as e:
+                self._deliver_error(request.request_id, e)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put_outputs, outputs)
+
+    def _put_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put_error, request_id, error)
+
+    def _put_error(self, request_id: str, error: BaseException) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        for request_id in list(self._streams):
+            self._deliver_error(request_id, error)
