@@ -1,0 +1,170 @@
+"""OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic, no torch).
+
+Unknown fields are ignored, as OpenAI does; known fields are strict (no "1" for 1, no 1 for true),
+so wrong types are 400s. Ranges that the engine owns are checked once, by SamplingParams.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from corral_engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+TokenId = Annotated[int, Field(ge=0)]
+# A bound on the number of prompts one completions request may carry (each is an engine request).
+MAX_PROMPTS = 64
+MAX_STOP = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields both endpoints share; they become one SamplingParams."""
+
+    model: str = Field(min_length=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> _SamplingFields:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop may hold at most {MAX_STOP} strings")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Build validated SamplingParams; raises SamplingError (a 400) naming the bad field."""
+        values: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "n": self.n,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logprobs": logprobs,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        if self.stop is not None:
+            values["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop_token_ids:
+            values["stop_token_ids"] = tuple(self.stop_token_ids)
+        return SamplingParams(**values)
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("prompt must not be empty")
+            if len(self.prompt) > MAX_PROMPTS and isinstance(self.prompt[0], str | list):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if isinstance(self.prompt[0], list) and any(not p for p in self.prompt):
+                raise ValueError("a token-id prompt must not be empty")
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one per engine request."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as chat templates expect them: role and plain-text content."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,93 @@
+"""The engine's FastAPI app: OpenAI routes, /health, /metrics, wired to one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from corral_engine.server import errors
+from corral_engine.server.chat import create_chat_completion
+from corral_engine.server.completions import create_completion
+from corral_engine.server.context import ServerContext
+from corral_engine.server.engine_client import EngineClient
+from corral_engine.server.lifecycle import log_throughput
+from corral_engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from corral_engine.server.middleware import ServerMiddleware
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval_s: float = 10.0) -> FastAPI:
+    """An app serving `engine`; its lifespan starts the engine's loop and shuts it down."""
+    metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
+    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        ctx.is_ready = True
+        logger.info("serving %s (max_model_len %d)", engine.served_model_name, engine.max_model_len)
+        logger_task = asyncio.create_task(log_throughput(engine.stats, log_interval_s))
+        try:
+            yield
+        finally:
+            ctx.is_ready = False
+            logger_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await logger_task
+            await engine.shutdown()
+
+    app = FastAPI(title="Corral engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    errors.install_error_handlers(app)
+    app.add_middleware(ServerMiddleware, ctx=ctx)
+
+    def model_card() -> dict[str, object]:
+        return {
+            "id": engine.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "corral",
+            "max_model_len": engine.max_model_len,
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.is_draining:
+            return errors.error_response(errors.draining())
+        if not ctx.is_ready:
+            return errors.error_response(
+                errors.APIError(503, "The engine is starting.", type="service_unavailable_error")
+            )
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> JSONResponse:
+        if model != engine.served_model_name:
+            raise errors.model_not_found(model)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request)
+
+    return app

@@ -1,0 +1,131 @@
+"""POST /v1/chat/completions: messages through the model's chat template, replies streamed or not."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from corral_engine.outputs import RequestOutput
+from corral_engine.server import errors
+from corral_engine.server.api_models import ChatCompletionRequest
+from corral_engine.server.context import ServerContext, new_id, now_s, remaining_context, usage
+from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
+from corral_engine.server.logprobs import chat_logprobs
+from corral_engine.server.streaming import DONE, EngineStreamingResponse, sse
+
+logger = logging.getLogger(__name__)
+
+
+def _template_errors() -> tuple[type[Exception], ...]:
+    kinds: list[type[Exception]] = [ValueError, TypeError, KeyError, IndexError]
+    try:
+        from jinja2 import TemplateError
+
+        kinds.append(TemplateError)
+    except ImportError:  # tokenizers without jinja2 cannot render templates at all
+        pass
+    return tuple(kinds)
+
+
+def render_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of the conversation rendered by the model's chat template, ready for a reply."""
+    try:
+        text = ctx.engine.tokenizer.apply_chat_template(
+            req.template_messages(), add_generation_prompt=True, tokenize=False
+        )
+    except _template_errors() as e:
+        raise errors.invalid_request(f"The chat template rejected the messages: {e}", "messages") from e
+    # The template already holds any special tokens (BOS); don't add them twice.
+    ids = list(ctx.engine.tokenizer.encode(str(text), add_special_tokens=False))
+    if not ids:
+        raise errors.invalid_request("The messages render to an empty prompt.", "messages")
+    return ids
+
+
+async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
+    req = await ctx.parse(request, ChatCompletionRequest)
+    prompt = render_prompt(ctx, req)
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = remaining_context(ctx, [prompt], "messages")
+    params = req.to_sampling_params(max_tokens, req.num_logprobs)
+    request_id = new_id("chatcmpl")
+    run = ctx.start_run(request_id, [prompt], params)
+    logger.info("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)
+    created = now_s()
+    if req.stream:
+        return EngineStreamingResponse(_stream(ctx, req, run, created), on_close=run.close)
+    collected = await collect_unless_disconnected(run, request.receive)
+    if collected is None:
+        return Response(status_code=499)
+    choices = []
+    for out in collected.finals:
+        for o in out.outputs:
+            logprobs = None
+            if req.num_logprobs is not None:
+                logprobs = chat_logprobs(collected.logprobs_of(0, o.index), req.num_logprobs, ctx.token_text)
+            choices.append(
+                {
+                    "index": o.index,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": logprobs,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            )
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": choices,
+            "usage": usage(collected.finals),
+        }
+    )
+
+
+async def _stream(
+    ctx: ServerContext, req: ChatCompletionRequest, run: GenerationRun, created: int
+) -> AsyncIterator[bytes]:
+    base: dict[str, Any] = {
+        "id": run.request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": ctx.model_name,
+    }
+    if req.include_usage_in_stream:
+        base["usage"] = None
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**base, "choices": [choice]})
+
+    final: RequestOutput | None = None
+    sent_finish: set[int] = set()
+    try:
+        for index in range(req.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for _, out in run.outputs():
+            for o in out.outputs:
+                if o.index in sent_finish:
+                    continue
+                if o.delta_text or o.delta_logprobs:
+                    logprobs = None
+                    if req.num_logprobs is not None:
+                        logprobs = chat_logprobs(o.delta_logprobs or [], req.num_logprobs, ctx.token_text)
+                    yield chunk(o.index, {"content": o.delta_text}, logprobs=logprobs)
+                if o.finish_reason is not None:
+                    sent_finish.add(o.index)
+                    yield chunk(o.index, {}, finish=o.finish_reason)
+            if out.finished:
+                final = out
+        if req.include_usage_in_stream:
+            yield sse({**base, "choices": [], "usage": usage([final] if final else [])})
+    except Exception as e:
+        yield sse(errors.error_payload(e))
+    yield DONE

@@ -1,0 +1,117 @@
+"""POST /v1/completions: prompts (text or token ids) in, text completions out, streamed or not."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from corral_engine.outputs import CompletionOutput, RequestOutput
+from corral_engine.server import errors
+from corral_engine.server.api_models import CompletionRequest
+from corral_engine.server.context import ServerContext, new_id, now_s, remaining_context, usage
+from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
+from corral_engine.server.logprobs import completion_logprobs
+from corral_engine.server.streaming import DONE, EngineStreamingResponse, sse
+
+logger = logging.getLogger(__name__)
+
+
+def _tokenize(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    for i, prompt in enumerate(req.prompts()):
+        ids = ctx.encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise errors.invalid_request(
+                "The prompt must not be empty.", "prompt" if i == 0 else f"prompt.{i}"
+            )
+        prompts.append(ids)
+    return prompts
+
+
+async def create_completion(ctx: ServerContext, request: Request) -> Response:
+    req = await ctx.parse(request, CompletionRequest)
+    prompts = _tokenize(ctx, req)
+    max_tokens = req.max_tokens if req.max_tokens is not None else remaining_context(ctx, prompts, "prompt")
+    params = req.to_sampling_params(max_tokens, req.logprobs)
+    request_id = new_id("cmpl")
+    run = ctx.start_run(request_id, prompts, params)
+    logger.info("request %s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
+    created = now_s()
+    if req.stream:
+        return EngineStreamingResponse(_stream(ctx, req, run, created), on_close=run.close)
+    collected = await collect_unless_disconnected(run, request.receive)
+    if collected is None:
+        return Response(status_code=499)
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [
+                _choice(ctx, req, i * req.n + o.index, o, o.text, collected.logprobs_of(i, o.index), 0)
+                for i, out in enumerate(collected.finals)
+                for o in out.outputs
+            ],
+            "usage": usage(collected.finals),
+        }
+    )
+
+
+def _choice(
+    ctx: ServerContext,
+    req: CompletionRequest,
+    index: int,
+    o: CompletionOutput,
+    text: str,
+    logprob_items: Any,
+    text_offset: int,
+) -> dict[str, Any]:
+    logprobs = None
+    if req.logprobs is not None and logprob_items is not None:
+        logprobs = completion_logprobs(logprob_items, req.logprobs, ctx.token_text, text_offset)
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": o.finish_reason,
+        "stop_reason": o.stop_reason,
+    }
+
+
+async def _stream(
+    ctx: ServerContext, req: CompletionRequest, run: GenerationRun, created: int
+) -> AsyncIterator[bytes]:
+    base: dict[str, Any] = {
+        "id": run.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.model_name,
+    }
+    if req.include_usage_in_stream:
+        base["usage"] = None
+    finals: dict[int, RequestOutput] = {}
+    sent_finish: set[int] = set()
+    offsets: dict[int, int] = {}
+    try:
+        async for prompt_index, out in run.outputs():
+            for o in out.outputs:
+                index = prompt_index * req.n + o.index
+                if index in sent_finish or not (o.delta_text or o.delta_token_ids or o.finish_reason):
+                    continue
+                if o.finish_reason is not None:
+                    sent_finish.add(index)
+                choice = _choice(ctx, req, index, o, o.delta_text, o.delta_logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(o.delta_text)
+                yield sse({**base, "choices": [choice]})
+            if out.finished:
+                finals[prompt_index] = out
+        if req.include_usage_in_stream:
+            yield sse({**base, "choices": [], "usage": usage(list(finals.values()))})
+    except Exception as e:
+        yield sse(errors.error_payload(e))
+    yield DONE

@@ -1,0 +1,104 @@
+"""What the request handlers share: the engine, metrics, lifecycle flags, and body parsing."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from corral_engine.outputs import RequestOutput
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.server import errors
+from corral_engine.server.engine_client import EngineClient
+from corral_engine.server.generation import GenerationRun, InFlight
+from corral_engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+@dataclass
+class ServerContext:
+    engine: EngineClient
+    metrics: ServerMetrics
+    api_key: str | None = None
+    in_flight: InFlight = field(default_factory=InFlight)
+    is_ready: bool = False
+    is_draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.served_model_name
+
+    async def parse(self, request: Request, model: type[ModelT]) -> ModelT:
+        """Read and validate a JSON body; every failure is a 4xx APIError or ValidationError."""
+        if self.is_draining:
+            self.metrics.count_rejected("draining")
+            raise errors.draining()
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise errors.APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+        try:
+            parsed = model.model_validate_json(body)
+        except ValueError:
+            self.metrics.count_rejected("invalid")
+            raise
+        if getattr(parsed, "model", None) != self.model_name:
+            raise errors.model_not_found(str(getattr(parsed, "model", "")))
+        return parsed
+
+    def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
+        try:
+            return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params)
+        except Exception as e:
+            reason = "queue_full" if errors.to_api_error(e).status_code == 429 else "invalid"
+            self.metrics.count_rejected(reason)
+            raise
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer.encode(text))
+
+    @functools.cached_property
+    def token_text(self) -> Any:
+        """token id -> its text alone (for logprobs); cached, a vocabulary is small."""
+        tokenizer = self.engine.tokenizer
+
+        @functools.lru_cache(maxsize=65536)
+        def text(token_id: int) -> str:
+            return str(tokenizer.decode([token_id]))
+
+        return text
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def remaining_context(ctx: ServerContext, prompts: list[list[int]], param: str) -> int:
+    """Tokens left after the longest prompt: the default max_tokens when a request gives none."""
+    room = ctx.engine.max_model_len - max(len(p) for p in prompts)
+    if room < 1:
+        raise errors.invalid_request(
+            f"This model's maximum context length is {ctx.engine.max_model_len} tokens; the prompt "
+            f"has {max(len(p) for p in prompts)} and leaves no room for output.",
+            param,
+        )
+    return room

@@ -1,0 +1,177 @@
+"""One HTTP request's life on the engine: submit its prompts, merge their outputs, abort on exit.
+
+Whatever ends the HTTP request (finish, client hang-up, error, cancellation), `close()` aborts the
+engine requests that have not finished, so their KV blocks are freed within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from corral_engine.outputs import RequestOutput, TokenLogprob
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.server.engine_client import EngineClient
+from corral_engine.server.metrics import RequestProgress, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """How many HTTP generation requests are open (drain waits for zero)."""
+
+    count: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.idle.set()
+
+
+@dataclass(slots=True)
+class Collected:
+    finals: list[RequestOutput]  # the last output of each prompt, in prompt order
+    logprobs: dict[tuple[int, int], list[TokenLogprob]]  # (prompt index, output index) -> all tokens'
+
+    def logprobs_of(self, prompt_index: int, output_index: int) -> list[TokenLogprob]:
+        return self.logprobs.get((prompt_index, output_index), [])
+
+
+class GenerationRun:
+    """The engine requests of one HTTP request: one per prompt, each with params.n sequences."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        metrics: ServerMetrics,
+        in_flight: InFlight,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.params = params
+        self.num_prompts = len(prompts)
+        self._in_flight = in_flight
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._ids: list[str] = []
+        self._unfinished: set[str] = set()
+        self._closed = False
+        in_flight.enter()
+        try:
+            for i, prompt in enumerate(prompts):
+                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                self._streams.append(engine.add_request(engine_id, prompt, params))
+                self._ids.append(engine_id)
+                self._unfinished.add(engine_id)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Abort what has not finished; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for engine_id in sorted(self._unfinished):
+            logger.info("aborting request %s", engine_id)
+            self.engine.abort(engine_id)
+        self._unfinished.clear()
+        self._in_flight.leave()
+
+    async def _follow(self, index: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        progress = RequestProgress()
+        async for out in self._streams[index]:
+            self.metrics.observe_output(out, progress)
+            if out.finished:
+                self._unfinished.discard(self._ids[index])
+                self.metrics.observe_finished(out)
+            yield index, out
+        # The stream may end without a finished output (e.g. after an abort).
+        self._unfinished.discard(self._ids[index])
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) pairs as they arrive, across all prompts."""
+        if self.num_prompts == 1:
+            async for pair in self._follow(0):
+                yield pair
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for item in self._follow(index):
+                    queue.put_nowait(item)
+            except Exception as e:  # handed to the consumer, which re-raises it
+                queue.put_nowait(e)
+            queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(self.num_prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def collect(self) -> Collected:
+        """The last output of every prompt (full text and token ids) and the logprobs seen on the way."""
+        last: list[RequestOutput | None] = [None] * self.num_prompts
+        logprobs: dict[tuple[int, int], list[TokenLogprob]] = {}
+        async for index, out in self.outputs():
+            last[index] = out
+            for o in out.outputs:
+                if o.delta_logprobs:
+                    logprobs.setdefault((index, o.index), []).extend(o.delta_logprobs)
+        return Collected([out for out in last if out is not None], logprobs)
+
+
+async def wait_for_disconnect(receive: object) -> None:
+    """Return once the ASGI server reports that the client went away."""
+    while True:
+        message = await receive()  # type: ignore[operator]
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_unless_disconnected(run: GenerationRun, receive: object) -> Collected | None:
+    """Collect a non-streaming result; None (and the run aborted) if the client hangs up first."""
+    collector = asyncio.create_task(run.collect())
+    watcher = asyncio.create_task(wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collector in done:
+            return collector.result()
+        logger.info("client disconnected from %s", run.request_id)
+        return None
+    finally:
+        for task in (collector, watcher):
+            task.cancel()
+        for task in (collector, watcher):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        run.close()

@@ -1,0 +1,100 @@
+"""Serving lifecycle: the periodic throughput log line and SIGTERM drain under uvicorn.
+
+Drain: the first SIGTERM/SIGINT marks the server draining (new requests and /health get 503, so
+load balancers stop sending), waits until no generation request is open or the grace period ends,
+then lets uvicorn shut down; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+from corral_engine.outputs import EngineStats
+from corral_engine.server.context import ServerContext
+
+logger = logging.getLogger(__name__)
+
+
+def throughput_line(prev: EngineStats, cur: EngineStats, interval_s: float) -> str | None:
+    """The log line for one interval, or None when the engine was idle throughout."""
+    prompt_tokens = cur.num_prompt_tokens_total - prev.num_prompt_tokens_total
+    generation_tokens = cur.num_generation_tokens_total - prev.num_generation_tokens_total
+    is_busy = cur.num_running or cur.num_waiting or prev.num_running or prev.num_waiting
+    if not (prompt_tokens or generation_tokens or is_busy):
+        return None
+    queries = cur.num_prefix_cache_queries_total - prev.num_prefix_cache_queries_total
+    hits = cur.num_prefix_cache_hits_total - prev.num_prefix_cache_hits_total
+    hit_pct = 100.0 * hits / queries if queries else 0.0
+    return (
+        f"throughput: prompt {prompt_tokens / interval_s:.1f} tok/s, "
+        f"generation {generation_tokens / interval_s:.1f} tok/s, running {cur.num_running}, "
+        f"waiting {cur.num_waiting}, KV usage {100.0 * cur.kv_usage_ratio:.1f}%, "
+        f"prefix cache hits {hit_pct:.1f}%, preemptions {cur.num_preemptions_total}"
+    )
+
+
+async def log_throughput(stats: Callable[[], EngineStats], interval_s: float) -> None:
+    prev, prev_t = stats(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval_s)
+        cur, now = stats(), time.monotonic()
+        line = throughput_line(prev, cur, max(now - prev_t, 1e-9))
+        if line is not None:
+            logger.info(line)
+        prev, prev_t = cur, now
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded for re-raising: a drained engine exits with status 0.
+        if self._drain_deadline is not None:
+            logger.warning("second signal %d: exiting now", sig)
+            self.should_exit = True
+            self.force_exit = True
+            return
+        self._drain_deadline = time.monotonic() + self.drain_timeout_s
+        self.ctx.is_draining = True
+        logger.info(
+            "signal %d: draining (%d open requests, grace %.0fs)",
+            sig,
+            self.ctx.in_flight.count,
+            self.drain_timeout_s,
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            if self.ctx.in_flight.count == 0:
+                logger.info("drained; shutting down")
+                self.should_exit = True
+            elif time.monotonic() >= self._drain_deadline:
+                logger.warning(
+                    "grace period over with %d open requests; aborting them", self.ctx.in_flight.count
+                )
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(ctx: ServerContext, app: object, host: str, port: int, drain_timeout_s: float) -> None:
+    """Run uvicorn on this thread's event loop until drained."""
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=host,
+        port=port,
+        log_config=None,  # keep the process's logging setup
+        access_log=False,  # handlers log request ids; never prompts
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=5,
+    )
+    DrainingServer(config, ctx, drain_timeout_s).run()

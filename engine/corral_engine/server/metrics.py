@@ -1,0 +1,193 @@
+"""Prometheus metrics under vLLM's names (see corral_engine.wire), on the server's own registry.
+
+Gauges and cumulative counters are read from one EngineStats snapshot at scrape time, so they are
+never stale (the waiting count moves on enqueue). Latency and size histograms are observed here
+from each request's RequestOutput.metrics as outputs arrive and when the request finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from corral_engine import wire
+from corral_engine.outputs import EngineStats, RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Histogram upper bounds in seconds (vLLM's choices, so dashboards' quantiles line up).
+# fmt: off
+TTFT_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+ITL_BUCKETS_S: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)
+REQUEST_BUCKETS_S: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)
+# fmt: on
+
+
+def token_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (a count histogram's upper bounds)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(out) or (1.0,)
+            out.append(float(value))
+        exponent += 1
+
+
+class _SnapshotCollector(Collector):
+    """Gauges and counters that mirror one EngineStats snapshot per scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        labels = [wire.MODEL_NAME_LABEL]
+        model = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(model, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(model, value)
+            return family
+
+        yield gauge(wire.NUM_REQUESTS_RUNNING, "Requests being generated now.", s.num_running)
+        yield gauge(wire.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge(
+            wire.KV_CACHE_USAGE_PERC,
+            "KV usage 0-1; unreferenced cached blocks are free.",
+            s.kv_usage_ratio,
+        )
+        info = GaugeMetricFamily(
+            wire.CACHE_CONFIG_INFO,
+            "KV-cache configuration.",
+            labels=[wire.MODEL_NAME_LABEL, "block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([self._model, str(s.block_size), str(s.num_kv_blocks)], 1.0)
+        yield info
+        yield counter(wire.NUM_PREEMPTIONS_TOTAL, "Preemptions of running requests.", s.num_preemptions_total)
+        yield counter(wire.PROMPT_TOKENS_TOTAL, "Prompt tokens processed.", s.num_prompt_tokens_total)
+        yield counter(wire.GENERATION_TOKENS_TOTAL, "Tokens generated.", s.num_generation_tokens_total)
+        success = CounterMetricFamily(
+            wire.REQUEST_SUCCESS_TOTAL, "Finished requests by reason.", labels=[*labels, "finished_reason"]
+        )
+        reasons = dict.fromkeys(FINISH_REASONS, 0) | dict(s.finished_by_reason)
+        for reason, count in sorted(reasons.items()):
+            success.add_metric([self._model, reason], count)
+        yield success
+        yield counter(
+            wire.PREFIX_CACHE_QUERIES_TOTAL,
+            "Prompt tokens looked up in the prefix cache.",
+            s.num_prefix_cache_queries_total,
+        )
+        yield counter(
+            wire.PREFIX_CACHE_HITS_TOTAL,
+            "Prompt tokens found cached.",
+            s.num_prefix_cache_hits_total,
+        )
+        yield gauge(wire.NUM_KV_BLOCKS_FREE, "Free KV blocks (cached included).", s.num_free_blocks)
+        yield gauge(wire.NUM_KV_BLOCKS_CACHED, "KV blocks holding cached prefixes.", s.num_cached_blocks)
+        yield counter(wire.NUM_STEPS_TOTAL, "Engine steps run.", s.num_steps_total)
+
+
+class RequestProgress:
+    """Per-request state for inter-token latency: the engine time of the last token seen."""
+
+    __slots__ = ("last_token_time", "saw_first_token")
+
+    def __init__(self) -> None:
+        self.last_token_time: float | None = None
+        self.saw_first_token = False
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_SnapshotCollector(stats, model_name))
+        labels = [wire.MODEL_NAME_LABEL]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        tokens = token_buckets(max_model_len)
+        self._ttft = hist(wire.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token.", TTFT_BUCKETS_S)
+        self._itl = hist(wire.INTER_TOKEN_LATENCY_SECONDS, "Time between output tokens.", ITL_BUCKETS_S)
+        self._e2e = hist(wire.E2E_REQUEST_LATENCY_SECONDS, "Arrival to finish.", REQUEST_BUCKETS_S)
+        self._queue = hist(wire.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS_S)
+        self._prompt = hist(wire.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", tokens)
+        self._generation = hist(wire.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", tokens)
+        self._rejected = Counter(
+            wire.NUM_REQUESTS_REJECTED_TOTAL,
+            "Requests refused before reaching the engine, by reason.",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
+        self._model = model_name
+        self._ttft_m, self._itl_m = self._ttft.labels(model_name), self._itl.labels(model_name)
+        self._e2e_m, self._queue_m = self._e2e.labels(model_name), self._queue.labels(model_name)
+        self._prompt_m, self._generation_m = (
+            self._prompt.labels(model_name),
+            self._generation.labels(model_name),
+        )
+        for reason in ("queue_full", "invalid", "unauthorized", "draining"):
+            self._rejected.labels(model_name, reason)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def count_rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model, reason).inc()
+
+    def observe_output(self, out: RequestOutput, progress: RequestProgress) -> None:
+        """Inter-token latency from engine timestamps; several tokens in one output split the gap."""
+        m = out.metrics
+        num_steps = max((len(o.delta_token_ids) for o in out.outputs), default=0)
+        if num_steps == 0 or m.last_token_time is None:
+            return
+        if not progress.saw_first_token:
+            progress.saw_first_token = True
+            if m.first_token_time is not None:
+                self._ttft_m.observe(max(0.0, m.first_token_time - m.arrival_time))
+            reference, num_gaps = m.first_token_time, num_steps - 1
+        else:
+            reference, num_gaps = progress.last_token_time, num_steps
+        if reference is not None and num_gaps > 0:
+            gap_s = max(0.0, m.last_token_time - reference) / num_gaps
+            for _ in range(num_gaps):
+                self._itl_m.observe(gap_s)
+        progress.last_token_time = m.last_token_time
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        if any(o.finish_reason == "abort" for o in out.outputs):
+            return
+        m = out.metrics
+        finished = m.finished_time if m.finished_time is not None else time.monotonic()
+        self._e2e_m.observe(max(0.0, finished - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self._queue_m.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        self._prompt_m.observe(len(out.prompt_token_ids))
+        self._generation_m.observe(sum(len(o.token_ids) for o in out.outputs))

@@ -1,0 +1,67 @@
+"""The outermost ASGI layer: load headers on every response, API-key auth, last-resort errors.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming bodies and client disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from corral_engine import wire
+from corral_engine.server import errors
+from corral_engine.server.context import ServerContext
+
+logger = logging.getLogger(__name__)
+
+# Paths anyone may read even when an API key is set (probes and scrapers carry no key).
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ServerMiddleware:
+    def __init__(self, app: ASGIApp, ctx: ServerContext) -> None:
+        self.app = app
+        self.ctx = ctx
+        self._api_key = ctx.api_key.encode() if ctx.api_key else None
+
+    def _is_authorized(self, scope: Scope) -> bool:
+        if self._api_key is None or scope.get("path", "") in PUBLIC_PATHS:
+            return True
+        auth = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key)
+
+    def _load_headers(self, message: Message) -> None:
+        stats = self.ctx.engine.stats()
+        headers = MutableHeaders(scope=message)
+        headers[wire.HEADER_NUM_RUNNING] = str(stats.num_running)
+        headers[wire.HEADER_NUM_WAITING] = str(stats.num_waiting)
+        headers[wire.HEADER_KV_USAGE] = f"{stats.kv_usage_ratio:.4f}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_with_load(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self._load_headers(message)
+            await send(message)
+
+        try:
+            if not self._is_authorized(scope):
+                self.ctx.metrics.count_rejected("unauthorized")
+                await errors.error_response(errors.unauthorized())(scope, receive, send_with_load)
+                return
+            await self.app(scope, receive, send_with_load)
+        except Exception as e:
+            if started:
+                logger.error("error after the response started", exc_info=e)
+                return
+            await errors.error_response(e)(scope, receive, send_with_load)

@@ -1,0 +1,161 @@
+"""Every client mistake is a 4xx OpenAI error from the one error module, and nothing leaks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from corral_engine import wire
+from corral_engine.server import create_app
+from tests.server.fake_engine import FakeEngine
+
+MODEL = FakeEngine.served_model_name
+USER = [{"role": "user", "content": "hi"}]
+
+
+def cmpl(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": USER, "max_tokens": 4, **fields}
+
+
+C, H = "/v1/completions", "/v1/chat/completions"
+NESTED_30: Any = 1
+for _ in range(30):
+    NESTED_30 = [NESTED_30]
+
+# (path, body as JSON-able value or raw bytes, expected status, expected param or None)
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    (C, b"{not json", 400, None),
+    (C, b"", 400, None),
+    (C, b"\xff\xfe\x00garbage", 400, None),
+    (C, b'{"model": "fake-model", "prompt": "\xc3\x28"}', 400, None),
+    (C, b"[" * 5000 + b"]" * 5000, 400, None),
+    (C, {"model": MODEL, "prompt": "x", "extra": NESTED_30}, 200, None),
+    (C, [1, 2, 3], 400, None),
+    (C, "just a string", 400, None),
+    (C, {"prompt": "hi"}, 400, "model"),
+    (C, cmpl(model="nope"), 404, "model"),
+    (C, cmpl(model=7), 400, "model"),
+    (C, cmpl(prompt=None), 400, "prompt"),
+    (C, cmpl(prompt=[]), 400, None),
+    (C, cmpl(prompt=[[]]), 400, None),
+    (C, cmpl(prompt=[1, "a"]), 400, "prompt"),
+    (C, cmpl(prompt=[-1, 5]), 400, "prompt"),
+    (C, cmpl(prompt=[999999]), 400, "prompt"),
+    (C, cmpl(prompt="", max_tokens=4), 200, None),  # the fake adds BOS, so it is not empty
+    (C, cmpl(max_tokens=-1), 400, "max_tokens"),
+    (C, cmpl(max_tokens=0), 400, "max_tokens"),
+    (C, cmpl(max_tokens=10**12), 400, "max_tokens"),
+    (C, cmpl(max_tokens="5"), 400, "max_tokens"),
+    (C, cmpl(max_tokens=2.5), 400, "max_tokens"),
+    (C, cmpl(temperature=-1), 400, "temperature"),
+    (C, cmpl(temperature="hot"), 400, "temperature"),
+    (C, cmpl(top_p=0), 400, "top_p"),
+    (C, cmpl(top_p=1.5), 400, "top_p"),
+    (C, cmpl(top_k=-5), 400, "top_k"),
+    (C, cmpl(min_p=2), 400, "min_p"),
+    (C, cmpl(presence_penalty=9), 400, "presence_penalty"),
+    (C, cmpl(frequency_penalty=-9), 400, "frequency_penalty"),
+    (C, cmpl(repetition_penalty=0), 400, "repetition_penalty"),
+    (C, cmpl(n=0), 400, "n"),
+    (C, cmpl(n=1000), 400, "n"),
+    (C, cmpl(n=True), 400, "n"),
+    (C, cmpl(logprobs=99), 400, "logprobs"),
+    (C, cmpl(stop=[""]), 400, "stop"),
+    (C, cmpl(stop=["a"] * 40), 400, None),
+    (C, cmpl(stop=5), 400, "stop"),
+    (C, cmpl(seed="x"), 400, "seed"),
+    (C, cmpl(seed=2**70), 400, "seed"),
+    (C, cmpl(stream="yes"), 400, "stream"),
+    (C, cmpl(stream_options={"include_usage": "y"}), 400, "stream_options.include_usage"),
+    (C, cmpl(echo=True), 400, None),
+    (H, {"model": MODEL}, 400, "messages"),
+    (H, chat(messages=[]), 400, "messages"),
+    (H, chat(messages="hi"), 400, "messages"),
+    (H, chat(messages=[{"content": "hi"}]), 400, "messages.0.role"),
+    (H, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    (H, chat(messages=[{"role": "user"}]), 400, "messages.0"),
+    (H, chat(messages=[{"role": "user", "content": 5}]), 400, "messages.0.content"),
+    (H, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400, None),
+    (H, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages"),
+    (H, chat(model="gpt-4"), 404, "model"),
+    (H, chat(max_completion_tokens=0), 400, "max_tokens"),
+    (H, chat(top_logprobs=3), 400, None),
+    (H, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    (H, chat(messages=[{"role": "user", "content": "x" * 400}], max_tokens=None), 400, "messages"),
+    (H, chat(messages=[{"role": "user", "content": "x" * 200}], max_tokens=100), 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+async def test_bad_request_gets_openai_error(
+    client: httpx.AsyncClient, engine: FakeEngine, path: str, body: Any, status: int, param: str | None
+) -> None:
+    if isinstance(body, bytes):
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = await client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert wire.HEADER_NUM_WAITING in r.headers
+    if status != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"]
+        if param is not None:
+            assert error["param"] == param
+    assert engine.requests == {}
+    assert (await client.get("/health")).status_code == 200
+
+
+async def test_unknown_route_and_method_are_json_errors(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = await client.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+async def test_queue_full_is_429_with_retry_after_and_frees_partial_submissions() -> None:
+    engine = FakeEngine(max_waiting=2)
+    engine.gate.clear()
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            # three prompts: two fit, the third is refused, so the first two must be aborted
+            r = await client.post(C, json=cmpl(prompt=["a", "b", "c"]))
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "2"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert engine.requests == {}
+            metrics = (await client.get("/metrics")).text
+            assert (
+                f'{wire.NUM_REQUESTS_REJECTED_TOTAL}{{model_name="{MODEL}",reason="queue_full"}} 1.0'
+                in metrics
+            )
+
+
+async def test_dead_engine_is_503(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    engine.is_dead = True
+    r = await client.post(C, json=cmpl())
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+
+
+async def test_api_key_is_required_on_v1_only() -> None:
+    app = create_app(FakeEngine(), api_key="s3cret")
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            r = await client.post(C, json=cmpl())
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert wire.HEADER_KV_USAGE in r.headers
+            r = await client.post(C, json=cmpl(), headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            r = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 200
