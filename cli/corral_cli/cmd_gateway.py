@@ -1,0 +1,71 @@
+"""`corral gateway`: one OpenAI-compatible endpoint in front of many engine replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+POLICY_CHOICES = ("prefix-affinity", "kv-aware", "least-requests", "round-robin")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=None, help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port to listen on (default: 8000)")
+    parser.add_argument("--config", type=Path, default=None, help="YAML settings file (see docs)")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="MODEL=URL",
+        help="a replica serving MODEL at URL (repeatable), e.g. demo=http://127.0.0.1:8100",
+    )
+    parser.add_argument("--policy", choices=POLICY_CHOICES, default=None, help="routing policy")
+    parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys (text or YAML)")
+    parser.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="discover replicas from EndpointSlices labelled by the operator",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from corral_gateway.settings import load_settings
+
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "policy": args.policy,
+        "api_keys_file": args.api_keys_file,
+    }
+    if getattr(args, "kubernetes", False):
+        overrides["kubernetes"] = {"enabled": True}
+    return load_settings(args.config, overrides, args.backend)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from corral_gateway.app import create_app
+    from pydantic import ValidationError
+
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, ValueError, OSError) as e:
+        logger.error("invalid gateway settings: %s", e)
+        return 2
+    if not settings.backends and not settings.kubernetes.enabled:
+        logger.error("no replicas: pass --backend MODEL=URL, a --config with backends, or --kubernetes")
+        return 2
+    app = create_app(settings)
+    logger.info(
+        "gateway on http://%s:%d, policy %s, models %s",
+        settings.host,
+        settings.port,
+        settings.policy,
+        ", ".join(settings.backends) or "(from Kubernetes)",
+    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,112 @@
+"""Queue-aware admission: hand out replicas, holding requests in a bounded per-model queue while
+every replica of the model is saturated. Waiters are woken by `pump` when load changes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from corral_gateway.errors import RateLimited, Unavailable, UpstreamFailed
+from corral_gateway.fair_queue import FairQueue
+from corral_gateway.registry import Replica
+from corral_gateway.router import NoReplica, Router
+
+logger = logging.getLogger(__name__)
+
+# Told to clients whose request found the queue full; about how long a short request takes.
+QUEUE_FULL_RETRY_AFTER_S = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    future: asyncio.Future[Replica]
+    prefix_hash: int | None
+    exclude: frozenset[str] = field(default_factory=frozenset)
+
+
+class Admission:
+    def __init__(self, router: Router, max_queue_len: int, timeout_s: float) -> None:
+        self.router = router
+        self.max_queue_len = max_queue_len
+        self.timeout_s = timeout_s
+        self._queues: dict[str, FairQueue[_Waiter]] = {}
+
+    def queue_len(self, model: str) -> int:
+        queue = self._queues.get(model)
+        return len(queue) if queue is not None else 0
+
+    def models(self) -> list[str]:
+        return list(self._queues)
+
+    async def acquire(
+        self,
+        model: str,
+        prefix_hash: int | None,
+        priority: int = 0,
+        fairness_key: str = "",
+        exclude: Collection[str] = (),
+    ) -> Replica:
+        """A replica already marked dispatched; the caller must `release` it when done."""
+        queue = self._queues.setdefault(model, FairQueue(self.max_queue_len))
+        if not queue:
+            routed = self.router.route(model, prefix_hash, exclude)
+            if isinstance(routed, Replica):
+                routed.on_dispatch()
+                return routed
+            if exclude and not routed.is_saturated:
+                raise UpstreamFailed("every replica of the model failed this request")
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), prefix_hash, frozenset(exclude))
+        if not queue.push(waiter, priority, fairness_key):
+            raise RateLimited(
+                f"Too many requests queued for model `{model}`; retry later.",
+                retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+                code="queue_full",
+            )
+        self.pump(model)
+        try:
+            done, _ = await asyncio.wait({waiter.future}, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            self._abandon(model, waiter)
+            raise
+        if not done:
+            self._abandon(model, waiter)
+            raise Unavailable(
+                f"No replica of model `{model}` could take the request within {self.timeout_s:g} s.",
+                retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+                code="queue_timeout",
+            )
+        return waiter.future.result()
+
+    def _abandon(self, model: str, waiter: _Waiter) -> None:
+        self._queues[model].remove(waiter)
+        if waiter.future.done() and not waiter.future.cancelled():
+            self.release(waiter.future.result())  # handed a replica just as the caller gave up
+        else:
+            waiter.future.cancel()
+
+    def release(self, replica: Replica) -> None:
+        replica.on_done()
+        self.pump(replica.model)
+
+    def pump(self, model: str) -> None:
+        """Hand replicas to queued waiters, best first, while some replica has room."""
+        queue = self._queues.get(model)
+        while queue:
+            waiter = queue.peek()
+            if waiter is None:
+                break
+            if waiter.future.done():
+                queue.pop()
+                continue
+            routed = self.router.route(model, waiter.prefix_hash, waiter.exclude)
+            if isinstance(routed, NoReplica):
+                break
+            queue.pop()
+            routed.on_dispatch()
+            waiter.future.set_result(routed)
+
+    def pump_all(self) -> None:
+        for model in list(self._queues):
+            self.pump(model)

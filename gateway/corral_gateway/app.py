@@ -1,0 +1,144 @@
+"""The gateway's FastAPI app: routes, start-up and shutdown of the shared client and background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from corral_gateway.auth import KeyStore, load_keys_file
+from corral_gateway.errors import GatewayError, InvalidRequest, NotFound, error_response
+from corral_gateway.fleet import Fleet
+from corral_gateway.k8s_discovery import EndpointSliceWatcher
+from corral_gateway.metrics import GatewayMetrics
+from corral_gateway.proxy import ProxyDeps, proxy
+from corral_gateway.settings import GatewaySettings
+
+logger = logging.getLogger(__name__)
+
+_KEYS_RELOAD_INTERVAL_S = 2.0
+
+
+class KeysFile:
+    """The API keys, reloaded when the file changes (a rotated Kubernetes Secret, say)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.store: KeyStore | None = load_keys_file(path) if path is not None else None
+        self._mtime_ns = path.stat().st_mtime_ns if path is not None else 0
+
+    def get(self) -> KeyStore | None:
+        return self.store
+
+    def reload_if_changed(self) -> None:
+        if self.path is None:
+            return
+        try:
+            mtime_ns = self.path.stat().st_mtime_ns
+            if mtime_ns == self._mtime_ns:
+                return
+            fresh = load_keys_file(self.path)
+        except (OSError, ValueError) as e:
+            logger.error("keeping the previous API keys: cannot reload %s: %s", self.path, e)
+            return
+        if self.store is not None:
+            fresh.carry_buckets_from(self.store)
+        self.store, self._mtime_ns = fresh, mtime_ns
+        logger.info("reloaded %d API keys from %s", len(fresh.keys), self.path)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(_KEYS_RELOAD_INTERVAL_S)
+            self.reload_if_changed()
+
+
+def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """Build the app; `transport` lets unit tests put fake replicas behind the shared client."""
+    metrics = GatewayMetrics()
+    fleet = Fleet(settings, metrics)
+    keys = KeysFile(settings.api_keys_file)
+    state: dict[str, ProxyDeps] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=256)
+        timeout = httpx.Timeout(settings.first_byte_timeout_s, connect=settings.connect_timeout_s, pool=30.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
+            state["deps"] = ProxyDeps(settings, fleet, client, metrics, keys.get)
+            tasks = [asyncio.create_task(fleet.run(client), name="fleet"), asyncio.create_task(keys.watch())]
+            watcher = None
+            if settings.kubernetes.enabled:
+                watcher = EndpointSliceWatcher(settings.kubernetes, fleet.apply_discovery)
+                watcher.start(asyncio.get_running_loop())
+            try:
+                yield
+            finally:
+                if watcher is not None:
+                    watcher.stop()
+                for task in tasks:
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    app = FastAPI(title="Corral gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.fleet = fleet
+    app.state.metrics = metrics
+
+    def authenticate(request: Request) -> None:
+        store = keys.get()
+        if store is not None:
+            store.authenticate(request.headers)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(NotFound(f"No route for {request.method} {request.url.path}."))
+        err = InvalidRequest(str(exc.detail), code=f"http_{exc.status_code}")
+        err.status_code = exc.status_code
+        return error_response(err)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(state["deps"], request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(state["deps"], request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authenticate(request)
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "corral"} for m in fleet.registry.models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok", "models": fleet.registry.models()})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        fleet.update_gauges()
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/corral/replicas")
+    async def replicas(request: Request) -> Response:
+        authenticate(request)
+        return JSONResponse({"time_s": time.monotonic(), "models": fleet.snapshot()})
+
+    return app

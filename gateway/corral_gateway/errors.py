@@ -1,0 +1,112 @@
+"""Every error the gateway answers itself, mapped to OpenAI-shaped JSON in this one module."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from starlette.responses import Response
+
+
+class GatewayError(Exception):
+    """An error answered to the client as `{"error": {...}}` with an HTTP status."""
+
+    status_code = 500
+    error_type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidRequest(GatewayError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", param="model")
+
+
+class NotFound(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class _RetryLater(GatewayError):
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class RateLimited(_RetryLater):
+    """Over a per-key limit, or the model's gateway queue is full."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+
+class Unavailable(_RetryLater):
+    """No replica could take the request in time (queue deadline, every replica down)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    status_code = 504
+    error_type = "upstream_timeout"
+    code = "first_byte_timeout"
+
+
+class UpstreamFailed(GatewayError):
+    status_code = 502
+    error_type = "upstream_error"
+    code = "bad_gateway"
+
+
+def error_body(exc: GatewayError) -> dict[str, dict[str, str | None]]:
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+
+
+def error_response(exc: GatewayError) -> Response:
+    return Response(
+        content=json.dumps(error_body(exc)),
+        status_code=exc.status_code,
+        headers=exc.headers(),
+        media_type="application/json",
+    )
+
+
+def sse_error_event(message: str, code: str = "upstream_disconnected") -> bytes:
+    """The last event of a stream whose upstream died mid-way (the client sees why it ended)."""
+    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"

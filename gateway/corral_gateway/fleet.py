@@ -1,0 +1,176 @@
+"""The live fleet: registry + router + admission, fed by /metrics polls, /health probes of ejected
+replicas, response load headers and discovery updates. Owns the gateway's background I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import httpx
+
+from corral_gateway.admission import Admission
+from corral_gateway.load import parse_load_headers, parse_metrics_text
+from corral_gateway.metrics import GatewayMetrics
+from corral_gateway.policies import KvAware, make_policy
+from corral_gateway.registry import Ejection, Registry, Saturation
+from corral_gateway.router import Router
+from corral_gateway.settings import GatewaySettings
+
+logger = logging.getLogger(__name__)
+
+_GAUGE_INTERVAL_S = 0.5
+_POLL_READ_TIMEOUT_S = 1.0
+
+
+class Fleet:
+    def __init__(
+        self, settings: GatewaySettings, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.registry = Registry(
+            Ejection(settings.eject_after_failures, settings.ejection_s, settings.max_ejection_s)
+        )
+        for model, urls in settings.backends.items():
+            self.registry.set_replicas(model, urls)
+        self._static_models = set(settings.backends)
+        self._discovered_models: set[str] = set()
+        self.saturation = Saturation(settings.saturation_max_waiting, settings.saturation_max_kv_usage_ratio)
+        policy = make_policy(
+            settings.policy, self.saturation, settings.affinity_load_factor, settings.affinity_vnodes
+        )
+        self.router = Router(self.registry, policy, self.saturation, settings.load_max_age_s, clock)
+        self.admission = Admission(self.router, settings.max_queue_len, settings.queue_timeout_s)
+        self._scorer = KvAware(self.saturation)
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+
+    # ---- inputs -------------------------------------------------------------------------------
+
+    def apply_discovery(self, discovered: Mapping[str, list[str]]) -> None:
+        """A new model -> URLs map from Kubernetes; static backends stay as configured."""
+        for model, urls in discovered.items():
+            if model in self._static_models:
+                static = list(self.settings.backends[model])
+                urls = static + [u for u in urls if u not in static]
+            self._forget_gone(model, set(urls))
+            self.registry.set_replicas(model, urls)
+        for model in self._discovered_models - set(discovered) - self._static_models:
+            self._forget_gone(model, set())
+            self.registry.remove_model(model)
+        self._discovered_models = set(discovered)
+        logger.info("discovered replicas: %s", {m: len(u) for m, u in discovered.items()})
+        self.admission.pump_all()
+
+    def _forget_gone(self, model: str, keep: set[str]) -> None:
+        for replica in self.registry.replicas(model):
+            if replica.url not in keep:
+                self.metrics.forget_replica(model, replica.url)
+
+    def observe_headers(self, url: str, headers: Mapping[str, str]) -> None:
+        sample = parse_load_headers(headers, self.clock())
+        if sample is not None:
+            self.registry.observe(url, sample)
+
+    def record_success(self, url: str) -> None:
+        self.registry.record_success(url)
+
+    def record_failure(self, url: str, reason: str) -> None:
+        if self.registry.record_failure(url, self.clock()):
+            self.metrics.ejections.labels(url).inc()
+            logger.warning("ejected replica %s after repeated failures (last: %s)", url, reason)
+
+    # ---- background I/O -----------------------------------------------------------------------
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        """Keep one poller per replica URL and refresh the per-replica gauges; runs until cancelled."""
+        try:
+            while True:
+                urls = self.registry.urls()
+                for url in urls - set(self._pollers):
+                    self._pollers[url] = asyncio.create_task(self._poll_loop(client, url), name=f"poll {url}")
+                for url in set(self._pollers) - urls:
+                    self._pollers.pop(url).cancel()
+                self.update_gauges()
+                await asyncio.sleep(_GAUGE_INTERVAL_S)
+        finally:
+            for task in self._pollers.values():
+                task.cancel()
+            for task in self._pollers.values():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self._pollers.clear()
+
+    async def _poll_loop(self, client: httpx.AsyncClient, url: str) -> None:
+        timeout = httpx.Timeout(_POLL_READ_TIMEOUT_S, connect=self.settings.connect_timeout_s)
+        while True:
+            if any(r.is_ejected for r in self.registry.by_url(url)):
+                if self.registry.is_due_for_probe(url, self.clock()):
+                    await self._probe(client, url, timeout)
+            else:
+                await self._poll_metrics(client, url, timeout)
+            self.admission.pump_all()
+            await asyncio.sleep(self.settings.poll_interval_s)
+
+    async def _poll_metrics(self, client: httpx.AsyncClient, url: str, timeout: httpx.Timeout) -> None:
+        try:
+            response = await client.get(f"{url}/metrics", timeout=timeout)
+        except httpx.TransportError as e:
+            self.record_failure(url, f"metrics poll: {type(e).__name__}")
+            return
+        if response.status_code == 200:
+            sample = parse_metrics_text(response.text, self.clock())
+            if sample is not None:
+                self.registry.observe(url, sample)
+
+    async def _probe(self, client: httpx.AsyncClient, url: str, timeout: httpx.Timeout) -> None:
+        try:
+            response = await client.get(f"{url}/health", timeout=timeout)
+            is_healthy = response.status_code == 200
+        except httpx.TransportError:
+            is_healthy = False
+        if is_healthy:
+            if self.registry.readmit(url):
+                logger.info("replica %s is healthy again; back in rotation", url)
+        else:
+            self.registry.probe_failed(url, self.clock())
+
+    def update_gauges(self) -> None:
+        now_s = self.clock()
+        for model in self.registry.models():
+            self.metrics.queue_length.labels(model).set(self.admission.queue_len(model))
+            replicas = self.registry.replicas(model)
+            if not replicas:
+                continue
+            loads = [r.load(now_s, self.settings.load_max_age_s) for r in replicas]
+            max_running = max(load.num_running for load in loads)
+            for replica, load in zip(replicas, loads, strict=True):
+                replica.last_score = self._scorer.cost(load, max_running)
+                self.metrics.replica_score.labels(model, replica.url).set(replica.last_score)
+                self.metrics.replica_healthy.labels(model, replica.url).set(0 if replica.is_ejected else 1)
+                self.metrics.replica_inflight.labels(model, replica.url).set(replica.num_inflight)
+
+    def snapshot(self) -> dict[str, list[dict[str, object]]]:
+        """Replica state for the /corral/replicas debug endpoint."""
+        now_s = self.clock()
+        out: dict[str, list[dict[str, object]]] = {}
+        for model in self.registry.models():
+            out[model] = []
+            for r in self.registry.replicas(model):
+                load = r.load(now_s, self.settings.load_max_age_s)
+                out[model].append(
+                    {
+                        "url": r.url,
+                        "healthy": not r.is_ejected,
+                        "load_fresh": load.is_fresh,
+                        "num_running": load.num_running,
+                        "num_waiting": load.num_waiting,
+                        "kv_usage_ratio": load.kv_usage_ratio,
+                        "num_inflight": r.num_inflight,
+                        "score": r.last_score,
+                    }
+                )
+        return out

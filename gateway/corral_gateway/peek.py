@@ -1,0 +1,99 @@
+"""Peek at an OpenAI request body: the model, stream flag, prompt prefix and a token estimate.
+
+The gateway routes on these and forwards the original bytes; the engine validates everything else,
+so a body the gateway cannot read is still forwarded and gets the engine's own error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# Rough characters per token, for token rate limits charged before the real usage is known.
+_CHARS_PER_TOKEN = 4
+_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    model: str | None  # None when the body is not a JSON object with a string `model`
+    is_stream: bool
+    prefix_hash: int | None  # hash of the prompt's leading blocks, None when there is no prompt text
+    estimated_tokens: int
+
+
+def prompt_prefix(body: dict[str, Any], max_chars: int) -> str | None:
+    """The first `max_chars` characters of the prompt (completions) or of the rendered messages (chat)."""
+    if "messages" in body:
+        return _messages_prefix(body["messages"], max_chars)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch routes by its first prompt
+    if isinstance(prompt, str):
+        return prompt[:max_chars] if prompt else None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:max_chars]):
+        # Token ids: ~4 characters a token, so the window covers about as much text.
+        return " ".join(str(t) for t in prompt[: max(1, max_chars // _CHARS_PER_TOKEN)])
+    return None
+
+
+def _messages_prefix(messages: Any, max_chars: int) -> str | None:
+    if not isinstance(messages, list):
+        return None
+    parts: list[str] = []
+    num_chars = 0
+    for message in messages:
+        if num_chars >= max_chars or not isinstance(message, dict):
+            break
+        text = _content_text(message.get("content"))
+        piece = f"<{message.get('role')}>{text}"
+        parts.append(piece)
+        num_chars += len(piece)
+    joined = "".join(parts)[:max_chars]
+    return joined or None
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def block_prefix_hash(prefix: str, block_chars: int, num_blocks: int) -> int:
+    """64-bit hash of the prompt's leading blocks; stable across processes (no PYTHONHASHSEED)."""
+    num_full = min(num_blocks, len(prefix) // block_chars)
+    # Whole blocks only, so prompts sharing a long head agree; short prompts hash entirely.
+    window = prefix[: num_full * block_chars] if num_full else prefix
+    return int.from_bytes(hashlib.blake2b(window.encode("utf-8", "replace"), digest_size=8).digest(), "big")
+
+
+def _estimate_tokens(body: dict[str, Any], prefix: str | None) -> int:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        max_tokens = _DEFAULT_MAX_TOKENS
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 128 else 1
+    prompt_tokens = len(prefix or "") // _CHARS_PER_TOKEN + 1
+    return prompt_tokens + n * max_tokens
+
+
+def peek_request(raw: bytes, block_chars: int = 64, num_blocks: int = 4) -> RequestInfo:
+    """Never raises: anything unreadable yields model=None and lets the engine answer."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return RequestInfo(model=None, is_stream=False, prefix_hash=None, estimated_tokens=1)
+    if not isinstance(body, dict):
+        return RequestInfo(model=None, is_stream=False, prefix_hash=None, estimated_tokens=1)
+    model = body.get("model")
+    prefix = prompt_prefix(body, block_chars * num_blocks)
+    return RequestInfo(
+        model=model if isinstance(model, str) else None,
+        is_stream=body.get("stream") is True,
+        prefix_hash=None if prefix is None else block_prefix_hash(prefix, block_chars, num_blocks),
+        estimated_tokens=_estimate_tokens(body, prefix),
+    )

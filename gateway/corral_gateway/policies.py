@@ -1,0 +1,171 @@
+"""Routing policies: small classes behind one Protocol, chosen by name (pure, no I/O).
+
+Admission (queue while every replica is saturated) happens before a policy runs, so a policy always
+gets at least one candidate and at least one of them is not saturated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from corral_gateway.registry import Replica, ReplicaLoad, Saturation
+
+# Weights as in the Gateway API Inference Extension's default scorers: queue x2, KV x2.
+QUEUE_WEIGHT = 2.0
+KV_WEIGHT = 2.0
+RUNNING_WEIGHT = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    replica: Replica
+    load: ReplicaLoad
+
+
+class Policy(Protocol):
+    name: str
+
+    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate: ...
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self, saturation: Saturation) -> None:
+        self._next = 0
+
+    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+        ordered = sorted(candidates, key=lambda c: c.replica.url)
+        chosen = ordered[self._next % len(ordered)]
+        self._next += 1
+        return chosen
+
+
+class LeastRequests:
+    """Fewest requests in flight from this gateway; ties rotate."""
+
+    name = "least-requests"
+
+    def __init__(self, saturation: Saturation) -> None:
+        self._next = 0
+
+    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+        self._next += 1
+        return _argmin_rotating(candidates, lambda c: float(c.load.num_inflight), self._next)
+
+
+class KvAware:
+    """Lowest cost from queue depth, KV usage and running count; saturated replicas only if all are."""
+
+    name = "kv-aware"
+
+    def __init__(self, saturation: Saturation) -> None:
+        self._saturation = saturation
+        self._next = 0
+
+    def cost(self, load: ReplicaLoad, max_running: float) -> float:
+        sat = self._saturation
+        queue = load.num_waiting / max(1, sat.max_waiting)
+        kv = load.kv_usage_ratio / sat.max_kv_usage_ratio
+        running = load.num_running / (1.0 + max_running)
+        return QUEUE_WEIGHT * queue + KV_WEIGHT * kv + RUNNING_WEIGHT * running
+
+    def costs(self, candidates: Sequence[Candidate]) -> list[float]:
+        max_running = max(c.load.num_running for c in candidates)
+        return [self.cost(c.load, max_running) for c in candidates]
+
+    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+        self._next += 1
+        pool = [c for c in candidates if not c.load.is_saturated(self._saturation)] or list(candidates)
+        costs = dict(zip((id(c) for c in pool), self.costs(pool), strict=True))
+        return _argmin_rotating(pool, lambda c: costs[id(c)], self._next)
+
+
+class PrefixAffinity:
+    """Consistent hashing with bounded load over the prompt-prefix hash; kv-aware when saturated.
+
+    Every gateway builds the same ring from the same replica URLs, so gateways agree on a prompt's
+    home replica without sharing state. A home replica above `load_factor` x the mean load passes
+    the request along the ring (bounded loads); a saturated home hands it to kv-aware.
+    """
+
+    name = "prefix-affinity"
+
+    def __init__(self, saturation: Saturation, load_factor: float = 1.25, vnodes: int = 64) -> None:
+        self._saturation = saturation
+        self._load_factor = load_factor
+        self._vnodes = vnodes
+        self._fallback = KvAware(saturation)
+        self._ring_urls: tuple[str, ...] = ()
+        self._ring: list[tuple[int, str]] = []
+
+    def ring_order(self, urls: Sequence[str], prefix_hash: int) -> list[str]:
+        """Distinct replica URLs in ring order, starting at the prefix's point."""
+        self._ensure_ring(tuple(sorted(set(urls))))
+        start = bisect.bisect_left(self._ring, (prefix_hash, ""))
+        order: list[str] = []
+        seen: set[str] = set()
+        for i in range(len(self._ring)):
+            url = self._ring[(start + i) % len(self._ring)][1]
+            if url not in seen:
+                seen.add(url)
+                order.append(url)
+                if len(order) == len(self._ring_urls):
+                    break
+        return order
+
+    def _ensure_ring(self, urls: tuple[str, ...]) -> None:
+        if urls == self._ring_urls:
+            return
+        self._ring_urls = urls
+        self._ring = sorted((_hash64(f"{url}#{i}"), url) for url in urls for i in range(self._vnodes))
+
+    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+        if prefix_hash is None or len(candidates) == 1:
+            return self._fallback.pick(candidates, prefix_hash)
+        by_url = {c.replica.url: c for c in candidates}
+        order = self.ring_order(list(by_url), prefix_hash)
+        total = sum(c.load.num_outstanding for c in candidates)
+        capacity = math.ceil(self._load_factor * (total + 1) / len(candidates))
+        if by_url[order[0]].load.is_saturated(self._saturation):
+            return self._fallback.pick(candidates, prefix_hash)
+        for url in order:
+            cand = by_url[url]
+            if not cand.load.is_saturated(self._saturation) and cand.load.num_outstanding + 1 <= capacity:
+                return cand
+        return self._fallback.pick(candidates, prefix_hash)
+
+
+def _argmin_rotating(
+    candidates: Sequence[Candidate], key: Callable[[Candidate], float], offset: int
+) -> Candidate:
+    """The lowest-key candidate; among equals, rotate so ties spread instead of herding."""
+    ordered = sorted(candidates, key=lambda c: c.replica.url)
+    best = min(key(c) for c in ordered)
+    ties = [c for c in ordered if key(c) <= best + 1e-9]
+    return ties[offset % len(ties)]
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    RoundRobin.name: RoundRobin,
+    LeastRequests.name: LeastRequests,
+    KvAware.name: KvAware,
+    PrefixAffinity.name: PrefixAffinity,
+}
+
+
+def make_policy(name: str, saturation: Saturation, load_factor: float = 1.25, vnodes: int = 64) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+    if name == PrefixAffinity.name:
+        return PrefixAffinity(saturation, load_factor=load_factor, vnodes=vnodes)
+    return POLICIES[name](saturation)

@@ -1,0 +1,173 @@
+"""The replica registry: which replicas serve which model, their live load and health (pure, no I/O).
+
+Load combines the last sample (from /metrics polls or response headers) with the gateway's own
+in-flight and recently dispatched counts; a sample older than `max_age_s` is not trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from corral_gateway.load import LoadSample
+
+
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    max_waiting: int = 5
+    max_kv_usage_ratio: float = 0.8
+
+
+@dataclass(slots=True)
+class Replica:
+    model: str
+    url: str
+    sample: LoadSample | None = None
+    num_inflight: int = 0  # requests this gateway is proxying to the replica now
+    num_dispatched_since_sample: int = 0  # sent after the last sample was taken, so not in it
+    num_consecutive_failures: int = 0
+    num_ejections: int = 0  # in a row; ejection time doubles with each
+    ejected_until_s: float | None = None
+    last_score: float = 0.0
+
+    @property
+    def is_ejected(self) -> bool:
+        return self.ejected_until_s is not None
+
+    def observe(self, sample: LoadSample) -> None:
+        if self.sample is None or sample.at_s >= self.sample.at_s:
+            self.sample = sample
+            self.num_dispatched_since_sample = 0
+
+    def on_dispatch(self) -> None:
+        self.num_inflight += 1
+        self.num_dispatched_since_sample += 1
+
+    def on_done(self) -> None:
+        self.num_inflight = max(0, self.num_inflight - 1)
+
+    def load(self, now_s: float, max_age_s: float) -> ReplicaLoad:
+        sample = self.sample
+        if sample is None or now_s - sample.at_s > max_age_s:
+            return ReplicaLoad(
+                is_fresh=False,
+                num_running=float(self.num_inflight),
+                num_waiting=0.0,
+                kv_usage_ratio=0.0,
+                num_inflight=self.num_inflight,
+            )
+        pending = self.num_dispatched_since_sample
+        # An engine that already queues will queue what we sent since; otherwise it likely runs it.
+        if sample.num_waiting > 0:
+            running, waiting = sample.num_running, sample.num_waiting + pending
+        else:
+            running, waiting = sample.num_running + pending, sample.num_waiting
+        return ReplicaLoad(True, running, waiting, sample.kv_usage_ratio, self.num_inflight)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    is_fresh: bool
+    num_running: float
+    num_waiting: float
+    kv_usage_ratio: float
+    num_inflight: int
+
+    def is_saturated(self, saturation: Saturation) -> bool:
+        # Stale data says nothing about saturation; the gateway falls back to its in-flight counts.
+        return self.is_fresh and (
+            self.num_waiting > saturation.max_waiting or self.kv_usage_ratio > saturation.max_kv_usage_ratio
+        )
+
+    @property
+    def num_outstanding(self) -> float:
+        return self.num_running + self.num_waiting if self.is_fresh else float(self.num_inflight)
+
+
+@dataclass(slots=True)
+class Ejection:
+    after_failures: int = 3
+    base_s: float = 2.0
+    max_s: float = 30.0
+
+
+@dataclass(slots=True)
+class Registry:
+    ejection: Ejection = field(default_factory=Ejection)
+    _by_model: dict[str, dict[str, Replica]] = field(default_factory=dict)
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def has_model(self, model: str) -> bool:
+        return model in self._by_model
+
+    def replicas(self, model: str) -> list[Replica]:
+        return list(self._by_model.get(model, {}).values())
+
+    def all_replicas(self) -> list[Replica]:
+        return [r for reps in self._by_model.values() for r in reps.values()]
+
+    def urls(self) -> set[str]:
+        return {r.url for r in self.all_replicas()}
+
+    def by_url(self, url: str) -> list[Replica]:
+        return [r for r in self.all_replicas() if r.url == url]
+
+    def candidates(self, model: str) -> list[Replica]:
+        return [r for r in self._by_model.get(model, {}).values() if not r.is_ejected]
+
+    def set_replicas(self, model: str, urls: Iterable[str], keep_model: bool = True) -> None:
+        """Make `urls` the model's replica set, keeping the state of replicas already known."""
+        current = self._by_model.get(model, {})
+        wanted = list(dict.fromkeys(urls))
+        updated = {url: current.get(url) or Replica(model=model, url=url) for url in wanted}
+        if updated or keep_model:
+            self._by_model[model] = updated
+        else:
+            self._by_model.pop(model, None)
+
+    def remove_model(self, model: str) -> None:
+        self._by_model.pop(model, None)
+
+    def observe(self, url: str, sample: LoadSample) -> None:
+        for replica in self.by_url(url):
+            replica.observe(sample)
+
+    def record_success(self, url: str) -> None:
+        for replica in self.by_url(url):
+            replica.num_consecutive_failures = 0
+
+    def record_failure(self, url: str, now_s: float) -> bool:
+        """Count a failure; returns True when this failure ejects the replica."""
+        ejected_now = False
+        for replica in self.by_url(url):
+            replica.num_consecutive_failures += 1
+            if replica.is_ejected or replica.num_consecutive_failures < self.ejection.after_failures:
+                continue
+            duration_s = min(self.ejection.max_s, self.ejection.base_s * 2**replica.num_ejections)
+            replica.ejected_until_s = now_s + duration_s
+            replica.num_ejections += 1
+            replica.sample = None
+            ejected_now = True
+        return ejected_now
+
+    def is_due_for_probe(self, url: str, now_s: float) -> bool:
+        return any(r.ejected_until_s is not None and now_s >= r.ejected_until_s for r in self.by_url(url))
+
+    def probe_failed(self, url: str, now_s: float) -> None:
+        for replica in self.by_url(url):
+            if replica.is_ejected:
+                duration_s = min(self.ejection.max_s, self.ejection.base_s * 2**replica.num_ejections)
+                replica.ejected_until_s = now_s + duration_s
+                replica.num_ejections += 1
+
+    def readmit(self, url: str) -> bool:
+        """A healthy probe: back into rotation. Returns True if it was ejected."""
+        was_ejected = False
+        for replica in self.by_url(url):
+            was_ejected = was_ejected or replica.is_ejected
+            replica.ejected_until_s = None
+            replica.num_ejections = 0
+            replica.num_consecutive_failures = 0
+        return was_ejected

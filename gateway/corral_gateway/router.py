@@ -1,0 +1,54 @@
+"""Pick a replica for a request from live load: admission check, then the routing policy (pure).
+
+The clock is injected so the router stays I/O-free and testable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from corral_gateway.policies import Candidate, Policy
+from corral_gateway.registry import Registry, Replica, Saturation
+
+
+@dataclass(frozen=True, slots=True)
+class NoReplica:
+    """Why no replica was picked: none usable (`is_saturated` False) or every one saturated."""
+
+    is_saturated: bool
+
+
+class Router:
+    def __init__(
+        self,
+        registry: Registry,
+        policy: Policy,
+        saturation: Saturation,
+        max_age_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.saturation = saturation
+        self.max_age_s = max_age_s
+        self.clock = clock
+
+    def candidates(self, model: str, exclude: Collection[str] = ()) -> list[Candidate]:
+        now_s = self.clock()
+        return [
+            Candidate(r, r.load(now_s, self.max_age_s))
+            for r in self.registry.candidates(model)
+            if r.url not in exclude
+        ]
+
+    def route(
+        self, model: str, prefix_hash: int | None, exclude: Collection[str] = ()
+    ) -> Replica | NoReplica:
+        """A replica to send to (not yet marked dispatched), or why there is none."""
+        candidates = self.candidates(model, exclude)
+        if not candidates:
+            return NoReplica(is_saturated=False)
+        if all(c.load.is_saturated(self.saturation) for c in candidates):
+            return NoReplica(is_saturated=True)
+        return self.policy.pick(candidates, prefix_hash).replica

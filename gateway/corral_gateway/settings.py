@@ -1,0 +1,115 @@
+"""Gateway settings: built once at the edge (config file, environment, CLI flags) and never mutated."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PolicyName = Literal["prefix-affinity", "kv-aware", "least-requests", "round-robin"]
+
+# The operator labels the Services (and so their EndpointSlices) it manages with these.
+DEFAULT_K8S_LABEL_SELECTOR = "app.kubernetes.io/managed-by=corral-operator"
+DEFAULT_K8S_MODEL_LABEL = "corral.dev/model"
+
+
+class KubernetesDiscovery(BaseModel):
+    """Watch EndpointSlices selected by label; each ready endpoint is one replica."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = False
+    namespace: str | None = None  # None watches every namespace the gateway may read
+    label_selector: str = DEFAULT_K8S_LABEL_SELECTOR
+    model_label: str = DEFAULT_K8S_MODEL_LABEL  # label carrying the served model name
+    port_name: str | None = "http"  # falls back to the slice's first port when absent
+    kubeconfig: Path | None = None  # None: in-cluster config, else this kubeconfig file
+    watch_timeout_s: int = Field(default=30, ge=1)
+
+
+class GatewaySettings(BaseSettings):
+    """Everything the gateway needs, validated once at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="CORRAL_GATEWAY_", frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # model name -> replica base URLs (e.g. http://127.0.0.1:8100)
+    backends: dict[str, list[str]] = Field(default_factory=dict)
+    kubernetes: KubernetesDiscovery = Field(default_factory=KubernetesDiscovery)
+    policy: PolicyName = "prefix-affinity"
+    api_keys_file: Path | None = None
+    # Sent to engines as `Authorization: Bearer ...` when they require a key of their own.
+    upstream_api_key: str | None = None
+
+    # Admission: per-model queue used while every replica of the model is saturated.
+    max_queue_len: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    # Saturation, as in the Gateway API Inference Extension: queue > 5 or KV > 0.8.
+    saturation_max_waiting: int = Field(default=5, ge=0)
+    saturation_max_kv_usage_ratio: float = Field(default=0.8, gt=0, le=1)
+
+    # Prefix affinity: hash of the prompt's leading blocks of characters.
+    affinity_block_chars: int = Field(default=64, ge=1)
+    affinity_num_blocks: int = Field(default=4, ge=1)
+    affinity_load_factor: float = Field(default=1.25, ge=1.0)  # bounded-load consistent hashing c
+    affinity_vnodes: int = Field(default=64, ge=1)
+
+    # Load tracking.
+    poll_interval_s: float = Field(default=0.075, gt=0)
+    load_max_age_s: float = Field(default=2.0, gt=0)
+
+    # Resilience.
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_byte_timeout_s: float = Field(default=300.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+    eject_after_failures: int = Field(default=3, ge=1)
+    ejection_s: float = Field(default=2.0, gt=0)
+    max_ejection_s: float = Field(default=30.0, gt=0)
+    max_connections: int = Field(default=2048, ge=1)
+    max_request_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+
+    @field_validator("backends")
+    @classmethod
+    def _check_backends(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for model, urls in value.items():
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(
+                        f"backend {url!r} for model {model!r} must start with http:// or https://"
+                    )
+        return {m: [u.rstrip("/") for u in urls] for m, urls in value.items()}
+
+
+def parse_backend_flag(flag: str) -> tuple[str, str]:
+    """`MODEL=URL` -> (model, url); raises ValueError with a readable message."""
+    model, sep, url = flag.partition("=")
+    if not sep or not model.strip() or not url.strip():
+        raise ValueError(f"--backend expects MODEL=URL, got {flag!r}")
+    return model.strip(), url.strip()
+
+
+def load_settings(
+    config_file: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    backend_flags: Sequence[str] = (),
+) -> GatewaySettings:
+    """Merge the YAML config file, then explicit overrides (CLI flags), into one settings object."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        loaded = yaml.safe_load(config_file.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{config_file}: expected a mapping at the top level")
+        data.update(loaded)
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if backend_flags:
+        backends: dict[str, list[str]] = {m: list(u) for m, u in dict(data.get("backends") or {}).items()}
+        for flag in backend_flags:
+            model, url = parse_backend_flag(flag)
+            backends.setdefault(model, []).append(url)
+        data["backends"] = backends
+    return GatewaySettings(**data)

@@ -1,0 +1,134 @@
+"""Fakes for gateway unit tests: a tiny engine-like app and an in-loop uvicorn server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from corral_engine import wire
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class FakeEngine:
+    """Behaviour knobs for one fake replica; `mode` applies to completion requests."""
+
+    name: str = "fake"
+    mode: str = "ok"  # ok | error500 | die_midstream | hang | reject429
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_chunks: int = 3
+    chunk_delay_s: float = 0.0
+    bodies: list[bytes] = field(default_factory=list)
+    headers_seen: list[dict[str, str]] = field(default_factory=list)
+    num_active: int = 0  # requests being served right now
+    num_cancelled: int = 0
+    is_healthy: bool = True
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.completions, methods=["POST"]),
+                Route("/metrics", self.metrics),
+                Route("/health", self.health),
+            ]
+        )
+
+    def load_headers(self) -> dict[str, str]:
+        return {
+            wire.HEADER_NUM_RUNNING: str(self.num_running),
+            wire.HEADER_NUM_WAITING: str(self.num_waiting),
+            wire.HEADER_KV_USAGE: str(self.kv_usage),
+        }
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"ok": self.is_healthy}, status_code=200 if self.is_healthy else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        values = {
+            wire.NUM_REQUESTS_RUNNING: self.num_running,
+            wire.NUM_REQUESTS_WAITING: self.num_waiting,
+            wire.KV_CACHE_USAGE_PERC: self.kv_usage,
+        }
+        text = "".join(f'# TYPE {n} gauge\n{n}{{model_name="m"}} {v}\n' for n, v in values.items())
+        return PlainTextResponse(text)
+
+    async def completions(self, request: Request) -> Response:
+        raw = await request.body()
+        self.bodies.append(raw)
+        self.headers_seen.append(dict(request.headers))
+        if self.mode == "error500":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if self.mode == "reject429":
+            return JSONResponse({"error": {"message": "full"}}, status_code=429, headers={"retry-after": "1"})
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return JSONResponse({"error": {"message": "bad json", "type": "invalid_request_error"}}, 400)
+        if not isinstance(body, dict) or not body.get("stream"):
+            if self.mode == "hang":
+                self.num_active += 1
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    self.num_cancelled += 1
+                    raise
+                finally:
+                    self.num_active -= 1
+            usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+            return JSONResponse(
+                {"id": "x", "served_by": self.name, "usage": usage}, headers=self.load_headers()
+            )
+        return StreamingResponse(self._stream(), media_type="text/event-stream", headers=self.load_headers())
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        self.num_active += 1
+        try:
+            for i in range(self.num_chunks):
+                yield f'data: {{"i": {i}, "served_by": "{self.name}"}}\n\n'.encode()
+                if self.mode == "die_midstream" and i == 0:
+                    raise RuntimeError("replica died")
+                await asyncio.sleep(self.chunk_delay_s)
+                if self.mode == "hang":
+                    await asyncio.sleep(3600)
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
+        finally:
+            self.num_active -= 1
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Run `app` with uvicorn on 127.0.0.1 and a free port inside the current event loop."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+def fake_engine_factory() -> type[FakeEngine]:
+    return FakeEngine

@@ -1,0 +1,59 @@
+"""What the gateway reads from request bodies, and settings parsing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from corral_gateway.peek import block_prefix_hash, peek_request
+from corral_gateway.settings import load_settings, parse_backend_flag
+from pydantic import ValidationError
+
+
+def test_completion_and_chat_fields() -> None:
+    info = peek_request(
+        json.dumps({"model": "m", "prompt": "hello", "stream": True, "max_tokens": 10}).encode()
+    )
+    assert info.model == "m" and info.is_stream and info.prefix_hash is not None
+    assert info.estimated_tokens == 12  # 5 characters ~ 1 prompt token + 1, plus max_tokens
+    chat = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    info = peek_request(json.dumps(chat).encode())
+    assert info.model == "m" and not info.is_stream and info.prefix_hash is not None
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1,2]", b'{"model": 5}', b"\xff\xfe", b"[" * 100000])
+def test_unreadable_bodies_never_raise(raw: bytes) -> None:
+    info = peek_request(raw)
+    assert info.model is None and info.prefix_hash is None
+
+
+def test_shared_head_shares_hash_and_different_heads_differ() -> None:
+    system = "You are a helpful assistant. " * 20  # longer than the 4 x 64 character window
+    a = peek_request(json.dumps({"model": "m", "prompt": system + "question one"}).encode())
+    b = peek_request(json.dumps({"model": "m", "prompt": system + "another question"}).encode())
+    c = peek_request(json.dumps({"model": "m", "prompt": "Something else entirely. " * 20}).encode())
+    assert a.prefix_hash == b.prefix_hash != c.prefix_hash
+    assert block_prefix_hash("short", 64, 4) != block_prefix_hash("shorter", 64, 4)
+
+
+def test_token_id_prompts_hash() -> None:
+    info = peek_request(json.dumps({"model": "m", "prompt": [1, 2, 3]}).encode())
+    batch = peek_request(json.dumps({"model": "m", "prompt": [[1, 2, 3], [4]]}).encode())
+    assert info.prefix_hash is not None and info.prefix_hash == batch.prefix_hash
+
+
+def test_settings_merge_file_flags_and_validation(tmp_path: Path) -> None:
+    config = tmp_path / "gw.yaml"
+    config.write_text("backends:\n  m: [http://127.0.0.1:8101/]\npolicy: kv-aware\nmax_queue_len: 7\n")
+    settings = load_settings(
+        config, {"policy": None, "port": 9000}, ["m=http://127.0.0.1:8102", "x=http://h:1"]
+    )
+    assert settings.backends == {"m": ["http://127.0.0.1:8101", "http://127.0.0.1:8102"], "x": ["http://h:1"]}
+    assert (settings.policy, settings.port, settings.max_queue_len) == ("kv-aware", 9000, 7)
+    with pytest.raises(ValueError):
+        parse_backend_flag("no-equals")
+    with pytest.raises(ValidationError):
+        load_settings(None, {"policy": "random"})
+    with pytest.raises(ValidationError):
+        load_settings(None, {}, ["m=ftp://x"])

@@ -1,0 +1,150 @@
+"""Routing policies and the router's admission check, on hand-made loads."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from corral_gateway.load import LoadSample
+from corral_gateway.policies import POLICIES, Candidate, KvAware, PrefixAffinity, make_policy
+from corral_gateway.registry import Registry, Replica, Saturation
+from corral_gateway.router import NoReplica, Router
+
+SAT = Saturation(max_waiting=5, max_kv_usage_ratio=0.8)
+
+
+def cand(url: str, running: float = 0, waiting: float = 0, kv: float = 0.0, inflight: int = 0) -> Candidate:
+    replica = Replica(model="m", url=url, num_inflight=inflight)
+    replica.observe(LoadSample(running, waiting, kv, at_s=100.0))
+    replica.num_dispatched_since_sample = 0
+    return Candidate(replica, replica.load(100.0, 2.0))
+
+
+def test_round_robin_cycles_through_every_replica() -> None:
+    policy = make_policy("round-robin", SAT)
+    cands = [cand("http://a"), cand("http://b"), cand("http://c")]
+    picks = [policy.pick(cands, None).replica.url for _ in range(6)]
+    assert Counter(picks) == {"http://a": 2, "http://b": 2, "http://c": 2}
+
+
+def test_least_requests_picks_fewest_in_flight() -> None:
+    policy = make_policy("least-requests", SAT)
+    cands = [cand("http://a", inflight=4), cand("http://b", inflight=1), cand("http://c", inflight=3)]
+    assert policy.pick(cands, None).replica.url == "http://b"
+
+
+def test_kv_aware_prefers_short_queue_and_free_kv() -> None:
+    policy = make_policy("kv-aware", SAT)
+    cands = [cand("http://a", running=4, waiting=3, kv=0.5), cand("http://b", running=4, waiting=0, kv=0.2)]
+    assert policy.pick(cands, None).replica.url == "http://b"
+    cands = [cand("http://a", waiting=0, kv=0.7), cand("http://b", waiting=0, kv=0.1)]
+    assert policy.pick(cands, None).replica.url == "http://b"
+
+
+def test_kv_aware_avoids_saturated_replica_even_if_cheaper_otherwise() -> None:
+    policy = KvAware(SAT)
+    # a: kv 0.85 is saturated; b has a queue but is not saturated
+    cands = [cand("http://a", kv=0.85), cand("http://b", waiting=4, kv=0.1)]
+    assert policy.pick(cands, None).replica.url == "http://b"
+
+
+def test_kv_aware_spreads_ties() -> None:
+    policy = KvAware(SAT)
+    cands = [cand("http://a"), cand("http://b")]
+    assert {policy.pick(cands, None).replica.url for _ in range(4)} == {"http://a", "http://b"}
+
+
+def test_prefix_affinity_sends_same_prefix_to_same_replica() -> None:
+    policy = PrefixAffinity(SAT)
+    cands = [cand(f"http://r{i}") for i in range(4)]
+    for prefix_hash in (1, 2**40, 2**63 + 5, 12345678901):
+        picks = {policy.pick(cands, prefix_hash).replica.url for _ in range(5)}
+        assert len(picks) == 1
+
+
+def test_prefix_affinity_spreads_distinct_prefixes() -> None:
+    policy = PrefixAffinity(SAT)
+    cands = [cand(f"http://r{i}") for i in range(3)]
+    picks = Counter(policy.pick(cands, (i * 0x9E3779B97F4A7C15) % 2**64).replica.url for i in range(300))
+    assert len(picks) == 3
+    assert min(picks.values()) > 30
+
+
+def test_prefix_affinity_agrees_across_gateways_and_candidate_order() -> None:
+    cands = [cand(f"http://r{i}") for i in range(5)]
+    one, two = PrefixAffinity(SAT), PrefixAffinity(SAT)
+    for h in range(0, 2**64, 2**58):
+        assert one.pick(cands, h).replica.url == two.pick(list(reversed(cands)), h).replica.url
+
+
+def test_prefix_affinity_consistent_when_a_replica_leaves() -> None:
+    policy = PrefixAffinity(SAT)
+    full = [cand(f"http://r{i}") for i in range(4)]
+    hashes = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(200)]
+    before = {h: policy.pick(full, h).replica.url for h in hashes}
+    after = {h: policy.pick(full[:3], h).replica.url for h in hashes}
+    # Only prefixes homed on the removed replica move.
+    moved = [h for h in hashes if before[h] != after[h]]
+    assert all(before[h] == "http://r3" for h in moved)
+
+
+def test_prefix_affinity_falls_back_to_kv_aware_when_home_is_saturated() -> None:
+    policy = PrefixAffinity(SAT)
+    cands = [cand("http://a"), cand("http://b"), cand("http://c")]
+    home = policy.pick(cands, 42).replica.url
+    loaded = [cand(c.replica.url, waiting=9) if c.replica.url == home else c for c in cands]
+    loaded = [
+        cand(c.replica.url, running=5, kv=0.3) if c.replica.url not in (home, "http://c") else c
+        for c in loaded
+    ]
+    picked = policy.pick(loaded, 42).replica.url
+    assert picked != home
+    expected = KvAware(SAT).pick([c for c in loaded if c.replica.url != home], None).replica.url
+    assert picked == expected
+
+
+def test_prefix_affinity_bounded_load_moves_off_overloaded_home() -> None:
+    policy = PrefixAffinity(SAT, load_factor=1.25)
+    cands = [cand("http://a"), cand("http://b"), cand("http://c")]
+    home = policy.pick(cands, 7).replica.url
+    # home runs 10 (not saturated: nothing waiting), others idle: capacity ceil(1.25*11/3)=5 < 11
+    busy = [cand(c.replica.url, running=10) if c.replica.url == home else c for c in cands]
+    assert policy.pick(busy, 7).replica.url != home
+
+
+def test_unknown_policy_name_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("random", SAT)
+    assert set(POLICIES) == {"round-robin", "least-requests", "kv-aware", "prefix-affinity"}
+
+
+def make_router(policy: str = "kv-aware", now: float = 100.0) -> Router:
+    registry = Registry()
+    registry.set_replicas("m", ["http://a", "http://b"])
+    return Router(registry, make_policy(policy, SAT), SAT, 2.0, clock=lambda: now)
+
+
+def test_router_reports_saturation_when_every_replica_is_saturated() -> None:
+    router = make_router()
+    router.registry.observe("http://a", LoadSample(8, 6, 0.5, at_s=99.5))
+    router.registry.observe("http://b", LoadSample(8, 1, 0.9, at_s=99.5))
+    assert router.route("m", None) == NoReplica(is_saturated=True)
+    router.registry.observe("http://b", LoadSample(8, 1, 0.5, at_s=99.6))
+    routed = router.route("m", None)
+    assert isinstance(routed, Replica) and routed.url == "http://b"
+
+
+def test_router_ignores_stale_samples() -> None:
+    router = make_router(now=100.0)
+    router.registry.observe("http://a", LoadSample(8, 60, 0.99, at_s=90.0))  # 10 s old
+    router.registry.observe("http://b", LoadSample(8, 60, 0.99, at_s=90.0))
+    assert isinstance(router.route("m", None), Replica)
+
+
+def test_router_excludes_and_skips_ejected() -> None:
+    router = make_router()
+    routed = router.route("m", None, exclude=["http://a"])
+    assert isinstance(routed, Replica) and routed.url == "http://b"
+    for _ in range(3):
+        router.registry.record_failure("http://b", now_s=100.0)
+    assert router.route("m", None, exclude=["http://a"]) == NoReplica(is_saturated=False)
