@@ -78,14 +78,15 @@ class FakeEngine:
             return JSONResponse({"error": {"message": "bad json", "type": "invalid_request_error"}}, 400)
         if not isinstance(body, dict) or not body.get("stream"):
             if self.mode == "hang":
+                # Like a real engine: work until the caller hangs up, then abort.
                 self.num_active += 1
                 try:
-                    await asyncio.sleep(3600)
-                except asyncio.CancelledError:
+                    while not await request.is_disconnected():
+                        await asyncio.sleep(0.01)
                     self.num_cancelled += 1
-                    raise
                 finally:
                     self.num_active -= 1
+                return Response(status_code=499)
             usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
             return JSONResponse(
                 {"id": "x", "served_by": self.name, "usage": usage}, headers=self.load_headers()

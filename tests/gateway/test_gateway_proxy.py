@@ -1,0 +1,246 @@
+"""The proxy end to end against fake replicas (real sockets on 127.0.0.1, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from corral_gateway.app import create_app
+from corral_gateway.settings import GatewaySettings
+
+from tests.gateway.conftest import FakeEngine, serve
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connection refused
+
+
+@asynccontextmanager
+async def fleet(
+    engines: list[FakeEngine], extra_urls: list[str] = (), **settings: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, list[str]]]:
+    async with AsyncExitStack() as stack:
+        urls = [(await stack.enter_async_context(serve(e.app())))[0] for e in engines] + list(extra_urls)
+        gw_settings = GatewaySettings(backends={"m": urls}, poll_interval_s=0.02, **settings)
+        gw_url, _ = await stack.enter_async_context(serve(create_app(gw_settings)))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=gw_url, timeout=10))
+        yield client, urls
+
+
+async def replicas(client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
+    data = (await client.get("/corral/replicas")).json()["models"]["m"]
+    return {r["url"]: r for r in data}
+
+
+async def eventually(predicate: Any, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_forwards_original_bytes_and_passes_answer_through() -> None:
+    engine = FakeEngine()
+    async with fleet([engine]) as (client, _):
+        raw = b'{"model": "m",   "prompt": "hi", "extra_field": [1, 2]}'
+        response = await client.post(
+            "/v1/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 200 and response.json()["usage"]["total_tokens"] == 8
+        assert engine.bodies == [raw]
+        assert response.headers["x-request-id"] == engine.headers_seen[0]["x-request-id"]
+        models = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["m"]
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_unknown_model_and_unknown_route_are_openai_404s() -> None:
+    async with fleet([FakeEngine()]) as (client, _):
+        response = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "model_not_found"
+        assert (await client.get("/v2/whatever")).json()["error"]["code"] == "not_found"
+
+
+async def test_malformed_body_gets_the_engines_own_error() -> None:
+    engine = FakeEngine()
+    async with fleet([engine]) as (client, _):
+        response = await client.post("/v1/completions", content=b"{not json")
+        assert response.status_code == 400 and response.json()["error"]["message"] == "bad json"
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_streams_sse_bytes_untouched() -> None:
+    engine = FakeEngine(num_chunks=4)
+    async with fleet([engine]) as (client, _):
+        async with client.stream(
+            "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            body = b"".join([chunk async for chunk in r.aiter_raw()])
+        expected = b"".join(f'data: {{"i": {i}, "served_by": "fake"}}\n\n'.encode() for i in range(4))
+        assert body == expected + b"data: [DONE]\n\n"
+
+
+async def test_5xx_before_first_byte_is_retried_on_another_replica() -> None:
+    bad, good = FakeEngine(name="bad", mode="error500"), FakeEngine(name="good")
+    async with fleet([bad, good], policy="round-robin") as (client, _):
+        for _ in range(4):
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert response.status_code == 200 and response.json()["served_by"] == "good"
+        assert len(bad.bodies) >= 1
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_retries_total{model="m",reason="http_500"}' in metrics
+
+
+async def test_dead_replica_is_retried_ejected_and_readmitted_when_healthy() -> None:
+    good = FakeEngine(name="good")
+    dead = dead_url()
+    async with fleet([good], extra_urls=[dead], policy="round-robin", ejection_s=0.2) as (client, _):
+        for _ in range(6):
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert response.status_code == 200 and response.json()["served_by"] == "good"
+
+        async def is_ejected() -> bool:
+            return not (await replicas(client))[dead]["healthy"]
+
+        await eventually(is_ejected)
+        assert "corral_gateway_ejections_total" in (await client.get("/metrics")).text
+        # Bring a replica up on the dead port: the /health probe re-admits it.
+        port = int(dead.rsplit(":", 1)[1])
+        revived = FakeEngine(name="revived")
+        import uvicorn
+
+        server = uvicorn.Server(
+            uvicorn.Config(revived.app(), host="127.0.0.1", port=port, log_level="critical")
+        )
+        task = asyncio.create_task(server.serve())
+        try:
+
+            async def is_back() -> bool:
+                return bool((await replicas(client))[dead]["healthy"])
+
+            await eventually(is_back)
+            served = {
+                (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).json()["served_by"]
+                for _ in range(4)
+            }
+            assert served == {"good", "revived"}
+        finally:
+            server.should_exit = True
+            await task
+
+
+async def test_replica_dying_mid_stream_ends_with_an_error_event() -> None:
+    engine = FakeEngine(mode="die_midstream", num_chunks=5)
+    async with fleet([engine]) as (client, _):
+        async with client.stream(
+            "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r:
+            events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert events[0] == 'data: {"i": 0, "served_by": "fake"}'
+        last = json.loads(events[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "upstream_disconnected"
+        assert "[DONE]" not in events[-1]
+
+
+async def test_client_hang_up_closes_the_upstream_request() -> None:
+    engine = FakeEngine(mode="hang", num_chunks=2)
+    async with fleet([engine]) as (client, _):
+        # Streaming: hang up after the first event.
+        async with client.stream(
+            "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r:
+            async for _ in r.aiter_raw():
+                break
+
+        async def upstream_closed() -> bool:
+            return engine.num_active == 0 and engine.num_cancelled == 1
+
+        await eventually(upstream_closed)
+        # Non-streaming: hang up while the replica is still working.
+        task = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+
+        async def is_active() -> bool:
+            return engine.num_active == 1
+
+        await eventually(is_active)
+        task.cancel()
+
+        async def cancelled_twice() -> bool:
+            return engine.num_active == 0 and engine.num_cancelled == 2
+
+        await eventually(cancelled_twice)
+        inflight = (await replicas(client)).popitem()[1]["num_inflight"]
+        assert inflight == 0
+
+
+async def test_saturated_fleet_queues_then_sheds_with_429() -> None:
+    engine = FakeEngine(num_waiting=10)  # reports a long queue: saturated
+    async with fleet([engine], max_queue_len=1, queue_timeout_s=10) as (client, _):
+
+        async def is_saturated_known() -> bool:
+            return (await replicas(client))[next(iter(await replicas(client)))]["num_waiting"] >= 10
+
+        await eventually(is_saturated_known)
+        queued = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+        await eventually(lambda: _queue_has(client, 1))
+        shed = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
+        assert shed.json()["error"]["code"] == "queue_full"
+        engine.num_waiting = 0  # load drops: the queued request goes through
+        response = await queued
+        assert response.status_code == 200
+
+
+async def _queue_has(client: httpx.AsyncClient, n: int) -> bool:
+    return f'corral_gateway_queue_length{{model="m"}} {float(n)}' in (await client.get("/metrics")).text
+
+
+async def test_api_keys_401_429_and_valid(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: sk-good\n    requests_per_minute: 2\n")
+    engine = FakeEngine()
+    async with fleet([engine], api_keys_file=keys) as (client, _):
+        body = {"model": "m", "prompt": "x"}
+        assert (await client.post("/v1/completions", json=body)).status_code == 401
+        wrong = await client.post("/v1/completions", json=body, headers={"authorization": "Bearer sk-bad"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        auth = {"authorization": "Bearer sk-good"}
+        assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 200
+        assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 200
+        limited = await client.post("/v1/completions", json=body, headers=auth)
+        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        assert (await client.get("/v1/models")).status_code == 401
+        # The client's key is never forwarded to the engine, nor shown in metrics.
+        assert all("authorization" not in h for h in engine.headers_seen)
+        assert "sk-good" not in (await client.get("/metrics")).text
+
+
+async def test_load_headers_and_metrics_polls_feed_the_registry() -> None:
+    engine = FakeEngine(num_running=3, num_waiting=1, kv_usage=0.5)
+    async with fleet([engine]) as (client, urls):
+
+        async def has_load() -> bool:
+            r = (await replicas(client))[urls[0]]
+            return bool(r["load_fresh"] and r["num_running"] >= 3 and r["kv_usage_ratio"] == 0.5)
+
+        await eventually(has_load)
+        metrics = (await client.get("/metrics")).text
+        assert "corral_gateway_replica_score" in metrics and "corral_gateway_replica_healthy" in metrics
+
+
+def test_settings_defaults_are_sane() -> None:
+    settings = GatewaySettings()
+    assert settings.policy == "prefix-affinity"
+    assert 0.05 <= settings.poll_interval_s <= 0.1 and settings.load_max_age_s == 2.0
