@@ -1,0 +1,118 @@
+"""Send one streamed request to /v1/completions or /v1/chat/completions and time its chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from corral_cli.bench.stats import RequestResult
+from corral_cli.bench.workload import BenchRequest
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_MAX_ERROR_CHARS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSettings:
+    base_url: str
+    model: str
+    endpoint_type: str = "completions"  # "completions" | "chat"
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    extra_body: dict[str, Any] | None = None
+
+
+def build_body(settings: RequestSettings, request: BenchRequest) -> dict[str, Any]:
+    """The JSON body for one benchmark request (streamed, with usage in the last chunk)."""
+    body: dict[str, Any] = {
+        "model": settings.model,
+        "max_tokens": request.output_len,
+        "temperature": settings.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if settings.endpoint_type == "chat":
+        if not isinstance(request.prompt, str):
+            raise ValueError("chat requests need text prompts (give --tokenizer to decode token ids)")
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    if settings.ignore_eos:
+        body["ignore_eos"] = True  # a vLLM extension Corral's engine shares
+    body.update(settings.extra_body or {})
+    return body
+
+
+def chunk_text(event: dict[str, Any], endpoint_type: str) -> str:
+    """The generated text an SSE event carries ("" for role-only or usage-only events)."""
+    choices = event.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    if endpoint_type == "chat":
+        delta = choice.get("delta") or {}
+        return str(delta.get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def error_message(status: int, body: bytes) -> str:
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace")
+    return f"HTTP {status}: {str(message)[:_MAX_ERROR_CHARS]}"
+
+
+async def send_request(
+    client: httpx.AsyncClient, settings: RequestSettings, request: BenchRequest
+) -> RequestResult:
+    """Stream one request; never raises for server or network trouble (the result records it)."""
+    result = RequestResult(prompt_len=request.prompt_len)
+    url = settings.base_url.rstrip("/") + ENDPOINTS[settings.endpoint_type]
+    body = build_body(settings, request)
+    num_chunks, usage = 0, None
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = error_message(response.status_code, await response.aread())
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    result.is_success = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = f"stream error: {str(event['error'])[:_MAX_ERROR_CHARS]}"
+                    return result
+                usage = event.get("usage") or usage
+                if chunk_text(event, settings.endpoint_type):
+                    now = time.perf_counter()
+                    if num_chunks == 0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                    num_chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {str(e)[:_MAX_ERROR_CHARS]}"
+        return result
+    result.e2el_s = time.perf_counter() - start
+    if num_chunks == 0:
+        result.ttft_s = result.e2el_s  # nothing streamed before the end
+    if not result.is_success:
+        result.error = "stream ended without [DONE]"
+        return result
+    if isinstance(usage, dict):
+        result.output_len = int(usage.get("completion_tokens") or num_chunks)
+        result.prompt_len = int(usage.get("prompt_tokens") or request.prompt_len)
+    else:
+        result.output_len = num_chunks
+    return result

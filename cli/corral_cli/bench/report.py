@@ -1,0 +1,167 @@
+"""Present benchmark results: rich tables, the result JSON, and matplotlib figures (Agg backend)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from corral_cli.bench.stats import LATENCIES, RequestResult, latency_samples
+
+_LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
+_STATS = ("mean", "median", "p90", "p99")
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def run_table(summary: dict[str, Any]) -> Table:
+    """Counts, throughputs and the four latency distributions of one run."""
+    table = Table(title=f"corral bench: request rate {rate_label(summary['request_rate'])} req/s")
+    table.add_column("metric")
+    for stat in _STATS:
+        table.add_column(f"{stat} (ms)", justify="right")
+    for kind in LATENCIES:
+        table.add_row(_LATENCY_NAMES[kind], *(_fmt(summary[f"{stat}_{kind}_ms"]) for stat in _STATS))
+    table.add_section()
+    rows = (
+        ("completed / failed", f"{summary['completed']} / {summary['failed']}"),
+        ("duration (s)", _fmt(summary["duration_s"])),
+        ("request throughput (req/s)", _fmt(summary["request_throughput"])),
+        ("input throughput (tok/s)", _fmt(summary["input_throughput"], 1)),
+        ("output throughput (tok/s)", _fmt(summary["output_throughput"], 1)),
+        ("total throughput (tok/s)", _fmt(summary["total_token_throughput"], 1)),
+        ("server preemptions", _fmt(summary["num_preemptions"], 0)),
+    )
+    for name, value in rows:
+        table.add_row(name, value, "", "", "")
+    return table
+
+
+def sweep_table(summaries: list[dict[str, Any]]) -> Table:
+    table = Table(title="corral bench: request-rate sweep (rates in req/s, latencies in ms)")
+    columns = (
+        ("rate", lambda s: rate_label(s["request_rate"])),
+        ("ok/fail", lambda s: f"{s['completed']}/{s['failed']}"),
+        ("req/s", lambda s: _fmt(s["request_throughput"])),
+        ("out tok/s", lambda s: _fmt(s["output_throughput"], 1)),
+        ("TTFT mean", lambda s: _fmt(s["mean_ttft_ms"], 1)),
+        ("TTFT p99", lambda s: _fmt(s["p99_ttft_ms"], 1)),
+        ("TPOT mean", lambda s: _fmt(s["mean_tpot_ms"], 1)),
+        ("ITL p99", lambda s: _fmt(s["p99_itl_ms"], 1)),
+        ("E2E mean", lambda s: _fmt(s["mean_e2el_ms"], 1)),
+        ("preempt", lambda s: _fmt(s["num_preemptions"], 0)),
+    )
+    for name, _ in columns:
+        table.add_column(name, justify="right")
+    for summary in summaries:
+        table.add_row(*(cell(summary) for _, cell in columns))
+    return table
+
+
+def print_report(summaries: list[dict[str, Any]], console: Console | None = None) -> None:
+    console = console or Console()
+    if len(summaries) == 1:
+        console.print(run_table(summaries[0]))
+    else:
+        console.print(sweep_table(summaries))
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf are not JSON: NaN becomes null, an infinite rate the string "inf"."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_result_file(
+    path: str | pathlib.Path, config: dict[str, Any], summaries: list[dict[str, Any]]
+) -> None:
+    document = {"benchmark": config, "runs": summaries}
+    text = json.dumps(_json_safe(document), indent=2, allow_nan=False)
+    pathlib.Path(path).write_text(text + "\n", encoding="utf-8")
+
+
+def plot_latency_distributions(results: list[RequestResult], path: str | pathlib.Path, title: str) -> None:
+    """Histograms of TTFT, TPOT, ITL and E2E latency (ms) with p50/p99 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    samples = latency_samples(results)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, kind in zip(axes.flat, LATENCIES, strict=True):
+        values = np.asarray(samples[kind]) * 1000.0
+        ax.set_title(_LATENCY_NAMES[kind])
+        ax.set_xlabel("ms")
+        if values.size == 0:
+            ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+            continue
+        ax.hist(values, bins=min(50, max(5, values.size // 4)), color="tab:blue", alpha=0.8)
+        for q, style in ((50, "--"), (99, ":")):
+            ax.axvline(float(np.percentile(values, q)), color="black", linestyle=style, label=f"p{q}")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_sweep(summaries: list[dict[str, Any]], path: str | pathlib.Path, title: str) -> None:
+    """Throughput and latency against request rate (an infinite rate is drawn as the last point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(len(summaries)))
+    labels = [rate_label(s["request_rate"]) for s in summaries]
+
+    def series(key: str) -> list[float]:
+        return [float("nan") if s[key] is None else float(s[key]) for s in summaries]
+
+    fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_tput.plot(xs, series("output_throughput"), marker="o", label="output tok/s")
+    ax_tput.plot(xs, series("total_token_throughput"), marker="s", label="total tok/s")
+    ax_tput.set_ylabel("tokens/s")
+    ax_tput.set_title("throughput")
+    for key, name in (
+        ("mean_ttft_ms", "TTFT mean"),
+        ("p99_ttft_ms", "TTFT p99"),
+        ("mean_tpot_ms", "TPOT mean"),
+        ("p99_itl_ms", "ITL p99"),
+    ):
+        ax_lat.plot(xs, series(key), marker="o", label=name)
+    ax_lat.set_ylabel("ms")
+    ax_lat.set_yscale("log")
+    ax_lat.set_title("latency")
+    for ax in (ax_tput, ax_lat):
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,154 @@
+"""Drive a benchmark run: check the endpoint, send requests on their arrival schedule, scrape /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from corral_engine.wire import NUM_PREEMPTIONS_TOTAL
+
+from corral_cli.bench import prom
+from corral_cli.bench.arrivals import arrival_offsets_s
+from corral_cli.bench.client import RequestSettings, send_request
+from corral_cli.bench.stats import RequestResult, aggregate
+from corral_cli.bench.workload import BenchRequest
+
+log = logging.getLogger(__name__)
+
+CHECK_TIMEOUT_S = 10.0
+
+
+class BenchError(Exception):
+    """A problem the user must fix (unreachable endpoint, bad dataset, ...); reported without a trace."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    request_rate: float  # requests/s; inf sends everything at once
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    metrics_url: str | None = None  # None: no /metrics scrape
+    show_progress: bool = True
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    summary: dict[str, Any]
+    results: list[RequestResult]
+
+
+def make_client(request_timeout_s: float) -> httpx.AsyncClient:
+    # No connection cap: a client-side pool limit would queue requests and inflate TTFT.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(request_timeout_s, connect=CHECK_TIMEOUT_S)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+async def list_models(client: httpx.AsyncClient, base_url: str) -> list[str]:
+    """Model ids the endpoint serves ([] if it has no /v1/models); BenchError if unreachable."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        response = await client.get(url, timeout=CHECK_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        raise BenchError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from e
+    if response.status_code != 200:
+        return []
+    try:
+        return [str(m["id"]) for m in response.json().get("data", [])]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+async def scrape_counter(client: httpx.AsyncClient, metrics_url: str | None, name: str) -> float | None:
+    if metrics_url is None:
+        return None
+    try:
+        response = await client.get(metrics_url, timeout=CHECK_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        log.warning("cannot scrape %s: %s", metrics_url, e)
+        return None
+    if response.status_code != 200:
+        return None
+    return prom.sum_samples(response.text, name)
+
+
+async def run_once(
+    client: httpx.AsyncClient, request: RequestSettings, run: RunSettings, requests: list[BenchRequest]
+) -> RunOutcome:
+    """Send `requests` on a seeded arrival schedule and summarise what came back."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    offsets = arrival_offsets_s(len(requests), run.request_rate, run.burstiness, run.seed)
+    slots = asyncio.Semaphore(run.max_concurrency) if run.max_concurrency else None
+    preemptions_before = await scrape_counter(client, run.metrics_url, NUM_PREEMPTIONS_TOTAL)
+    rate = "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}"
+    progress = Progress(
+        TextColumn(f"rate {rate} req/s"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not run.show_progress,
+        transient=True,
+    )
+    task = progress.add_task("requests", total=len(requests))
+
+    async def one(bench_request: BenchRequest) -> RequestResult:
+        if slots is None:
+            result = await send_request(client, request, bench_request)
+        else:
+            async with slots:
+                result = await send_request(client, request, bench_request)
+        progress.advance(task)
+        return result
+
+    with progress:
+        start = time.perf_counter()
+        tasks = []
+        for offset_s, bench_request in zip(offsets, requests, strict=True):
+            delay_s = start + offset_s - time.perf_counter()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            tasks.append(asyncio.create_task(one(bench_request)))
+        results = list(await asyncio.gather(*tasks))
+        duration_s = time.perf_counter() - start
+    preemptions_after = await scrape_counter(client, run.metrics_url, NUM_PREEMPTIONS_TOTAL)
+
+    summary = {
+        "request_rate": run.request_rate,
+        "burstiness": run.burstiness,
+        "max_concurrency": run.max_concurrency,
+        "num_prompts": len(requests),
+        **aggregate(results, duration_s),
+        "num_preemptions": prom.delta(preemptions_before, preemptions_after),
+    }
+    return RunOutcome(summary, results)
+
+
+async def run_sweep(
+    request: RequestSettings,
+    runs: list[RunSettings],
+    requests: list[BenchRequest],
+    request_timeout_s: float,
+) -> list[RunOutcome]:
+    """Run the same requests at each setting in turn."""
+    async with make_client(request_timeout_s) as client:
+        return [await run_once(client, request, run, requests) for run in runs]
+
+
+async def resolve_model(base_url: str, model: str | None) -> str:
+    """`model` if given, else the endpoint's first served model; BenchError if unreachable or none."""
+    async with make_client(CHECK_TIMEOUT_S) as client:
+        models = await list_models(client, base_url)
+    if model:
+        if models and model not in models:
+            log.warning("model %r is not among the served models %s", model, models)
+        return model
+    if not models:
+        raise BenchError(f"{base_url} lists no models; pass --model")
+    return models[0]

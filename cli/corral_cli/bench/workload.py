@@ -1,0 +1,230 @@
+"""Benchmark workloads: random token-id prompts of exact lengths, ShareGPT JSON, and JSONL datasets.
+
+Sampling is pure and seeded; reading files and loading a tokenizer are the only I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# ShareGPT filters (as commonly used for serving benchmarks): drop trivial turns and overly long ones.
+MIN_SHAREGPT_LEN = 4
+# Without a tokenizer, dataset text lengths are estimated at this many UTF-8 bytes per token.
+BYTES_PER_TOKEN_ESTIMATE = 4.0
+# Without a tokenizer, random token ids are drawn below this bound: every byte-level vocabulary
+# has at least 256 byte tokens plus a few specials, so these ids exist in any such model.
+DEFAULT_RANDOM_VOCAB = 256
+_NUM_LOW_IDS_SKIPPED = 3  # ids 0..2 are often pad/bos/eos-like specials
+
+
+class BenchTokenizer(Protocol):
+    vocab_size: int
+    special_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request to send: a text or token-id prompt, its length in tokens, and tokens to generate."""
+
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+class HFTokenizer:
+    """A `tokenizer.json` loaded with the `tokenizers` library (no transformers import)."""
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ModuleNotFoundError as e:
+            raise ValueError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from e
+        file = pathlib.Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(f"no tokenizer.json at {path}")
+        self._tok = Tokenizer.from_file(str(file))
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.special_ids = frozenset(
+            int(i) for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", True)
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+def count_tokens(text: str, tokenizer: BenchTokenizer | None) -> int:
+    if tokenizer is not None:
+        return len(tokenizer.encode(text))
+    return max(1, round(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE))
+
+
+def length_range(mean_len: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive [low, high] around mean_len: range_ratio 0 is exact, 0.5 is +-50%."""
+    if mean_len < 1:
+        raise ValueError(f"length must be >= 1, got {mean_len}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    low = max(1, math.floor(mean_len * (1.0 - range_ratio)))
+    high = max(low, math.ceil(mean_len * (1.0 + range_ratio)))
+    return low, high
+
+
+def allowed_token_ids(tokenizer: BenchTokenizer | None, vocab_size: int | None) -> np.ndarray:
+    """Ids random prompts may use: the vocabulary minus special tokens."""
+    if tokenizer is not None:
+        ids = np.arange(tokenizer.vocab_size)
+        return ids[~np.isin(ids, list(tokenizer.special_ids))] if tokenizer.special_ids else ids
+    upper = vocab_size if vocab_size is not None else DEFAULT_RANDOM_VOCAB + _NUM_LOW_IDS_SKIPPED
+    if upper <= _NUM_LOW_IDS_SKIPPED:
+        raise ValueError(f"vocabulary size must be > {_NUM_LOW_IDS_SKIPPED}, got {upper}")
+    return np.arange(_NUM_LOW_IDS_SKIPPED, upper)
+
+
+def sample_random(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    token_ids: np.ndarray,
+    as_text: BenchTokenizer | None = None,
+) -> list[BenchRequest]:
+    """Random prompts of exact token lengths (token-id prompts), or decoded text when `as_text` is given."""
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    in_low, in_high = length_range(input_len, range_ratio)
+    out_low, out_high = length_range(output_len, range_ratio)
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
+    out_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
+    requests = []
+    for in_len, out_len in zip(in_lens.tolist(), out_lens.tolist(), strict=True):
+        ids = rng.choice(token_ids, size=in_len).tolist()
+        if as_text is not None:
+            text = as_text.decode(ids)
+            requests.append(BenchRequest(text, len(as_text.encode(text)), out_len))
+        else:
+            requests.append(BenchRequest(ids, in_len, out_len))
+    return requests
+
+
+def random_text_prompts(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
+    """Text prompts of roughly `input_len` tokens when no tokenizer is at hand (chat endpoints)."""
+    in_low, in_high = length_range(input_len, range_ratio)
+    out_low, out_high = length_range(output_len, range_ratio)
+    rng = np.random.default_rng(seed)
+    words = ("alpha", "bravo", "cloud", "delta", "river", "stone", "green", "light", "north", "seven")
+    requests = []
+    for _ in range(num_prompts):
+        in_len = int(rng.integers(in_low, in_high + 1))
+        # a common short word with its leading space is about one token in byte-level vocabularies
+        text = " ".join(words[int(i)] for i in rng.integers(0, len(words), size=in_len))
+        requests.append(BenchRequest(text, in_len, int(rng.integers(out_low, out_high + 1))))
+    return requests
+
+
+def parse_sharegpt(
+    entries: list[Any], tokenizer: BenchTokenizer | None, max_prompt_len: int, max_total_len: int
+) -> list[BenchRequest]:
+    """Prompt = the first human turn, output length = tokens of the reply that follows it."""
+    requests = []
+    for entry in entries:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        first, reply = turns[0], turns[1]
+        if not (isinstance(first, dict) and isinstance(reply, dict)):
+            continue
+        prompt, completion = first.get("value"), reply.get("value")
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            continue
+        prompt_len, output_len = count_tokens(prompt, tokenizer), count_tokens(completion, tokenizer)
+        if prompt_len < MIN_SHAREGPT_LEN or output_len < MIN_SHAREGPT_LEN:
+            continue
+        if prompt_len > max_prompt_len or prompt_len + output_len > max_total_len:
+            continue
+        requests.append(BenchRequest(prompt, prompt_len, output_len))
+    return requests
+
+
+def parse_jsonl_record(record: Any, tokenizer: BenchTokenizer | None, line_no: int) -> BenchRequest:
+    """{"prompt": "text" | [ids], "output_len": N} (also accepts prompt_token_ids / max_tokens)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"line {line_no}: expected a JSON object")
+    prompt = record.get("prompt", record.get("prompt_token_ids"))
+    output_len = record.get("output_len", record.get("max_tokens"))
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and i >= 0 for i in prompt):
+        prompt_len = len(prompt)
+    elif isinstance(prompt, str) and prompt:
+        prompt_len = count_tokens(prompt, tokenizer)
+    else:
+        raise ValueError(f"line {line_no}: 'prompt' must be non-empty text or a list of token ids")
+    if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
+        raise ValueError(f"line {line_no}: 'output_len' must be an integer >= 1")
+    return BenchRequest(prompt, prompt_len, output_len)
+
+
+def load_dataset(
+    path: str | pathlib.Path,
+    num_prompts: int,
+    seed: int,
+    tokenizer: BenchTokenizer | None,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+) -> list[BenchRequest]:
+    """Read ShareGPT JSON (a list) or JSONL, then take a seeded sample of `num_prompts` requests."""
+    file = pathlib.Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read dataset {path}: {e.strerror or e}") from e
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            entries = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        requests = parse_sharegpt(entries, tokenizer, max_prompt_len, max_total_len)
+    else:
+        requests = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n} is not valid JSON: {e}") from e
+            requests.append(parse_jsonl_record(record, tokenizer, n))
+    if not requests:
+        raise ValueError(f"{path} holds no usable requests")
+    return sample_requests(requests, num_prompts, seed)
+
+
+def sample_requests(requests: list[BenchRequest], num_prompts: int, seed: int) -> list[BenchRequest]:
+    """A seeded sample without replacement; all of them (shuffled) when there are fewer."""
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    order = np.random.default_rng(seed).permutation(len(requests))
+    if num_prompts > len(requests):
+        log.warning("dataset has %d usable requests; using all of them", len(requests))
+    return [requests[int(i)] for i in order[:num_prompts]]

@@ -1,0 +1,142 @@
+"""`corral bench`: load-test any OpenAI-compatible endpoint and report throughput, TTFT, TPOT, ITL, E2E."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    target.add_argument("--model", help="model name to request (default: the server's first model)")
+    target.add_argument("--endpoint-type", choices=("completions", "chat"), default="completions")
+    target.add_argument(
+        "--metrics-url", help="Prometheus endpoint to read preemptions from (default: BASE_URL/metrics)"
+    )
+    target.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    target.add_argument("--request-timeout", type=float, default=600.0, help="per-request seconds")
+
+    work = parser.add_argument_group("workload")
+    work.add_argument("--dataset", help="ShareGPT JSON or JSONL file (default: random prompts)")
+    work.add_argument("--tokenizer", help="directory with tokenizer.json, for exact token counts")
+    work.add_argument("--num-prompts", type=int, default=100)
+    work.add_argument("--random-input-len", type=int, default=128)
+    work.add_argument("--random-output-len", type=int, default=128)
+    work.add_argument("--random-range-ratio", type=float, default=0.0, help="length spread, in [0, 1)")
+    work.add_argument("--random-vocab-size", type=int, help="token ids for random prompts are drawn below it")
+    work.add_argument("--max-prompt-len", type=int, default=1024, help="dataset filter (tokens)")
+    work.add_argument("--max-total-len", type=int, default=2048, help="dataset filter: prompt + output")
+    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested lengths")
+    work.add_argument("--temperature", type=float, default=0.0)
+
+    load = parser.add_argument_group("load")
+    load.add_argument(
+        "--request-rate", default="inf", help="requests/s (Poisson); 'inf' = all at once; '1,2,inf' = a sweep"
+    )
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
+    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--result-file", help="write the results as JSON here")
+    out.add_argument("--plot", help="PNG: latency distributions, or throughput/latency vs rate for a sweep")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from corral_cli.bench.runner import BenchError
+
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # a line per request
+    try:
+        return asyncio.run(_bench(args))
+    except BenchError as e:
+        log.error("%s", e)
+        return 1
+
+
+def _load_workload(args: argparse.Namespace) -> tuple[list[Any], str]:
+    """The requests to send and where their token lengths come from."""
+    from corral_cli.bench import workload
+    from corral_cli.bench.runner import BenchError
+
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # a line per request
+    try:
+        tokenizer = workload.HFTokenizer(args.tokenizer) if args.tokenizer else None
+        if args.dataset:
+            requests = workload.load_dataset(
+                args.dataset, args.num_prompts, args.seed, tokenizer, args.max_prompt_len, args.max_total_len
+            )
+            return requests, "tokenizer" if tokenizer else "estimated"
+        sizes = (args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio)
+        if args.endpoint_type == "chat" and tokenizer is None:
+            return workload.random_text_prompts(*sizes, args.seed), "estimated"
+        ids = workload.allowed_token_ids(tokenizer, args.random_vocab_size)
+        as_text = tokenizer if args.endpoint_type == "chat" else None
+        return workload.sample_random(*sizes, args.seed, ids, as_text=as_text), "exact"
+    except ValueError as e:
+        raise BenchError(str(e)) from e
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from corral_cli.bench import report
+    from corral_cli.bench.arrivals import parse_rates
+    from corral_cli.bench.client import RequestSettings
+    from corral_cli.bench.runner import BenchError, RunSettings, resolve_model, run_sweep
+
+    try:
+        rates = parse_rates(args.request_rate)
+    except ValueError as e:
+        raise BenchError(str(e)) from e
+    if args.burstiness <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise BenchError("--burstiness must be > 0 and --max-concurrency >= 1")
+    requests, lengths_from = _load_workload(args)
+    model = await resolve_model(args.base_url, args.model)
+    settings = RequestSettings(
+        base_url=args.base_url,
+        model=model,
+        endpoint_type=args.endpoint_type,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+    )
+    metrics_url = None if args.no_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics")
+    runs = [
+        RunSettings(rate, args.burstiness, args.max_concurrency, args.seed, metrics_url, not args.no_progress)
+        for rate in rates
+    ]
+    outcomes = await run_sweep(settings, runs, requests, args.request_timeout)
+    summaries = [o.summary for o in outcomes]
+    report.print_report(summaries)
+    config = {
+        "base_url": args.base_url,
+        "model": model,
+        "endpoint_type": args.endpoint_type,
+        "dataset": args.dataset or "random",
+        "num_prompts": len(requests),
+        "prompt_lengths": lengths_from,
+        "random_input_len": None if args.dataset else args.random_input_len,
+        "random_output_len": None if args.dataset else args.random_output_len,
+        "random_range_ratio": None if args.dataset else args.random_range_ratio,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+    }
+    if args.result_file:
+        report.write_result_file(args.result_file, config, summaries)
+        log.info("wrote %s", args.result_file)
+    if args.plot:
+        title = f"{model} @ {args.base_url}"
+        if len(outcomes) > 1:
+            report.plot_sweep(summaries, args.plot, title)
+        else:
+            rate = report.rate_label(rates[0])
+            report.plot_latency_distributions(outcomes[0].results, args.plot, f"{title}, rate {rate}")
+        log.info("wrote %s", args.plot)
+    if all(s["completed"] == 0 for s in summaries):
+        errors: dict[str, int] = next((s["errors"] for s in summaries if s["errors"]), {})
+        log.error("every request failed; most common errors: %s", errors)
+        return 1
+    return 0

@@ -1,0 +1,113 @@
+"""A tiny OpenAI-compatible SSE server for unit tests of the bench client (127.0.0.1, port 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+MODEL = "fake-model"
+
+
+@dataclass
+class FakeState:
+    num_in_flight: int = 0
+    max_in_flight: int = 0
+    num_preemptions: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    token_delay_s: float = 0.0
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def build_app(state: FakeState) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = (
+            "# HELP vllm:num_preemptions_total Preemptions.\n# TYPE vllm:num_preemptions_total counter\n"
+            f'vllm:num_preemptions_total{{model_name="{MODEL}"}} {float(state.num_preemptions)}\n'
+        )
+        return PlainTextResponse(text)
+
+    async def stream(body: dict[str, Any], chat: bool) -> AsyncIterator[str]:
+        state.num_in_flight += 1
+        state.max_in_flight = max(state.max_in_flight, state.num_in_flight)
+        try:
+            if chat:
+                yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            num_tokens = int(body["max_tokens"])
+            for i in range(num_tokens):
+                await asyncio.sleep(state.token_delay_s)
+                piece = "é" if i % 2 else " a"
+                choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                yield _sse({"choices": [choice]})
+            prompt = body.get("prompt")
+            num_prompt = len(prompt) if isinstance(prompt, list) else 7
+            usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens}
+            yield _sse({"choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+            state.num_preemptions += 1
+        finally:
+            state.num_in_flight -= 1
+
+    async def handle(request: Request, chat: bool) -> Any:
+        body = await request.json()
+        state.bodies.append(body)
+        text = body["messages"][0]["content"] if chat else body.get("prompt")
+        if text == "fail" or body.get("model") != MODEL:
+            error = {"message": "no such thing", "type": "invalid_request_error", "param": None, "code": None}
+            return JSONResponse({"error": error}, status_code=400)
+        return StreamingResponse(stream(body, chat), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await handle(request, chat=True)
+
+    return app
+
+
+@contextmanager
+def serve_fake(state: FakeState | None = None) -> Iterator[tuple[str, FakeState]]:
+    """Run the fake server in a thread; yields (base_url, state)."""
+    state = state or FakeState()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(build_app(state), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("fake server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

@@ -1,0 +1,132 @@
+"""`corral bench` against a fake OpenAI-compatible SSE server: timing, errors, concurrency, metrics, CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+
+import pytest
+from corral_cli.bench.client import RequestSettings, send_request
+from corral_cli.bench.runner import RunSettings, make_client, run_once
+from corral_cli.bench.workload import BenchRequest
+from corral_cli.main import main as corral_main
+
+from .fake_openai import MODEL, FakeState, serve_fake
+
+
+@pytest.fixture
+def fake():
+    with serve_fake(FakeState(token_delay_s=0.001)) as (url, state):
+        yield url, state
+
+
+async def test_completion_stream_is_timed_per_chunk(fake):
+    url, state = fake
+    settings = RequestSettings(url, MODEL, ignore_eos=True)
+    async with make_client(30) as client:
+        result = await send_request(client, settings, BenchRequest([5, 6, 7], 3, 6))
+    assert result.is_success, result.error
+    assert (result.prompt_len, result.output_len) == (3, 6)
+    assert len(result.itl_s) == 5 and all(gap > 0 for gap in result.itl_s)
+    assert 0 < result.ttft_s <= result.e2el_s
+    assert result.tpot_s is not None and result.tpot_s > 0
+    body = state.bodies[-1]
+    assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 6 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+async def test_chat_stream_skips_the_role_chunk(fake):
+    url, state = fake
+    settings = RequestSettings(url, MODEL, endpoint_type="chat")
+    async with make_client(30) as client:
+        result = await send_request(client, settings, BenchRequest("hello", 1, 3))
+    assert result.is_success and result.output_len == 3 and len(result.itl_s) == 2
+    assert state.bodies[-1]["messages"] == [{"role": "user", "content": "hello"}]
+    assert "ignore_eos" not in state.bodies[-1]
+
+
+async def test_error_response_is_a_failed_result_with_the_message(fake):
+    url, _ = fake
+    async with make_client(30) as client:
+        result = await send_request(client, RequestSettings(url, MODEL), BenchRequest("fail", 1, 3))
+    assert not result.is_success
+    assert result.error == "HTTP 400: no such thing"
+
+
+async def test_run_respects_max_concurrency_and_counts_preemptions(fake):
+    url, state = fake
+    requests = [BenchRequest([1, 2], 2, 4) for _ in range(12)] + [BenchRequest("fail", 1, 1)]
+    run = RunSettings(math.inf, max_concurrency=3, metrics_url=url + "/metrics", show_progress=False)
+    async with make_client(30) as client:
+        outcome = await run_once(client, RequestSettings(url, MODEL), run, requests)
+    s = outcome.summary
+    assert (s["completed"], s["failed"]) == (12, 1)
+    assert 1 <= state.max_in_flight <= 3
+    assert s["num_preemptions"] == 12  # the fake counts one "preemption" per finished stream
+    assert s["total_output_tokens"] == 48 and s["output_throughput"] > 0
+    assert s["errors"] == {"HTTP 400: no such thing": 1}
+
+
+async def test_unlimited_concurrency_sends_everything_at_once(fake):
+    url, state = fake
+    state.token_delay_s = 0.02  # long enough that all 8 streams overlap
+    run = RunSettings(math.inf, show_progress=False)
+    async with make_client(30) as client:
+        outcome = await run_once(client, RequestSettings(url, MODEL), run, [BenchRequest([1], 1, 20)] * 8)
+    assert outcome.summary["completed"] == 8
+    assert state.max_in_flight == 8
+    assert outcome.summary["num_preemptions"] is None  # no metrics URL given
+
+
+def test_cli_sweep_writes_results_and_plot(fake, tmp_path):
+    url, _ = fake
+    result_file, plot = tmp_path / "r.json", tmp_path / "sweep.png"
+    argv = ["bench", "--base-url", url, "--num-prompts", "6", "--random-input-len", "8"]
+    argv += ["--random-output-len", "4", "--request-rate", "200,inf", "--ignore-eos", "--no-progress"]
+    argv += ["--result-file", str(result_file), "--plot", str(plot)]
+    assert corral_main(argv) == 0
+    doc = json.loads(result_file.read_text())
+    assert doc["benchmark"]["model"] == MODEL  # taken from /v1/models
+    assert [run["request_rate"] for run in doc["runs"]] == [200.0, "inf"]
+    for run in doc["runs"]:
+        assert (run["completed"], run["failed"], run["total_output_tokens"]) == (6, 0, 24)
+        assert run["total_input_tokens"] == 48
+        for key in ("mean_ttft_ms", "median_tpot_ms", "p90_itl_ms", "p99_e2el_ms", "request_throughput"):
+            assert run[key] > 0
+        assert run["num_preemptions"] == 6
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_single_run_plots_latency_distributions(fake, tmp_path):
+    url, _ = fake
+    plot = tmp_path / "dist.png"
+    argv = ["bench", "--base-url", url, "--model", MODEL, "--num-prompts", "4", "--random-input-len", "4"]
+    argv += ["--random-output-len", "3", "--no-progress", "--plot", str(plot), "--endpoint-type", "chat"]
+    assert corral_main(argv) == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_all_failed_exits_nonzero(fake, caplog):
+    url, _ = fake
+    argv = ["bench", "--base-url", url, "--model", "wrong", "--num-prompts", "2", "--no-progress"]
+    with caplog.at_level(logging.ERROR):
+        assert corral_main(argv) == 1
+    assert "every request failed" in caplog.text and "no such thing" in caplog.text
+
+
+def test_cli_unreachable_endpoint_is_a_clear_error(caplog):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with caplog.at_level(logging.ERROR):
+        assert corral_main(["bench", "--base-url", f"http://127.0.0.1:{port}", "--no-progress"]) == 1
+    assert f"cannot reach http://127.0.0.1:{port}" in caplog.text
+
+
+def test_cli_rejects_bad_arguments(caplog, tmp_path):
+    with caplog.at_level(logging.ERROR):
+        assert corral_main(["bench", "--request-rate", "fast"]) == 1
+        assert corral_main(["bench", "--dataset", str(tmp_path / "nope.json")]) == 1
+    assert "'fast'" in caplog.text and "cannot read dataset" in caplog.text
