@@ -4,8 +4,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-
 from corral_engine.server import create_app
+
 from tests.server.fake_engine import FakeEngine
 
 

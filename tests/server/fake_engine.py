@@ -56,12 +56,17 @@ class FakeEngine:
         self.max_waiting = max_waiting
         self.script = script.encode()
         self.requests: dict[str, FakeRequest] = {}
-        self.aborted: list[str] = []
+        self.aborted: list[str] = []  # ids of live requests that were aborted
+        self.abort_calls: list[str] = []  # every abort() call
         self.gate = asyncio.Event()  # cleared: requests wait in the queue
         self.gate.set()
         self.is_started = False
         self.is_dead = False
         self._counters = EngineStats(num_kv_blocks=64, block_size=16)
+
+    @property
+    def is_running(self) -> bool:
+        return self.is_started and not self.is_dead
 
     async def start(self) -> None:
         self.is_started = True
@@ -112,6 +117,7 @@ class FakeEngine:
         return self._generate(req)
 
     def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
         req = self.requests.pop(request_id, None)  # its blocks are free at once
         if req is not None:
             req.is_aborted = True
@@ -177,7 +183,11 @@ class FakeEngine:
                 if finished:
                     return
         finally:
-            self.requests.pop(req.request_id, None)
+            # Like the real engine: a consumer that leaves early aborts the request.
+            if self.requests.get(req.request_id) is req:
+                self.requests.pop(req.request_id)
+                if not all(s.finish_reason for s in seqs):
+                    self.aborted.append(req.request_id)
 
     @staticmethod
     def _output(req: FakeRequest, seqs: list[CompletionOutput], finished: bool) -> RequestOutput:

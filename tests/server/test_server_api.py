@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 import httpx
-
 from corral_engine import wire
+
 from tests.server.fake_engine import FakeEngine
 
 MODEL = FakeEngine.served_model_name

@@ -6,9 +6,9 @@ from typing import Any
 
 import httpx
 import pytest
-
 from corral_engine import wire
 from corral_engine.server import create_app
+
 from tests.server.fake_engine import FakeEngine
 
 MODEL = FakeEngine.served_model_name

@@ -66,6 +66,10 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval
             return errors.error_response(
                 errors.APIError(503, "The engine is starting.", type="service_unavailable_error")
             )
+        if not engine.is_running:
+            return errors.error_response(
+                errors.APIError(503, "The engine is not running.", type="service_unavailable_error")
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -98,12 +98,12 @@ async def _stream(
         "created": created,
         "model": ctx.model_name,
     }
-    if req.include_usage_in_stream:
-        base["usage"] = None
+    # With include_usage every chunk carries "usage": null, and a last one the totals.
+    tail: dict[str, Any] = {"usage": None} if req.include_usage_in_stream else {}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**base, "choices": [choice]})
+        return sse({**base, "choices": [choice], **tail})
 
     final: RequestOutput | None = None
     sent_finish: set[int] = set()

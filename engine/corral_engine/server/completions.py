@@ -92,8 +92,8 @@ async def _stream(
         "created": created,
         "model": ctx.model_name,
     }
-    if req.include_usage_in_stream:
-        base["usage"] = None
+    # With include_usage every chunk carries "usage": null, and a last one the totals.
+    tail: dict[str, Any] = {"usage": None} if req.include_usage_in_stream else {}
     finals: dict[int, RequestOutput] = {}
     sent_finish: set[int] = set()
     offsets: dict[int, int] = {}
@@ -107,7 +107,7 @@ async def _stream(
                     sent_finish.add(index)
                 choice = _choice(ctx, req, index, o, o.delta_text, o.delta_logprobs, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(o.delta_text)
-                yield sse({**base, "choices": [choice]})
+                yield sse({**base, "choices": [choice], **tail})
             if out.finished:
                 finals[prompt_index] = out
         if req.include_usage_in_stream:

@@ -14,6 +14,9 @@ class EngineClient(Protocol):
     served_model_name: str
     max_model_len: int
 
+    @property
+    def is_running(self) -> bool: ...  # False once the step loop died or shut down
+
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...

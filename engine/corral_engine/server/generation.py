@@ -79,18 +79,30 @@ class GenerationRun:
                 self._ids.append(engine_id)
                 self._unfinished.add(engine_id)
         except BaseException:
-            self.close()
+            self.abort_unfinished()
+            self._closed = True
+            in_flight.leave()
             raise
 
-    def close(self) -> None:
-        """Abort what has not finished; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def abort_unfinished(self) -> None:
+        """Abort the engine requests that have not finished; idempotent, never blocks."""
         for engine_id in sorted(self._unfinished):
             logger.info("aborting request %s", engine_id)
             self.engine.abort(engine_id)
         self._unfinished.clear()
+
+    async def close(self) -> None:
+        """Abort what has not finished and close the engine's streams; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_unfinished()
+        for stream in self._streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                # Nothing iterates the streams any more (the consumers were cancelled first).
+                with contextlib.suppress(RuntimeError):
+                    await aclose()
         self._in_flight.leave()
 
     async def _follow(self, index: int) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -174,4 +186,4 @@ async def collect_unless_disconnected(run: GenerationRun, receive: object) -> Co
         for task in (collector, watcher):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        run.close()
+        await run.close()

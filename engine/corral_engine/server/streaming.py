@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -26,7 +26,7 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 class EngineStreamingResponse(StreamingResponse):
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -51,4 +51,4 @@ class EngineStreamingResponse(StreamingResponse):
             aclose = getattr(self._content, "aclose", None)
             if aclose is not None:
                 await aclose()
-            self._on_close()
+            await self._on_close()

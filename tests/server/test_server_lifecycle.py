@@ -1,0 +1,180 @@
+"""Client hang-ups abort engine requests; metrics parse and carry vLLM's names; health and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from corral_engine import wire
+from corral_engine.outputs import EngineStats
+from corral_engine.server import create_app
+from corral_engine.server.lifecycle import throughput_line
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.fake_engine import FakeEngine
+
+MODEL = FakeEngine.served_model_name
+
+LISTED_METRICS = [
+    wire.NUM_REQUESTS_RUNNING,
+    wire.NUM_REQUESTS_WAITING,
+    wire.KV_CACHE_USAGE_PERC,
+    wire.CACHE_CONFIG_INFO,
+    wire.NUM_PREEMPTIONS_TOTAL,
+    wire.PROMPT_TOKENS_TOTAL,
+    wire.GENERATION_TOKENS_TOTAL,
+    wire.REQUEST_SUCCESS_TOTAL,
+    wire.PREFIX_CACHE_QUERIES_TOTAL,
+    wire.PREFIX_CACHE_HITS_TOTAL,
+    wire.TIME_TO_FIRST_TOKEN_SECONDS,
+    wire.INTER_TOKEN_LATENCY_SECONDS,
+    wire.E2E_REQUEST_LATENCY_SECONDS,
+    wire.REQUEST_QUEUE_TIME_SECONDS,
+    wire.REQUEST_PROMPT_TOKENS,
+    wire.REQUEST_GENERATION_TOKENS,
+]
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_metrics_parse_and_list_every_vllm_metric(client: httpx.AsyncClient) -> None:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 6}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    got = samples(r.text)
+    names = {name for name, _ in got}
+    model = (wire.MODEL_NAME_LABEL, MODEL)
+    for metric in LISTED_METRICS:
+        base = metric.removesuffix("_total")
+        assert names & {metric, base + "_total", base + "_count"}, metric
+    assert got[(wire.GENERATION_TOKENS_TOTAL, (model,))] == 6
+    assert got[(wire.PROMPT_TOKENS_TOTAL, (model,))] == 6
+    assert got[(wire.REQUEST_SUCCESS_TOTAL, (("finished_reason", "length"), model))] == 1
+    assert got[(wire.CACHE_CONFIG_INFO, (("block_size", "16"), model, ("num_gpu_blocks", "64")))] == 1
+    assert got[(wire.TIME_TO_FIRST_TOKEN_SECONDS + "_count", (model,))] == 1
+    assert got[(wire.INTER_TOKEN_LATENCY_SECONDS + "_count", (model,))] == 5
+    assert got[(wire.REQUEST_GENERATION_TOKENS + "_sum", (model,))] == 6
+    assert got[(wire.NUM_REQUESTS_RUNNING, (model,))] == 0
+
+
+async def test_waiting_gauge_moves_on_enqueue(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    engine.gate.clear()
+    task = asyncio.create_task(client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}))
+    while not engine.requests:
+        await asyncio.sleep(0.001)
+    got = samples((await client.get("/metrics")).text)
+    assert got[(wire.NUM_REQUESTS_WAITING, ((wire.MODEL_NAME_LABEL, MODEL),))] == 1
+    engine.gate.set()
+    assert (await task).status_code == 200
+
+
+class AsgiCall:
+    """Drive the ASGI app by hand so a test decides when the client hangs up."""
+
+    def __init__(self, app: Any, body: dict[str, Any]) -> None:
+        self.app = app
+        self.body = json.dumps(body).encode()
+        self.hang_up = asyncio.Event()
+        self.sent: list[dict[str, Any]] = []
+        self._body_sent = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._body_sent:
+            self._body_sent = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    async def run(self, path: str) -> None:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
+        await self.app(scope, self.receive, self.send)
+
+
+async def test_non_streaming_hang_up_aborts_the_request() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()  # the request waits in the queue
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        call = AsgiCall(app, {"model": MODEL, "prompt": "x", "max_tokens": 50})
+        task = asyncio.create_task(call.run("/v1/completions"))
+        while not engine.requests:
+            await asyncio.sleep(0.001)
+        call.hang_up.set()
+        await asyncio.wait_for(task, 5)
+    assert len(engine.aborted) == 1 and engine.requests == {}
+    assert engine.abort_calls == engine.aborted
+    assert app.state.ctx.in_flight.count == 0
+
+
+async def test_streaming_hang_up_aborts_every_prompt() -> None:
+    engine = FakeEngine()
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        body = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 200, "stream": True}
+        call = AsgiCall(app, body)
+        task = asyncio.create_task(call.run("/v1/completions"))
+        while sum(m["type"] == "http.response.body" for m in call.sent) < 3:
+            await asyncio.sleep(0.001)
+        call.hang_up.set()
+        await asyncio.wait_for(task, 5)
+    assert len(engine.aborted) == 2 and engine.requests == {}
+    assert sorted(engine.abort_calls) == sorted(engine.aborted)
+    assert app.state.ctx.in_flight.count == 0
+    start = call.sent[0]
+    assert start["status"] == 200
+    assert wire.HEADER_NUM_RUNNING.encode() in dict(start["headers"])
+
+
+async def test_health_is_503_before_start_and_while_draining(engine: FakeEngine) -> None:
+    app = create_app(engine)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        assert (await client.get("/health")).status_code == 503
+        async with app.router.lifespan_context(app):
+            assert (await client.get("/health")).status_code == 200
+            app.state.ctx.is_draining = True
+            r = await client.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+            assert r.status_code == 503
+
+
+def test_throughput_line_reports_rates_and_stays_quiet_when_idle() -> None:
+    idle = EngineStats()
+    assert throughput_line(idle, EngineStats(), 10.0) is None
+    busy = EngineStats(
+        num_running=3,
+        num_waiting=1,
+        kv_usage_ratio=0.25,
+        num_prompt_tokens_total=200,
+        num_generation_tokens_total=50,
+    )
+    line = throughput_line(idle, busy, 10.0)
+    assert line is not None
+    for part in ("prompt 20.0 tok/s", "generation 5.0 tok/s", "running 3", "waiting 1", "KV usage 25.0%"):
+        assert part in line
