@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary embedding with the checkpoint's rope parameters (scaling types via transformers)."""
 
+    inv_freq: torch.Tensor  # [D/2] float32
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_parameters(config)
@@ -53,11 +55,12 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK rope scaling is not supported (it depends on the batch's length)")
     if rope_type != "default":
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        with torch.device("cpu"):  # the model may be under construction on the meta device
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
         return inv_freq, float(scaling)
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     dim = config.head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     return inv_freq, 1.0
 
 

@@ -84,12 +84,12 @@ def load_weights(model: CausalLM, config: ModelConfig) -> None:
                 dest = param[offset : offset + size]
                 key = f"{fused_name}:{shard}"
             else:
-                dest = params.get(name)
-                key = name
-                if dest is None:
+                found = params.get(name)
+                if found is None:
                     raise ModelLoadError(
                         f"unexpected tensor {name!r} in checkpoint for {config.architecture}"
                     )
+                dest, key = found, name
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"

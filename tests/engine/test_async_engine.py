@@ -1,0 +1,90 @@
+"""The asyncio front: streaming outputs, early exit aborts and frees blocks, queue limit."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import pytest
+from corral_engine import AsyncEngine, EngineArgs, SamplingParams
+from corral_engine.errors import QueueFullError
+
+
+async def _wait_for(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_streams_and_aborts(tiny_model_dir: pathlib.Path) -> None:
+    engine = AsyncEngine(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128))
+    await engine.start()
+    try:
+        greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+        async def collect(i: int) -> tuple[str, list[int]]:
+            text = ""
+            async for out in engine.add_request(f"s{i}", "hello world", greedy):
+                text += out.outputs[0].delta_text
+            return text, out.outputs[0].token_ids
+
+        results = await asyncio.gather(*(collect(i) for i in range(6)))
+        assert len({r[1].__repr__() for r in results}) == 1 and len(results[0][1]) == 16
+        assert results[0][0] == engine.tokenizer.decode(results[0][1], skip_special_tokens=True)
+
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [engine.add_request(f"a{i}", "abort me", long) for i in range(5)]
+        for stream in streams:
+            await anext(stream)
+            await stream.aclose()  # a client hanging up
+        await _wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage_ratio == 0.0)
+        assert engine.stats().finished_by_reason.get("abort") == 5
+    finally:
+        await engine.shutdown()
+
+
+async def test_waiting_queue_limit(tiny_model_dir: pathlib.Path) -> None:
+    engine = AsyncEngine(
+        EngineArgs(
+            model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=1, max_waiting=2
+        )
+    )
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        accepted = []
+        rejected = 0
+        for i in range(8):
+            try:
+                accepted.append(engine.add_request(f"q{i}", [1, 2, 3], params))
+            except QueueFullError as e:
+                rejected += 1
+                assert e.retry_after_s > 0
+        assert rejected > 0 and len(accepted) >= 2
+
+        async def drain(stream) -> str | None:  # type: ignore[no-untyped-def]
+            reason = None
+            async for out in stream:
+                reason = out.outputs[0].finish_reason
+            return reason
+
+        assert await asyncio.gather(*(drain(s) for s in accepted)) == ["length"] * len(accepted)
+    finally:
+        await engine.shutdown()
+
+
+def test_light_modules_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, corral_engine, corral_engine.args, corral_engine.wire, corral_engine.errors; "
+        "from corral_engine import EngineArgs, SamplingParams; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -1,0 +1,55 @@
+"""Incremental detokenization: no broken UTF-8, concatenation equals a full decode, stop strings."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+
+from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+
+def stream(
+    tokenizer, prompt: list[int], output: list[int], stop=(), include=False
+) -> tuple[list[str], str | None]:
+    detok = IncrementalDetokenizer(tokenizer, prompt, tuple(stop), include)
+    pieces: list[str] = []
+    matched = None
+    for i, tok in enumerate(output):
+        matched = detok.add_token(tok)
+        last = matched is not None or i == len(output) - 1
+        if last and matched is None:
+            detok.flush()
+        pieces.append(detok.take_delta(finished=last))
+        if matched is not None:
+            break
+    return pieces, matched
+
+
+def test_random_tokens_concatenate_to_full_decode(tiny_model_dir: pathlib.Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    for _ in range(50):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        output = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        pieces, _ = stream(tokenizer, prompt, output)
+        assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_multibyte_characters_are_never_split(tiny_model_dir: pathlib.Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    text = "naïve café — 東京 🙂 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces, _ = stream(tokenizer, [], ids)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_cuts_output_and_is_never_streamed(tiny_model_dir: pathlib.Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer.encode("the cat sat on the mat and slept", add_special_tokens=False)
+    pieces, matched = stream(tokenizer, [], ids, stop=["on the"])
+    assert matched == "on the"
+    assert "".join(pieces) == "the cat sat "
+    pieces, _ = stream(tokenizer, [], ids, stop=["on the"], include=True)
+    assert "".join(pieces) == "the cat sat on the"

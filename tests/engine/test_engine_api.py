@@ -1,0 +1,166 @@
+"""Engine behaviour through its Python API: policies, sampling, n > 1, stops, errors, leaks."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from corral_engine import EngineArgs, SamplingParams
+from corral_engine.args import ArgumentError
+from corral_engine.errors import InvalidRequestError, ModelLoadError
+from corral_engine.llm_engine import LLMEngine
+from corral_engine.sampling_params import SamplingError
+
+from tests.engine.helpers import make_engine, random_prompts, run_checked
+
+
+def test_reserve_never_preempts_and_preempt_completes_everything(tiny_model_dir: pathlib.Path) -> None:
+    prompts = random_prompts(12, 500, seed=1, min_len=20, max_len=40)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = {}
+    for policy in ("reserve", "preempt"):
+        engine = make_engine(tiny_model_dir, num_kv_blocks=16, block_size=8, kv_policy=policy)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        results[policy] = run_checked(engine)
+        assert len(results[policy]) == len(prompts)
+        assert all(len(t) == 24 for t in results[policy].values())
+        preemptions = engine.stats().num_preemptions_total
+        assert (preemptions == 0) if policy == "reserve" else (preemptions > 0)
+    assert results["reserve"] == results["preempt"]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model_dir: pathlib.Path) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = make_engine(tiny_model_dir).generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    engine = make_engine(tiny_model_dir)
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    outs = engine.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], [others, params, others])
+    assert outs[1].outputs[0].token_ids == alone
+    unseeded = make_engine(tiny_model_dir, seed=1).generate([[5, 6, 7]] * 4, others)
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1
+
+
+def test_n_greater_than_one_shares_prompt_blocks(tiny_model_dir: pathlib.Path) -> None:
+    engine = make_engine(tiny_model_dir, block_size=4)
+    prompt = random_prompts(1, 500, seed=2, min_len=30, max_len=30)[0]
+    engine.add_request(
+        "n", prompt, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    )
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        seqs = engine.live_sequences()
+        if len(seqs) == 4 and all(s.block_table for s in seqs):
+            first = seqs[0].block_table[0]
+            shared_seen |= all(s.block_table[0] == first for s in seqs)
+            assert engine.block_manager.blocks[first].ref_count >= 2
+        engine.block_manager.check_invariants(seqs)
+    assert shared_seen
+    final = outputs[-1]
+    assert [o.index for o in final.outputs] == [0, 1, 2, 3]
+    assert all(len(o.token_ids) == 8 for o in final.outputs)
+    assert len({tuple(o.token_ids) for o in final.outputs}) > 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stop_token_ids_eos_and_max_tokens(tiny_model_dir: pathlib.Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens = engine.generate([[4, 5, 6]], greedy)[0].outputs[0].token_ids
+    out = engine.generate([[4, 5, 6]], greedy.replace(stop_token_ids=(tokens[3],)))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tokens[3]
+    assert out.token_ids == tokens[: tokens.index(tokens[3]) + 1]
+    length = engine.generate([[4, 5, 6]], greedy.replace(max_tokens=3))[0].outputs[0]
+    assert length.finish_reason == "length" and len(length.token_ids) == 3
+
+
+def test_penalties_and_logprobs(tiny_model_dir: pathlib.Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    base = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain = engine.generate([[7, 8]], base)[0].outputs[0]
+    penalized = engine.generate([[7, 8]], base.replace(frequency_penalty=2.0, presence_penalty=2.0))[
+        0
+    ].outputs[0]
+    assert len(set(penalized.token_ids)) >= len(set(plain.token_ids))
+    output = engine.add_request("lp", [7, 8], base)
+    logprobs = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs += out.outputs[0].delta_logprobs or []
+    assert len(logprobs) == 20 and output is not None
+    for lp in logprobs:
+        assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1]
+        assert lp.logprob <= 0.0 and lp.token_id == lp.top[0][0]  # greedy picks the top token
+
+
+def test_abort_frees_blocks(tiny_model_dir: pathlib.Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    for i in range(4):
+        engine.add_request(f"r{i}", [1, 2, 3] * 10, SamplingParams(max_tokens=50, n=2, ignore_eos=True))
+    engine.step()
+    engine.step()
+    for i in range(4):
+        out = engine.abort_request(f"r{i}")
+        assert out is not None and out.finished
+        assert all(o.finish_reason == "abort" for o in out.outputs)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"top_k": -5}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
+def test_bad_sampling_params_raise_clear_errors(kwargs: dict, param: str) -> None:
+    with pytest.raises(SamplingError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and param in str(info.value)
+
+
+def test_bad_requests_raise_and_leak_nothing(tiny_model_dir: pathlib.Path) -> None:
+    engine = make_engine(tiny_model_dir, max_model_len=64)
+    bad = [
+        ([1] * 64, SamplingParams(max_tokens=1), "maximum context length"),
+        ([1] * 60, SamplingParams(max_tokens=10), "max_tokens"),
+        ([], SamplingParams(), "empty"),
+        ([10**6], SamplingParams(), "token ids"),
+    ]
+    for prompt, params, text in bad:
+        with pytest.raises(InvalidRequestError, match=text):
+            engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=2))
+    assert len(run_checked(engine)) == 1
+
+
+def test_bad_engine_args_and_checkpoints(tmp_path: pathlib.Path, tiny_model_dir: pathlib.Path) -> None:
+    with pytest.raises(ArgumentError, match="power of two"):
+        EngineArgs(model="x", block_size=12)
+    with pytest.raises(ArgumentError, match="kv_policy"):
+        EngineArgs(model="x", kv_policy="swap")  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineArgs(model=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        LLMEngine(EngineArgs(model=str(tmp_path / "empty")))
+    gpt = tmp_path / "gpt"
+    gpt.mkdir()
+    (gpt / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ModelLoadError, match="supported: LlamaForCausalLM"):
+        LLMEngine(EngineArgs(model=str(gpt)))
+    broken = tmp_path / "noweights"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((tiny_model_dir / name).read_bytes())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLMEngine(EngineArgs(model=str(broken)))

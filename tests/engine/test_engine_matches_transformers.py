@@ -1,0 +1,103 @@
+"""Acceptance 1: greedy output equals transformers' `generate`, token for token, in float32."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping
+
+import pytest
+from corral_engine.sampling_params import SamplingParams
+
+from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def references(
+    tiny_model_dirs: Mapping[str, pathlib.Path],
+) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    out = {}
+    for arch in ARCHS:
+        prompts = random_prompts(16, 500, seed=hash(arch) % 1000)
+        out[arch] = (prompts, transformers_greedy(tiny_model_dirs[arch], prompts, MAX_NEW))
+    return out
+
+
+def _run(model_dir: pathlib.Path, prompts: list[list[int]], **engine_kwargs: object) -> list[list[int]]:
+    engine = make_engine(model_dir, **engine_kwargs)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    final = run_checked(engine)
+    return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_alone(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path], references: dict) -> None:
+    prompts, expected = references[arch]
+    for prompt, want in zip(prompts[:4], expected[:4], strict=True):
+        assert _run(tiny_model_dirs[arch], [prompt]) == [want]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sixteen_at_once(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path], references: dict) -> None:
+    prompts, expected = references[arch]
+    assert _run(tiny_model_dirs[arch], prompts) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path], references: dict) -> None:
+    prompts, expected = references[arch]
+    assert _run(tiny_model_dirs[arch], prompts, max_num_batched_tokens=7) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path], references: dict) -> None:
+    prompts, expected = references[arch]
+    engine = make_engine(tiny_model_dirs[arch], num_kv_blocks=12, block_size=8)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    final = run_checked(engine)
+    assert [final[f"r{i}"] for i in range(len(prompts))] == expected
+    assert engine.stats().num_preemptions_total > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefix_cache_hits(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
+    shared = random_prompts(1, 500, seed=7, min_len=40, max_len=40)[0]
+    prompts = [shared + tail for tail in random_prompts(6, 500, seed=8, min_len=1, max_len=20)]
+    prompts.append(list(shared))  # a prompt that is entirely cached still recomputes its last token
+    expected = transformers_greedy(tiny_model_dirs[arch], prompts, MAX_NEW)
+    engine = make_engine(tiny_model_dirs[arch], block_size=8)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    engine.add_request("warm", shared, params)
+    run_checked(engine)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    final = run_checked(engine)
+    assert [final[f"r{i}"] for i in range(len(prompts))] == expected
+    stats = engine.stats()
+    assert stats.num_prefix_cache_hits_total >= len(prompts) * 32  # 4 full blocks of 8 per prompt
+    assert stats.num_prefix_cache_hits_total < stats.num_prefix_cache_queries_total
+
+
+def test_rope_scaling_and_tied_embeddings(tmp_path: pathlib.Path) -> None:
+    from corral_engine.demo_model import write_demo_model
+
+    overrides = {
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+    model_dir = write_demo_model(tmp_path / "m", preset="tiny", arch="llama", config_overrides=overrides)
+    prompts = random_prompts(4, 500, seed=3, min_len=60, max_len=90)
+    expected = transformers_greedy(model_dir, prompts, MAX_NEW)
+    assert _run(model_dir, prompts, max_num_batched_tokens=32) == expected

@@ -1,0 +1,152 @@
+"""Scheduler behaviour on a simulated model (pure: no torch), including randomized invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from corral_engine.core.block_manager import BlockManager
+from corral_engine.core.scheduler import Scheduler, SchedulerConfig
+from corral_engine.core.sequence import Request, Sequence
+from corral_engine.outputs import RequestMetrics
+from corral_engine.sampling_params import SamplingParams
+
+
+class Sim:
+    """Drives the scheduler as the engine does, with 'sampled' tokens from a seeded RNG."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: str, max_seqs: int = 8, budget: int = 32):
+        self.bm = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(SchedulerConfig(max_seqs, budget, policy), self.bm)  # type: ignore[arg-type]
+        self.rng = random.Random(0)
+        self.requests: dict[str, Request] = {}
+        self.num_ids = 0
+
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
+        rid = f"r{len(self.requests)}"
+        request = Request(
+            rid, prompt, SamplingParams(max_tokens=max_tokens, n=n), len(self.requests), RequestMetrics(0)
+        )
+        for i in range(n):
+            request.seqs.append(Sequence(self.num_ids, request, i, list(prompt), len(prompt)))
+            self.num_ids += 1
+        self.requests[rid] = request
+        self.sched.add(request)
+        return request
+
+    def live(self) -> list[Sequence]:
+        return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
+
+    def step(self) -> int:
+        out = self.sched.schedule()
+        for s in out.scheduled:
+            assert s.num_new_tokens >= 1
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.bm.register_computed(s.seq)
+        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        assert self.sched.num_running <= self.sched.config.max_num_seqs
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            seq = s.seq
+            if seq.index == 0 and seq.request.pending_forks:
+                self.sched.fork_siblings(seq.request)
+            seq.token_ids.append(self.rng.randrange(1000))
+            if seq.num_output_tokens >= seq.request.params.max_tokens:
+                seq.finish_reason = "length"
+                self.sched.finish(seq)
+        self.bm.check_invariants(self.live())
+        return len(out.scheduled)
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+
+def test_decodes_run_before_new_prompts_and_prompts_are_chunked() -> None:
+    sim = Sim(64, 4, "preempt", budget=8)
+    a = sim.add(list(range(6)), 4)
+    sim.step()  # a's prompt (6 tokens) fits the budget of 8
+    b = sim.add(list(range(20)), 4)
+    out = sim.sched.schedule()
+    assert out.scheduled[0].seq is a.seqs[0] and out.scheduled[0].num_new_tokens == 1
+    assert out.scheduled[1].seq is b.seqs[0] and out.scheduled[1].num_new_tokens == 7  # a chunk
+
+
+def test_preempt_policy_completes_everything_under_a_small_pool() -> None:
+    sim = Sim(10, 4, "preempt")
+    for i in range(12):
+        sim.add([i] * 9, 8)
+    sim.run()
+    assert sim.sched.num_preemptions > 0
+    assert all(r.is_finished for r in sim.requests.values())
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def test_reserve_policy_never_preempts() -> None:
+    sim = Sim(10, 4, "reserve")
+    for i in range(12):
+        sim.add([i] * 9, 8)
+    sim.run()
+    assert sim.sched.num_preemptions == 0
+    assert all(r.is_finished for r in sim.requests.values())
+
+
+def test_n_siblings_share_prompt_blocks() -> None:
+    sim = Sim(64, 4, "preempt")
+    request = sim.add(list(range(13)), 5, n=3)
+    sim.step()
+    sim.step()
+    first = request.seqs[0].block_table[:3]
+    for sibling in request.seqs[1:]:
+        assert sibling.block_table[:3] == first
+    assert sim.bm.blocks[first[0]].ref_count == 3
+    sim.run()
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def test_abort_frees_blocks_of_running_and_waiting() -> None:
+    sim = Sim(16, 4, "preempt", max_seqs=1)
+    a = sim.add(list(range(10)), 50)
+    b = sim.add(list(range(10)), 50, n=2)
+    sim.step()
+    sim.sched.abort(a)
+    sim.sched.abort(b)
+    assert not sim.sched.has_unfinished()
+    assert sim.bm.num_free_blocks == 16
+    sim.bm.check_invariants([])
+
+
+@pytest.mark.parametrize("policy", ["preempt", "reserve"])
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_workload_keeps_invariants(policy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    sim = Sim(
+        rng.randint(12, 40),
+        rng.choice([2, 4, 8]),
+        policy,
+        max_seqs=rng.randint(1, 8),
+        budget=rng.randint(4, 64),
+    )
+    shared = [rng.randrange(1000) for _ in range(24)]
+    aborted = 0
+    for step in range(400):
+        if step < 150 and rng.random() < 0.4:
+            prompt = (shared[: rng.randint(0, 24)] if rng.random() < 0.5 else []) + [
+                rng.randrange(1000) for _ in range(rng.randint(1, 20))
+            ]
+            sim.add(prompt, rng.randint(1, 12), n=rng.choice([1, 1, 2, 3]))
+        if rng.random() < 0.05 and sim.requests:
+            victim = rng.choice(list(sim.requests.values()))
+            if not victim.is_finished:
+                sim.sched.abort(victim)
+                aborted += 1
+        sim.step()
+    sim.run()
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+    sim.bm.check_invariants([])
+    if policy == "reserve":
+        assert sim.sched.num_preemptions == 0
