@@ -1,0 +1,172 @@
+"""Generate the LLMDeployment CustomResourceDefinition from the pydantic spec model.
+
+`python -m corral_operator.crd > crds/corral.dev_llmdeployments.yaml` regenerates the committed file;
+a unit test checks it is current. The JSON schema pydantic emits is rewritten into a Kubernetes
+structural schema: refs inlined, optionals collapsed, int-or-string marked, titles dropped.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+from corral_operator import spec
+
+CRD_NAME = f"{spec.PLURAL}.{spec.GROUP}"
+CRD_PATH = "crds/corral.dev_llmdeployments.yaml"
+_DROP_KEYS = {"title"}
+NAME_RULE = spec.cel(
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && self.metadata.name.size() <= 63",
+    "metadata.name must be a DNS label (a-z, 0-9, '-', starting with a letter, at most 63 characters):"
+    " it names the Deployment and the Service",
+)
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind"},
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+    {"name": "KV%", "type": "integer", "jsonPath": ".status.load.kvUsagePercent"},
+    {"name": "Waiting", "type": "integer", "jsonPath": ".status.load.numRequestsWaiting"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    """Rewrite one pydantic JSON-schema node into its structural OpenAPI v3 form."""
+    if isinstance(node, list):
+        return [_structural(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").split("/")[-1]]
+        node = {**target, **node}
+    if "anyOf" in node:
+        branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]
+        if node.get("default", 0) is None:
+            del node["default"]
+        if len(branches) == 1:
+            node = {**_structural(branches[0], defs), **node}
+        elif {b.get("type") for b in branches} == {"integer", "string"}:
+            node.pop("type", None)
+            node["x-kubernetes-int-or-string"] = True
+        else:
+            raise ValueError(f"cannot express anyOf {branches} in a structural schema")
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP_KEYS:
+            continue
+        if key == "additionalProperties":
+            if value is False or value is True:
+                continue  # unknown fields are pruned by the API server; open objects say so below
+            out[key] = _structural(value, defs)
+        elif key == "properties":
+            out[key] = {name: _structural(prop, defs) for name, prop in value.items()}
+        elif key == "items":
+            out[key] = _structural(value, defs)
+        else:
+            out[key] = value
+    if out.get("type") == "object" and node.get("additionalProperties") is True and "properties" not in out:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    _default_nested_objects(out, node)
+    return out
+
+
+def _default_nested_objects(out: dict[str, Any], node: dict[str, Any]) -> None:
+    """Give non-optional nested objects `default: {}` so the API server fills their own defaults."""
+    required = set(node.get("required", ()))
+    for name, prop in out.get("properties", {}).items():
+        if (
+            name not in required
+            and prop.get("type") == "object"
+            and "properties" in prop
+            and "default" not in prop
+            and not _is_optional(node["properties"][name])
+        ):
+            prop["default"] = {}
+
+
+def _is_optional(prop: dict[str, Any]) -> bool:
+    return any(b.get("type") == "null" for b in prop.get("anyOf", ()))
+
+
+def openapi_schema(model: type[spec._Model]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True)
+    defs = raw.pop("$defs", {})
+    schema = _structural(raw, defs)
+    schema.pop("default", None)
+    return schema
+
+
+def build_crd() -> dict[str, Any]:
+    spec_schema = openapi_schema(spec.LLMDeploymentSpec)
+    spec_schema["description"] = (
+        "Desired state: which model, which engine, how many replicas and how to scale."
+    )
+    status_schema = openapi_schema(spec.LLMDeploymentStatus)
+    status_schema["description"] = "Observed state, written by the operator."
+    root = {
+        "type": "object",
+        "description": "An LLM served by a fleet of engine replicas behind one Service.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+        "x-kubernetes-validations": [NAME_RULE],
+    }
+    version = {
+        "name": spec.VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": root},
+        "subresources": {
+            "status": {},
+            "scale": {
+                "specReplicasPath": ".spec.replicas",
+                "statusReplicasPath": ".status.replicas",
+                "labelSelectorPath": ".status.selector",
+            },
+        },
+        "additionalPrinterColumns": PRINTER_COLUMNS,
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": spec.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": spec.KIND,
+                "listKind": f"{spec.KIND}List",
+                "plural": spec.PLURAL,
+                "singular": spec.SINGULAR,
+                "shortNames": list(spec.SHORT_NAMES),
+                "categories": ["corral"],
+            },
+            "versions": [version],
+        },
+    }
+
+
+HEADER = "# GENERATED by `python -m corral_operator.crd` from corral_operator/spec.py. Do not edit.\n"
+
+
+def render_yaml() -> str:
+    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+
+
+def main() -> int:
+    sys.stdout.write(render_yaml())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Every Kubernetes API call the operator makes, and how failures map to a few error types.
+
+404 means "absent" (None / False / nothing to delete) everywhere; 409 is a Conflict the caller
+retries; 400/422 are Invalid and 403 Forbidden (both reported in status, not crashed on);
+5xx and connection failures are Unavailable (retried).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from corral_operator import labels
+from corral_operator.spec import GROUP, PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+# kind -> (API path prefix, plural). Only kinds in this table are ever touched.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "Service": ("/api/v1", "services"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
+    "Pod": ("/api/v1", "pods"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "LLMDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+}
+SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+
+
+class KubeError(Exception):
+    """An API call failed; `status` is the HTTP status (0 when the server was unreachable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Conflict(KubeError):
+    """409: someone else changed the object; retry with fresh state."""
+
+
+class Invalid(KubeError):
+    """400/422: the server rejected what we sent (usually a consequence of the spec)."""
+
+
+class Forbidden(KubeError):
+    """403: RBAC does not allow it."""
+
+
+class Unavailable(KubeError):
+    """5xx, timeouts, connection errors: transient."""
+
+
+def load_config(kubeconfig: str | None = None) -> None:
+    """In-cluster service account when running in a pod, else the kubeconfig ($KUBECONFIG)."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig)
+
+
+def _error(status: int, body: bytes | str | None) -> KubeError:
+    message = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
+    with contextlib.suppress(ValueError, AttributeError):
+        message = json.loads(message).get("message", message)
+    if status == 409:
+        return Conflict(status, message)
+    if status in (400, 422):
+        return Invalid(status, message)
+    if status == 403:
+        return Forbidden(status, message)
+    if status == 404:
+        return KubeError(status, message)
+    return Unavailable(status, message)
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient | None = None, timeout_s: float = 15.0) -> None:
+        self._api = api or client.ApiClient()
+        self._timeout_s = timeout_s
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> Obj | None:
+        """One HTTP call; the JSON response, None on 404, a KubeError subclass otherwise."""
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        try:
+            m, url, hdrs, data, post = self._api.param_serialize(
+                method,
+                path,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            response = self._api.call_api(
+                m, url, header_params=hdrs, body=data, post_params=post, _request_timeout=self._timeout_s
+            )
+            response.read()
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _error(e.status or 0, e.body) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise Unavailable(0, f"API server unreachable: {e}") from e
+        if response.status == 404:
+            return None
+        if not 200 <= response.status <= 299:
+            raise _error(response.status, response.data)
+        return json.loads(response.data) if response.data else {}
+
+    @staticmethod
+    def _path(kind: str, namespace: str, name: str | None = None) -> str:
+        prefix, plural = RESOURCES[kind]
+        path = f"{prefix}/namespaces/{namespace}/{plural}"
+        return f"{path}/{name}" if name else path
+
+    def apply(self, obj: Mapping[str, Any]) -> Obj:
+        """Server-side apply as the operator's field manager (force: the operator owns these fields)."""
+        meta = obj["metadata"]
+        result = self._request(
+            "PATCH",
+            self._path(obj["kind"], meta["namespace"], meta["name"]),
+            query=[("fieldManager", labels.FIELD_MANAGER), ("force", "true")],
+            body=dict(obj),
+            content_type="application/apply-patch+yaml",
+        )
+        if result is None:  # 404 on apply: the namespace is gone
+            raise Conflict(404, f"namespace {meta['namespace']} not found")
+        return result
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        return self._request("GET", self._path(kind, namespace, name))
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        result = self._request("GET", self._path(kind, namespace), query=[("labelSelector", label_selector)])
+        return list((result or {}).get("items") or [])
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+        """Delete exactly this object (uid precondition); False when it is already gone or replaced."""
+        body = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}
+        try:
+            return self._request("DELETE", self._path(kind, namespace, name), body=body) is not None
+        except Conflict:
+            return False
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self._request(
+            "PATCH",
+            self._path("LLMDeployment", namespace, name) + "/status",
+            body={"status": dict(status)},
+            content_type="application/merge-patch+json",
+        )
+
+    def patch_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        """Write spec.replicas through the scale subresource, as HPA, KEDA or `kubectl scale` would."""
+        self._request(
+            "PATCH",
+            self._path("LLMDeployment", namespace, name) + "/scale",
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
+
+    def crd_exists(self, name: str) -> bool:
+        """Whether a CRD is installed; False also when RBAC hides it (then we render nothing for it)."""
+        try:
+            return (
+                self._request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+                is not None
+            )
+        except Forbidden:
+            log.warning("not allowed to read CRD %s; assuming it is absent", name)
+            return False

@@ -1,0 +1,70 @@
+"""An LLMDeployment as a local fleet: what `corral up -f FILE` runs (pure; no processes started here).
+
+One YAML works on a laptop and on a cluster: the same spec parsing, the same engine arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from corral_engine.args import EngineArgs
+
+from corral_operator.engine_command import engine_args
+from corral_operator.spec import API_VERSION, KIND, SpecError, parse_spec
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFleet:
+    """Parameters for one model's local engines: run `replicas` x `corral engine` with these args."""
+
+    name: str  # metadata.name of the LLMDeployment
+    served_model_name: str
+    engine_kind: str  # "corral"; "vllm" cannot run locally through corral up
+    replicas: int
+    engine_args: EngineArgs
+    extra_args: tuple[str, ...]
+
+
+def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> LocalFleet:
+    """Map one LLMDeployment document to local fleet parameters.
+
+    The weights come from `model_path` when given, else from spec.model.source.hostPath (a PVC has no
+    local meaning). Replicas: spec.replicas, raised to autoscaling.minReplicas and to at least 1.
+    """
+    if document.get("apiVersion") != API_VERSION or document.get("kind") != KIND:
+        raise SpecError(f"expected apiVersion {API_VERSION} and kind {KIND}")
+    name = str((document.get("metadata") or {}).get("name") or "")
+    if not name:
+        raise SpecError("metadata.name is required")
+    spec = parse_spec(document.get("spec"))
+    source = spec.model.source
+    path = model_path or (source.host_path.path if source.host_path else None)
+    if path is None:
+        raise SpecError(
+            "spec.model.source is a PVC, which has no local equivalent;"
+            " pass the checkpoint directory explicitly"
+        )
+    floor = spec.autoscaling.min_replicas if spec.autoscaling else 0
+    return LocalFleet(
+        name=name,
+        served_model_name=spec.model.name,
+        engine_kind=spec.engine.kind,
+        replicas=max(spec.replicas, floor, 1),
+        engine_args=engine_args(spec, path),
+        extra_args=tuple(spec.engine.extra_args),
+    )
+
+
+def local_fleets(yaml_text: str, model_path: str | None = None) -> list[LocalFleet]:
+    """Every LLMDeployment in a (multi-document) YAML file; other kinds are ignored."""
+    try:
+        documents = [d for d in yaml.safe_load_all(yaml_text) if isinstance(d, dict)]
+    except yaml.YAMLError as e:
+        raise SpecError(f"not valid YAML: {e}") from e
+    fleets = [local_fleet(d, model_path) for d in documents if d.get("kind") == KIND]
+    if not fleets:
+        raise SpecError(f"no {KIND} found in the file")
+    return fleets

@@ -1,0 +1,137 @@
+"""Where the autoscaler's load comes from: a small MetricsSource protocol and its implementations.
+
+PodScrapeSource reads the engines' Prometheus /metrics (vLLM metric names, which the bundled engine
+also exports); FileSource reads a JSON file, for demos and tests that feed load by hand.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from corral_operator.autoscaler import Load
+
+log = logging.getLogger(__name__)
+
+# The engine's wire contract (corral_engine.wire); spelled here because the operator may import
+# only corral_engine.args. A unit test checks these equal the engine's names.
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # a 0-1 fraction
+_WANTED = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE_PERC)
+
+
+@dataclass(frozen=True, slots=True)
+class PodTarget:
+    name: str
+    ip: str
+    port: int
+
+
+class MetricsSource(Protocol):
+    def load(self, namespace: str, name: str, targets: Sequence[PodTarget]) -> Load | None:
+        """Load over the ready pods `targets` of LLMDeployment namespace/name; None if unknown."""
+        ...
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """Sum each wanted gauge over its label sets in a Prometheus text exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0 or line[:name_end] not in _WANTED:
+            continue
+        value_text = line.rsplit("}", 1)[-1].split()
+        if not value_text:
+            continue
+        try:
+            value = float(value_text[0])
+        except ValueError:
+            continue
+        out[line[:name_end]] = out.get(line[:name_end], 0.0) + value
+    return out
+
+
+def aggregate(per_pod: Sequence[dict[str, float]]) -> Load | None:
+    """Sum waiting/running, average KV usage over the pods that answered."""
+    answered = [g for g in per_pod if KV_CACHE_USAGE_PERC in g or NUM_REQUESTS_WAITING in g]
+    if not answered:
+        return None
+    return Load(
+        num_waiting=sum(g.get(NUM_REQUESTS_WAITING, 0.0) for g in answered),
+        num_running=sum(g.get(NUM_REQUESTS_RUNNING, 0.0) for g in answered),
+        kv_usage_ratio=sum(g.get(KV_CACHE_USAGE_PERC, 0.0) for g in answered) / len(answered),
+        num_reporting=len(answered),
+    )
+
+
+class PodScrapeSource:
+    """Scrapes http://POD_IP:PORT/metrics of each ready pod; pods outside `allowed_networks` are skipped."""
+
+    def __init__(
+        self,
+        timeout_s: float = 2.0,
+        allowed_networks: Sequence[str] = ("0.0.0.0/0", "::/0"),
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._networks = [ipaddress.ip_network(n) for n in allowed_networks]
+
+    def _is_allowed(self, ip: str) -> bool:
+        try:
+            address = ipaddress.ip_address(ip)
+        except ValueError:
+            return False
+        return any(address in net for net in self._networks if net.version == address.version)
+
+    def _scrape(self, target: PodTarget) -> dict[str, float]:
+        host = f"[{target.ip}]" if ":" in target.ip else target.ip
+        url = f"http://{host}:{target.port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=self._timeout_s) as response:
+                return parse_gauges(response.read().decode("utf-8", "replace"))
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            log.debug("scrape of pod %s failed: %s", target.name, e)
+            return {}
+
+    def load(self, namespace: str, name: str, targets: Sequence[PodTarget]) -> Load | None:
+        allowed = [t for t in targets if self._is_allowed(t.ip)]
+        if len(allowed) < len(targets):
+            log.warning(
+                "%s/%s: not scraping %d pods outside the allowed networks",
+                namespace,
+                name,
+                len(targets) - len(allowed),
+            )
+        return aggregate([self._scrape(t) for t in allowed])
+
+
+class FileSource:
+    """Load from a JSON file: {"NAMESPACE/NAME": {"waiting": 40, "running": 4, "kvUsage": 0.9}}."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def load(self, namespace: str, name: str, targets: Sequence[PodTarget]) -> Load | None:
+        try:
+            entries = json.loads(self._path.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("metrics file %s unreadable: %s", self._path, e)
+            return None
+        entry = entries.get(f"{namespace}/{name}") if isinstance(entries, dict) else None
+        if not isinstance(entry, dict) or not targets:
+            return None
+        return Load(
+            num_waiting=float(entry.get("waiting", 0)),
+            num_running=float(entry.get("running", 0)),
+            kv_usage_ratio=float(entry.get("kvUsage", 0)),
+            num_reporting=len(targets),
+        )

@@ -1,0 +1,229 @@
+"""Pure renderers: LLMDeployment spec -> the Kubernetes objects that serve it (no I/O).
+
+Every object carries the managed labels and a controller owner reference, so the garbage collector
+removes it with the LLMDeployment and the operator can prune what the spec no longer asks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from corral_operator import labels
+from corral_operator.engine_command import MODEL_MOUNT_PATH, corral_command, model_path_in_pod, vllm_args
+from corral_operator.spec import API_VERSION, KIND, LLMDeploymentSpec, SpecError
+
+Obj = dict[str, Any]
+RUN_AS_UID = 1000
+PORT_NAME = "http"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The LLMDeployment a child belongs to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> Obj:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def _metadata(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+    return {
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "labels": labels.common(owner.name, spec.model.name, spec.engine.kind),
+        "annotations": {labels.OWNER_ANNOTATION: owner.name},
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def _resources(spec: LLMDeploymentSpec) -> Obj:
+    amounts: dict[str, str] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    if spec.resources.gpu:
+        amounts["nvidia.com/gpu"] = str(spec.resources.gpu)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _probe(port_name: str, period_s: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": "/health", "port": port_name},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _volumes(spec: LLMDeploymentSpec) -> tuple[list[Obj], list[Obj]]:
+    """(pod volumes, engine mounts): the weights read-only, a writable /tmp, shared memory for vLLM."""
+    source = spec.model.source
+    if source.pvc is not None:
+        model_volume: Obj = {"persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
+    elif source.host_path is not None:
+        model_volume = {"hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    else:
+        raise SpecError("model.source needs exactly one of pvc or hostPath")
+    volumes: list[Obj] = [{"name": "model", **model_volume}, {"name": "tmp", "emptyDir": {}}]
+    mounts: list[Obj] = [
+        {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if spec.engine.kind == "vllm":
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes + list(spec.pod.volumes), mounts + list(spec.pod.volume_mounts)
+
+
+def _env(spec: LLMDeploymentSpec) -> list[Obj]:
+    # The root filesystem is read-only: caches go to the /tmp emptyDir.
+    base = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    user = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pod.env]
+    user_names = {e["name"] for e in user}
+    return [e for e in base if e["name"] not in user_names] + user
+
+
+def engine_container(spec: LLMDeploymentSpec) -> Obj:
+    model_path = model_path_in_pod(spec)
+    port = spec.engine.port
+    container: Obj = {
+        "name": "engine",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+    }
+    if spec.engine.kind == "corral":
+        container["command"] = corral_command(spec, model_path, host="0.0.0.0", port=port)
+    else:
+        container["args"] = vllm_args(spec, model_path, port)
+    _, mounts = _volumes(spec)
+    container |= {
+        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Loading weights can take minutes; the startup probe holds liveness off until /health answers.
+        "startupProbe": _probe(PORT_NAME, period_s=5, failures=360),
+        "readinessProbe": _probe(PORT_NAME, period_s=5, failures=2),
+        "livenessProbe": _probe(PORT_NAME, period_s=10, failures=3),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    return container
+
+
+def deployment(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+    meta = _metadata(owner, spec)
+    volumes, _ = _volumes(spec)
+    pod_labels = {**spec.pod.labels, **meta["labels"]}
+    pod_spec: Obj = {
+        "containers": [engine_container(spec)],
+        "volumes": volumes,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_UID,
+            "runAsGroup": RUN_AS_UID,
+            "fsGroup": RUN_AS_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
+    if spec.pod.service_account_name:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    if spec.pod.priority_class_name:
+        pod_spec["priorityClassName"] = spec.pod.priority_class_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": labels.selector(owner.name)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {
+                    "maxSurge": spec.rollout.max_surge,
+                    "maxUnavailable": spec.rollout.max_unavailable,
+                },
+            },
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": dict(spec.pod.annotations)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+    port = spec.engine.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, spec),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels.selector(owner.name),
+            "ports": [{"name": PORT_NAME, "port": port, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, spec),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels.selector(owner.name)}},
+    }
+
+
+def service_monitor(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(owner, spec),
+        "spec": {
+            "selector": {"matchLabels": labels.selector(owner.name)},
+            "endpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def endpoint_url(owner: Owner, spec: LLMDeploymentSpec) -> str:
+    """In-cluster URL of the Service (cluster domain omitted: resolvable from any namespace)."""
+    return f"http://{owner.name}.{owner.namespace}.svc:{spec.engine.port}"
+
+
+def desired_objects(owner: Owner, spec: LLMDeploymentSpec, *, has_service_monitor_crd: bool) -> list[Obj]:
+    """Everything the spec asks for; a PDB only when two or more replicas can keep serving."""
+    objects = [deployment(owner, spec), service(owner, spec)]
+    if spec.replicas >= 2:
+        objects.append(pod_disruption_budget(owner, spec))
+    if has_service_monitor_crd:
+        objects.append(service_monitor(owner, spec))
+    return objects

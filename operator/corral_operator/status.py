@@ -1,0 +1,191 @@
+"""Pure status computation: observed Deployment, Pods and PVC -> LLMDeployment status and Events.
+
+Conditions: Available (a replica serves), Progressing (a rollout or scale is under way), Degraded
+(something only the operator can see is wrong: bad spec, missing PVC, image pulls, crash loops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral_operator.autoscaler import Load
+
+Obj = dict[str, Any]
+IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+CRASH_REASONS = {"CrashLoopBackOff"}
+MAX_MESSAGE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """Everything status depends on, gathered by the reconciler."""
+
+    name: str
+    generation: int
+    desired_replicas: int
+    selector: str
+    endpoint: str | None
+    is_autoscaled: bool = False
+    deployment: Obj | None = None
+    pods: Sequence[Obj] = ()
+    missing_pvc: str | None = None
+    spec_error: str | None = None
+    apply_error: str | None = None
+    load: Load | None = None
+    previous: Obj = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def _condition(kind: str, is_true: bool, reason: str, message: str) -> Obj:
+    return {
+        "type": kind,
+        "status": "True" if is_true else "False",
+        "reason": reason,
+        "message": message[:MAX_MESSAGE],
+    }
+
+
+def _deployment_condition(deployment: Obj | None, kind: str) -> Obj:
+    for cond in (deployment or {}).get("status", {}).get("conditions") or ():
+        if cond.get("type") == kind:
+            return dict(cond)
+    return {}
+
+
+def pod_problem(pods: Sequence[Obj]) -> tuple[str, str] | None:
+    """(reason, message) for the first pod that cannot pull its image, crash-loops or cannot schedule."""
+    for pod in pods:
+        name = pod.get("metadata", {}).get("name", "?")
+        for cs in pod.get("status", {}).get("containerStatuses") or ():
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason", "")
+            if reason in IMAGE_PULL_REASONS:
+                detail = waiting.get("message") or reason
+                return "ImagePullFailed", f"pod {name}: cannot pull image {cs.get('image', '')}: {detail}"
+            if reason in CRASH_REASONS:
+                restarts = cs.get("restartCount", 0)
+                return "CrashLooping", f"pod {name}: engine keeps crashing ({restarts} restarts): {reason}"
+        for cond in pod.get("status", {}).get("conditions") or ():
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                return (
+                    "Unschedulable",
+                    f"pod {name}: {cond.get('message') or cond.get('reason', 'unschedulable')}",
+                )
+    return None
+
+
+def degraded(obs: Observed) -> Obj:
+    if obs.spec_error:
+        return _condition("Degraded", True, "InvalidSpec", obs.spec_error)
+    if obs.missing_pvc:
+        return _condition(
+            "Degraded", True, "ModelVolumeMissing", f"PersistentVolumeClaim {obs.missing_pvc!r} not found"
+        )
+    if obs.apply_error:
+        return _condition("Degraded", True, "ApplyFailed", obs.apply_error)
+    problem = pod_problem(obs.pods)
+    if problem:
+        return _condition("Degraded", True, *problem)
+    stuck = _deployment_condition(obs.deployment, "Progressing")
+    if stuck.get("reason") == "ProgressDeadlineExceeded":
+        return _condition("Degraded", True, "RolloutStuck", stuck.get("message", "rollout stalled"))
+    failure = _deployment_condition(obs.deployment, "ReplicaFailure")
+    if failure.get("status") == "True":
+        return _condition("Degraded", True, "ReplicaFailure", failure.get("message", "cannot create pods"))
+    return _condition("Degraded", False, "Healthy", "no problems observed")
+
+
+def available(obs: Observed, ready: int) -> Obj:
+    if obs.desired_replicas == 0:
+        how = "a request through the gateway wakes it" if obs.is_autoscaled else "scale it up to serve"
+        return _condition("Available", False, "ScaledToZero", f"0 replicas; {how}")
+    dep_available = _deployment_condition(obs.deployment, "Available").get("status") == "True"
+    if ready >= 1 and dep_available:
+        return _condition(
+            "Available", True, "ReplicasReady", f"{ready}/{obs.desired_replicas} replicas ready"
+        )
+    return _condition("Available", False, "NoReplicasReady", f"{ready}/{obs.desired_replicas} replicas ready")
+
+
+def progressing(obs: Observed, ready: int) -> Obj:
+    dep = obs.deployment
+    if dep is None:
+        return _condition("Progressing", True, "Creating", "waiting for the Deployment")
+    st = dep.get("status", {})
+    is_current = st.get("observedGeneration", 0) >= dep.get("metadata", {}).get("generation", 0)
+    updated = st.get("updatedReplicas", 0) or 0
+    total = st.get("replicas", 0) or 0
+    want = obs.desired_replicas
+    if not is_current or updated < want or ready < want or total > want:
+        return _condition(
+            "Progressing", True, "RollingOut", f"{updated}/{want} updated, {ready}/{want} ready, {total} pods"
+        )
+    return _condition("Progressing", False, "RolloutComplete", f"{want} replicas up to date")
+
+
+def _keep_transition_times(new: list[Obj], previous: Sequence[Obj], now: str, generation: int) -> list[Obj]:
+    old = {c.get("type"): c for c in previous}
+    out = []
+    for cond in new:
+        before = old.get(cond["type"], {})
+        is_same = before.get("status") == cond["status"]
+        time = before.get("lastTransitionTime") if is_same and before.get("lastTransitionTime") else now
+        out.append({**cond, "lastTransitionTime": time, "observedGeneration": generation})
+    return out
+
+
+def compute(obs: Observed, now: str) -> Obj:
+    """The full status (None values delete stale fields in a merge patch)."""
+    st = (obs.deployment or {}).get("status", {})
+    ready = int(st.get("readyReplicas", 0) or 0)
+    applied = obs.spec_error is None and obs.apply_error is None
+    conditions = [available(obs, ready), progressing(obs, ready), degraded(obs)]
+    prev_generation = obs.previous.get("observedGeneration")
+    generation = obs.generation if applied else prev_generation
+    load = obs.load
+    return {
+        "observedGeneration": generation,
+        "replicas": int(st.get("replicas", 0) or 0),
+        "readyReplicas": ready,
+        "updatedReplicas": int(st.get("updatedReplicas", 0) or 0),
+        "selector": obs.selector,
+        "endpoint": obs.endpoint,
+        "conditions": _keep_transition_times(
+            conditions, obs.previous.get("conditions") or (), now, obs.generation
+        ),
+        "load": None
+        if load is None
+        else {
+            "kvUsagePercent": round(load.kv_usage_ratio * 100),
+            "numRequestsWaiting": round(load.num_waiting),
+            "numRequestsRunning": round(load.num_running),
+            "observedAt": now,
+        },
+    }
+
+
+def transitions(previous: Sequence[Obj], current: Sequence[Obj]) -> list[Event]:
+    """Events for condition changes worth a human's attention."""
+    old = {c.get("type"): (c.get("status"), c.get("reason")) for c in previous}
+    events: list[Event] = []
+    for cond in current:
+        kind, status, reason = cond["type"], cond["status"], cond["reason"]
+        if old.get(kind) == (status, reason):
+            continue
+        if kind == "Degraded" and status == "True":
+            events.append(Event("Warning", reason, cond["message"]))
+        elif kind == "Degraded" and kind in old and old[kind][0] == "True":
+            events.append(Event("Normal", "Recovered", f"no longer degraded ({old[kind][1]})"))
+        elif kind == "Available" and status == "True" and old.get(kind, (None,))[0] != "True":
+            events.append(Event("Normal", "Available", cond["message"]))
+        elif kind == "Available" and status == "False" and old.get(kind, (None,))[0] == "True":
+            events.append(Event("Warning" if reason != "ScaledToZero" else "Normal", reason, cond["message"]))
+    return events

@@ -1,0 +1,76 @@
+"""Invalid LLMDeployment specs and the message each must be rejected with.
+
+Shared by the unit tests (the pydantic model) and the e2e tests (the API server's CRD schema), so the
+two layers are held to the same contract.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+
+def valid_spec() -> dict[str, Any]:
+    return {
+        "model": {"name": "tiny-llama", "source": {"hostPath": {"path": "/models/tiny"}}},
+        "engine": {"image": "corral-engine:test", "args": {"maxNumSeqs": 8}},
+        "replicas": 2,
+    }
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    """valid_spec() with `value` at dotted `path` (None deletes the key)."""
+    spec = valid_spec()
+    *parents, last = path.split(".")
+    node = spec
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is None:
+        node.pop(last, None)
+    else:
+        node[last] = copy.deepcopy(value)
+    return spec
+
+
+# (case id, spec, substring the rejection message must contain)
+INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "min-above-max",
+        _with("autoscaling", {"minReplicas": 3, "maxReplicas": 2}),
+        "minReplicas must be <= maxReplicas",
+    ),
+    (
+        "block-size-not-power-of-two",
+        _with("engine.args", {"blockSize": 24}),
+        "blockSize must be a power of two",
+    ),
+    ("unknown-kv-policy", _with("engine.args", {"kvPolicy": "lru"}), "kvPolicy"),
+    ("unknown-engine-kind", _with("engine.kind", "tgi"), "engine.kind"),
+    ("no-model-source", _with("model.source", {}), "exactly one of pvc or hostPath"),
+    (
+        "two-model-sources",
+        _with("model.source", {"hostPath": {"path": "/m"}, "pvc": {"claimName": "models"}}),
+        "exactly one of pvc or hostPath",
+    ),
+    ("negative-replicas", _with("replicas", -1), "replicas"),
+    ("blocks-and-bytes", _with("engine.args", {"numKvBlocks": 64, "kvCacheMemory": "1Gi"}), "not both"),
+    (
+        "vllm-with-corral-option",
+        _with(
+            "engine", {"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0", "args": {"kvPolicy": "reserve"}}
+        ),
+        "corral engine options",
+    ),
+    ("rollout-cannot-progress", _with("rollout", {"maxSurge": 0, "maxUnavailable": 0}), "cannot both be 0"),
+    ("reserved-pod-label", _with("pod", {"labels": {"app.kubernetes.io/name": "x"}}), "may not set"),
+    ("model-name-not-a-label", _with("model.name", "meta llama/8B"), "model.name"),
+    ("no-image", _with("engine.image", None), "engine.image"),
+    ("kv-target-above-one", _with("autoscaling", {"targetKvUsage": 1.5}), "targetKvUsage"),
+    (
+        "token-budget-below-seqs",
+        _with("engine.args", {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}),
+        "maxNumBatchedTokens must be >= maxNumSeqs",
+    ),
+    ("bad-kv-memory", _with("engine.args", {"kvCacheMemory": "lots"}), "kvCacheMemory"),
+    ("relative-host-path", _with("model.source", {"hostPath": {"path": "models/x"}}), "path"),
+]

@@ -1,0 +1,152 @@
+"""Pure renderers: Deployment, Service, PDB, ServiceMonitor, and the engine command lines."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from corral_operator import labels, render
+from corral_operator.engine_command import parse_bytes
+from corral_operator.spec import SpecError, parse_spec
+
+from tests.operator.invalid_cases import valid_spec
+
+OWNER = render.Owner(name="tiny", namespace="ml", uid="uid-123")
+
+
+def _spec(**changes: object):
+    raw = valid_spec()
+    for key, value in changes.items():
+        raw[key] = value
+    return parse_spec(raw)
+
+
+def test_every_child_has_managed_labels_and_a_controller_owner_reference() -> None:
+    objects = render.desired_objects(OWNER, _spec(), has_service_monitor_crd=True)
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
+    for obj in objects:
+        meta = obj["metadata"]
+        assert meta["name"] == "tiny" and meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [OWNER.reference()]
+        assert meta["ownerReferences"][0]["controller"] is True
+        assert meta["labels"][labels.MANAGED_BY] == "corral-operator"
+        assert meta["labels"][labels.MODEL] == "tiny-llama"
+        assert meta["labels"][labels.INSTANCE] == "tiny"
+
+
+def test_pdb_only_with_two_replicas_and_service_monitor_only_with_its_crd() -> None:
+    kinds = [
+        o["kind"] for o in render.desired_objects(OWNER, _spec(replicas=1), has_service_monitor_crd=False)
+    ]
+    assert kinds == ["Deployment", "Service"]
+
+
+def test_deployment_is_locked_down() -> None:
+    dep = render.deployment(OWNER, _spec())
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    sc = container["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["resources"]["limits"] == {"cpu": "1", "memory": "4Gi"}
+
+
+def test_selector_is_stable_when_the_model_name_changes() -> None:
+    raw = valid_spec()
+    renamed = copy.deepcopy(raw)
+    renamed["model"]["name"] = "other"
+    a = render.deployment(OWNER, parse_spec(raw))["spec"]["selector"]
+    b = render.deployment(OWNER, parse_spec(renamed))["spec"]["selector"]
+    assert a == b == {"matchLabels": labels.selector("tiny")}
+
+
+def test_corral_engine_command_uses_engine_args() -> None:
+    raw = valid_spec()
+    raw["engine"]["args"] = {
+        "maxNumSeqs": 8,
+        "blockSize": 32,
+        "kvCacheMemory": "256Mi",
+        "kvPolicy": "reserve",
+    }
+    raw["engine"]["extraArgs"] = ["--seed", "7"]
+    command = render.engine_container(parse_spec(raw))["command"]
+    assert command[:4] == ["corral", "engine", "--model", "/models"]
+    flags = dict(zip(command[4::2], command[5::2], strict=False))
+    assert flags["--served-model-name"] == "tiny-llama"
+    assert flags["--max-num-seqs"] == "8"
+    assert flags["--block-size"] == "32"
+    assert flags["--kv-cache-memory"] == str(256 << 20)
+    assert flags["--kv-policy"] == "reserve"
+    assert flags["--port"] == "8000"
+    assert command[-2:] == ["--seed", "7"]
+
+
+def test_vllm_gets_vllm_flags_gpu_and_shared_memory() -> None:
+    raw = valid_spec()
+    raw["engine"] = {
+        "kind": "vllm",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "args": {"maxNumSeqs": 16, "enablePrefixCaching": False, "numKvBlocks": 100},
+    }
+    raw["model"]["source"] = {"pvc": {"claimName": "models", "path": "llama"}}
+    raw["resources"] = {"gpu": 1}
+    spec = parse_spec(raw)
+    dep = render.deployment(OWNER, spec)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "command" not in container
+    args = container["args"]
+    assert args[:2] == ["--model", "/models/llama"]
+    assert "--no-enable-prefix-caching" in args
+    assert args[args.index("--num-gpu-blocks-override") + 1] == "100"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    volumes = dep["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in volumes
+    claim = next(v for v in volumes if v["name"] == "model")["persistentVolumeClaim"]
+    assert claim == {"claimName": "models", "readOnly": True}
+
+
+def test_pod_overrides_and_scheduling_reach_the_pod() -> None:
+    raw = valid_spec()
+    raw["pod"] = {
+        "env": [{"name": "HF_HOME", "value": "/cache"}, {"name": "X", "value": "1"}],
+        "annotations": {"a": "b"},
+        "labels": {"team": "ml"},
+        "volumes": [{"name": "cache", "emptyDir": {}}],
+        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+    }
+    raw["nodeSelector"] = {"gpu": "a100"}
+    raw["tolerations"] = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    raw["rollout"] = {"maxSurge": "25%", "maxUnavailable": 1}
+    dep = render.deployment(OWNER, parse_spec(raw))
+    template = dep["spec"]["template"]
+    env = template["spec"]["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "HF_HOME"] == [{"name": "HF_HOME", "value": "/cache"}]
+    assert template["metadata"]["annotations"] == {"a": "b"}
+    assert template["metadata"]["labels"]["team"] == "ml"
+    assert template["spec"]["nodeSelector"] == {"gpu": "a100"}
+    assert template["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 1}
+    assert {"name": "cache", "mountPath": "/cache"} in template["spec"]["containers"][0]["volumeMounts"]
+
+
+def test_service_targets_the_named_port() -> None:
+    svc = render.service(OWNER, _spec())
+    assert svc["spec"]["selector"] == labels.selector("tiny")
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert render.endpoint_url(OWNER, _spec()) == "http://tiny.ml.svc:8000"
+
+
+@pytest.mark.parametrize(("text", "expected"), [("512", 512), ("4Gi", 4 << 30), ("2M", 2_000_000)])
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+def test_parse_bytes_rejects_fractions() -> None:
+    with pytest.raises(SpecError):
+        parse_bytes("1.5Gi")

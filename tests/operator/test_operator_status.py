@@ -1,0 +1,133 @@
+"""Pure status computation from observed Deployments and Pods, and the Events on transitions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from corral_operator.autoscaler import Load
+from corral_operator.status import Observed, compute, transitions
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def deployment(
+    replicas: int, ready: int, updated: int | None = None, generation: int = 1, **conds: str
+) -> dict:
+    conditions = [{"type": "Available", "status": "True" if ready else "False"}]
+    conditions += [{"type": k, "status": "False", "reason": v, "message": v} for k, v in conds.items()]
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "observedGeneration": generation,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas if updated is None else updated,
+            "conditions": conditions,
+        },
+    }
+
+
+def pod(waiting_reason: str | None = None, **extra: Any) -> dict:
+    statuses = []
+    if waiting_reason:
+        statuses = [{"image": "img:1", "restartCount": 5, "state": {"waiting": {"reason": waiting_reason}}}]
+    return {"metadata": {"name": "p-1"}, "status": {"containerStatuses": statuses, **extra}}
+
+
+def observed(**changes: Any) -> Observed:
+    base: dict[str, Any] = {
+        "name": "tiny",
+        "generation": 3,
+        "desired_replicas": 2,
+        "selector": "a=b",
+        "endpoint": "http://tiny.ml.svc:8000",
+    }
+    return Observed(**{**base, **changes})
+
+
+def cond(status: dict, kind: str) -> dict:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_ready_fleet_is_available_and_settled() -> None:
+    st = compute(observed(deployment=deployment(2, 2)), NOW)
+    assert st["observedGeneration"] == 3 and st["readyReplicas"] == 2 and st["replicas"] == 2
+    assert cond(st, "Available")["status"] == "True"
+    assert cond(st, "Progressing")["status"] == "False"
+    assert cond(st, "Degraded")["status"] == "False"
+    assert st["selector"] == "a=b" and st["endpoint"] == "http://tiny.ml.svc:8000"
+    assert st["load"] is None
+
+
+def test_rollout_in_progress() -> None:
+    st = compute(observed(deployment=deployment(3, 1, updated=1)), NOW)
+    assert cond(st, "Progressing") | {"lastTransitionTime": None} == {
+        "type": "Progressing",
+        "status": "True",
+        "reason": "RollingOut",
+        "message": "1/2 updated, 1/2 ready, 3 pods",
+        "lastTransitionTime": None,
+        "observedGeneration": 3,
+    }
+    assert cond(st, "Available")["status"] == "True"
+
+
+def test_operator_only_problems_are_degraded_with_reasons() -> None:
+    cases = {
+        "ModelVolumeMissing": observed(missing_pvc="models"),
+        "ImagePullFailed": observed(pods=[pod("ImagePullBackOff")]),
+        "CrashLooping": observed(pods=[pod("CrashLoopBackOff")]),
+        "Unschedulable": observed(
+            pods=[pod(conditions=[{"type": "PodScheduled", "status": "False", "message": "0/3 nodes: gpu"}])]
+        ),
+        "InvalidSpec": observed(spec_error="spec.engine.args: bad"),
+        "RolloutStuck": observed(deployment=deployment(2, 0, Progressing="ProgressDeadlineExceeded")),
+    }
+    for reason, obs in cases.items():
+        degraded = cond(compute(obs, NOW), "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", reason)
+        assert degraded["message"]
+    assert "models" in cond(compute(cases["ModelVolumeMissing"], NOW), "Degraded")["message"]
+
+
+def test_invalid_spec_keeps_the_previous_observed_generation() -> None:
+    st = compute(observed(spec_error="bad", previous={"observedGeneration": 2}), NOW)
+    assert st["observedGeneration"] == 2
+
+
+def test_scaled_to_zero_is_not_available_with_a_reason() -> None:
+    st = compute(observed(desired_replicas=0, is_autoscaled=True, deployment=deployment(0, 0)), NOW)
+    available = cond(st, "Available")
+    assert (available["status"], available["reason"]) == ("False", "ScaledToZero")
+    assert "wakes" in available["message"]
+
+
+def test_load_is_reported_in_percent() -> None:
+    load = Load(num_waiting=7.0, num_running=3.0, kv_usage_ratio=0.425, num_reporting=2)
+    st = compute(observed(deployment=deployment(2, 2), load=load), NOW)
+    assert st["load"] == {
+        "kvUsagePercent": 42,
+        "numRequestsWaiting": 7,
+        "numRequestsRunning": 3,
+        "observedAt": NOW,
+    }
+
+
+def test_transition_times_only_move_on_change() -> None:
+    first = compute(observed(deployment=deployment(2, 2)), "2026-01-01T00:00:00Z")
+    again = compute(observed(deployment=deployment(2, 2), previous=first), "2026-01-01T01:00:00Z")
+    assert cond(again, "Available")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    broken = compute(observed(deployment=deployment(2, 0), previous=first), "2026-01-01T02:00:00Z")
+    assert cond(broken, "Available")["lastTransitionTime"] == "2026-01-01T02:00:00Z"
+
+
+def test_events_on_important_transitions_only() -> None:
+    healthy = compute(observed(deployment=deployment(2, 2)), NOW)["conditions"]
+    crashing = compute(observed(deployment=deployment(2, 0), pods=[pod("CrashLoopBackOff")]), NOW)[
+        "conditions"
+    ]
+    assert [(e.type, e.reason) for e in transitions([], healthy)] == [("Normal", "Available")]
+    assert transitions(healthy, healthy) == []
+    events = [(e.type, e.reason) for e in transitions(healthy, crashing)]
+    assert ("Warning", "CrashLooping") in events and ("Warning", "NoReplicasReady") in events
+    assert ("Normal", "Recovered") in [(e.type, e.reason) for e in transitions(crashing, healthy)]
