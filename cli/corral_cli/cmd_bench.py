@@ -59,25 +59,30 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _load_workload(args: argparse.Namespace) -> tuple[list[Any], str]:
-    """The requests to send and where their token lengths come from."""
+def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[Any]], str]:
+    """The requests for each run, and where their token lengths come from.
+
+    Random workloads get fresh prompts of the same lengths per run, so a sweep's later runs do not
+    hit the server's prefix cache with an earlier run's prompts; dataset prompts repeat as they are.
+    """
     from corral_cli.bench import workload
     from corral_cli.bench.runner import BenchError
 
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # a line per request
     try:
         tokenizer = workload.HFTokenizer(args.tokenizer) if args.tokenizer else None
         if args.dataset:
             requests = workload.load_dataset(
                 args.dataset, args.num_prompts, args.seed, tokenizer, args.max_prompt_len, args.max_total_len
             )
-            return requests, "tokenizer" if tokenizer else "estimated"
+            return [requests] * num_runs, "tokenizer" if tokenizer else "estimated"
         sizes = (args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio)
         if args.endpoint_type == "chat" and tokenizer is None:
-            return workload.random_text_prompts(*sizes, args.seed), "estimated"
+            texts = [workload.random_text_prompts(*sizes, args.seed, variant=i) for i in range(num_runs)]
+            return texts, "estimated"
         ids = workload.allowed_token_ids(tokenizer, args.random_vocab_size)
         as_text = tokenizer if args.endpoint_type == "chat" else None
-        return workload.sample_random(*sizes, args.seed, ids, as_text=as_text), "exact"
+        runs = [workload.sample_random(*sizes, args.seed, ids, as_text, variant=i) for i in range(num_runs)]
+        return runs, "exact" if as_text is None else "tokenizer"
     except ValueError as e:
         raise BenchError(str(e)) from e
 
@@ -94,7 +99,7 @@ async def _bench(args: argparse.Namespace) -> int:
         raise BenchError(str(e)) from e
     if args.burstiness <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise BenchError("--burstiness must be > 0 and --max-concurrency >= 1")
-    requests, lengths_from = _load_workload(args)
+    workloads, lengths_from = _load_workloads(args, len(rates))
     model = await resolve_model(args.base_url, args.model)
     settings = RequestSettings(
         base_url=args.base_url,
@@ -105,10 +110,15 @@ async def _bench(args: argparse.Namespace) -> int:
     )
     metrics_url = None if args.no_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics")
     runs = [
-        RunSettings(rate, args.burstiness, args.max_concurrency, args.seed, metrics_url, not args.no_progress)
-        for rate in rates
+        (
+            RunSettings(
+                rate, args.burstiness, args.max_concurrency, args.seed, metrics_url, not args.no_progress
+            ),
+            w,
+        )
+        for rate, w in zip(rates, workloads, strict=True)
     ]
-    outcomes = await run_sweep(settings, runs, requests, args.request_timeout)
+    outcomes = await run_sweep(settings, runs, args.request_timeout)
     summaries = [o.summary for o in outcomes]
     report.print_report(summaries)
     config = {
@@ -116,7 +126,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "model": model,
         "endpoint_type": args.endpoint_type,
         "dataset": args.dataset or "random",
-        "num_prompts": len(requests),
+        "num_prompts": len(workloads[0]),
         "prompt_lengths": lengths_from,
         "random_input_len": None if args.dataset else args.random_input_len,
         "random_output_len": None if args.dataset else args.random_output_len,

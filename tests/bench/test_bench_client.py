@@ -81,7 +81,7 @@ async def test_unlimited_concurrency_sends_everything_at_once(fake):
 
 
 def test_cli_sweep_writes_results_and_plot(fake, tmp_path):
-    url, _ = fake
+    url, state = fake
     result_file, plot = tmp_path / "r.json", tmp_path / "sweep.png"
     argv = ["bench", "--base-url", url, "--num-prompts", "6", "--random-input-len", "8"]
     argv += ["--random-output-len", "4", "--request-rate", "200,inf", "--ignore-eos", "--no-progress"]
@@ -97,6 +97,8 @@ def test_cli_sweep_writes_results_and_plot(fake, tmp_path):
             assert run[key] > 0
         assert run["num_preemptions"] == 6
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prompts = [tuple(body["prompt"]) for body in state.bodies]
+    assert len(prompts) == 12 and len(set(prompts)) == 12  # each run of the sweep has fresh prompts
 
 
 def test_cli_single_run_plots_latency_distributions(fake, tmp_path):

@@ -74,6 +74,17 @@ def test_random_prompts_have_exact_lengths_in_range_and_skip_specials():
     assert {(r.prompt_len, r.output_len) for r in exact} == {(32, 8)}
 
 
+def test_random_variants_keep_lengths_and_change_prompts():
+    ids = workload.allowed_token_ids(None, 1000)
+    a = workload.sample_random(20, 64, 16, 0.5, seed=2, token_ids=ids, variant=0)
+    b = workload.sample_random(20, 64, 16, 0.5, seed=2, token_ids=ids, variant=1)
+    assert [(r.prompt_len, r.output_len) for r in a] == [(r.prompt_len, r.output_len) for r in b]
+    assert all(x.prompt != y.prompt for x, y in zip(a, b, strict=True))
+    ta = workload.random_text_prompts(5, 30, 4, 0.5, seed=2, variant=0)
+    tb = workload.random_text_prompts(5, 30, 4, 0.5, seed=2, variant=1)
+    assert [r.prompt_len for r in ta] == [r.prompt_len for r in tb] and ta != tb
+
+
 def test_random_token_ids_without_tokenizer_stay_in_a_safe_range():
     ids = workload.allowed_token_ids(None, None)
     assert ids.min() >= 3 and ids.max() < 259

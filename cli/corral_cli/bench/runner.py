@@ -125,20 +125,23 @@ async def run_once(
         "max_concurrency": run.max_concurrency,
         "num_prompts": len(requests),
         **aggregate(results, duration_s),
-        "num_preemptions": prom.delta(preemptions_before, preemptions_after),
+        "num_preemptions": _as_count(prom.delta(preemptions_before, preemptions_after)),
     }
     return RunOutcome(summary, results)
 
 
+def _as_count(value: float | None) -> int | float | None:
+    return int(value) if value is not None and value.is_integer() else value
+
+
 async def run_sweep(
     request: RequestSettings,
-    runs: list[RunSettings],
-    requests: list[BenchRequest],
+    runs: list[tuple[RunSettings, list[BenchRequest]]],
     request_timeout_s: float,
 ) -> list[RunOutcome]:
-    """Run the same requests at each setting in turn."""
+    """Run each (setting, workload) in turn, one after the other."""
     async with make_client(request_timeout_s) as client:
-        return [await run_once(client, request, run, requests) for run in runs]
+        return [await run_once(client, request, run, requests) for run, requests in runs]
 
 
 async def resolve_model(base_url: str, model: str | None) -> str:

@@ -106,8 +106,13 @@ def sample_random(
     seed: int,
     token_ids: np.ndarray,
     as_text: BenchTokenizer | None = None,
+    variant: int = 0,
 ) -> list[BenchRequest]:
-    """Random prompts of exact token lengths (token-id prompts), or decoded text when `as_text` is given."""
+    """Random prompts of exact token lengths (token-id prompts), or decoded text when `as_text` is given.
+
+    Lengths depend on `seed` only; content also on `variant`, so each run of a sweep can get the same
+    lengths with fresh prompts (no prefix-cache hits on an earlier run's prompts).
+    """
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     in_low, in_high = length_range(input_len, range_ratio)
@@ -115,9 +120,10 @@ def sample_random(
     rng = np.random.default_rng(seed)
     in_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
     out_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
+    content_rng = np.random.default_rng([seed, variant])
     requests = []
     for in_len, out_len in zip(in_lens.tolist(), out_lens.tolist(), strict=True):
-        ids = rng.choice(token_ids, size=in_len).tolist()
+        ids = content_rng.choice(token_ids, size=in_len).tolist()
         if as_text is not None:
             text = as_text.decode(ids)
             requests.append(BenchRequest(text, len(as_text.encode(text)), out_len))
@@ -127,19 +133,21 @@ def sample_random(
 
 
 def random_text_prompts(
-    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int, variant: int = 0
 ) -> list[BenchRequest]:
     """Text prompts of roughly `input_len` tokens when no tokenizer is at hand (chat endpoints)."""
     in_low, in_high = length_range(input_len, range_ratio)
     out_low, out_high = length_range(output_len, range_ratio)
     rng = np.random.default_rng(seed)
+    in_lens = rng.integers(in_low, in_high + 1, size=num_prompts).tolist()
+    out_lens = rng.integers(out_low, out_high + 1, size=num_prompts).tolist()
+    content_rng = np.random.default_rng([seed, variant])
     words = ("alpha", "bravo", "cloud", "delta", "river", "stone", "green", "light", "north", "seven")
     requests = []
-    for _ in range(num_prompts):
-        in_len = int(rng.integers(in_low, in_high + 1))
-        # a common short word with its leading space is about one token in byte-level vocabularies
-        text = " ".join(words[int(i)] for i in rng.integers(0, len(words), size=in_len))
-        requests.append(BenchRequest(text, in_len, int(rng.integers(out_low, out_high + 1))))
+    for in_len, out_len in zip(in_lens, out_lens, strict=True):
+        # a common short word with its leading space is about one token in large byte-level vocabularies
+        text = " ".join(words[int(i)] for i in content_rng.integers(0, len(words), size=in_len))
+        requests.append(BenchRequest(text, in_len, out_len))
     return requests
 
 
