@@ -47,6 +47,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     import uvicorn
     from corral_gateway.app import create_app
     from pydantic import ValidationError

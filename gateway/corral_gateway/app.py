@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from corral_gateway.auth import KeyStore, load_keys_file
-from corral_gateway.errors import GatewayError, InvalidRequest, NotFound, error_response
+from corral_gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, error_response
 from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import EndpointSliceWatcher
 from corral_gateway.metrics import GatewayMetrics
@@ -126,6 +126,13 @@ def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | 
             {"id": m, "object": "model", "created": 0, "owned_by": "corral"} for m in fleet.registry.models()
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> Response:
+        authenticate(request)
+        if not fleet.registry.has_model(model):
+            raise ModelNotFound(model)
+        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "corral"})
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,200 @@
+"""`corral up`: a local fleet on this machine - N engine processes and a gateway in front of them.
+
+Engines run as `corral engine` subprocesses on free 127.0.0.1 ports; the gateway runs in this
+process. Ctrl-C or SIGTERM stops the gateway, then every engine (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DEMO_DIR = Path.home() / ".cache" / "corral" / "demo-model"
+_ENGINE_READY_TIMEOUT_S = 300.0
+_ENGINE_STOP_TIMEOUT_S = 25.0
+
+
+class _Stop(Exception):
+    """SIGTERM while engines start up."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, metavar="DIR", help="Hugging Face checkpoint to serve")
+    source.add_argument("--demo", action="store_true", help="serve a generated demo model (the default)")
+    parser.add_argument("--demo-preset", choices=("tiny", "small"), default="tiny", help="demo model size")
+    parser.add_argument("--replicas", type=int, default=2, help="engine processes (default: 2)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients ask for")
+    parser.add_argument(
+        "--policy",
+        choices=("prefix-affinity", "kv-aware", "least-requests", "round-robin"),
+        default="prefix-affinity",
+        help="gateway routing policy (default: prefix-affinity)",
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: a temp dir)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    demo_dir = (
+        DEFAULT_DEMO_DIR if args.demo_preset == "tiny" else DEFAULT_DEMO_DIR.with_name("demo-model-small")
+    )
+    if not (demo_dir / "config.json").exists():
+        from corral_engine.demo_model import write_demo_model
+
+        logger.info("writing the %s demo model to %s (once)", args.demo_preset, demo_dir)
+        write_demo_model(demo_dir, preset=args.demo_preset, progress=True)
+    return demo_dir
+
+
+class _Engine:
+    def __init__(self, model_dir: Path, name: str, num_threads: int, log_dir: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"engine-{self.port}.log"
+        argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", str(model_dir)]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", name]
+        argv += ["--num-threads", str(num_threads)]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def is_ready(self) -> bool:
+        import httpx
+
+        if self.proc.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"engine on port {self.port} exited with {self.proc.returncode}:\n{tail}")
+        try:
+            return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, deadline_s: float) -> None:
+        try:
+            self.proc.wait(max(0.1, deadline_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _wait_ready(engines: list[_Engine]) -> None:
+    deadline_s = time.monotonic() + _ENGINE_READY_TIMEOUT_S
+    pending = list(engines)
+    while pending:
+        pending = [e for e in pending if not e.is_ready()]
+        if time.monotonic() > deadline_s:
+            raise RuntimeError(
+                f"engines not healthy after {_ENGINE_READY_TIMEOUT_S:.0f} s: see {pending[0].log_path}"
+            )
+        time.sleep(0.2)
+
+
+def _stop_engines(engines: list[_Engine]) -> None:
+    for engine in engines:
+        engine.terminate()
+    deadline_s = time.monotonic() + _ENGINE_STOP_TIMEOUT_S
+    for engine in engines:
+        engine.wait_or_kill(deadline_s)
+
+
+def usage_text(base_url: str, model: str) -> str:
+    """The ready-to-paste examples printed once the fleet is up."""
+    return f"""
+Corral is up: an OpenAI-compatible endpoint at {base_url}/v1 serving model "{model}".
+
+  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base_url}/v1", api_key="unused")
+reply = client.chat.completions.create(
+    model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32
+)
+print(reply.choices[0].message.content)
+PY
+
+Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-C
+"""
+
+
+async def _serve_gateway(app: Any, host: str, port: int, banner: str) -> None:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        sys.stdout.write(banner)
+        sys.stdout.flush()
+    await task
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
+    if args.replicas < 1:
+        logger.error("--replicas must be at least 1")
+        return 2
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise _Stop()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    engines: list[_Engine] = []
+    try:
+        model_dir = _model_dir(args)
+        name = args.served_model_name or ("demo" if args.model is None else model_dir.name)
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="corral-up-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        num_threads = max(1, len(os.sched_getaffinity(0)) // args.replicas)
+        for _ in range(args.replicas):
+            engines.append(_Engine(model_dir, name, num_threads, log_dir))
+        logger.info("starting %d engines (logs in %s)", len(engines), log_dir)
+        _wait_ready(engines)
+
+        from corral_gateway.app import create_app
+        from corral_gateway.settings import GatewaySettings
+
+        settings = GatewaySettings(
+            host=args.host, port=args.port, policy=args.policy, backends={name: [e.url for e in engines]}
+        )
+        base_url = f"http://{args.host}:{args.port}"
+        # uvicorn handles SIGINT/SIGTERM from here on: it stops serving and returns.
+        asyncio.run(_serve_gateway(create_app(settings), args.host, args.port, usage_text(base_url, name)))
+        return 0
+    except (KeyboardInterrupt, _Stop):
+        return 0
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        logger.info("stopping %d engines", len(engines))
+        _stop_engines(engines)
