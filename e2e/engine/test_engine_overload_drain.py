@@ -1,0 +1,81 @@
+"""Overload gets 429 + Retry-After while accepted work completes; SIGTERM drains, then exits cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import signal
+
+import httpx
+import pytest
+from corral_engine import wire
+
+from e2e.procs import start_engine
+
+pytestmark = [pytest.mark.e2e]
+
+
+async def test_small_waiting_queue_sheds_load_with_429(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    with start_engine(tiny_model_dir, log_dir=tmp_path, max_waiting=2, max_num_seqs=2) as engine:
+        body = {"model": engine.served_model_name, "prompt": "load", "max_tokens": 64, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=engine.url, timeout=120) as client:
+            responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(24)))
+        accepted = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code == 429]
+        assert len(accepted) + len(refused) == len(responses), [r.text for r in responses]
+        assert accepted and refused
+        for r in refused:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        for r in accepted:
+            out = r.json()
+            assert out["choices"][0]["finish_reason"] == "length"
+            assert out["usage"]["completion_tokens"] == 64
+        assert engine.metric(wire.NUM_REQUESTS_REJECTED_TOTAL, reason="queue_full") == len(refused)
+
+
+async def test_sigterm_drains_running_requests_then_exits(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    engine = start_engine(tiny_model_dir, log_dir=tmp_path, max_num_seqs=1, drain_timeout=60)
+    body = {
+        "model": engine.served_model_name,
+        "prompt": "drain",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    first_chunk = asyncio.Event()
+
+    async def stream(client: httpx.AsyncClient) -> tuple[str | None, bool]:
+        finish, done = None, False
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    first_chunk.set()
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+        return finish, done
+
+    try:
+        async with httpx.AsyncClient(base_url=engine.url, timeout=120) as client:
+            tasks = [asyncio.create_task(stream(client)) for _ in range(3)]
+            await first_chunk.wait()
+            engine.signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(base_url=engine.url, timeout=10) as other:
+                health = await other.get("/health")
+                late = await other.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert health.status_code == 503, "drain must make /health fail so load balancers stop sending"
+            assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+            results = await asyncio.gather(*tasks)
+        assert results == [("length", True)] * 3
+        assert await asyncio.to_thread(engine.proc.wait, 60) == 0
+        assert "drained; shutting down" in engine.log_tail()
+    finally:
+        engine.stop()
