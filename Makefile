@@ -32,5 +32,10 @@ typecheck: install
 test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and helm, built from the
+# Go module proxy into ~/.cache/corral-e2e/<versions>/bin (minutes when cold, a no-op when cached).
+k8s-tools:
+	bash e2e/k8s/build.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
