@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from typing import Any
 
 import httpx
+import uvicorn
 from corral_engine import wire
 from corral_engine.outputs import EngineStats
 from corral_engine.server import create_app
-from corral_engine.server.lifecycle import throughput_line
+from corral_engine.server.lifecycle import DrainingServer, throughput_line
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.fake_engine import FakeEngine
@@ -178,3 +180,25 @@ def test_throughput_line_reports_rates_and_stays_quiet_when_idle() -> None:
     assert line is not None
     for part in ("prompt 20.0 tok/s", "generation 5.0 tok/s", "running 3", "waiting 1", "KV usage 25.0%"):
         assert part in line
+
+
+async def test_drain_waits_for_open_requests_and_gives_up_after_the_grace(engine: FakeEngine) -> None:
+    app = create_app(engine)
+    ctx = app.state.ctx
+    patient = DrainingServer(uvicorn.Config(app), ctx, drain_timeout_s=3600)
+    assert not await patient.on_tick(1)
+    ctx.in_flight.enter()
+    patient.handle_exit(signal.SIGTERM, None)
+    assert ctx.is_draining
+    assert not await patient.on_tick(1)  # a request is still open
+    ctx.in_flight.leave()
+    assert await patient.on_tick(1)  # drained
+    assert not patient.force_exit
+
+    ctx.is_draining = False
+    ctx.in_flight.enter()
+    impatient = DrainingServer(uvicorn.Config(app), ctx, drain_timeout_s=0)
+    impatient.handle_exit(signal.SIGTERM, None)
+    assert await impatient.on_tick(1)  # grace over with the request still open
+    impatient.handle_exit(signal.SIGTERM, None)
+    assert impatient.force_exit
