@@ -6,15 +6,41 @@ the weights are drawn from a seeded generator. The same seed writes byte-identic
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
 import pathlib
-import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from corral_engine.demo_tokenizer import (
+    BOS_TOKEN,
+    BOS_TOKEN_ID,
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    EOS_TOKEN_ID,
+    PAD_TOKEN,
+    PAD_TOKEN_ID,
+    tokenizer_config,
+    tokenizer_style,
+    train_tokenizer,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "BOS_TOKEN",
+    "BOS_TOKEN_ID",
+    "CHAT_TEMPLATE",
+    "EOS_TOKEN",
+    "EOS_TOKEN_ID",
+    "PAD_TOKEN",
+    "PAD_TOKEN_ID",
+    "PRESETS",
+    "build_config_dict",
+    "count_parameters",
+    "preset_config",
+    "write_demo_model",
+]
 
 PRESETS = ("tiny", "small")
 ARCHITECTURES = {
@@ -23,18 +49,6 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
-SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2 in this order
-PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
-
-# Role-tagged turns; an assistant turn ends with eos so generation stops at the end of a reply.
-CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,53 +107,6 @@ _PRESETS: dict[str, Preset] = {
         lexicon_size=60_000,
     ),
 }
-
-# Fixed English text so common words get their own tokens and demos read naturally.
-_ENGLISH = """
-The quick brown fox jumps over the lazy dog. A corral is a pen for keeping animals together,
-and this project keeps a herd of language models together on a cluster of machines.
-Every request arrives at the gateway, waits in a queue, and is sent to the replica with the most room.
-The engine reads the prompt, fills its cache block by block, and writes one token at a time.
-When memory runs short it pauses the newest request and picks it up again later.
-Hello, world! How are you today? I am fine, thank you. What time is it? It is half past nine.
-One, two, three, four, five, six, seven, eight, nine, ten. 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 65536.
-Please write a short story about a cat who learns to read. Once upon a time there was a small cat.
-She found a book in the garden and opened it. The letters danced, and slowly they began to make sense.
-def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i)\n
-{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
-Summer, autumn, winter, spring. North, south, east, west. Red, green, blue, yellow, black, white.
-Caf\u00e9, na\u00efve, r\u00e9sum\u00e9, \u00fcber, stra\u00dfe.
-\u4f60\u597d\uff0c\u4e16\u754c\u3002 \u3053\u3093\u306b\u3061\u306f\u3002 \U0001f600 \U0001f680 \u2764\ufe0f
-"""
-
-# The pre-tokenizer split of transformers' Qwen2Tokenizer (a behaviour, restated to match it).
-_QWEN_SPLIT_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_ENGLISH_REPEATS = 50  # weight the fixed text so its common words become tokens even in tiny vocabularies
-
-# Pseudo-word parts; "" entries make empty onsets/codas more likely.
-_ONSETS = [
-    "",
-    *"bcdfghjklmnprstvwz",
-    "br",
-    "ch",
-    "cl",
-    "dr",
-    "fl",
-    "gr",
-    "kr",
-    "pl",
-    "pr",
-    "sh",
-    "sk",
-    "st",
-    "th",
-]
-_VOWELS = [*"aeiouy", "ai", "ea", "ee", "ie", "oa", "oo", "ou"]
-_CODAS = ["", "", "", *"nrstlmx", "nd", "ng", "st", "rt", "ck", "sh"]
-_PUNCT = [*"...,,!?;:"]
 
 
 def preset_config(preset: str) -> Preset:
@@ -200,124 +167,6 @@ def count_parameters(config: dict[str, Any]) -> int:
     return int(config["num_hidden_layers"]) * layer + embeddings + h
 
 
-def synthetic_corpus(seed: int, num_words: int, lexicon_size: int) -> Iterator[str]:
-    """Deterministic training text: fixed English plus Zipf-distributed seeded pseudo-words."""
-    rng = random.Random(seed)
-    for _ in range(_ENGLISH_REPEATS):
-        yield from _ENGLISH.strip().splitlines()
-    lexicon: list[str] = []
-    seen: set[str] = set()
-    while len(lexicon) < lexicon_size:
-        syllables = rng.choice((1, 2, 2, 3, 3, 4))
-        word = "".join(
-            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
-        )
-        if word not in seen:
-            seen.add(word)
-            lexicon.append(word)
-    weights = [1.0 / (rank + 1) for rank in range(lexicon_size)]
-    words = rng.choices(lexicon, weights=weights, k=num_words)
-    # Every lexicon word at least twice, so the larger vocabularies have enough distinct merges.
-    words += lexicon + lexicon
-    rng.shuffle(words)
-    line: list[str] = []
-    for i, word in enumerate(words):
-        if not line:
-            word = word.capitalize()
-        line.append(word)
-        if rng.random() < 0.08:
-            line[-1] += rng.choice(_PUNCT)
-        if rng.random() < 0.02:
-            line.append(str(rng.randrange(10_000)))
-        if len(line) >= 12 or i == len(words) - 1:
-            yield " ".join(line)
-            line = []
-
-
-@contextlib.contextmanager
-def _single_threaded_tokenizers() -> Iterator[None]:
-    # tokenizers reads this on each call; one thread keeps training independent of scheduling.
-    old = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = old
-
-
-def tokenizer_style(arch: str) -> str:
-    """Qwen checkpoints load through transformers' Qwen2Tokenizer, which rebuilds a Qwen pipeline
-    (NFC, Qwen split regex, no BOS); Qwen-arch demo models use that pipeline so every loader agrees."""
-    return "qwen" if arch in ("qwen2", "qwen3") else "llama"
-
-
-def train_tokenizer(
-    seed: int, vocab_size: int, num_words: int, lexicon_size: int, style: str = "llama"
-) -> Any:
-    """A byte-level BPE `tokenizers.Tokenizer` with exactly `vocab_size` entries (specials included)."""
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tok = Tokenizer(models.BPE())
-    if style == "qwen":
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    with _single_threaded_tokenizers():
-        tok.train_from_iterator(synthetic_corpus(seed, num_words, lexicon_size), trainer=trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"tokenizer training reached {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    if style == "llama":
-        # Like Llama: encoding adds BOS (the chat template writes it itself: render, then encode
-        # without special tokens).
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS_TOKEN} $A",
-            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-            special_tokens=[(BOS_TOKEN, BOS_TOKEN_ID)],
-        )
-    return tok
-
-
-def _tokenizer_config(max_length: int, style: str) -> dict[str, Any]:
-    return {
-        "tokenizer_class": "Qwen2Tokenizer" if style == "qwen" else "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": None,  # byte-level: every input is representable
-        "add_bos_token": style == "llama",
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
-    }
-
-
 def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -366,9 +215,14 @@ def _build_model(cfg: dict[str, Any], seed: int, p: Preset) -> Any:
     kwargs = copy.deepcopy({k: v for k, v in cfg.items() if k not in ("architectures", "dtype")})
     config = config_class(**kwargs)
     config.architectures = [arch_class]
-    torch.manual_seed(seed)
-    model = model_class(config).to(torch.float32)
+    # Build without transformers' own (discarded) init; _init_weights fills every parameter. Only the
+    # parameters are saved, so the non-persistent buffers left uninitialised here never matter.
+    with torch.device("meta"):
+        model = model_class(config)
+    model = model.to_empty(device="cpu").to(torch.float32)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        model.tie_weights()  # to_empty allocates the shared tensor twice
     _init_weights(model, seed, p, tied)
     return model
 
@@ -396,7 +250,7 @@ def write_demo_model(
         tok = train_tokenizer(seed, vocab_size, p.num_corpus_words, p.lexicon_size, style)
         tok.save(str(out / "tokenizer.json"), pretty=True)
         max_len = int(cfg["max_position_embeddings"])
-        _write_json(out / "tokenizer_config.json", _tokenizer_config(max_len, style))
+        _write_json(out / "tokenizer_config.json", tokenizer_config(max_len, style))
         steps.advance("initializing weights")
         model = _build_model(cfg, seed, p)
         steps.advance("writing model.safetensors")
