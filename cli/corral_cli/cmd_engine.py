@@ -41,10 +41,11 @@ def parse_bytes(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory")
-    parser.add_argument(
-        "--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})"
-    )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
+    _add_server_arguments(parser)
+    _add_engine_arguments(parser)
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", metavar="NAME", help="model name in the API (default: DIR's name)"
     )
@@ -85,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, help="engine seed for unseeded sampling (default: 0)")
     parser.add_argument("--num-threads", type=int, metavar="N", help="torch CPU threads (default: all cores)")
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})"
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     parser.add_argument(
         "--api-key",
         default=os.environ.get("CORRAL_API_KEY"),

@@ -44,6 +44,15 @@ def test_flags_round_trip_with_engine_args(args: EngineArgs) -> None:
     assert cmd_engine.engine_args_from(parse(args.to_cli_args())) == args
 
 
+def test_server_flags_and_defaults() -> None:
+    ns = parse(["--model", "m"])
+    assert (ns.host, ns.port, ns.drain_timeout, ns.log_interval) == ("127.0.0.1", 8100, 20.0, 10.0)
+    ns = parse(
+        ["--model", "m", "--api-key", "k", "--port", "9", "--drain-timeout", "3", "--log-interval", "1"]
+    )
+    assert (ns.api_key, ns.port, ns.drain_timeout, ns.log_interval) == ("k", 9, 3.0, 1.0)
+
+
 def test_byte_sizes_and_exclusive_kv_flags() -> None:
     assert cmd_engine.parse_bytes("512MiB") == 512 << 20
     assert cmd_engine.parse_bytes("2G") == 2 * 10**9

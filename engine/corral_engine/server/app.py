@@ -48,6 +48,12 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval
     app.state.ctx = ctx
     errors.install_error_handlers(app)
     app.add_middleware(ServerMiddleware, ctx=ctx)
+    _add_routes(app, ctx, created)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
+    engine, metrics = ctx.engine, ctx.metrics
 
     def model_card() -> dict[str, object]:
         return {
@@ -93,5 +99,3 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
-
-    return app
