@@ -54,12 +54,17 @@ def build_app(state: FakeState) -> FastAPI:
             if chat:
                 yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             num_tokens = int(body["max_tokens"])
+            prompt = body.get("prompt")
             for i in range(num_tokens):
+                if i == 1 and prompt == "midfail":
+                    yield _sse({"error": {"message": "engine died", "type": "internal_error"}})
+                    return
+                if i == 1 and prompt == "cut":
+                    return  # the connection ends without [DONE]
                 await asyncio.sleep(state.token_delay_s)
                 piece = "é" if i % 2 else " a"
                 choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
                 yield _sse({"choices": [choice]})
-            prompt = body.get("prompt")
             num_prompt = len(prompt) if isinstance(prompt, list) else 7
             usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens}
             yield _sse({"choices": [], "usage": usage})

@@ -55,6 +55,24 @@ async def test_error_response_is_a_failed_result_with_the_message(fake):
     assert result.error == "HTTP 400: no such thing"
 
 
+@pytest.mark.parametrize(
+    ("prompt", "error"), [("midfail", "stream error: {'message': 'engine died'"), ("cut", "without [DONE]")]
+)
+async def test_broken_streams_are_failures(fake, prompt, error):
+    url, _ = fake
+    async with make_client(30) as client:
+        result = await send_request(client, RequestSettings(url, MODEL), BenchRequest(prompt, 1, 4))
+    assert not result.is_success and error in result.error
+
+
+async def test_run_with_progress_bar(fake):
+    url, _ = fake
+    run = RunSettings(50.0, show_progress=True)
+    async with make_client(30) as client:
+        outcome = await run_once(client, RequestSettings(url, MODEL), run, [BenchRequest([1], 1, 2)] * 3)
+    assert outcome.summary["completed"] == 3
+
+
 async def test_run_respects_max_concurrency_and_counts_preemptions(fake):
     url, state = fake
     requests = [BenchRequest([1, 2], 2, 4) for _ in range(12)] + [BenchRequest("fail", 1, 1)]

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from corral_cli.bench import prom, workload
+from corral_cli.bench import prom, report, workload
 from corral_cli.bench.arrivals import arrival_offsets_s, parse_rates
 from corral_cli.bench.stats import RequestResult, aggregate, summarize
 from corral_cli.bench.workload import BenchRequest
@@ -202,3 +202,12 @@ def test_prometheus_counter_sum():
     assert prom.sum_samples("vllm:num_preemptions 2 1700000000\n", "vllm:num_preemptions_total") == 2.0
     assert prom.delta(3.0, 10.0) == 7.0
     assert prom.delta(None, 1.0) is None and prom.delta(5.0, 1.0) is None
+
+
+def test_result_file_is_strict_json(tmp_path):
+    summary = aggregate([RequestResult(False, error="x")], duration_s=1.0)
+    summary["request_rate"] = math.inf
+    report.write_result_file(tmp_path / "r.json", {"seed": 0}, [summary])
+    doc = json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    (run,) = doc["runs"]
+    assert run["request_rate"] == "inf" and run["mean_ttft_ms"] is None and run["failed"] == 1
