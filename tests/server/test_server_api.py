@@ -100,6 +100,14 @@ async def test_chat_completion(client: httpx.AsyncClient) -> None:
     assert out["usage"]["prompt_tokens"] == len("<user>hey\n<assistant>")
 
 
+async def test_chat_developer_role_reaches_the_template_as_system(client: httpx.AsyncClient) -> None:
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hey"}]
+    r = await client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}
+    )
+    assert r.json()["usage"]["prompt_tokens"] == len("<system>be brief\n<user>hey\n<assistant>")
+
+
 async def test_chat_default_max_tokens_fills_the_context(
     client: httpx.AsyncClient, engine: FakeEngine
 ) -> None:

@@ -143,6 +143,7 @@ async def test_dead_engine_is_503(client: httpx.AsyncClient, engine: FakeEngine)
     engine.is_dead = True
     r = await client.post(C, json=cmpl())
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+    assert (await client.get("/health")).status_code == 503
 
 
 async def test_api_key_is_required_on_v1_only() -> None:

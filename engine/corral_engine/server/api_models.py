@@ -166,5 +166,9 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates expect them: role and plain-text content."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """Messages as chat templates expect them: role and plain-text content. Templates predate
+        OpenAI's `developer` role, which means what `system` means to them."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
