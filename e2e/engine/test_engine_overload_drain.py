@@ -19,9 +19,15 @@ pytestmark = [pytest.mark.e2e]
 async def test_small_waiting_queue_sheds_load_with_429(
     tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    with start_engine(tiny_model_dir, log_dir=tmp_path, max_waiting=2, max_num_seqs=2) as engine:
+    flags = {"max_waiting": 2, "max_num_seqs": 2, "api_key": "sk-test"}
+    with start_engine(tiny_model_dir, log_dir=tmp_path, **flags) as engine:
         body = {"model": engine.served_model_name, "prompt": "load", "max_tokens": 64, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=engine.url, timeout=120) as client:
+        unauthorized = httpx.post(
+            engine.url + "/v1/completions", json=body, headers={"Authorization": "Bearer no"}
+        )
+        assert unauthorized.status_code == 401 and unauthorized.json()["error"]["code"] == "invalid_api_key"
+        auth = {"Authorization": "Bearer sk-test"}
+        async with httpx.AsyncClient(base_url=engine.url, timeout=120, headers=auth) as client:
             responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(24)))
         accepted = [r for r in responses if r.status_code == 200]
         refused = [r for r in responses if r.status_code == 429]
