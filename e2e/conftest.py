@@ -8,16 +8,48 @@ end of the run so it is never mistaken for a pass; a failed build or start-up is
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
+import signal
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from e2e.k8s.cluster import Cluster
-from e2e.k8s.toolchain import Toolchain, ToolchainUnavailable, ensure_toolchain
+from e2e.k8s.toolchain import (
+    Toolchain,
+    ToolchainUnavailable,
+    ensure_toolchain,
+    is_toolchain_cached,
+    start_background_build,
+)
 
 _skip_reasons: list[str] = []
+_background_builds: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When k8s tests were collected and the toolchain cache is cold, start building it right away so
+    the build overlaps the tests that run before them."""
+    if not any(item.get_closest_marker("k8s") for item in session.items) or is_toolchain_cached():
+        return
+    log_fd, log_name = tempfile.mkstemp(prefix="corral-k8s-build-", suffix=".log")
+    os.close(log_fd)
+    _background_builds.append(start_background_build(Path(log_name)))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"k8s e2e toolchain cache is cold: building in the background, log {log_name}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for build in _background_builds:
+        if build.poll() is None:
+            # A partial build resumes from Go's build cache next time.
+            os.killpg(build.pid, signal.SIGTERM)
+            build.wait()
 
 
 @pytest.fixture(scope="session")

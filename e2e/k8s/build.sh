@@ -3,6 +3,7 @@
 # kubectl, kwok, helm) from the Go module proxy into a cache outside the clone, keyed by the pinned
 # versions. Idempotent: a warm run builds nothing. Progress goes to stderr; the last line on stdout is
 # the bin directory. Exit code 3 means Go is not installed (the k8s tests then skip with that reason).
+# `build.sh --check` builds nothing: exit code 0 (and the bin directory) when the cache is ready, else 1.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=versions.env
@@ -36,6 +37,9 @@ marker="$out/ready"
 if [ -f "$marker" ]; then
     echo "$bin"
     exit 0
+fi
+if [ "${1:-}" = "--check" ]; then
+    exit 1
 fi
 
 mkdir -p "$bin"

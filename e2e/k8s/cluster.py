@@ -170,6 +170,27 @@ class Cluster:
             )
         return result
 
+    def helm(
+        self, *args: str, kubeconfig: Path | None = None, check: bool = True, timeout_s: float = 300.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs helm against this cluster; its cache, config and data stay in the cluster's work dir."""
+        helm_home = self.work_dir / "helm"
+        env = {
+            **self._env,
+            "HELM_CACHE_HOME": str(helm_home / "cache"),
+            "HELM_CONFIG_HOME": str(helm_home / "config"),
+            "HELM_DATA_HOME": str(helm_home / "data"),
+        }
+        argv = [
+            str(self.toolchain.binary("helm")),
+            f"--kubeconfig={kubeconfig or self.admin_kubeconfig}",
+            *args,
+        ]
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+        if check and result.returncode != 0:
+            raise ClusterError(f"helm {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result
+
     def get_json(self, *args: str, kubeconfig: Path | None = None) -> dict[str, Any]:
         """`kubectl get ... -o json`, parsed."""
         parsed: dict[str, Any] = json.loads(
@@ -186,6 +207,16 @@ class Cluster:
             self.kubectl("apply", *target, "-f", str(manifest), kubeconfig=kubeconfig)
         else:
             self.kubectl("apply", *target, "-f", "-", stdin=manifest, kubeconfig=kubeconfig)
+
+    def ensure_namespace(self, name: str) -> None:
+        self.apply(yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}))
+
+    def apply_operator_rbac(self, manifest: str | Path) -> Path:
+        """Applies the operator's RBAC (e.g. the chart's rendered Role/ClusterRole and bindings to the
+        corral-operator ServiceAccount) and returns the kubeconfig that acts as that ServiceAccount."""
+        self.ensure_namespace(OPERATOR_NAMESPACE)
+        self.apply(manifest)
+        return self.operator_kubeconfig
 
     def kubeconfig_for(self, user: str, groups: Sequence[str] = ()) -> Path:
         """A kubeconfig for any user and groups (a client certificate from the cluster's CA).
@@ -251,13 +282,13 @@ class Cluster:
         peer_url = f"http://127.0.0.1:{free_port()}"
         self._start(
             "etcd",
-            "--name=default",
+            "--name=corral-e2e",
             f"--data-dir={self.work_dir / 'etcd'}",
             f"--listen-client-urls={client_url}",
             f"--advertise-client-urls={client_url}",
             f"--listen-peer-urls={peer_url}",
             f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=default={peer_url}",
+            f"--initial-cluster=corral-e2e={peer_url}",
             # Throwaway data: skipping fsync makes the API server several times faster on shared disks.
             "--unsafe-no-fsync",
             "--log-level=warn",

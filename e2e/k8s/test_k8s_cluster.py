@@ -163,17 +163,37 @@ def test_loopback_guard_flags_a_non_loopback_endpoint_slice(k8s_cluster: Cluster
         k8s_cluster.assert_endpoint_slices_loopback(k8s_namespace, "foreign")
 
 
+def test_helm_installs_a_chart_that_requires_the_cluster_version(
+    k8s_cluster: Cluster, k8s_namespace: str, tmp_path: Path
+) -> None:
+    chart = tmp_path / "probe"
+    (chart / "templates").mkdir(parents=True)
+    # Helm checks kubeVersion against the server's gitVersion: an unstamped v0.0.0-master would fail it.
+    (chart / "Chart.yaml").write_text(
+        yaml.safe_dump({"apiVersion": "v2", "name": "probe", "version": "0.1.0", "kubeVersion": ">=1.34.0-0"})
+    )
+    (chart / "templates" / "configmap.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: '{{ .Release.Name }}-probe'}\ndata: {ok: 'yes'}\n"
+    )
+
+    version = k8s_cluster.helm("version", "--template", "{{.Version}}").stdout
+    k8s_cluster.helm("install", "probe", str(chart), "-n", k8s_namespace, "--wait", "--timeout=60s")
+
+    assert version == versions()["HELM_VERSION"]
+    assert k8s_cluster.get_json("configmap", "probe-probe", "-n", k8s_namespace)["data"] == {"ok": "yes"}
+
+
 def test_operator_identity_gets_only_what_its_role_grants(
     k8s_cluster: Cluster, operator_kubeconfig: Path
 ) -> None:
-    k8s_cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
+    k8s_cluster.ensure_namespace(OPERATOR_NAMESPACE)
     denied = k8s_cluster.kubectl(
         "get", "pods", "-n", OPERATOR_NAMESPACE, kubeconfig=operator_kubeconfig, check=False
     )
     assert denied.returncode != 0
     assert "Forbidden" in denied.stderr
 
-    k8s_cluster.apply(
+    kubeconfig = k8s_cluster.apply_operator_rbac(
         textwrap.dedent(
             f"""\
             apiVersion: rbac.authorization.k8s.io/v1
@@ -191,6 +211,7 @@ def test_operator_identity_gets_only_what_its_role_grants(
             """
         )
     )
+    assert kubeconfig == operator_kubeconfig
 
     def can_i(*args: str) -> str:
         result = k8s_cluster.kubectl("auth", "can-i", *args, kubeconfig=operator_kubeconfig, check=False)

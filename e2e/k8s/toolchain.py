@@ -38,6 +38,29 @@ class Toolchain:
         return self.bin_dir / name
 
 
+def is_toolchain_cached() -> bool:
+    if shutil.which("go") is None:
+        return False
+    result = subprocess.run(["bash", str(BUILD_SCRIPT), "--check"], capture_output=True, check=False)
+    return result.returncode == 0
+
+
+def start_background_build(log_path: Path) -> subprocess.Popen[bytes]:
+    """Starts build.sh in the background so a cold build overlaps other tests.
+
+    ensure_toolchain() later waits for it (build.sh serialises builds with a lock file). The caller
+    must stop the returned process if the session ends first.
+    """
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            ["bash", str(BUILD_SCRIPT)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
+
+
 def ensure_toolchain() -> Toolchain:
     """Runs build.sh (a no-op when cached) and returns where the binaries are.
 
