@@ -29,7 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--random-output-len", type=int, default=128)
     work.add_argument("--random-range-ratio", type=float, default=0.0, help="length spread, in [0, 1)")
     work.add_argument("--random-vocab-size", type=int, help="token ids for random prompts are drawn below it")
-    work.add_argument("--max-prompt-len", type=int, default=1024, help="dataset filter (tokens)")
+    work.add_argument(
+        "--random-dist",
+        choices=("uniform", "lognormal"),
+        default="uniform",
+        help="lognormal: the lengths above are medians, with --random-sigma, clipped to "
+        "[--random-min-len, --max-prompt-len / --max-output-len]",
+    )
+    work.add_argument("--random-sigma", type=float, default=1.0, help="log-normal spread (default: 1.0)")
+    work.add_argument("--random-min-len", type=int, default=1, help="log-normal lower clip (default: 1)")
+    work.add_argument(
+        "--max-prompt-len", type=int, default=1024, help="dataset filter / log-normal clip (tokens)"
+    )
+    work.add_argument("--max-output-len", type=int, default=1024, help="log-normal clip (tokens)")
     work.add_argument("--max-total-len", type=int, default=2048, help="dataset filter: prompt + output")
     work.add_argument("--seed", type=int, default=0)
     work.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested lengths")
@@ -75,13 +87,24 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
                 args.dataset, args.num_prompts, args.seed, tokenizer, args.max_prompt_len, args.max_total_len
             )
             return [requests] * num_runs, "tokenizer" if tokenizer else "estimated"
-        sizes = (args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio)
+        spec = workload.LengthSpec(
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_dist,
+            args.random_sigma,
+            args.random_min_len,
+            args.max_prompt_len,
+            args.max_output_len,
+        )
+        n, seed = args.num_prompts, args.seed
         if args.endpoint_type == "chat" and tokenizer is None:
-            texts = [workload.random_text_prompts(*sizes, args.seed, variant=i) for i in range(num_runs)]
-            return texts, "estimated"
+            return [
+                workload.random_text_prompts(n, spec, seed, variant=i) for i in range(num_runs)
+            ], "estimated"
         ids = workload.allowed_token_ids(tokenizer, args.random_vocab_size)
         as_text = tokenizer if args.endpoint_type == "chat" else None
-        runs = [workload.sample_random(*sizes, args.seed, ids, as_text, variant=i) for i in range(num_runs)]
+        runs = [workload.sample_random(n, spec, seed, ids, as_text, variant=i) for i in range(num_runs)]
         return runs, "exact" if as_text is None else "tokenizer"
     except ValueError as e:
         raise BenchError(str(e)) from e
@@ -131,6 +154,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "random_input_len": None if args.dataset else args.random_input_len,
         "random_output_len": None if args.dataset else args.random_output_len,
         "random_range_ratio": None if args.dataset else args.random_range_ratio,
+        "random_dist": None if args.dataset else args.random_dist,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
     }

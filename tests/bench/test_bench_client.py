@@ -120,12 +120,24 @@ def test_cli_sweep_writes_results_and_plot(fake, tmp_path):
 
 
 def test_cli_single_run_plots_latency_distributions(fake, tmp_path):
-    url, _ = fake
+    url, state = fake
     plot = tmp_path / "dist.png"
-    argv = ["bench", "--base-url", url, "--model", MODEL, "--num-prompts", "4", "--random-input-len", "4"]
-    argv += ["--random-output-len", "3", "--no-progress", "--plot", str(plot), "--endpoint-type", "chat"]
+    argv = ["bench", "--base-url", url, "--model", MODEL, "--num-prompts", "12", "--random-input-len", "4"]
+    argv += ["--random-output-len", "4", "--no-progress", "--plot", str(plot), "--endpoint-type", "chat"]
+    argv += [
+        "--random-dist",
+        "lognormal",
+        "--random-sigma",
+        "2",
+        "--random-min-len",
+        "2",
+        "--max-output-len",
+        "6",
+    ]
     assert corral_main(argv) == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    max_tokens = [body["max_tokens"] for body in state.bodies]
+    assert min(max_tokens) == 2 and max(max_tokens) == 6  # sigma 2 reaches both clips
 
 
 def test_cli_all_failed_exits_nonzero(fake, caplog):

@@ -11,6 +11,7 @@ from corral_cli.bench import prom, report, workload
 from corral_cli.bench.arrivals import arrival_offsets_s, parse_rates
 from corral_cli.bench.stats import RequestResult, aggregate, summarize
 from corral_cli.bench.workload import BenchRequest
+from corral_cli.bench.workload import LengthSpec as Spec
 
 
 class CharTokenizer:
@@ -62,27 +63,42 @@ def test_burstiness_changes_spread_not_mean():
 def test_random_prompts_have_exact_lengths_in_range_and_skip_specials():
     ids = workload.allowed_token_ids(CharTokenizer(), None)
     assert not set(ids.tolist()) & {0, 1, 2} and len(ids) == 297
-    reqs = workload.sample_random(200, 100, 50, 0.5, seed=1, token_ids=ids)
+    reqs = workload.sample_random(200, Spec(100, 50, 0.5), seed=1, token_ids=ids)
     assert len(reqs) == 200
     for r in reqs:
         assert isinstance(r.prompt, list) and len(r.prompt) == r.prompt_len
         assert 50 <= r.prompt_len <= 150 and 25 <= r.output_len <= 75
         assert set(r.prompt) <= set(ids.tolist())
     assert len({r.prompt_len for r in reqs}) > 20
-    assert reqs == workload.sample_random(200, 100, 50, 0.5, seed=1, token_ids=ids)
-    exact = workload.sample_random(10, 32, 8, 0.0, seed=1, token_ids=ids)
+    assert reqs == workload.sample_random(200, Spec(100, 50, 0.5), seed=1, token_ids=ids)
+    exact = workload.sample_random(10, Spec(32, 8, 0.0), seed=1, token_ids=ids)
     assert {(r.prompt_len, r.output_len) for r in exact} == {(32, 8)}
 
 
 def test_random_variants_keep_lengths_and_change_prompts():
     ids = workload.allowed_token_ids(None, 1000)
-    a = workload.sample_random(20, 64, 16, 0.5, seed=2, token_ids=ids, variant=0)
-    b = workload.sample_random(20, 64, 16, 0.5, seed=2, token_ids=ids, variant=1)
+    a = workload.sample_random(20, Spec(64, 16, 0.5), seed=2, token_ids=ids, variant=0)
+    b = workload.sample_random(20, Spec(64, 16, 0.5), seed=2, token_ids=ids, variant=1)
     assert [(r.prompt_len, r.output_len) for r in a] == [(r.prompt_len, r.output_len) for r in b]
     assert all(x.prompt != y.prompt for x, y in zip(a, b, strict=True))
-    ta = workload.random_text_prompts(5, 30, 4, 0.5, seed=2, variant=0)
-    tb = workload.random_text_prompts(5, 30, 4, 0.5, seed=2, variant=1)
+    ta = workload.random_text_prompts(5, Spec(30, 4, 0.5), seed=2, variant=0)
+    tb = workload.random_text_prompts(5, Spec(30, 4, 0.5), seed=2, variant=1)
     assert [r.prompt_len for r in ta] == [r.prompt_len for r in tb] and ta != tb
+
+
+def test_lognormal_lengths_have_the_median_and_stay_clipped():
+    spec = Spec(150, 120, dist="lognormal", sigma=0.8, min_len=8, max_input_len=1024, max_output_len=512)
+    in_lens, out_lens = workload.sample_lengths(spec, 4000, seed=0)
+    assert np.median(in_lens) == pytest.approx(150, rel=0.06)
+    assert np.median(out_lens) == pytest.approx(120, rel=0.06)
+    assert min(in_lens) >= 8 and max(in_lens) == 1024  # the long tail reaches the clip
+    assert min(out_lens) >= 8 and max(out_lens) == 512
+    assert (in_lens, out_lens) == workload.sample_lengths(spec, 4000, seed=0)
+    reqs = workload.sample_random(50, spec, 0, np.arange(3, 259))
+    assert [r.prompt_len for r in reqs] == [len(r.prompt) for r in reqs] == in_lens[:50]
+    for bad in (Spec(10, 10, dist="zipf"), Spec(10, 10, dist="lognormal", sigma=0)):
+        with pytest.raises(ValueError):
+            workload.sample_lengths(bad, 3, seed=0)
 
 
 def test_random_token_ids_without_tokenizer_stay_in_a_safe_range():
@@ -95,9 +111,9 @@ def test_random_token_ids_without_tokenizer_stay_in_a_safe_range():
 
 def test_random_prompts_as_text_for_chat():
     letters = np.arange(97, 123)
-    reqs = workload.sample_random(5, 10, 4, 0.0, seed=0, token_ids=letters, as_text=CharTokenizer())
+    reqs = workload.sample_random(5, Spec(10, 4, 0.0), seed=0, token_ids=letters, as_text=CharTokenizer())
     assert all(isinstance(r.prompt, str) and len(r.prompt) == 10 == r.prompt_len for r in reqs)
-    words = workload.random_text_prompts(3, 12, 4, 0.0, seed=0)
+    words = workload.random_text_prompts(3, Spec(12, 4, 0.0), seed=0)
     assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 12 for r in words)
 
 

@@ -98,11 +98,51 @@ def allowed_token_ids(tokenizer: BenchTokenizer | None, vocab_size: int | None) 
     return np.arange(_NUM_LOW_IDS_SKIPPED, upper)
 
 
+@dataclass(frozen=True, slots=True)
+class LengthSpec:
+    """How random input/output lengths are drawn.
+
+    uniform: within +-range_ratio of the given lengths. lognormal: median = the given lengths, spread
+    `sigma` (of the log), clipped to [min_len, max_*_len] (a ShareGPT-like long tail).
+    """
+
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+    dist: str = "uniform"  # "uniform" | "lognormal"
+    sigma: float = 1.0
+    min_len: int = 1
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+
+
+def sample_lengths(spec: LengthSpec, num_prompts: int, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded (input lengths, output lengths) for `num_prompts` requests."""
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    if spec.dist == "uniform":
+        in_low, in_high = length_range(spec.input_len, spec.range_ratio)
+        out_low, out_high = length_range(spec.output_len, spec.range_ratio)
+        in_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
+        out_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
+        return in_lens.tolist(), out_lens.tolist()
+    if spec.dist != "lognormal":
+        raise ValueError(f"unknown length distribution {spec.dist!r}; use uniform or lognormal")
+    if spec.sigma <= 0 or spec.min_len < 1 or spec.input_len < 1 or spec.output_len < 1:
+        raise ValueError("lognormal lengths need sigma > 0 and lengths >= 1")
+    lens = []
+    for median, upper in ((spec.input_len, spec.max_input_len), (spec.output_len, spec.max_output_len)):
+        if upper is not None and upper < spec.min_len:
+            raise ValueError(f"maximum length {upper} is below the minimum {spec.min_len}")
+        drawn = np.rint(rng.lognormal(np.log(median), spec.sigma, size=num_prompts))
+        lens.append(np.clip(drawn, spec.min_len, upper if upper is not None else None).astype(int).tolist())
+    return lens[0], lens[1]
+
+
 def sample_random(
     num_prompts: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
+    spec: LengthSpec,
     seed: int,
     token_ids: np.ndarray,
     as_text: BenchTokenizer | None = None,
@@ -113,16 +153,10 @@ def sample_random(
     Lengths depend on `seed` only; content also on `variant`, so each run of a sweep can get the same
     lengths with fresh prompts (no prefix-cache hits on an earlier run's prompts).
     """
-    if num_prompts < 1:
-        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
-    in_low, in_high = length_range(input_len, range_ratio)
-    out_low, out_high = length_range(output_len, range_ratio)
-    rng = np.random.default_rng(seed)
-    in_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
-    out_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
+    in_lens, out_lens = sample_lengths(spec, num_prompts, seed)
     content_rng = np.random.default_rng([seed, variant])
     requests = []
-    for in_len, out_len in zip(in_lens.tolist(), out_lens.tolist(), strict=True):
+    for in_len, out_len in zip(in_lens, out_lens, strict=True):
         ids = content_rng.choice(token_ids, size=in_len).tolist()
         if as_text is not None:
             text = as_text.decode(ids)
@@ -133,14 +167,10 @@ def sample_random(
 
 
 def random_text_prompts(
-    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int, variant: int = 0
+    num_prompts: int, spec: LengthSpec, seed: int, variant: int = 0
 ) -> list[BenchRequest]:
-    """Text prompts of roughly `input_len` tokens when no tokenizer is at hand (chat endpoints)."""
-    in_low, in_high = length_range(input_len, range_ratio)
-    out_low, out_high = length_range(output_len, range_ratio)
-    rng = np.random.default_rng(seed)
-    in_lens = rng.integers(in_low, in_high + 1, size=num_prompts).tolist()
-    out_lens = rng.integers(out_low, out_high + 1, size=num_prompts).tolist()
+    """Text prompts of roughly the drawn lengths when no tokenizer is at hand (chat endpoints)."""
+    in_lens, out_lens = sample_lengths(spec, num_prompts, seed)
     content_rng = np.random.default_rng([seed, variant])
     words = ("alpha", "bravo", "cloud", "delta", "river", "stone", "green", "light", "north", "seven")
     requests = []
