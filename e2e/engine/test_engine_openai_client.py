@@ -161,3 +161,22 @@ def test_load_headers_and_metrics(engine: EngineProcess) -> None:
     assert info["block_size"] == "16" and info["num_gpu_blocks"] == "512"
     assert engine.metric(wire.GENERATION_TOKENS_TOTAL) > 0
     assert engine.metric(wire.E2E_REQUEST_LATENCY_SECONDS + "_count") > 0
+
+
+def test_logprobs_through_the_client(engine: EngineProcess) -> None:
+    client = sync_client(engine)
+    model = engine.served_model_name
+    c = client.completions.create(model=model, prompt="The", max_tokens=4, logprobs=3, temperature=0)
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(x <= 0 for x in lp.token_logprobs)
+    r = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2, temperature=0
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == max(t.logprob for t in entry.top_logprobs)
