@@ -67,6 +67,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = {name: _structural(prop, defs) for name, prop in value.items()}
         elif key == "items":
             out[key] = _structural(value, defs)
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            # JSON Schema 2020 says `exclusiveMinimum: 0`; OpenAPI v3.0 says `minimum: 0, exclusiveMinimum: true`
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
         else:
             out[key] = value
     if out.get("type") == "object" and node.get("additionalProperties") is True and "properties" not in out:

@@ -15,10 +15,11 @@ from typing import Any
 
 import kopf
 
+from corral_operator import labels
 from corral_operator.errors import to_kopf
 from corral_operator.kube import KubeError
 from corral_operator.reconcile import Context, autoscale, reconcile, seed_state
-from corral_operator.spec import GROUP, PLURAL, VERSION, SpecError
+from corral_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError
 
 log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -58,6 +59,27 @@ def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) ->
     _step(body, memo, logger, scrape=True, is_timer=True)
 
 
+@kopf.on.event("apps", "v1", "deployments", labels={labels.MANAGED_BY: labels.MANAGED_BY_VALUE})
+def on_deployment_event(body: kopf.Body, memo: kopf.Memo, type: str | None, **_: Any) -> None:
+    """A child Deployment changed (pods became ready, a rollout moved): refresh the owner's status now."""
+    owner = next((r for r in body["metadata"].get("ownerReferences") or () if r.get("kind") == KIND), None)
+    if owner is None or type == "DELETED":
+        return
+    ctx: Context = memo["ctx"]
+    try:
+        cr = ctx.kube.get(KIND, body["metadata"]["namespace"], owner["name"])
+        if cr is not None and cr["metadata"].get("uid") == owner.get("uid"):
+            outcome = reconcile(ctx, cr, apply=False)
+            _post(cr, outcome.events)
+    except (KubeError, SpecError) as e:
+        log.debug("status refresh from Deployment %s failed: %s", body["metadata"]["name"], e)
+
+
+def _post(body: Any, events: list[Any]) -> None:
+    for event in events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
 def _step(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool, is_timer: bool) -> None:
     """Autoscale, then reconcile; one at a time per object (the timer and events run concurrently)."""
     ctx: Context = memo["ctx"]
@@ -70,8 +92,7 @@ def _step(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool
             outcome = reconcile(ctx, body, load=scaled.load, is_load_known=scaled.is_load_known)
         except (KubeError, SpecError) as e:
             raise to_kopf(e) from e
-    for event in ([scaled.event] if scaled.event else []) + outcome.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    _post(body, ([scaled.event] if scaled.event else []) + outcome.events)
     if outcome.spec_error and not is_timer:
         raise to_kopf(SpecError(outcome.spec_error))
     if outcome.apply_error:

@@ -138,7 +138,9 @@ def reconcile(
     load: Load | None = None,
     is_load_known: bool = False,
     now_s: float | None = None,
+    apply: bool = True,
 ) -> Outcome:
+    """Apply the desired state and refresh status; with apply=False only refresh status."""
     now_s = time.time() if now_s is None else now_s
     owner = owner_of(body)
     previous: Obj = dict(body.get("status") or {})
@@ -151,10 +153,11 @@ def reconcile(
         selector=labels.selector_string(owner.name),
         endpoint=previous.get("endpoint"),
         previous=previous,
+        is_refresh_only=not apply,
     )
     try:
         spec = parse_spec(raw_spec)
-        apply_error, pruned = _apply_all(ctx, owner, spec, now_s)
+        apply_error, pruned = _apply_all(ctx, owner, spec, now_s) if apply else (None, [])
     except SpecError as e:
         raw_replicas = raw_spec.get("replicas")
         replicas = raw_replicas if isinstance(raw_replicas, int) else 0
@@ -195,6 +198,8 @@ def _finish(
         new_status.pop("load")  # keep what the last metrics tick saw
     if _status_changed(previous, new_status):
         ctx.kube.patch_status(owner.namespace, owner.name, new_status)
+        summary = " ".join(f"{c['type']}={c['status']}({c['reason']})" for c in new_status["conditions"])
+        log.info("%s/%s: status updated: %s", owner.namespace, owner.name, summary)
     events = status_mod.transitions(previous.get("conditions") or (), new_status["conditions"])
     return Outcome(new_status, events, spec_error=obs.spec_error, apply_error=obs.apply_error)
 

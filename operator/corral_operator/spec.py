@@ -225,7 +225,8 @@ class RolloutSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel(
-                "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+                "!has(self.maxSurge) || !has(self.maxUnavailable) ||"
+                " !(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
                 "rollout.maxSurge and rollout.maxUnavailable cannot both be 0",
             )
         )

@@ -35,6 +35,7 @@ class Observed:
     apply_error: str | None = None
     load: Load | None = None
     previous: Obj = field(default_factory=dict)
+    is_refresh_only: bool = False  # nothing was applied: observedGeneration stays where it was
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,7 @@ def compute(obs: Observed, now: str) -> Obj:
     """The full status (None values delete stale fields in a merge patch)."""
     st = (obs.deployment or {}).get("status", {})
     ready = int(st.get("readyReplicas", 0) or 0)
-    applied = obs.spec_error is None and obs.apply_error is None
+    applied = obs.spec_error is None and obs.apply_error is None and not obs.is_refresh_only
     conditions = [available(obs, ready), progressing(obs, ready), degraded(obs)]
     prev_generation = obs.previous.get("observedGeneration")
     generation = obs.generation if applied else prev_generation

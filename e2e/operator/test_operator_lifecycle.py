@@ -1,0 +1,169 @@
+"""The operator against the real control plane: apply -> children -> Available; change; scale; delete."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+
+import pytest
+import yaml
+from corral_operator import labels
+
+from e2e.k8s.cluster import Cluster
+from e2e.operator.harness import (
+    LOOPBACK,
+    OperatorProcess,
+    fake_metrics,
+    free_port,
+    get_llmd,
+    is_available,
+    llmdeployment,
+    running_pods,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
+CHILD_KINDS = ("deployment", "service", "poddisruptionbudget")
+
+
+def test_apply_creates_owned_children_running_pods_and_available_status(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    port = free_port()
+    cluster.apply(yaml.safe_dump(llmdeployment("tiny", ns, replicas=2, port=port)))
+    cr = cluster.wait_until(
+        "Available", lambda: (o := get_llmd(cluster, ns, "tiny")) and is_available(o) and o
+    )
+    uid = cr["metadata"]["uid"]
+    for kind in CHILD_KINDS:
+        child = cluster.get_json(kind, "tiny", "-n", ns)
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "LLMDeployment",
+            "tiny",
+            uid,
+            True,
+        )
+        assert child["metadata"]["labels"][labels.MODEL] == "tiny"
+    pods = cluster.wait_until(
+        "2 pods Running", lambda: (p := running_pods(cluster, ns, "tiny")) and len(p) == 2 and p
+    )
+    node_names = {n.name for n in cluster.nodes}
+    for pod in pods:
+        assert pod["spec"]["nodeName"] in node_names
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in LOOPBACK
+    assert cr["status"]["endpoint"] == f"http://tiny.{ns}.svc:{port}"
+    assert cr["status"]["selector"] == labels.selector_string("tiny")
+    # the gateway discovers replicas from the EndpointSlices of this Service, which mirror its labels
+    service = cluster.get_json("service", "tiny", "-n", ns)
+    assert service["metadata"]["labels"][labels.MANAGED_BY] == "corral-operator"
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": port, "protocol": "TCP", "targetPort": "http"}
+    ]
+
+    # live load: fake engine metrics on the pods' loopback IPs, read by the operator's real scraper
+    with fake_metrics(port, waiting=3, running=1, kv_usage=0.25) as fake:
+        for pod in pods:
+            fake.serve_on(pod["status"]["podIP"])
+        cluster.wait_until(
+            "load in status",
+            lambda: (
+                ((get_llmd(cluster, ns, "tiny") or {}).get("status") or {})
+                .get("load", {})
+                .get("numRequestsWaiting")
+                == 6
+            ),
+        )
+    table = cluster.kubectl("get", "llmd", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "MODEL", "ENGINE", "READY", "REPLICAS", "KV%", "WAITING", "AGE"]
+    assert table[1].split()[:7] == ["tiny", "tiny", "corral", "2", "2", "25", "6"]
+
+
+def test_spec_change_rolls_the_deployment_and_observed_generation_follows(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    cluster.apply(yaml.safe_dump(llmdeployment("roll", ns, replicas=1)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "roll")))
+
+    def rolled_to(generation: int, check: Callable[[dict], bool]) -> Callable[[], bool]:
+        def probe() -> bool:
+            cr = get_llmd(cluster, ns, "roll") or {}
+            dep = cluster.get_json("deployment", "roll", "-n", ns)
+            status = dep.get("status", {})
+            return (
+                cr.get("metadata", {}).get("generation") == generation
+                and (cr.get("status") or {}).get("observedGeneration") == generation
+                and check(dep)
+                and status.get("updatedReplicas") == 1
+                and status.get("observedGeneration") == dep["metadata"]["generation"]
+            )
+
+        return probe
+
+    def command(dep: dict) -> list[str]:
+        return dep["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    cluster.kubectl(
+        "patch",
+        "llmd",
+        "roll",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"engine":{"args":{"maxNumSeqs":16}}}}',
+    )
+    cluster.wait_until(
+        "engine arg rolled",
+        rolled_to(2, lambda d: command(d)[command(d).index("--max-num-seqs") + 1] == "16"),
+    )
+    cluster.kubectl(
+        "patch",
+        "llmd",
+        "roll",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"engine":{"image":"corral-engine:e2e-2"}}}',
+    )
+    cluster.wait_until(
+        "image rolled",
+        rolled_to(
+            3, lambda d: d["spec"]["template"]["spec"]["containers"][0]["image"] == "corral-engine:e2e-2"
+        ),
+    )
+    replica_sets = cluster.get_json("replicasets", "-n", ns, "-l", labels.selector_string("roll"))["items"]
+    assert len({rs["metadata"]["labels"]["pod-template-hash"] for rs in replica_sets}) == 3
+
+
+def test_kubectl_scale_and_delete_garbage_collects(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    cluster.apply(yaml.safe_dump(llmdeployment("scaled", ns, replicas=1)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "scaled")))
+    assert cluster.kubectl("get", "pdb", "scaled", "-n", ns, check=False).returncode != 0  # 1 replica: no PDB
+    cluster.kubectl("scale", "llmd/scaled", "-n", ns, "--replicas", "3")
+    cluster.wait_until("3 pods Running", lambda: len(running_pods(cluster, ns, "scaled")) == 3)
+    cluster.wait_until(
+        "status.replicas 3",
+        lambda: ((get_llmd(cluster, ns, "scaled") or {}).get("status") or {}).get("readyReplicas") == 3,
+    )
+    cluster.wait_until(
+        "PDB", lambda: cluster.kubectl("get", "pdb", "scaled", "-n", ns, check=False).returncode == 0
+    )
+    cluster.kubectl("delete", "llmd", "scaled", "-n", ns)
+    for kind in CHILD_KINDS:
+        cluster.wait_until(
+            f"{kind} garbage-collected",
+            lambda kind=kind: cluster.kubectl("get", kind, "scaled", "-n", ns, check=False).returncode != 0,
+        )
+    cluster.wait_until(
+        "pods gone",
+        lambda: not cluster.get_json("pods", "-n", ns, "-l", labels.selector_string("scaled"))["items"],
+    )

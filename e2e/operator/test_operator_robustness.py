@@ -1,0 +1,113 @@
+"""Bad input and bad luck: invalid manifests rejected by the schema, a killed operator converging,
+two operator replicas not fighting."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import yaml
+from corral_operator import render
+from corral_operator.spec import parse_spec
+
+from e2e.k8s.cluster import Cluster
+from e2e.operator.harness import OperatorProcess, get_llmd, is_available, llmdeployment
+from tests.operator.invalid_cases import INVALID_SPECS, valid_spec
+
+pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
+
+
+def _manifest(name: str, namespace: str, spec: dict) -> str:
+    doc = {
+        "apiVersion": "corral.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+    }
+    return yaml.safe_dump({**doc, "spec": spec})
+
+
+def test_invalid_manifests_are_rejected_by_the_api_server_with_clear_messages(
+    operator_installed: Cluster, k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    cases = [(case, f"bad-{i}", spec, message) for i, (case, spec, message) in enumerate(INVALID_SPECS)]
+    cases.append(("name-too-long", "x" * 70, valid_spec(), "metadata.name must be a DNS label"))
+    assert len(cases) >= 10
+    for case, name, spec, message in cases:
+        result = cluster.kubectl("apply", "-f", "-", stdin=_manifest(name, ns, spec), check=False)
+        assert result.returncode != 0, f"{case} was accepted"
+        assert message in result.stderr, f"{case}: {result.stderr}"
+    # the valid base really is valid: the rejections above are about the mutations
+    cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=_manifest("good", ns, valid_spec()))
+    assert cluster.get_json("llmd", "-n", ns)["items"] == []
+
+
+def _converged(cluster: Cluster, ns: str, names: list[str]) -> bool:
+    for name in names:
+        cr = get_llmd(cluster, ns, name)
+        if not is_available(cr) or cr["status"].get("observedGeneration") != cr["metadata"]["generation"]:
+            return False
+    return True
+
+
+def _expected_container(cr: dict) -> dict:
+    owner = render.Owner(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["metadata"]["uid"])
+    return render.deployment(owner, parse_spec(cr["spec"]))["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_operator_killed_mid_reconcile_converges_after_restart(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    names = [f"m{i}" for i in range(6)]
+    first = start_operator()
+    cluster.apply(yaml.safe_dump_all([llmdeployment(n, ns, replicas=1) for n in names]))
+    cluster.wait_until(
+        "the first Deployment", lambda: cluster.get_json("deployments", "-n", ns)["items"], timeout_s=60
+    )
+    first.kill()  # SIGKILL: no clean-up, some objects half done
+    # a spec change while no operator runs
+    cluster.kubectl("patch", "llmd", "m0", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":2}}')
+    start_operator()
+    cluster.wait_until("all converged", lambda: _converged(cluster, ns, names), timeout_s=120)
+    deployments = cluster.get_json("deployments", "-n", ns)["items"]
+    assert sorted(d["metadata"]["name"] for d in deployments) == names
+    for dep in deployments:
+        cr = get_llmd(cluster, ns, dep["metadata"]["name"])
+        assert cr is not None
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        expected = _expected_container(cr)
+        assert (container["image"], container["command"]) == (expected["image"], expected["command"])
+        assert dep["spec"]["replicas"] == cr["spec"]["replicas"]
+    assert cluster.get_json("deployment", "m0", "-n", ns)["spec"]["replicas"] == 2
+
+
+def test_two_operator_replicas_do_not_fight(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    low = start_operator(priority=10)
+    high = start_operator(priority=20)
+    cluster.wait_until(
+        "the low-priority replica pauses", lambda: "Pausing operations in favour of" in low.log()
+    )
+    cluster.apply(yaml.safe_dump(llmdeployment("shared", ns, replicas=2)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "shared")))
+    assert f"{ns}/shared" in high.log()
+    assert f"{ns}/shared" not in low.log()
+    # settled: nobody rewrites the Deployment back and forth
+    before = cluster.get_json("deployment", "shared", "-n", ns)["metadata"]
+    time.sleep(3 * high.resync_s)
+    after = cluster.get_json("deployment", "shared", "-n", ns, "--show-managed-fields")["metadata"]
+    assert after["generation"] == before["generation"]
+    assert [m["manager"] for m in after["managedFields"] if m["operation"] == "Apply"] == ["corral-operator"]
+
+    # the leader leaves gracefully; the other replica takes over
+    high.stop()
+    cluster.wait_until(
+        "the low-priority replica resumes", lambda: "Resuming operations" in low.log(), timeout_s=90
+    )
+    cluster.apply(yaml.safe_dump(llmdeployment("after-failover", ns, replicas=1)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "after-failover")))
+    assert f"{ns}/after-failover" in low.log()
