@@ -115,7 +115,7 @@ def node_manifest(node: FakeNode) -> dict[str, Any]:
 
 
 def non_loopback_addresses(endpoint_slices: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Every address in the given EndpointSlice objects that is not in 127.0.0.0/8 (FQDNs included)."""
+    """Every address in the given EndpointSlice objects that is not loopback (FQDNs included)."""
     bad: list[str] = []
     for endpoint_slice in endpoint_slices:
         for endpoint in endpoint_slice.get("endpoints") or ():
@@ -127,6 +127,6 @@ def non_loopback_addresses(endpoint_slices: Iterable[Mapping[str, Any]]) -> list
 
 def _is_loopback(address: str) -> bool:
     try:
-        return ipaddress.ip_address(address) in LOOPBACK_NETWORK
+        return ipaddress.ip_address(address).is_loopback  # 127.0.0.0/8 or ::1
     except ValueError:
         return False
