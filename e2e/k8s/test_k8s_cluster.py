@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
 
 from e2e.k8s.cluster import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, Cluster
 from e2e.k8s.manifests import GPU_RESOURCE, LOOPBACK_NETWORK
@@ -235,3 +237,18 @@ def test_kubeconfig_for_any_user_authenticates_as_that_user(k8s_cluster: Cluster
     assert "corral-testers" in whoami["status"]["userInfo"]["groups"]
     denied = k8s_cluster.kubectl("get", "namespaces", kubeconfig=kubeconfig, check=False)
     assert "Forbidden" in denied.stderr
+
+
+def test_python_kubernetes_client_works_with_the_kubeconfigs(
+    k8s_cluster: Cluster, operator_kubeconfig: Path
+) -> None:
+    with config.new_client_from_config(config_file=str(k8s_cluster.admin_kubeconfig)) as admin:
+        names = {ns.metadata.name for ns in client.CoreV1Api(admin).list_namespace().items if ns.metadata}
+    with (
+        config.new_client_from_config(config_file=str(operator_kubeconfig)) as operator,
+        pytest.raises(ApiException) as denied,
+    ):
+        client.CoreV1Api(operator).list_namespace()
+
+    assert {"default", "kube-system"} <= names
+    assert denied.value.status == 403
