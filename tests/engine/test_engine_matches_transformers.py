@@ -101,3 +101,16 @@ def test_rope_scaling_and_tied_embeddings(tmp_path: pathlib.Path) -> None:
     prompts = random_prompts(4, 500, seed=3, min_len=60, max_len=90)
     expected = transformers_greedy(model_dir, prompts, MAX_NEW)
     assert _run(model_dir, prompts, max_num_batched_tokens=32) == expected
+
+
+def test_per_sequence_decode_path_matches_too(
+    tiny_model_dirs: Mapping[str, pathlib.Path], references: dict
+) -> None:
+    prompts, expected = references["qwen2"]
+    engine = make_engine(tiny_model_dirs["qwen2"], num_kv_blocks=40, block_size=8)
+    engine.runner.batched_decode = False
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    final = run_checked(engine)
+    assert [final[f"r{i}"] for i in range(len(prompts))] == expected

@@ -52,12 +52,37 @@ def _bottom_right_mask(num_queries: int, ctx_len: int, window: int | None) -> to
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """Every sequence with exactly one new token, attended in one batched call: their blocks are
+    gathered into a padded [S, max_blocks * block_size] key range and padding is masked out."""
+
+    rows: torch.Tensor  # [S] long: rows of these sequences in the step's token batch
+    block_tables: torch.Tensor  # [S, max_blocks] long, padded with block 0
+    ctx_lens: torch.Tensor  # [S] long
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by sliding window (0 = none)
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """Boolean [S, 1, 1, L]: key position < ctx_len (and inside the window)."""
+        key = window or 0
+        if key not in self.masks:
+            num_keys = self.block_tables.shape[1] * block_size
+            k_pos = torch.arange(num_keys, device=self.ctx_lens.device).unsqueeze(0)  # [1, L]
+            lens = self.ctx_lens.unsqueeze(1)  # [S, 1]
+            allowed = k_pos < lens
+            if window is not None:
+                allowed &= k_pos > lens - 1 - window
+            self.masks[key] = allowed[:, None, None, :]
+        return self.masks[key]
+
+
+@dataclass(slots=True)
 class AttentionContext:
     """Built once per step by the model runner; read by every layer."""
 
     slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]  # sequences attended one by one (prompt chunks)
     block_size: int
+    decode: DecodeBatch | None = None
 
 
 def paged_attention(
@@ -76,6 +101,8 @@ def paged_attention(
     flat_k.index_copy_(0, ctx.slot_mapping, k)
     flat_v.index_copy_(0, ctx.slot_mapping, v)
     out = torch.empty_like(q)
+    if ctx.decode is not None:
+        _decode_attention(q, k_cache, v_cache, ctx.decode, ctx.block_size, scale, window, out)
     for s in ctx.seqs:
         qs = q[s.q_start : s.q_end].transpose(0, 1)  # [H, nq, D]
         if s.is_fresh:
@@ -97,3 +124,32 @@ def paged_attention(
         )  # [H, nq, D]
         out[s.q_start : s.q_end] = o.transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,  # [T, H, D], written at batch.rows
+) -> None:
+    num_seqs, max_blocks = batch.block_tables.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    flat_tables = batch.block_tables.view(-1)
+    # [S, L, KVH, D] -> [S, KVH, L, D]
+    ks = k_cache.index_select(0, flat_tables).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    vs = v_cache.index_select(0, flat_tables).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    # The query heads sharing a KV head become that head's "query positions": no K/V repeat.
+    qs = q.index_select(0, batch.rows).view(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
+    o = F.scaled_dot_product_attention(
+        qs,
+        ks.transpose(1, 2),
+        vs.transpose(1, 2),
+        attn_mask=batch.mask(window, block_size),
+        scale=scale,
+    )  # [S, KVH, G, D]
+    out.index_copy_(0, batch.rows, o.reshape(num_seqs, num_kv_heads * group, head_dim))

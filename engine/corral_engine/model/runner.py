@@ -11,7 +11,7 @@ import torch
 from corral_engine.args import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.errors import ModelLoadError
-from corral_engine.model.attention import AttentionContext, SeqAttention
+from corral_engine.model.attention import AttentionContext, DecodeBatch, SeqAttention
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM, rope_parameters
 from corral_engine.model.loader import load_weights
@@ -59,6 +59,9 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, args: EngineArgs, max_model_len: int) -> None:
         self.config = config
         self.block_size = args.block_size
+        # One padded, batched attention call for all single-token decodes
+        # (CORRAL_BATCHED_DECODE=0 attends them one by one, for comparison).
+        self.batched_decode = os.environ.get("CORRAL_BATCHED_DECODE", "1") != "0"
         self.device = select_device(args.device)
         self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype)
         if self.device.type == "cpu":
@@ -66,11 +69,12 @@ class ModelRunner:
         self.model = self._build_model()
         self.num_kv_blocks = self._num_kv_blocks(args, max_model_len)
         shape = (self.num_kv_blocks, self.block_size, config.num_kv_heads, config.head_dim)
-        # torch.empty: pages are touched only when written, so an idle cache costs little RSS on CPU.
+        # Zeroed, not empty: batched decode reads (masked) slots nobody wrote yet, and a NaN there
+        # would survive masking (0 * NaN); stale finite values from freed blocks are harmless.
         self.kv_caches = [
             (
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(config.num_layers)
         ]
@@ -97,14 +101,19 @@ class ModelRunner:
     def _num_kv_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
-        budget = args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
         bytes_per_block = self.block_size * self.config.kv_bytes_per_token * self.dtype.itemsize
-        num = budget // bytes_per_block
-        if num < 1:
-            raise ModelLoadError(
-                f"kv cache memory {budget} bytes holds no block of {bytes_per_block} bytes; raise it"
-            )
-        return int(num)
+        if args.kv_cache_memory_bytes is not None:
+            num = args.kv_cache_memory_bytes // bytes_per_block
+            if num < 1:
+                raise ModelLoadError(
+                    f"kv cache memory {args.kv_cache_memory_bytes} bytes holds no block of "
+                    f"{bytes_per_block} bytes; raise it"
+                )
+            return int(num)
+        # Default: a fixed budget, but no more than twice what max_num_seqs full-length sequences
+        # can use (the surplus keeps prefix-cache entries alive); small models stay small.
+        useful = 2 * args.max_num_seqs * -(-max_model_len // self.block_size)
+        return int(max(1, min(DEFAULT_KV_CACHE_MEMORY_BYTES // bytes_per_block, useful)))
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         bs = self.block_size
@@ -113,16 +122,24 @@ class ModelRunner:
         slots: list[int] = []
         seqs: list[SeqAttention] = []
         logits_indices: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         row = 0
         for s in scheduled:
             seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
             table = seq.block_table
+            num_blocks = -(-end // bs)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            num_blocks = -(-end // bs)
-            block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
-            seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))
+            if s.num_new_tokens == 1 and self.batched_decode:
+                decode_rows.append(row)
+                decode_tables.append(table[:num_blocks])
+                decode_lens.append(end)
+            else:
+                block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+                seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))
             row += s.num_new_tokens
             if s.samples:
                 logits_indices.append(row - 1)
@@ -130,7 +147,14 @@ class ModelRunner:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        ctx = AttentionContext(as_tensor(slots), seqs, bs)
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            decode = DecodeBatch(
+                as_tensor(decode_rows), as_tensor(padded).view(len(padded), width), as_tensor(decode_lens)
+            )
+        ctx = AttentionContext(as_tensor(slots), seqs, bs, decode)
         return StepBatch(as_tensor(input_ids), as_tensor(positions), ctx, as_tensor(logits_indices))
 
     @torch.inference_mode()
