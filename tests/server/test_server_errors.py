@@ -160,3 +160,15 @@ async def test_api_key_is_required_on_v1_only() -> None:
             assert r.status_code == 200
             assert (await client.get("/health")).status_code == 200
             assert (await client.get("/metrics")).status_code == 200
+
+
+async def test_refusals_are_counted_by_reason(client: httpx.AsyncClient) -> None:
+    await client.post(C, json=cmpl(max_tokens=0))
+    await client.post(C, content=b"{", headers={"content-type": "application/json"})
+    await client.post(H, json=chat(model="other"))
+    await client.get("/v1/models/other")  # a read, not a refused request
+    metrics = (await client.get("/metrics")).text
+    name = wire.NUM_REQUESTS_REJECTED_TOTAL
+    assert f'{name}{{model_name="{MODEL}",reason="invalid"}} 2.0' in metrics
+    assert f'{name}{{model_name="{MODEL}",reason="unknown_model"}} 1.0' in metrics
+    assert f'{name}{{model_name="{MODEL}",reason="queue_full"}} 0.0' in metrics

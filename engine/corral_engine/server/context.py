@@ -41,27 +41,17 @@ class ServerContext:
     async def parse(self, request: Request, model: type[ModelT]) -> ModelT:
         """Read and validate a JSON body; every failure is a 4xx APIError or ValidationError."""
         if self.is_draining:
-            self.metrics.count_rejected("draining")
             raise errors.draining()
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             raise errors.APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-        try:
-            parsed = model.model_validate_json(body)
-        except ValueError:
-            self.metrics.count_rejected("invalid")
-            raise
+        parsed = model.model_validate_json(body)
         if getattr(parsed, "model", None) != self.model_name:
             raise errors.model_not_found(str(getattr(parsed, "model", "")))
         return parsed
 
     def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
-        try:
-            return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params)
-        except Exception as e:
-            reason = "queue_full" if errors.to_api_error(e).status_code == 429 else "invalid"
-            self.metrics.count_rejected(reason)
-            raise
+        return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params)
 
     def encode(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text))

@@ -153,7 +153,7 @@ class ServerMetrics:
             self._prompt.labels(model_name),
             self._generation.labels(model_name),
         )
-        for reason in ("queue_full", "invalid", "unauthorized", "draining"):
+        for reason in ("queue_full", "invalid", "unauthorized", "unknown_model", "unavailable"):
             self._rejected.labels(model_name, reason)
 
     def render(self) -> bytes:

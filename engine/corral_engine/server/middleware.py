@@ -19,6 +19,15 @@ logger = logging.getLogger(__name__)
 
 # Paths anyone may read even when an API key is set (probes and scrapers carry no key).
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+# Refused API requests by status, for corral_engine_requests_rejected_total{reason}.
+REJECTION_REASONS = {
+    400: "invalid",
+    401: "unauthorized",
+    404: "unknown_model",
+    413: "invalid",
+    429: "queue_full",
+    503: "unavailable",
+}
 
 
 class ServerMiddleware:
@@ -52,11 +61,13 @@ class ServerMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 self._load_headers(message)
+                reason = REJECTION_REASONS.get(message["status"])
+                if reason is not None and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+                    self.ctx.metrics.count_rejected(reason)
             await send(message)
 
         try:
             if not self._is_authorized(scope):
-                self.ctx.metrics.count_rejected("unauthorized")
                 await errors.error_response(errors.unauthorized())(scope, receive, send_with_load)
                 return
             await self.app(scope, receive, send_with_load)
