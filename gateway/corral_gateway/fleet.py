@@ -118,8 +118,12 @@ class Fleet:
     async def _poll_metrics(self, client: httpx.AsyncClient, url: str, timeout: httpx.Timeout) -> None:
         try:
             response = await client.get(f"{url}/metrics", timeout=timeout)
-        except httpx.TransportError as e:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             self.record_failure(url, f"metrics poll: {type(e).__name__}")
+            return
+        except httpx.TransportError as e:
+            # A busy engine may answer /metrics slowly: that is load, not a failure.
+            logger.debug("metrics poll of %s failed: %s", url, type(e).__name__)
             return
         if response.status_code == 200:
             sample = parse_metrics_text(response.text, self.clock())

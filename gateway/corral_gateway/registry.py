@@ -145,6 +145,9 @@ class Registry:
             replica.num_consecutive_failures += 1
             if replica.is_ejected or replica.num_consecutive_failures < self.ejection.after_failures:
                 continue
+            # Never eject a model's last replica in rotation: failing fast beats queueing for nothing.
+            if not any(r is not replica for r in self.candidates(replica.model)):
+                continue
             duration_s = min(self.ejection.max_s, self.ejection.base_s * 2**replica.num_ejections)
             replica.ejected_until_s = now_s + duration_s
             replica.num_ejections += 1

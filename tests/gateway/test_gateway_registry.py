@@ -65,3 +65,11 @@ def test_set_replicas_keeps_state_of_known_replicas() -> None:
     assert by_url["http://a"].num_inflight == 1
     registry.remove_model("m")
     assert registry.models() == []
+
+
+def test_last_replica_in_rotation_is_never_ejected() -> None:
+    registry = Registry(Ejection(after_failures=1))
+    registry.set_replicas("m", ["http://a", "http://b"])
+    assert registry.record_failure("http://a", 0.0)
+    assert not registry.record_failure("http://b", 0.0)
+    assert [r.url for r in registry.candidates("m")] == ["http://b"]
