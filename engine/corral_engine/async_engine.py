@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from corral_engine.args import EngineArgs
@@ -45,6 +45,9 @@ class AsyncEngine:
         self._running = False
         self._dead: BaseException | None = None
         self._stats = self.engine.stats()
+        # Called on the step thread after every step with (duration_s, num_batched_tokens);
+        # must be thread-safe and quick (a Prometheus histogram observe is).
+        self.on_step: Callable[[float, int], None] | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> AsyncEngine:
@@ -142,7 +145,11 @@ class AsyncEngine:
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
+                self._stats = engine.stats()  # newly admitted requests count as waiting at once
+                started = time.perf_counter()
                 outputs = engine.step()
+                if self.on_step is not None:
+                    self.on_step(time.perf_counter() - started, engine.last_step_num_tokens)
                 self._stats = engine.stats()
                 if outputs:
                     self._deliver(outputs)
@@ -161,7 +168,11 @@ class AsyncEngine:
             request_id = self._aborts.popleft()
             if any(r.request_id == request_id for r in self._adds):
                 self._adds = deque(r for r in self._adds if r.request_id != request_id)
-            engine.abort_request(request_id)
+            output = engine.abort_request(request_id)
+            if output is not None:
+                self._deliver([output])
+            elif self._loop is not None:
+                self._loop.call_soon_threadsafe(self._streams.pop, request_id, None)
         while self._adds:
             request = self._adds.popleft()
             try:
@@ -178,6 +189,8 @@ class AsyncEngine:
             queue = self._streams.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+                if output.finished:  # the stream keeps its queue; the table must not
+                    del self._streams[output.request_id]
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         assert self._loop is not None

@@ -54,6 +54,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
+        self.last_step_num_tokens = 0
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -137,6 +138,7 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self.last_step_num_tokens = sched.num_batched_tokens
         if sched.is_empty:
             return []
         now = time.monotonic()

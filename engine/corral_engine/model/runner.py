@@ -152,7 +152,9 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             decode = DecodeBatch(
-                as_tensor(decode_rows), as_tensor(padded).view(len(padded), width), as_tensor(decode_lens)
+                as_tensor(decode_rows),
+                torch.tensor(padded, dtype=torch.long, device=self.device),
+                as_tensor(decode_lens),
             )
         ctx = AttentionContext(as_tensor(slots), seqs, bs, decode)
         return StepBatch(as_tensor(input_ids), as_tensor(positions), ctx, as_tensor(logits_indices))

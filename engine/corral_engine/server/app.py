@@ -27,6 +27,8 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval
     """An app serving `engine`; its lifespan starts the engine's loop and shuts it down."""
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
     ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key)
+    if hasattr(engine, "on_step"):
+        engine.on_step = metrics.observe_step
     created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -30,6 +30,7 @@ ITL_BUCKETS_S: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
 )
+STEP_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS_S: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
@@ -140,6 +141,13 @@ class ServerMetrics:
         self._queue = hist(wire.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS_S)
         self._prompt = hist(wire.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", tokens)
         self._generation = hist(wire.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", tokens)
+        self._step = Histogram(
+            wire.STEP_DURATION_SECONDS,
+            "Wall time of one engine step (schedule, forward, sample, detokenize).",
+            labels,
+            buckets=STEP_BUCKETS_S,
+            registry=self.registry,
+        )
         self._rejected = Counter(
             wire.NUM_REQUESTS_REJECTED_TOTAL,
             "Requests refused before reaching the engine, by reason.",
@@ -147,6 +155,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._model = model_name
+        self._step_m = self._step.labels(model_name)
+        self._step_m = self._step.labels(model_name)
         self._ttft_m, self._itl_m = self._ttft.labels(model_name), self._itl.labels(model_name)
         self._e2e_m, self._queue_m = self._e2e.labels(model_name), self._queue.labels(model_name)
         self._prompt_m, self._generation_m = (
@@ -155,6 +165,11 @@ class ServerMetrics:
         )
         for reason in ("queue_full", "invalid", "unauthorized", "unknown_model", "unavailable"):
             self._rejected.labels(model_name, reason)
+
+    def observe_step(self, duration_s: float, num_tokens: int) -> None:
+        """Thread-safe: called on the engine's step thread."""
+        if num_tokens:
+            self._step_m.observe(duration_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
