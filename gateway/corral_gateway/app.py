@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, error_response
 from corral_gateway.fleet import Fleet
-from corral_gateway.k8s_discovery import EndpointSliceWatcher
+from corral_gateway.k8s_discovery import KubernetesWatcher
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.proxy import ProxyDeps, proxy
 from corral_gateway.settings import GatewaySettings
@@ -77,7 +77,7 @@ def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | 
             tasks = [asyncio.create_task(fleet.run(client), name="fleet"), asyncio.create_task(keys.watch())]
             watcher = None
             if settings.kubernetes.enabled:
-                watcher = EndpointSliceWatcher(settings.kubernetes, fleet.apply_discovery)
+                watcher = KubernetesWatcher(settings.kubernetes, fleet.apply_discovery)
                 watcher.start(asyncio.get_running_loop())
             try:
                 yield

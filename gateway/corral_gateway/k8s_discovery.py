@@ -1,8 +1,8 @@
-"""Kubernetes discovery: watch EndpointSlices selected by label; ready endpoints become replicas.
+"""Kubernetes discovery: watch EndpointSlices (or Pods) selected by label; ready ones become replicas.
 
-`replicas_from_slices` is the pure translation (tested without a cluster). The watcher runs the
-synchronous `kubernetes` client in a daemon thread and hands each new model -> URLs map to the
-event loop, so replicas come and go without a restart.
+`replicas_from_slices` / `replicas_from_pods` are the pure translations (tested without a cluster).
+The watcher runs the synchronous `kubernetes` client in a daemon thread and hands each new
+model -> URLs map to the event loop, so replicas come and go without a restart.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from corral_gateway.settings import KubernetesDiscovery
@@ -44,7 +44,33 @@ def replicas_from_slices(
     return {model: sorted(urls) for model, urls in by_model.items()}
 
 
-def _pick_port(ports: list[Mapping[str, Any]], port_name: str | None) -> int | None:
+def replicas_from_pods(
+    pods: Iterable[Mapping[str, Any]], model_label: str, port_name: str | None
+) -> dict[str, list[str]]:
+    """Pods (API JSON) -> model -> sorted replica base URLs, Ready and not terminating only."""
+    by_model: dict[str, set[str]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        model = (meta.get("labels") or {}).get(model_label)
+        if not model:
+            continue
+        urls = by_model.setdefault(model, set())
+        status = pod.get("status") or {}
+        is_ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
+        ports = [
+            {"name": p.get("name"), "port": p.get("containerPort"), "protocol": p.get("protocol", "TCP")}
+            for c in (pod.get("spec") or {}).get("containers") or []
+            for p in c.get("ports") or []
+        ]
+        port = _pick_port(ports, port_name)
+        if is_ready and not meta.get("deletionTimestamp") and status.get("podIP") and port is not None:
+            urls.add(_url(status["podIP"], port, None))
+    return {model: sorted(urls) for model, urls in by_model.items()}
+
+
+def _pick_port(ports: Sequence[Mapping[str, Any]], port_name: str | None) -> int | None:
     usable = [p for p in ports if isinstance(p.get("port"), int) and p.get("protocol", "TCP") == "TCP"]
     named = [p for p in usable if port_name is not None and p.get("name") == port_name]
     pool = named or usable
@@ -56,7 +82,7 @@ def _url(address: str, port: int, address_type: str | None) -> str:
     return f"http://{host}:{port}"
 
 
-class EndpointSliceWatcher:
+class KubernetesWatcher:
     """List + watch in a daemon thread; `on_change(model -> urls)` runs on the event loop."""
 
     def __init__(
@@ -71,14 +97,15 @@ class EndpointSliceWatcher:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="corral-endpointslice-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="corral-k8s-discovery", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
 
     def _emit(self) -> None:
-        mapping = replicas_from_slices(self._slices.values(), self.config.model_label, self.config.port_name)
+        translate = replicas_from_pods if self.config.source == "pods" else replicas_from_slices
+        mapping = translate(self._slices.values(), self.config.model_label, self.config.port_name)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.on_change, mapping)
 
@@ -93,26 +120,27 @@ class EndpointSliceWatcher:
         except (config.ConfigException, OSError) as e:
             logger.error("kubernetes discovery disabled: cannot load cluster config: %s", e)
             return
-        api = client.DiscoveryV1Api()
+        api = client.CoreV1Api() if self.config.source == "pods" else client.DiscoveryV1Api()
         serialize = client.ApiClient().sanitize_for_serialization
         while not self._stop.is_set():
             try:
                 self._list_and_watch(api, serialize, watch.Watch())
             except client.ApiException as e:
-                logger.warning("EndpointSlice watch ended (HTTP %s); re-listing", e.status)
+                logger.warning("%s watch ended (HTTP %s); re-listing", self.config.source, e.status)
                 self._stop.wait(_RETRY_DELAY_S)
             except (OSError, ValueError) as e:  # urllib3 errors derive from OSError / ValueError
-                logger.warning("EndpointSlice watch failed: %s; retrying", e)
+                logger.warning("%s watch failed: %s; retrying", self.config.source, e)
                 self._stop.wait(_RETRY_DELAY_S)
 
     def _list_and_watch(self, api: Any, serialize: Callable[[Any], Any], w: Any) -> None:
         cfg = self.config
+        kind = "pod" if cfg.source == "pods" else "endpoint_slice"
+        kwargs: dict[str, Any] = {"label_selector": cfg.label_selector}
         if cfg.namespace:
-            list_fn: Callable[..., Any] = api.list_namespaced_endpoint_slice
-            kwargs: dict[str, Any] = {"namespace": cfg.namespace, "label_selector": cfg.label_selector}
+            list_fn: Callable[..., Any] = getattr(api, f"list_namespaced_{kind}")
+            kwargs["namespace"] = cfg.namespace
         else:
-            list_fn = api.list_endpoint_slice_for_all_namespaces
-            kwargs = {"label_selector": cfg.label_selector}
+            list_fn = getattr(api, f"list_{kind}_for_all_namespaces")
         listed = list_fn(**kwargs)
         self._slices = {_key(s): s for s in (serialize(item) for item in listed.items)}
         self._emit()

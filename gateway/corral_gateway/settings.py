@@ -23,6 +23,9 @@ class KubernetesDiscovery(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool = False
+    # endpointslices: the operator's Services (standard). pods: ready Pods directly (for clusters
+    # whose pod IPs EndpointSlices cannot carry, such as the loopback pod IPs of the e2e cluster).
+    source: Literal["endpointslices", "pods"] = "endpointslices"
     namespace: str | None = None  # None watches every namespace the gateway may read
     label_selector: str = DEFAULT_K8S_LABEL_SELECTOR
     model_label: str = DEFAULT_K8S_MODEL_LABEL  # label carrying the served model name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from corral_gateway.k8s_discovery import replicas_from_slices
+from corral_gateway.k8s_discovery import replicas_from_pods, replicas_from_slices
 
 MODEL_LABEL = "corral.dev/model"
 
@@ -64,3 +64,27 @@ def test_model_falls_back_to_service_name_and_ipv6_is_bracketed() -> None:
 def test_model_with_no_ready_endpoints_is_known_but_empty() -> None:
     slices = [eps("a", "m", [ep("10.0.0.1", ready=False)])]
     assert replicas_from_slices(slices, MODEL_LABEL, "http") == {"m": []}
+
+
+def pod(
+    name: str, ip: str | None, ready: bool, model: str | None = "m", deleting: bool = False
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ns", "labels": {MODEL_LABEL: model} if model else {}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "metadata": meta,
+        "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8100}]}]},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def test_pods_ready_with_an_ip_become_replicas() -> None:
+    pods = [
+        pod("a", "127.1.0.5", ready=True),
+        pod("b", "127.1.0.6", ready=False),
+        pod("c", None, ready=True),
+        pod("d", "127.1.0.7", ready=True, deleting=True),
+        pod("e", "127.1.0.8", ready=True, model=None),
+    ]
+    assert replicas_from_pods(pods, MODEL_LABEL, "http") == {"m": ["http://127.1.0.5:8100"]}
