@@ -167,3 +167,38 @@ def test_kubectl_scale_and_delete_garbage_collects(
         "pods gone",
         lambda: not cluster.get_json("pods", "-n", ns, "-l", labels.selector_string("scaled"))["items"],
     )
+
+
+SERVICE_MONITOR_CRD = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: servicemonitors.monitoring.coreos.com}
+spec:
+  group: monitoring.coreos.com
+  scope: Namespaced
+  names: {kind: ServiceMonitor, plural: servicemonitors, singular: servicemonitor}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+"""
+
+
+def test_service_monitor_when_prometheus_operator_crd_exists(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    cluster.apply(SERVICE_MONITOR_CRD)
+    cluster.kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com")
+    start_operator()
+    cluster.apply(yaml.safe_dump(llmdeployment("monitored", ns, replicas=1)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "monitored")))
+    monitor = cluster.wait_until(
+        "ServiceMonitor",
+        lambda: cluster.get_json("servicemonitors", "-n", ns)["items"],
+    )[0]
+    assert monitor["metadata"]["ownerReferences"][0]["name"] == "monitored"
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert monitor["spec"]["selector"] == {"matchLabels": labels.selector("monitored")}

@@ -12,7 +12,7 @@ from corral_operator import render
 from corral_operator.spec import parse_spec
 
 from e2e.k8s.cluster import Cluster
-from e2e.operator.harness import OperatorProcess, get_llmd, is_available, llmdeployment
+from e2e.operator.harness import OperatorProcess, condition, get_llmd, is_available, llmdeployment
 from tests.operator.invalid_cases import INVALID_SPECS, valid_spec
 
 pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
@@ -111,3 +111,28 @@ def test_two_operator_replicas_do_not_fight(
     cluster.apply(yaml.safe_dump(llmdeployment("after-failover", ns, replicas=1)))
     cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "after-failover")))
     assert f"{ns}/after-failover" in low.log()
+
+
+def test_missing_model_pvc_is_a_degraded_condition_and_an_event_not_a_crash(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    operator = start_operator()
+    doc = llmdeployment("no-weights", ns, replicas=1)
+    doc["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}}
+    cluster.apply(yaml.safe_dump(doc))
+    degraded = cluster.wait_until(
+        "Degraded",
+        lambda: (
+            (c := condition(get_llmd(cluster, ns, "no-weights"), "Degraded")).get("status") == "True" and c
+        ),
+    )
+    assert degraded["reason"] == "ModelVolumeMissing"
+    assert "'models' not found" in degraded["message"]
+    events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=no-weights")[
+        "items"
+    ]
+    assert any(e["type"] == "Warning" and e["reason"] == "ModelVolumeMissing" for e in events)
+    assert not is_available(get_llmd(cluster, ns, "no-weights"))
+    time.sleep(2 * operator.resync_s)
+    assert operator.is_alive()
