@@ -68,7 +68,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         elif key == "items":
             out[key] = _structural(value, defs)
         elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
-            # JSON Schema 2020 says `exclusiveMinimum: 0`; OpenAPI v3.0 says `minimum: 0, exclusiveMinimum: true`
+            # JSON Schema 2020: `exclusiveMinimum: 0`; OpenAPI 3.0: `minimum: 0, exclusiveMinimum: true`
             out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
             out[key] = True
         else:
@@ -76,7 +76,18 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if out.get("type") == "object" and node.get("additionalProperties") is True and "properties" not in out:
         out["x-kubernetes-preserve-unknown-fields"] = True
     _default_nested_objects(out, node)
-    return out
+    return _ordered(out)
+
+
+_FIRST_KEYS = ("type", "description", "default", "enum")
+
+
+def _ordered(node: dict[str, Any]) -> dict[str, Any]:
+    """Readable YAML: type and description first, nested properties last."""
+    last = ("required", "properties", "additionalProperties", "items")
+    head = {k: node[k] for k in _FIRST_KEYS if k in node}
+    middle = {k: v for k, v in node.items() if k not in head and k not in last}
+    return {**head, **middle, **{k: node[k] for k in last if k in node}}
 
 
 def _default_nested_objects(out: dict[str, Any], node: dict[str, Any]) -> None:
@@ -120,8 +131,8 @@ def build_crd() -> dict[str, Any]:
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
-            "spec": spec_schema,
-            "status": status_schema,
+            "spec": _ordered(spec_schema),
+            "status": _ordered(status_schema),
         },
         "x-kubernetes-validations": [NAME_RULE],
     }

@@ -71,6 +71,8 @@ class HostPathSource(_Model):
 
 
 class ModelSource(_Model):
+    """Where the weights are: exactly one of pvc or hostPath."""
+
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel("has(self.pvc) != has(self.hostPath)", "model.source needs exactly one of pvc or hostPath")
@@ -87,6 +89,8 @@ class ModelSource(_Model):
 
 
 class ModelSpec(_Model):
+    """The model: its served name and where its checkpoint (config, tokenizer, weights) lives."""
+
     name: str = Field(
         pattern=LABEL_VALUE_PATTERN,
         max_length=63,
@@ -152,6 +156,8 @@ class EngineArgsSpec(_Model):
 
 
 class EngineSpec(_Model):
+    """The inference engine: which one, its image and its arguments."""
+
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel(
@@ -186,6 +192,8 @@ class ResourcesSpec(_Model):
 
 
 class Toleration(_Model):
+    """A core/v1 Toleration."""
+
     key: str | None = None
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
@@ -194,19 +202,28 @@ class Toleration(_Model):
 
 
 class AutoscalingSpec(_Model):
+    """Scale on engine load: waiting requests per replica and KV cache usage, HPA-style windows."""
+
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= maxReplicas"),
         )
     )
     min_replicas: int = Field(default=1, ge=0, le=1000, description="0 allows scale to zero.")
-    max_replicas: int = Field(default=4, ge=1, le=1000)
+    max_replicas: int = Field(default=4, ge=1, le=1000, description="Upper bound for the autoscaler.")
     target_waiting_per_replica: float = Field(
         default=4.0, gt=0, le=10000, description="Waiting requests per replica to aim for."
     )
     target_kv_usage: float = Field(default=0.8, gt=0, le=1, description="KV cache usage (0-1) to aim for.")
-    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, le=3600, description="Scale up only to the lowest recommendation of this window."
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="Scale down only to the highest recommendation of this window.",
+    )
     scale_to_zero_idle_seconds: int = Field(
         default=600, ge=0, le=86400, description="Idle time before scaling to zero (minReplicas 0 only)."
     )
@@ -222,6 +239,8 @@ IntOrPercent = int | Annotated[str, Field(pattern=PERCENT_OR_INT)]
 
 
 class RolloutSpec(_Model):
+    """How a spec change rolls out (the Deployment's RollingUpdate strategy)."""
+
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel(
@@ -249,22 +268,31 @@ OPEN_OBJECT: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-
 
 
 class EnvVar(_Model):
+    """A core/v1 EnvVar."""
+
     name: str = Field(min_length=1, max_length=256)
     value: str | None = None
     value_from: dict[str, Any] | None = Field(default=None, json_schema_extra=OPEN_OBJECT)
 
 
 class PodSpecOverrides(_Model):
-    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    """Additions to the engine pods."""
+
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128, description="Extra environment variables."
+    )
     volumes: list[dict[str, Any]] = Field(
         default_factory=list, max_length=64, description="Extra pod volumes (core/v1 Volume)."
     )
     volume_mounts: list[dict[str, Any]] = Field(
         default_factory=list, max_length=64, description="Extra engine volumeMounts (core/v1 VolumeMount)."
     )
-    annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64, description="Pod annotations.")
     labels: dict[str, str] = Field(
-        default_factory=dict, max_length=64, json_schema_extra=validations(RESERVED_LABEL_RULE)
+        default_factory=dict,
+        max_length=64,
+        description="Extra pod labels (not app.kubernetes.io/* or corral.dev/*).",
+        json_schema_extra=validations(RESERVED_LABEL_RULE),
     )
     service_account_name: str | None = Field(default=None, max_length=253)
     priority_class_name: str | None = Field(default=None, max_length=253)
@@ -282,9 +310,13 @@ class LLMDeploymentSpec(_Model):
     engine: EngineSpec
     replicas: int = Field(default=1, ge=0, le=1000, description="Written by the autoscaler when enabled.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=64)
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
-    affinity: dict[str, Any] | None = Field(default=None, json_schema_extra=OPEN_OBJECT)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=64, description="Pod nodeSelector."
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Pod tolerations.")
+    affinity: dict[str, Any] | None = Field(
+        default=None, description="Pod affinity (core/v1 Affinity).", json_schema_extra=OPEN_OBJECT
+    )
     autoscaling: AutoscalingSpec | None = Field(default=None, description="Absent: replicas is fixed.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     pod: PodSpecOverrides = Field(default_factory=PodSpecOverrides)
