@@ -50,8 +50,12 @@ def test_deep_queue_scales_up(
         cluster.wait_until("scaled to max", lambda: _replicas(cluster, ns, "busy") == 4)
         cluster.wait_until("4 pods Running", lambda: len(running_pods(cluster, ns, "busy")) == 4)
     assert cluster.get_json("deployment", "busy", "-n", ns)["spec"]["replicas"] == 4
-    events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=busy")["items"]
-    assert any(e["reason"] == "Scaled" and "1 -> 4" in e["message"] for e in events)
+
+    def has_scaled_event() -> bool:
+        events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=busy")["items"]
+        return any(e["reason"] == "Scaled" and "1 -> 4" in e["message"] for e in events)
+
+    cluster.wait_until("Scaled event", has_scaled_event)
 
 
 def test_idle_model_scales_to_zero_and_wakes_on_annotation(

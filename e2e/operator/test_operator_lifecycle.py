@@ -157,6 +157,18 @@ def test_kubectl_scale_and_delete_garbage_collects(
     cluster.wait_until(
         "PDB", lambda: cluster.kubectl("get", "pdb", "scaled", "-n", ns, check=False).returncode == 0
     )
+    cluster.kubectl("scale", "llmd/scaled", "-n", ns, "--replicas", "1")
+    cluster.wait_until(
+        "PDB pruned", lambda: cluster.kubectl("get", "pdb", "scaled", "-n", ns, check=False).returncode != 0
+    )
+
+    def has_pruned_event() -> bool:
+        events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=scaled")[
+            "items"
+        ]
+        return any(e["reason"] == "Pruned" and "PodDisruptionBudget/scaled" in e["message"] for e in events)
+
+    cluster.wait_until("Pruned event", has_pruned_event)
     cluster.kubectl("delete", "llmd", "scaled", "-n", ns)
     for kind in CHILD_KINDS:
         cluster.wait_until(

@@ -163,8 +163,6 @@ def reconcile(
         replicas = raw_replicas if isinstance(raw_replicas, int) else 0
         obs = dataclasses.replace(base, desired_replicas=replicas, spec_error=str(e))
         return _finish(ctx, owner, obs, previous, now_s, load=None, is_load_known=False)
-    if pruned:
-        log.info("%s/%s: pruned %s", owner.namespace, owner.name, ", ".join(pruned))
     missing_pvc = None
     pvc = spec.model.source.pvc
     if pvc is not None and ctx.kube.get("PersistentVolumeClaim", owner.namespace, pvc.claim_name) is None:
@@ -180,7 +178,12 @@ def reconcile(
         apply_error=apply_error,
         load=load,
     )
-    return _finish(ctx, owner, obs, previous, now_s, load=load, is_load_known=is_load_known)
+    outcome = _finish(ctx, owner, obs, previous, now_s, load=load, is_load_known=is_load_known)
+    if pruned:
+        log.info("%s/%s: pruned %s", owner.namespace, owner.name, ", ".join(pruned))
+        gone = Event("Normal", "Pruned", f"deleted {', '.join(pruned)}: the spec no longer asks for it")
+        outcome = dataclasses.replace(outcome, events=[*outcome.events, gone])
+    return outcome
 
 
 def _finish(

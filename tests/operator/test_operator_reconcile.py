@@ -86,9 +86,10 @@ def test_reconcile_prunes_what_the_spec_no_longer_asks_for() -> None:
     reconcile(make_ctx(kube), body(valid_spec()), now_s=0)
     one = valid_spec() | {"replicas": 1}
     # owner references carry the CR's uid; only objects owned by this CR are pruned
-    reconcile(make_ctx(kube), body(one, generation=2), now_s=1)
+    outcome = reconcile(make_ctx(kube), body(one, generation=2), now_s=1)
     assert ("PodDisruptionBudget", "ml", "tiny") not in kube.objects
     assert ("delete", "PodDisruptionBudget") in kube.writes
+    assert [e.reason for e in outcome.events if e.reason == "Pruned"] == ["Pruned"]
 
 
 def test_invalid_spec_becomes_degraded_status_not_a_crash() -> None:
