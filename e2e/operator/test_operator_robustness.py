@@ -129,10 +129,13 @@ def test_missing_model_pvc_is_a_degraded_condition_and_an_event_not_a_crash(
     )
     assert degraded["reason"] == "ModelVolumeMissing"
     assert "'models' not found" in degraded["message"]
-    events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=no-weights")[
-        "items"
-    ]
-    assert any(e["type"] == "Warning" and e["reason"] == "ModelVolumeMissing" for e in events)
+
+    def has_warning() -> bool:
+        selector = "involvedObject.name=no-weights"
+        events = cluster.get_json("events", "-n", ns, "--field-selector", selector)["items"]
+        return any(e["type"] == "Warning" and e["reason"] == "ModelVolumeMissing" for e in events)
+
+    cluster.wait_until("Warning event", has_warning)
     assert not is_available(get_llmd(cluster, ns, "no-weights"))
     time.sleep(2 * operator.resync_s)
     assert operator.is_alive()
