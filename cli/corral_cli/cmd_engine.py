@@ -86,6 +86,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, help="engine seed for unseeded sampling (default: 0)")
     parser.add_argument("--num-threads", type=int, metavar="N", help="torch CPU threads (default: all cores)")
+    parser.add_argument(
+        "--speculative", choices=("ngram",), help="speculative decoding for greedy requests (default: off)"
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="draft tokens per step when speculating (default: 4)",
+    )
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +139,8 @@ _ENGINE_FIELDS = (
     "max_waiting",
     "seed",
     "num_threads",
+    "speculative",
+    "num_speculative_tokens",
 )
 
 

@@ -42,6 +42,8 @@ class EngineArgs:
     max_waiting: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    speculative: Literal["ngram"] | None = None  # n-gram (prompt lookup) proposals, off by default
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +69,12 @@ class EngineArgs:
             raise ArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ArgumentError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.speculative not in (None, "ngram"):
+            raise ArgumentError(f"speculative must be 'ngram' or unset, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ArgumentError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ArgumentError(f"num_threads must be >= 1, got {self.num_threads}")
 

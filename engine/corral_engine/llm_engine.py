@@ -12,9 +12,12 @@ import logging
 import time
 from collections.abc import Sequence as SequenceABC
 
+import torch
+
 from corral_engine.args import EngineArgs
+from corral_engine.core import ngram
 from corral_engine.core.block_manager import BlockManager
-from corral_engine.core.scheduler import Scheduler, SchedulerConfig
+from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
@@ -130,7 +133,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.abort(request)
-        return self._finish_request(request, self._build_output(request, set()))
+        return self._finish_request(request, self._build_output(request, {}))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -147,36 +150,81 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         logits = self.runner.execute(sched.scheduled)
-        sampling: list[Sequence] = []
+        plain: list[Sequence] = []
+        plain_rows: list[int] = []
+        drafts: list[tuple[ScheduledSeq, int]] = []  # (scheduled, first logits row)
+        row = 0
         for s in sched.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec  # drafts count once verified
             self.block_manager.register_computed(seq)
-            if s.samples:
-                sampling.append(seq)
-        result = self.sampler.sample(logits, sampling)
+            if not s.samples:
+                continue
+            if s.num_spec:
+                drafts.append((s, row))
+            else:
+                plain.append(seq)
+                plain_rows.append(row)
+            row += 1 + s.num_spec
+        if len(plain_rows) == row:
+            result = self.sampler.sample(logits, plain)
+        else:
+            result = self.sampler.sample(logits[plain_rows], plain)
         now = time.monotonic()
-        touched: dict[str, set[int]] = {}
-        for seq, token_id, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True):
-            request = seq.request
-            if seq.index == 0 and request.pending_forks:
-                self.scheduler.fork_siblings(request)
-            seq.token_ids.append(token_id)
+        touched: dict[str, dict[int, int]] = {}
+        for seq, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            self._check_stop(seq, token_id)
-            touched.setdefault(request.request_id, set()).add(seq.seq_id)
-        self._stats.num_generation_tokens_total += len(sampling)
+            self._append_tokens(seq, [token_id], now, touched)
+        for s, first_row in drafts:
+            self._append_tokens(
+                s.seq, self._verify(s, logits[first_row : first_row + 1 + s.num_spec]), now, touched
+            )
         self._stats.num_steps_total += 1
         outputs = []
-        for request_id, seq_ids in touched.items():
+        for request_id, counts in touched.items():
             request = self.requests[request_id]
-            output = self._build_output(request, seq_ids)
+            output = self._build_output(request, counts)
             outputs.append(self._finish_request(request, output) if request.is_finished else output)
         return outputs
+
+    def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
+        """Greedy verification: keep the drafts the model agrees with, plus its own next token."""
+        seq = s.seq
+        greedy = logits.argmax(dim=-1).tolist()  # [1 + num_spec]
+        drafts = seq.spec_token_ids[: s.num_spec]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        seq.num_computed_tokens += accepted  # the accepted drafts' KV is valid; the rest is dropped
+        self._stats.num_spec_proposed_total += len(drafts)
+        self._stats.num_spec_accepted_total += accepted
+        return [*drafts[:accepted], greedy[accepted]]
+
+    def _append_tokens(
+        self, seq: Sequence, tokens: list[int], now: float, touched: dict[str, dict[int, int]]
+    ) -> None:
+        request = seq.request
+        if seq.index == 0 and request.pending_forks:
+            self.scheduler.fork_siblings(request)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        counts = touched.setdefault(request.request_id, {})
+        seq.spec_token_ids = []
+        for token_id in tokens:
+            seq.token_ids.append(token_id)
+            counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+            self._stats.num_generation_tokens_total += 1
+            self._check_stop(seq, token_id)
+            if seq.is_finished:
+                return
+        if self.args.speculative and _can_speculate(request.params):
+            room = (
+                min(request.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+                - 1
+            )
+            seq.spec_token_ids = ngram.propose(seq.token_ids, min(self.args.num_speculative_tokens, room))
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.request.params
@@ -196,12 +244,12 @@ class LLMEngine:
             detok.flush()
         self.scheduler.finish(seq)
 
-    def _build_output(self, request: Request, touched: set[int]) -> RequestOutput:
+    def _build_output(self, request: Request, touched: dict[int, int]) -> RequestOutput:
         outs = []
         for seq in request.seqs:
             detok = self._detokenizers[seq.seq_id]
             delta_text = detok.take_delta(seq.is_finished)
-            new = 1 if seq.seq_id in touched else 0
+            new = touched.get(seq.seq_id, 0)
             delta_ids = seq.output_token_ids[-new:] if new else []
             outs.append(
                 CompletionOutput(
@@ -267,3 +315,8 @@ class LLMEngine:
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.served_model_name!r}, blocks={self.block_manager.num_blocks})"
+
+
+def _can_speculate(params: SamplingParams) -> bool:
+    """Drafts are verified greedily, so only plain greedy requests speculate."""
+    return params.is_greedy and not params.has_penalties and params.logprobs is None

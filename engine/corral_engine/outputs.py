@@ -68,4 +68,6 @@ class EngineStats:
     num_prefix_cache_queries_total: int = 0  # tokens looked up
     num_prefix_cache_hits_total: int = 0  # tokens found
     num_steps_total: int = 0
+    num_spec_proposed_total: int = 0  # speculative draft tokens verified
+    num_spec_accepted_total: int = 0  # ... and accepted
     finished_by_reason: dict[str, int] = field(default_factory=dict)

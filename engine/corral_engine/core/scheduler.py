@@ -27,12 +27,13 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     start: int  # first token position computed this step (== num_computed_tokens before the step)
-    num_new_tokens: int
+    num_new_tokens: int  # including num_spec draft tokens
+    num_spec: int = 0  # draft tokens appended after the sequence's real tokens, to be verified
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the sequence's last known token, so a new one is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -86,6 +87,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            num_spec = self._fit_spec(seq, num_new, budget)
+            num_new += num_spec
             while not self.bm.allocate(seq, num_new):
                 victim = self.running[-1]  # newest first
                 self._preempt(victim)
@@ -94,10 +97,24 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, num_spec))
             budget -= num_new
             i += 1
         return budget
+
+    def _fit_spec(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """Draft tokens to verify this step: only on a plain decode step, only if the budget and
+        free blocks allow (speculation never causes a preemption)."""
+        num_spec = len(seq.spec_token_ids)
+        if not num_spec:
+            return 0
+        if num_new != seq.num_uncomputed_tokens or num_new + num_spec > budget:
+            seq.spec_token_ids = []
+            return 0
+        if not self.bm.can_allocate(self.bm.num_blocks_needed(seq, num_new + num_spec)):
+            seq.spec_token_ids = []
+            return 0
+        return num_spec
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -135,6 +152,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         seq.request.metrics.num_preemptions += 1

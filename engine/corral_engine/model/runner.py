@@ -130,7 +130,9 @@ class ModelRunner:
             seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
             table = seq.block_table
             num_blocks = -(-end // bs)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start : end - s.num_spec])
+            if s.num_spec:
+                input_ids.extend(seq.spec_token_ids[: s.num_spec])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if s.num_new_tokens == 1 and self.batched_decode:
@@ -141,8 +143,8 @@ class ModelRunner:
                 block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
                 seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))
             row += s.num_new_tokens
-            if s.samples:
-                logits_indices.append(row - 1)
+            if s.samples:  # the last real token's row, then one per draft token
+                logits_indices.extend(range(row - 1 - s.num_spec, row))
 
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -161,7 +163,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; return float32 logits [S, V] for the sequences that sample, in order."""
+        """Run one step; return float32 logits for the sequences that sample, in order: one row
+        each, plus one per draft token of speculating sequences."""
         batch = self.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx)
         if batch.logits_indices.numel() == 0:
