@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # Re-install only when the dependency list changes; pip's cache makes a re-install cheap.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install-system.sh 2>/dev/null | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+LINT_DIRS := $(wildcard engine gateway operator cli tests e2e bench conftest.py)
 
 .PHONY: install up test lint typecheck unit e2e k8s-tools clean
 
@@ -22,8 +23,8 @@ up: install
 	$(VENV)/bin/corral up --demo
 
 lint: install
-	$(VENV)/bin/ruff check engine gateway operator cli tests e2e bench
-	$(VENV)/bin/ruff format --check engine gateway operator cli tests e2e bench
+	$(VENV)/bin/ruff check $(LINT_DIRS)
+	$(VENV)/bin/ruff format --check $(LINT_DIRS)
 	$(VENV)/bin/lint-imports
 
 typecheck: install
