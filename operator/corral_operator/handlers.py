@@ -42,6 +42,14 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # An explicit kubeconfig (`corral operator --kubeconfig`) wins over the pod's service account.
+    if os.environ.get("KUBECONFIG"):
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.probe(id="alive")
 def alive(**_: Any) -> bool:
     return True

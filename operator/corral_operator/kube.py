@@ -62,11 +62,14 @@ class Unavailable(KubeError):
 
 
 def load_config(kubeconfig: str | None = None) -> None:
-    """In-cluster service account when running in a pod, else the kubeconfig ($KUBECONFIG)."""
+    """An explicit kubeconfig, else the in-cluster service account, else $KUBECONFIG / ~/.kube/config."""
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig)
+        return
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig)
+        config.load_kube_config()
 
 
 def _error(status: int, body: bytes | str | None) -> KubeError:
