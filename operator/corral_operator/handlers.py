@@ -33,7 +33,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Handler progress and the last-handled spec live in annotations, so status stays ours.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf's are noise
     settings.scanning.disabled = True  # no cluster-wide CRD/namespace watching: less RBAC
     settings.execution.max_workers = 16
