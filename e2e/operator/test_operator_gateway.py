@@ -45,7 +45,7 @@ def test_gateway_serves_a_chat_completion_from_an_operator_managed_replica(
     operator_installed: Cluster,
     start_operator: Callable[..., OperatorProcess],
     k8s_namespace: str,
-    tiny_model_dir: Path,
+    request: pytest.FixtureRequest,
     tmp_path: Path,
 ) -> None:
     cluster, ns = operator_installed, k8s_namespace
@@ -68,6 +68,7 @@ def test_gateway_serves_a_chat_completion_from_an_operator_managed_replica(
             )
         raise
 
+    tiny_model_dir: Path = request.getfixturevalue("tiny_model_dir")  # only once discovery can work
     engine_argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", str(tiny_model_dir)]
     engine_argv += ["--served-model-name", "tiny", "--host", pod_ip, "--port", str(port)]
     with ManagedProcess(engine_argv, port, name="engine", log_dir=tmp_path) as engine:
