@@ -50,7 +50,7 @@ class Sampler:
             for row, seq in enumerate(seqs):
                 if seq.request.params.has_penalties:
                     _apply_penalties(logits[row], seq)
-        tokens = torch.argmax(logits, dim=-1)  # [S]; greedy rows are done
+        tokens = torch.max(logits, dim=-1).indices  # [S]; greedy rows are done (max beats argmax on CPU)
         for row, seq in enumerate(seqs):
             params = seq.request.params
             if not params.is_greedy:
