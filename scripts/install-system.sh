@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages Corral's tests and tools need (idempotent; only installs what is missing).
 set -euo pipefail
-PACKAGES=()
+PACKAGES=(prometheus)  # prometheus + promtool: dashboard query checks and the dashboards e2e
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

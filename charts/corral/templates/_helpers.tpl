@@ -1,0 +1,118 @@
+{{/* Names, labels and images shared by every template. */}}
+
+{{- define "corral.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "<release>-<chart>", or just the release name when it already contains the chart name. */}}
+{{- define "corral.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "corral.operator.fullname" -}}
+{{- printf "%s-operator" (include "corral.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "corral.gateway.fullname" -}}
+{{- printf "%s-gateway" (include "corral.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "corral.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (include "corral.operator.fullname" .) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "corral.gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create }}
+{{- default (include "corral.gateway.fullname" .) .Values.gateway.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.gateway.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "corral.peeringName" -}}
+{{- default (include "corral.fullname" .) .Values.operator.peering.name }}
+{{- end }}
+
+{{/* Selector labels of a component: (dict "ctx" $ "component" "gateway"). Never change them: Deployment
+selectors are immutable. */}}
+{{- define "corral.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "corral.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "corral.labels" -}}
+{{ include "corral.selectorLabels" . }}
+app.kubernetes.io/part-of: corral
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" }}
+{{- end }}
+
+{{/* Image reference: (dict "ctx" $ "image" .Values.gateway.image). */}}
+{{- define "corral.image" -}}
+{{- $tag := .image.tag | default .ctx.Values.image.tag | default .ctx.Chart.AppVersion }}
+{{- printf "%s/%s:%s" .ctx.Values.image.registry .image.repository $tag }}
+{{- end }}
+
+{{/* Engine pods are labelled by the operator (corral_operator/labels.py), not by this chart. */}}
+{{- define "corral.engineSelector" -}}
+app.kubernetes.io/managed-by: corral-operator
+app.kubernetes.io/component: engine
+{{- end }}
+
+{{/* Should ServiceMonitor/PodMonitor objects be rendered? */}}
+{{- define "corral.monitoringEnabled" -}}
+{{- if eq .Values.monitoring.create "always" }}true
+{{- else if and (eq .Values.monitoring.create "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor") }}true
+{{- end }}
+{{- end }}
+
+{{/* The restricted security context of every Corral container. */}}
+{{- define "corral.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "corral.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* nodeSelector, tolerations and affinity of a component's values. */}}
+{{- define "corral.placement" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,187 @@
+"""The chart's values as a pydantic model; values.schema.json is generated from it.
+
+Helm validates every install and upgrade against the schema, so a typo'd key or a bad value fails
+`helm install` with the field's path instead of rendering a broken manifest. Keys are camelCase, as
+in values.yaml; unknown keys are refused except in the free-form Kubernetes fragments.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+PolicyName = Literal["prefix-affinity", "kv-aware", "least-requests", "round-robin"]
+
+
+class _Values(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Image(_Values):
+    repository: str = Field(min_length=1, description="Image name under image.registry.")
+    tag: str = Field(default="", description="Tag; empty means the chart's appVersion.")
+
+
+class GlobalImage(_Values):
+    registry: str = Field(default="ghcr.io/corral-dev", description="Registry and path prefix.")
+    tag: str = Field(default="", description="Default tag for every image; empty means appVersion.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+
+class ServiceAccount(_Values):
+    create: bool = True
+    name: str = Field(default="", description="Empty: the release's fullname plus the component.")
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class PodPlacement(_Values):
+    """Scheduling and pod metadata shared by the operator and the gateway."""
+
+    resources: dict[str, Any] = Field(default_factory=dict, description="Container resources.")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Peering(_Values):
+    name: str = Field(
+        default="",
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        max_length=63,
+        description="kopf peering object shared by the replicas; empty means the release's fullname.",
+    )
+
+
+class Operator(PodPlacement):
+    enabled: bool = True
+    replicas: int = Field(default=2, ge=1, le=10, description="Replicas beyond one stand by (peering).")
+    image: Image = Field(default_factory=lambda: Image(repository="corral-operator"))
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to serve; empty serves every namespace."
+    )
+    peering: Peering = Field(default_factory=Peering)
+    resync_seconds: float = Field(default=15.0, gt=0, le=3600)
+    scrape_networks: list[str] = Field(
+        default_factory=list, description="CIDRs of engine pods the operator may scrape; empty: any."
+    )
+    extra_args: list[str] = Field(default_factory=list)
+    service_account: ServiceAccount = Field(default_factory=ServiceAccount)
+    resources: dict[str, Any] = Field(
+        default_factory=lambda: {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+    )
+
+
+class Discovery(_Values):
+    source: Literal["endpointslices", "pods"] = Field(
+        default="endpointslices",
+        description="Watch the operator's EndpointSlices (standard) or ready Pods directly.",
+    )
+    namespace: str = Field(default="", description="Empty: every namespace (a ClusterRole).")
+    label_selector: str = Field(default="app.kubernetes.io/managed-by=corral-operator", min_length=1)
+
+
+class ApiKeys(_Values):
+    existing_secret: str = Field(
+        default="", description="Secret holding the API keys file; empty: no authentication."
+    )
+    secret_key: str = Field(default="keys.yaml", min_length=1, description="Key of the file in the Secret.")
+
+
+class Service(_Values):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(default=80, ge=1, le=65535)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class Autoscaling(_Values):
+    enabled: bool = False
+    min_replicas: int = Field(default=2, ge=1)
+    max_replicas: int = Field(default=10, ge=1)
+    target_cpu_utilization_percentage: int = Field(default=70, ge=1, le=100)
+
+
+class Gateway(PodPlacement):
+    enabled: bool = True
+    replicas: int = Field(default=2, ge=1, le=100)
+    image: Image = Field(default_factory=lambda: Image(repository="corral-gateway"))
+    container_port: int = Field(default=8000, ge=1024, le=65535)
+    policy: PolicyName = "prefix-affinity"
+    discovery: Discovery = Field(default_factory=Discovery)
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="More gateway settings (snake_case keys, see the gateway docs)."
+    )
+    api_keys: ApiKeys = Field(default_factory=ApiKeys)
+    service: Service = Field(default_factory=Service)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    service_account: ServiceAccount = Field(default_factory=ServiceAccount)
+    resources: dict[str, Any] = Field(
+        default_factory=lambda: {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    )
+
+
+class Monitoring(_Values):
+    create: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="auto: ServiceMonitor/PodMonitor only when the cluster serves monitoring.coreos.com/v1.",
+    )
+    interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$")
+    labels: dict[str, str] = Field(default_factory=dict)
+    engines: bool = Field(
+        default=False, description="Also a PodMonitor for engines (the operator makes ServiceMonitors)."
+    )
+
+
+class PeerSelector(_Values):
+    namespace_selector: dict[str, Any] = Field(default_factory=dict)
+    pod_selector: dict[str, Any] = Field(
+        default_factory=lambda: {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    )
+
+
+class NetworkPolicy(_Values):
+    enabled: bool = True
+    engine_namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces running LLMDeployments; empty: the release's."
+    )
+    prometheus: PeerSelector = Field(default_factory=PeerSelector)
+
+
+class Dashboards(_Values):
+    enabled: bool = True
+    namespace: str = Field(default="", description="Where the ConfigMaps go; empty: the release's.")
+    labels: dict[str, str] = Field(default_factory=lambda: {"grafana_dashboard": "1"})
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class Values(_Values):
+    name_override: str = ""
+    fullname_override: str = ""
+    image: GlobalImage = Field(default_factory=GlobalImage)
+    image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
+    operator: Operator = Field(default_factory=Operator)
+    gateway: Gateway = Field(default_factory=Gateway)
+    monitoring: Monitoring = Field(default_factory=Monitoring)
+    network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
+    dashboards: Dashboards = Field(default_factory=Dashboards)
+
+
+def _strip_titles(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _strip_titles(v) for k, v in node.items() if k != "title"}
+    if isinstance(node, list):
+        return [_strip_titles(v) for v in node]
+    return node
+
+
+def schema() -> dict[str, Any]:
+    out: dict[str, Any] = _strip_titles(Values.model_json_schema(by_alias=True))
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "Corral chart values", **out}
+
+
+def schema_text() -> str:
+    return json.dumps(schema(), indent=2, sort_keys=False) + "\n"

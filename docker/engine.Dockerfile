@@ -1,0 +1,31 @@
+# syntax=docker/dockerfile:1
+# The bundled inference engine, CPU build. Build from the repository root:
+#   docker build -f docker/engine.Dockerfile -t ghcr.io/corral-dev/corral-engine:0.1.0-cpu .
+# PyPI's default torch wheel also carries CUDA; for a smaller CPU-only image point TORCH_INDEX_URL at
+# PyTorch's CPU wheel index: --build-arg TORCH_INDEX_URL=<index url>.
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS build
+ARG TORCH_INDEX_URL=""
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/corral
+ENV PATH=/opt/corral/bin:$PATH
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "torch>=2.6,<2.16"; fi
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY gateway gateway
+COPY operator operator
+COPY cli cli
+RUN pip install ".[engine]"
+
+FROM python:${PYTHON_VERSION}-slim
+RUN groupadd --gid 10001 corral \
+    && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin corral
+COPY --from=build /opt/corral /opt/corral
+# Weights come from the mounted model directory only; nothing is fetched from a model hub at run time.
+ENV PATH=/opt/corral/bin:$PATH PYTHONUNBUFFERED=1 HOME=/tmp HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+USER 10001
+EXPOSE 8000
+ENTRYPOINT ["corral"]
+CMD ["engine", "--model", "/models", "--host", "0.0.0.0", "--port", "8000"]

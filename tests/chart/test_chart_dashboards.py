@@ -1,0 +1,95 @@
+"""Dashboards: every query parses with promtool, names only declared metrics, and the JSON is sane."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from corral_cli.chartgen.dashboards import DASHBOARDS
+from corral_cli.chartgen.queries import Query, dashboard_queries, declared_metric_names, metric_names
+
+from tests.chart.conftest import CHART
+
+
+def _check_rules(promtool: str, exprs: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """promtool parses each expression offline as a recording rule's `expr`."""
+    rules = [{"record": f"corral:dashboard_query_{i}", "expr": e} for i, e in enumerate(exprs)]
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "corral-dashboards", "rules": rules}]}))
+    return subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_every_query_parses_with_promtool(promtool: str, tmp_path: Path) -> None:
+    all_queries = dashboard_queries() + dashboard_queries(model="tiny-llama", rate_interval="15s")
+    result = _check_rules(promtool, [q.expr for q in all_queries], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(all_queries)} rules found" in result.stdout
+
+
+def test_promtool_check_catches_a_broken_query(promtool: str, tmp_path: Path) -> None:
+    broken = "sum by (model) (rate(corral_gateway_requests_total[1m])"
+    result = _check_rules(promtool, [broken], tmp_path)
+    assert result.returncode != 0
+    assert "parse error" in (result.stdout + result.stderr).lower()
+
+
+def test_every_metric_is_declared_by_the_engine_or_the_gateway() -> None:
+    declared = declared_metric_names()
+    used: set[str] = set()
+    for q in dashboard_queries():
+        names = metric_names(q.expr)
+        assert names, f"{q.panel}: no Corral or vLLM metric in {q.expr}"
+        assert names <= declared, f"{q.panel}: undeclared {names - declared}"
+        used |= names
+    # The overview covers what the issue lists; these must never silently drop out.
+    assert {
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_hits_total",
+        "corral_gateway_requests_total",
+        "corral_gateway_queue_length",
+        "corral_gateway_retries_total",
+        "corral_gateway_ejections_total",
+    } <= used
+
+
+def test_metric_names_strips_histogram_suffixes_and_ignores_labels() -> None:
+    bucket = 'vllm:time_to_first_token_seconds_bucket{model_name=~"x"}'
+    expr = f"histogram_quantile(0.9, sum by (le) (rate({bucket}[1m])))"
+    assert metric_names(expr) == {"vllm:time_to_first_token_seconds"}
+    assert metric_names('x{job="corral_gateway_fake_total"}') == set()
+
+
+def test_variables_are_filled_in() -> None:
+    for q in dashboard_queries(model="tiny-llama"):
+        assert "$" not in q.expr, q
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboard_json_is_well_formed(name: str) -> None:
+    board = json.loads((CHART / "dashboards" / name).read_text())
+    assert board["uid"] and board["title"].startswith("Corral")
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["model"]["query"]["query"] == DASHBOARDS[name]().variables[0].query
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in board["panels"]:
+        assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        if panel["type"] != "row":
+            assert panel["targets"] and all(t["expr"] for t in panel["targets"])
+            assert panel["datasource"]["uid"] == "${datasource}"
+
+
+def test_drilldown_has_per_replica_panels() -> None:
+    drill = [q for q in dashboard_queries() if q.dashboard == "corral-deployment.json"]
+    per_replica = [q for q in drill if "instance" in q.expr or "replica" in q.expr]
+    assert len(per_replica) >= 8
+    assert all(isinstance(q, Query) for q in drill)

@@ -1,0 +1,264 @@
+"""The Helm chart: lint, Kubernetes schemas for several values profiles, values schema, and agreement
+with the operator's RBAC, CRDs, labels and CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from corral_cli.chartgen.files import stale_files
+from corral_cli.chartgen.values import Values
+from corral_cli.main import build_parser
+from corral_gateway.settings import GatewaySettings
+from corral_operator import labels, rbac
+
+from tests.chart.conftest import CHART, PROFILES, ROOT, Helm, find
+
+Render = Callable[[str], list[dict[str, Any]]]
+KUBERNETES_VERSION = "1.36.0"  # the e2e control plane's minor (e2e/k8s/versions.env)
+# Custom resources: checked against their CRD's schema in the chart, or by the test below.
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor"}
+
+
+def test_generated_files_are_current() -> None:
+    assert stale_files(ROOT) == [], "run: python -m corral_cli.chartgen"
+
+
+def test_helm_lint_strict_is_clean(helm: Helm) -> None:
+    for values_file in PROFILES.values():
+        extra = ["--values", str(values_file)] if values_file else []
+        result = helm.run("lint", "--strict", str(CHART), *extra)
+        assert "0 chart(s) failed" in result.stdout
+        assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
+
+
+def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> openAPIV3Schema, for every CRD the chart ships."""
+    out = {}
+    for path in (CHART / "crds").glob("*.yaml"):
+        for crd in yaml.safe_load_all(path.read_text()):
+            for version in crd["spec"]["versions"]:
+                key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+                out[key] = version["schema"]["openAPIV3Schema"]
+    return out
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_rendered_objects_match_kubernetes_schemas(rendered: Render, profile: str) -> None:
+    crds = _crd_schemas()
+    objects = rendered(profile)
+    assert objects
+    for obj in objects:
+        key = (obj["apiVersion"], obj["kind"])
+        if key in crds:
+            jsonschema.validate(obj, crds[key])
+        elif obj["kind"] in MONITORING_KINDS:
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        else:
+            # strict: unknown fields (a mis-indented key) are errors, not silently dropped
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_rendered_crds_match_kubernetes_schemas(helm: Helm) -> None:
+    objects = helm.template(None, "--include-crds")
+    crds = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    assert {c["metadata"]["name"] for c in crds} == {
+        "llmdeployments.corral.dev",
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+    }
+    for crd in crds:
+        kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
+
+
+def test_chart_crds_are_the_repository_crds() -> None:
+    repo = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
+    chart = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert chart == repo
+
+
+def _rule_key(rule: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(tuple(rule.get(k) or ()) for k in ("apiGroups", "resources", "resourceNames", "verbs"))
+
+
+def test_operator_cluster_role_is_the_operators_rbac(rendered: Render) -> None:
+    (role,) = find(rendered("default"), "ClusterRole", "operator")
+    assert [_rule_key(r) for r in role["rules"]] == [_rule_key(r) for _, r in rbac.RULES]
+    (binding,) = find(rendered("default"), "ClusterRoleBinding", "operator")
+    (account,) = find(rendered("default"), "ServiceAccount", "operator")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "corral-system"}
+    ]
+
+
+def test_default_install_names_the_identity_the_e2e_cluster_knows(rendered: Render) -> None:
+    """Release `corral` in corral-system runs as system:serviceaccount:corral-system:corral-operator."""
+    (deployment,) = find(rendered("default"), "Deployment", "operator")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == rbac.NAME
+    assert deployment["metadata"]["namespace"] == rbac.NAMESPACE
+
+
+@pytest.mark.parametrize(
+    ("profile", "kind", "resource"),
+    [("default", "ClusterRole", "endpointslices"), ("production", "Role", "pods")],
+)
+def test_gateway_may_only_read_what_its_discovery_watches(
+    rendered: Render, profile: str, kind: str, resource: str
+) -> None:
+    (role,) = find(rendered(profile), kind, "gateway")
+    assert [r["resources"] for r in role["rules"]] == [[resource]]
+    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
+
+
+def _args(deployment: dict[str, Any]) -> list[str]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return list(container["args"])
+
+
+@pytest.mark.parametrize("profile", ["default", "production"])
+def test_container_args_are_valid_corral_flags(rendered: Render, profile: str) -> None:
+    parser = build_parser()
+    for component in ("operator", "gateway"):
+        (deployment,) = find(rendered(profile), "Deployment", component)
+        args = parser.parse_args(_args(deployment))
+        assert isinstance(args, argparse.Namespace) and args.command == component
+
+
+def test_operator_serves_the_configured_namespaces_with_peering(rendered: Render) -> None:
+    objects = rendered("production")
+    (deployment,) = find(objects, "Deployment", "operator")
+    args = build_parser().parse_args(_args(deployment))
+    assert args.namespace == ["team-a", "team-b"] and args.peering == "corral-teams"
+    peerings = find(objects, "KopfPeering", "corral-teams")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    (default_peering,) = find(rendered("default"), "ClusterKopfPeering")
+    default_args = build_parser().parse_args(_args(find(rendered("default"), "Deployment", "operator")[0]))
+    assert default_args.all_namespaces and default_args.peering == default_peering["metadata"]["name"]
+
+
+@pytest.mark.parametrize("profile", ["default", "production"])
+def test_gateway_config_is_valid_gateway_settings(rendered: Render, profile: str) -> None:
+    (config_map,) = find(rendered(profile), "ConfigMap", "gateway")
+    data = yaml.safe_load(config_map["data"]["gateway.yaml"])
+    settings = GatewaySettings(**data)
+    assert settings.kubernetes.enabled and settings.host == "0.0.0.0"
+    if profile == "production":
+        assert settings.policy == "kv-aware" and settings.max_queue_len == 512
+        assert str(settings.api_keys_file) == "/etc/corral/api-keys/keys.yaml"
+        assert settings.kubernetes.namespace == "team-a"
+
+
+def test_network_policy_selects_the_operators_engine_pods(rendered: Render) -> None:
+    engine_pod_labels = labels.common("tiny", "tiny", "corral")
+    for profile, namespaces in (("default", ["corral-system"]), ("production", ["team-a", "team-b"])):
+        policies = find(rendered(profile), "NetworkPolicy", "engines")
+        assert sorted(p["metadata"]["namespace"] for p in policies) == namespaces
+        for policy in policies:
+            wanted = policy["spec"]["podSelector"]["matchLabels"]
+            assert wanted.items() <= engine_pod_labels.items()
+            peers = policy["spec"]["ingress"][0]["from"]
+            components = [p["podSelector"].get("matchLabels", {}).get(labels.COMPONENT) for p in peers]
+            assert components == ["gateway", "operator", None]  # the third is Prometheus
+    assert not find(rendered("operator-only"), "NetworkPolicy")
+
+
+def test_monitors_only_when_the_crds_exist_or_asked_for(helm: Helm, rendered: Render) -> None:
+    assert not find(rendered("default"), "ServiceMonitor")
+    with_crd = helm.template(None, "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
+    (monitor,) = find(with_crd, "ServiceMonitor")
+    (service,) = find(with_crd, "Service", "gateway")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert find(rendered("production"), "PodMonitor", "engines")
+
+
+def test_dashboards_are_labelled_configmaps(rendered: Render) -> None:
+    maps = find(rendered("production"), "ConfigMap", "dashboard")
+    assert len(maps) == len(list((CHART / "dashboards").glob("*.json"))) == 2
+    for config_map in maps:
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert config_map["metadata"]["namespace"] == "monitoring"
+        ((name, text),) = config_map["data"].items()
+        assert text.strip() == (CHART / "dashboards" / name).read_text().strip()
+
+
+def test_restricted_security_context(rendered: Render) -> None:
+    for deployment in find(rendered("default"), "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] and context["capabilities"]["drop"] == ["ALL"]
+
+
+def test_values_yaml_is_the_schema_models_defaults() -> None:
+    committed = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert Values().model_dump(by_alias=True) == committed
+    for path in PROFILES.values():
+        if path is not None:
+            Values.model_validate({**committed, **yaml.safe_load(path.read_text())})
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("gateway.replicas=-1", "at '/gateway/replicas': minimum"),
+        ("gateway.policy=fastest", "at '/gateway/policy': value must be one of"),
+        ("gateway.polcy=kv-aware", "additional properties 'polcy' not allowed"),
+        ("gateway.discovery.source=services", "at '/gateway/discovery/source'"),
+        ("operator.replicas=0", "at '/operator/replicas': minimum"),
+        ("operator.peering.name=Not_A_Name", "at '/operator/peering/name'"),
+        ("monitoring.create=maybe", "at '/monitoring/create'"),
+        ("monitoring.interval=soon", "at '/monitoring/interval'"),
+        ("gateway.service.type=Magic", "at '/gateway/service/type'"),
+        ("gateway.autoscaling.enabled=true,gateway.autoscaling.minReplicas=5,gateway.autoscaling.maxReplicas=2",
+         "minReplicas must not exceed"),
+    ],
+)  # fmt: skip
+def test_bad_values_fail_with_a_clear_message(helm: Helm, flag: str, message: str) -> None:
+    result = helm.run("template", "corral", str(CHART), "--set", flag, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_notes_tell_how_to_create_a_deployment_and_call_the_gateway(helm: Helm) -> None:
+    out = helm.run("install", "corral", str(CHART), "--dry-run=client", "-n", "corral-system").stdout
+    notes = out.split("NOTES:", 1)[1]
+    assert "kind: LLMDeployment" in notes and "/v1/chat/completions" in notes
+    assert "svc/corral-gateway" in notes
+
+
+def test_dockerfiles_are_multi_stage_and_non_root() -> None:
+    dockerfiles = sorted((ROOT / "docker").glob("*.Dockerfile"))
+    names = {p.name for p in dockerfiles}
+    assert names >= {
+        "engine.Dockerfile",
+        "engine-cuda.Dockerfile",
+        "gateway.Dockerfile",
+        "operator.Dockerfile",
+    }
+    for path in dockerfiles:
+        lines = [line.strip() for line in path.read_text().splitlines()]
+        stages = [line for line in lines if line.upper().startswith("FROM ")]
+        users = [line.split()[1] for line in lines if line.upper().startswith("USER ")]
+        assert len(stages) >= 2, f"{path.name} is not multi-stage"
+        assert users and users[-1] not in ("root", "0", "0:0"), f"{path.name} runs as root"
+        assert any(line.startswith("ENTRYPOINT") and "corral" in line for line in lines), path.name
+
+
+def test_chart_image_user_matches_the_dockerfiles(rendered: Render) -> None:
+    uid = 10001
+    for path in (ROOT / "docker").glob("*.Dockerfile"):
+        assert f"USER {uid}" in path.read_text(), path.name
+    for deployment in find(rendered("default"), "Deployment"):
+        assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid
+
+
+def test_bad_values_file_is_refused_by_the_schema_model() -> None:
+    with pytest.raises(ValueError, match="targetCpuUtilizationPercentage"):
+        Values.model_validate({"gateway": {"autoscaling": {"targetCpuUtilizationPercentage": 0}}})
