@@ -2,15 +2,12 @@
 
 Tests use it to parse every expression with promtool, to check each metric is one the engine or the
 gateway declares, and to run every panel against a live Prometheus; docs/dashboards.md shows a user
-how to do the same with `python -m corral_cli.chartgen.queries`.
+how to do the same with `python -m corral_cli.chartgen.promcheck`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -69,20 +66,3 @@ def _declared(module: ModuleType) -> set[str]:
 def declared_metric_names() -> set[str]:
     """Every metric name the engine's wire contract and the gateway's metrics module declare."""
     return _declared(wire) | _declared(gateway_metrics)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m corral_cli.chartgen.queries",
-        description="Print every dashboard query with the Grafana variables filled in (JSON lines).",
-    )
-    parser.add_argument("--model", default=".*", help="value of $model (a regex; default: every model)")
-    parser.add_argument("--rate-interval", default="1m", help="value of $__rate_interval (default: 1m)")
-    args = parser.parse_args(argv)
-    for q in dashboard_queries(args.model, args.rate_interval):
-        sys.stdout.write(json.dumps({"dashboard": q.dashboard, "panel": q.panel, "expr": q.expr}) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
