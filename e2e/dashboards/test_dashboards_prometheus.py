@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -72,7 +73,7 @@ def broken_replica() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path) -> Iterator[list[EngineProcess]]:
-    flags = {"served_model_name": MODEL, "num_threads": 1, "max_num_seqs": 4}
+    flags: dict[str, Any] = {"served_model_name": MODEL, "num_threads": 1, "max_num_seqs": 4}
     with start_engine(tiny_model_dir, **flags) as a, start_engine(tiny_model_dir, **flags) as b:
         yield [a, b]
 
