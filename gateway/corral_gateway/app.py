@@ -70,7 +70,10 @@ def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=256)
+        # Idle connections expire before uvicorn's 5 s keep-alive would close them under us.
+        limits = httpx.Limits(
+            max_connections=settings.max_connections, max_keepalive_connections=256, keepalive_expiry=4.0
+        )
         timeout = httpx.Timeout(settings.first_byte_timeout_s, connect=settings.connect_timeout_s, pool=30.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
             state["deps"] = ProxyDeps(settings, fleet, client, metrics, keys.get)

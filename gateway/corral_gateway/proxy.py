@@ -134,10 +134,16 @@ async def _dispatch(
             if not isinstance(e, httpx.ConnectTimeout):
                 raise UpstreamTimeout("The model replica did not answer in time.") from e
             reason = "connect_timeout"
-        except httpx.TransportError as e:
+        except httpx.ConnectError as e:
             fleet.admission.release(replica)
             fleet.record_failure(replica.url, type(e).__name__)
-            reason = "connect_error" if isinstance(e, httpx.ConnectError) else "transport_error"
+            reason = "connect_error"
+        except httpx.TransportError:
+            # Dropped before any response: a dying replica, or a keep-alive connection the replica
+            # closed just as it was reused. Safe to retry; only connect errors and 5xx count
+            # towards ejection, so a race cannot eject a healthy replica.
+            fleet.admission.release(replica)
+            reason = "transport_error"
         else:
             status = upstream.status_code
             has_other = bool(fleet.router.candidates(model, [*tried, replica.url]))

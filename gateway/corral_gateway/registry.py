@@ -25,6 +25,7 @@ class Replica:
     sample: LoadSample | None = None
     num_inflight: int = 0  # requests this gateway is proxying to the replica now
     num_dispatched_since_sample: int = 0  # sent after the last sample was taken, so not in it
+    num_finished_since_sample: int = 0  # finished after the last sample, so still counted in it
     num_consecutive_failures: int = 0
     num_ejections: int = 0  # in a row; ejection time doubles with each
     ejected_until_s: float | None = None
@@ -38,6 +39,7 @@ class Replica:
         if self.sample is None or sample.at_s >= self.sample.at_s:
             self.sample = sample
             self.num_dispatched_since_sample = 0
+            self.num_finished_since_sample = 0
 
     def on_dispatch(self) -> None:
         self.num_inflight += 1
@@ -45,8 +47,10 @@ class Replica:
 
     def on_done(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)
+        self.num_finished_since_sample += 1
 
     def load(self, now_s: float, max_age_s: float) -> ReplicaLoad:
+        """The last fresh sample, moved forward by what this gateway sent and saw finish since."""
         sample = self.sample
         if sample is None or now_s - sample.at_s > max_age_s:
             return ReplicaLoad(
@@ -56,13 +60,22 @@ class Replica:
                 kv_usage_ratio=0.0,
                 num_inflight=self.num_inflight,
             )
-        pending = self.num_dispatched_since_sample
-        # An engine that already queues will queue what we sent since; otherwise it likely runs it.
-        if sample.num_waiting > 0:
-            running, waiting = sample.num_running, sample.num_waiting + pending
+        net = self.num_dispatched_since_sample - self.num_finished_since_sample
+        running, waiting = sample.num_running, sample.num_waiting
+        if net >= 0:
+            # An engine that already queues will queue what we sent since; otherwise it likely runs it.
+            if waiting > 0:
+                waiting += net
+            else:
+                running += net
         else:
-            running, waiting = sample.num_running + pending, sample.num_waiting
-        return ReplicaLoad(True, running, waiting, sample.kv_usage_ratio, self.num_inflight)
+            # Finished requests free slots that waiting requests take.
+            moved = min(waiting, -net)
+            running, waiting = max(0.0, running + net + moved), waiting - moved
+        # KV grows (or shrinks) by about the average footprint of a running request per request.
+        kv_per_request = sample.kv_usage_ratio / sample.num_running if sample.num_running >= 1 else 0.0
+        kv = min(1.0, max(0.0, sample.kv_usage_ratio + net * kv_per_request))
+        return ReplicaLoad(True, running, waiting, kv, self.num_inflight)
 
 
 @dataclass(frozen=True, slots=True)

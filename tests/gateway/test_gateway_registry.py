@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from corral_gateway.load import LoadSample
 from corral_gateway.registry import Ejection, Registry, Replica, Saturation
 
@@ -13,10 +14,22 @@ def test_dispatches_since_sample_count_as_running_until_the_engine_queues() -> N
     replica.on_dispatch()
     load = replica.load(10.05, 2.0)
     assert (load.num_running, load.num_waiting, load.num_inflight) == (4, 0, 2)
+    assert load.kv_usage_ratio == pytest.approx(0.2)  # two more requests of ~0.05 each
     replica.observe(LoadSample(4, 1, 0.2, at_s=10.1))  # a fresh sample absorbs them
     replica.on_dispatch()
     load = replica.load(10.15, 2.0)
     assert (load.num_running, load.num_waiting) == (4, 2)
+
+
+def test_finished_requests_free_slots_for_waiting_ones() -> None:
+    replica = Replica("m", "http://a")
+    replica.observe(LoadSample(4, 2, 0.8, at_s=10.0))
+    for _ in range(3):
+        replica.on_done()
+    load = replica.load(10.05, 2.0)
+    assert (load.num_running, load.num_waiting) == (3, 0)
+    assert load.kv_usage_ratio == pytest.approx(0.2)
+    assert not load.is_saturated(Saturation())
 
 
 def test_older_sample_does_not_replace_newer() -> None:

@@ -1,0 +1,200 @@
+"""Routing benchmark (issue 4, acceptance 6): 3 engine replicas, a workload mixing long and short
+requests with shared prompt prefixes at a load near saturation, once per routing policy.
+
+    .venv/bin/python -m bench.routing.routing_bench --rate 20 --num-requests 400
+
+Prints a Markdown table (TTFT p50/p99, throughput, shed count, prefix-cache hit rate) and writes
+`routing.json` and `routing.png` to --out. Each policy gets fresh documents, so caches start cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from corral_cli.bench.arrivals import arrival_offsets_s
+from corral_cli.bench.stats import RequestResult, summarize
+
+from bench.routing.fleet import MODEL, engine_counter, ensure_model, open_loop, start_gateway
+from bench.routing.workload import WorkloadSpec, build_requests
+from e2e.procs import EngineProcess, start_engine
+
+logger = logging.getLogger("routing_bench")
+ENGINE_COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:num_preemptions_total",
+)
+POLICIES = ("round-robin", "least-requests", "kv-aware", "prefix-affinity")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "corral" / "demo-model")
+    p.add_argument("--preset", default="tiny", help="demo preset written when --model-dir is missing")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second (Poisson)")
+    p.add_argument("--num-requests", type=int, default=400)
+    p.add_argument("--num-documents", type=int, default=16, help="shared prompt heads")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--num-kv-blocks", type=int, default=128)
+    p.add_argument("--max-queue-len", type=int, default=64, help="gateway queue per model before 429")
+    p.add_argument("--rounds", type=int, default=2, help="policies run in turn this many times (noise)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/results/routing"))
+    return p.parse_args()
+
+
+def summarize_run(results: list[RequestResult], duration_s: float, extra: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in results if r.is_success]
+    is_shed = [r.error.startswith(("HTTP 429", "HTTP 503")) for r in results]
+    ttft = summarize([r.ttft_s for r in ok])
+    queries = extra.get("vllm:prefix_cache_queries_total", 0.0)
+    return {
+        "num_ok": len(ok),
+        "num_shed": sum(is_shed),
+        "num_failed": len(results) - len(ok) - sum(is_shed),
+        "ttft_p50_ms": ttft["median"],
+        "ttft_p99_ms": ttft["p99"],
+        "output_tok_s": sum(r.output_len for r in ok) / duration_s,
+        "req_s": len(ok) / duration_s,
+        "prefix_hit_rate": extra.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else 0.0,
+        "preemptions": extra.get("vllm:num_preemptions_total", 0.0),
+        "gateway_queue_wait_s": extra.get("gateway_queue_wait_s", 0.0),
+        **{k: v for k, v in extra.items() if k.startswith("gateway_retries")},
+        "duration_s": duration_s,
+        "errors": sorted({r.error for r, shed in zip(results, is_shed, strict=True) if r.error and not shed})[
+            :5
+        ],
+    }
+
+
+def run_policy(
+    args: argparse.Namespace,
+    policy: str,
+    engines: list[EngineProcess],
+    backends: dict[str, list[str]],
+    work_dir: Path,
+    seed: int,
+    count_tokens: Callable[[str], int],
+) -> tuple[list[RequestResult], float, dict[str, float]]:
+    """One run of the workload (fresh documents from `seed`) through a gateway using `policy`."""
+    requests = build_requests(
+        WorkloadSpec(num_requests=args.num_requests, num_documents=args.num_documents), seed, count_tokens
+    )
+    offsets = arrival_offsets_s(len(requests), args.rate, 1.0, seed)
+    with start_gateway(backends, work_dir, policy=policy, max_queue_len=args.max_queue_len) as gateway:
+        asyncio.run(open_loop(gateway.url, requests[:6], [0.0] * 6))  # warm-up
+        before = {name: engine_counter(engines, name) for name in ENGINE_COUNTERS}
+        results, duration_s = asyncio.run(open_loop(gateway.url, requests, offsets))
+        extra = {name: engine_counter(engines, name) - before[name] for name in ENGINE_COUNTERS}
+        extra["gateway_queue_wait_s"] = gateway.metric("corral_gateway_queue_wait_seconds_sum")
+        for labels, value in gateway.metrics().get("corral_gateway_retries_total", []):
+            extra[f"gateway_retries_{labels['reason']}"] = value
+    return results, duration_s, extra
+
+
+def merge(
+    runs: list[tuple[list[RequestResult], float, dict[str, float]]],
+) -> tuple[list[RequestResult], float, dict[str, float]]:
+    results = [r for run in runs for r in run[0]]
+    extra: dict[str, float] = {}
+    for run in runs:
+        for key, value in run[2].items():
+            extra[key] = extra.get(key, 0.0) + value
+    return results, sum(run[1] for run in runs), extra
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| policy | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | req/s | shed | failed | prefix hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for policy, r in rows.items():
+        lines.append(
+            f"| {policy} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['output_tok_s']:.0f} | "
+            f"{r['req_s']:.2f} | {r['num_shed']} | {r['num_failed']} | {r['prefix_hit_rate']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].bar(names, [rows[n]["ttft_p50_ms"] for n in names], label="p50")
+    axes[0].bar(names, [rows[n]["ttft_p99_ms"] for n in names], alpha=0.4, label="p99")
+    axes[0].set_title("TTFT (ms)")
+    axes[0].legend()
+    axes[1].bar(names, [rows[n]["output_tok_s"] for n in names])
+    axes[1].set_title("output tokens / s")
+    axes[2].bar(names, [rows[n]["num_shed"] for n in names])
+    axes[2].set_title("shed (429/503)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from tokenizers import Tokenizer
+
+    model_dir = ensure_model(args.model_dir, args.preset)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text).ids)
+
+    flags = {
+        "served_model_name": MODEL,
+        "max_num_seqs": args.max_num_seqs,
+        "num_kv_blocks": args.num_kv_blocks,
+        "num_threads": 1,  # 3 replicas share this machine's cores
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[str, Any]] = {}
+    with ExitStack() as stack:
+        work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-bench-")))
+        engines = [
+            stack.enter_context(start_engine(model_dir, log_dir=work_dir, **flags))
+            for _ in range(args.replicas)
+        ]
+        backends = {MODEL: [e.url for e in engines]}
+        runs: dict[str, list[tuple[list[RequestResult], float, dict[str, float]]]] = {}
+        for round_index in range(args.rounds):
+            for i, policy in enumerate(args.policies):
+                seed = args.seed + 1 + i + round_index * len(args.policies)
+                runs.setdefault(policy, []).append(
+                    run_policy(args, policy, engines, backends, work_dir, seed, count_tokens)
+                )
+                logger.info("%s round %d: %s", policy, round_index, summarize_run(*runs[policy][-1]))
+        rows = {policy: summarize_run(*merge(policy_runs)) for policy, policy_runs in runs.items()}
+    text = table(rows)
+    (args.out / "routing.json").write_text(
+        json.dumps(
+            {"args": vars(args) | {"out": str(args.out), "model_dir": str(model_dir)}, "rows": rows}, indent=2
+        )
+    )
+    (args.out / "routing.md").write_text(text + "\n")
+    plot(rows, args.out / "routing.png")
+    logger.info("results in %s\n%s", args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
