@@ -1,0 +1,207 @@
+"""`helm install` of charts/corral into the real control plane, then the chart's operator and gateway
+at work with exactly the RBAC the chart installed.
+
+kwok runs the chart's pods only on paper, so the operator and the gateway also run here as processes,
+with the arguments and settings the chart gave their pods and the identities of the chart's
+ServiceAccounts (client certificates for those users, bound only by the chart's RBAC). An example
+LLMDeployment reconciles to Available; a real engine listens on one of its pods' loopback addresses,
+and the gateway, discovering pods as the chart configured it, serves a chat completion from it.
+Every address dialled is in 127.0.0.0/8.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+from corral_operator import labels
+
+from e2e.k8s.cluster import Cluster
+from e2e.procs import ManagedProcess, free_port
+
+pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "corral"
+EXAMPLE = ROOT / "examples" / "tiny-llama.yaml"
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+    namespace: str
+
+    def identity(self, component: str) -> tuple[str, tuple[str, ...]]:
+        """The user and groups a pod of the chart's `component` ServiceAccount authenticates as."""
+        user = f"system:serviceaccount:{self.namespace}:{self.name}-{component}"
+        return user, ("system:serviceaccounts", f"system:serviceaccounts:{self.namespace}")
+
+
+@pytest.fixture(scope="module")
+def release(k8s_cluster: Cluster) -> Iterator[Release]:
+    suffix = secrets.token_hex(3)
+    rel = Release(f"corral-{suffix}", f"corral-chart-{suffix}")
+    k8s_cluster.helm(
+        "install", rel.name, str(CHART), "--namespace", rel.namespace, "--create-namespace",
+        # Loopback pod IPs never reach EndpointSlices on this API server (e2e/k8s/README.md).
+        "--set", "gateway.discovery.source=pods",
+        "--set", "operator.resyncSeconds=2",
+        "--wait", "--timeout=180s",
+    )  # fmt: skip
+    yield rel
+    k8s_cluster.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
+    k8s_cluster.kubectl("delete", "namespace", rel.namespace, "--wait=false", check=False)
+
+
+def _deployment(cluster: Cluster, rel: Release, component: str) -> dict[str, Any]:
+    return cluster.get_json("deployment", f"{rel.name}-{component}", "-n", rel.namespace)
+
+
+def _can_i(cluster: Cluster, kubeconfig: Path, *args: str) -> bool:
+    result = cluster.kubectl("auth", "can-i", *args, kubeconfig=kubeconfig, check=False)
+    return result.stdout.strip() == "yes"
+
+
+def test_chart_installs_crds_and_its_pods_come_up(k8s_cluster: Cluster, release: Release) -> None:
+    crds = k8s_cluster.get_json("crd")["items"]
+    assert {"llmdeployments.corral.dev", "clusterkopfpeerings.kopf.dev"} <= {
+        c["metadata"]["name"] for c in crds
+    }
+    for component in ("operator", "gateway"):
+        status = _deployment(k8s_cluster, release, component)["status"]
+        assert status.get("readyReplicas") == 2, (component, status)
+    k8s_cluster.get_json("clusterkopfpeering", release.name)
+    maps = k8s_cluster.get_json("configmap", "-n", release.namespace, "-l", "grafana_dashboard=1")["items"]
+    assert len(maps) == 2
+
+
+def test_chart_rbac_grants_what_each_component_needs_and_no_more(
+    k8s_cluster: Cluster, release: Release, k8s_namespace: str
+) -> None:
+    operator = k8s_cluster.kubeconfig_for(*release.identity("operator"))
+    gateway = k8s_cluster.kubeconfig_for(*release.identity("gateway"))
+    ns = ["-n", k8s_namespace]
+    assert _can_i(k8s_cluster, operator, "create", "deployments.apps", *ns)
+    assert _can_i(k8s_cluster, operator, "patch", "llmdeployments.corral.dev/status", *ns)
+    assert _can_i(k8s_cluster, operator, "patch", "clusterkopfpeerings.kopf.dev")
+    assert not _can_i(k8s_cluster, operator, "get", "secrets", *ns)
+    assert not _can_i(k8s_cluster, operator, "create", "pods", *ns)
+    assert _can_i(k8s_cluster, gateway, "watch", "pods", *ns)
+    assert not _can_i(k8s_cluster, gateway, "list", "endpointslices.discovery.k8s.io", *ns)
+    assert not _can_i(k8s_cluster, gateway, "create", "pods", *ns)
+    assert not _can_i(k8s_cluster, gateway, "get", "secrets", *ns)
+
+
+def _operator_argv(cluster: Cluster, rel: Release, kubeconfig: Path, liveness_port: int) -> list[str]:
+    """The chart's own operator arguments, plus what differs for a process outside the cluster."""
+    (container,) = _deployment(cluster, rel, "operator")["spec"]["template"]["spec"]["containers"]
+    argv = [sys.executable, "-m", "corral_cli.main", *container["args"]]
+    argv += ["--kubeconfig", str(kubeconfig), "--priority", "100", "--scrape-network", "127.0.0.0/8"]
+    argv += ["--liveness", f"http://127.0.0.1:{liveness_port}/healthz"]  # the last --liveness wins
+    return argv
+
+
+def _gateway_config(cluster: Cluster, rel: Release, kubeconfig: Path, path: Path) -> Path:
+    config_map = cluster.get_json("configmap", f"{rel.name}-gateway", "-n", rel.namespace)
+    settings = yaml.safe_load(config_map["data"]["gateway.yaml"])
+    settings["kubernetes"]["kubeconfig"] = str(kubeconfig)  # in a pod: the ServiceAccount's token
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def _example(namespace: str, port: int) -> dict[str, Any]:
+    manifest: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"]["namespace"] = namespace
+    manifest["spec"]["engine"]["port"] = port  # a free port, so a real engine can take it on a pod IP
+    return manifest
+
+
+def _available(cluster: Cluster, namespace: str, name: str) -> bool:
+    obj = cluster.get_json("llmd", name, "-n", namespace)
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
+
+
+def _running_pod_ips(cluster: Cluster, namespace: str, name: str, count: int) -> list[str] | None:
+    """The IPs of the LLMDeployment's running pods once there are `count` of them."""
+    pods = cluster.get_json("pods", "-n", namespace, "-l", labels.selector_string(name))["items"]
+    ips = sorted(
+        p["status"]["podIP"]
+        for p in pods
+        if p["status"].get("phase") == "Running"
+        and p["status"].get("podIP")
+        and not p["metadata"].get("deletionTimestamp")
+    )
+    return ips if len(ips) == count else None
+
+
+def test_chart_operator_and_gateway_serve_the_example(
+    k8s_cluster: Cluster,
+    release: Release,
+    k8s_namespace: str,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    cluster, ns = k8s_cluster, k8s_namespace
+    operator_kubeconfig = cluster.kubeconfig_for(*release.identity("operator"))
+    gateway_kubeconfig = cluster.kubeconfig_for(*release.identity("gateway"))
+    liveness_port = free_port()
+    operator_argv = _operator_argv(cluster, release, operator_kubeconfig, liveness_port)
+    with ManagedProcess(
+        operator_argv, liveness_port, name="operator", health_path="/healthz", log_dir=tmp_path
+    ) as operator:
+        operator.wait_ready(60)
+        example = _example(ns, free_port())
+        name, port = example["metadata"]["name"], example["spec"]["engine"]["port"]
+        cluster.apply(json.dumps(example))
+        cluster.wait_until("the example LLMDeployment Available", lambda: _available(cluster, ns, name), 120)
+        for kind in ("deployment", "service", "poddisruptionbudget"):
+            child = cluster.get_json(kind, name, "-n", ns)
+            assert child["metadata"]["ownerReferences"][0]["kind"] == "LLMDeployment"
+        pod_ips = cluster.wait_until("2 running engine pods", lambda: _running_pod_ips(cluster, ns, name, 2))
+        assert all(ipaddress.ip_address(ip) in LOOPBACK for ip in pod_ips), pod_ips
+
+        engine_argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", str(tiny_model_dir)]
+        engine_argv += ["--served-model-name", example["spec"]["model"]["name"], "--num-threads", "1"]
+        engine_argv += ["--host", pod_ips[0], "--port", str(port)]
+        with ManagedProcess(engine_argv, port, name="engine", log_dir=tmp_path) as engine:
+            engine.url = f"http://{pod_ips[0]}:{port}"  # the pod's address, not 127.0.0.1
+            engine.wait_ready(180)
+            config = _gateway_config(cluster, release, gateway_kubeconfig, tmp_path / "gateway.yaml")
+            gateway_port = free_port()
+            gateway_argv = [sys.executable, "-m", "corral_cli.main", "gateway", "--config", str(config)]
+            gateway_argv += ["--host", "127.0.0.1", "--port", str(gateway_port)]
+            with ManagedProcess(gateway_argv, gateway_port, name="gateway", log_dir=tmp_path) as gateway:
+                gateway.wait_ready(60)
+                _chat_through(gateway.url, example["spec"]["model"]["name"])
+        log = operator.log_tail(200_000)
+    forbidden = [line for line in log.splitlines() if "forbidden: User" in line]
+    assert not forbidden, "the operator hit RBAC denials:\n" + "\n".join(forbidden[:10])
+
+
+def _chat_through(gateway_url: str, model: str) -> None:
+    client = openai.OpenAI(base_url=gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    # Discovery is asynchronous: the model is listed once the gateway's pod watch has caught up.
+    deadline = time.monotonic() + 30
+    served: list[str] = []
+    while model not in served and time.monotonic() < deadline:
+        served = [m.id for m in client.models.list().data]
+        time.sleep(0.2)
+    assert model in served, served
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=8
+    )
+    assert reply.choices[0].message.content is not None
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+    client.close()
