@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -69,6 +70,15 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return demo_dir
 
 
+def _die_with_parent() -> None:
+    """In the engine child: get SIGTERM if `corral up` itself dies (even by SIGKILL). Linux only."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class _Engine:
     def __init__(self, model_dir: Path, name: str, num_threads: int, log_dir: Path) -> None:
         self.port = _free_port()
@@ -78,7 +88,14 @@ class _Engine:
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", name]
         argv += ["--num-threads", str(num_threads)]
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # Own session: Ctrl-C reaches only `corral up`, which stops the engines in order.
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def is_ready(self) -> bool:
         import httpx

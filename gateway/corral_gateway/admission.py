@@ -47,8 +47,10 @@ class Admission:
         priority: int = 0,
         fairness_key: str = "",
         exclude: Collection[str] = (),
+        timeout_s: float | None = None,
     ) -> Replica:
         """A replica already marked dispatched; the caller must `release` it when done."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         queue = self._queues.setdefault(model, FairQueue(self.max_queue_len))
         if not queue:
             routed = self.router.route(model, prefix_hash, exclude)
@@ -66,14 +68,14 @@ class Admission:
             )
         self.pump(model)
         try:
-            done, _ = await asyncio.wait({waiter.future}, timeout=self.timeout_s)
+            done, _ = await asyncio.wait({waiter.future}, timeout=timeout_s)
         except asyncio.CancelledError:
             self._abandon(model, waiter)
             raise
         if not done:
             self._abandon(model, waiter)
             raise Unavailable(
-                f"No replica of model `{model}` could take the request within {self.timeout_s:g} s.",
+                f"No replica of model `{model}` could take the request within {timeout_s:g} s.",
                 retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
                 code="queue_timeout",
             )

@@ -19,6 +19,7 @@ from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, error_response
 from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import KubernetesWatcher
+from corral_gateway.k8s_wake import Waker
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.proxy import ProxyDeps, proxy
 from corral_gateway.settings import GatewaySettings
@@ -80,7 +81,11 @@ def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | 
             tasks = [asyncio.create_task(fleet.run(client), name="fleet"), asyncio.create_task(keys.watch())]
             watcher = None
             if settings.kubernetes.enabled:
-                watcher = KubernetesWatcher(settings.kubernetes, fleet.apply_discovery)
+                on_owners = None
+                if settings.kubernetes.wake_from_zero:
+                    waker = fleet.waker = Waker(settings.kubernetes.kubeconfig)
+                    on_owners = waker.set_owners
+                watcher = KubernetesWatcher(settings.kubernetes, fleet.apply_discovery, on_owners)
                 watcher.start(asyncio.get_running_loop())
             try:
                 yield

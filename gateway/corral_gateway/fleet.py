@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 import httpx
 
 from corral_gateway.admission import Admission
+from corral_gateway.k8s_wake import Waker
 from corral_gateway.load import parse_load_headers, parse_metrics_text
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.policies import KvAware, make_policy
@@ -46,6 +47,7 @@ class Fleet:
         self.router = Router(self.registry, policy, self.saturation, settings.load_max_age_s, clock)
         self.admission = Admission(self.router, settings.max_queue_len, settings.queue_timeout_s)
         self._scorer = KvAware(self.saturation)
+        self.waker: Waker | None = None  # set when Kubernetes discovery may wake models at zero
         self._pollers: dict[str, asyncio.Task[None]] = {}
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -69,6 +71,13 @@ class Fleet:
         for replica in self.registry.replicas(model):
             if replica.url not in keep:
                 self.metrics.forget_replica(model, replica.url)
+
+    def wake_timeout_s(self, model: str) -> float | None:
+        """For a model with no replica in rotation: ask the operator for one and return how long
+        its requests may wait (None: the normal queue deadline applies)."""
+        if self.waker is None or self.router.candidates(model):
+            return None
+        return self.settings.kubernetes.wake_timeout_s if self.waker.wake(model) else None
 
     def observe_headers(self, url: str, headers: Mapping[str, str]) -> None:
         sample = parse_load_headers(headers, self.clock())

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from corral_gateway.k8s_wake import owners_from_objects
 from corral_gateway.settings import KubernetesDiscovery
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,14 @@ class KubernetesWatcher:
     """List + watch in a daemon thread; `on_change(model -> urls)` runs on the event loop."""
 
     def __init__(
-        self, config: KubernetesDiscovery, on_change: Callable[[dict[str, list[str]]], None]
+        self,
+        config: KubernetesDiscovery,
+        on_change: Callable[[dict[str, list[str]]], None],
+        on_owners: Callable[[dict[str, tuple[str, str]]], None] | None = None,
     ) -> None:
         self.config = config
         self.on_change = on_change
+        self.on_owners = on_owners
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,6 +113,9 @@ class KubernetesWatcher:
         mapping = translate(self._slices.values(), self.config.model_label, self.config.port_name)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.on_change, mapping)
+            if self.on_owners is not None:
+                owners = owners_from_objects(self._slices.values(), self.config.model_label)
+                self._loop.call_soon_threadsafe(self.on_owners, owners)
 
     def _run(self) -> None:
         from kubernetes import client, config, watch

@@ -111,10 +111,11 @@ async def _dispatch(
     fleet, metrics = deps.fleet, deps.metrics
     fairness_key = api_key.key_id if api_key is not None else ""
     tried: list[str] = []
+    wake_timeout_s = fleet.wake_timeout_s(model)
     for attempt in range(deps.settings.max_attempts):
         queued_s = time.monotonic()
         replica = await _race(
-            fleet.admission.acquire(model, info.prefix_hash, priority, fairness_key, tried),
+            fleet.admission.acquire(model, info.prefix_hash, priority, fairness_key, tried, wake_timeout_s),
             disconnect,
             on_late=fleet.admission.release,
         )

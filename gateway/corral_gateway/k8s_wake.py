@@ -1,0 +1,98 @@
+"""Wake a model scaled to zero: annotate its LLMDeployment so the operator scales it up.
+
+A request for a model with no replica in rotation sets `corral.dev/wake` (an RFC 3339 time) on the
+LLMDeployment that serves it, at most once per `min_interval_s`; the request waits in the model's
+queue until a replica is discovered. The owner comes from the labels the operator puts on its
+Services (mirrored onto EndpointSlices) and Pods.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WAKE_ANNOTATION = "corral.dev/wake"
+INSTANCE_LABEL = "app.kubernetes.io/instance"  # the LLMDeployment's name
+GROUP, VERSION, PLURAL = "corral.dev", "v1alpha1", "llmdeployments"
+
+
+def owners_from_objects(objects: Iterable[Mapping[str, Any]], model_label: str) -> dict[str, tuple[str, str]]:
+    """EndpointSlices or Pods -> model -> (namespace, LLMDeployment name) (pure)."""
+    owners: dict[str, tuple[str, str]] = {}
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        model, instance = labels.get(model_label), labels.get(INSTANCE_LABEL)
+        namespace = meta.get("namespace")
+        if model and instance and namespace:
+            owners.setdefault(model, (namespace, instance))
+    return owners
+
+
+def wake_patch(now_s: float) -> dict[str, Any]:
+    stamp = datetime.fromtimestamp(now_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"metadata": {"annotations": {WAKE_ANNOTATION: stamp}}}
+
+
+class Waker:
+    """Rate-limited wake-ups; the API call runs in a short-lived thread (never on the event loop)."""
+
+    def __init__(
+        self,
+        kubeconfig: Path | None,
+        min_interval_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+        patch: Callable[[str, str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.kubeconfig = kubeconfig
+        self.min_interval_s = min_interval_s
+        self.clock = clock
+        self.owners: dict[str, tuple[str, str]] = {}
+        self._last_s: dict[str, float] = {}
+        self._patch = patch or self._patch_with_client
+
+    def set_owners(self, owners: dict[str, tuple[str, str]]) -> None:
+        self.owners = owners
+
+    def wake(self, model: str) -> bool:
+        """Ask the operator to scale `model` up (at most once per interval); False if no owner is known."""
+        owner = self.owners.get(model)
+        now_s = self.clock()
+        if owner is None:
+            return False
+        if now_s - self._last_s.get(model, -1e18) < self.min_interval_s:
+            return True
+        self._last_s[model] = now_s
+        namespace, name = owner
+        body = wake_patch(now_s)
+        threading.Thread(target=self._safe_patch, args=(namespace, name, body), daemon=True).start()
+        logger.info("waking model %s: annotating LLMDeployment %s/%s", model, namespace, name)
+        return True
+
+    def _safe_patch(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        from kubernetes.client.exceptions import ApiException
+        from kubernetes.config.config_exception import ConfigException
+
+        try:
+            self._patch(namespace, name, body)
+        except (ApiException, ConfigException, OSError, ValueError) as e:  # urllib3 errors are OSErrors
+            logger.warning("could not wake LLMDeployment %s/%s: %s", namespace, name, e)
+
+    def _patch_with_client(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        from kubernetes import client, config
+
+        if self.kubeconfig is not None:
+            api_client = config.new_client_from_config(config_file=str(self.kubeconfig))
+        else:
+            config.load_incluster_config()
+            api_client = client.ApiClient()
+        client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, body
+        )

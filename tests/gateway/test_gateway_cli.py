@@ -1,0 +1,36 @@
+"""`corral gateway` and `corral up` argument handling (no processes started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from corral_cli.cmd_gateway import settings_from_args
+from corral_cli.cmd_up import usage_text
+from corral_cli.main import build_parser
+
+
+def test_gateway_flags_become_settings(tmp_path: Path) -> None:
+    config = tmp_path / "gw.yaml"
+    config.write_text("backends:\n  a: [http://127.0.0.1:9001]\nmax_queue_len: 3\n")
+    args = build_parser(only="gateway").parse_args(
+        ["gateway", "--config", str(config), "--backend", "a=http://127.0.0.1:9002", "--policy", "kv-aware"]
+    )
+    settings = settings_from_args(args)
+    assert settings.backends == {"a": ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]}
+    assert (settings.policy, settings.max_queue_len, settings.port) == ("kv-aware", 3, 8000)
+
+
+def test_gateway_rejects_unknown_policy() -> None:
+    with pytest.raises(SystemExit):
+        build_parser(only="gateway").parse_args(["gateway", "--policy", "random"])
+
+
+def test_up_flags_and_banner() -> None:
+    args = build_parser(only="up").parse_args(["up", "--demo", "--replicas", "3", "--port", "9000"])
+    assert (args.demo, args.replicas, args.port, args.model) == (True, 3, 9000, None)
+    banner = usage_text("http://127.0.0.1:9000", "demo")
+    assert "curl http://127.0.0.1:9000/v1/chat/completions" in banner
+    assert 'OpenAI(base_url="http://127.0.0.1:9000/v1"' in banner and 'model="demo"' in banner
+    with pytest.raises(SystemExit):
+        build_parser(only="up").parse_args(["up", "--demo", "--model", "x"])
