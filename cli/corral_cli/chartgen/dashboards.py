@@ -78,6 +78,7 @@ def fleet_overview() -> Dashboard:
                 ),
                 unit="reqps",
                 width=8,
+                is_event_driven=True,
             ),
             Panel(
                 "Tokens/s by model",
@@ -181,11 +182,13 @@ def fleet_overview() -> Dashboard:
                     ),
                 ),
                 unit="reqps",
+                is_event_driven=True,
             ),
             Panel(
                 "Replica ejections",
                 "Replicas taken out of rotation after repeated failures (probed back later).",
                 (Target(sum_by("replica", increase(gw.EJECTIONS_TOTAL)), "{{replica}}"),),
+                is_event_driven=True,
             ),
         ),
     )

@@ -69,6 +69,8 @@ class Panel:
     width: int = 12
     kind: str = "timeseries"
     max_value: float | None = None
+    # Series appear only once such events happen (errors, retries, ejections): empty on a healthy fleet.
+    is_event_driven: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +97,8 @@ class Dashboard:
     variables: tuple[Variable, ...] = field(default_factory=tuple)
     tags: tuple[str, ...] = ("corral",)
 
-    def targets(self) -> list[tuple[str, Target]]:
-        """(panel title, target) for every query in the dashboard."""
-        return [(p.title, t) for row in self.rows for p in row.panels for t in p.targets]
+    def panels(self) -> list[Panel]:
+        return [p for row in self.rows for p in row.panels]
 
 
 def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class Query:
     panel: str
     legend: str
     expr: str
+    is_event_driven: bool = False  # no series until such an event happens
 
 
 def fill(expr: str, model: str = ".*", rate_interval: str = "1m") -> str:
@@ -38,8 +39,10 @@ def fill(expr: str, model: str = ".*", rate_interval: str = "1m") -> str:
 def dashboard_queries(model: str = ".*", rate_interval: str = "1m") -> list[Query]:
     out = []
     for name, build in DASHBOARDS.items():
-        for panel, target in build().targets():
-            out.append(Query(name, panel, target.legend, fill(target.expr, model, rate_interval)))
+        for panel in build().panels():
+            for target in panel.targets:
+                expr = fill(target.expr, model, rate_interval)
+                out.append(Query(name, panel.title, target.legend, expr, panel.is_event_driven))
     return out
 
 
