@@ -262,3 +262,10 @@ def test_chart_image_user_matches_the_dockerfiles(rendered: Render) -> None:
 def test_bad_values_file_is_refused_by_the_schema_model() -> None:
     with pytest.raises(ValueError, match="targetCpuUtilizationPercentage"):
         Values.model_validate({"gateway": {"autoscaling": {"targetCpuUtilizationPercentage": 0}}})
+
+
+def test_gateway_disruption_budget_only_with_several_replicas(helm: Helm, rendered: Render) -> None:
+    (budget,) = find(rendered("default"), "PodDisruptionBudget", "gateway")
+    (deployment,) = find(rendered("default"), "Deployment", "gateway")
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert not find(helm.template(None, "--set", "gateway.replicas=1"), "PodDisruptionBudget")

@@ -105,6 +105,11 @@ class Autoscaling(_Values):
     target_cpu_utilization_percentage: int = Field(default=70, ge=1, le=100)
 
 
+class DisruptionBudget(_Values):
+    enabled: bool = True
+    max_unavailable: int = Field(default=1, ge=1, description="Pods a voluntary disruption may take at once.")
+
+
 class Gateway(PodPlacement):
     enabled: bool = True
     replicas: int = Field(default=2, ge=1, le=100)
@@ -118,6 +123,7 @@ class Gateway(PodPlacement):
     api_keys: ApiKeys = Field(default_factory=ApiKeys)
     service: Service = Field(default_factory=Service)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    pod_disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
     service_account: ServiceAccount = Field(default_factory=ServiceAccount)
     resources: dict[str, Any] = Field(
         default_factory=lambda: {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
