@@ -233,32 +233,6 @@ def test_notes_tell_how_to_create_a_deployment_and_call_the_gateway(helm: Helm) 
     assert "svc/corral-gateway" in notes
 
 
-def test_dockerfiles_are_multi_stage_and_non_root() -> None:
-    dockerfiles = sorted((ROOT / "docker").glob("*.Dockerfile"))
-    names = {p.name for p in dockerfiles}
-    assert names >= {
-        "engine.Dockerfile",
-        "engine-cuda.Dockerfile",
-        "gateway.Dockerfile",
-        "operator.Dockerfile",
-    }
-    for path in dockerfiles:
-        lines = [line.strip() for line in path.read_text().splitlines()]
-        stages = [line for line in lines if line.upper().startswith("FROM ")]
-        users = [line.split()[1] for line in lines if line.upper().startswith("USER ")]
-        assert len(stages) >= 2, f"{path.name} is not multi-stage"
-        assert users and users[-1] not in ("root", "0", "0:0"), f"{path.name} runs as root"
-        assert any(line.startswith("ENTRYPOINT") and "corral" in line for line in lines), path.name
-
-
-def test_chart_image_user_matches_the_dockerfiles(rendered: Render) -> None:
-    uid = 10001
-    for path in (ROOT / "docker").glob("*.Dockerfile"):
-        assert f"USER {uid}" in path.read_text(), path.name
-    for deployment in find(rendered("default"), "Deployment"):
-        assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid
-
-
 def test_bad_values_file_is_refused_by_the_schema_model() -> None:
     with pytest.raises(ValueError, match="targetCpuUtilizationPercentage"):
         Values.model_validate({"gateway": {"autoscaling": {"targetCpuUtilizationPercentage": 0}}})
