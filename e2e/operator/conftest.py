@@ -32,9 +32,20 @@ def start_operator(
     """Start `corral operator` processes (operator identity, exactly the RBAC above); all stopped after."""
     started: list[OperatorProcess] = []
 
-    def start(priority: int = 100, resync_s: float = 2.0) -> OperatorProcess:
+    def start(
+        priority: int = 100,
+        resync_s: float = 2.0,
+        namespaces: list[str] | None = None,
+        kubeconfig: Path | None = None,
+    ) -> OperatorProcess:
         log_path = tmp_path / f"operator-{len(started)}.log"
-        process = OperatorProcess(operator_kubeconfig, log_path, priority=priority, resync_s=resync_s)
+        process = OperatorProcess(
+            kubeconfig or operator_kubeconfig,
+            log_path,
+            priority=priority,
+            resync_s=resync_s,
+            namespaces=namespaces,
+        )
         started.append(process)
         return process.start().wait_alive()
 

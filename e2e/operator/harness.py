@@ -39,9 +39,16 @@ class OperatorProcess:
     """`corral operator` with the operator's kubeconfig; only pod IPs in 127.0.0.0/8 are scraped."""
 
     def __init__(
-        self, kubeconfig: Path, log_path: Path, *, priority: int = 100, resync_s: float = 2.0
+        self,
+        kubeconfig: Path,
+        log_path: Path,
+        *,
+        priority: int = 100,
+        resync_s: float = 2.0,
+        namespaces: list[str] | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
+        self.namespaces = namespaces or []
         self.log_path = log_path
         self.priority = priority
         self.resync_s = resync_s
@@ -52,7 +59,7 @@ class OperatorProcess:
         argv = [
             sys.executable, "-m", "corral_cli.main", "operator",
             "--kubeconfig", str(self.kubeconfig),
-            "--all-namespaces",
+            *([a for ns in self.namespaces for a in ("--namespace", ns)] or ["--all-namespaces"]),
             "--peering", "corral",
             "--priority", str(self.priority),
             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",

@@ -130,7 +130,11 @@ def decide(
 
 
 def _decide_at_zero(policy: Policy, state: State, now_s: float, wake_at_s: float | None) -> Decision:
-    is_woken = wake_at_s is not None and (state.zeroed_at_s is None or wake_at_s > state.zeroed_at_s)
+    # A wake stamped in the second the model went to zero counts: stamps may have 1 s resolution,
+    # and a request arriving while scaling down must not be lost.
+    is_woken = wake_at_s is not None and (
+        state.zeroed_at_s is None or wake_at_s >= math.floor(state.zeroed_at_s)
+    )
     if is_woken or policy.min_replicas > 0:
         replicas = max(policy.min_replicas, 1)
         reason = "woken by a request" if is_woken else f"below minReplicas {policy.min_replicas}"

@@ -6,13 +6,13 @@ compute status -> patch status -> return Events. Idempotent: running it twice ch
 
 from __future__ import annotations
 
-import calendar
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from corral_operator import autoscaler, labels, render
@@ -68,7 +68,8 @@ def parse_time(value: str | None) -> float | None:
     except ValueError:
         pass
     try:
-        return float(calendar.timegm(time.strptime(value.split(".")[0].rstrip("Z"), "%Y-%m-%dT%H:%M:%S")))
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
     except ValueError:
         log.warning("ignoring unparseable time %r", value)
         return None

@@ -112,3 +112,10 @@ def test_scaled_up_from_zero_by_someone_else_counts_as_activity() -> None:
 
 def test_min_replicas_above_zero_lifts_from_zero() -> None:
     assert decide(POLICY, State(), 0, None, now_s=0).replicas == 1
+
+
+def test_a_wake_stamped_in_the_second_of_the_scale_down_counts() -> None:
+    policy = Policy(0, 4, 4, 0.8, 0, 60, 300)
+    asleep = State(zeroed_at_s=1000.7, last_replicas=0)
+    assert decide(policy, asleep, 0, None, now_s=1001, wake_at_s=1000.0).replicas == 1
+    assert decide(policy, asleep, 0, None, now_s=1001, wake_at_s=999.0).replicas == 0

@@ -161,3 +161,13 @@ def test_wake_annotation_brings_a_model_back_from_zero() -> None:
     outcome = autoscale(make_ctx(kube), cr, asleep, now_s=2000, scrape=False)
     assert outcome.decision is not None and outcome.decision.replicas == 1
     assert ("replicas", 1) in kube.writes
+
+
+def test_parse_time_accepts_rfc3339_and_epoch() -> None:
+    from corral_operator.reconcile import parse_time
+
+    assert parse_time("1970-01-01T00:25:00Z") == 1500.0
+    assert parse_time("1970-01-01T00:25:00.5Z") == 1500.5
+    assert parse_time("1970-01-01T01:25:00+01:00") == 1500.0
+    assert parse_time("1500") == 1500.0
+    assert parse_time("soon") is None and parse_time(None) is None

@@ -91,3 +91,12 @@ def test_rbac_grants_no_secrets_and_no_wildcards() -> None:
     for _, rule in rbac.RULES:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert "secrets" not in rule["resources"]
+
+
+def test_namespaced_role_drops_cluster_scoped_rules() -> None:
+    role = rbac.namespaced_role("ml")
+    assert role["kind"] == "Role" and role["metadata"]["namespace"] == "ml"
+    groups = {g for rule in role["rules"] for g in rule["apiGroups"]}
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert "apiextensions.k8s.io" not in groups and "clusterkopfpeerings" not in resources
+    assert len(role["rules"]) == len(rbac.RULES) - 2

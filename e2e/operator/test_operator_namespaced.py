@@ -1,0 +1,47 @@
+"""A namespaced operator (`corral operator --namespace NS`) works with a Role in NS and nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import yaml
+from corral_operator import rbac
+
+from e2e.k8s.cluster import Cluster
+from e2e.operator.harness import OperatorProcess, get_llmd, is_available, llmdeployment
+
+pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
+USER = "corral-operator-namespaced-e2e"
+
+
+def test_namespaced_operator_needs_only_a_role(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    kubeconfig = cluster.kubeconfig_for(USER)
+    subject = {"kind": "User", "name": USER, "apiGroup": "rbac.authorization.k8s.io"}
+    cluster.apply(yaml.safe_dump_all(rbac.namespaced_documents([ns], subject)))
+    cluster.apply(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kopf.dev/v1",
+                "kind": "KopfPeering",
+                "metadata": {"name": "corral", "namespace": ns},
+            }
+        )
+    )
+
+    def can_i(*args: str) -> str:
+        return cluster.kubectl("auth", "can-i", *args, kubeconfig=kubeconfig, check=False).stdout.strip()
+
+    cluster.wait_until(
+        "the Role applies", lambda: can_i("list", "llmdeployments.corral.dev", "-n", ns) == "yes"
+    )
+    assert can_i("list", "llmdeployments.corral.dev", "--all-namespaces") == "no"
+    assert can_i("list", "deployments", "-n", "default") == "no"
+    start_operator(namespaces=[ns], kubeconfig=kubeconfig)
+    cluster.apply(yaml.safe_dump(llmdeployment("scoped", ns, replicas=2)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "scoped")))
+    for kind in ("deployment", "service", "poddisruptionbudget"):
+        cluster.get_json(kind, "scoped", "-n", ns)
