@@ -26,7 +26,7 @@ def test_check_reports_drift_and_generation_fixes_it(tmp_path: Path) -> None:
 def test_generated_files_cover_dashboards_schema_rbac_and_crds() -> None:
     names = {path.name for path in generated_files(ROOT)}
     assert {"corral-fleet.json", "corral-deployment.json", "values.schema.json"} <= names
-    assert {"clusterrole-operator.yaml", "corral.dev_llmdeployments.yaml", "kopf.dev_peerings.yaml"} <= names
+    assert {"_operator-rules.tpl", "corral.dev_llmdeployments.yaml", "kopf.dev_peerings.yaml"} <= names
 
 
 def test_scrape_config_targets_host_and_port() -> None:

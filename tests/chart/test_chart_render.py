@@ -11,7 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from corral_cli.chartgen.files import stale_files
+from corral_cli.chartgen.files import is_cluster_scoped, stale_files
 from corral_cli.chartgen.values import Values
 from corral_cli.main import build_parser
 from corral_gateway.settings import GatewaySettings
@@ -95,6 +95,23 @@ def test_operator_cluster_role_is_the_operators_rbac(rendered: Render) -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "corral-system"}
     ]
+
+
+def test_namespaced_operator_gets_roles_without_cluster_scoped_rules(rendered: Render) -> None:
+    objects = rendered("production")
+    assert not find(objects, "ClusterRole", "operator") and not find(
+        objects, "ClusterRoleBinding", "operator"
+    )
+    roles = find(objects, "Role", "operator")
+    bindings = find(objects, "RoleBinding", "operator")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    namespaced = [r for _, r in rbac.RULES if not is_cluster_scoped(r)]
+    assert len(namespaced) < len(rbac.RULES)
+    for role in roles:
+        assert [_rule_key(r) for r in role["rules"]] == [_rule_key(r) for r in namespaced]
+    for binding in bindings:
+        assert binding["subjects"][0]["namespace"] == "corral-system"
 
 
 def test_default_install_names_the_identity_the_e2e_cluster_knows(rendered: Render) -> None:

@@ -62,7 +62,7 @@ class Operator(PodPlacement):
     replicas: int = Field(default=2, ge=1, le=10, description="Replicas beyond one stand by (peering).")
     image: Image = Field(default_factory=lambda: Image(repository="corral-operator"))
     namespaces: list[str] = Field(
-        default_factory=list, description="Namespaces to serve; empty serves every namespace."
+        default_factory=list, description="Namespaces to serve (Roles there); empty: every namespace."
     )
     peering: Peering = Field(default_factory=Peering)
     resync_seconds: float = Field(default=15.0, gt=0, le=3600)
