@@ -11,7 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from corral_cli.chartgen.files import is_cluster_scoped, stale_files
+from corral_cli.chartgen.files import stale_files
 from corral_cli.chartgen.values import Values
 from corral_cli.main import build_parser
 from corral_gateway.settings import GatewaySettings
@@ -106,7 +106,7 @@ def test_namespaced_operator_gets_roles_without_cluster_scoped_rules(rendered: R
     bindings = find(objects, "RoleBinding", "operator")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    namespaced = [r for _, r in rbac.RULES if not is_cluster_scoped(r)]
+    namespaced = rbac.namespaced_role("team-a")["rules"]
     assert len(namespaced) < len(rbac.RULES)
     for role in roles:
         assert [_rule_key(r) for r in role["rules"]] == [_rule_key(r) for r in namespaced]
