@@ -11,6 +11,7 @@ Every address dialled is in 127.0.0.0/8.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import secrets
@@ -48,20 +49,43 @@ class Release:
         return user, ("system:serviceaccounts", f"system:serviceaccounts:{self.namespace}")
 
 
-@pytest.fixture(scope="module")
-def release(k8s_cluster: Cluster) -> Iterator[Release]:
+@contextlib.contextmanager
+def installed(cluster: Cluster, *settings: str) -> Iterator[Release]:
+    """`helm install --wait` of the chart under a fresh name and namespace; uninstalled afterwards."""
     suffix = secrets.token_hex(3)
     rel = Release(f"corral-{suffix}", f"corral-chart-{suffix}")
-    k8s_cluster.helm(
-        "install", rel.name, str(CHART), "--namespace", rel.namespace, "--create-namespace",
-        # Loopback pod IPs never reach EndpointSlices on this API server (e2e/k8s/README.md).
-        "--set", "gateway.discovery.source=pods",
-        "--set", "operator.resyncSeconds=2",
+    args = [f"--set={s}" for s in ("operator.resyncSeconds=2", *settings)]
+    cluster.helm(
+        "install", rel.name, str(CHART), "--namespace", rel.namespace, "--create-namespace", *args,
         "--wait", "--timeout=180s",
     )  # fmt: skip
-    yield rel
-    k8s_cluster.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
-    k8s_cluster.kubectl("delete", "namespace", rel.namespace, "--wait=false", check=False)
+    try:
+        yield rel
+    finally:
+        cluster.helm("uninstall", rel.name, "--namespace", rel.namespace, check=False)
+        cluster.kubectl("delete", "namespace", rel.namespace, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def release(k8s_cluster: Cluster) -> Iterator[Release]:
+    # Loopback pod IPs never reach EndpointSlices on this API server (e2e/k8s/README.md): discover pods.
+    with installed(k8s_cluster, "gateway.discovery.source=pods") as rel:
+        yield rel
+
+
+@contextlib.contextmanager
+def chart_operator(cluster: Cluster, rel: Release, log_dir: Path) -> Iterator[ManagedProcess]:
+    """`corral operator` with the chart's arguments and its ServiceAccount's identity; on the way out,
+    checks it never hit an RBAC denial."""
+    kubeconfig = cluster.kubeconfig_for(*rel.identity("operator"))
+    liveness_port = free_port()
+    argv = _operator_argv(cluster, rel, kubeconfig, liveness_port)
+    with ManagedProcess(argv, liveness_port, name="operator", health_path="/healthz", log_dir=log_dir) as op:
+        op.wait_ready(60)
+        yield op
+        log = op.log_tail(200_000)
+    forbidden = [line for line in log.splitlines() if "forbidden: User" in line]
+    assert not forbidden, "the operator hit RBAC denials:\n" + "\n".join(forbidden[:10])
 
 
 def _deployment(cluster: Cluster, rel: Release, component: str) -> dict[str, Any]:
@@ -154,24 +178,10 @@ def test_chart_operator_and_gateway_serve_the_example(
     tmp_path: Path,
 ) -> None:
     cluster, ns = k8s_cluster, k8s_namespace
-    operator_kubeconfig = cluster.kubeconfig_for(*release.identity("operator"))
     gateway_kubeconfig = cluster.kubeconfig_for(*release.identity("gateway"))
-    liveness_port = free_port()
-    operator_argv = _operator_argv(cluster, release, operator_kubeconfig, liveness_port)
-    with ManagedProcess(
-        operator_argv, liveness_port, name="operator", health_path="/healthz", log_dir=tmp_path
-    ) as operator:
-        operator.wait_ready(60)
-        example = _example(ns, free_port())
-        name, port = example["metadata"]["name"], example["spec"]["engine"]["port"]
-        cluster.apply(json.dumps(example))
-        cluster.wait_until("the example LLMDeployment Available", lambda: _available(cluster, ns, name), 120)
-        for kind in ("deployment", "service", "poddisruptionbudget"):
-            child = cluster.get_json(kind, name, "-n", ns)
-            assert child["metadata"]["ownerReferences"][0]["kind"] == "LLMDeployment"
-        pod_ips = cluster.wait_until("2 running engine pods", lambda: _running_pod_ips(cluster, ns, name, 2))
-        assert all(ipaddress.ip_address(ip) in LOOPBACK for ip in pod_ips), pod_ips
-
+    with chart_operator(cluster, release, tmp_path):
+        example, pod_ips = _reconcile_example(cluster, ns, replicas=2)
+        port = example["spec"]["engine"]["port"]
         engine_argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", str(tiny_model_dir)]
         engine_argv += ["--served-model-name", example["spec"]["model"]["name"], "--num-threads", "1"]
         engine_argv += ["--host", pod_ips[0], "--port", str(port)]
@@ -185,9 +195,38 @@ def test_chart_operator_and_gateway_serve_the_example(
             with ManagedProcess(gateway_argv, gateway_port, name="gateway", log_dir=tmp_path) as gateway:
                 gateway.wait_ready(60)
                 _chat_through(gateway.url, example["spec"]["model"]["name"])
-        log = operator.log_tail(200_000)
-    forbidden = [line for line in log.splitlines() if "forbidden: User" in line]
-    assert not forbidden, "the operator hit RBAC denials:\n" + "\n".join(forbidden[:10])
+
+
+def test_namespaced_chart_operator_needs_only_its_roles(
+    k8s_cluster: Cluster, k8s_namespace: str, tmp_path: Path
+) -> None:
+    """operator.namespaces: a Role, RoleBinding and KopfPeering in the served namespace only."""
+    cluster, ns = k8s_cluster, k8s_namespace
+    settings = [f"operator.namespaces={{{ns}}}", "gateway.enabled=false", "dashboards.enabled=false"]
+    with installed(cluster, *settings, f"networkPolicy.engineNamespaces={{{ns}}}") as rel:
+        kubeconfig = cluster.kubeconfig_for(*rel.identity("operator"))
+        assert _can_i(cluster, kubeconfig, "patch", "deployments.apps", "-n", ns)
+        assert not _can_i(cluster, kubeconfig, "list", "llmdeployments.corral.dev", "--all-namespaces")
+        assert not _can_i(cluster, kubeconfig, "patch", "clusterkopfpeerings.kopf.dev")
+        cluster.get_json("kopfpeering", rel.name, "-n", ns)
+        with chart_operator(cluster, rel, tmp_path):
+            _reconcile_example(cluster, ns, replicas=1)
+
+
+def _reconcile_example(cluster: Cluster, ns: str, replicas: int) -> tuple[dict[str, Any], list[str]]:
+    """Applies examples/tiny-llama.yaml in `ns` and waits for Available and its running pods' IPs."""
+    example = _example(ns, free_port())
+    example["spec"]["replicas"] = replicas
+    name = example["metadata"]["name"]
+    cluster.apply(json.dumps(example))
+    cluster.wait_until("the example LLMDeployment Available", lambda: _available(cluster, ns, name), 120)
+    kinds = ("deployment", "service", "poddisruptionbudget") if replicas > 1 else ("deployment", "service")
+    for kind in kinds:
+        child = cluster.get_json(kind, name, "-n", ns)
+        assert child["metadata"]["ownerReferences"][0]["kind"] == "LLMDeployment"
+    pod_ips = cluster.wait_until("running engine pods", lambda: _running_pod_ips(cluster, ns, name, replicas))
+    assert all(ipaddress.ip_address(ip) in LOOPBACK for ip in pod_ips), pod_ips
+    return example, pod_ips
 
 
 def _chat_through(gateway_url: str, model: str) -> None:
