@@ -1,0 +1,243 @@
+"""Engine speed, side by side in one run (issue 8): Corral vs vLLM's CPU build vs transformers.
+
+    .venv/bin/python bench/engine/compare.py [--only corral,transformers,vllm,corral-t213]
+        [--workloads W1,W2,S1] [--quick] [--publish]
+
+Builds the `small` demo model, creates the baselines' venvs (reused when present), writes the
+workloads once as token-id JSONL, then runs every system as a subprocess with a timeout: offline
+(each one's Python API) for all systems, then served (HTTP, streaming, `corral bench`). Prints a table
+with ratios and writes results.json + PNGs to --out-dir; --publish also writes them into docs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import envs
+import membw
+import plots
+import report
+import runner
+import workloads
+from systems import ALL_SYSTEMS, Settings, System, build
+
+log = logging.getLogger("compare")
+REPO = envs.REPO_ROOT
+MODEL_DIR = envs.CACHE_DIR / "model-small"
+SERVED_RUNS = (
+    ("W1", "inf", 1),
+    ("W2", "inf", 1),
+    ("W2", "16", 2),
+    ("W2", "4", 3),
+)  # (workload, rate, variant)
+S1_MEAN_CONTEXT = 128 + 256 / 2  # prompt + half the output: the mean context a batch-1 decode reads
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(ALL_SYSTEMS), help=f"systems, from {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--workloads", default="W1,W2,S1")
+    p.add_argument("--quick", action="store_true", help="few short requests: a smoke run in minutes")
+    p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--no-served", action="store_true")
+    p.add_argument("--rates", default="inf,16,4", help="served W2 request rates (W1 is always all at once)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=int, default=2)
+    p.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers static batch sizes (W1)")
+    p.add_argument("--hf-w2-batch-sizes", default="8,16,32", help="... on W2 (minutes each)")
+    p.add_argument("--offline-timeout", type=float, default=1500.0, help="seconds per system")
+    p.add_argument("--served-timeout", type=float, default=600.0, help="seconds per corral bench run")
+    p.add_argument("--out-dir", type=Path, help="default: bench/results/engine-<UTC time>")
+    p.add_argument("--publish", action="store_true", help="also write docs/engine-speed.json and docs/plots/")
+    return p.parse_args()
+
+
+def ensure_model() -> Path:
+    if not (MODEL_DIR / "config.json").is_file():
+        log.info("writing the small demo model to %s", MODEL_DIR)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "corral_cli.main",
+                "demo-model",
+                str(MODEL_DIR),
+                "--preset",
+                "small",
+                "--quiet",
+            ],
+            check=True,
+        )
+    return MODEL_DIR
+
+
+def write_workloads(names: list[str], model: Path, out_dir: Path, quick: bool, rates: list[str]) -> dict:
+    """Offline files (variant 0) and one fresh-content file per served run, identical for every system."""
+    wl_dir = out_dir / "workloads"
+    offline, served, meta = {}, [], {}
+    for name in names:
+        records = workloads.build(name, model, quick=quick)
+        offline[name] = workloads.write(records, wl_dir / f"{name}.jsonl")
+        meta[name] = workloads.summary(records)
+    for name, rate, variant in SERVED_RUNS:
+        if name not in names or (name == "W2" and rate not in rates):
+            continue
+        records = workloads.build(name, model, quick=quick, variant=variant)
+        path = workloads.write(records, wl_dir / f"{name}-v{variant}.jsonl")
+        served.append(runner.ServedRun(f"{name}@{rate}", path, len(records), rate))
+    return {"offline": offline, "served": served, "meta": meta}
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in ln
+        ),
+        "?",
+    )
+    return {"cpu": cpu, "num_cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+
+
+def measure_bandwidth(out_dir: Path, threads: int) -> dict[str, Any]:
+    out = out_dir / "membw.json"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("membw.py")),
+        "--threads",
+        str(threads),
+        "--out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, timeout=300)
+    return dict(json.loads(out.read_text()))
+
+
+def add_mbu(results: dict[str, Any], model: Path) -> None:
+    need = membw.decode_bytes_per_token(model, S1_MEAN_CONTEXT)
+    results["decode_bytes_batch1"] = need
+    bandwidth = results.get("bandwidth", {}).get("copy_gb_s_best")
+    for sysres in results["systems"].values():
+        tpot = sysres.get("offline", {}).get("workloads", {}).get("S1", {}).get("tpot_ms")
+        if tpot and bandwidth:
+            m = membw.mbu(need["bytes_per_token"], tpot, bandwidth)
+            sysres["mbu_pct"] = 100 * m["mbu"]
+            sysres["achieved_gb_s"] = m["achieved_gb_s"]
+
+
+def _phase(results: dict, name: str, system: System | None, phase: str, fn: Any) -> None:
+    entry = results["systems"].setdefault(name, {"label": system.label if system else name})
+    if system is None:
+        return
+    load = os.getloadavg()[0]
+    log.info("== %s %s (load %.2f)", name, phase, load)
+    entry[phase] = fn(system)
+    entry[phase]["loadavg_1m_before"] = load
+    entry[phase]["loadavg_1m_after"] = os.getloadavg()[0]
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args()
+    names = [s.strip() for s in args.only.split(",") if s.strip()]
+    wl_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = args.out_dir or REPO / "bench" / "results" / f"engine-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = Settings(
+        args.threads,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.kv_cache_gib,
+        args.hf_batch_sizes,
+        args.hf_w2_batch_sizes,
+    )
+    results: dict[str, Any] = {
+        "command": " ".join(["bench/engine/compare.py", *sys.argv[1:]]),
+        "started_utc": stamp,
+        "quick": args.quick,
+        "settings": dataclasses.asdict(settings),
+        "machine": machine_info(),
+        "systems": {},
+    }
+    model = ensure_model()
+    systems: dict[str, System | None] = {}
+    for name in names:
+        try:
+            log.info("preparing %s (venv install on first use)", name)
+            systems[name] = build(name, settings)
+        except (envs.EnvError, subprocess.SubprocessError, OSError, ValueError) as e:
+            log.error("%s unavailable: %s", name, e)
+            systems[name] = None
+            results["systems"][name] = {"label": name, "error": str(e)}
+    wl = write_workloads(wl_names, model, out_dir, args.quick, rates)
+    results["workloads"] = wl["meta"]
+    results["bandwidth"] = measure_bandwidth(out_dir, settings.threads)
+    log.info(
+        "memory bandwidth (torch copy, %d threads): %.1f GB/s",
+        settings.threads,
+        results["bandwidth"]["copy_gb_s_best"],
+    )
+
+    t0 = time.monotonic()
+
+    def offline(s: System) -> dict[str, Any]:
+        return runner.run_offline(s, model, wl["offline"], out_dir, settings, args.offline_timeout)
+
+    def served(s: System) -> dict[str, Any]:
+        return runner.run_served(s, model, wl["served"], out_dir, settings, args.served_timeout)
+
+    if not args.no_offline:
+        for name, system in systems.items():
+            _phase(results, name, system, "offline", offline)
+            _save(results, out_dir)
+    if not args.no_served and wl["served"]:
+        for name, system in systems.items():
+            if system is not None and system.is_served:
+                _phase(results, name, system, "served", served)
+                _save(results, out_dir)
+    results["elapsed_s"] = time.monotonic() - t0
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    add_mbu(results, model)
+    results["ratios"] = report.ratios(results)
+    results["targets"] = report.target_checks(results)
+    _save(results, out_dir)
+    pngs = plots.plot_all(results, out_dir)
+    table, targets = report.markdown_table(results), report.markdown_targets(results)
+    (out_dir / "table.md").write_text(table + "\n\n" + targets + "\n")
+    sys.stdout.write("\n" + table + "\n\n" + targets + "\n\n")
+    log.info("results in %s", out_dir)
+    if args.publish:
+        _publish(out_dir, pngs)
+    return 0
+
+
+def _save(results: dict[str, Any], out_dir: Path) -> None:
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def _publish(out_dir: Path, pngs: list[Path]) -> None:
+    shutil.copy(out_dir / "results.json", REPO / "docs" / "engine-speed.json")
+    (REPO / "docs" / "plots").mkdir(exist_ok=True)
+    for png in pngs:
+        shutil.copy(png, REPO / "docs" / "plots" / png.name)
+    log.info("published docs/engine-speed.json and %d plots to docs/plots/", len(pngs))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Where one Corral decode step's time goes at batch 64: torch.profiler top ops and cProfile's Python view.
+
+    .venv/bin/python bench/engine/profile_step.py [--batch 64] [--prompt-len 128] [--steps 10]
+
+Fills the batch (64 x 128-token prompts), steps until every sequence is decoding, then profiles
+`--steps` decode steps. Writes profile.md (tables) and a Chrome trace to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import logging
+import pstats
+import time
+from pathlib import Path
+
+import torch
+from corral_engine.args import EngineArgs
+from corral_engine.llm_engine import LLMEngine
+from corral_engine.sampling_params import SamplingParams
+
+log = logging.getLogger("profile_step")
+MODEL_DIR = Path.home() / ".cache" / "corral-bench" / "model-small"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=MODEL_DIR)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out-dir", type=Path, default=Path("bench/results/profile"))
+    return p.parse_args()
+
+
+def fill_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> None:
+    """Add `batch` requests and step until none is prefilling (all are in single-token decode)."""
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", [100 + (i * 7 + j) % 30000 for j in range(prompt_len)], params)
+    while any(s.num_computed_tokens < len(s.token_ids) - 1 for s in engine.live_sequences()):
+        engine.step()
+    for _ in range(3):  # a few decode steps so first-call costs are paid
+        engine.step()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    engine = LLMEngine(
+        EngineArgs(model=str(args.model), dtype="bfloat16", num_threads=args.threads, max_num_seqs=args.batch)
+    )
+    fill_batch(engine, args.batch, args.prompt_len, args.steps)
+
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    plain_ms = 1000 * (time.perf_counter() - t0) / args.steps
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            with torch.profiler.record_function("engine.step"):
+                engine.step()
+    prof.export_chrome_trace(str(args.out_dir / "decode-step-trace.json"))
+    ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=48)
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profiler.disable()
+    buf = io.StringIO()
+    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(30)
+
+    text = (
+        f"# Corral decode step profile: batch {args.batch}, prompt {args.prompt_len}, "
+        f"{args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
+        f"Mean step time without a profiler: {plain_ms:.1f} ms "
+        f"({1000 * args.batch / plain_ms:.0f} output tok/s at this batch)\n\n"
+        f"## torch.profiler, ops by self CPU time ({args.steps} steps)\n\n```\n{ops}\n```\n\n"
+        f"## cProfile, by cumulative time ({args.steps} steps)\n\n```\n{buf.getvalue()}\n```\n"
+    )
+    (args.out_dir / "profile.md").write_text(text)
+    log.info(
+        "mean decode step %.1f ms at batch %d; wrote %s", plain_ms, args.batch, args.out_dir / "profile.md"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

