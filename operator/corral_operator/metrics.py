@@ -12,6 +12,7 @@ import logging
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # a 0-1 fraction
+MAX_PARALLEL_SCRAPES = 8
 _WANTED = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE_PERC)
 
 
@@ -111,7 +113,11 @@ class PodScrapeSource:
                 name,
                 len(targets) - len(allowed),
             )
-        return aggregate([self._scrape(t) for t in allowed])
+        if len(allowed) <= 1:
+            return aggregate([self._scrape(t) for t in allowed])
+        # In parallel, so one slow pod costs one timeout per tick, not one per pod.
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(allowed))) as pool:
+            return aggregate(list(pool.map(self._scrape, allowed)))
 
 
 class FileSource:
