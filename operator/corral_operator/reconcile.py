@@ -124,7 +124,8 @@ def _apply_all(
 
 def _status_changed(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     def strip(st: Mapping[str, Any]) -> Obj:
-        out = {k: v for k, v in st.items() if k in new}
+        # None deletes a field in a merge patch, so a None and an absent field are the same state.
+        out = {k: v for k, v in st.items() if k in new and v is not None}
         if isinstance(out.get("load"), dict):
             out["load"] = {k: v for k, v in out["load"].items() if k != "observedAt"}
         return out

@@ -171,3 +171,13 @@ def test_parse_time_accepts_rfc3339_and_epoch() -> None:
     assert parse_time("1970-01-01T01:25:00+01:00") == 1500.0
     assert parse_time("1500") == 1500.0
     assert parse_time("soon") is None and parse_time(None) is None
+
+
+def test_no_status_write_when_only_absent_fields_differ() -> None:
+    kube = FakeKube()
+    first = reconcile(make_ctx(kube), body(valid_spec()), load=None, is_load_known=True, now_s=0)
+    assert first.status["load"] is None
+    stored = {k: v for k, v in first.status.items() if v is not None}  # what a merge patch leaves
+    kube.writes.clear()
+    reconcile(make_ctx(kube), body(valid_spec(), status=stored), load=None, is_load_known=True, now_s=5)
+    assert [w for w in kube.writes if w[0] == "status"] == []
