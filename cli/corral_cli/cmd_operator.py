@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NS",
-        help="serve only this namespace (repeatable; globs allowed)",
+        help="serve only this namespace (repeatable; needs a KopfPeering there unless --standalone)",
     )
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="serve every namespace (default)")
     parser.add_argument(
