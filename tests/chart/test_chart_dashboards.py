@@ -81,8 +81,15 @@ def test_dashboard_json_is_well_formed(name: str) -> None:
     assert variables["model"]["query"]["query"] == DASHBOARDS[name]().variables[0].query
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
     for panel in board["panels"]:
-        assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24
+        area = {
+            (x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])
+        }
+        assert not area & cells, f"{panel['title']} overlaps another panel"
+        cells |= area
         if panel["type"] != "row":
             assert panel["targets"] and all(t["expr"] for t in panel["targets"])
             assert panel["datasource"]["uid"] == "${datasource}"

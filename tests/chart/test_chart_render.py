@@ -182,6 +182,12 @@ def test_network_policy_selects_the_operators_engine_pods(rendered: Render) -> N
             peers = policy["spec"]["ingress"][0]["from"]
             components = [p["podSelector"].get("matchLabels", {}).get(labels.COMPONENT) for p in peers]
             assert components == ["gateway", "operator", None]  # the third is Prometheus
+            for peer, component in zip(peers[:2], ("gateway", "operator"), strict=True):
+                (deployment,) = find(rendered(profile), "Deployment", component)
+                pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+                assert peer["podSelector"]["matchLabels"].items() <= pod_labels.items()
+                ns_label = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                assert ns_label == deployment["metadata"]["namespace"]
     assert not find(rendered("operator-only"), "NetworkPolicy")
 
 
