@@ -181,6 +181,8 @@ def main() -> int:
         try:
             log.info("preparing %s (venv install on first use)", name)
             systems[name] = build(name, settings)
+            entry = {"label": systems[name].label, "python": str(systems[name].python)}  # type: ignore[union-attr]
+            results["systems"][name] = {**entry, "env": systems[name].env}  # type: ignore[union-attr]
         except (envs.EnvError, subprocess.SubprocessError, OSError, ValueError) as e:
             log.error("%s unavailable: %s", name, e)
             systems[name] = None
@@ -218,9 +220,13 @@ def main() -> int:
     results["targets"] = report.target_checks(results)
     _save(results, out_dir)
     pngs = plots.plot_all(results, out_dir)
-    table, targets = report.markdown_table(results), report.markdown_targets(results)
-    (out_dir / "table.md").write_text(table + "\n\n" + targets + "\n")
-    sys.stdout.write("\n" + table + "\n\n" + targets + "\n\n")
+    text = "\n\n".join(
+        t
+        for t in (report.markdown_table(results), report.markdown_targets(results), report.failures(results))
+        if t
+    )
+    (out_dir / "table.md").write_text(text + "\n")
+    sys.stdout.write("\n" + text + "\n\n")
     log.info("results in %s", out_dir)
     if args.publish:
         _publish(out_dir, pngs)

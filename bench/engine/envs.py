@@ -53,7 +53,10 @@ def _run(cmd: list[str], what: str) -> None:
 def _create(name: str) -> Path:
     """A fresh venv on the interpreter this harness runs on (same Python as Corral's venv)."""
     root = VENVS_DIR / name
-    _run([sys._base_executable, "-m", "venv", "--clear", str(root)], f"create venv {name}")
+    _run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--clear", str(root)],
+        f"create venv {name}",
+    )
     _run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", "-U", "pip"], "upgrade pip")
     return root
 

@@ -123,3 +123,19 @@ def markdown_targets(results: Results) -> str:
         met = "-" if c["met"] is None else ("yes" if c["met"] else "no")
         lines.append(f"| {c['metric']} vs {c['vs']} {c['target']} | {_fmt(c['ratio'], 2)} | {met} |")
     return "\n".join(lines)
+
+
+def failures(results: Results) -> str:
+    """What did not run, per system and phase (empty when everything ran)."""
+    lines = []
+    for name, sysres in results.get("systems", {}).items():
+        if "error" in sysres:
+            lines.append(f"- {name}: {sysres['error']}")
+        for phase in ("offline", "served"):
+            part = sysres.get(phase, {})
+            if "error" in part:
+                lines.append(f"- {name} {phase}: {part['error']}")
+            for run, summary in part.get("runs", {}).items():
+                if "error" in summary:
+                    lines.append(f"- {name} {phase} {run}: {summary['error']}")
+    return "Failures:\n" + "\n".join(lines) if lines else ""

