@@ -62,6 +62,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--served-timeout", type=float, default=600.0, help="seconds per corral bench run")
     p.add_argument("--out-dir", type=Path, help="default: bench/results/engine-<UTC time>")
     p.add_argument("--publish", action="store_true", help="also write docs/engine-speed.json and docs/plots/")
+    p.add_argument(
+        "--from-results",
+        type=Path,
+        help="only rebuild table, ratios and plots from a results.json (cut-short run)",
+    )
     return p.parse_args()
 
 
@@ -153,6 +158,9 @@ def _phase(results: dict, name: str, system: System | None, phase: str, fn: Any)
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args()
+    if args.from_results is not None:
+        finish(json.loads(args.from_results.read_text()), MODEL_DIR, args.from_results.parent, args.publish)
+        return 0
     names = [s.strip() for s in args.only.split(",") if s.strip()]
     wl_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
@@ -215,6 +223,12 @@ def main() -> int:
                 _save(results, out_dir)
     results["elapsed_s"] = time.monotonic() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
+    finish(results, model, out_dir, args.publish)
+    return 0
+
+
+def finish(results: dict[str, Any], model: Path, out_dir: Path, publish: bool) -> None:
+    """MBU, ratios, targets; results.json, table.md and PNGs in out_dir (and docs/ with publish)."""
     add_mbu(results, model)
     results["ratios"] = report.ratios(results)
     results["targets"] = report.target_checks(results)
@@ -228,9 +242,8 @@ def main() -> int:
     (out_dir / "table.md").write_text(text + "\n")
     sys.stdout.write("\n" + text + "\n\n")
     log.info("results in %s", out_dir)
-    if args.publish:
+    if publish:
         _publish(out_dir, pngs)
-    return 0
 
 
 def _save(results: dict[str, Any], out_dir: Path) -> None:

@@ -87,7 +87,10 @@ def run_offline(
         proc = subprocess.Popen(
             cmd, stdout=sink, stderr=subprocess.STDOUT, env=system.full_env(), start_new_session=True
         )
-        rc = _follow(proc, log_path, timeout_s, system.name)
+        try:
+            rc = _follow(proc, log_path, timeout_s, system.name)
+        finally:
+            _stop(proc)  # also on Ctrl-C: the worker runs in its own session
     result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"workloads": {}}
     result["wall_s"] = time.monotonic() - t0
     if rc != 0:
