@@ -115,7 +115,20 @@ def machine_info() -> dict[str, Any]:
         ),
         "?",
     )
-    return {"cpu": cpu, "num_cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+    return {"cpu": cpu, "num_cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), **_git_state()}
+
+
+def _git_state() -> dict[str, Any]:
+    """The engine code measured: the lead changes it concurrently, so record the commit and dirtiness."""
+
+    def git(*a: str) -> str:
+        proc = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, check=False)
+        return proc.stdout.strip()
+
+    return {
+        "git_commit": git("rev-parse", "--short", "HEAD"),
+        "engine_dirty": bool(git("status", "--porcelain", "engine")),
+    }
 
 
 def measure_bandwidth(out_dir: Path, threads: int) -> dict[str, Any]:
