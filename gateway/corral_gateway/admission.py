@@ -51,14 +51,10 @@ class Admission:
     ) -> Replica:
         """A replica already marked dispatched; the caller must `release` it when done."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        queue = self._queues.setdefault(model, FairQueue(self.max_queue_len))
-        if not queue:
-            routed = self.router.route(model, prefix_hash, exclude)
-            if isinstance(routed, Replica):
-                routed.on_dispatch()
-                return routed
-            if exclude and not routed.is_saturated:
-                raise UpstreamFailed("every replica of the model failed this request")
+        replica = self.try_acquire(model, prefix_hash, exclude)
+        if replica is not None:
+            return replica
+        queue = self._queues[model]
         waiter = _Waiter(asyncio.get_running_loop().create_future(), prefix_hash, frozenset(exclude))
         if not queue.push(waiter, priority, fairness_key):
             raise RateLimited(
@@ -80,6 +76,21 @@ class Admission:
                 code="queue_timeout",
             )
         return waiter.future.result()
+
+    def try_acquire(
+        self, model: str, prefix_hash: int | None, exclude: Collection[str] = ()
+    ) -> Replica | None:
+        """The fast path, without waiting: a dispatched replica, or None when the request must queue."""
+        queue = self._queues.setdefault(model, FairQueue(self.max_queue_len))
+        if queue:
+            return None  # others are waiting: queue behind them
+        routed = self.router.route(model, prefix_hash, exclude)
+        if isinstance(routed, Replica):
+            routed.on_dispatch()
+            return routed
+        if exclude and not routed.is_saturated:
+            raise UpstreamFailed("every replica of the model failed this request")
+        return None
 
     def _abandon(self, model: str, waiter: _Waiter) -> None:
         self._queues[model].remove(waiter)

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-import httpx
+import httpx2 as httpx
 
 from corral_gateway.admission import Admission
 from corral_gateway.k8s_wake import Waker

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
-import httpx
+import httpx2 as httpx
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -114,11 +114,16 @@ async def _dispatch(
     wake_timeout_s = fleet.wake_timeout_s(model)
     for attempt in range(deps.settings.max_attempts):
         queued_s = time.monotonic()
-        replica = await _race(
-            fleet.admission.acquire(model, info.prefix_hash, priority, fairness_key, tried, wake_timeout_s),
-            disconnect,
-            on_late=fleet.admission.release,
-        )
+        maybe_replica = fleet.admission.try_acquire(model, info.prefix_hash, tried)
+        if maybe_replica is None:
+            maybe_replica = await _race(
+                fleet.admission.acquire(
+                    model, info.prefix_hash, priority, fairness_key, tried, wake_timeout_s
+                ),
+                disconnect,
+                on_late=fleet.admission.release,
+            )
+        replica = maybe_replica
         metrics.queue_wait.labels(model).observe(time.monotonic() - queued_s)
         is_last = attempt + 1 >= deps.settings.max_attempts
         upstream_request = deps.client.build_request("POST", replica.url + path, content=raw, headers=headers)

@@ -53,43 +53,47 @@ class Replica:
         """The last fresh sample, moved forward by what this gateway sent and saw finish since."""
         sample = self.sample
         if sample is None or now_s - sample.at_s > max_age_s:
-            return ReplicaLoad(
-                is_fresh=False,
-                num_running=float(self.num_inflight),
-                num_waiting=0.0,
-                kv_usage_ratio=0.0,
-                num_inflight=self.num_inflight,
-            )
-        net = self.num_dispatched_since_sample - self.num_finished_since_sample
+            inflight = float(self.num_inflight)
+            return ReplicaLoad(False, inflight, 0.0, 0.0, self.num_inflight, 0.0, 0.0)
+        kv_per_request = sample.kv_usage_ratio / sample.num_running if sample.num_running >= 1 else 0.0
+        # What the engine reported, less what finished since (finished requests free slots and KV).
+        num_finished = self.num_finished_since_sample
+        moved = min(sample.num_waiting, num_finished)
+        waiting_reported = sample.num_waiting - moved
+        kv_reported = max(0.0, sample.kv_usage_ratio - num_finished * kv_per_request)
+        # For ranking replicas, also count what was sent since: an engine that already queues will
+        # queue it, otherwise it likely runs it; each takes about the average KV of a running request.
+        net = self.num_dispatched_since_sample - num_finished
         running, waiting = sample.num_running, sample.num_waiting
         if net >= 0:
-            # An engine that already queues will queue what we sent since; otherwise it likely runs it.
             if waiting > 0:
                 waiting += net
             else:
                 running += net
         else:
-            # Finished requests free slots that waiting requests take.
-            moved = min(waiting, -net)
-            running, waiting = max(0.0, running + net + moved), waiting - moved
-        # KV grows (or shrinks) by about the average footprint of a running request per request.
-        kv_per_request = sample.kv_usage_ratio / sample.num_running if sample.num_running >= 1 else 0.0
+            running, waiting = max(0.0, running + net + moved), waiting_reported
         kv = min(1.0, max(0.0, sample.kv_usage_ratio + net * kv_per_request))
-        return ReplicaLoad(True, running, waiting, kv, self.num_inflight)
+        return ReplicaLoad(True, running, waiting, kv, self.num_inflight, waiting_reported, kv_reported)
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
     is_fresh: bool
-    num_running: float
+    num_running: float  # estimates including requests sent since the sample: for ranking
     num_waiting: float
     kv_usage_ratio: float
     num_inflight: int
+    # As reported (less finished requests): for saturation. Requests sent since the last sample do
+    # not count, so a burst cannot make the gateway hold requests an engine would have run at once;
+    # herding is bounded by the poll interval and refreshed by every response's load headers.
+    num_waiting_reported: float
+    kv_usage_ratio_reported: float
 
     def is_saturated(self, saturation: Saturation) -> bool:
         # Stale data says nothing about saturation; the gateway falls back to its in-flight counts.
         return self.is_fresh and (
-            self.num_waiting > saturation.max_waiting or self.kv_usage_ratio > saturation.max_kv_usage_ratio
+            self.num_waiting_reported > saturation.max_waiting
+            or self.kv_usage_ratio_reported > saturation.max_kv_usage_ratio
         )
 
     @property

@@ -48,20 +48,26 @@ def saturated_fleet(now: list[float]) -> Router:
 
 async def test_waits_while_saturated_and_is_released_when_load_drops() -> None:
     now = [100.0]
-    router = saturated_fleet(now)
+    router = saturated_fleet(now)  # 9 waiting
     admission = Admission(router, max_queue_len=4, timeout_s=5.0)
+    order: list[str] = []
     low = asyncio.create_task(admission.acquire("m", None, priority=0, fairness_key="k1"))
+    low.add_done_callback(lambda _: order.append("low"))
     high = asyncio.create_task(admission.acquire("m", None, priority=9, fairness_key="k2"))
+    high.add_done_callback(lambda _: order.append("high"))
     await asyncio.sleep(0.01)
     assert admission.queue_len("m") == 2 and not low.done() and not high.done()
-    router.registry.observe("http://a", LoadSample(8, 5, 0.5, at_s=100.1))  # 5 waiting: room for one
+    replica = router.registry.replicas("m")[0]
+    for _ in range(3):  # three requests finish: 6 still waiting, still saturated
+        replica.on_done()
     admission.pump("m")
     await asyncio.sleep(0.01)
-    assert high.done() and not low.done()  # priority first; then the dispatch counts as waiting
-    router.registry.observe("http://a", LoadSample(8, 0, 0.5, at_s=100.2))
+    assert not low.done() and not high.done()
+    replica.on_done()  # a fourth: 5 waiting, no longer saturated
     admission.pump("m")
-    replica = await asyncio.wait_for(low, 1)
-    assert replica.url == "http://a" and replica.num_inflight == 2
+    await asyncio.wait_for(asyncio.gather(low, high), 1)
+    assert order == ["high", "low"]
+    assert replica.num_inflight == 2
     admission.release(replica)
     assert replica.num_inflight == 1
 

@@ -1,0 +1,132 @@
+"""Gateway overhead benchmark (issue 4, acceptance 7): N concurrent streams through the gateway versus
+straight to the same engine, alternating runs; plus one-at-a-time 1-token requests, which isolate
+the proxy's added latency from engine batching noise.
+
+    .venv/bin/python -m bench.routing.overhead_bench --concurrency 100 --num-requests 600 --rounds 3
+
+Prints a Markdown table and writes `overhead.json` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from corral_cli.bench.stats import RequestResult
+from corral_cli.bench.workload import BenchRequest
+
+from bench.routing.fleet import MODEL, closed_loop, ensure_model, start_gateway
+from e2e.procs import start_engine
+
+logger = logging.getLogger("overhead_bench")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "corral" / "demo-model")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--concurrency", type=int, default=100)
+    p.add_argument("--num-requests", type=int, default=600)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-probes", type=int, default=200, help="sequential 1-token requests per target")
+    p.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
+    p.add_argument(
+        "--gateway-setting", action="append", default=[], metavar="KEY=YAML", help="extra gateway setting"
+    )
+    return p.parse_args()
+
+
+def streams_summary(results: list[RequestResult], duration_s: float) -> dict[str, float]:
+    ok = [r for r in results if r.is_success]
+    return {
+        "num_ok": len(ok),
+        "output_tok_s": sum(r.output_len for r in ok) / duration_s,
+        "median_e2el_ms": statistics.median(r.e2el_s for r in ok) * 1000,
+        "median_ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
+    }
+
+
+def probe_latencies_ms(base_url: str, num_probes: int) -> list[float]:
+    """One-at-a-time non-streaming requests for a single token: the per-request path cost."""
+    body = {"model": MODEL, "prompt": "ping", "max_tokens": 1}
+    out: list[float] = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(num_probes):
+            start = time.perf_counter()
+            response = client.post(base_url + "/v1/completions", json=body)
+            out.append((time.perf_counter() - start) * 1000)
+            response.raise_for_status()
+    return out
+
+
+def main() -> int:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    model_dir = ensure_model(args.model_dir, args.preset)
+    requests = [
+        BenchRequest(prompt=f"Stream number {i} tells a story", prompt_len=8, output_len=args.output_tokens)
+        for i in range(args.num_requests)
+    ]
+    runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
+    probes: dict[str, list[float]] = {"direct": [], "gateway": []}
+    with ExitStack() as stack:
+        work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-overhead-")))
+        engine = stack.enter_context(
+            start_engine(
+                model_dir, log_dir=work_dir, served_model_name=MODEL, max_num_seqs=2 * args.concurrency
+            )
+        )
+        extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.gateway_setting)}
+        gateway = stack.enter_context(start_gateway({MODEL: [engine.url]}, work_dir, **extra))
+        targets = {"direct": engine.url, "gateway": gateway.url}
+        asyncio.run(closed_loop(engine.url, requests[: args.concurrency], args.concurrency))  # warm-up
+        for round_index in range(args.rounds):
+            for name, url in targets.items():
+                results, duration_s = asyncio.run(closed_loop(url, requests, args.concurrency))
+                runs[name].append(streams_summary(results, duration_s))
+                logger.info("round %d %s: %s", round_index, name, runs[name][-1])
+                probes[name] += probe_latencies_ms(url, args.num_probes // args.rounds)
+        queue_wait_s = gateway.metric("corral_gateway_queue_wait_seconds_sum")
+    summary = summarize(runs, probes)
+    summary["gateway_queue_wait_s"] = queue_wait_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=2))
+    logger.info("results in %s\n%s", args.out, table(summary))
+    return 0
+
+
+def summarize(runs: dict[str, list[dict[str, float]]], probes: dict[str, list[float]]) -> dict[str, Any]:
+    def med(name: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[name])
+
+    return {
+        "direct_output_tok_s": med("direct", "output_tok_s"),
+        "gateway_output_tok_s": med("gateway", "output_tok_s"),
+        "throughput_ratio": med("gateway", "output_tok_s") / med("direct", "output_tok_s"),
+        "added_median_e2el_ms": med("gateway", "median_e2el_ms") - med("direct", "median_e2el_ms"),
+        "added_median_ttft_ms": med("gateway", "median_ttft_ms") - med("direct", "median_ttft_ms"),
+        "direct_probe_median_ms": statistics.median(probes["direct"]),
+        "gateway_probe_median_ms": statistics.median(probes["gateway"]),
+        "added_probe_median_ms": statistics.median(probes["gateway"]) - statistics.median(probes["direct"]),
+    }
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = [f"| {key} | {value:.3f} |" for key, value in summary.items()]
+    return "\n".join(["| measure | value |", "|---|---:|", *rows])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
