@@ -14,6 +14,7 @@ import httpx2 as httpx
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, error_response
@@ -62,7 +63,31 @@ class KeysFile:
             self.reload_if_changed()
 
 
-def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class GatewayApp:
+    """ASGI entry: the two proxied routes go straight to the proxy, everything else to FastAPI.
+
+    Skipping FastAPI's middleware stack matters on the hot path: every streamed chunk would
+    otherwise pass through each middleware's `send` wrapper.
+    """
+
+    def __init__(self, api: FastAPI, deps: dict[str, ProxyDeps]) -> None:
+        self.api = api
+        self._deps = deps
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXY_PATHS:
+            deps = self._deps.get("deps")
+            if deps is not None:
+                response = await proxy(deps, Request(scope, receive), scope["path"])
+                await response(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None = None) -> GatewayApp:
     """Build the app; `transport` lets unit tests put fake replicas behind the shared client."""
     metrics = GatewayMetrics()
     fleet = Fleet(settings, metrics)
@@ -156,4 +181,4 @@ def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | 
         authenticate(request)
         return JSONResponse({"time_s": time.monotonic(), "models": fleet.snapshot()})
 
-    return app
+    return GatewayApp(app, state)

@@ -108,64 +108,77 @@ async def _dispatch(
     path: str,
     disconnect: asyncio.Future[None],
 ) -> tuple[httpx.Response, Replica]:
+    """Admit, send, and retry on another replica until a response starts (or attempts run out)."""
     fleet, metrics = deps.fleet, deps.metrics
     fairness_key = api_key.key_id if api_key is not None else ""
     tried: list[str] = []
     wake_timeout_s = fleet.wake_timeout_s(model)
     for attempt in range(deps.settings.max_attempts):
         queued_s = time.monotonic()
-        maybe_replica = fleet.admission.try_acquire(model, info.prefix_hash, tried)
-        if maybe_replica is None:
-            maybe_replica = await _race(
-                fleet.admission.acquire(
-                    model, info.prefix_hash, priority, fairness_key, tried, wake_timeout_s
-                ),
-                disconnect,
-                on_late=fleet.admission.release,
+        replica = fleet.admission.try_acquire(model, info.prefix_hash, tried)
+        if replica is None:
+            acquire = fleet.admission.acquire(
+                model, info.prefix_hash, priority, fairness_key, tried, wake_timeout_s
             )
-        replica = maybe_replica
+            replica = await _race(acquire, disconnect, on_late=fleet.admission.release)
         metrics.queue_wait.labels(model).observe(time.monotonic() - queued_s)
-        is_last = attempt + 1 >= deps.settings.max_attempts
-        upstream_request = deps.client.build_request("POST", replica.url + path, content=raw, headers=headers)
-        try:
-            upstream = await _race(
-                deps.client.send(upstream_request, stream=True), disconnect, on_late=_close_later
-            )
-        except (ClientGone, asyncio.CancelledError):
-            fleet.admission.release(replica)
-            raise
-        except httpx.TimeoutException as e:
-            fleet.admission.release(replica)
-            fleet.record_failure(replica.url, type(e).__name__)
-            if not isinstance(e, httpx.ConnectTimeout):
-                raise UpstreamTimeout("The model replica did not answer in time.") from e
-            reason = "connect_timeout"
-        except httpx.ConnectError as e:
-            fleet.admission.release(replica)
-            fleet.record_failure(replica.url, type(e).__name__)
-            reason = "connect_error"
-        except httpx.TransportError:
-            # Dropped before any response: a dying replica, or a keep-alive connection the replica
-            # closed just as it was reused. Safe to retry; only connect errors and 5xx count
-            # towards ejection, so a race cannot eject a healthy replica.
-            fleet.admission.release(replica)
-            reason = "transport_error"
-        else:
-            status = upstream.status_code
-            has_other = bool(fleet.router.candidates(model, [*tried, replica.url]))
-            if (status >= 500 or status == 429) and has_other and not is_last:
-                await upstream.aclose()
-                fleet.admission.release(replica)
-                if status >= 500:
-                    fleet.record_failure(replica.url, f"HTTP {status}")
-                reason = f"http_{status}"
-            else:
-                return upstream, replica
-        tried.append(replica.url)
-        metrics.retries.labels(model, reason).inc()
-        logger.warning("request %s: replica %s failed (%s); attempt %d", headers["x-request-id"],
-                       replica.url, reason, attempt + 1)  # fmt: skip
+        can_retry = attempt + 1 < deps.settings.max_attempts
+        outcome = await _send_once(deps, replica, raw, headers, path, disconnect, tried, can_retry)
+        if isinstance(outcome, str):  # a retry reason; the replica was released
+            tried.append(replica.url)
+            metrics.retries.labels(model, outcome).inc()
+            logger.warning("request %s: replica %s failed (%s); attempt %d", headers["x-request-id"],
+                           replica.url, outcome, attempt + 1)  # fmt: skip
+            continue
+        return outcome, replica
     raise UpstreamFailed("No replica of the model could serve the request.")
+
+
+async def _send_once(
+    deps: ProxyDeps,
+    replica: Replica,
+    raw: bytes,
+    headers: dict[str, str],
+    path: str,
+    disconnect: asyncio.Future[None],
+    tried: list[str],
+    can_retry: bool,
+) -> httpx.Response | str:
+    """The replica's response (to pass through), or why to retry elsewhere (replica released)."""
+    fleet = deps.fleet
+    upstream_request = deps.client.build_request("POST", replica.url + path, content=raw, headers=headers)
+    try:
+        upstream = await _race(
+            deps.client.send(upstream_request, stream=True), disconnect, on_late=_close_later
+        )
+    except (ClientGone, asyncio.CancelledError):
+        fleet.admission.release(replica)
+        raise
+    except httpx.TimeoutException as e:
+        fleet.admission.release(replica)
+        fleet.record_failure(replica.url, type(e).__name__)
+        if not isinstance(e, httpx.ConnectTimeout):
+            raise UpstreamTimeout("The model replica did not answer in time.") from e
+        return "connect_timeout"
+    except httpx.ConnectError as e:
+        fleet.admission.release(replica)
+        fleet.record_failure(replica.url, type(e).__name__)
+        return "connect_error"
+    except httpx.TransportError:
+        # Dropped before any response: a dying replica, or a keep-alive connection the replica
+        # closed just as it was reused. Safe to retry; only connect errors and 5xx count
+        # towards ejection, so a race cannot eject a healthy replica.
+        fleet.admission.release(replica)
+        return "transport_error"
+    status = upstream.status_code
+    is_retryable = status >= 500 or status == 429  # 429: that engine's own queue is full
+    if is_retryable and can_retry and fleet.router.candidates(replica.model, [*tried, replica.url]):
+        await upstream.aclose()
+        fleet.admission.release(replica)
+        if status >= 500:
+            fleet.record_failure(replica.url, f"HTTP {status}")
+        return f"http_{status}"
+    return upstream
 
 
 def _stream_back(
