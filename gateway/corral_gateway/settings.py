@@ -41,7 +41,9 @@ class KubernetesDiscovery(BaseModel):
 class GatewaySettings(BaseSettings):
     """Everything the gateway needs, validated once at start-up."""
 
-    model_config = SettingsConfigDict(env_prefix="CORRAL_GATEWAY_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="CORRAL_GATEWAY_", env_nested_delimiter="__", frozen=True, extra="forbid"
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)

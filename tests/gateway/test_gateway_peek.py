@@ -57,3 +57,12 @@ def test_settings_merge_file_flags_and_validation(tmp_path: Path) -> None:
         load_settings(None, {"policy": "random"})
     with pytest.raises(ValidationError):
         load_settings(None, {}, ["m=ftp://x"])
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORRAL_GATEWAY_BACKENDS", '{"m": ["http://127.0.0.1:9001"]}')
+    monkeypatch.setenv("CORRAL_GATEWAY_KUBERNETES__ENABLED", "true")
+    monkeypatch.setenv("CORRAL_GATEWAY_POLICY", "least-requests")
+    settings = load_settings(None, {"port": 9000})
+    assert settings.backends == {"m": ["http://127.0.0.1:9001"]}
+    assert settings.kubernetes.enabled and settings.policy == "least-requests" and settings.port == 9000
