@@ -81,7 +81,11 @@ class GatewayApp:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXY_PATHS:
             deps = self._deps.get("deps")
             if deps is not None:
-                response = await proxy(deps, Request(scope, receive), scope["path"])
+                try:
+                    response = await proxy(deps, Request(scope, receive), scope["path"])
+                except Exception:  # the edge's last resort: a bug must still answer in OpenAI's shape
+                    logger.exception("unexpected error proxying %s", scope["path"])
+                    response = error_response(GatewayError("Internal gateway error."))
                 await response(scope, receive, send)
                 return
         await self.api(scope, receive, send)

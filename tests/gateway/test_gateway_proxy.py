@@ -244,3 +244,14 @@ def test_settings_defaults_are_sane() -> None:
     settings = GatewaySettings()
     assert settings.policy == "prefix-affinity"
     assert 0.05 <= settings.poll_interval_s <= 0.1 and settings.load_max_age_s == 2.0
+
+
+async def test_an_unexpected_bug_still_answers_openai_shaped_500(monkeypatch: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr("corral_gateway.proxy.peek_request", broken)
+    async with fleet([FakeEngine()]) as (client, _):
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 500 and response.json()["error"]["type"] == "internal_error"
+        assert (await client.get("/health")).status_code == 200
