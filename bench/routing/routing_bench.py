@@ -134,14 +134,15 @@ def plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
 
     names = list(rows)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].bar(names, [rows[n]["ttft_p99_ms"] for n in names], alpha=0.5, label="p99")
     axes[0].bar(names, [rows[n]["ttft_p50_ms"] for n in names], label="p50")
-    axes[0].bar(names, [rows[n]["ttft_p99_ms"] for n in names], alpha=0.4, label="p99")
     axes[0].set_title("TTFT (ms)")
     axes[0].legend()
     axes[1].bar(names, [rows[n]["output_tok_s"] for n in names])
     axes[1].set_title("output tokens / s")
     axes[2].bar(names, [rows[n]["num_shed"] for n in names])
     axes[2].set_title("shed (429/503)")
+    axes[2].set_ylim(bottom=0, top=max(1, *(rows[n]["num_shed"] for n in names)) * 1.1)
     for ax in axes:
         ax.tick_params(axis="x", rotation=20)
     fig.tight_layout()
