@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers static batch sizes (W1)")
-    p.add_argument("--hf-w2-batch-sizes", default="8,16,32", help="... on W2 (minutes each)")
+    p.add_argument("--hf-w2-batch-sizes", default="16", help="... on W2 (5-10 minutes each)")
     p.add_argument("--offline-timeout", type=float, default=1500.0, help="seconds per system")
     p.add_argument("--served-timeout", type=float, default=600.0, help="seconds per corral bench run")
     p.add_argument("--out-dir", type=Path, help="default: bench/results/engine-<UTC time>")
