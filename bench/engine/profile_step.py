@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import logging
 import pstats
 import time
@@ -31,16 +32,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--workload",
+        type=Path,
+        help="take the batch's prompts from this token-id JSONL (e.g. W2's mixed lengths)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/profile"))
     return p.parse_args()
 
 
-def fill_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> None:
-    """Add `batch` requests and step until none is prefilling (all are in single-token decode)."""
+def fill_batch(engine: LLMEngine, prompts: list[list[int]], steps: int) -> None:
+    """Add the requests and step until none is prefilling (all are in single-token decode)."""
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"p{i}", [100 + (i * 7 + j) % 30000 for j in range(prompt_len)], params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
     while any(s.num_computed_tokens < len(s.token_ids) - 1 for s in engine.live_sequences()):
         engine.step()
     for _ in range(3):  # a few decode steps so first-call costs are paid
@@ -52,9 +58,21 @@ def main() -> int:
     args = parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(
-        EngineArgs(model=str(args.model), dtype="bfloat16", num_threads=args.threads, max_num_seqs=args.batch)
+        EngineArgs(
+            model=str(args.model),
+            dtype="bfloat16",
+            num_threads=args.threads,
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=2048,
+        )
     )
-    fill_batch(engine, args.batch, args.prompt_len, args.steps)
+    if args.workload is not None:
+        lines = args.workload.read_text().splitlines()[: args.batch]
+        prompts = [list(json.loads(line)["prompt"]) for line in lines]
+    else:
+        prompts = [[100 + (i * 7 + j) % 30000 for j in range(args.prompt_len)] for i in range(args.batch)]
+    fill_batch(engine, prompts, args.steps)
+    lens = sorted(len(p) for p in prompts)
 
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -77,7 +95,8 @@ def main() -> int:
     pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(30)
 
     text = (
-        f"# Corral decode step profile: batch {args.batch}, prompt {args.prompt_len}, "
+        f"# Corral decode step profile: batch {len(prompts)}, prompt lengths {lens[0]}..{lens[-1]} "
+        f"(median {lens[len(lens) // 2]}), "
         f"{args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
         f"Mean step time without a profiler: {plain_ms:.1f} ms "
         f"({1000 * args.batch / plain_ms:.0f} output tok/s at this batch)\n\n"
