@@ -36,6 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, metavar="DIR", help="Hugging Face checkpoint to serve")
     source.add_argument("--demo", action="store_true", help="serve a generated demo model (the default)")
+    source.add_argument(
+        "-f",
+        "--file",
+        type=Path,
+        metavar="LLMDEPLOYMENT.yaml",
+        help="run the LLMDeployment(s) in this file as local processes (same YAML as on a cluster)",
+    )
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        metavar="DIR",
+        help="with -f: checkpoint directory for a PVC model source",
+    )
     parser.add_argument("--demo-preset", choices=("tiny", "small"), default="tiny", help="demo model size")
     parser.add_argument("--replicas", type=int, default=2, help="engine processes (default: 2)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
@@ -70,6 +83,27 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return demo_dir
 
 
+def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
+    """Served model name -> one `corral engine` flag list per replica."""
+    if args.file is not None:
+        from corral_operator.local import local_fleets
+
+        fleets = local_fleets(Path(args.file).read_text(), model_path=args.model_path)
+        out: dict[str, list[list[str]]] = {}
+        for f in fleets:
+            if f.engine_kind != "corral":
+                raise ValueError(f"{f.name}: engine kind {f.engine_kind!r} cannot run locally; use 'corral'")
+            flags = [*f.engine_args.to_cli_args(), *f.extra_args]  # includes --served-model-name
+            out.setdefault(f.served_model_name, []).extend([list(flags) for _ in range(f.replicas)])
+        return out
+    if args.replicas < 1:
+        raise ValueError("--replicas must be at least 1")
+    model_dir = _model_dir(args)
+    name = args.served_model_name or ("demo" if args.model is None else model_dir.name)
+    flags = ["--model", str(model_dir), "--served-model-name", name]
+    return {name: [list(flags) for _ in range(args.replicas)]}
+
+
 def _die_with_parent() -> None:
     """In the engine child: get SIGTERM if `corral up` itself dies (even by SIGKILL). Linux only."""
     import ctypes
@@ -80,13 +114,12 @@ def _die_with_parent() -> None:
 
 
 class _Engine:
-    def __init__(self, model_dir: Path, name: str, num_threads: int, log_dir: Path) -> None:
+    def __init__(self, engine_flags: list[str], num_threads: int, log_dir: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"engine-{self.port}.log"
-        argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", str(model_dir)]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", name]
-        argv += ["--num-threads", str(num_threads)]
+        argv = [sys.executable, "-m", "corral_cli.main", "engine", *engine_flags]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", str(num_threads)]
         with self.log_path.open("wb") as log:
             # Own session: Ctrl-C reaches only `corral up`, which stops the engines in order.
             self.proc = subprocess.Popen(
@@ -175,10 +208,8 @@ async def _serve_gateway(app: Any, host: str, port: int, banner: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
-    if args.replicas < 1:
-        logger.error("--replicas must be at least 1")
-        return 2
+    for noisy in ("httpx", "httpx2"):  # one line per proxied request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise _Stop()
@@ -186,29 +217,30 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     engines: list[_Engine] = []
     try:
-        model_dir = _model_dir(args)
-        name = args.served_model_name or ("demo" if args.model is None else model_dir.name)
+        fleet = _fleet(args)
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="corral-up-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        num_threads = max(1, len(os.sched_getaffinity(0)) // args.replicas)
-        for _ in range(args.replicas):
-            engines.append(_Engine(model_dir, name, num_threads, log_dir))
+        num_threads = max(1, len(os.sched_getaffinity(0)) // sum(len(f) for f in fleet.values()))
+        backends: dict[str, list[str]] = {}
+        for name, replicas in fleet.items():
+            for flags in replicas:
+                engines.append(_Engine(flags, num_threads, log_dir))
+                backends.setdefault(name, []).append(engines[-1].url)
         logger.info("starting %d engines (logs in %s)", len(engines), log_dir)
         _wait_ready(engines)
+        name = next(iter(fleet))
 
         from corral_gateway.app import create_app
         from corral_gateway.settings import GatewaySettings
 
-        settings = GatewaySettings(
-            host=args.host, port=args.port, policy=args.policy, backends={name: [e.url for e in engines]}
-        )
+        settings = GatewaySettings(host=args.host, port=args.port, policy=args.policy, backends=backends)
         base_url = f"http://{args.host}:{args.port}"
         # uvicorn handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(_serve_gateway(create_app(settings), args.host, args.port, usage_text(base_url, name)))
         return 0
     except (KeyboardInterrupt, _Stop):
         return 0
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         logger.error("%s", e)
         return 1
     finally:

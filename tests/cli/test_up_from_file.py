@@ -1,0 +1,40 @@
+"""`corral up -f`: the same LLMDeployment YAML as on a cluster becomes local engine flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from corral_cli import cmd_up
+from corral_cli.cmd_engine import add_arguments as add_engine_arguments
+from corral_cli.cmd_engine import engine_args_from
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml"
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cmd_up.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_example_becomes_one_flag_list_per_replica() -> None:
+    fleet = cmd_up._fleet(_args("-f", str(EXAMPLE), "--model-path", "/models/x"))
+    assert list(fleet) == ["tiny-llama"]
+    (replicas,) = fleet.values()
+    assert len(replicas) == 2
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    engine_args = engine_args_from(parser.parse_args(replicas[0]))
+    assert engine_args.model == "/models/x"
+    assert engine_args.served_model_name == "tiny-llama"
+    assert engine_args.max_num_seqs == 32 and engine_args.dtype == "float32"
+
+
+def test_non_corral_engine_is_refused(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text().replace("kind: corral\n", "kind: vllm\n").replace("      kvPolicy: preempt\n", "")
+    path = tmp_path / "vllm.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="cannot run locally"):
+        cmd_up._fleet(_args("-f", str(path)))
