@@ -40,3 +40,15 @@ def test_chunk_after_cached_prefix_matches_naive_attention() -> None:
         q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1), is_causal=True
     ).transpose(0, 1)
     assert not torch.allclose(wrong, want, atol=1e-3)
+
+
+def test_decodes_are_grouped_so_padding_stays_bounded() -> None:
+    from corral_engine.model.runner import group_by_length
+
+    lengths = [1, 40, 2, 41, 3, 60, 1, 100]
+    groups = group_by_length(lengths, max_waste=0.5)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        widths = [lengths[i] for i in group]
+        assert max(widths) <= 1.5 * max(1, min(widths))
+    assert len(group_by_length([5] * 100, max_group=64)) == 2

@@ -82,7 +82,7 @@ class AttentionContext:
     slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
     seqs: list[SeqAttention]  # sequences attended one by one (prompt chunks)
     block_size: int
-    decode: DecodeBatch | None = None
+    decodes: list[DecodeBatch] = field(default_factory=list)  # batched decodes, grouped by length
 
 
 def paged_attention(
@@ -101,8 +101,8 @@ def paged_attention(
     flat_k.index_copy_(0, ctx.slot_mapping, k)
     flat_v.index_copy_(0, ctx.slot_mapping, v)
     out = torch.empty_like(q)
-    if ctx.decode is not None:
-        _decode_attention(q, k_cache, v_cache, ctx.decode, ctx.block_size, scale, window, out)
+    for batch in ctx.decodes:
+        _decode_attention(q, k_cache, v_cache, batch, ctx.block_size, scale, window, out)
     for s in ctx.seqs:
         qs = q[s.q_start : s.q_end].transpose(0, 1)  # [H, nq, D]
         if s.is_fresh:

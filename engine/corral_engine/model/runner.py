@@ -149,16 +149,17 @@ class ModelRunner:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        decode = None
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            decode = DecodeBatch(
-                as_tensor(decode_rows),
-                torch.tensor(padded, dtype=torch.long, device=self.device),
-                as_tensor(decode_lens),
+        decodes = [
+            DecodeBatch(
+                as_tensor([decode_rows[i] for i in group]),
+                torch.tensor(
+                    _padded([decode_tables[i] for i in group]), dtype=torch.long, device=self.device
+                ),
+                as_tensor([decode_lens[i] for i in group]),
             )
-        ctx = AttentionContext(as_tensor(slots), seqs, bs, decode)
+            for group in group_by_length([len(t) for t in decode_tables])
+        ]
+        ctx = AttentionContext(as_tensor(slots), seqs, bs, decodes)
         return StepBatch(as_tensor(input_ids), as_tensor(positions), ctx, as_tensor(logits_indices))
 
     @torch.inference_mode()
@@ -170,3 +171,27 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             return torch.empty((0, self.config.vocab_size))
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def group_by_length(num_blocks: list[int], max_waste: float = 0.5, max_group: int = 64) -> list[list[int]]:
+    """Indices of decoding sequences grouped so each group's padded width (its longest block table)
+    is at most (1 + max_waste) x its shortest: mixed lengths must not pad every short context to
+    the longest one (attention cost and the gather grow with the padded width)."""
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if (
+            group is None
+            or len(group) >= max_group
+            or num_blocks[i] > (1 + max_waste) * max(1, num_blocks[group[0]])
+        ):
+            groups.append([i])
+        else:
+            group.append(i)
+    return groups
