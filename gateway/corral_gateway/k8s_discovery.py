@@ -30,10 +30,14 @@ def replicas_from_slices(
     for eps in slices:
         labels = (eps.get("metadata") or {}).get("labels") or {}
         model = labels.get(model_label) or labels.get(SERVICE_NAME_LABEL)
-        port = _pick_port(eps.get("ports") or [], port_name)
-        if not model or port is None:
+        if not model:
             continue
+        # A model scaled to zero still has its Service's slice (no endpoints, `ports: null`): keep
+        # the model known with no replicas, so requests for it wake it instead of getting 404.
         urls = by_model.setdefault(model, set())
+        port = _pick_port(eps.get("ports") or [], port_name)
+        if port is None:
+            continue
         for endpoint in eps.get("endpoints") or []:
             conditions = endpoint.get("conditions") or {}
             # The API says a missing `ready` means ready; terminating endpoints are never ready.

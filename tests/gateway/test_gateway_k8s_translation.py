@@ -53,7 +53,9 @@ def test_named_port_preferred_then_first_tcp_port() -> None:
     assert replicas_from_slices([eps("a", "m", [ep("10.0.0.1")], ports)], MODEL_LABEL, "http") == {
         "m": ["http://10.0.0.1:8300"]
     }
-    assert replicas_from_slices([eps("a", "m", [ep("10.0.0.1")], [])], MODEL_LABEL, "http") == {}
+    assert replicas_from_slices([eps("a", "m", [ep("10.0.0.1")], [])], MODEL_LABEL, "http") == {
+        "m": []
+    }  # known, no replicas (e.g. scaled to zero)
 
 
 def test_model_falls_back_to_service_name_and_ipv6_is_bracketed() -> None:
