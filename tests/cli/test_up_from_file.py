@@ -33,7 +33,8 @@ def test_example_becomes_one_flag_list_per_replica() -> None:
 
 
 def test_non_corral_engine_is_refused(tmp_path: Path) -> None:
-    text = EXAMPLE.read_text().replace("kind: corral\n", "kind: vllm\n").replace("      kvPolicy: preempt\n", "")
+    text = EXAMPLE.read_text().replace("kind: corral\n", "kind: vllm\n")
+    text = text.replace("      kvPolicy: preempt\n", "")  # a corral-only option
     path = tmp_path / "vllm.yaml"
     path.write_text(text)
     with pytest.raises(ValueError, match="cannot run locally"):
