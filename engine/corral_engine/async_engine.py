@@ -139,13 +139,14 @@ class AsyncEngine:
         engine = self.engine
         try:
             while self._running:
-                self._drain_inputs()
+                admitted = self._drain_inputs()
                 if not engine.has_unfinished_requests():
                     self._stats = engine.stats()
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
-                self._stats = engine.stats()  # newly admitted requests count as waiting at once
+                if admitted:  # newly admitted requests count as waiting before the step, not after
+                    self._stats = engine.stats()
                 started = time.perf_counter()
                 outputs = engine.step()
                 if self.on_step is not None:
@@ -162,7 +163,8 @@ class AsyncEngine:
         finally:
             self._stats = engine.stats()
 
-    def _drain_inputs(self) -> None:
+    def _drain_inputs(self) -> bool:
+        """Apply queued aborts and admissions; True if any request entered the engine."""
         engine = self.engine
         while self._aborts:
             request_id = self._aborts.popleft()
@@ -173,12 +175,15 @@ class AsyncEngine:
                 self._deliver([output])
             elif self._loop is not None:
                 self._loop.call_soon_threadsafe(self._streams.pop, request_id, None)
+        admitted = False
         while self._adds:
             request = self._adds.popleft()
             try:
                 engine.insert_request(request)
+                admitted = True
             except InvalidRequestError as e:
                 self._deliver_error(request.request_id, e)
+        return admitted
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None
