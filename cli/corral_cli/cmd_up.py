@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -131,14 +132,13 @@ class _Engine:
             )
 
     def is_ready(self) -> bool:
-        import httpx
-
         if self.proc.poll() is not None:
             tail = self.log_path.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"engine on port {self.port} exited with {self.proc.returncode}:\n{tail}")
         try:
-            return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
+            with urllib.request.urlopen(self.url + "/health", timeout=2.0) as response:
+                return bool(response.status == 200)
+        except OSError:  # refused, reset, timed out, or an HTTP error status
             return False
 
     def terminate(self) -> None:
@@ -208,7 +208,7 @@ async def _serve_gateway(app: Any, host: str, port: int, banner: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for noisy in ("httpx", "httpx2"):  # one line per proxied request otherwise
+    for noisy in ("aiohttp.access",):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -18,12 +18,14 @@ MODEL = "tiny"
 
 
 def start_gateway(backends: dict[str, list[str]], config_dir: Path, **settings: Any) -> ManagedProcess:
-    """`corral gateway --config FILE` on a free port, ready once /health answers."""
+    """`corral gateway --config FILE` on a free port, ready once /ready answers (discovery done)."""
     port = free_port()
     config = config_dir / f"gateway-{port}.yaml"
     config.write_text(yaml.safe_dump({"backends": backends, **settings}))
     argv = [sys.executable, "-m", "corral_cli.main", "gateway", "--host", HOST, "--port", str(port)]
-    gateway = ManagedProcess([*argv, "--config", str(config)], port, name="gateway", log_dir=config_dir)
+    gateway = ManagedProcess(
+        [*argv, "--config", str(config)], port, name="gateway", log_dir=config_dir, health_path="/ready"
+    )
     gateway.wait_ready(60)
     return gateway
 

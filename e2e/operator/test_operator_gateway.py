@@ -60,7 +60,9 @@ def gateway_process(
     config.write_text(yaml.safe_dump({"kubernetes": {**settings, **discovery}}))
     port = free_port()
     argv = [sys.executable, "-m", "corral_cli.main", "gateway", "--host", "127.0.0.1", "--port", str(port)]
-    with ManagedProcess([*argv, "--config", str(config)], port, name="gateway", log_dir=tmp_path) as gateway:
+    argv += ["--config", str(config)]
+    # /ready: the first discovery list is in, so a model at zero is known (to wake), not a 404.
+    with ManagedProcess(argv, port, name="gateway", log_dir=tmp_path, health_path="/ready") as gateway:
         gateway.wait_ready(60)
         yield gateway
 

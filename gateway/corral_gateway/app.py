@@ -10,20 +10,27 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx2 as httpx
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from corral_gateway.auth import KeyStore, load_keys_file
-from corral_gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, error_response
+from corral_gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    Unavailable,
+    error_response,
+)
 from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import KubernetesWatcher
 from corral_gateway.k8s_wake import Waker
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.proxy import ProxyDeps, proxy
 from corral_gateway.settings import GatewaySettings
+from corral_gateway.upstream import Upstream, UpstreamConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +98,7 @@ class GatewayApp:
         await self.api(scope, receive, send)
 
 
-def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None = None) -> GatewayApp:
-    """Build the app; `transport` lets unit tests put fake replicas behind the shared client."""
+def create_app(settings: GatewaySettings) -> GatewayApp:
     metrics = GatewayMetrics()
     fleet = Fleet(settings, metrics)
     keys = KeysFile(settings.api_keys_file)
@@ -100,14 +106,13 @@ def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Idle connections expire before uvicorn's 5 s keep-alive would close them under us.
-        limits = httpx.Limits(
-            max_connections=settings.max_connections, max_keepalive_connections=256, keepalive_expiry=4.0
+        config = UpstreamConfig(
+            settings.max_connections, settings.connect_timeout_s, settings.first_byte_timeout_s
         )
-        timeout = httpx.Timeout(settings.first_byte_timeout_s, connect=settings.connect_timeout_s, pool=30.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
-            state["deps"] = ProxyDeps(settings, fleet, client, metrics, keys.get)
-            tasks = [asyncio.create_task(fleet.run(client), name="fleet"), asyncio.create_task(keys.watch())]
+        async with Upstream(config) as upstream:
+            state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get)
+            tasks = [asyncio.create_task(fleet.run(upstream), name="fleet")]
+            tasks.append(asyncio.create_task(keys.watch()))
             watcher = None
             if settings.kubernetes.enabled:
                 on_owners = None
@@ -174,6 +179,15 @@ def create_app(settings: GatewaySettings, transport: httpx.AsyncBaseTransport | 
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok", "models": fleet.registry.models()})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        # Before discovery's first list, every model would look unknown (404): keep traffic away.
+        if not fleet.is_synced:
+            return error_response(
+                Unavailable("Replica discovery has not completed yet.", retry_after_s=1.0, code="not_ready")
+            )
+        return JSONResponse({"status": "ready", "models": fleet.registry.models()})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -9,8 +9,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-import httpx2 as httpx
-
 from corral_gateway.admission import Admission
 from corral_gateway.k8s_wake import Waker
 from corral_gateway.load import parse_load_headers, parse_metrics_text
@@ -19,6 +17,7 @@ from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Saturation
 from corral_gateway.router import Router
 from corral_gateway.settings import GatewaySettings
+from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +39,8 @@ class Fleet:
             self.registry.set_replicas(model, urls)
         self._static_models = set(settings.backends)
         self._discovered_models: set[str] = set()
+        # Ready once Kubernetes discovery has listed replicas (static backends are known at once).
+        self.is_synced = not settings.kubernetes.enabled
         self.saturation = Saturation(settings.saturation_max_waiting, settings.saturation_max_kv_usage_ratio)
         policy = make_policy(
             settings.policy, self.saturation, settings.affinity_load_factor, settings.affinity_vnodes
@@ -64,6 +65,7 @@ class Fleet:
             self._forget_gone(model, set())
             self.registry.remove_model(model)
         self._discovered_models = set(discovered)
+        self.is_synced = True
         logger.info("discovered replicas: %s", {m: len(u) for m, u in discovered.items()})
         self.admission.pump_all()
 
@@ -94,13 +96,14 @@ class Fleet:
 
     # ---- background I/O -----------------------------------------------------------------------
 
-    async def run(self, client: httpx.AsyncClient) -> None:
+    async def run(self, upstream: Upstream) -> None:
         """Keep one poller per replica URL and refresh the per-replica gauges; runs until cancelled."""
         try:
             while True:
                 urls = self.registry.urls()
                 for url in urls - set(self._pollers):
-                    self._pollers[url] = asyncio.create_task(self._poll_loop(client, url), name=f"poll {url}")
+                    poll = self._poll_loop(upstream, url)
+                    self._pollers[url] = asyncio.create_task(poll, name=f"poll {url}")
                 for url in set(self._pollers) - urls:
                     self._pollers.pop(url).cancel()
                 self.update_gauges()
@@ -113,37 +116,36 @@ class Fleet:
                     await task
             self._pollers.clear()
 
-    async def _poll_loop(self, client: httpx.AsyncClient, url: str) -> None:
-        timeout = httpx.Timeout(_POLL_READ_TIMEOUT_S, connect=self.settings.connect_timeout_s)
+    async def _poll_loop(self, upstream: Upstream, url: str) -> None:
         while True:
             if any(r.is_ejected for r in self.registry.by_url(url)):
                 if self.registry.is_due_for_probe(url, self.clock()):
-                    await self._probe(client, url, timeout)
+                    await self._probe(upstream, url)
             else:
-                await self._poll_metrics(client, url, timeout)
+                await self._poll_metrics(upstream, url)
             self.admission.pump_all()
             await asyncio.sleep(self.settings.poll_interval_s)
 
-    async def _poll_metrics(self, client: httpx.AsyncClient, url: str, timeout: httpx.Timeout) -> None:
+    async def _poll_metrics(self, upstream: Upstream, url: str) -> None:
         try:
-            response = await client.get(f"{url}/metrics", timeout=timeout)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            self.record_failure(url, f"metrics poll: {type(e).__name__}")
+            status, body = await upstream.get(f"{url}/metrics", _POLL_READ_TIMEOUT_S)
+        except (ConnectFailed, ConnectTimedOut) as e:
+            self.record_failure(url, f"metrics poll: {e}")
             return
-        except httpx.TransportError as e:
+        except UpstreamError as e:
             # A busy engine may answer /metrics slowly: that is load, not a failure.
-            logger.debug("metrics poll of %s failed: %s", url, type(e).__name__)
+            logger.debug("metrics poll of %s failed: %s", url, e)
             return
-        if response.status_code == 200:
-            sample = parse_metrics_text(response.text, self.clock())
+        if status == 200:
+            sample = parse_metrics_text(body.decode("utf-8", "replace"), self.clock())
             if sample is not None:
                 self.registry.observe(url, sample)
 
-    async def _probe(self, client: httpx.AsyncClient, url: str, timeout: httpx.Timeout) -> None:
+    async def _probe(self, upstream: Upstream, url: str) -> None:
         try:
-            response = await client.get(f"{url}/health", timeout=timeout)
-            is_healthy = response.status_code == 200
-        except httpx.TransportError:
+            status, _ = await upstream.get(f"{url}/health", _POLL_READ_TIMEOUT_S)
+            is_healthy = status == 200
+        except UpstreamError:
             is_healthy = False
         if is_healthy:
             if self.registry.readmit(url):

@@ -116,10 +116,11 @@ class KubernetesWatcher:
         translate = replicas_from_pods if self.config.source == "pods" else replicas_from_slices
         mapping = translate(self._slices.values(), self.config.model_label, self.config.port_name)
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.on_change, mapping)
+            # Owners first: a model is never known to the router without the LLMDeployment to wake.
             if self.on_owners is not None:
                 owners = owners_from_objects(self._slices.values(), self.config.model_label)
                 self._loop.call_soon_threadsafe(self.on_owners, owners)
+            self._loop.call_soon_threadsafe(self.on_change, mapping)
 
     def _run(self) -> None:
         from kubernetes import client, config, watch

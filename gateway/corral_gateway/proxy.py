@@ -16,8 +16,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import anyio
-import httpx2 as httpx
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -39,6 +37,15 @@ from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.peek import RequestInfo, peek_request
 from corral_gateway.registry import Replica
 from corral_gateway.settings import GatewaySettings
+from corral_gateway.upstream import (
+    ConnectFailed,
+    ConnectTimedOut,
+    Dropped,
+    ReadTimedOut,
+    Upstream,
+    UpstreamError,
+    UpstreamResponse,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ class ClientGone(Exception):
 class ProxyDeps:
     settings: GatewaySettings
     fleet: Fleet
-    client: httpx.AsyncClient
+    upstream: Upstream
     metrics: GatewayMetrics
     keys: Callable[[], KeyStore | None]
 
@@ -107,7 +114,7 @@ async def _dispatch(
     headers: dict[str, str],
     path: str,
     disconnect: asyncio.Future[None],
-) -> tuple[httpx.Response, Replica]:
+) -> tuple[UpstreamResponse, Replica]:
     """Admit, send, and retry on another replica until a response starts (or attempts run out)."""
     fleet, metrics = deps.fleet, deps.metrics
     fairness_key = api_key.key_id if api_key is not None else ""
@@ -143,28 +150,25 @@ async def _send_once(
     disconnect: asyncio.Future[None],
     tried: list[str],
     can_retry: bool,
-) -> httpx.Response | str:
+) -> UpstreamResponse | str:
     """The replica's response (to pass through), or why to retry elsewhere (replica released)."""
     fleet = deps.fleet
-    upstream_request = deps.client.build_request("POST", replica.url + path, content=raw, headers=headers)
     try:
         upstream = await _race(
-            deps.client.send(upstream_request, stream=True), disconnect, on_late=_close_later
+            deps.upstream.post(replica.url + path, raw, headers), disconnect, on_late=_close_unread
         )
     except (ClientGone, asyncio.CancelledError):
         fleet.admission.release(replica)
         raise
-    except httpx.TimeoutException as e:
+    except ReadTimedOut as e:
         fleet.admission.release(replica)
-        fleet.record_failure(replica.url, type(e).__name__)
-        if not isinstance(e, httpx.ConnectTimeout):
-            raise UpstreamTimeout("The model replica did not answer in time.") from e
-        return "connect_timeout"
-    except httpx.ConnectError as e:
+        fleet.record_failure(replica.url, str(e))
+        raise UpstreamTimeout("The model replica did not answer in time.") from e
+    except (ConnectFailed, ConnectTimedOut) as e:
         fleet.admission.release(replica)
-        fleet.record_failure(replica.url, type(e).__name__)
-        return "connect_error"
-    except httpx.TransportError:
+        fleet.record_failure(replica.url, str(e))
+        return "connect_timeout" if isinstance(e, ConnectTimedOut) else "connect_error"
+    except Dropped:
         # Dropped before any response: a dying replica, or a keep-alive connection the replica
         # closed just as it was reused. Safe to retry; only connect errors and 5xx count
         # towards ejection, so a race cannot eject a healthy replica.
@@ -173,7 +177,7 @@ async def _send_once(
     status = upstream.status_code
     is_retryable = status >= 500 or status == 429  # 429: that engine's own queue is full
     if is_retryable and can_retry and fleet.router.candidates(replica.model, [*tried, replica.url]):
-        await upstream.aclose()
+        upstream.close(complete=False)
         fleet.admission.release(replica)
         if status >= 500:
             fleet.record_failure(replica.url, f"HTTP {status}")
@@ -183,7 +187,7 @@ async def _send_once(
 
 def _stream_back(
     deps: ProxyDeps,
-    upstream: httpx.Response,
+    upstream: UpstreamResponse,
     replica: Replica,
     model: str,
     info: RequestInfo,
@@ -202,6 +206,7 @@ def _stream_back(
     )
     tail = bytearray()
     finished = False
+    is_complete = False
     status_label = str(upstream.status_code)
 
     async def finish() -> None:
@@ -209,8 +214,7 @@ def _stream_back(
         if finished:
             return
         finished = True
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()
+        upstream.close(is_complete)
         fleet.admission.release(replica)
         metrics.requests.labels(model, replica.url, status_label).inc()
         metrics.duration.labels(model).observe(time.monotonic() - start_s)
@@ -220,10 +224,10 @@ def _stream_back(
                 keystore.settle_tokens(api_key, info.estimated_tokens, int(found[-1]), time.monotonic())
 
     async def body() -> Any:
-        nonlocal status_label
+        nonlocal status_label, is_complete
         is_first = True
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.chunks():
                 if is_first:
                     metrics.ttfb.labels(model).observe(time.monotonic() - start_s)
                     is_first = False
@@ -231,12 +235,13 @@ def _stream_back(
                     tail.extend(chunk)
                     del tail[:-_TAIL_BYTES]
                 yield chunk
-        except httpx.TransportError as e:
+            is_complete = True
+        except UpstreamError as e:
             status_label = "broken"
-            fleet.record_failure(replica.url, f"stream: {type(e).__name__}")
+            fleet.record_failure(replica.url, f"stream: {e}")
             metrics.streams_broken.labels(model).inc()
             logger.warning("request %s: replica %s failed mid-response (%s)", request_id, replica.url,
-                           type(e).__name__)  # fmt: skip
+                           e)  # fmt: skip
             if is_sse:
                 yield sse_error_event("The model replica failed while streaming the response.")
         finally:
@@ -263,7 +268,7 @@ async def _race(aw: Awaitable[T], disconnect: asyncio.Future[None], on_late: Cal
     task.cancel()
     try:
         result = await task
-    except (asyncio.CancelledError, httpx.TransportError, GatewayError):
+    except (asyncio.CancelledError, UpstreamError, GatewayError):
         raise ClientGone() from None
     maybe = on_late(result)  # finished just before the cancel landed: give it back
     if asyncio.iscoroutine(maybe):
@@ -271,8 +276,8 @@ async def _race(aw: Awaitable[T], disconnect: asyncio.Future[None], on_late: Cal
     raise ClientGone()
 
 
-def _close_later(response: httpx.Response) -> Awaitable[None]:
-    return response.aclose()
+def _close_unread(response: UpstreamResponse) -> None:
+    response.close(complete=False)
 
 
 async def _wait_disconnect(request: Request) -> None:

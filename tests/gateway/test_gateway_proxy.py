@@ -255,3 +255,15 @@ async def test_an_unexpected_bug_still_answers_openai_shaped_500(monkeypatch: An
         response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert response.status_code == 500 and response.json()["error"]["type"] == "internal_error"
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_not_ready_until_kubernetes_discovery_has_listed(tmp_path: Path) -> None:
+    unreachable = {"enabled": True, "kubeconfig": str(tmp_path / "missing-kubeconfig")}
+    settings = GatewaySettings(kubernetes=unreachable)
+    async with serve(create_app(settings)) as (url, _), httpx.AsyncClient(base_url=url, timeout=10) as client:
+        assert (await client.get("/health")).status_code == 200  # alive...
+        response = await client.get("/ready")  # ...but not ready: every model would look unknown
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "not_ready"
+    async with fleet([FakeEngine()]) as (client, _):
+        assert (await client.get("/ready")).json() == {"status": "ready", "models": ["m"]}

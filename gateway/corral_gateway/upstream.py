@@ -1,0 +1,146 @@
+"""The gateway's one HTTP client towards replicas (aiohttp), and the only place its errors are read.
+
+aiohttp parses responses in C and hands out pooled connections in constant time, so forwarding an
+SSE chunk costs a few microseconds of the gateway's CPU; on a machine it shares with engines that
+is throughput the engines keep. Bodies pass through untouched: no decompression, no cookies, no
+proxy settings from the environment.
+
+Failures become the four exceptions below, which the proxy maps to retries and errors:
+`ConnectFailed` / `ConnectTimedOut` (nothing was sent: retry elsewhere), `Dropped` (the connection
+broke before a response: safe to retry) and `ReadTimedOut` (no first byte in time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+
+# Waiting for a free pooled connection, on top of the connect timeout itself.
+_POOL_WAIT_S = 30.0
+_CHUNK_LIMIT = 2**16
+
+
+class UpstreamError(Exception):
+    """A replica could not be reached or stopped answering."""
+
+
+class ConnectFailed(UpstreamError):
+    pass
+
+
+class ConnectTimedOut(UpstreamError):
+    pass
+
+
+class ReadTimedOut(UpstreamError):
+    pass
+
+
+class Dropped(UpstreamError):
+    pass
+
+
+def _translate(e: BaseException) -> UpstreamError:
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        return ConnectTimedOut(type(e).__name__)
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return ConnectFailed(type(e).__name__)
+    if isinstance(e, TimeoutError):  # includes aiohttp's read timeout
+        return ReadTimedOut(type(e).__name__)
+    return Dropped(type(e).__name__)
+
+
+class UpstreamResponse:
+    """A response whose body is read as it arrives; `close` must be called exactly once."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status_code = response.status
+        self.headers: dict[str, str] = {k.lower(): v for k, v in response.headers.items()}
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes in the pieces they arrive in; raises UpstreamError if it breaks off."""
+        content = self._response.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    return
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _translate(e) from e
+
+    def close(self, complete: bool) -> None:
+        """Give the connection back for reuse when the body was read to the end; drop it otherwise,
+        so the replica sees the client leave and aborts the request."""
+        if complete:
+            self._response.release()
+        else:
+            self._response.close()
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    max_connections: int
+    connect_timeout_s: float
+    read_timeout_s: float  # for the first byte, and between any two reads after it
+    keepalive_s: float = 4.0  # below uvicorn's 5 s, so a replica never closes a connection under us
+
+
+class Upstream:
+    """One shared session; open with `async with`."""
+
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Upstream:
+        config = self.config
+        connector = aiohttp.TCPConnector(
+            limit=config.max_connections, limit_per_host=0, keepalive_timeout=config.keepalive_s
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=config.connect_timeout_s + _POOL_WAIT_S,
+            sock_connect=config.connect_timeout_s,
+            sock_read=config.read_timeout_s,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            trust_env=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            read_bufsize=_CHUNK_LIMIT,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the upstream client is not open")
+        return self._session
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        """Send `body` and wait for the response head (not the body)."""
+        try:
+            response = await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _translate(e) from e
+        return UpstreamResponse(response)
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        """A small GET (metrics, health), read whole."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
+        try:
+            async with self.session.get(url, timeout=timeout, allow_redirects=False) as response:
+                return response.status, await response.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _translate(e) from e

@@ -1,0 +1,95 @@
+"""The upstream client's failure kinds, against real loopback sockets that misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from corral_gateway.upstream import (
+    ConnectFailed,
+    Dropped,
+    ReadTimedOut,
+    Upstream,
+    UpstreamConfig,
+    UpstreamError,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+CONFIG = UpstreamConfig(max_connections=8, connect_timeout_s=2.0, read_timeout_s=0.5)
+
+
+@asynccontextmanager
+async def tcp_server(handler: Handler) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def read_head(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    length = next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
+    await reader.readexactly(length)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_refused_connection_is_a_connect_failure() -> None:
+    async with Upstream(CONFIG) as upstream:
+        with pytest.raises(ConnectFailed):
+            await upstream.post(f"http://127.0.0.1:{closed_port()}/v1/completions", b"{}", {})
+
+
+async def test_no_answer_is_a_read_timeout() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        await asyncio.sleep(5)
+
+    async with tcp_server(silent) as url, Upstream(CONFIG) as upstream:
+        with pytest.raises(ReadTimedOut):
+            await upstream.post(url + "/v1/completions", b"{}", {})
+
+
+async def test_a_connection_closed_before_the_response_is_dropped() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.close()
+
+    async with tcp_server(hang_up) as url, Upstream(CONFIG) as upstream:
+        with pytest.raises(Dropped):
+            await upstream.post(url + "/v1/completions", b"{}", {})
+
+
+async def test_body_passes_through_untouched_and_a_cut_stream_raises() -> None:
+    body = b'data: {"x": 1}\n\n'
+
+    async def half_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n")
+        writer.write(b"transfer-encoding: chunked\r\n\r\n")
+        writer.write(b"%x\r\n%s\r\n" % (len(body), body))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()  # no terminating chunk: the replica died mid-stream
+
+    async with tcp_server(half_stream) as url, Upstream(CONFIG) as upstream:
+        response = await upstream.post(url + "/v1/completions", b"{}", {"content-type": "application/json"})
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream"
+        received = b""
+        with pytest.raises(UpstreamError):
+            async for chunk in response.chunks():
+                received += chunk
+        response.close(complete=False)
+    # Not decompressed although it claims gzip, and de-chunked: the bytes the replica sent.
+    assert received == body
