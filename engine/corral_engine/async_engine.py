@@ -8,7 +8,6 @@ through `loop.call_soon_threadsafe`, one callback per step for all requests.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -85,12 +84,10 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        stats = self._stats
-        pending = len(self._adds)
-        if pending:
-            stats = dataclasses.replace(stats)
-            stats.num_waiting += pending  # counted on enqueue, not only once per step
-        return stats
+        """The state after the last step, as vLLM reports it: `num_waiting` counts requests the
+        scheduler could not start, not ones that arrived since and start at the next step (a
+        router reading that burst as a queue would hold requests the engine has room for)."""
+        return self._stats
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams
@@ -139,14 +136,12 @@ class AsyncEngine:
         engine = self.engine
         try:
             while self._running:
-                admitted = self._drain_inputs()
+                self._drain_inputs()
                 if not engine.has_unfinished_requests():
                     self._stats = engine.stats()
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
-                if admitted:  # newly admitted requests count as waiting before the step, not after
-                    self._stats = engine.stats()
                 started = time.perf_counter()
                 outputs = engine.step()
                 if self.on_step is not None:
@@ -163,8 +158,8 @@ class AsyncEngine:
         finally:
             self._stats = engine.stats()
 
-    def _drain_inputs(self) -> bool:
-        """Apply queued aborts and admissions; True if any request entered the engine."""
+    def _drain_inputs(self) -> None:
+        """Apply queued aborts and admissions."""
         engine = self.engine
         while self._aborts:
             request_id = self._aborts.popleft()
@@ -175,15 +170,12 @@ class AsyncEngine:
                 self._deliver([output])
             elif self._loop is not None:
                 self._loop.call_soon_threadsafe(self._streams.pop, request_id, None)
-        admitted = False
         while self._adds:
             request = self._adds.popleft()
             try:
                 engine.insert_request(request)
-                admitted = True
             except InvalidRequestError as e:
                 self._deliver_error(request.request_id, e)
-        return admitted
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None

@@ -75,6 +75,26 @@ async def test_waiting_queue_limit(tiny_model_dir: pathlib.Path) -> None:
         await engine.shutdown()
 
 
+async def test_stats_count_as_waiting_only_what_the_scheduler_could_not_start(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    engine = AsyncEngine(
+        EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=2)
+    )
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        streams = [engine.add_request(f"w{i}", [1, 2, 3], params) for i in range(5)]
+        await anext(streams[0])
+        # Once steps have run after all five arrived: two run, three wait for a seat.
+        await _wait_for(lambda: (engine.stats().num_running, engine.stats().num_waiting) == (2, 3))
+        for stream in streams:
+            await stream.aclose()
+        await _wait_for(lambda: engine.stats().num_running + engine.stats().num_waiting == 0)
+    finally:
+        await engine.shutdown()
+
+
 def test_light_modules_do_not_import_torch() -> None:
     import subprocess
     import sys
