@@ -148,3 +148,14 @@ def test_router_excludes_and_skips_ejected() -> None:
     for _ in range(3):
         router.registry.record_failure("http://b", now_s=100.0)
     assert router.route("m", None, exclude=["http://a"]) == NoReplica(is_saturated=False)
+
+
+def test_prefix_affinity_leaves_a_queueing_home_for_a_replica_with_a_free_seat() -> None:
+    policy = PrefixAffinity(SAT, load_factor=10.0)  # bounded load alone would keep the home
+    cands = [cand("http://a", running=4), cand("http://b", running=4), cand("http://c", running=4)]
+    home = policy.pick(cands, 11).replica.url
+    queued = [cand(c.replica.url, running=4, waiting=2) if c.replica.url == home else c for c in cands]
+    assert policy.pick(queued, 11).replica.url != home
+    # When every replica queues, affinity holds (the prefix cache is the only difference left).
+    everywhere = [cand(c.replica.url, running=4, waiting=2) for c in cands]
+    assert policy.pick(everywhere, 11).replica.url == home
