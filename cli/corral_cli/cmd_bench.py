@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--seed", type=int, default=0)
     work.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested lengths")
     work.add_argument("--temperature", type=float, default=0.0)
+    work.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        metavar="N",
+        help="send max_tokens=N and end each stream once its sampled output length has arrived, so "
+        "the server does not know output lengths in advance (lengths over N stop at N)",
+    )
 
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -122,6 +129,8 @@ async def _bench(args: argparse.Namespace) -> int:
         raise BenchError(str(e)) from e
     if args.burstiness <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise BenchError("--burstiness must be > 0 and --max-concurrency >= 1")
+    if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
+        raise BenchError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
     workloads, lengths_from = _load_workloads(args, len(rates))
     model = await resolve_model(args.base_url, args.model)
     settings = RequestSettings(
@@ -130,6 +139,7 @@ async def _bench(args: argparse.Namespace) -> int:
         endpoint_type=args.endpoint_type,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        max_tokens_cap=args.max_tokens_cap,
     )
     metrics_url = None if args.no_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics")
     runs = [
@@ -156,6 +166,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "random_range_ratio": None if args.dataset else args.random_range_ratio,
         "random_dist": None if args.dataset else args.random_dist,
         "ignore_eos": args.ignore_eos,
+        "max_tokens_cap": args.max_tokens_cap,
         "seed": args.seed,
     }
     if args.result_file:

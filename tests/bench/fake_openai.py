@@ -26,6 +26,7 @@ class FakeState:
     num_preemptions: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     token_delay_s: float = 0.0
+    num_tokens_sent: list[int] = field(default_factory=list)  # per stream, once it has ended
 
 
 def _sse(obj: Any) -> str:
@@ -50,6 +51,7 @@ def build_app(state: FakeState) -> FastAPI:
     async def stream(body: dict[str, Any], chat: bool) -> AsyncIterator[str]:
         state.num_in_flight += 1
         state.max_in_flight = max(state.max_in_flight, state.num_in_flight)
+        num_sent = 0
         try:
             if chat:
                 yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
@@ -65,13 +67,15 @@ def build_app(state: FakeState) -> FastAPI:
                 piece = "é" if i % 2 else " a"
                 choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
                 yield _sse({"choices": [choice]})
+                num_sent += 1
             num_prompt = len(prompt) if isinstance(prompt, list) else 7
             usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens}
             yield _sse({"choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
             state.num_preemptions += 1
-        finally:
+        finally:  # also when the client closes the stream early (the task is cancelled)
             state.num_in_flight -= 1
+            state.num_tokens_sent.append(num_sent)
 
     async def handle(request: Request, chat: bool) -> Any:
         body = await request.json()

@@ -24,13 +24,17 @@ class RequestSettings:
     ignore_eos: bool = False
     temperature: float = 0.0
     extra_body: dict[str, Any] | None = None
+    # Send max_tokens = this cap and end each stream once its sampled output length has arrived, so
+    # the server does not know the real length in advance (as with a real EOS). None: max_tokens is
+    # the sampled length.
+    max_tokens_cap: int | None = None
 
 
 def build_body(settings: RequestSettings, request: BenchRequest) -> dict[str, Any]:
     """The JSON body for one benchmark request (streamed, with usage in the last chunk)."""
     body: dict[str, Any] = {
         "model": settings.model,
-        "max_tokens": request.output_len,
+        "max_tokens": settings.max_tokens_cap or request.output_len,
         "temperature": settings.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -59,6 +63,21 @@ def chunk_text(event: dict[str, Any], endpoint_type: str) -> str:
     return str(choice.get("text") or "")
 
 
+def carries_token(event: dict[str, Any], endpoint_type: str) -> bool:
+    """Whether an SSE event carries a generated token (Corral and vLLM stream one chunk per token
+    without speculative decoding); a token may decode to no text yet. Role-only and finish-only
+    chunks carry none."""
+    if chunk_text(event, endpoint_type):
+        return True
+    choices = event.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return False
+    choice = choices[0]
+    if choice.get("finish_reason"):
+        return False
+    return not (endpoint_type == "chat" and "role" in (choice.get("delta") or {}))
+
+
 def error_message(status: int, body: bytes) -> str:
     try:
         message = json.loads(body)["error"]["message"]
@@ -70,12 +89,18 @@ def error_message(status: int, body: bytes) -> str:
 async def send_request(
     client: httpx.AsyncClient, settings: RequestSettings, request: BenchRequest
 ) -> RequestResult:
-    """Stream one request; never raises for server or network trouble (the result records it)."""
+    """Stream one request; never raises for server or network trouble (the result records it).
+
+    With `settings.max_tokens_cap`, the stream is closed (which aborts the request on the server)
+    once `request.output_len` tokens have arrived, and that sampled length is the output counted.
+    """
     result = RequestResult(prompt_len=request.prompt_len)
     url = settings.base_url.rstrip("/") + ENDPOINTS[settings.endpoint_type]
     body = build_body(settings, request)
-    num_chunks, usage = 0, None
+    stop_after = request.output_len if settings.max_tokens_cap else None
+    num_chunks, num_tokens, usage = 0, 0, None
     start = last = time.perf_counter()
+    end: float | None = None  # when a capped stream was cut
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -101,18 +126,30 @@ async def send_request(
                         result.itl_s.append(now - last)
                     last = now
                     num_chunks += 1
+                num_tokens += carries_token(event, settings.endpoint_type)
+                if stop_after is not None and num_tokens >= stop_after:
+                    result.is_success = True  # leaving the block closes the stream: a client-side EOS
+                    end = time.perf_counter()
+                    break
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {str(e)[:_MAX_ERROR_CHARS]}"
         return result
-    result.e2el_s = time.perf_counter() - start
+    result.e2el_s = (end or time.perf_counter()) - start
     if num_chunks == 0:
         result.ttft_s = result.e2el_s  # nothing streamed before the end
     if not result.is_success:
         result.error = "stream ended without [DONE]"
-        return result
+    elif end is not None:
+        result.output_len = num_tokens  # the server reports no usage for a stream cut short
+    else:
+        _record_usage(result, usage, num_chunks)
+    return result
+
+
+def _record_usage(result: RequestResult, usage: Any, num_chunks: int) -> None:
+    """Token counts from the server's usage report, else one output token per text chunk."""
     if isinstance(usage, dict):
         result.output_len = int(usage.get("completion_tokens") or num_chunks)
-        result.prompt_len = int(usage.get("prompt_tokens") or request.prompt_len)
+        result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
     else:
         result.output_len = num_chunks
-    return result
