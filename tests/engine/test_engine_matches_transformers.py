@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 from collections.abc import Mapping
 
 import pytest
@@ -114,3 +115,22 @@ def test_per_sequence_decode_path_matches_too(
         engine.add_request(f"r{i}", prompt, params)
     final = run_checked(engine)
     assert [final[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+def test_padded_sdpa_decode_path_matches_too(
+    tiny_model_dirs: Mapping[str, pathlib.Path], references: dict
+) -> None:
+    """The PyTorch path used where the native kernel cannot be built (grouped, padded SDPA)."""
+    prompts, expected = references["mistral"]
+    engine = make_engine(tiny_model_dirs["mistral"], num_kv_blocks=40, block_size=8)
+    engine.runner.decode_kernel = None
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    final = run_checked(engine)
+    assert [final[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the native kernel cannot be built")
+def test_the_equality_tests_run_the_native_decode_kernel(tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
+    assert make_engine(tiny_model_dirs["llama"]).runner.decode_kernel is not None

@@ -1,7 +1,9 @@
 """Attention over the paged KV cache, and the per-step context every layer shares.
 
-CPU path: one scaled_dot_product_attention call per sequence over its gathered blocks (measured
-3-5x faster on CPU than one padded, masked batched call). When a sequence's queries are fewer than
+Decodes (one new token per sequence): the native paged kernel (model/native.py) reads K/V through
+the block tables for all of them at once; without it, one padded SDPA call per group of similar
+lengths over gathered blocks. Prompt chunks: one SDPA call per sequence over its gathered blocks.
+When a sequence's queries are fewer than
 its keys (chunked prefill, prefix-cache hits) the causal mask is aligned bottom-right: query i sits
 at absolute position ctx_len - num_queries + i. SDPA's `is_causal=True` aligns top-left, which is
 only right when queries and keys coincide, so it is used only for fresh prefills.
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from corral_engine.model.native import PagedDecode
 
 
 @dataclass(slots=True)
@@ -83,6 +87,7 @@ class AttentionContext:
     seqs: list[SeqAttention]  # sequences attended one by one (prompt chunks)
     block_size: int
     decodes: list[DecodeBatch] = field(default_factory=list)  # batched decodes, grouped by length
+    decode_kernel: PagedDecode | None = None  # native paged decode (all decodes in one batch)
 
 
 def paged_attention(
@@ -102,7 +107,12 @@ def paged_attention(
     flat_v.index_copy_(0, ctx.slot_mapping, v)
     out = torch.empty_like(q)
     for batch in ctx.decodes:
-        _decode_attention(q, k_cache, v_cache, batch, ctx.block_size, scale, window, out)
+        if ctx.decode_kernel is not None:
+            qs = q.index_select(0, batch.rows)  # [S, H, D]
+            o = ctx.decode_kernel(qs, k_cache, v_cache, batch.block_tables, batch.ctx_lens, scale, window)
+            out.index_copy_(0, batch.rows, o)
+        else:
+            _decode_attention(q, k_cache, v_cache, batch, ctx.block_size, scale, window, out)
     for s in ctx.seqs:
         qs = q[s.q_start : s.q_end].transpose(0, 1)  # [H, nq, D]
         if s.is_fresh:

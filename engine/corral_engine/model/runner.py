@@ -15,6 +15,7 @@ from corral_engine.model.attention import AttentionContext, DecodeBatch, SeqAtte
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM, rope_parameters
 from corral_engine.model.loader import load_weights
+from corral_engine.model.native import load_paged_decode
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class ModelRunner:
         self.batched_decode = os.environ.get("CORRAL_BATCHED_DECODE", "1") != "0"
         self.device = select_device(args.device)
         self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype)
+        # The native paged decode kernel when it builds here (CPU, bf16/fp32); else PyTorch SDPA.
+        kernel = load_paged_decode() if self.batched_decode and self.device.type == "cpu" else None
+        self.decode_kernel = (
+            kernel if kernel is not None and kernel.supports(self.dtype, self.device) else None
+        )
         if self.device.type == "cpu":
             torch.set_num_threads(args.num_threads or max(1, len(os.sched_getaffinity(0))))
         self.model = self._build_model()
@@ -157,10 +163,17 @@ class ModelRunner:
                 ),
                 as_tensor([decode_lens[i] for i in group]),
             )
-            for group in group_by_length([len(t) for t in decode_tables])
+            for group in self._decode_groups(decode_tables)
         ]
-        ctx = AttentionContext(as_tensor(slots), seqs, bs, decodes)
+        ctx = AttentionContext(as_tensor(slots), seqs, bs, decodes, self.decode_kernel)
         return StepBatch(as_tensor(input_ids), as_tensor(positions), ctx, as_tensor(logits_indices))
+
+    def _decode_groups(self, tables: list[list[int]]) -> list[list[int]]:
+        if not tables:
+            return []
+        if self.decode_kernel is not None:  # reads each context at its own length: no padding
+            return [list(range(len(tables)))]
+        return group_by_length([len(t) for t in tables])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:

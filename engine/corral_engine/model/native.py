@@ -1,0 +1,137 @@
+"""Optional native CPU kernels: compiled on first use with the system C compiler, cached per machine.
+
+`load_paged_decode()` returns the paged decode attention kernel (kernels/paged_decode.c) or None
+when it cannot be had (no compiler, a failed build, `CORRAL_NATIVE_ATTENTION=0`); callers then use
+the pure-PyTorch path, which computes the same thing. The library is built with `-march=native`,
+so the cache key includes the CPU's feature flags as well as the source and the compiler.
+The kernel runs without the GIL (ctypes releases it), on torch's thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
+ENV_SWITCH = "CORRAL_NATIVE_ATTENTION"  # "0" turns the native kernels off
+ENV_CACHE_DIR = "CORRAL_KERNEL_CACHE"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_BUILD_TIMEOUT_S = 120
+
+
+class NativeKernelError(RuntimeError):
+    pass
+
+
+class PagedDecode:
+    """out[S, H, D] = softmax(q K^T * scale) V per sequence, K/V read through the block tables."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns: dict[torch.dtype, Any] = {}
+        for dtype, name in ((torch.bfloat16, "paged_decode_bf16"), (torch.float32, "paged_decode_f32")):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            # pointers: q, k_cache, v_cache, block_tables, ctx_lens, out; then six sizes;
+            # then scale, window, threads
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+            fn.argtypes += [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
+            self._fns[dtype] = fn
+
+    def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cpu" and dtype in self._fns
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [S, H, D], contiguous
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], contiguous
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [S, max_blocks] int64
+        ctx_lens: torch.Tensor,  # [S] int64
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        tensors = (q, k_cache, v_cache, block_tables, ctx_lens)
+        if not all(t.is_contiguous() for t in tensors) or block_tables.dtype != torch.int64:
+            raise NativeKernelError("paged decode needs contiguous tensors and int64 block tables")
+        out = torch.empty_like(q)
+        failed = self._fns[q.dtype](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            ctx_lens.data_ptr(), out.data_ptr(),
+            num_seqs, block_tables.shape[1], block_size, num_kv_heads, num_heads // num_kv_heads, head_dim,
+            scale, window or 0, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise NativeKernelError("paged decode could not allocate its scratch buffers")
+        return out
+
+
+@cache
+def load_paged_decode() -> PagedDecode | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        logger.info("native paged attention off (%s=0)", ENV_SWITCH)
+        return None
+    try:
+        return PagedDecode(ctypes.CDLL(str(build(SOURCE))))
+    except (NativeKernelError, OSError, AttributeError) as e:
+        logger.warning("native paged attention unavailable, using the PyTorch path: %s", e)
+        return None
+
+
+def build(source: Path) -> Path:
+    """The compiled library for `source` on this machine, building it on first use."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise NativeKernelError("no C compiler found (set CC)")
+    key = hashlib.sha256(
+        b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_flags()])
+    ).hexdigest()[:16]
+    cache_dir = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "corral" / "kernels")
+    target = cache_dir / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        partial = Path(tmp) / target.name
+        cmd = [compiler, *FLAGS, "-o", str(partial), str(source), "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise NativeKernelError(f"{compiler} failed: {e}") from e
+        if done.returncode != 0:
+            raise NativeKernelError(
+                f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-2000:]}"
+            )
+        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+    logger.info("built %s", target)
+    return target
+
+
+def _compiler_id(compiler: str) -> bytes:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return b""
+
+
+def _cpu_flags() -> bytes:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return b""

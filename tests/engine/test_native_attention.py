@@ -1,0 +1,115 @@
+"""The native paged decode kernel against the PyTorch decode path, on hand-made paged caches."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from corral_engine.model import native
+from corral_engine.model.attention import DecodeBatch, _decode_attention
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernel")
+
+
+def paged_case(
+    lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """q, k_cache, v_cache, padded block tables and lengths; each sequence's blocks scattered."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tables = []
+    num_blocks = 1 + sum(-(-n // block_size) for n in lens)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    for n in lens:
+        tables.append([free.pop() for _ in range(-(-n // block_size))])
+    width = max(len(t) for t in tables)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn((len(lens), num_kv_heads * group, head_dim), generator=gen).to(dtype)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    return q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.long)
+
+
+def reference(q, k_cache, v_cache, block_tables, ctx_lens, scale, window):  # type: ignore[no-untyped-def]
+    out = torch.zeros_like(q)
+    batch = DecodeBatch(torch.arange(q.shape[0]), block_tables, ctx_lens)
+    _decode_attention(q, k_cache, v_cache, batch, k_cache.shape[1], scale, window, out)
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"]
+)
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim", "block_size"),
+    [(4, 3, 64, 16), (2, 1, 128, 8), (1, 4, 32, 5)],  # GQA, MHA with the 128 specialisation, generic
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_kernel_matches_the_pytorch_path(
+    dtype: torch.dtype,
+    atol: float,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+) -> None:
+    kernel = native.load_paged_decode()
+    assert kernel is not None and kernel.supports(dtype, torch.device("cpu"))
+    lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 57, 130]
+    case = paged_case(lens, num_kv_heads, group, head_dim, block_size, dtype, seed=head_dim + group)
+    scale = head_dim**-0.5
+    got = kernel(*case, scale, window)
+    want = reference(*case, scale, window)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+@needs_compiler
+def test_kernel_rejects_non_contiguous_inputs() -> None:
+    kernel = native.load_paged_decode()
+    assert kernel is not None
+    q, k_cache, v_cache, tables, lens = paged_case([5, 9], 2, 2, 64, 4, torch.float32, seed=0)
+    with pytest.raises(native.NativeKernelError):
+        kernel(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, tables, lens, 0.1, None)
+    with pytest.raises(native.NativeKernelError):
+        kernel(q, k_cache, v_cache, tables.to(torch.int32), lens, 0.1, None)
+
+
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.load_paged_decode.cache_clear()
+    try:
+        assert native.load_paged_decode() is None
+    finally:
+        native.load_paged_decode.cache_clear()
+
+
+@needs_compiler
+def test_a_failed_build_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return missing_symbol; }\n")
+    with pytest.raises(native.NativeKernelError, match="missing_symbol"):
+        native.build(broken)
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+@needs_compiler
+def test_builds_once_then_reuses_the_cached_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_CACHE_DIR, str(tmp_path))
+    first = native.build(native.SOURCE)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(native.SOURCE) == first and first.stat().st_mtime_ns == stamp
