@@ -20,6 +20,10 @@ COPY cli cli
 RUN pip install ".[engine]"
 
 FROM python:${PYTHON_VERSION}-slim
+# A C compiler for the native paged-attention kernel, built for the node's own CPU at first start
+# (cached under $HOME/.cache/corral/kernels); without one the engine falls back to PyTorch SDPA.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 corral \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin corral
 COPY --from=build /opt/corral /opt/corral
