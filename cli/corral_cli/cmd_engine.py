@@ -151,6 +151,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _set_torch_threads(num_threads: int | None) -> None:
+    # OpenMP workers sleep instead of spinning between parallel regions (unless the user chose a
+    # policy): the server's event loop, and anything else on the node, shares these cores, and a
+    # spinning team whose other thread is descheduled stalls every op. Read once, at torch import.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(num_threads or max(1, len(os.sched_getaffinity(0))))
