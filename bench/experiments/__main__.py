@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -35,6 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--model", type=Path, help="model directory (default: OUT/model-PRESET, written if missing)"
+    )
+    p.add_argument(
+        "--engine-rev",
+        metavar="REV",
+        help="run the engine code of this git revision (e.g. HEAD), unpacked aside, so edits to the "
+        "working tree during a long run do not change it (default: the working tree)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logging only)")
     return p.parse_args(argv)
@@ -76,10 +83,23 @@ def main(argv: list[str] | None = None) -> int:
             log.error("render needs a result.json path")
             return 2
         return _render(args.result)
+    # SIGTERM unwinds like Ctrl-C, so the engine processes of the current run are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from bench.experiments import source as engine_source
     from bench.experiments.execute import ensure_model, run_experiment
 
     root = args.out or (Path(f"{DEFAULT_OUT}-quick") if args.quick else DEFAULT_OUT)
     model_dir = ensure_model(args.model or root / f"model-{args.preset}", args.preset)
+    try:
+        source = (
+            engine_source.from_revision(args.engine_rev, root)
+            if args.engine_rev
+            else engine_source.working_tree()
+        )
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    log.info("engine code: %s", source.description)
     names = specs.EXPERIMENTS if args.name == "all" else (args.name,)
     texts = []
     for name in names:
@@ -88,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         experiment = specs.build(name, args.quick)
         log.info("%s: %d runs -> %s", name, len(experiment.runs), out_dir)
         doc = run_experiment(
-            experiment, model_dir, args.preset, out_dir, quick=args.quick, show_progress=not args.no_progress
+            experiment,
+            model_dir,
+            args.preset,
+            out_dir,
+            source=source,
+            quick=args.quick,
+            show_progress=not args.no_progress,
         )
         texts.append(_write_outputs(doc, out_dir))
     sys.stdout.write("\n\n".join(texts) + "\n")

@@ -22,8 +22,9 @@ from corral_cli.bench.report import rate_label
 from corral_cli.bench.runner import RunSettings, make_client, run_once
 from corral_engine.args import DEFAULT_BLOCK_SIZE
 
+from bench.experiments.source import EngineSource
 from bench.experiments.specs import EngineConfig, Experiment, RunSpec, group_by_engine, kv_bytes_per_token
-from e2e.procs import start_engine
+from e2e.procs import EngineProcess, free_port
 
 log = logging.getLogger("experiments")
 
@@ -32,6 +33,7 @@ SERVED_MODEL = "exp"
 # plus a 512-token cap): the experiments' tiny model is the same preset with a 2048-token context.
 CONTEXT_LEN = 2048
 REQUEST_TIMEOUT_S = 600.0
+ENGINE_START_TIMEOUT_S = 120.0
 NUM_WARMUP_REQUESTS = 4
 _WARMUP_VARIANT = 1_000_000
 
@@ -115,7 +117,14 @@ def _engine_label(engine: EngineConfig) -> str:
 
 
 def run_experiment(
-    experiment: Experiment, model_dir: Path, preset: str, out_dir: Path, *, quick: bool, show_progress: bool
+    experiment: Experiment,
+    model_dir: Path,
+    preset: str,
+    out_dir: Path,
+    *,
+    source: EngineSource,
+    quick: bool,
+    show_progress: bool,
 ) -> dict[str, Any]:
     """Run every setting of `experiment`; returns the result document (also for `tables`/`plots`)."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -127,13 +136,17 @@ def run_experiment(
     for n, (engine, specs) in enumerate(groups, start=1):
         log.info("%s: engine %d/%d (%s)", experiment.name, n, len(groups), _engine_label(engine))
         flags = engine.flags()
-        with start_engine(model_dir, log_dir=log_dir, served_model_name=SERVED_MODEL, **flags) as proc:
+        flags["served_model_name"] = SERVED_MODEL
+        # Entered before waiting for health, so an interrupt while it starts still stops it.
+        with EngineProcess(model_dir, free_port(), flags, log_dir=log_dir, env=source.env) as proc:
+            proc.wait_ready(ENGINE_START_TIMEOUT_S)
             records += asyncio.run(_run_group(proc.url, specs, token_ids, len(records), show_progress))
     return {
         "experiment": experiment.name,
         "title": experiment.title,
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "preset": preset,
+        "engine_source": source.description,
         "model_dir": str(model_dir),
         "context_len": int(config["max_position_embeddings"]),
         "kv_bytes_per_token": kv_bytes_per_token(config),

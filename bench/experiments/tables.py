@@ -135,6 +135,7 @@ def render(doc: dict[str, Any]) -> str:
     """The experiment's table(s) under a one-line header naming the run."""
     meta = (
         f"{doc['title']}: {doc['date_utc']} UTC, `{doc['preset']}` demo model, {doc['num_cpus']} CPUs, "
-        f"{doc['wall_time_s']:.0f} s" + (" (--quick)" if doc.get("quick") else "")
+        f"engine {doc.get('engine_source', 'n/a')}, {doc['wall_time_s']:.0f} s"
+        + (" (--quick)" if doc.get("quick") else "")
     )
     return meta + "\n\n" + TABLES[doc["experiment"]](doc)
