@@ -1,6 +1,8 @@
 """Gateway overhead benchmark (issue 4, acceptance 7): N concurrent streams through the gateway versus
 straight to the same engine, alternating runs; plus one-at-a-time 1-token requests, which isolate
-the proxy's added latency from engine batching noise.
+the proxy's added latency from engine batching noise. It also reports the CPU the gateway and the
+engine used: on one small machine the gateway's CPU is taken from the engine (and the load client),
+so the throughput ratio is bounded by it; on separate nodes only the added latency remains.
 
     .venv/bin/python -m bench.routing.overhead_bench --concurrency 100 --num-requests 600 --rounds 3
 
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -47,11 +50,24 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def streams_summary(results: list[RequestResult], duration_s: float) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def streams_summary(
+    results: list[RequestResult], duration_s: float, cpu_s: dict[str, float]
+) -> dict[str, float]:
     ok = [r for r in results if r.is_success]
+    num_tokens = sum(r.output_len for r in ok)
     return {
         "num_ok": len(ok),
-        "output_tok_s": sum(r.output_len for r in ok) / duration_s,
+        "output_tok_s": num_tokens / duration_s,
+        # Cores each process kept busy during the run, and the gateway's CPU per forwarded token.
+        "engine_cores": cpu_s["engine"] / duration_s,
+        "gateway_cores": cpu_s["gateway"] / duration_s,
+        "gateway_cpu_us_per_token": cpu_s["gateway"] / max(1, num_tokens) * 1e6,
         "median_e2el_ms": statistics.median(r.e2el_s for r in ok) * 1000,
         "median_ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
     }
@@ -94,8 +110,11 @@ def main() -> int:
         asyncio.run(closed_loop(engine.url, requests[: args.concurrency], args.concurrency))  # warm-up
         for round_index in range(args.rounds):
             for name, url in targets.items():
+                pids = {"engine": engine.proc.pid, "gateway": gateway.proc.pid}
+                before = {k: cpu_seconds(pid) for k, pid in pids.items()}
                 results, duration_s = asyncio.run(closed_loop(url, requests, args.concurrency))
-                runs[name].append(streams_summary(results, duration_s))
+                used = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
+                runs[name].append(streams_summary(results, duration_s, used))
                 logger.info("round %d %s: %s", round_index, name, runs[name][-1])
                 probes[name] += probe_latencies_ms(url, args.num_probes // args.rounds)
         queue_wait_s = gateway.metric("corral_gateway_queue_wait_seconds_sum")
@@ -120,6 +139,10 @@ def summarize(runs: dict[str, list[dict[str, float]]], probes: dict[str, list[fl
         "direct_probe_median_ms": statistics.median(probes["direct"]),
         "gateway_probe_median_ms": statistics.median(probes["gateway"]),
         "added_probe_median_ms": statistics.median(probes["gateway"]) - statistics.median(probes["direct"]),
+        "gateway_cores_while_proxying": med("gateway", "gateway_cores"),
+        "gateway_cpu_us_per_token": med("gateway", "gateway_cpu_us_per_token"),
+        "engine_cores_direct": med("direct", "engine_cores"),
+        "engine_cores_via_gateway": med("gateway", "engine_cores"),
     }
 
 
