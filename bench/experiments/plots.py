@@ -104,7 +104,8 @@ def plot_policy(doc: dict[str, Any], path: Path) -> None:
             heights = [_value(by_group.get(g), key) for g in groups]
             ax.bar([j + i * width for j in range(len(groups))], heights, width, label=variant)
         ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(groups))])
-        ax.set_xticklabels([f"{b} blocks\n{rate} req/s" for b, rate in groups], fontsize=8)
+        ax.set_xticklabels([f"{b}\n{rate}" for b, rate in groups], fontsize=8)
+        ax.set_xlabel("KV blocks / request rate (req/s)", fontsize=8)
         ax.set_title(title)
         ax.grid(alpha=0.3, axis="y")
     handles, labels = axes[0].get_legend_handles_labels()

@@ -124,7 +124,7 @@ def policy(quick: bool = False) -> Experiment:
     if quick:
         seqs, budgets, rates, num_prompts, lengths = 32, (64,), (INF,), 24, SHAREGPT_LIKE_QUICK
     else:
-        seqs, budgets, rates, num_prompts, lengths = 128, (512, 1024, 2048), (INF, 15.0), 200, SHAREGPT_LIKE
+        seqs, budgets, rates, num_prompts, lengths = 128, (512, 1024, 2048), (INF, 25.0), 200, SHAREGPT_LIKE
     cap = lengths.max_output_len
     runs = []
     for blocks in budgets:
