@@ -57,6 +57,7 @@ def reference(q, k_cache, v_cache, block_tables, ctx_lens, scale, window):  # ty
     [(4, 3, 64, 16), (2, 1, 128, 8), (1, 4, 32, 5)],  # GQA, MHA with the 128 specialisation, generic
 )
 @pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("num_seqs", [3, 40], ids=["one-head-per-item", "all-heads-per-item"])
 def test_kernel_matches_the_pytorch_path(
     dtype: torch.dtype,
     atol: float,
@@ -65,10 +66,13 @@ def test_kernel_matches_the_pytorch_path(
     head_dim: int,
     block_size: int,
     window: int | None,
+    num_seqs: int,
 ) -> None:
     kernel = native.load_paged_decode()
     assert kernel is not None and kernel.supports(dtype, torch.device("cpu"))
-    lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 57, 130]
+    # Few sequences: one KV head per work item; many (>= 4 per thread): whole sequences per item.
+    lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 57, 130] * 6
+    lens = lens[:num_seqs]
     case = paged_case(lens, num_kv_heads, group, head_dim, block_size, dtype, seed=head_dim + group)
     scale = head_dim**-0.5
     got = kernel(*case, scale, window)

@@ -1,9 +1,10 @@
 /* Paged decode attention on the CPU: one query token per sequence, keys and values read straight
  * from the block-table-addressed cache (no gather copy, no padding to the longest context).
  *
- * Work item = (sequence, KV head): its G query heads (GQA) are scored against every cached key of
- * the sequence, softmaxed in float32, and the values summed; items run in parallel (OpenMP). Each
- * cache block is converted to a float32 tile once and used by all G heads, so the cache is read
+ * Work item = a sequence's KV heads (all of them, or one each when there are few sequences): the
+ * G query heads (GQA) of each are scored against every cached key of the sequence, softmaxed in
+ * float32, and the values summed; items run in parallel (OpenMP). Each cache block is read
+ * contiguously and converted to a float32 tile once for all its query heads, so the cache is read
  * once per step: what decode attention costs at best on a memory-bound CPU.
  *
  * Layouts (row-major, contiguous):
@@ -44,69 +45,91 @@ typedef struct {
     int64_t window;
 } Shape;
 
-/* Rows [0, count) of one cache block for KV head h, as float32 [count][D]. */
-static inline void load_tile_bf16(const uint16_t *block, int64_t h, int64_t count, const Shape *sh,
-                                  const int64_t D, float *tile) {
+/* Rows [0, count) of one cache block, KV heads [h0, h0 + nh), as float32 [count][nh * D]. */
+static inline void load_tile_bf16(const uint16_t *block, int64_t h0, int64_t nh, int64_t count,
+                                  const Shape *sh, const int64_t D, float *tile) {
+    const int64_t width = nh * D;
     for (int64_t t = 0; t < count; t++) {
-        const uint16_t *src = block + t * sh->token_stride + h * D;
-        float *dst = tile + t * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+        const uint16_t *src = block + t * sh->token_stride + h0 * D;
+        float *dst = tile + t * width;
+        for (int64_t i = 0; i < width; i++) dst[i] = bf16_to_f32(src[i]);
     }
 }
 
-static inline void load_tile_f32(const float *block, int64_t h, int64_t count, const Shape *sh,
-                                 const int64_t D, float *tile) {
-    for (int64_t t = 0; t < count; t++) memcpy(tile + t * D, block + t * sh->token_stride + h * D, sizeof(float) * D);
+static inline void load_tile_f32(const float *block, int64_t h0, int64_t nh, int64_t count,
+                                 const Shape *sh, const int64_t D, float *tile) {
+    for (int64_t t = 0; t < count; t++)
+        memcpy(tile + t * nh * D, block + t * sh->token_stride + h0 * D, sizeof(float) * nh * D);
 }
 
-/* One (sequence, KV head) item. D is a compile-time constant in the specialised callers. */
+/* Ask for the next block's rows of heads [h0, h0 + nh) while this one is computed: blocks sit at
+ * unpredictable addresses, so the hardware prefetcher only ramps up inside each one. */
+static inline void prefetch_rows(const char *block, int64_t first_byte, int64_t bytes, int64_t count,
+                                 int64_t row_stride) {
+    for (int64_t t = 0; t < count; t++)
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(block + t * row_stride + first_byte + b, 0, 3);
+}
+
+/* One item: a sequence's KV heads [h0, h0 + nh), all G query heads of each. Reading several heads
+ * per block keeps the cache reads contiguous. D is a compile-time constant in the specialised
+ * callers. qf and acc are [nh * G][D]; scores [nh * G][n]; tile [block_size][nh * D]. */
 #define DEFINE_ITEM(NAME, T, LOAD_TILE)                                                           \
     static inline __attribute__((always_inline)) void NAME(                                      \
-        const T *k_cache, const T *v_cache, const int64_t *table, int64_t len, int64_t h,        \
-        const Shape *sh, const int64_t D, const float *qf, float *scores, float *tile,            \
-        float *acc) {                                                                             \
-        const int64_t G = sh->group, bs = sh->block_size;                                         \
+        const T *k_cache, const T *v_cache, const int64_t *table, int64_t len, int64_t h0,       \
+        int64_t nh, const Shape *sh, const int64_t D, const float *qf, float *scores,            \
+        float *tile, float *acc) {                                                                \
+        const int64_t G = sh->group, bs = sh->block_size, rows = nh * G, width = nh * D;          \
         const int64_t first = (sh->window > 0 && len > sh->window) ? len - sh->window : 0;        \
         const int64_t n = len - first;                                                            \
         for (int64_t t0 = first - first % bs; t0 < len; t0 += bs) { /* scores */                  \
             const int64_t lo = t0 < first ? first - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;    \
-            LOAD_TILE(k_cache + table[t0 / bs] * sh->block_stride, h, hi, sh, D, tile);           \
-            for (int64_t g = 0; g < G; g++) {                                                     \
-                const float *qg = qf + g * D;                                                     \
-                float *sg = scores + g * n + (t0 - first);                                        \
+            if (t0 + bs < len)                                                                    \
+                prefetch_rows((const char *)(k_cache + table[(t0 + bs) / bs] * sh->block_stride),  \
+                              h0 * D * (int64_t)sizeof(T), width * (int64_t)sizeof(T), bs,        \
+                              sh->token_stride * (int64_t)sizeof(T));                             \
+            LOAD_TILE(k_cache + table[t0 / bs] * sh->block_stride, h0, nh, hi, sh, D, tile);      \
+            for (int64_t r = 0; r < rows; r++) {                                                  \
+                const float *qr = qf + r * D;                                                     \
+                const float *kh = tile + (r / G) * D;                                             \
+                float *sr = scores + r * n + (t0 - first);                                        \
                 for (int64_t t = lo; t < hi; t++) {                                               \
-                    const float *k = tile + t * D;                                                \
+                    const float *k = kh + t * width;                                              \
                     float dot = 0.0f;                                                             \
-                    for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];                          \
-                    sg[t] = dot;                                                                  \
+                    for (int64_t d = 0; d < D; d++) dot += qr[d] * k[d];                          \
+                    sr[t] = dot;                                                                  \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t g = 0; g < G; g++) { /* softmax */                                           \
-            float *sg = scores + g * n;                                                           \
+        for (int64_t r = 0; r < rows; r++) { /* softmax */                                        \
+            float *sr = scores + r * n;                                                           \
             float m = -FLT_MAX, sum = 0.0f;                                                       \
-            for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;                            \
+            for (int64_t i = 0; i < n; i++) m = sr[i] > m ? sr[i] : m;                            \
             for (int64_t i = 0; i < n; i++) {                                                     \
-                sg[i] = expf(sg[i] - m);                                                          \
-                sum += sg[i];                                                                     \
+                sr[i] = expf(sr[i] - m);                                                          \
+                sum += sr[i];                                                                     \
             }                                                                                     \
             const float inv = 1.0f / sum;                                                         \
-            for (int64_t i = 0; i < n; i++) sg[i] *= inv;                                         \
+            for (int64_t i = 0; i < n; i++) sr[i] *= inv;                                         \
         }                                                                                         \
-        memset(acc, 0, sizeof(float) * G * D);                                                    \
+        memset(acc, 0, sizeof(float) * rows * D);                                                 \
         for (int64_t t0 = first - first % bs; t0 < len; t0 += bs) { /* values */                  \
             const int64_t lo = t0 < first ? first - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;    \
-            LOAD_TILE(v_cache + table[t0 / bs] * sh->block_stride, h, hi, sh, D, tile);           \
-            for (int64_t g = 0; g < G; g++) {                                                     \
-                const float *pg = scores + g * n + (t0 - first);                                  \
+            if (t0 + bs < len)                                                                    \
+                prefetch_rows((const char *)(v_cache + table[(t0 + bs) / bs] * sh->block_stride),  \
+                              h0 * D * (int64_t)sizeof(T), width * (int64_t)sizeof(T), bs,        \
+                              sh->token_stride * (int64_t)sizeof(T));                             \
+            LOAD_TILE(v_cache + table[t0 / bs] * sh->block_stride, h0, nh, hi, sh, D, tile);      \
+            for (int64_t r = 0; r < rows; r++) {                                                  \
+                const float *pr = scores + r * n + (t0 - first);                                  \
+                const float *vh = tile + (r / G) * D;                                             \
                 float a[D];                                                                       \
-                memcpy(a, acc + g * D, sizeof a);                                                 \
+                memcpy(a, acc + r * D, sizeof a);                                                 \
                 for (int64_t t = lo; t < hi; t++) {                                               \
-                    const float p = pg[t];                                                        \
-                    const float *v = tile + t * D;                                                \
+                    const float p = pr[t];                                                        \
+                    const float *v = vh + t * width;                                              \
                     for (int64_t d = 0; d < D; d++) a[d] += p * v[d];                             \
                 }                                                                                 \
-                memcpy(acc + g * D, a, sizeof a);                                                 \
+                memcpy(acc + r * D, a, sizeof a);                                                 \
             }                                                                                     \
         }                                                                                         \
     }
@@ -123,14 +146,18 @@ DEFINE_ITEM(item_f32, float, load_tile_f32)
         const Shape sh = {num_kv_heads, group, head_dim, block_size, max_blocks,                   \
                           num_kv_heads * head_dim, block_size * num_kv_heads * head_dim, scale,   \
                           window};                                                                 \
-        const int64_t num_items = num_seqs * num_kv_heads;                                         \
+        /* Whole sequences per item when there are enough of them to keep every thread busy;     \
+         * otherwise one KV head per item, so a few long sequences still use all threads. */     \
+        const int64_t nh = num_seqs >= 4 * (int64_t)num_threads ? num_kv_heads : 1;               \
+        const int64_t items_per_seq = num_kv_heads / nh, num_items = num_seqs * items_per_seq;    \
+        const int64_t rows = nh * group;                                                           \
         int failed = 0;                                                                            \
         _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                      \
         {                                                                                          \
-            float *scores = malloc(sizeof(float) * group * max_blocks * block_size);               \
-            float *qf = malloc(sizeof(float) * group * head_dim);                                  \
-            float *acc = malloc(sizeof(float) * group * head_dim);                                 \
-            float *tile = malloc(sizeof(float) * block_size * head_dim);                           \
+            float *scores = malloc(sizeof(float) * rows * max_blocks * block_size);                \
+            float *qf = malloc(sizeof(float) * rows * head_dim);                                   \
+            float *acc = malloc(sizeof(float) * rows * head_dim);                                  \
+            float *tile = malloc(sizeof(float) * block_size * nh * head_dim);                      \
             const int ok = scores != NULL && qf != NULL && acc != NULL && tile != NULL;            \
             /* every thread reaches the worksharing loop, even one whose buffers failed */         \
             _Pragma("omp for schedule(dynamic, 1)")                                                \
@@ -139,19 +166,21 @@ DEFINE_ITEM(item_f32, float, load_tile_f32)
                     failed = 1;                                                                    \
                     continue;                                                                      \
                 }                                                                                  \
-                const int64_t s = item / num_kv_heads, h = item % num_kv_heads;                    \
-                const T *qs = q + (s * num_kv_heads + h) * group * head_dim;                       \
-                for (int64_t i = 0; i < group * head_dim; i++) qf[i] = TO_F32(qs[i]) * scale;      \
+                const int64_t s = item / items_per_seq, h0 = (item % items_per_seq) * nh;          \
+                const T *qs = q + (s * num_kv_heads + h0) * group * head_dim;                      \
+                for (int64_t i = 0; i < rows * head_dim; i++) qf[i] = TO_F32(qs[i]) * scale;       \
                 const int64_t *table = block_tables + s * max_blocks;                              \
                 if (head_dim == 64)                                                                \
-                    ITEM(k_cache, v_cache, table, ctx_lens[s], h, &sh, 64, qf, scores, tile, acc); \
-                else if (head_dim == 128)                                                          \
-                    ITEM(k_cache, v_cache, table, ctx_lens[s], h, &sh, 128, qf, scores, tile, acc);\
-                else                                                                               \
-                    ITEM(k_cache, v_cache, table, ctx_lens[s], h, &sh, head_dim, qf, scores, tile, \
+                    ITEM(k_cache, v_cache, table, ctx_lens[s], h0, nh, &sh, 64, qf, scores, tile,  \
                          acc);                                                                     \
-                T *os = out + (s * num_kv_heads + h) * group * head_dim;                           \
-                for (int64_t i = 0; i < group * head_dim; i++) os[i] = FROM_F32(acc[i]);           \
+                else if (head_dim == 128)                                                          \
+                    ITEM(k_cache, v_cache, table, ctx_lens[s], h0, nh, &sh, 128, qf, scores, tile, \
+                         acc);                                                                     \
+                else                                                                               \
+                    ITEM(k_cache, v_cache, table, ctx_lens[s], h0, nh, &sh, head_dim, qf, scores,  \
+                         tile, acc);                                                               \
+                T *os = out + (s * num_kv_heads + h0) * group * head_dim;                          \
+                for (int64_t i = 0; i < rows * head_dim; i++) os[i] = FROM_F32(acc[i]);            \
             }                                                                                      \
             free(scores);                                                                          \
             free(qf);                                                                              \
