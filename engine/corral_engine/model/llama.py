@@ -13,6 +13,7 @@ from torch import nn
 
 from corral_engine.model.attention import AttentionContext, paged_attention
 from corral_engine.model.config import ModelConfig
+from corral_engine.model.native import FusedOps, load_fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = load_fused_ops() if FusedOps.supports(x) and self.weight.dtype == x.dtype else None
+        if ops is not None:  # bf16 on the CPU: the same arithmetic in one pass over memory
+            return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, scale in the model dtype: transformers' order, in one fused kernel.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -68,7 +72,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that can multiply bfloat16 batches in float32: on CPUs without native bf16 matmuls
+    (no AVX512-BF16 / AMX) PyTorch emulates them at a fraction of float32 speed, and upcasting the
+    weight on every call is still 4-6x faster from about 8 rows on. The result is rounded back to
+    bf16, so only float32 accumulation order differs. Fewer rows stay in bf16 (memory-bound)."""
+
+    upcast_min_rows = 0  # 0: never; set per model by the runner (ModelRunner.upcast_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast_min_rows and x.dtype == torch.bfloat16 and x.shape[0] >= self.upcast_min_rows:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
     """A linear layer whose output rows are several checkpoint tensors stacked (e.g. q, k, v)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
@@ -91,7 +110,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(
             config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, config.qkv_bias
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -126,11 +145,14 @@ class MLP(nn.Module):
         self.gate_up_proj = FusedLinear(
             config.hidden_size, {"gate_proj": size, "up_proj": size}, config.mlp_bias
         )
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
         self.size = size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        ops = load_fused_ops() if FusedOps.supports(gate_up) else None
+        if ops is not None:  # bf16 on the CPU: one pass instead of silu, round, multiply
+            return self.down_proj(ops.silu_and_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size :])
 
 
@@ -161,7 +183,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = Decoder(config)
         self.rotary = Rotary(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

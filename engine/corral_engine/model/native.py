@@ -1,10 +1,12 @@
 """Optional native CPU kernels: compiled on first use with the system C compiler, cached per machine.
 
-`load_paged_decode()` returns the paged decode attention kernel (kernels/paged_decode.c) or None
-when it cannot be had (no compiler, a failed build, `CORRAL_NATIVE_ATTENTION=0`); callers then use
-the pure-PyTorch path, which computes the same thing. The library is built with `-march=native`,
-so the cache key includes the CPU's feature flags as well as the source and the compiler.
-The kernel runs without the GIL (ctypes releases it), on torch's thread count.
+`load_paged_decode()` returns the paged decode attention kernel (kernels/paged_decode.c) and
+`load_fused_ops()` the fused bf16 elementwise ops (kernels/fused_ops.c: SiLU-and-multiply, RMSNorm);
+each is None when it cannot be had (no compiler, a failed build, `CORRAL_NATIVE_ATTENTION=0`), and
+callers then use the pure-PyTorch path, which computes the same thing. The libraries are built with
+`-march=native`, so the cache key includes the CPU's feature flags as well as the source and the
+compiler. The kernels run without the GIL (ctypes releases it), on torch's thread count, in torch's
+own OpenMP runtime (the process has one libgomp).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
+FUSED_SOURCE = Path(__file__).parent / "kernels" / "fused_ops.c"
 ENV_SWITCH = "CORRAL_NATIVE_ATTENTION"  # "0" turns the native kernels off
 ENV_CACHE_DIR = "CORRAL_KERNEL_CACHE"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -79,16 +82,62 @@ class PagedDecode:
         return out
 
 
+class FusedOps:
+    """bf16 elementwise ops in one pass, rounding like the PyTorch expressions they replace."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._silu_and_mul = lib.silu_and_mul_bf16
+        self._silu_and_mul.restype = ctypes.c_int
+        self._silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._rms_norm = lib.rms_norm_bf16
+        self._rms_norm.restype = ctypes.c_int
+        sizes = [ctypes.c_int64] * 2
+        self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + sizes + [ctypes.c_float, ctypes.c_int]
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous()
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> [T, I]: silu(gate) * up, as `F.silu(x[:, :I]) * x[:, I:]` computes it."""
+        rows, width = gate_up.shape
+        out = gate_up.new_empty((rows, width // 2))
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * bf16(rms_norm(float32(x))) over the last dimension."""
+        size = x.shape[-1]
+        out = torch.empty_like(x)
+        self._rms_norm(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // size, size, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
 @cache
 def load_paged_decode() -> PagedDecode | None:
+    lib = _load(SOURCE, "native paged attention")
+    return PagedDecode(lib) if lib is not None else None
+
+
+@cache
+def load_fused_ops() -> FusedOps | None:
+    lib = _load(FUSED_SOURCE, "native fused bf16 ops")
+    return FusedOps(lib) if lib is not None else None
+
+
+def _load(source: Path, what: str) -> ctypes.CDLL | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("native paged attention off (%s=0)", ENV_SWITCH)
+        logger.info("%s off (%s=0)", what, ENV_SWITCH)
         return None
     try:
-        return PagedDecode(ctypes.CDLL(str(build(SOURCE))))
-    except (NativeKernelError, OSError, AttributeError) as e:
-        logger.warning("native paged attention unavailable, using the PyTorch path: %s", e)
+        lib = ctypes.CDLL(str(build(source)))
+    except (NativeKernelError, OSError) as e:
+        logger.warning("%s unavailable, using the PyTorch path: %s", what, e)
         return None
+    return lib
 
 
 def build(source: Path) -> Path:

@@ -13,13 +13,17 @@ from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.attention import AttentionContext, DecodeBatch, SeqAttention
 from corral_engine.model.config import ModelConfig
-from corral_engine.model.llama import CausalLM, rope_parameters
+from corral_engine.model.llama import CausalLM, Linear, rope_parameters
 from corral_engine.model.loader import load_weights
 from corral_engine.model.native import load_paged_decode
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# bf16 matmuls of at least this many rows run in float32 where the CPU has no native bf16 (Linear).
+# CORRAL_BF16_UPCAST: "auto" (default), "1" always (for tests), "0" never.
+UPCAST_MIN_ROWS = 8
+ENV_UPCAST = "CORRAL_BF16_UPCAST"
 
 
 def select_device(requested: str) -> torch.device:
@@ -100,9 +104,22 @@ class ModelRunner:
         if self.config.tie_word_embeddings:  # moving off the meta device unties shared parameters
             model.lm_head.weight = model.model.embed_tokens.weight
         load_weights(model, self.config)
+        self.upcast_rows = self._upcast_rows()
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.upcast_min_rows = self.upcast_rows
         inv_freq, _ = rope_parameters(self.config)
         model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval()
+
+    def _upcast_rows(self) -> int:
+        mode = os.environ.get(ENV_UPCAST, "auto")
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu" or mode == "0":
+            return 0
+        if mode == "auto" and cpu_supports_bf16():
+            return 0
+        logger.info("bf16 matmuls of %d+ rows run in float32 (no native bf16 on this CPU)", UPCAST_MIN_ROWS)
+        return UPCAST_MIN_ROWS
 
     def _num_kv_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         if args.num_kv_blocks is not None:
@@ -141,10 +158,13 @@ class ModelRunner:
                 input_ids.extend(seq.spec_token_ids[: s.num_spec])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if s.num_new_tokens == 1 and self.batched_decode:
-                decode_rows.append(row)
-                decode_tables.append(table[:num_blocks])
-                decode_lens.append(end)
+            if self.batched_decode and (s.num_new_tokens == 1 or s.num_spec):
+                # A decode, or a decode with draft tokens to verify: each of those rows attends
+                # like a decode over the context up to itself (its K/V is written first).
+                for j in range(s.num_new_tokens):
+                    decode_rows.append(row + j)
+                    decode_tables.append(table[: -(-(start + j + 1) // bs)])
+                    decode_lens.append(start + j + 1)
             else:
                 block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
                 seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))

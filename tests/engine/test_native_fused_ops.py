@@ -1,0 +1,142 @@
+"""bf16 on the CPU: the native fused ops (SiLU-and-multiply, RMSNorm) against the PyTorch expressions
+they replace, and float32 matmuls where the CPU has no native bf16."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from corral_engine.model import native
+from corral_engine.model.llama import MLP, Linear, RMSNorm
+from corral_engine.model.runner import UPCAST_MIN_ROWS
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernels")
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (same-sign values; both are bf16)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _assert_rounds_like(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-identical but for a last-place tie now and then (float32 exp and sum order differ)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    ulps = _ulps_apart(got, want)
+    assert int(ulps.max()) <= 1
+    assert float((ulps == 0).float().mean()) > 0.99
+
+
+@pytest.fixture(scope="module")
+def ops() -> native.FusedOps:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the kernels")
+    loaded = native.load_fused_ops()
+    assert loaded is not None, "a C compiler is present, so the fused ops must build"
+    return loaded
+
+
+@pytest.mark.parametrize(("rows", "size"), [(1, 2048), (7, 96), (64, 2048), (300, 5)])
+def test_silu_and_mul_matches_torch(ops: native.FusedOps, rows: int, size: int) -> None:
+    gate_up = (torch.randn(rows, 2 * size, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    want = F.silu(gate_up[:, :size]) * gate_up[:, size:]
+    _assert_rounds_like(ops.silu_and_mul(gate_up), want)
+
+
+@pytest.mark.parametrize(("shape", "eps"), [((1, 768), 1e-6), ((33, 768), 1e-5), ((5, 4, 64), 1e-6)])
+def test_rms_norm_matches_torch(ops: native.FusedOps, shape: tuple[int, ...], eps: float) -> None:
+    gen = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(shape, generator=gen) * 3).bfloat16()
+    weight = (1 + torch.randn(shape[-1], generator=gen) / 4).bfloat16()
+    want = weight * F.rms_norm(x.float(), (shape[-1],), eps=eps).bfloat16()
+    _assert_rounds_like(ops.rms_norm(x, weight, eps), want)
+
+
+def test_modules_take_the_fused_path_only_where_it_applies(
+    ops: native.FusedOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(type(ops), "rms_norm", lambda self, *a: calls.append("rms") or torch.zeros(1))
+    monkeypatch.setattr(type(ops), "silu_and_mul", lambda self, x: calls.append("silu") or x[:, :8])
+    norm = RMSNorm(16, 1e-6)
+    norm(torch.randn(3, 16))  # float32: PyTorch path
+    norm.bfloat16()(torch.randn(3, 16).bfloat16())
+    norm(torch.randn(3, 32).bfloat16()[:, ::2])  # not contiguous: PyTorch path
+    assert calls == ["rms"]
+
+
+@needs_cc
+def test_switch_turns_the_fused_ops_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.load_fused_ops.cache_clear()
+    try:
+        assert native.load_fused_ops() is None
+    finally:
+        monkeypatch.delenv(native.ENV_SWITCH)
+        native.load_fused_ops.cache_clear()
+    assert native.load_fused_ops() is not None
+
+
+@needs_cc
+def test_mlp_output_is_the_same_through_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=False)  # what MLP reads
+    torch.manual_seed(0)
+    mlp = MLP(config).bfloat16()  # type: ignore[arg-type]
+    x = torch.randn(9, 64).bfloat16()
+    with torch.inference_mode():
+        fused = mlp(x)
+        monkeypatch.setattr("corral_engine.model.llama.load_fused_ops", lambda: None)
+        plain = mlp(x)
+    torch.testing.assert_close(fused, plain, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 64])
+def test_linear_upcasts_bf16_batches_from_the_threshold_on(rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(48, 40, bias=True).bfloat16()
+    layer.upcast_min_rows = 8
+    x = torch.randn(rows, 48).bfloat16()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    bf16 = F.linear(x, layer.weight, layer.bias)
+    upcast = F.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
+    want = upcast if rows >= 8 else bf16
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, bf16, atol=2e-2, rtol=2e-2)  # same product, other rounding
+    fp32 = layer.float()  # float32 models are never touched
+    torch.testing.assert_close(fp32(x.float()), F.linear(x.float(), fp32.weight, fp32.bias), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("env", "native_bf16", "dtype", "rows"),
+    [
+        ("auto", False, "bfloat16", UPCAST_MIN_ROWS),
+        ("auto", True, "bfloat16", 0),
+        ("auto", False, "float32", 0),
+        ("1", True, "bfloat16", UPCAST_MIN_ROWS),
+        ("0", False, "bfloat16", 0),
+    ],
+)
+def test_runner_upcasts_bf16_matmuls_only_without_native_bf16(
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: str,
+    native_bf16: bool,
+    dtype: str,
+    rows: int,
+) -> None:
+    from corral_engine.args import EngineArgs
+    from corral_engine.model import runner as runner_mod
+    from corral_engine.model.config import load_model_config
+
+    monkeypatch.setenv(runner_mod.ENV_UPCAST, env)
+    monkeypatch.setattr(runner_mod, "cpu_supports_bf16", lambda: native_bf16)
+    config = load_model_config(tiny_model_dir)
+    runner = runner_mod.ModelRunner(config, EngineArgs(model=str(tiny_model_dir), dtype=dtype), 64)
+    assert runner.upcast_rows == rows
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * config.num_layers + 1  # qkv, o, gate_up, down per layer; lm head
+    assert {m.upcast_min_rows for m in linears} == {rows}
