@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--train-steps", type=int, default=2000, help="at most; stops once it copies")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-lookup-min", type=int, help="shortest n-gram that proposes (engine default)")
     p.add_argument("--quick", action="store_true", help="fewer requests and K values (a smoke run)")
     return p.parse_args()
 
@@ -120,14 +121,23 @@ def workloads(n: int, seed: int = 1) -> dict[str, list[tuple[list[int], int]]]:
 
 
 def run_engine(
-    model: Path, requests: list[tuple[list[int], int]], batch: int, k: int, threads: int
+    model: Path,
+    requests: list[tuple[list[int], int]],
+    batch: int,
+    k: int,
+    threads: int,
+    min_ngram: int | None,
 ) -> dict[str, Any]:
     """Greedy generation of every request, `batch` at a time; k=0 turns speculation off."""
     from corral_engine.args import EngineArgs
     from corral_engine.llm_engine import LLMEngine
     from corral_engine.sampling_params import SamplingParams
 
-    spec: dict[str, Any] = {"speculative": "ngram", "num_speculative_tokens": k} if k else {}
+    spec: dict[str, Any] = {}
+    if k:
+        spec = {"speculative": "ngram", "num_speculative_tokens": k}
+        if min_ngram is not None:
+            spec["prompt_lookup_min"] = min_ngram
     engine = LLMEngine(EngineArgs(model=str(model), dtype="bfloat16", num_threads=threads, **spec))
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.generate([requests[0][0]], [warm])
@@ -209,7 +219,7 @@ def main() -> int:
         for batch in (1, 16):
             base: dict[str, Any] | None = None
             for k in [0, *ks]:
-                r = run_engine(args.model, requests, batch, k, args.threads)
+                r = run_engine(args.model, requests, batch, k, args.threads, args.prompt_lookup_min)
                 base = base or r
                 r.update(
                     workload=workload,
@@ -231,6 +241,7 @@ def main() -> int:
         "torch": torch.__version__,
         "threads": args.threads,
         "num_requests": n,
+        "prompt_lookup_min": args.prompt_lookup_min,
         "engine_rev": _git_rev(),
     }
     (args.out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -95,6 +95,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="draft tokens per step when speculating (default: 4)",
     )
+    parser.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        metavar="N",
+        help="shortest recurring n-gram that proposes drafts (default: 2)",
+    )
+    parser.add_argument(
+        "--prompt-lookup-max", type=int, metavar="N", help="longest n-gram, tried first (default: 3)"
+    )
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +150,8 @@ _ENGINE_FIELDS = (
     "num_threads",
     "speculative",
     "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
 )
 
 

@@ -44,6 +44,8 @@ class EngineArgs:
     num_threads: int | None = None
     speculative: Literal["ngram"] | None = None  # n-gram (prompt lookup) proposals, off by default
     num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # shortest n-gram that may propose drafts (vLLM's name; = core.ngram's)
+    prompt_lookup_max: int = 3  # longest n-gram, tried first
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +76,11 @@ class EngineArgs:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ArgumentError(
                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ArgumentError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ArgumentError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -224,7 +224,12 @@ class LLMEngine:
                 min(request.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
                 - 1
             )
-            seq.spec_token_ids = ngram.propose(seq.token_ids, min(self.args.num_speculative_tokens, room))
+            seq.spec_token_ids = ngram.propose(
+                seq.token_ids,
+                min(self.args.num_speculative_tokens, room),
+                min_ngram=self.args.prompt_lookup_min,
+                max_ngram=self.args.prompt_lookup_max,
+            )
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.request.params

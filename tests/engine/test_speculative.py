@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 from corral_engine import llm_engine
+from corral_engine.args import ArgumentError, EngineArgs
+from corral_engine.core import ngram
 from corral_engine.core.ngram import propose
 from corral_engine.sampling_params import SamplingParams
 
@@ -15,8 +17,38 @@ from tests.engine.helpers import make_engine, random_prompts, run_checked
 def test_propose_finds_the_latest_recurring_ngram() -> None:
     assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]
     assert propose([4, 5, 6], 3) == []
-    assert propose([8, 1, 8], 4) == [1, 8]
+    assert propose([8, 1, 8], 4, min_ngram=1) == [1, 8]
+    assert propose([8, 1, 8], 4) == []  # 1-token matches do not propose by default
     assert propose([1, 2, 1, 2], 0) == []
+
+
+def test_propose_respects_the_ngram_length_bounds() -> None:
+    ids = [5, 6, 7, 9, 6, 7]  # the 2-gram (6, 7) recurs, followed by 9
+    assert propose(ids, 2, min_ngram=2) == [9, 6]
+    assert propose(ids, 2, min_ngram=3) == []  # no 3-gram recurs
+    assert propose([4, 1, 2, 3, 4, 8], 2) == []  # 8 never occurred before
+    ids = [4, 9, 2, 3, 7, 4]  # 1-gram 4 recurs
+    assert propose(ids, 2, min_ngram=1) == [9, 2]
+    assert propose(ids, 2) == []
+    # longer n-grams first; max_ngram=1 takes the latest earlier occurrence of the last token instead
+    ids = [1, 2, 5, 3, 2, 6, 1, 2]
+    assert propose(ids, 1) == [5]  # the 2-gram (1, 2) first
+    assert propose(ids, 1, min_ngram=1, max_ngram=1) == [6]  # the latest earlier 2
+
+
+def test_prompt_lookup_bounds_are_validated() -> None:
+    with pytest.raises(ArgumentError, match="prompt_lookup_min"):
+        EngineArgs(model="m", prompt_lookup_min=4, prompt_lookup_max=3)
+    with pytest.raises(ArgumentError, match="prompt_lookup_min"):
+        EngineArgs(model="m", prompt_lookup_min=0)
+    defaults = EngineArgs(model="m")
+    assert (defaults.prompt_lookup_min, defaults.prompt_lookup_max) == (ngram.MIN_NGRAM, ngram.MAX_NGRAM)
+    assert EngineArgs(model="m", prompt_lookup_min=1).to_cli_args() == [
+        "--model",
+        "m",
+        "--prompt-lookup-min",
+        "1",
+    ]
 
 
 def _run(
@@ -47,7 +79,7 @@ def test_accepted_drafts_cut_steps_and_rejected_ones_change_nothing(
     plain, plain_stats = _run(tiny_model_dir, prompts)
     truth = {tuple(p): p + plain[f"r{i}"] for i, p in enumerate(prompts)}
 
-    def oracle(token_ids: list[int], max_proposals: int, lookback: int = 0) -> list[int]:
+    def oracle(token_ids: list[int], max_proposals: int, **_: int) -> list[int]:
         for prompt, full in truth.items():
             n = len(token_ids)
             if tuple(token_ids[: len(prompt)]) == prompt and full[:n] == token_ids:
@@ -60,7 +92,7 @@ def test_accepted_drafts_cut_steps_and_rejected_ones_change_nothing(
     assert stats.num_spec_accepted_total == stats.num_spec_proposed_total > 0  # type: ignore[attr-defined]
     assert stats.num_steps_total * 3 < plain_stats.num_steps_total  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(llm_engine.ngram, "propose", lambda ids, k, lookback=0: [(ids[-1] + 1) % 500] * k)
+    monkeypatch.setattr(llm_engine.ngram, "propose", lambda ids, k, **_: [(ids[-1] + 1) % 500] * k)
     spec, stats = _run(tiny_model_dir, prompts, speculative="ngram", num_speculative_tokens=4)
     assert spec == plain
 
