@@ -4,7 +4,8 @@ requests with shared prompt prefixes at a load near saturation, once per routing
     .venv/bin/python -m bench.routing.routing_bench --rate 20 --num-requests 400
 
 Prints a Markdown table (TTFT p50/p99, throughput, shed count, prefix-cache hit rate) and writes
-`routing.json` and `routing.png` to --out. Each policy gets fresh documents, so caches start cold.
+`routing.json` and `routing.png` to --out. Within a round every policy sees the same arrivals and
+request shapes, with its own fresh documents, so caches start cold and policies compare side by side.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import statistics
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -84,12 +86,13 @@ def run_policy(
     backends: dict[str, list[str]],
     work_dir: Path,
     seed: int,
+    text_seed: int,
     count_tokens: Callable[[str], int],
 ) -> tuple[list[RequestResult], float, dict[str, float]]:
-    """One run of the workload (fresh documents from `seed`) through a gateway using `policy`."""
-    requests = build_requests(
-        WorkloadSpec(num_requests=args.num_requests, num_documents=args.num_documents), seed, count_tokens
-    )
+    """One run through a gateway using `policy`: arrivals and request shapes from `seed` (the same
+    for every policy in a round), words from `text_seed` (fresh per run: prefix caches start cold)."""
+    spec = WorkloadSpec(num_requests=args.num_requests, num_documents=args.num_documents)
+    requests = build_requests(spec, seed, count_tokens, text_seed=text_seed)
     offsets = arrival_offsets_s(len(requests), args.rate, 1.0, seed)
     with start_gateway(backends, work_dir, policy=policy, max_queue_len=args.max_queue_len) as gateway:
         asyncio.run(open_loop(gateway.url, requests[:6], [0.0] * 6))  # warm-up
@@ -113,15 +116,41 @@ def merge(
     return results, sum(run[1] for run in runs), extra
 
 
+def add_paired_ratios(
+    rows: dict[str, dict[str, Any]], rounds: dict[str, list[dict[str, Any]]], baseline: str = "round-robin"
+) -> None:
+    """Per round, each policy's p99 TTFT and throughput over the baseline's in the same round (same
+    arrivals); the median over rounds goes into `rows`. On a noisy machine the fleet's capacity
+    drifts between rounds, so these paired ratios are steadier than ratios of pooled figures."""
+    base = rounds.get(baseline)
+    if not base:
+        return
+    for policy, runs in rounds.items():
+        p99 = [
+            r["ttft_p99_ms"] / b["ttft_p99_ms"] for r, b in zip(runs, base, strict=True) if b["ttft_p99_ms"]
+        ]
+        tput = [
+            r["output_tok_s"] / b["output_tok_s"]
+            for r, b in zip(runs, base, strict=True)
+            if b["output_tok_s"]
+        ]
+        rows[policy]["p99_vs_baseline_per_round"] = p99
+        rows[policy]["p99_vs_baseline_median"] = statistics.median(p99) if p99 else float("nan")
+        rows[policy]["tput_vs_baseline_median"] = statistics.median(tput) if tput else float("nan")
+
+
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| policy | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | req/s | shed | failed | prefix hit rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | req/s | shed | failed | prefix hit rate "
+        "| p99 / round-robin (median of rounds) | tok/s / round-robin |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    nan = float("nan")
     for policy, r in rows.items():
         lines.append(
             f"| {policy} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['output_tok_s']:.0f} | "
-            f"{r['req_s']:.2f} | {r['num_shed']} | {r['num_failed']} | {r['prefix_hit_rate']:.2f} |"
+            f"{r['req_s']:.2f} | {r['num_shed']} | {r['num_failed']} | {r['prefix_hit_rate']:.2f} | "
+            f"{r.get('p99_vs_baseline_median', nan):.2f}x | {r.get('tput_vs_baseline_median', nan):.2f}x |"
         )
     return "\n".join(lines)
 
@@ -178,17 +207,27 @@ def main() -> int:
         backends = {MODEL: [e.url for e in engines]}
         runs: dict[str, list[tuple[list[RequestResult], float, dict[str, float]]]] = {}
         for round_index in range(args.rounds):
+            seed = args.seed + 1 + round_index  # one arrival pattern per round, shared by the policies
             for i, policy in enumerate(args.policies):
-                seed = args.seed + 1 + i + round_index * len(args.policies)
+                text_seed = 1000 * (args.seed + 1) + i + round_index * len(args.policies)
                 runs.setdefault(policy, []).append(
-                    run_policy(args, policy, engines, backends, work_dir, seed, count_tokens)
+                    run_policy(args, policy, engines, backends, work_dir, seed, text_seed, count_tokens)
                 )
                 logger.info("%s round %d: %s", policy, round_index, summarize_run(*runs[policy][-1]))
         rows = {policy: summarize_run(*merge(policy_runs)) for policy, policy_runs in runs.items()}
+        rounds = {
+            policy: [summarize_run(*run) for run in policy_runs] for policy, policy_runs in runs.items()
+        }
+    add_paired_ratios(rows, rounds)
     text = table(rows)
     (args.out / "routing.json").write_text(
         json.dumps(
-            {"args": vars(args) | {"out": str(args.out), "model_dir": str(model_dir)}, "rows": rows}, indent=2
+            {
+                "args": vars(args) | {"out": str(args.out), "model_dir": str(model_dir)},
+                "rows": rows,
+                "rounds": rounds,
+            },
+            indent=2,
         )
     )
     (args.out / "routing.md").write_text(text + "\n")

@@ -42,11 +42,17 @@ def _text(rng: random.Random, num_tokens: int, count_tokens: Callable[[str], int
             return " ".join(words)
 
 
-def build_requests(spec: WorkloadSpec, seed: int, count_tokens: Callable[[str], int]) -> list[BenchRequest]:
-    """A shuffled list of requests; a new seed gives new documents (so prefix caches start cold)."""
+def build_requests(
+    spec: WorkloadSpec, seed: int, count_tokens: Callable[[str], int], text_seed: int | None = None
+) -> list[BenchRequest]:
+    """A shuffled list of requests. `seed` fixes the shape (which document each request asks
+    about, long or short); `text_seed` (default: `seed`) the words. Runs that compare policies share
+    the shape and differ in the words, so each starts with cold prefix caches on the same traffic."""
     rng = random.Random(seed)
+    text_seed = seed if text_seed is None else text_seed
+    words = random.Random(text_seed)
     documents = [
-        f"Document {seed}-{i}: " + _text(rng, spec.document_tokens, count_tokens)
+        f"Document {text_seed}-{i}: " + _text(words, spec.document_tokens, count_tokens)
         for i in range(spec.num_documents)
     ]
     requests: list[BenchRequest] = []
@@ -54,9 +60,9 @@ def build_requests(spec: WorkloadSpec, seed: int, count_tokens: Callable[[str], 
         if rng.random() < spec.shared_fraction:
             # Popular documents are asked about more often (Zipf-like), as in real traffic.
             doc = documents[min(int(rng.paretovariate(1.2)) - 1, spec.num_documents - 1)]
-            prompt = f"{doc}\nQuestion {i}: " + _text(rng, spec.question_tokens, count_tokens)
+            prompt = f"{doc}\nQuestion {i}: " + _text(words, spec.question_tokens, count_tokens)
         else:
-            prompt = f"Note {seed}-{i}: " + _text(rng, spec.unique_prompt_tokens, count_tokens)
+            prompt = f"Note {text_seed}-{i}: " + _text(words, spec.unique_prompt_tokens, count_tokens)
         is_long = rng.random() < spec.long_fraction
         output_len = spec.long_output_tokens if is_long else spec.short_output_tokens
         prompt_len = count_tokens(prompt)

@@ -113,7 +113,7 @@ class Admission:
             if waiter.future.done():
                 queue.pop()
                 continue
-            routed = self.router.route(model, waiter.prefix_hash, waiter.exclude)
+            routed = self.router.route(model, waiter.prefix_hash, waiter.exclude, from_queue=True)
             if isinstance(routed, NoReplica):
                 break
             queue.pop()

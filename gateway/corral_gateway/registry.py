@@ -61,18 +61,16 @@ class Replica:
         moved = min(sample.num_waiting, num_finished)
         waiting_reported = sample.num_waiting - moved
         kv_reported = max(0.0, sample.kv_usage_ratio - num_finished * kv_per_request)
-        # For ranking replicas, also count what was sent since: an engine that already queues will
+        running = max(0.0, sample.num_running - num_finished + moved)
+        # For ranking replicas, also count what was sent since: an engine that still queues will
         # queue it, otherwise it likely runs it; each takes about the average KV of a running request.
-        net = self.num_dispatched_since_sample - num_finished
-        running, waiting = sample.num_running, sample.num_waiting
-        if net >= 0:
-            if waiting > 0:
-                waiting += net
-            else:
-                running += net
+        num_sent = self.num_dispatched_since_sample
+        waiting = waiting_reported
+        if waiting > 0:
+            waiting += num_sent
         else:
-            running, waiting = max(0.0, running + net + moved), waiting_reported
-        kv = min(1.0, max(0.0, sample.kv_usage_ratio + net * kv_per_request))
+            running += num_sent
+        kv = min(1.0, max(0.0, kv_reported + num_sent * kv_per_request))
         return ReplicaLoad(True, running, waiting, kv, self.num_inflight, waiting_reported, kv_reported)
 
 
@@ -94,6 +92,19 @@ class ReplicaLoad:
         return self.is_fresh and (
             self.num_waiting_reported > saturation.max_waiting
             or self.kv_usage_ratio_reported > saturation.max_kv_usage_ratio
+        )
+
+    def is_full(self, saturation: Saturation) -> bool:
+        """Saturated once what was sent since the sample is counted too. Requests leaving the
+        gateway's queue use this: they waited because the fleet was saturated, so each freed slot
+        takes one of them, instead of the whole queue rushing to the first replica that dips below
+        a threshold."""
+        return self.is_saturated(saturation) or (
+            self.is_fresh
+            and (
+                self.num_waiting > saturation.max_waiting
+                or self.kv_usage_ratio > saturation.max_kv_usage_ratio
+            )
         )
 
     @property

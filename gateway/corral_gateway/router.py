@@ -43,12 +43,18 @@ class Router:
         ]
 
     def route(
-        self, model: str, prefix_hash: int | None, exclude: Collection[str] = ()
+        self, model: str, prefix_hash: int | None, exclude: Collection[str] = (), from_queue: bool = False
     ) -> Replica | NoReplica:
-        """A replica to send to (not yet marked dispatched), or why there is none."""
+        """A replica to send to (not yet marked dispatched), or why there is none. A request leaving
+        the gateway's queue (`from_queue`) only goes where room remains after what was sent since
+        the last load sample (`ReplicaLoad.is_full`)."""
         candidates = self.candidates(model, exclude)
         if not candidates:
             return NoReplica(is_saturated=False)
-        if all(c.load.is_saturated(self.saturation) for c in candidates):
+        if from_queue:
+            candidates = [c for c in candidates if not c.load.is_full(self.saturation)]
+            if not candidates:
+                return NoReplica(is_saturated=True)
+        elif all(c.load.is_saturated(self.saturation) for c in candidates):
             return NoReplica(is_saturated=True)
         return self.policy.pick(candidates, prefix_hash).replica

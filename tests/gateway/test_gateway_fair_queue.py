@@ -63,13 +63,47 @@ async def test_waits_while_saturated_and_is_released_when_load_drops() -> None:
     admission.pump("m")
     await asyncio.sleep(0.01)
     assert not low.done() and not high.done()
-    replica.on_done()  # a fourth: 5 waiting, no longer saturated
+    replica.on_done()  # a fourth: 5 waiting, room for one more
     admission.pump("m")
-    await asyncio.wait_for(asyncio.gather(low, high), 1)
+    await asyncio.wait_for(high, 1)
+    await asyncio.sleep(0.01)
+    assert order == ["high"] and not low.done()  # the one it sent counts: 6 waiting again
+    replica.on_done()
+    admission.pump("m")
+    await asyncio.wait_for(low, 1)
     assert order == ["high", "low"]
-    assert replica.num_inflight == 2
+    assert replica.num_inflight == 1  # on_done stands for any finished request, here one of ours
     admission.release(replica)
-    assert replica.num_inflight == 1
+    assert replica.num_inflight == 0
+
+
+async def test_queued_requests_spread_over_freed_room_instead_of_rushing_one_replica() -> None:
+    """When a finished request drops one replica just under the KV threshold, one queued request
+    goes there, not the whole queue; the rest follow as room appears elsewhere."""
+    now = [100.0]
+    registry = Registry()
+    registry.set_replicas("m", ["http://a", "http://b"])
+    for url in ("http://a", "http://b"):
+        registry.observe(url, LoadSample(8, 0, 0.85, at_s=now[0]))  # KV over 0.8: saturated
+    router = Router(registry, make_policy("prefix-affinity", SAT), SAT, 2.0, clock=lambda: now[0])
+    admission = Admission(router, max_queue_len=8, timeout_s=5.0)
+    waiters = [asyncio.create_task(admission.acquire("m", 1234)) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    assert admission.queue_len("m") == 4
+    a, b = registry.replicas("m")
+    a.on_done()  # a frees ~0.11 of its KV: 0.74
+    admission.pump("m")
+    await asyncio.sleep(0.01)
+    assert sum(w.done() for w in waiters) == 1 and a.num_inflight == 1
+    b.on_done()
+    admission.pump("m")
+    await asyncio.sleep(0.01)
+    assert sum(w.done() for w in waiters) == 2 and b.num_inflight == 1
+    registry.observe("http://a", LoadSample(4, 0, 0.4, at_s=now[0] + 0.05))  # a fresh, lighter sample
+    now[0] += 0.05
+    admission.pump("m")
+    await asyncio.wait_for(asyncio.gather(*waiters), 1)
+    assert a.num_inflight == 3
 
 
 async def test_full_queue_answers_429_with_retry_after() -> None:
