@@ -117,3 +117,14 @@ def test_builds_once_then_reuses_the_cached_library(tmp_path: Path, monkeypatch:
     first = native.build(native.SOURCE)
     stamp = first.stat().st_mtime_ns
     assert native.build(native.SOURCE) == first and first.stat().st_mtime_ns == stamp
+
+
+@needs_compiler
+def test_a_changed_header_builds_a_new_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    source, header = tmp_path / "k.c", tmp_path / "k.h"
+    source.write_text('#include "k.h"\nint f(void) { return VALUE; }\n')
+    header.write_text("#define VALUE 1\n")
+    first = native.build(source)
+    header.write_text("#define VALUE 2\n")
+    assert native.build(source) != first

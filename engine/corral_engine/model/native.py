@@ -145,8 +145,11 @@ def build(source: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeKernelError("no C compiler found (set CC)")
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source includes
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_flags()])
+        b"\0".join(
+            [source.read_bytes(), *headers, " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_flags()]
+        )
     ).hexdigest()[:16]
     cache_dir = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "corral" / "kernels")
     target = cache_dir / f"{source.stem}-{key}.so"

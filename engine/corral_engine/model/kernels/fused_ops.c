@@ -9,23 +9,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+#include "bf16.h"
 
 int silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t num_rows, int64_t size, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
