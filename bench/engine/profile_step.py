@@ -38,13 +38,16 @@ def parse_args() -> argparse.Namespace:
         help="take the batch's prompts from this token-id JSONL (e.g. W2's mixed lengths)",
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", help="float32 shows the non-matmul costs on CPUs without bf16")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/profile"))
     return p.parse_args()
 
 
 def fill_batch(engine: LLMEngine, prompts: list[list[int]], steps: int) -> None:
     """Add the requests and step until none is prefilling (all are in single-token decode)."""
-    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    # Long enough that no sequence finishes before the profiled steps (filling W2's 200 prompts
+    # alone takes ~25 steps, and each profiled step runs three times: plain, torch, cProfile).
+    params = SamplingParams(max_tokens=4 * steps + 256, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)
     while any(s.num_computed_tokens < len(s.token_ids) - 1 for s in engine.live_sequences()):
@@ -60,7 +63,7 @@ def main() -> int:
     engine = LLMEngine(
         EngineArgs(
             model=str(args.model),
-            dtype="bfloat16",
+            dtype=args.dtype,
             num_threads=args.threads,
             max_num_seqs=args.batch,
             max_num_batched_tokens=2048,
@@ -73,6 +76,7 @@ def main() -> int:
         prompts = [[100 + (i * 7 + j) % 30000 for j in range(args.prompt_len)] for i in range(args.batch)]
     fill_batch(engine, prompts, args.steps)
     lens = sorted(len(p) for p in prompts)
+    batch = len(engine.live_sequences())
 
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -95,17 +99,17 @@ def main() -> int:
     pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(30)
 
     text = (
-        f"# Corral decode step profile: batch {len(prompts)}, prompt lengths {lens[0]}..{lens[-1]} "
+        f"# Corral decode step profile: batch {batch}, prompt lengths {lens[0]}..{lens[-1]} "
         f"(median {lens[len(lens) // 2]}), "
-        f"{args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
+        f"{args.steps} steps, {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
         f"Mean step time without a profiler: {plain_ms:.1f} ms "
-        f"({1000 * args.batch / plain_ms:.0f} output tok/s at this batch)\n\n"
+        f"({1000 * batch / plain_ms:.0f} output tok/s at this batch)\n\n"
         f"## torch.profiler, ops by self CPU time ({args.steps} steps)\n\n```\n{ops}\n```\n\n"
         f"## cProfile, by cumulative time ({args.steps} steps)\n\n```\n{buf.getvalue()}\n```\n"
     )
     (args.out_dir / "profile.md").write_text(text)
     log.info(
-        "mean decode step %.1f ms at batch %d; wrote %s", plain_ms, args.batch, args.out_dir / "profile.md"
+        "mean decode step %.1f ms at batch %d; wrote %s", plain_ms, batch, args.out_dir / "profile.md"
     )
     return 0
 

@@ -1,10 +1,17 @@
 """Gateway overhead benchmark (issue 4, acceptance 7): N concurrent streams through the gateway versus
-straight to the same engine, alternating runs; plus one-at-a-time 1-token requests, which isolate
-the proxy's added latency from engine batching noise. It also reports the CPU the gateway and the
-engine used: on one small machine the gateway's CPU is taken from the engine (and the load client),
-so the throughput ratio is bounded by it; on separate nodes only the added latency remains.
+straight to the same engine; plus one-at-a-time 1-token requests, which isolate the proxy's added
+latency from engine batching noise. It also reports the CPU the gateway and the engine used: on one
+small machine the gateway's CPU is taken from the engine (and the load client), so the throughput
+ratio is bounded by it; on separate nodes only the added latency remains.
 
-    .venv/bin/python -m bench.routing.overhead_bench --concurrency 100 --num-requests 600 --rounds 3
+Shared cloud machines change speed by tens of percent from minute to minute, more than the
+difference being measured. So the comparison is paired: many short rounds, each running both
+targets back to back (direct first in even rounds, the gateway first in odd ones, so a steady drift
+favours neither), and the figures are medians of the per-round ratios. Probes alternate the same way,
+one direct and one through the gateway, and the added latency is the median of the pairs'
+differences.
+
+    .venv/bin/python -m bench.routing.overhead_bench --concurrency 100 --num-requests 600 --rounds 8
 
 Prints a Markdown table and writes `overhead.json` to --out.
 """
@@ -41,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=100)
     p.add_argument("--num-requests", type=int, default=600)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--num-probes", type=int, default=200, help="sequential 1-token requests per target")
     p.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
     p.add_argument(
@@ -73,16 +80,19 @@ def streams_summary(
     }
 
 
-def probe_latencies_ms(base_url: str, num_probes: int) -> list[float]:
-    """One-at-a-time non-streaming requests for a single token: the per-request path cost."""
+def probe_pairs_ms(targets: dict[str, str], num_pairs: int) -> dict[str, list[float]]:
+    """One-at-a-time non-streaming requests for a single token, alternating between the targets
+    (the order flips every pair): the per-request path cost, paired against the machine's drift."""
     body = {"model": MODEL, "prompt": "ping", "max_tokens": 1}
-    out: list[float] = []
+    out: dict[str, list[float]] = {name: [] for name in targets}
+    names = list(targets)
     with httpx.Client(timeout=30) as client:
-        for _ in range(num_probes):
-            start = time.perf_counter()
-            response = client.post(base_url + "/v1/completions", json=body)
-            out.append((time.perf_counter() - start) * 1000)
-            response.raise_for_status()
+        for i in range(num_pairs):
+            for name in names if i % 2 == 0 else reversed(names):
+                start = time.perf_counter()
+                response = client.post(targets[name] + "/v1/completions", json=body)
+                out[name].append((time.perf_counter() - start) * 1000)
+                response.raise_for_status()
     return out
 
 
@@ -109,14 +119,16 @@ def main() -> int:
         targets = {"direct": engine.url, "gateway": gateway.url}
         asyncio.run(closed_loop(engine.url, requests[: args.concurrency], args.concurrency))  # warm-up
         for round_index in range(args.rounds):
-            for name, url in targets.items():
+            order = list(targets.items()) if round_index % 2 == 0 else list(reversed(targets.items()))
+            for name, url in order:
                 pids = {"engine": engine.proc.pid, "gateway": gateway.proc.pid}
                 before = {k: cpu_seconds(pid) for k, pid in pids.items()}
                 results, duration_s = asyncio.run(closed_loop(url, requests, args.concurrency))
                 used = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
                 runs[name].append(streams_summary(results, duration_s, used))
                 logger.info("round %d %s: %s", round_index, name, runs[name][-1])
-                probes[name] += probe_latencies_ms(url, args.num_probes // args.rounds)
+            for name, latencies in probe_pairs_ms(targets, args.num_probes // args.rounds).items():
+                probes[name] += latencies
         queue_wait_s = gateway.metric("corral_gateway_queue_wait_seconds_sum")
     summary = summarize(runs, probes)
     summary["gateway_queue_wait_s"] = queue_wait_s
@@ -130,15 +142,29 @@ def summarize(runs: dict[str, list[dict[str, float]]], probes: dict[str, list[fl
     def med(name: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[name])
 
+    ratios = [
+        g["output_tok_s"] / d["output_tok_s"] for d, g in zip(runs["direct"], runs["gateway"], strict=True)
+    ]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+
+    def added(key: str) -> float:
+        return statistics.median(
+            g[key] - d[key] for d, g in zip(runs["direct"], runs["gateway"], strict=True)
+        )
+
+    probe_diffs = [g - d for d, g in zip(probes["direct"], probes["gateway"], strict=True)]
     return {
         "direct_output_tok_s": med("direct", "output_tok_s"),
         "gateway_output_tok_s": med("gateway", "output_tok_s"),
-        "throughput_ratio": med("gateway", "output_tok_s") / med("direct", "output_tok_s"),
-        "added_median_e2el_ms": med("gateway", "median_e2el_ms") - med("direct", "median_e2el_ms"),
-        "added_median_ttft_ms": med("gateway", "median_ttft_ms") - med("direct", "median_ttft_ms"),
+        # The median over rounds of gateway / direct within the round, and its interquartile range.
+        "throughput_ratio": statistics.median(ratios),
+        "throughput_ratio_q1": q1,
+        "throughput_ratio_q3": q3,
+        "added_median_e2el_ms": added("median_e2el_ms"),
+        "added_median_ttft_ms": added("median_ttft_ms"),
         "direct_probe_median_ms": statistics.median(probes["direct"]),
         "gateway_probe_median_ms": statistics.median(probes["gateway"]),
-        "added_probe_median_ms": statistics.median(probes["gateway"]) - statistics.median(probes["direct"]),
+        "added_probe_median_ms": statistics.median(probe_diffs),
         "gateway_cores_while_proxying": med("gateway", "gateway_cores"),
         "gateway_cpu_us_per_token": med("gateway", "gateway_cpu_us_per_token"),
         "engine_cores_direct": med("direct", "engine_cores"),
