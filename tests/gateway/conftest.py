@@ -34,6 +34,8 @@ class FakeEngine:
     num_active: int = 0  # requests being served right now
     num_cancelled: int = 0
     is_healthy: bool = True
+    health_has_load: bool = False  # like Corral's engine: load headers on /health too
+    num_metrics_scrapes: int = 0
 
     def app(self) -> Starlette:
         return Starlette(
@@ -53,9 +55,13 @@ class FakeEngine:
         }
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"ok": self.is_healthy}, status_code=200 if self.is_healthy else 503)
+        headers = self.load_headers() if self.health_has_load else None
+        return JSONResponse(
+            {"ok": self.is_healthy}, status_code=200 if self.is_healthy else 503, headers=headers
+        )
 
     async def metrics(self, request: Request) -> Response:
+        self.num_metrics_scrapes += 1
         values = {
             wire.NUM_REQUESTS_RUNNING: self.num_running,
             wire.NUM_REQUESTS_WAITING: self.num_waiting,
@@ -125,9 +131,16 @@ async def serve(app: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
     try:
         yield f"http://127.0.0.1:{port}", server
     finally:
+        # A plain exit runs the app's lifespan shutdown (the fleet's pollers stop, the shared
+        # client closes). force_exit would skip it and leave the lifespan suspended, to be
+        # collected later with a "coroutine ignored GeneratorExit" warning; it is only the
+        # fallback for a response that never ends.
         server.should_exit = True
-        server.force_exit = True
-        await asyncio.wait_for(task, 10)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 5)
+        except TimeoutError:
+            server.force_exit = True
+            await asyncio.wait_for(task, 10)
 
 
 @pytest.fixture
