@@ -120,7 +120,6 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
         self.requests[request.request_id] = request
-        self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
         for seq in request.seqs:
             params = request.params
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
@@ -209,6 +208,9 @@ class LLMEngine:
             self.scheduler.fork_siblings(request)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
+            # Counted once its prefill is done, as vLLM does: the counter's rate is prefill work,
+            # not arrivals (a burst of 200 requests would otherwise look like one busy interval).
+            self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
         request.metrics.last_token_time = now
         counts = touched.setdefault(request.request_id, {})
         seq.spec_token_ids = []

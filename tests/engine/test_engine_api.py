@@ -164,3 +164,19 @@ def test_bad_engine_args_and_checkpoints(tmp_path: pathlib.Path, tiny_model_dir:
         (broken / name).write_bytes((tiny_model_dir / name).read_bytes())
     with pytest.raises(ModelLoadError, match="safetensors"):
         LLMEngine(EngineArgs(model=str(broken)))
+
+
+def test_prompt_tokens_count_once_prefilled_not_on_arrival(tiny_model_dir: pathlib.Path) -> None:
+    """vllm:prompt_tokens_total is prefill work done: a request waiting behind a full batch, or
+    aborted before it started, has not been counted."""
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("first", [1, 2, 3, 4, 5], params)
+    engine.add_request("second", [6, 7, 8], params)
+    engine.add_request("dropped", [9, 9], params)
+    assert engine.stats().num_prompt_tokens_total == 0
+    engine.step()  # only "first" runs (one sequence at a time) and gets its first token
+    assert engine.stats().num_prompt_tokens_total == 5
+    engine.abort_request("dropped")
+    run_checked(engine)
+    assert engine.stats().num_prompt_tokens_total == 5 + 3
