@@ -17,7 +17,7 @@ from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Saturation
 from corral_gateway.router import Router
 from corral_gateway.settings import GatewaySettings
-from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamError
+from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Fetched, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class Fleet:
         self._scorer = KvAware(self.saturation)
         self.waker: Waker | None = None  # set when Kubernetes discovery may wake models at zero
         self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._metrics_only: set[str] = set()  # replicas without load headers (vLLM): poll /metrics
 
     # ---- inputs -------------------------------------------------------------------------------
 
@@ -106,6 +107,7 @@ class Fleet:
                     self._pollers[url] = asyncio.create_task(poll, name=f"poll {url}")
                 for url in set(self._pollers) - urls:
                     self._pollers.pop(url).cancel()
+                    self._metrics_only.discard(url)  # the address may next belong to another engine
                 self.update_gauges()
                 await asyncio.sleep(_GAUGE_INTERVAL_S)
         finally:
@@ -122,29 +124,44 @@ class Fleet:
                 if self.registry.is_due_for_probe(url, self.clock()):
                     await self._probe(upstream, url)
             else:
-                await self._poll_metrics(upstream, url)
+                await self._poll_load(upstream, url)
             self.admission.pump_all()
             await asyncio.sleep(self.settings.poll_interval_s)
 
-    async def _poll_metrics(self, upstream: Upstream, url: str) -> None:
-        try:
-            status, body = await upstream.get(f"{url}/metrics", _POLL_READ_TIMEOUT_S)
-        except (ConnectFailed, ConnectTimedOut) as e:
-            self.record_failure(url, f"metrics poll: {e}")
-            return
-        except UpstreamError as e:
-            # A busy engine may answer /metrics slowly: that is load, not a failure.
-            logger.debug("metrics poll of %s failed: %s", url, e)
-            return
-        if status == 200:
-            sample = parse_metrics_text(body.decode("utf-8", "replace"), self.clock())
+    async def _poll_load(self, upstream: Upstream, url: str) -> None:
+        """One load sample: from the load headers on a GET /health where the engine sends them
+        (Corral's engine does, on every response), else from /metrics (vLLM's names; vLLM itself).
+        Rendering and parsing a /metrics page, histograms and all, ten times a second costs the
+        engine and the gateway CPU that on a shared node comes out of serving."""
+        if url not in self._metrics_only:
+            fetched = await self._poll_get(upstream, url, "/health")
+            if fetched is None:
+                return
+            sample = parse_load_headers(fetched.headers, self.clock())
+            if sample is not None:
+                self.registry.observe(url, sample)
+                return
+            if fetched.status == 200:
+                self._metrics_only.add(url)  # healthy, but says nothing about its load
+        fetched = await self._poll_get(upstream, url, "/metrics")
+        if fetched is not None and fetched.status == 200:
+            sample = parse_metrics_text(fetched.body.decode("utf-8", "replace"), self.clock())
             if sample is not None:
                 self.registry.observe(url, sample)
 
+    async def _poll_get(self, upstream: Upstream, url: str, path: str) -> Fetched | None:
+        try:
+            return await upstream.get(url + path, _POLL_READ_TIMEOUT_S)
+        except (ConnectFailed, ConnectTimedOut) as e:
+            self.record_failure(url, f"load poll: {e}")
+        except UpstreamError as e:
+            # A busy engine may answer slowly: that is load, not a failure.
+            logger.debug("load poll of %s%s failed: %s", url, path, e)
+        return None
+
     async def _probe(self, upstream: Upstream, url: str) -> None:
         try:
-            status, _ = await upstream.get(f"{url}/health", _POLL_READ_TIMEOUT_S)
-            is_healthy = status == 200
+            is_healthy = (await upstream.get(f"{url}/health", _POLL_READ_TIMEOUT_S)).status == 200
         except UpstreamError:
             is_healthy = False
         if is_healthy:

@@ -82,6 +82,15 @@ class UpstreamResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class Fetched:
+    """A small response read whole; header names lower-cased."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class UpstreamConfig:
     max_connections: int
     connect_timeout_s: float
@@ -136,11 +145,12 @@ class Upstream:
             raise _translate(e) from e
         return UpstreamResponse(response)
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+    async def get(self, url: str, timeout_s: float) -> Fetched:
         """A small GET (metrics, health), read whole."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
             async with self.session.get(url, timeout=timeout, allow_redirects=False) as response:
-                return response.status, await response.read()
+                headers = {k.lower(): v for k, v in response.headers.items()}
+                return Fetched(response.status, headers, await response.read())
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _translate(e) from e

@@ -228,7 +228,7 @@ async def test_api_keys_401_429_and_valid(tmp_path: Path) -> None:
 
 
 async def test_load_headers_and_metrics_polls_feed_the_registry() -> None:
-    engine = FakeEngine(num_running=3, num_waiting=1, kv_usage=0.5)
+    engine = FakeEngine(num_running=3, num_waiting=1, kv_usage=0.5)  # like vLLM: no load headers on /health
     async with fleet([engine]) as (client, urls):
 
         async def has_load() -> bool:
@@ -236,8 +236,34 @@ async def test_load_headers_and_metrics_polls_feed_the_registry() -> None:
             return bool(r["load_fresh"] and r["num_running"] >= 3 and r["kv_usage_ratio"] == 0.5)
 
         await eventually(has_load)
+        assert engine.num_metrics_scrapes > 0
         metrics = (await client.get("/metrics")).text
         assert "corral_gateway_replica_score" in metrics and "corral_gateway_replica_healthy" in metrics
+
+
+async def test_replicas_with_load_headers_are_polled_without_scraping_metrics() -> None:
+    corral_like = FakeEngine(num_running=2, num_waiting=7, kv_usage=0.25, health_has_load=True)
+    vllm_like = FakeEngine(num_running=1, num_waiting=0, kv_usage=0.5)
+    async with fleet([corral_like, vllm_like]) as (client, urls):
+
+        async def both_known() -> bool:
+            seen = await replicas(client)
+            return bool(
+                seen[urls[0]]["load_fresh"]
+                and seen[urls[0]]["num_waiting"] == 7
+                and seen[urls[1]]["load_fresh"]
+                and seen[urls[1]]["kv_usage_ratio"] == 0.5
+            )
+
+        await eventually(both_known)
+        corral_like.num_waiting = 0  # and later samples keep coming the cheap way
+        await eventually(lambda: _waiting_is(client, urls[0], 0))
+        assert corral_like.num_metrics_scrapes == 0
+        assert vllm_like.num_metrics_scrapes > 1
+
+
+async def _waiting_is(client: httpx.AsyncClient, url: str, n: int) -> bool:
+    return bool((await replicas(client))[url]["num_waiting"] == n)
 
 
 def test_settings_defaults_are_sane() -> None:
