@@ -67,6 +67,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = {name: _structural(prop, defs) for name, prop in value.items()}
         elif key == "items":
             out[key] = _structural(value, defs)
+        elif key == "const":  # a one-value Literal; OpenAPI v3.0 (and so Kubernetes) has no const
+            out["enum"] = [value]
         elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
             # JSON Schema 2020: `exclusiveMinimum: 0`; OpenAPI 3.0: `minimum: 0, exclusiveMinimum: true`
             out["minimum" if key == "exclusiveMinimum" else "maximum"] = value

@@ -6,6 +6,7 @@ the same engine on a laptop and on a cluster.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 
@@ -50,6 +51,8 @@ def engine_args(spec: LLMDeploymentSpec, model_path: str) -> EngineArgs:
         "dtype": a.dtype,
         "max_waiting": a.max_waiting,
     }
+    speculative = _speculative_settings(a)
+    given |= {"speculative": speculative.pop("method", None), **speculative}
     try:
         return EngineArgs(
             model=model_path,
@@ -84,4 +87,20 @@ def vllm_args(spec: LLMDeploymentSpec, model_path: str, port: int) -> list[str]:
             out += [flag, str(value)]
     if a.enable_prefix_caching is not None:
         out.append("--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching")
+    speculative = _speculative_settings(a)
+    if speculative:
+        out += ["--speculative-config", json.dumps({k: v for k, v in speculative.items() if v is not None})]
     return out + list(spec.engine.extra_args)
+
+
+def _speculative_settings(a: EngineArgsSpec) -> dict[str, object]:
+    """spec.engine.args.speculative under the names both engines use ({} when off)."""
+    s = a.speculative
+    if s is None:
+        return {}
+    return {
+        "method": s.method,
+        "num_speculative_tokens": s.num_speculative_tokens,
+        "prompt_lookup_min": s.prompt_lookup_min,
+        "prompt_lookup_max": s.prompt_lookup_max,
+    }

@@ -99,6 +99,31 @@ class ModelSpec(_Model):
     source: ModelSource
 
 
+class SpeculativeSpec(_Model):
+    """Speculative decoding: n-gram (prompt lookup) drafts verified in one step; greedy output unchanged."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!has(self.promptLookupMin) || !has(self.promptLookupMax)"
+                " || self.promptLookupMin <= self.promptLookupMax",
+                "speculative.promptLookupMin must be <= promptLookupMax",
+            )
+        )
+    )
+    method: Literal["ngram"] = Field(default="ngram", description="ngram: draft tokens from the prompt.")
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="Drafts verified per step.")
+    prompt_lookup_min: int | None = Field(default=None, ge=1, le=16, description="Shortest n-gram matched.")
+    prompt_lookup_max: int | None = Field(default=None, ge=1, le=16, description="Longest n-gram matched.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeSpec:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is not None and high is not None and low > high:
+            raise ValueError("speculative.promptLookupMin must be <= promptLookupMax")
+        return self
+
+
 class EngineArgsSpec(_Model):
     """Typed engine arguments; unset fields keep the engine's defaults."""
 
@@ -139,6 +164,7 @@ class EngineArgsSpec(_Model):
     )
     dtype: DType | None = Field(default=None, description="Weights and activations dtype.")
     max_waiting: int | None = Field(default=None, ge=0, description="corral engine only: queue bound.")
+    speculative: SpeculativeSpec | None = Field(default=None, description="Off unless given.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgsSpec:

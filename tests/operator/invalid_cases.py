@@ -73,4 +73,15 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("bad-kv-memory", _with("engine.args", {"kvCacheMemory": "lots"}), "kvCacheMemory"),
     ("relative-host-path", _with("model.source", {"hostPath": {"path": "models/x"}}), "path"),
+    (
+        "speculative-lookup-min-above-max",
+        _with("engine.args.speculative", {"promptLookupMin": 4, "promptLookupMax": 2}),
+        "promptLookupMin must be <= promptLookupMax",
+    ),
+    ("speculative-unknown-method", _with("engine.args.speculative", {"method": "eagle"}), "method"),
+    (
+        "speculative-too-many-tokens",
+        _with("engine.args.speculative", {"numSpeculativeTokens": 64}),
+        "numSpeculativeTokens",
+    ),
 ]

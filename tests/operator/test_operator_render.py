@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from corral_operator import labels, render
@@ -109,6 +110,30 @@ def test_vllm_gets_vllm_flags_gpu_and_shared_memory() -> None:
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in volumes
     claim = next(v for v in volumes if v["name"] == "model")["persistentVolumeClaim"]
     assert claim == {"claimName": "models", "readOnly": True}
+
+
+def test_speculative_decoding_reaches_both_engines() -> None:
+    raw = valid_spec()
+    raw["engine"]["args"] = {"speculative": {"numSpeculativeTokens": 3, "promptLookupMax": 4}}
+    command = render.engine_container(parse_spec(raw))["command"]
+    flags = dict(zip(command[4::2], command[5::2], strict=False))
+    assert flags["--speculative"] == "ngram"
+    assert flags["--num-speculative-tokens"] == "3"
+    assert flags["--prompt-lookup-max"] == "4"
+    assert "--prompt-lookup-min" not in flags  # unset: the engine's default
+    # (tests/server/test_engine_cli.py checks that `corral engine` parses these flags back.)
+
+    raw["engine"] = {"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0", "args": raw["engine"]["args"]}
+    args = render.engine_container(parse_spec(raw))["args"]
+    config = json.loads(args[args.index("--speculative-config") + 1])
+    assert config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+
+
+def test_a_speculative_setting_the_engine_refuses_is_a_spec_error() -> None:
+    raw = valid_spec()
+    raw["engine"]["args"] = {"speculative": {"promptLookupMin": 5}}  # above the default max of 3
+    with pytest.raises(SpecError, match="prompt_lookup_min"):
+        render.engine_container(parse_spec(raw))
 
 
 def test_pod_overrides_and_scheduling_reach_the_pod() -> None:

@@ -76,7 +76,7 @@ def _walk(node: object):
 def test_crd_schema_is_structural() -> None:
     schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for node in _walk(schema):
-        assert "$ref" not in node and "anyOf" not in node and "title" not in node
+        assert "$ref" not in node and "anyOf" not in node and "title" not in node and "const" not in node
         assert node.get("additionalProperties") is not False
     spec_props = schema["properties"]["spec"]["properties"]
     assert spec_props["engine"]["properties"]["kind"]["enum"] == ["corral", "vllm"]

@@ -38,6 +38,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
             num_threads=2,
         ),
         EngineArgs(model="/m", kv_cache_memory_bytes=123456789, max_waiting=0),
+        EngineArgs(
+            model="/m",
+            speculative="ngram",
+            num_speculative_tokens=3,
+            prompt_lookup_min=1,
+            prompt_lookup_max=5,
+        ),
     ],
 )
 def test_flags_round_trip_with_engine_args(args: EngineArgs) -> None:
