@@ -3,6 +3,7 @@ two operator replicas not fighting."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -40,6 +41,14 @@ def test_invalid_manifests_are_rejected_by_the_api_server_with_clear_messages(
         assert message in result.stderr, f"{case}: {result.stderr}"
     # the valid base really is valid: the rejections above are about the mutations
     cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=_manifest("good", ns, valid_spec()))
+    # an optional block the schema fills with its defaults
+    speculative = valid_spec()
+    speculative["engine"]["args"]["speculative"] = {"promptLookupMax": 4}
+    result = cluster.kubectl(
+        "apply", "--dry-run=server", "-o", "json", "-f", "-", stdin=_manifest("spec", ns, speculative)
+    )
+    stored = json.loads(result.stdout)["spec"]["engine"]["args"]["speculative"]
+    assert stored == {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 4}
     assert cluster.get_json("llmd", "-n", ns)["items"] == []
 
 
