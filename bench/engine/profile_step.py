@@ -38,7 +38,9 @@ def parse_args() -> argparse.Namespace:
         help="take the batch's prompts from this token-id JSONL (e.g. W2's mixed lengths)",
     )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16", help="float32 shows the non-matmul costs on CPUs without bf16")
+    p.add_argument(
+        "--dtype", default="bfloat16", help="float32 shows the non-matmul costs on CPUs without bf16"
+    )
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/profile"))
     return p.parse_args()
 
@@ -108,9 +110,7 @@ def main() -> int:
         f"## cProfile, by cumulative time ({args.steps} steps)\n\n```\n{buf.getvalue()}\n```\n"
     )
     (args.out_dir / "profile.md").write_text(text)
-    log.info(
-        "mean decode step %.1f ms at batch %d; wrote %s", plain_ms, batch, args.out_dir / "profile.md"
-    )
+    log.info("mean decode step %.1f ms at batch %d; wrote %s", plain_ms, batch, args.out_dir / "profile.md")
     return 0
 
 

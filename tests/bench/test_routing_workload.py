@@ -35,10 +35,26 @@ def test_paired_ratios_compare_policies_within_each_round() -> None:
             {"ttft_p99_ms": 2000.0, "output_tok_s": 55.0},
         ],
     }
-    base = {"ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "output_tok_s": 1.0, "req_s": 1.0}
-    rows = {name: base | {"num_shed": 0, "num_failed": 0, "prefix_hit_rate": 0.5} for name in rounds}
+    base = {"ttft_p50_ms": 1.0, "output_tok_s": 1.0, "req_s": 1.0, "num_shed": 0, "num_failed": 0}
+    rows = {
+        name: base | {"prefix_hit_rate": 0.5, "ttft_p99_ms": pooled_p99}
+        for name, pooled_p99 in (("round-robin", 3900.0), ("kv-aware", 1950.0))
+    }
     add_paired_ratios(rows, rounds)
+    assert rows["kv-aware"]["p99_vs_baseline_pooled"] == 0.5  # p99 over all rounds' requests
     assert rows["kv-aware"]["p99_vs_baseline_per_round"] == [0.4, 0.5]
     assert rows["kv-aware"]["p99_vs_baseline_median"] == 0.45  # pooled p99 would say 2000 / 4000
     assert rows["kv-aware"]["tput_vs_baseline_median"] == 1.05
-    assert "| kv-aware |" in table(rows) and "0.45x" in table(rows)
+    assert "| kv-aware |" in table(rows) and "| 0.50x | 0.45x | 1.05x |" in table(rows)
+
+
+def test_policy_order_rotates_so_each_policy_runs_in_every_position() -> None:
+    from bench.routing.routing_bench import policy_order
+
+    policies = ["a", "b", "c"]
+    orders = [policy_order(policies, r) for r in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert policy_order(policies, 3) == orders[0]
+    assert policies == ["a", "b", "c"]  # not rotated in place
+    for name in policies:
+        assert sorted(order.index(name) for order in orders) == [0, 1, 2]
