@@ -75,7 +75,8 @@ def main() -> int:
         lines = args.workload.read_text().splitlines()[: args.batch]
         prompts = [list(json.loads(line)["prompt"]) for line in lines]
     else:
-        prompts = [[100 + (i * 7 + j) % 30000 for j in range(args.prompt_len)] for i in range(args.batch)]
+        vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+        prompts = [[1 + (i * 7 + j) % (vocab - 1) for j in range(args.prompt_len)] for i in range(args.batch)]
     fill_batch(engine, prompts, args.steps)
     lens = sorted(len(p) for p in prompts)
     batch = len(engine.live_sequences())

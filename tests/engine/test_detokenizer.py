@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import random
 
+import pytest
 from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 
@@ -53,3 +54,25 @@ def test_stop_string_cuts_output_and_is_never_streamed(tiny_model_dir: pathlib.P
     assert "".join(pieces) == "the cat sat "
     pieces, _ = stream(tokenizer, [], ids, stop=["on the"], include=True)
     assert "".join(pieces) == "the cat sat on the"
+
+
+def test_fast_tokenizers_decode_in_rust_unless_spaces_are_cleaned_up(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer.encode("hello , world . naïve", add_special_tokens=False)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    original = tokenizer.decode
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> str:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "decode", counted)
+    assert "".join(stream(tokenizer, [1, 2], ids)[0]) == expected
+    assert calls == []  # straight to the Rust tokenizer
+    # With clean-up on, transformers post-processes decoded text: keep going through it.
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    stream(tokenizer, [1, 2], ids)
+    assert calls
