@@ -140,3 +140,69 @@ def test_runner_upcasts_bf16_matmuls_only_without_native_bf16(
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * config.num_layers + 1  # qkv, o, gate_up, down per layer; lm head
     assert {m.upcast_min_rows for m in linears} == {rows}
+
+
+needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_prepacked_linear_matches_f_linear(rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(96, 160, bias=True)
+    x = torch.randn(rows, 96)
+    want = F.linear(x, layer.weight, layer.bias)
+    layer.prepack(keep_weight=False)
+    assert layer.packed is not None and layer.weight.numel() == 0  # the plain copy is released
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_mkldnn
+@pytest.mark.parametrize(
+    ("env", "dtype", "packs"),
+    [
+        ("auto", "float32", True),
+        ("0", "float32", False),
+        ("auto", "bfloat16", False),
+        ("1", "bfloat16", True),
+    ],
+)
+def test_runner_prepacks_linear_weights_on_cpu(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, env: str, dtype: str, packs: bool
+) -> None:
+    from corral_engine.args import EngineArgs
+    from corral_engine.model import runner as runner_mod
+    from corral_engine.model.config import load_model_config
+
+    has_native_bf16 = runner_mod.cpu_supports_bf16()
+    monkeypatch.setenv(runner_mod.ENV_PREPACK, env)
+    monkeypatch.setattr(runner_mod, "cpu_supports_bf16", lambda: True)  # no bf16 upcast in the way
+    config = load_model_config(tiny_model_dir)
+    runner = runner_mod.ModelRunner(config, EngineArgs(model=str(tiny_model_dir), dtype=dtype), 64)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    if dtype == "bfloat16" and not has_native_bf16:
+        packs = False  # oneDNN cannot pack bf16 on this CPU: the weights stay as they are
+    assert {m.packed is not None for m in linears} == {packs}
+    embed = runner.model.model.embed_tokens.weight
+    assert embed.numel() == config.vocab_size * config.hidden_size  # a tied head keeps the shared weight
+
+
+@needs_mkldnn
+def test_prepacked_engine_generates_what_the_plain_one_does(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from corral_engine.model import runner as runner_mod
+    from corral_engine.sampling_params import SamplingParams
+
+    from tests.engine.helpers import make_engine
+
+    prompts = [[5 + i, 9, 33 + 2 * i, 7] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for env in ("0", "auto"):
+        monkeypatch.setenv(runner_mod.ENV_PREPACK, env)
+        engine = make_engine(tiny_model_dir)
+        is_packed = engine.runner.model.lm_head.packed is not None
+        assert is_packed == (env == "auto")
+        outputs[env] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert outputs["auto"] == outputs["0"]

@@ -79,12 +79,26 @@ class Linear(nn.Linear):
     bf16, so only float32 accumulation order differs. Fewer rows stay in bf16 (memory-bound)."""
 
     upcast_min_rows = 0  # 0: never; set per model by the runner (ModelRunner.upcast_rows)
+    packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (see prepack)
+    packed_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.upcast_min_rows and x.dtype == torch.bfloat16 and x.shape[0] >= self.upcast_min_rows:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if self.packed is not None and x.dim() == 2 and x.dtype == self.packed_dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def prepack(self, keep_weight: bool) -> None:
+        """Reorder the weight once into oneDNN's blocked layout, which F.linear would otherwise
+        redo, or work around, on every call (CPU only). Without `keep_weight` the plain copy is
+        released, so weight memory does not double; keep it when another module shares it."""
+        self.packed_dtype = self.weight.dtype
+        # The batch size is a layout hint; 64 measured best for batches of 1 to 64 (AVX2).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        if not keep_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 class FusedLinear(Linear):
