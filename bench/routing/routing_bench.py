@@ -178,14 +178,15 @@ def add_paired_ratios(
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
         "| policy | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | req/s | shed | failed | prefix hit rate "
-        "| p99 / round-robin | p99 / round-robin (median of rounds) | tok/s / round-robin |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| preemptions | p99 / round-robin | p99 / round-robin (median of rounds) | tok/s / round-robin |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     nan = float("nan")
     for policy, r in rows.items():
         lines.append(
             f"| {policy} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['output_tok_s']:.0f} | "
             f"{r['req_s']:.2f} | {r['num_shed']} | {r['num_failed']} | {r['prefix_hit_rate']:.2f} | "
+            f"{r.get('preemptions', 0):.0f} | "
             f"{r.get('p99_vs_baseline_pooled', nan):.2f}x | {r.get('p99_vs_baseline_median', nan):.2f}x | "
             f"{r.get('tput_vs_baseline_median', nan):.2f}x |"
         )

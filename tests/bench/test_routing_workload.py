@@ -37,7 +37,7 @@ def test_paired_ratios_compare_policies_within_each_round() -> None:
     }
     base = {"ttft_p50_ms": 1.0, "output_tok_s": 1.0, "req_s": 1.0, "num_shed": 0, "num_failed": 0}
     rows = {
-        name: base | {"prefix_hit_rate": 0.5, "ttft_p99_ms": pooled_p99}
+        name: base | {"prefix_hit_rate": 0.5, "ttft_p99_ms": pooled_p99, "preemptions": 3.0}
         for name, pooled_p99 in (("round-robin", 3900.0), ("kv-aware", 1950.0))
     }
     add_paired_ratios(rows, rounds)
@@ -45,7 +45,7 @@ def test_paired_ratios_compare_policies_within_each_round() -> None:
     assert rows["kv-aware"]["p99_vs_baseline_per_round"] == [0.4, 0.5]
     assert rows["kv-aware"]["p99_vs_baseline_median"] == 0.45  # pooled p99 would say 2000 / 4000
     assert rows["kv-aware"]["tput_vs_baseline_median"] == 1.05
-    assert "| kv-aware |" in table(rows) and "| 0.50x | 0.45x | 1.05x |" in table(rows)
+    assert "| kv-aware |" in table(rows) and "| 0.50 | 3 | 0.50x | 0.45x | 1.05x |" in table(rows)
 
 
 def test_policy_order_rotates_so_each_policy_runs_in_every_position() -> None:
