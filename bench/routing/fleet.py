@@ -9,15 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 from corral_cli.bench.client import RequestSettings, send_request
+from corral_cli.bench.runner import make_client
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
 
 from e2e.procs import HOST, ManagedProcess, free_port
 
 MODEL = "bench"
+REQUEST_TIMEOUT_S = 600.0
 
 
 def start_gateway(backends: dict[str, list[str]], work_dir: Path, **settings: Any) -> ManagedProcess:
@@ -42,10 +43,8 @@ async def open_loop(
     base_url: str, requests: Sequence[BenchRequest], offsets_s: Sequence[float]
 ) -> tuple[list[RequestResult], float]:
     """Send each request at its offset (streamed); returns the results and the run's wall time."""
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    timeout = httpx.Timeout(600.0, connect=10.0)
     settings = RequestSettings(base_url=base_url, model=MODEL, ignore_eos=True)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with make_client(REQUEST_TIMEOUT_S) as client:
         start = time.perf_counter()
 
         async def one(request: BenchRequest, offset_s: float) -> RequestResult:
@@ -60,11 +59,10 @@ async def closed_loop(
     base_url: str, requests: Sequence[BenchRequest], concurrency: int
 ) -> tuple[list[RequestResult], float]:
     """`concurrency` clients each sending their next request as soon as the last one finished."""
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     settings = RequestSettings(base_url=base_url, model=MODEL, ignore_eos=True)
     queue = list(reversed(requests))
     results: list[RequestResult] = []
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+    async with make_client(REQUEST_TIMEOUT_S) as client:
         start = time.perf_counter()
 
         async def worker() -> None:

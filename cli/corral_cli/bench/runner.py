@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from corral_engine.wire import NUM_PREEMPTIONS_TOTAL
 
 from corral_cli.bench import prom
@@ -43,43 +44,57 @@ class RunOutcome:
     results: list[RequestResult]
 
 
-def make_client(request_timeout_s: float) -> httpx.AsyncClient:
-    # No connection cap: a client-side pool limit would queue requests and inflate TTFT.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(request_timeout_s, connect=CHECK_TIMEOUT_S)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+# Lines up to this long (an SSE event with many logprobs, say) are read whole.
+_MAX_LINE_BYTES = 2**20
 
 
-async def list_models(client: httpx.AsyncClient, base_url: str) -> list[str]:
+def make_client(request_timeout_s: float) -> aiohttp.ClientSession:
+    """The benchmark's HTTP client; open it with `async with` inside the event loop.
+
+    No connection cap: a client-side pool limit would queue requests and inflate TTFT. The timeout
+    is per read (a stream may run long, but not go silent), as a user's client would set it."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CHECK_TIMEOUT_S, sock_read=request_timeout_s)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, trust_env=False, read_bufsize=_MAX_LINE_BYTES
+    )
+
+
+async def _get_text(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    async with client.get(url, timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as response:
+        return response.status, await response.text(errors="replace")
+
+
+async def list_models(client: aiohttp.ClientSession, base_url: str) -> list[str]:
     """Model ids the endpoint serves ([] if it has no /v1/models); BenchError if unreachable."""
     url = base_url.rstrip("/") + "/v1/models"
     try:
-        response = await client.get(url, timeout=CHECK_TIMEOUT_S)
-    except httpx.HTTPError as e:
+        status, text = await _get_text(client, url)
+    except (aiohttp.ClientError, TimeoutError) as e:
         raise BenchError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from e
-    if response.status_code != 200:
+    if status != 200:
         return []
     try:
-        return [str(m["id"]) for m in response.json().get("data", [])]
+        return [str(m["id"]) for m in json.loads(text).get("data", [])]
     except (ValueError, KeyError, TypeError, AttributeError):
         return []
 
 
-async def scrape_counter(client: httpx.AsyncClient, metrics_url: str | None, name: str) -> float | None:
+async def scrape_counter(client: aiohttp.ClientSession, metrics_url: str | None, name: str) -> float | None:
     if metrics_url is None:
         return None
     try:
-        response = await client.get(metrics_url, timeout=CHECK_TIMEOUT_S)
-    except httpx.HTTPError as e:
-        log.warning("cannot scrape %s: %s", metrics_url, e)
+        status, text = await _get_text(client, metrics_url)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        log.warning("cannot scrape %s: %s: %s", metrics_url, type(e).__name__, e)
         return None
-    if response.status_code != 200:
+    if status != 200:
         return None
-    return prom.sum_samples(response.text, name)
+    return prom.sum_samples(text, name)
 
 
 async def run_once(
-    client: httpx.AsyncClient, request: RequestSettings, run: RunSettings, requests: list[BenchRequest]
+    client: aiohttp.ClientSession, request: RequestSettings, run: RunSettings, requests: list[BenchRequest]
 ) -> RunOutcome:
     """Send `requests` on a seeded arrival schedule and summarise what came back."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
