@@ -58,6 +58,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers static batch sizes (W1)")
     p.add_argument("--hf-w2-batch-sizes", default="16", help="... on W2 (5-10 minutes each)")
+    p.add_argument(
+        "--hf-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="transformers' dtype (float32: its faster one on CPUs without native bf16; Corral stays bf16)",
+    )
     p.add_argument("--offline-timeout", type=float, default=1500.0, help="seconds per system")
     p.add_argument("--served-timeout", type=float, default=600.0, help="seconds per corral bench run")
     p.add_argument("--out-dir", type=Path, help="default: bench/results/engine-<UTC time>")
@@ -187,6 +193,7 @@ def main() -> int:
         args.kv_cache_gib,
         args.hf_batch_sizes,
         args.hf_w2_batch_sizes,
+        args.hf_dtype,
     )
     results: dict[str, Any] = {
         "command": " ".join(["bench/engine/compare.py", *sys.argv[1:]]),

@@ -25,7 +25,8 @@ def main() -> int:
     setup_logging()
     args = parse_args(_extra_args)
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     w2_batch_sizes = [int(b) for b in (args.w2_batch_sizes or args.batch_sizes).split(",")]
@@ -57,7 +58,12 @@ def main() -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "settings": {"batch_sizes": batch_sizes, "w2_batch_sizes": w2_batch_sizes, "padding": "left"},
+        "settings": {
+            "batch_sizes": batch_sizes,
+            "w2_batch_sizes": w2_batch_sizes,
+            "padding": "left",
+            "dtype": args.dtype,
+        },
         "workloads": {},
     }
     generate_batched(warmup_requests(), 4)
@@ -80,6 +86,12 @@ def main() -> int:
 def _extra_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="8,16,32")
     p.add_argument("--w2-batch-sizes", help="batch sizes for W2 (default: --batch-sizes)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="float32 is transformers' faster choice on CPUs without native bf16",
+    )
 
 
 def _best_batch(

@@ -29,6 +29,7 @@ class Settings:
     kv_cache_gib: int = 2
     hf_batch_sizes: str = "8,16,32"  # transformers static batch sizes tried on W1 (best reported)
     hf_w2_batch_sizes: str = "16"  # ... and on W2 (each size takes 5-10 minutes there)
+    hf_dtype: str = "bfloat16"  # transformers' dtype; float32 is its faster one without native bf16
 
     def worker_flags(self) -> list[str]:
         return [
@@ -56,6 +57,7 @@ class System:
             cmd += ["--workload", f"{name}={path}"]
         if self.name == "transformers":
             cmd += ["--batch-sizes", settings.hf_batch_sizes, "--w2-batch-sizes", settings.hf_w2_batch_sizes]
+            cmd += ["--dtype", settings.hf_dtype]
         return cmd + settings.worker_flags()
 
     def server_cmd(self, model: Path, port: int, settings: Settings) -> list[str]:
