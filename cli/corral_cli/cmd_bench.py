@@ -70,7 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from corral_cli.bench.runner import BenchError
 
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # a line per request
     try:
         return asyncio.run(_bench(args))
     except BenchError as e:
