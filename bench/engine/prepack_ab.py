@@ -3,7 +3,9 @@
     .venv/bin/python bench/engine/prepack_ab.py [--dtype float32] [--batch 64] [--rounds 4]
 
 Builds two engines on the small demo checkpoint, one with `CORRAL_PREPACK=0` and one with
-`--on` (default `1`: float32, and bf16 where oneDNN can pack it, e.g. on AMX), and generates the
+`--on` (default `1`: float32, and bf16 where oneDNN can pack it, e.g. on AMX; on CPUs without
+native bf16, `--dtype bfloat16` compares prepacked float32 copies for upcast batches with converting
+the weights per call), and generates the
 same greedy batch on each in turn (the order flips every round, so a drifting machine favours
 neither). Prints output tok/s per round, the per-round ratios and whether the tokens match;
 writes prepack.json to --out-dir.
@@ -57,7 +59,8 @@ def main() -> int:
                 max_num_batched_tokens=2048,
             )
         )
-    is_packed = engines["packed"].runner.model.lm_head.packed is not None
+    head = engines["packed"].runner.model.lm_head
+    is_packed = head.packed is not None or head.upcast_packed is not None
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = [[1 + (i * 7 + j) % (vocab - 1) for j in range(args.prompt_len)] for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -78,6 +81,7 @@ def main() -> int:
             value, tokens[name] = run(engines[name])
             tok_s[name].append(value)
     ratios = [p / q for p, q in zip(tok_s["packed"], tok_s["plain"], strict=True)]
+    pairs = list(zip(tokens["plain"], tokens["packed"], strict=True))
     result = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "packed_engine_is_packed": is_packed,
@@ -85,6 +89,10 @@ def main() -> int:
         "ratios": ratios,
         "median_ratio": statistics.median(ratios),
         "greedy_identical": tokens["plain"] == tokens["packed"],
+        # Where they differ (bf16 rounds each layer's output, so a different float32 summation
+        # order can flip a near-tie): how many sequences match, and their mean common prefix.
+        "num_identical_sequences": sum(a == b for a, b in pairs),
+        "mean_common_prefix": statistics.mean(_common_prefix(a, b) for a, b in pairs),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "prepack.json").write_text(json.dumps(result, indent=2))
@@ -93,9 +101,19 @@ def main() -> int:
         f"plain  tok/s: {' '.join(f'{x:.0f}' for x in tok_s['plain'])}\n"
         f"packed tok/s: {' '.join(f'{x:.0f}' for x in tok_s['packed'])}\n"
         f"ratios: {' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}); "
-        f"greedy identical: {result['greedy_identical']}"
+        f"greedy identical: {result['greedy_identical']} ({result['num_identical_sequences']} of "
+        f"{args.batch} sequences, mean common prefix {result['mean_common_prefix']:.1f} of {args.output_len})"
     )
     return 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 if __name__ == "__main__":

@@ -208,3 +208,55 @@ def test_prepacked_engine_generates_what_the_plain_one_does(
         assert is_packed == (env == "auto")
         outputs[env] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert outputs["auto"] == outputs["0"]
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("rows", [7, 8, 64])
+def test_upcast_copy_matches_converting_the_weight_per_call(rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(96, 160, bias=True).bfloat16()
+    layer.upcast_min_rows = 8
+    x = torch.randn(rows, 96).bfloat16()
+    want = layer(x)  # converts the bf16 weight to float32 on this call (or stays bf16 below 8 rows)
+    layer.prepack_upcast()
+    assert layer.upcast_packed is not None and layer.weight.dtype == torch.bfloat16  # bf16 kept
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    if rows < 8:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)  # small batches never use the copy
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)  # bf16 rounding
+
+
+@needs_mkldnn
+@pytest.mark.parametrize(
+    ("env", "native_bf16", "available", "copies"),
+    [
+        ("auto", False, 2**40, True),
+        ("auto", False, 2**10, False),  # the copies would not fit
+        ("auto", False, None, False),
+        ("1", False, 2**10, True),
+        ("0", False, 2**40, False),
+        ("auto", True, 2**40, False),  # native bf16: nothing is upcast
+    ],
+)
+def test_runner_keeps_float32_copies_for_upcast_batches_when_they_fit(
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: str,
+    native_bf16: bool,
+    available: int | None,
+    copies: bool,
+) -> None:
+    from corral_engine.args import EngineArgs
+    from corral_engine.model import runner as runner_mod
+    from corral_engine.model.config import load_model_config
+
+    monkeypatch.setenv(runner_mod.ENV_PREPACK, env)
+    monkeypatch.setattr(runner_mod, "cpu_supports_bf16", lambda: native_bf16)
+    monkeypatch.setattr(runner_mod, "available_memory_bytes", lambda: available)
+    config = load_model_config(tiny_model_dir)
+    runner = runner_mod.ModelRunner(config, EngineArgs(model=str(tiny_model_dir), dtype="bfloat16"), 64)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert {m.upcast_packed is not None for m in linears} == {copies}
+    assert all(m.weight.dtype == torch.bfloat16 and m.weight.numel() > 0 for m in linears)

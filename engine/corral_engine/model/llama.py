@@ -81,9 +81,16 @@ class Linear(nn.Linear):
     upcast_min_rows = 0  # 0: never; set per model by the runner (ModelRunner.upcast_rows)
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (see prepack)
     packed_dtype: torch.dtype | None = None
+    upcast_packed: torch.Tensor | None = None  # a float32 copy for upcast batches (see prepack_upcast)
+    upcast_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.upcast_min_rows and x.dtype == torch.bfloat16 and x.shape[0] >= self.upcast_min_rows:
+            if self.upcast_packed is not None and x.dim() == 2:
+                out = torch.ops.mkldnn._linear_pointwise(
+                    x.float(), self.upcast_packed, self.upcast_bias, "none", [], ""
+                )
+                return out.to(x.dtype)
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed_dtype:
@@ -99,6 +106,14 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def prepack_upcast(self) -> None:
+        """For a bf16 weight whose large batches are multiplied in float32 (`upcast_min_rows`): a
+        float32 copy in oneDNN's layout, made once, instead of converting the weight on every call.
+        The bf16 weight stays for small batches (which read half the bytes); the copy costs twice
+        its memory."""
+        self.upcast_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().float(), 64)
+        self.upcast_bias = None if self.bias is None else self.bias.detach().float()
 
 
 class FusedLinear(Linear):
