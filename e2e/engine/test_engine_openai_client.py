@@ -133,7 +133,6 @@ def test_load_headers_and_metrics(engine: EngineProcess) -> None:
     r = httpx.get(engine.url + "/v1/models")
     for header in (wire.HEADER_NUM_RUNNING, wire.HEADER_NUM_WAITING, wire.HEADER_KV_USAGE):
         assert header in r.headers
-    assert r.headers[wire.HEADER_MAX_NUM_SEQS] == "64"  # SHARED_ENGINE_FLAGS
     families = {f.name: f for f in text_string_to_metric_families(engine.metrics_text())}
     listed = [
         (wire.NUM_REQUESTS_RUNNING, "gauge"),

@@ -56,11 +56,7 @@ class LLMEngine:
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._stats = EngineStats(
-            block_size=args.block_size,
-            num_kv_blocks=self.runner.num_kv_blocks,
-            max_num_seqs=args.max_num_seqs,
-        )
+        self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
         self.last_step_num_tokens = 0
 
     # -- requests -------------------------------------------------------------------------------

@@ -61,7 +61,6 @@ class EngineStats:
     num_free_blocks: int = 0  # includes cached blocks nothing references (reclaimable)
     num_cached_blocks: int = 0
     block_size: int = 16
-    max_num_seqs: int = 0  # running slots (0: unknown); a request beyond them waits
     kv_usage_ratio: float = 0.0  # used / total, reclaimable cached blocks count as free
     num_preemptions_total: int = 0
     num_prompt_tokens_total: int = 0

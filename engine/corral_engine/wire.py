@@ -43,6 +43,5 @@ STEP_DURATION_SECONDS = "corral_engine_step_duration_seconds"
 HEADER_NUM_RUNNING = "x-corral-num-running"
 HEADER_NUM_WAITING = "x-corral-num-waiting"
 HEADER_KV_USAGE = "x-corral-kv-usage"  # 0-1 fraction
-HEADER_MAX_NUM_SEQS = "x-corral-max-num-seqs"  # running slots: a request beyond them waits
 
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)

@@ -21,7 +21,6 @@ class LoadSample:
     num_waiting: float
     kv_usage_ratio: float  # 0-1
     at_s: float  # monotonic time the sample was taken
-    max_running: float | None = None  # the engine's running slots (max_num_seqs), when it says
 
 
 def parse_metrics_text(text: str, at_s: float) -> LoadSample | None:
@@ -59,10 +58,6 @@ def parse_load_headers(headers: Mapping[str, str], at_s: float) -> LoadSample | 
         if running is None or waiting is None:
             return None
         kv = float(headers.get(wire.HEADER_KV_USAGE) or 0.0)
-        slots = headers.get(wire.HEADER_MAX_NUM_SEQS)
-        max_running = float(slots) if slots else None
-        if max_running is not None and max_running < 1:
-            max_running = None
-        return LoadSample(float(running), float(waiting), min(1.0, max(0.0, kv)), at_s, max_running)
+        return LoadSample(float(running), float(waiting), min(1.0, max(0.0, kv)), at_s)
     except ValueError:
         return None

@@ -91,10 +91,9 @@ class PrefixAffinity:
 
     Every gateway builds the same ring from the same replica URLs, so gateways agree on a prompt's
     home replica without sharing state. A home replica above `load_factor` x the mean load passes
-    the request along the ring (bounded loads), and so does one that would queue it (a queue at the
-    engine, or every running slot taken when the engine reports its slots) while another replica
-    has a free slot: a cached prefix saves one prefill, a queue costs a whole request's wait. A
-    saturated home hands the request to kv-aware.
+    the request along the ring (bounded loads), and so does one whose engine already queues while
+    another replica runs without a queue: a cached prefix saves one prefill, a queue costs a whole
+    request's wait. A saturated home hands the request to kv-aware.
     """
 
     name = "prefix-affinity"
@@ -137,15 +136,21 @@ class PrefixAffinity:
         capacity = math.ceil(self._load_factor * (total + 1) / len(candidates))
         if by_url[order[0]].load.is_saturated(self._saturation):
             return self._fallback.pick(candidates, prefix_hash)
-        someone_has_a_seat = any(c.load.has_free_seat for c in candidates)
+        someone_has_a_seat = any(_runs_at_once(c.load) for c in candidates)
         for url in order:
             load = by_url[url].load
             if load.is_saturated(self._saturation) or load.num_outstanding + 1 > capacity:
                 continue
-            if someone_has_a_seat and not load.has_free_seat:
+            if someone_has_a_seat and not _runs_at_once(load):
                 continue
             return by_url[url]
         return self._fallback.pick(candidates, prefix_hash)
+
+
+def _runs_at_once(load: ReplicaLoad) -> bool:
+    """No request queued on the replica (as last reported, plus what was sent since), as far as
+    the gateway knows: one more probably starts at the engine's next step."""
+    return load.num_waiting < 1
 
 
 def _argmin_rotating(

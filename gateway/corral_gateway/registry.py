@@ -54,7 +54,7 @@ class Replica:
         sample = self.sample
         if sample is None or now_s - sample.at_s > max_age_s:
             inflight = float(self.num_inflight)
-            return ReplicaLoad(False, inflight, 0.0, 0.0, self.num_inflight, 0.0, 0.0, None)
+            return ReplicaLoad(False, inflight, 0.0, 0.0, self.num_inflight, 0.0, 0.0)
         kv_per_request = sample.kv_usage_ratio / sample.num_running if sample.num_running >= 1 else 0.0
         # What the engine reported, less what finished since (finished requests free slots and KV).
         num_finished = self.num_finished_since_sample
@@ -63,21 +63,15 @@ class Replica:
         kv_reported = max(0.0, sample.kv_usage_ratio - num_finished * kv_per_request)
         running = max(0.0, sample.num_running - num_finished + moved)
         # For ranking replicas, also count what was sent since: an engine that still queues will
-        # queue it; otherwise it runs it if it has a free running slot (when it tells its number of
-        # slots), else queues it. Each takes about the average KV of a running request.
+        # queue it, otherwise it likely runs it; each takes about the average KV of a running request.
         num_sent = self.num_dispatched_since_sample
         waiting = waiting_reported
         if waiting > 0:
             waiting += num_sent
         else:
-            seats = num_sent if sample.max_running is None else max(0.0, sample.max_running - running)
-            starts = min(num_sent, seats)
-            running += starts
-            waiting += num_sent - starts
+            running += num_sent
         kv = min(1.0, max(0.0, kv_reported + num_sent * kv_per_request))
-        return ReplicaLoad(
-            True, running, waiting, kv, self.num_inflight, waiting_reported, kv_reported, sample.max_running
-        )
+        return ReplicaLoad(True, running, waiting, kv, self.num_inflight, waiting_reported, kv_reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +86,6 @@ class ReplicaLoad:
     # herding is bounded by the poll interval and refreshed by every response's load headers.
     num_waiting_reported: float
     kv_usage_ratio_reported: float
-    max_running: float | None  # the engine's running slots, if it reports them
-
-    @property
-    def has_free_seat(self) -> bool:
-        """As far as the gateway knows, one more request starts at the engine's next step: nothing
-        queued there (as last reported, plus what was sent since) and a running slot free."""
-        return self.num_waiting < 1 and (self.max_running is None or self.num_running < self.max_running)
 
     def is_saturated(self, saturation: Saturation) -> bool:
         # Stale data says nothing about saturation; the gateway falls back to its in-flight counts.

@@ -51,14 +51,3 @@ def test_load_headers() -> None:
     )
     assert parse_load_headers({}, at_s=2.0) is None
     assert parse_load_headers({**headers, wire.HEADER_NUM_RUNNING: "lots"}, at_s=2.0) is None
-
-
-def test_load_headers_with_running_slots() -> None:
-    headers = {wire.HEADER_NUM_RUNNING: "3", wire.HEADER_NUM_WAITING: "0", wire.HEADER_KV_USAGE: "0.1"}
-    sample = parse_load_headers(headers, at_s=2.0)
-    assert sample is not None and sample.max_running is None  # vLLM and older engines do not say
-    sample = parse_load_headers({**headers, wire.HEADER_MAX_NUM_SEQS: "8"}, at_s=2.0)
-    assert sample is not None and sample.max_running == 8
-    sample = parse_load_headers({**headers, wire.HEADER_MAX_NUM_SEQS: "0"}, at_s=2.0)
-    assert sample is not None and sample.max_running is None
-    assert parse_load_headers({**headers, wire.HEADER_MAX_NUM_SEQS: "many"}, at_s=2.0) is None

@@ -13,16 +13,9 @@ from corral_gateway.router import NoReplica, Router
 SAT = Saturation(max_waiting=5, max_kv_usage_ratio=0.8)
 
 
-def cand(
-    url: str,
-    running: float = 0,
-    waiting: float = 0,
-    kv: float = 0.0,
-    inflight: int = 0,
-    max_running: float | None = None,
-) -> Candidate:
+def cand(url: str, running: float = 0, waiting: float = 0, kv: float = 0.0, inflight: int = 0) -> Candidate:
     replica = Replica(model="m", url=url, num_inflight=inflight)
-    replica.observe(LoadSample(running, waiting, kv, at_s=100.0, max_running=max_running))
+    replica.observe(LoadSample(running, waiting, kv, at_s=100.0))
     replica.num_dispatched_since_sample = 0
     return Candidate(replica, replica.load(100.0, 2.0))
 
@@ -166,16 +159,3 @@ def test_prefix_affinity_leaves_a_queueing_home_for_a_replica_with_a_free_seat()
     # When every replica queues, affinity holds (the prefix cache is the only difference left).
     everywhere = [cand(c.replica.url, running=4, waiting=2) for c in cands]
     assert policy.pick(everywhere, 11).replica.url == home
-
-
-def test_prefix_affinity_leaves_a_home_without_free_running_slots() -> None:
-    """An engine that tells its max_num_seqs: a home with every slot taken queues the request even
-    though it reports no queue yet, so a replica with a free slot gets it."""
-    policy = PrefixAffinity(SAT, load_factor=10.0)
-    cands = [cand(f"http://{u}", running=5, max_running=8) for u in "abc"]
-    home = policy.pick(cands, 11).replica.url
-    full = [cand(home, running=8, max_running=8) if c.replica.url == home else c for c in cands]
-    assert policy.pick(full, 11).replica.url != home
-    # Without the slot count (vLLM), the same report looks like room at the home.
-    unknown = [cand(home, running=8) if c.replica.url == home else c for c in cands]
-    assert policy.pick(unknown, 11).replica.url == home

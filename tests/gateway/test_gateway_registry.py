@@ -21,24 +21,6 @@ def test_dispatches_since_sample_count_as_running_until_the_engine_queues() -> N
     assert (load.num_running, load.num_waiting) == (4, 2)
 
 
-def test_dispatches_beyond_the_engines_running_slots_count_as_waiting() -> None:
-    replica = Replica("m", "http://a")
-    replica.observe(LoadSample(6, 0, 0.3, at_s=10.0, max_running=8))
-    load = replica.load(10.01, 2.0)
-    assert load.has_free_seat
-    for _ in range(3):
-        replica.on_dispatch()
-    load = replica.load(10.05, 2.0)
-    assert (load.num_running, load.num_waiting) == (8, 1)  # two start, the third waits for a slot
-    assert not load.has_free_seat
-    assert not load.is_saturated(Saturation())  # only reported queues count toward saturation
-    replica.on_done()  # one finished: its slot takes the waiting one
-    load = replica.load(10.06, 2.0)
-    assert (load.num_running, load.num_waiting) == (8, 0) and not load.has_free_seat
-    replica.observe(LoadSample(8, 0, 0.4, at_s=10.1, max_running=8))  # full, nothing queued yet
-    assert not replica.load(10.11, 2.0).has_free_seat
-
-
 def test_finished_requests_free_slots_for_waiting_ones() -> None:
     replica = Replica("m", "http://a")
     replica.observe(LoadSample(4, 2, 0.8, at_s=10.0))

@@ -49,8 +49,6 @@ class ServerMiddleware:
         headers[wire.HEADER_NUM_RUNNING] = str(stats.num_running)
         headers[wire.HEADER_NUM_WAITING] = str(stats.num_waiting)
         headers[wire.HEADER_KV_USAGE] = f"{stats.kv_usage_ratio:.4f}"
-        if stats.max_num_seqs:
-            headers[wire.HEADER_MAX_NUM_SEQS] = str(stats.max_num_seqs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
