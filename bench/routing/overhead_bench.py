@@ -1,8 +1,13 @@
 """Gateway overhead benchmark (issue 4, acceptance 7): N concurrent streams through the gateway versus
 straight to the same engine; plus one-at-a-time 1-token requests, which isolate the proxy's added
-latency from engine batching noise. It also reports the CPU the gateway and the engine used: on one
-small machine the gateway's CPU is taken from the engine (and the load client), so the throughput
-ratio is bounded by it; on separate nodes only the added latency remains.
+latency from engine batching noise. It also reports the CPU the engine, the gateway and the load
+client used.
+
+Where the processes run (`--layout`): in a cluster the gateway runs in its own pod, not on the
+engine's cores. `split` (the default) reproduces that on one machine: the engine gets the upper half
+of the cores (and as many threads), the gateway and the client the lower half, so the gateway's
+CPU is not taken from the engine. `shared` lets all three run on every core, so on a small machine
+the gateway's and the client's CPU comes out of the engine's (docs/gateway-bench.md has both).
 
 Shared cloud machines change speed by tens of percent from minute to minute, more than the
 difference being measured. So the comparison is paired: many short rounds, each running both
@@ -52,6 +57,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-probes", type=int, default=200, help="sequential 1-token requests per target")
     p.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
     p.add_argument(
+        "--layout",
+        choices=("split", "shared"),
+        default="split",
+        help="split: the engine on half the cores, the gateway and the client on the other half (as "
+        "in a cluster, where the gateway runs in its own pod); shared: all three on every core",
+    )
+    p.add_argument(
         "--gateway-setting", action="append", default=[], metavar="KEY=YAML", help="extra gateway setting"
     )
     return p.parse_args()
@@ -74,10 +86,20 @@ def streams_summary(
         # Cores each process kept busy during the run, and the gateway's CPU per forwarded token.
         "engine_cores": cpu_s["engine"] / duration_s,
         "gateway_cores": cpu_s["gateway"] / duration_s,
+        "client_cores": cpu_s["client"] / duration_s,
         "gateway_cpu_us_per_token": cpu_s["gateway"] / max(1, num_tokens) * 1e6,
         "median_e2el_ms": statistics.median(r.e2el_s for r in ok) * 1000,
         "median_ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
     }
+
+
+def core_split(layout: str) -> tuple[set[int], set[int]]:
+    """(engine cores, gateway and client cores) for the layout."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if layout == "shared" or len(cpus) < 2:
+        return set(cpus), set(cpus)
+    half = len(cpus) // 2
+    return set(cpus[half:]), set(cpus[:half])
 
 
 def probe_pairs_ms(targets: dict[str, str], num_pairs: int) -> dict[str, list[float]]:
@@ -107,13 +129,22 @@ def main() -> int:
     ]
     runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
     probes: dict[str, list[float]] = {"direct": [], "gateway": []}
+    engine_cpus, front_cpus = core_split(args.layout)
+    logger.info("engine on cores %s, gateway and client on %s", sorted(engine_cpus), sorted(front_cpus))
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-overhead-")))
+        # Child processes inherit this process's CPU affinity when they start.
+        os.sched_setaffinity(0, engine_cpus)
         engine = stack.enter_context(
             start_engine(
-                model_dir, log_dir=work_dir, served_model_name=MODEL, max_num_seqs=2 * args.concurrency
+                model_dir,
+                log_dir=work_dir,
+                served_model_name=MODEL,
+                max_num_seqs=2 * args.concurrency,
+                num_threads=len(engine_cpus),
             )
         )
+        os.sched_setaffinity(0, front_cpus)
         extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.gateway_setting)}
         gateway = stack.enter_context(start_gateway({MODEL: [engine.url]}, work_dir, **extra))
         targets = {"direct": engine.url, "gateway": gateway.url}
@@ -123,8 +154,10 @@ def main() -> int:
             for name, url in order:
                 pids = {"engine": engine.proc.pid, "gateway": gateway.proc.pid}
                 before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                client_before = time.process_time()
                 results, duration_s = asyncio.run(closed_loop(url, requests, args.concurrency))
                 used = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
+                used["client"] = time.process_time() - client_before
                 runs[name].append(streams_summary(results, duration_s, used))
                 logger.info("round %d %s: %s", round_index, name, runs[name][-1])
             for name, latencies in probe_pairs_ms(targets, args.num_probes // args.rounds).items():
@@ -132,6 +165,9 @@ def main() -> int:
         queue_wait_s = gateway.metric("corral_gateway_queue_wait_seconds_sum")
     summary = summarize(runs, probes)
     summary["gateway_queue_wait_s"] = queue_wait_s
+    summary["engine_cpus"] = len(engine_cpus)
+    summary["gateway_and_client_cpus"] = len(front_cpus)
+    summary["cores_shared"] = float(engine_cpus == front_cpus)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=2))
     logger.info("results in %s\n%s", args.out, table(summary))
@@ -169,6 +205,8 @@ def summarize(runs: dict[str, list[dict[str, float]]], probes: dict[str, list[fl
         "gateway_cpu_us_per_token": med("gateway", "gateway_cpu_us_per_token"),
         "engine_cores_direct": med("direct", "engine_cores"),
         "engine_cores_via_gateway": med("gateway", "engine_cores"),
+        "client_cores_direct": med("direct", "client_cores"),
+        "client_cores_via_gateway": med("gateway", "client_cores"),
     }
 
 
