@@ -52,7 +52,8 @@ def engine_args(spec: LLMDeploymentSpec, model_path: str) -> EngineArgs:
         "max_waiting": a.max_waiting,
     }
     speculative = _speculative_settings(a)
-    given |= {"speculative": speculative.pop("method", None), **speculative}
+    given["speculative"] = speculative.pop("method", None)  # EngineArgs names the method `speculative`
+    given |= speculative
     try:
         return EngineArgs(
             model=model_path,

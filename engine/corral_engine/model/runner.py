@@ -141,20 +141,26 @@ class ModelRunner:
         same process A/B: 1.13-1.37x output tok/s at batch 64, 1.03-1.21x at batch 1, greedy output
         identical); `CORRAL_PREPACK=1` also packs bf16 where oneDNN can (AVX512 / AMX; not yet
         measured there), `0` never."""
-        mode = os.environ.get(ENV_PREPACK, "auto")
-        if self.device.type != "cpu" or mode == "0" or not torch.backends.mkldnn.is_available():
+        mode = self._prepack_mode()
+        if mode == "0":
             return False
         if self.dtype == torch.bfloat16 and self.upcast_rows:
             return False  # bf16 batches are multiplied in float32 here; packing would not apply
         return mode == "1" or self.dtype == torch.float32
+
+    def _prepack_mode(self) -> str:
+        """CORRAL_PREPACK ("auto", "1" or "0"), or "0" where oneDNN cannot pack (not CPU, no oneDNN)."""
+        if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return "0"
+        return os.environ.get(ENV_PREPACK, "auto")
 
     def _keep_upcast_copies(self, copy_bytes: int) -> bool:
         """On CPUs without native bf16, where bf16 batches are multiplied in float32: keep a
         prepacked float32 copy of each Linear weight instead of converting it on every call (the
         conversion was 28% of a batch-64 step). `CORRAL_PREPACK=auto` does when the copies take at
         most a quarter of the memory available now; `1` always, `0` never."""
-        mode = os.environ.get(ENV_PREPACK, "auto")
-        if not self.upcast_rows or mode == "0" or not torch.backends.mkldnn.is_available():
+        mode = self._prepack_mode()
+        if not self.upcast_rows or mode == "0":
             return False
         mib = copy_bytes // 2**20
         available = available_memory_bytes()
