@@ -8,17 +8,18 @@ the upstream request, so the engine aborts it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from corral_gateway.auth import ApiKey, KeyStore
 from corral_gateway.errors import (
@@ -56,8 +57,16 @@ _HOP_BY_HOP = frozenset(
      "proxy-authorization", "server", "date"}
 )  # fmt: skip
 _TAIL_BYTES = 4096  # enough for the usage object at the end of a response
+_WHOLE_BODY_MAX_BYTES = 4 * 1024 * 1024  # non-streamed bodies up to this size are read whole
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 T = TypeVar("T")
+# Request ids: a random prefix per process and a counter (uuid4 per request reads os.urandom).
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
+def _new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 class ClientGone(Exception):
@@ -75,7 +84,7 @@ class ProxyDeps:
 
 async def proxy(deps: ProxyDeps, request: Request, path: str) -> Response:
     start_s = time.monotonic()
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request.headers.get("x-request-id") or _new_request_id()
     model = "unknown"
     try:
         raw = await _read_body(request, deps.settings.max_request_bytes)
@@ -92,8 +101,9 @@ async def proxy(deps: ProxyDeps, request: Request, path: str) -> Response:
             upstream, replica = await _dispatch(
                 deps, model, info, priority, api_key, raw, headers, path, disconnect
             )
-        finally:
+        except BaseException:
             disconnect.cancel()
+            raise
     except ClientGone:
         deps.metrics.requests.labels(model, "", "499").inc()
         return Response(status_code=499)
@@ -101,7 +111,8 @@ async def proxy(deps: ProxyDeps, request: Request, path: str) -> Response:
         deps.metrics.requests.labels(model, "", str(e.status_code)).inc()
         deps.metrics.rejected.labels(model, e.code or e.error_type).inc()
         return _with_request_id(error_response(e), request_id)
-    return _stream_back(deps, upstream, replica, model, info, api_key, request_id, start_s)
+    exchange = _Exchange(deps, upstream, replica, model, info, api_key, request_id, start_s)
+    return await exchange.respond(disconnect)
 
 
 async def _dispatch(
@@ -185,73 +196,146 @@ async def _send_once(
     return upstream
 
 
-def _stream_back(
-    deps: ProxyDeps,
-    upstream: UpstreamResponse,
-    replica: Replica,
-    model: str,
-    info: RequestInfo,
-    api_key: ApiKey | None,
-    request_id: str,
-    start_s: float,
-) -> Response:
-    fleet, metrics = deps.fleet, deps.metrics
-    fleet.observe_headers(replica.url, upstream.headers)
-    if upstream.status_code < 500:
-        fleet.record_success(replica.url)
-    is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-    keystore = deps.keys()
-    wants_usage = (
-        api_key is not None and keystore is not None and api_key.limits.tokens_per_minute is not None
-    )
-    tail = bytearray()
-    finished = False
-    is_complete = False
-    status_label = str(upstream.status_code)
+class _Exchange:
+    """One response on its way back to the client, and the bookkeeping when it ends."""
 
-    async def finish() -> None:
-        nonlocal finished
-        if finished:
-            return
-        finished = True
-        upstream.close(is_complete)
-        fleet.admission.release(replica)
-        metrics.requests.labels(model, replica.url, status_label).inc()
-        metrics.duration.labels(model).observe(time.monotonic() - start_s)
-        if wants_usage and keystore is not None and api_key is not None:
-            found = _TOTAL_TOKENS.findall(bytes(tail))
-            if found:
-                keystore.settle_tokens(api_key, info.estimated_tokens, int(found[-1]), time.monotonic())
+    def __init__(
+        self,
+        deps: ProxyDeps,
+        upstream: UpstreamResponse,
+        replica: Replica,
+        model: str,
+        info: RequestInfo,
+        api_key: ApiKey | None,
+        request_id: str,
+        start_s: float,
+    ) -> None:
+        self.deps, self.upstream, self.replica, self.model = deps, upstream, replica, model
+        self.info, self.api_key, self.request_id, self.start_s = info, api_key, request_id, start_s
+        keystore = deps.keys()
+        self.keystore = keystore if api_key is not None and api_key.limits.tokens_per_minute else None
+        self.tail = bytearray()  # the body's last bytes, for the usage of token-limited keys
+        self.status_label = str(upstream.status_code)
+        self.is_complete = False
+        self.is_client_gone = False
+        self.is_finished = False
 
-    async def body() -> Any:
-        nonlocal status_label, is_complete
+    async def respond(self, disconnect: asyncio.Future[None]) -> Response:
+        """SSE and bodies of unknown or large size are streamed through as they arrive; a small
+        body of known length (a non-streamed completion) is read whole first and sent in one
+        piece, so a body that breaks off can still answer with a clean 502."""
+        fleet, upstream = self.deps.fleet, self.upstream
+        fleet.observe_headers(self.replica.url, upstream.headers)
+        if upstream.status_code < 500:
+            fleet.record_success(self.replica.url)
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers["x-request-id"] = self.request_id
+        is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        length = upstream.headers.get("content-length", "")
+        if is_sse or not length.isdigit() or int(length) > _WHOLE_BODY_MAX_BYTES:
+            disconnect.add_done_callback(self._on_disconnect)
+            return _PassThrough(self._body(is_sse), disconnect, self.finish, upstream.status_code, headers)
+        disconnect.cancel()
+        content = b""
+        try:
+            content = await upstream.read()
+            self.is_complete = True
+        except UpstreamError as e:
+            self._broken(e, "body")
+        finally:
+            self.tail.extend(content[-_TAIL_BYTES:])
+            self.finish()
+        if not self.is_complete:
+            failed = UpstreamFailed("The model replica failed while sending the response.")
+            return _with_request_id(error_response(failed), self.request_id)
+        self.deps.metrics.ttfb.labels(self.model).observe(time.monotonic() - self.start_s)
+        return Response(content, status_code=upstream.status_code, headers=headers)
+
+    async def _body(self, is_sse: bool) -> AsyncGenerator[bytes, None]:
         is_first = True
         try:
-            async for chunk in upstream.chunks():
+            async for chunk in self.upstream.chunks():
                 if is_first:
-                    metrics.ttfb.labels(model).observe(time.monotonic() - start_s)
+                    self.deps.metrics.ttfb.labels(self.model).observe(time.monotonic() - self.start_s)
                     is_first = False
-                if wants_usage:
-                    tail.extend(chunk)
-                    del tail[:-_TAIL_BYTES]
+                if self.keystore is not None:
+                    self.tail.extend(chunk)
+                    del self.tail[:-_TAIL_BYTES]
                 yield chunk
-            is_complete = True
+            self.is_complete = True
         except UpstreamError as e:
-            status_label = "broken"
-            fleet.record_failure(replica.url, f"stream: {e}")
-            metrics.streams_broken.labels(model).inc()
-            logger.warning("request %s: replica %s failed mid-response (%s)", request_id, replica.url,
-                           e)  # fmt: skip
+            if self.is_client_gone:
+                return  # our own close of the upstream request, below
+            self._broken(e, "stream")
             if is_sse:
                 yield sse_error_event("The model replica failed while streaming the response.")
         finally:
-            await finish()
+            self.finish()
 
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
-    headers["x-request-id"] = request_id
-    return StreamingResponse(
-        body(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(finish)
-    )
+    def _on_disconnect(self, disconnect: asyncio.Future[None]) -> None:
+        """The client hung up mid-response: close the upstream request, so the engine aborts it
+        (the pending read then fails, which ends the body)."""
+        if disconnect.cancelled() or self.is_finished:
+            return
+        self.is_client_gone = True
+        self.status_label = "499"
+        self.finish()
+
+    def _broken(self, e: UpstreamError, what: str) -> None:
+        self.status_label = "broken"
+        self.deps.fleet.record_failure(self.replica.url, f"{what}: {e}")
+        self.deps.metrics.streams_broken.labels(self.model).inc()
+        logger.warning("request %s: replica %s failed mid-response (%s)", self.request_id,
+                       self.replica.url, e)  # fmt: skip
+
+    def finish(self) -> None:
+        if self.is_finished:
+            return
+        self.is_finished = True
+        deps, model = self.deps, self.model
+        self.upstream.close(self.is_complete)
+        deps.fleet.admission.release(self.replica)
+        deps.metrics.requests.labels(model, self.replica.url, self.status_label).inc()
+        deps.metrics.duration.labels(model).observe(time.monotonic() - self.start_s)
+        if self.keystore is not None and self.api_key is not None:
+            found = _TOTAL_TOKENS.findall(bytes(self.tail))
+            if found:
+                now = time.monotonic()
+                self.keystore.settle_tokens(self.api_key, self.info.estimated_tokens, int(found[-1]), now)
+
+
+class _PassThrough(StreamingResponse):
+    """Sends the body's chunks as they come, and nothing else per chunk.
+
+    Starlette's StreamingResponse starts a task group per response to notice a client leaving
+    (under ASGI before 2.4, where sending to a gone client does not fail); the proxy already
+    watches for that (`disconnect`, whose callback closes the upstream request and so ends the
+    body), so it is not needed here."""
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        disconnect: asyncio.Future[None],
+        on_end: Callable[[], None],
+        status: int,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(body, status_code=status, headers=headers)
+        self._chunks = body
+        self._disconnect = disconnect
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            async for chunk in self._chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._disconnect.cancel()
+            await self._chunks.aclose()
+            self._on_end()  # when the body never started, its own `finally` did not run
 
 
 async def _race(aw: Awaitable[T], disconnect: asyncio.Future[None], on_late: Callable[[T], object]) -> T:

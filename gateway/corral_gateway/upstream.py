@@ -72,6 +72,13 @@ class UpstreamResponse:
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _translate(e) from e
 
+    async def read(self) -> bytes:
+        """The whole body; raises UpstreamError if it breaks off."""
+        try:
+            return await self._response.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _translate(e) from e
+
     def close(self, complete: bool) -> None:
         """Give the connection back for reuse when the body was read to the end; drop it otherwise,
         so the replica sees the client leave and aborts the request."""

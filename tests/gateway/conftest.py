@@ -23,7 +23,7 @@ class FakeEngine:
     """Behaviour knobs for one fake replica; `mode` applies to completion requests."""
 
     name: str = "fake"
-    mode: str = "ok"  # ok | error500 | die_midstream | hang | reject429
+    mode: str = "ok"  # ok | error500 | die_midstream | cut_body | hang | reject429
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -93,6 +93,9 @@ class FakeEngine:
                 finally:
                     self.num_active -= 1
                 return Response(status_code=499)
+            if self.mode == "cut_body":  # dies while sending a non-streamed body
+                cut = {"content-length": "200"}
+                return Response(b'{"id": "x", "cho', media_type="application/json", headers=cut)
             usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
             return JSONResponse(
                 {"id": "x", "served_by": self.name, "usage": usage}, headers=self.load_headers()

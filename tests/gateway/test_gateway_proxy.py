@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from corral_gateway.app import create_app
 from corral_gateway.settings import GatewaySettings
 
@@ -56,6 +57,9 @@ async def test_forwards_original_bytes_and_passes_answer_through() -> None:
             "/v1/completions", content=raw, headers={"content-type": "application/json"}
         )
         assert response.status_code == 200 and response.json()["usage"]["total_tokens"] == 8
+        # Passed on whole, with the length the replica gave it.
+        assert response.headers["content-length"] == str(len(response.content))
+        assert "transfer-encoding" not in response.headers
         assert engine.bodies == [raw]
         assert response.headers["x-request-id"] == engine.headers_seen[0]["x-request-id"]
         models = (await client.get("/v1/models")).json()
@@ -152,6 +156,18 @@ async def test_replica_dying_mid_stream_ends_with_an_error_event() -> None:
         last = json.loads(events[-1].removeprefix("data: "))
         assert last["error"]["code"] == "upstream_disconnected"
         assert "[DONE]" not in events[-1]
+
+
+async def test_replica_dying_while_sending_a_whole_body_is_a_502() -> None:
+    engine = FakeEngine(mode="cut_body")
+    async with fleet([engine]) as (client, _):
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "bad_gateway"
+        assert response.headers["x-request-id"] == engine.headers_seen[0]["x-request-id"]
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_streams_broken_total{model="m"} 1.0' in metrics
+        assert (await client.get("/health")).status_code == 200
 
 
 async def test_client_hang_up_closes_the_upstream_request() -> None:
@@ -293,3 +309,26 @@ async def test_not_ready_until_kubernetes_discovery_has_listed(tmp_path: Path) -
         assert response.json()["error"]["code"] == "not_ready"
     async with fleet([FakeEngine()]) as (client, _):
         assert (await client.get("/ready")).json() == {"status": "ready", "models": ["m"]}
+
+
+async def test_pass_through_ends_the_exchange_even_if_the_body_never_started() -> None:
+    from corral_gateway.proxy import _PassThrough
+
+    ended: list[bool] = []
+    started: list[bool] = []
+
+    async def body() -> Any:
+        started.append(True)
+        yield b"data: x\n\n"
+
+    async def failing_send(message: Any) -> None:
+        raise OSError("client gone")
+
+    async def receive_nothing() -> Any:
+        raise AssertionError("not read")
+
+    disconnect: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    response = _PassThrough(body(), disconnect, lambda: ended.append(True), 200, {})
+    with pytest.raises(OSError):
+        await response({"type": "http"}, receive_nothing, failing_send)
+    assert ended == [True] and not started and disconnect.cancelled()
