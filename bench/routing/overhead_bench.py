@@ -4,17 +4,24 @@ latency from engine batching noise. It also reports the CPU the engine, the gate
 client used.
 
 Where the processes run (`--layout`): in a cluster the gateway runs in its own pod, not on the
-engine's cores. `split` (the default) reproduces that on one machine: the engine gets the upper half
-of the cores (and as many threads), the gateway and the client the lower half, so the gateway's
-CPU is not taken from the engine. `shared` lets all three run on every core, so on a small machine
-the gateway's and the client's CPU comes out of the engine's (docs/gateway-bench.md has both).
+engine's cores nor the client's. `gateway-alone` (the default) comes closest on one machine: the
+gateway gets the lower half of the cores to itself, the engine (with as many threads as cores) and
+the load client share the upper half, the same way whether the streams go straight to the engine or
+through the gateway, so the ratio isolates what the extra hop costs. `split` gives the engine the
+upper half and the gateway and client the lower, so through the gateway the client loses CPU it
+has to itself when going direct; `shared` lets all three run on every core, so on a small machine
+the gateway's and the client's CPU comes out of the engine's (docs/gateway-bench.md has all three).
 
 Shared cloud machines change speed by tens of percent from minute to minute, more than the
 difference being measured. So the comparison is paired: many short rounds, each running both
 targets back to back (direct first in even rounds, the gateway first in odd ones, so a steady drift
 favours neither), and the figures are medians of the per-round ratios. Probes alternate the same way,
 one direct and one through the gateway, and the added latency is the median of the pairs'
-differences.
+differences. Even so, one round's ratio spreads by +-15% here. The mixed rounds that follow remove
+the drift altogether: half the streams go direct and half through the gateway at the same time,
+into the same engine batches (an A/A check, both halves direct, gives 1.000), so they resolve a
+few percent; they measure streams through the gateway competing with direct ones for the same
+engine, not a fleet where every stream takes the gateway.
 
     .venv/bin/python -m bench.routing.overhead_bench --concurrency 100 --num-requests 600 --rounds 8
 
@@ -32,15 +39,18 @@ import statistics
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+from corral_cli.bench.client import RequestSettings, send_request
+from corral_cli.bench.runner import make_client
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
 
-from bench.routing.fleet import MODEL, closed_loop, ensure_model, start_gateway
+from bench.routing.fleet import MODEL, REQUEST_TIMEOUT_S, closed_loop, ensure_model, start_gateway
 from e2e.procs import start_engine
 
 logger = logging.getLogger("overhead_bench")
@@ -55,13 +65,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--num-probes", type=int, default=200, help="sequential 1-token requests per target")
+    p.add_argument(
+        "--mixed-rounds",
+        type=int,
+        default=4,
+        help="rounds with half the streams straight to the engine and half through the gateway at once",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
     p.add_argument(
         "--layout",
-        choices=("split", "shared"),
-        default="split",
-        help="split: the engine on half the cores, the gateway and the client on the other half (as "
-        "in a cluster, where the gateway runs in its own pod); shared: all three on every core",
+        choices=("gateway-alone", "split", "shared"),
+        default="gateway-alone",
+        help="gateway-alone: the gateway on half the cores, the engine and the client on the other half "
+        "(as in a cluster, where the gateway runs in its own pod); split: the engine on half the cores, "
+        "the gateway and the client on the other half; shared: all three on every core",
     )
     p.add_argument(
         "--gateway-setting", action="append", default=[], metavar="KEY=YAML", help="extra gateway setting"
@@ -93,13 +110,77 @@ def streams_summary(
     }
 
 
-def core_split(layout: str) -> tuple[set[int], set[int]]:
-    """(engine cores, gateway and client cores) for the layout."""
+@dataclass(frozen=True)
+class Placement:
+    """The cores each process may run on."""
+
+    engine: set[int]
+    gateway: set[int]
+    client: set[int]
+
+
+def place(layout: str) -> Placement:
     cpus = sorted(os.sched_getaffinity(0))
     if layout == "shared" or len(cpus) < 2:
-        return set(cpus), set(cpus)
+        return Placement(set(cpus), set(cpus), set(cpus))
     half = len(cpus) // 2
-    return set(cpus[half:]), set(cpus[:half])
+    lower, upper = set(cpus[:half]), set(cpus[half:])
+    if layout == "split":
+        return Placement(engine=upper, gateway=lower, client=lower)
+    return Placement(engine=upper, gateway=lower, client=upper)
+
+
+async def mixed_round(
+    direct_url: str, gateway_url: str, requests: list[BenchRequest], concurrency: int, parity: int = 0
+) -> dict[str, float]:
+    """Half the streams straight to the engine, half through the gateway, at the same time into the
+    same engine batches, so the machine's drift hits both alike. The clients alternate (with parity
+    0 the even ones go direct, the odd ones through the gateway; parity 1 swaps them) and take their
+    requests from one shared list, so neither side starts first nor gets other prompts. A closed
+    loop's throughput per stream is its output per request over its latency, so the ratio of the
+    mean latencies is the ratio of the two sides' throughputs. Requests finishing after the list
+    ran out do not count (the loop is draining then)."""
+    targets = {"direct": direct_url, "gateway": gateway_url}
+    settings = {
+        name: RequestSettings(base_url=url, model=MODEL, ignore_eos=True) for name, url in targets.items()
+    }
+    queue = list(reversed(requests))
+    counted: dict[str, list[RequestResult]] = {name: [] for name in targets}
+    async with make_client(REQUEST_TIMEOUT_S) as client:
+
+        async def worker(name: str) -> None:
+            while queue:
+                result = await send_request(client, settings[name], queue.pop())
+                if queue and result.is_success:
+                    counted[name].append(result)
+
+        names = list(targets)
+        await asyncio.gather(*(worker(names[(k + parity) % 2]) for k in range(concurrency)))
+
+    def mean_ms(name: str, key: str) -> float:
+        return statistics.fmean(getattr(r, key) for r in counted[name]) * 1000
+
+    def median_ms(name: str, key: str) -> float:
+        return statistics.median(getattr(r, key) for r in counted[name]) * 1000
+
+    return {
+        "num_counted": float(min(len(v) for v in counted.values())),
+        "throughput_ratio": mean_ms("direct", "e2el_s") / mean_ms("gateway", "e2el_s"),
+        "added_median_e2el_ms": median_ms("gateway", "e2el_s") - median_ms("direct", "e2el_s"),
+        "added_median_ttft_ms": median_ms("gateway", "ttft_s") - median_ms("direct", "ttft_s"),
+    }
+
+
+def summarize_mixed(rounds: list[dict[str, float]]) -> dict[str, float]:
+    ratios = [r["throughput_ratio"] for r in rounds]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {
+        "mixed_throughput_ratio": statistics.median(ratios),
+        "mixed_throughput_ratio_q1": q1,
+        "mixed_throughput_ratio_q3": q3,
+        "mixed_added_median_e2el_ms": statistics.median(r["added_median_e2el_ms"] for r in rounds),
+        "mixed_added_median_ttft_ms": statistics.median(r["added_median_ttft_ms"] for r in rounds),
+    }
 
 
 def probe_pairs_ms(targets: dict[str, str], num_pairs: int) -> dict[str, list[float]]:
@@ -129,24 +210,27 @@ def main() -> int:
     ]
     runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
     probes: dict[str, list[float]] = {"direct": [], "gateway": []}
-    engine_cpus, front_cpus = core_split(args.layout)
-    logger.info("engine on cores %s, gateway and client on %s", sorted(engine_cpus), sorted(front_cpus))
+    mixed: list[dict[str, float]] = []
+    cores = place(args.layout)
+    placed = (sorted(cores.engine), sorted(cores.gateway), sorted(cores.client))
+    logger.info("cores: engine %s, gateway %s, client %s", *placed)
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-overhead-")))
         # Child processes inherit this process's CPU affinity when they start.
-        os.sched_setaffinity(0, engine_cpus)
+        os.sched_setaffinity(0, cores.engine)
         engine = stack.enter_context(
             start_engine(
                 model_dir,
                 log_dir=work_dir,
                 served_model_name=MODEL,
                 max_num_seqs=2 * args.concurrency,
-                num_threads=len(engine_cpus),
+                num_threads=len(cores.engine),
             )
         )
-        os.sched_setaffinity(0, front_cpus)
+        os.sched_setaffinity(0, cores.gateway)
         extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.gateway_setting)}
         gateway = stack.enter_context(start_gateway({MODEL: [engine.url]}, work_dir, **extra))
+        os.sched_setaffinity(0, cores.client)
         targets = {"direct": engine.url, "gateway": gateway.url}
         asyncio.run(closed_loop(engine.url, requests[: args.concurrency], args.concurrency))  # warm-up
         for round_index in range(args.rounds):
@@ -162,14 +246,23 @@ def main() -> int:
                 logger.info("round %d %s: %s", round_index, name, runs[name][-1])
             for name, latencies in probe_pairs_ms(targets, args.num_probes // args.rounds).items():
                 probes[name] += latencies
+        for round_index in range(args.mixed_rounds):
+            mixed_run = mixed_round(engine.url, gateway.url, requests, args.concurrency, round_index % 2)
+            mixed.append(asyncio.run(mixed_run))
+            logger.info("mixed round %d: %s", round_index, mixed[-1])
         queue_wait_s = gateway.metric("corral_gateway_queue_wait_seconds_sum")
     summary = summarize(runs, probes)
+    if mixed:
+        summary.update(summarize_mixed(mixed))
     summary["gateway_queue_wait_s"] = queue_wait_s
-    summary["engine_cpus"] = len(engine_cpus)
-    summary["gateway_and_client_cpus"] = len(front_cpus)
-    summary["cores_shared"] = float(engine_cpus == front_cpus)
+    summary["engine_cpus"] = len(cores.engine)
+    summary["gateway_cpus"] = len(cores.gateway)
+    summary["client_cpus"] = len(cores.client)
+    summary["gateway_shares_the_engines_cores"] = float(bool(cores.gateway & cores.engine))
+    summary["client_shares_the_engines_cores"] = float(bool(cores.client & cores.engine))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overhead.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=2))
+    report = {"runs": runs, "mixed_rounds": mixed, "summary": summary}
+    (args.out / "overhead.json").write_text(json.dumps(report, indent=2))
     logger.info("results in %s\n%s", args.out, table(summary))
     return 0
 
