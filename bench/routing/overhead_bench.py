@@ -17,11 +17,13 @@ difference being measured. So the comparison is paired: many short rounds, each 
 targets back to back (direct first in even rounds, the gateway first in odd ones, so a steady drift
 favours neither), and the figures are medians of the per-round ratios. Probes alternate the same way,
 one direct and one through the gateway, and the added latency is the median of the pairs'
-differences. Even so, one round's ratio spreads by +-15% here. The mixed rounds that follow remove
-the drift altogether: half the streams go direct and half through the gateway at the same time,
-into the same engine batches (an A/A check, both halves direct, gives 1.000), so they resolve a
-few percent; they measure streams through the gateway competing with direct ones for the same
-engine, not a fleet where every stream takes the gateway.
+differences. Even so, one round's ratio spreads by +-5-10% here, so the median wants many rounds.
+Two arrangements run both arms at once instead (docs/gateway-bench.md says what each can show):
+twin rounds start a second engine on the same cores and send half the streams straight to one
+engine and half through the gateway to the other (which engine is behind the gateway swaps every
+round), with calibration rounds where both halves go straight; mixed rounds send both halves into
+one engine, which resolves a fraction of a percent but is biased against the gateway by the
+engine's first-come-first-served intake.
 
     .venv/bin/python -m bench.routing.overhead_bench --concurrency 100 --num-requests 600 --rounds 8
 
@@ -54,6 +56,7 @@ from bench.routing.fleet import MODEL, REQUEST_TIMEOUT_S, closed_loop, ensure_mo
 from e2e.procs import start_engine
 
 logger = logging.getLogger("overhead_bench")
+TWIN_MODEL = MODEL + "-twin"
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,10 +69,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--num-probes", type=int, default=200, help="sequential 1-token requests per target")
     p.add_argument(
+        "--twin-rounds",
+        type=int,
+        default=16,
+        help="rounds with half the streams straight to one engine and half through the gateway to a twin "
+        "engine on the same cores, at once",
+    )
+    p.add_argument(
+        "--twin-aa-rounds",
+        type=int,
+        default=8,
+        help="calibration: twin rounds with both halves straight to their engine (the ratio's noise)",
+    )
+    p.add_argument(
         "--mixed-rounds",
         type=int,
-        default=4,
-        help="rounds with half the streams straight to the engine and half through the gateway at once",
+        default=0,
+        help="rounds with half the streams straight to the engine and half through the gateway to the "
+        "same engine, at once (precise but biased against the gateway; see mixed_round)",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
     p.add_argument(
@@ -139,7 +156,12 @@ async def mixed_round(
     requests from one shared list, so neither side starts first nor gets other prompts. A closed
     loop's throughput per stream is its output per request over its latency, so the ratio of the
     mean latencies is the ratio of the two sides' throughputs. Requests finishing after the list
-    ran out do not count (the loop is draining then)."""
+    ran out do not count (the loop is draining then).
+
+    Precise (both halves direct read 1.000) but biased against the gateway: the engine takes in a
+    wave of new requests over several steps, first come first served, and a request through the
+    gateway reaches it a millisecond after the direct ones sent at the same moment, so it starts
+    at the back of each wave (docs/gateway-bench.md, 2026-11-24)."""
     targets = {"direct": direct_url, "gateway": gateway_url}
     settings = {
         name: RequestSettings(base_url=url, model=MODEL, ignore_eos=True) for name, url in targets.items()
@@ -171,16 +193,66 @@ async def mixed_round(
     }
 
 
-def summarize_mixed(rounds: list[dict[str, float]]) -> dict[str, float]:
+async def twin_round(
+    direct: tuple[str, str], via_gateway: tuple[str, str], requests: list[BenchRequest], concurrency: int
+) -> dict[str, float]:
+    """Two closed loops at once, each with half the streams and half the requests: one to
+    `direct` = (engine URL, model), one to `via_gateway` = (gateway URL, the other engine's model).
+    A closed loop's throughput per stream is its output per request over its latency, so the ratio
+    of the two sides' mean latencies is the ratio of their throughputs (counting completed requests
+    would only resolve whole waves of them). Only requests that finished while both sides still had
+    requests to send count, so neither gets the cores to itself at the end."""
+    arms = {"direct": direct, "gateway": via_gateway}
+    half, n = concurrency // 2, len(requests) // 2
+    done: dict[str, list[tuple[float, RequestResult]]] = {name: [] for name in arms}
+    ran_out: dict[str, float] = {}
+    async with make_client(REQUEST_TIMEOUT_S) as client:
+
+        async def arm(name: str, queue: list[BenchRequest]) -> None:
+            url, model = arms[name]
+            settings = RequestSettings(base_url=url, model=model, ignore_eos=True)
+
+            async def worker() -> None:
+                while queue:
+                    result = await send_request(client, settings, queue.pop())
+                    if result.is_success:
+                        done[name].append((time.perf_counter(), result))
+                    if not queue:
+                        ran_out.setdefault(name, time.perf_counter())
+
+            await asyncio.gather(*(worker() for _ in range(half)))
+
+        await asyncio.gather(
+            arm("direct", list(reversed(requests[:n]))), arm("gateway", list(reversed(requests[n:])))
+        )
+    cutoff = min(ran_out.values())
+    counted = {name: [r for at, r in done[name] if at <= cutoff] for name in arms}
+    if not all(counted.values()):
+        raise ValueError("no request finished while both sides ran: give each side more requests")
+    mean_e2el_s = {name: statistics.fmean(r.e2el_s for r in results) for name, results in counted.items()}
+    return {
+        "num_counted": float(min(len(results) for results in counted.values())),
+        "direct_mean_e2el_ms": mean_e2el_s["direct"] * 1000,
+        "gateway_mean_e2el_ms": mean_e2el_s["gateway"] * 1000,
+        "throughput_ratio": mean_e2el_s["direct"] / mean_e2el_s["gateway"],
+    }
+
+
+def summarize_rounds(prefix: str, rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The median of the rounds' throughput ratios with its interquartile range and mean, and the
+    median of any other per-round figure, each under `prefix`."""
     ratios = [r["throughput_ratio"] for r in rounds]
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return {
-        "mixed_throughput_ratio": statistics.median(ratios),
-        "mixed_throughput_ratio_q1": q1,
-        "mixed_throughput_ratio_q3": q3,
-        "mixed_added_median_e2el_ms": statistics.median(r["added_median_e2el_ms"] for r in rounds),
-        "mixed_added_median_ttft_ms": statistics.median(r["added_median_ttft_ms"] for r in rounds),
+    summary = {
+        f"{prefix}_throughput_ratio": statistics.median(ratios),
+        f"{prefix}_throughput_ratio_q1": q1,
+        f"{prefix}_throughput_ratio_q3": q3,
+        f"{prefix}_throughput_ratio_mean": statistics.fmean(ratios),
     }
+    for key in rounds[0]:
+        if key.startswith("added_"):
+            summary[f"{prefix}_{key}"] = statistics.median(r[key] for r in rounds)
+    return summary
 
 
 def probe_pairs_ms(targets: dict[str, str], num_pairs: int) -> dict[str, list[float]]:
@@ -210,6 +282,7 @@ def main() -> int:
     ]
     runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
     probes: dict[str, list[float]] = {"direct": [], "gateway": []}
+    twins: dict[str, list[dict[str, float]]] = {}
     mixed: list[dict[str, float]] = []
     cores = place(args.layout)
     placed = (sorted(cores.engine), sorted(cores.gateway), sorted(cores.client))
@@ -251,9 +324,14 @@ def main() -> int:
             mixed.append(asyncio.run(mixed_run))
             logger.info("mixed round %d: %s", round_index, mixed[-1])
         queue_wait_s = gateway.metric("corral_gateway_queue_wait_seconds_sum")
-    summary = summarize(runs, probes)
+        if args.twin_rounds + args.twin_aa_rounds > 0:
+            twins = run_twin_rounds(args, stack, model_dir, work_dir, cores, engine.url, requests, extra)
+    summary = summarize(runs, probes) if args.rounds > 0 else {}
     if mixed:
-        summary.update(summarize_mixed(mixed))
+        summary.update(summarize_rounds("mixed", mixed))
+    for kind, rounds in twins.items():
+        if rounds:
+            summary.update(summarize_rounds(kind, rounds))
     summary["gateway_queue_wait_s"] = queue_wait_s
     summary["engine_cpus"] = len(cores.engine)
     summary["gateway_cpus"] = len(cores.gateway)
@@ -261,10 +339,53 @@ def main() -> int:
     summary["gateway_shares_the_engines_cores"] = float(bool(cores.gateway & cores.engine))
     summary["client_shares_the_engines_cores"] = float(bool(cores.client & cores.engine))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"runs": runs, "mixed_rounds": mixed, "summary": summary}
+    report = {"runs": runs, "mixed_rounds": mixed, **twins, "summary": summary}
     (args.out / "overhead.json").write_text(json.dumps(report, indent=2))
     logger.info("results in %s\n%s", args.out, table(summary))
     return 0
+
+
+def run_twin_rounds(
+    args: argparse.Namespace,
+    stack: ExitStack,
+    model_dir: Path,
+    work_dir: Path,
+    cores: Placement,
+    engine_url: str,
+    requests: list[BenchRequest],
+    gateway_settings: dict[str, Any],
+) -> dict[str, list[dict[str, float]]]:
+    """Start the twin engine and a gateway for both engines, then run the twin rounds (one half
+    through the gateway) and the calibration rounds (both halves straight to their engine)."""
+    os.sched_setaffinity(0, cores.engine)
+    twin = stack.enter_context(
+        start_engine(
+            model_dir,
+            log_dir=work_dir,
+            served_model_name=TWIN_MODEL,
+            max_num_seqs=2 * args.concurrency,
+            num_threads=len(cores.engine),
+        )
+    )
+    os.sched_setaffinity(0, cores.gateway)
+    backends = {MODEL: [engine_url], TWIN_MODEL: [twin.url]}
+    gateway = stack.enter_context(start_gateway(backends, work_dir, **gateway_settings))
+    os.sched_setaffinity(0, cores.client)
+    warm_up = requests[: 3 * args.concurrency]  # enough for both sides to finish some while both run
+    asyncio.run(twin_round((twin.url, TWIN_MODEL), (gateway.url, MODEL), warm_up, args.concurrency))
+    engines = [(engine_url, MODEL), (twin.url, TWIN_MODEL)]
+    rounds: dict[str, list[dict[str, float]]] = {"twin": [], "twin_aa": []}
+    for round_index in range(args.twin_rounds):
+        direct, behind = engines if round_index % 2 == 0 else engines[::-1]
+        result = asyncio.run(twin_round(direct, (gateway.url, behind[1]), requests, args.concurrency))
+        rounds["twin"].append(result)
+        logger.info("twin round %d (%s behind the gateway): %s", round_index, behind[1], result)
+    for round_index in range(args.twin_aa_rounds):
+        first, second = engines if round_index % 2 == 0 else engines[::-1]
+        result = asyncio.run(twin_round(first, second, requests, args.concurrency))
+        rounds["twin_aa"].append(result)
+        logger.info("twin A/A round %d (both straight): %s", round_index, result)
+    return rounds
 
 
 def summarize(runs: dict[str, list[dict[str, float]]], probes: dict[str, list[float]]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.routing import overhead_bench
-from bench.routing.overhead_bench import Placement, place, summarize_mixed
+from bench.routing.overhead_bench import Placement, place, summarize_rounds
 
 
 @pytest.mark.parametrize(
@@ -26,12 +26,14 @@ def test_one_core_is_shared_by_everything(monkeypatch: pytest.MonkeyPatch) -> No
     assert place("gateway-alone") == Placement({5}, {5}, {5})
 
 
-def test_mixed_rounds_summarize_to_the_median_ratio() -> None:
+def test_rounds_summarize_to_the_median_ratio_and_median_added_figures() -> None:
     rounds = [
-        {"throughput_ratio": r, "added_median_e2el_ms": e, "added_median_ttft_ms": t}
-        for r, e, t in [(0.95, 40.0, 5.0), (0.99, 10.0, 1.0), (0.97, 20.0, 3.0)]
+        {"throughput_ratio": r, "added_median_e2el_ms": e, "num_counted": 250.0}
+        for r, e in [(0.95, 40.0), (0.99, 10.0), (0.97, 20.0)]
     ]
-    summary = summarize_mixed(rounds)
-    assert summary["mixed_throughput_ratio"] == 0.97
-    assert summary["mixed_throughput_ratio_q1"] <= 0.97 <= summary["mixed_throughput_ratio_q3"]
-    assert summary["mixed_added_median_e2el_ms"] == 20.0 and summary["mixed_added_median_ttft_ms"] == 3.0
+    summary = summarize_rounds("twin", rounds)
+    assert summary["twin_throughput_ratio"] == 0.97
+    assert summary["twin_throughput_ratio_q1"] <= 0.97 <= summary["twin_throughput_ratio_q3"]
+    assert abs(summary["twin_throughput_ratio_mean"] - 0.97) < 1e-9
+    assert summary["twin_added_median_e2el_ms"] == 20.0
+    assert "twin_num_counted" not in summary
