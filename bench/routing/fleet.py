@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -15,7 +17,7 @@ from corral_cli.bench.runner import make_client
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
 
-from e2e.procs import HOST, ManagedProcess, free_port
+from e2e.procs import HOST, EngineProcess, ManagedProcess, free_port, start_engine
 
 MODEL = "bench"
 REQUEST_TIMEOUT_S = 600.0
@@ -29,6 +31,44 @@ def start_gateway(backends: dict[str, list[str]], work_dir: Path, **settings: An
     gateway = ManagedProcess([*argv, "--config", str(config)], port, name="gateway", log_dir=work_dir)
     gateway.wait_ready(60)
     return gateway
+
+
+def add_closed_loop_args(parser: argparse.ArgumentParser) -> None:
+    """The demo model and the closed loop of streams the overhead and served A/B benchmarks drive."""
+    parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "corral" / "demo-model")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--num-requests", type=int, default=600)
+    parser.add_argument("--output-tokens", type=int, default=64)
+
+
+def stream_requests(num_requests: int, output_tokens: int) -> list[BenchRequest]:
+    """Short distinct prompts, each generating `output_tokens` tokens (sent with ignore_eos)."""
+    return [
+        BenchRequest(prompt=f"Stream number {i} tells a story", prompt_len=8, output_len=output_tokens)
+        for i in range(num_requests)
+    ]
+
+
+def start_loop_engine(
+    model_dir: Path,
+    work_dir: Path,
+    name: str,
+    concurrency: int,
+    cpus: set[int],
+    env: dict[str, str] | None = None,
+) -> EngineProcess:
+    """An engine for a closed loop of `concurrency` streams, on `cpus` with a thread per CPU (the
+    process inherits this one's CPU affinity when it starts; the caller sets it back)."""
+    os.sched_setaffinity(0, cpus)
+    return start_engine(
+        model_dir,
+        log_dir=work_dir,
+        env=env,
+        served_model_name=name,
+        max_num_seqs=2 * concurrency,
+        num_threads=len(cpus),
+    )
 
 
 def ensure_model(model_dir: Path, preset: str) -> Path:

@@ -52,8 +52,16 @@ from corral_cli.bench.runner import make_client
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
 
-from bench.routing.fleet import MODEL, REQUEST_TIMEOUT_S, closed_loop, ensure_model, start_gateway
-from e2e.procs import start_engine
+from bench.routing.fleet import (
+    MODEL,
+    REQUEST_TIMEOUT_S,
+    add_closed_loop_args,
+    closed_loop,
+    ensure_model,
+    start_gateway,
+    start_loop_engine,
+    stream_requests,
+)
 
 logger = logging.getLogger("overhead_bench")
 TWIN_MODEL = MODEL + "-twin"
@@ -61,11 +69,7 @@ TWIN_MODEL = MODEL + "-twin"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "corral" / "demo-model")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--concurrency", type=int, default=100)
-    p.add_argument("--num-requests", type=int, default=600)
-    p.add_argument("--output-tokens", type=int, default=64)
+    add_closed_loop_args(p)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--num-probes", type=int, default=200, help="sequential 1-token requests per target")
     p.add_argument(
@@ -276,10 +280,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model_dir = ensure_model(args.model_dir, args.preset)
-    requests = [
-        BenchRequest(prompt=f"Stream number {i} tells a story", prompt_len=8, output_len=args.output_tokens)
-        for i in range(args.num_requests)
-    ]
+    requests = stream_requests(args.num_requests, args.output_tokens)
     runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
     probes: dict[str, list[float]] = {"direct": [], "gateway": []}
     twins: dict[str, list[dict[str, float]]] = {}
@@ -290,15 +291,8 @@ def main() -> int:
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-overhead-")))
         # Child processes inherit this process's CPU affinity when they start.
-        os.sched_setaffinity(0, cores.engine)
         engine = stack.enter_context(
-            start_engine(
-                model_dir,
-                log_dir=work_dir,
-                served_model_name=MODEL,
-                max_num_seqs=2 * args.concurrency,
-                num_threads=len(cores.engine),
-            )
+            start_loop_engine(model_dir, work_dir, MODEL, args.concurrency, cores.engine)
         )
         os.sched_setaffinity(0, cores.gateway)
         extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.gateway_setting)}
@@ -357,15 +351,8 @@ def run_twin_rounds(
 ) -> dict[str, list[dict[str, float]]]:
     """Start the twin engine and a gateway for both engines, then run the twin rounds (one half
     through the gateway) and the calibration rounds (both halves straight to their engine)."""
-    os.sched_setaffinity(0, cores.engine)
     twin = stack.enter_context(
-        start_engine(
-            model_dir,
-            log_dir=work_dir,
-            served_model_name=TWIN_MODEL,
-            max_num_seqs=2 * args.concurrency,
-            num_threads=len(cores.engine),
-        )
+        start_loop_engine(model_dir, work_dir, TWIN_MODEL, args.concurrency, cores.engine)
     )
     os.sched_setaffinity(0, cores.gateway)
     backends = {MODEL: [engine_url], TWIN_MODEL: [twin.url]}

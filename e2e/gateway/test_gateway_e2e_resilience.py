@@ -23,6 +23,7 @@ PLAIN_TOKENS = 120
 def stream_outcome(url: str, started: cf.Future[None]) -> str:
     """'done' when the stream ends with [DONE] after every token, 'error' when with an error event."""
     body = {"model": MODEL, "prompt": "A long story", "max_tokens": STREAM_TOKENS, "ignore_eos": True}
+    body["stream_options"] = {"include_usage": True}  # a chunk may carry several tokens: count them
     events = []
     with (
         httpx.Client(timeout=httpx.Timeout(60, connect=5)) as http,
@@ -34,7 +35,8 @@ def stream_outcome(url: str, started: cf.Future[None]) -> str:
                 if not started.done():
                     started.set_result(None)
     if events[-1] == "[DONE]":
-        assert len(events) == STREAM_TOKENS + 1
+        usage, last = json.loads(events[-2])["usage"], json.loads(events[-3])
+        assert usage["completion_tokens"] == STREAM_TOKENS and last["choices"][0]["finish_reason"] == "length"
         return "done"
     assert "error" in json.loads(events[-1]), events[-1]
     return "error"

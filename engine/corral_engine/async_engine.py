@@ -2,7 +2,8 @@
 
 The model's forward pass blocks, so the engine steps on a dedicated thread while the event loop
 keeps serving HTTP. Requests and aborts cross to the step thread through queues; outputs come back
-through `loop.call_soon_threadsafe`, one callback per step for all requests.
+through `loop.call_soon_threadsafe`, one callback per step for all requests. A request's consumer
+that falls behind gets the outputs queued meanwhile merged into one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.core.sequence import Request
 from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from corral_engine.llm_engine import LLMEngine, Prompt
-from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.outputs import EngineStats, RequestOutput, merge_outputs
 from corral_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -117,8 +118,18 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                # Outputs that piled up while this consumer was behind go out as one.
+                error: BaseException | None = None
+                while not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = merge_outputs(item, later)
                 finished = item.finished
                 yield item
+                if error is not None:
+                    raise error
                 if finished:
                     return
         finally:

@@ -71,3 +71,32 @@ class EngineStats:
     num_spec_proposed_total: int = 0  # speculative draft tokens verified
     num_spec_accepted_total: int = 0  # ... and accepted
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output saying what `earlier` then `later` said: `later`'s state with both deltas
+    joined. A consumer that falls behind the engine takes its queued outputs as one (one SSE event
+    and one socket write for several tokens) instead of paying per token while behind."""
+    earlier_by_index = {o.index: o for o in earlier.outputs}
+    merged = []
+    for o in later.outputs:
+        e = earlier_by_index.get(o.index)
+        if e is None:
+            merged.append(o)
+            continue
+        logprobs = None
+        if e.delta_logprobs is not None or o.delta_logprobs is not None:
+            logprobs = (e.delta_logprobs or []) + (o.delta_logprobs or [])
+        merged.append(
+            CompletionOutput(
+                index=o.index,
+                text=o.text,
+                token_ids=o.token_ids,
+                delta_text=e.delta_text + o.delta_text,
+                delta_token_ids=e.delta_token_ids + o.delta_token_ids,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+                delta_logprobs=logprobs,
+            )
+        )
+    return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics)

@@ -27,6 +27,7 @@ class FakeState:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     token_delay_s: float = 0.0
     num_tokens_sent: list[int] = field(default_factory=list)  # per stream, once it has ended
+    tokens_per_chunk: int = 1  # as a server that merges the tokens of a slow consumer sends them
 
 
 def _sse(obj: Any) -> str:
@@ -57,18 +58,24 @@ def build_app(state: FakeState) -> FastAPI:
                 yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             num_tokens = int(body["max_tokens"])
             prompt = body.get("prompt")
-            for i in range(num_tokens):
+            num_prompt = len(prompt) if isinstance(prompt, list) else 7
+            options = body.get("stream_options") or {}
+            is_continuous = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
+            for i in range(0, num_tokens, state.tokens_per_chunk):
                 if i == 1 and prompt == "midfail":
                     yield _sse({"error": {"message": "engine died", "type": "internal_error"}})
                     return
                 if i == 1 and prompt == "cut":
                     return  # the connection ends without [DONE]
                 await asyncio.sleep(state.token_delay_s)
-                piece = "é" if i % 2 else " a"
+                count = min(state.tokens_per_chunk, num_tokens - i)
+                piece = "".join("é" if k % 2 else " a" for k in range(i, i + count))
                 choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
-                yield _sse({"choices": [choice]})
-                num_sent += 1
-            num_prompt = len(prompt) if isinstance(prompt, list) else 7
+                event: dict[str, Any] = {"choices": [choice]}
+                num_sent += count
+                if is_continuous:
+                    event["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": num_sent}
+                yield _sse(event)
             usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens}
             yield _sse({"choices": [], "usage": usage})
             yield "data: [DONE]\n\n"

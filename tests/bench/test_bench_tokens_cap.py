@@ -75,6 +75,18 @@ async def test_uncapped_request_reads_to_the_end(fake):
     assert await _stream_ends(state, 1) == [6]
 
 
+async def test_capped_request_counts_multi_token_chunks_from_the_running_usage():
+    # A server that merges tokens for a slow reader: chunks of 3 tokens, usage so far on each.
+    with serve_fake(FakeState(token_delay_s=0.005, tokens_per_chunk=3)) as (url, state):
+        settings = RequestSettings(url, MODEL, ignore_eos=True, max_tokens_cap=CAP)
+        async with make_client(30) as client:
+            result = await send_request(client, settings, BenchRequest([5, 6, 7], 3, 5))
+        assert state.bodies[-1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        assert result.is_success and result.output_len == 6  # two chunks of 3: what arrived
+        (num_sent,) = await _stream_ends(state, 1)
+        assert 6 <= num_sent < CAP
+
+
 def test_tokens_are_chunks_with_a_token_not_role_or_finish_chunks():
     def completion(text: str, finish: str | None = None) -> dict:
         return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 from corral_engine import AsyncEngine, EngineArgs, SamplingParams
-from corral_engine.errors import QueueFullError
+from corral_engine.errors import EngineDeadError, QueueFullError
 
 
 async def _wait_for(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -108,3 +108,39 @@ def test_light_modules_do_not_import_torch() -> None:
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+async def test_a_consumer_that_falls_behind_gets_the_queued_outputs_as_one(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    engine = AsyncEngine(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        stream = engine.add_request("slow", "hello world", params)
+        first = await anext(stream)
+        await _wait_for(lambda: engine.stats().num_running == 0)  # the rest is generated meanwhile
+        rest = [out async for out in stream]
+        assert len(rest) == 1 and rest[0].finished
+        head, tail = first.outputs[0], rest[0].outputs[0]
+        assert head.delta_token_ids + tail.delta_token_ids == tail.token_ids and len(tail.token_ids) == 24
+        assert head.delta_text + tail.delta_text == tail.text
+    finally:
+        await engine.shutdown()
+
+
+async def test_an_error_behind_queued_outputs_comes_after_them(tiny_model_dir: pathlib.Path) -> None:
+    engine = AsyncEngine(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
+    await engine.start()
+    try:
+        stream = engine.add_request("e", "hello", SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        queue = engine._streams["e"]
+        await _wait_for(lambda: queue.qsize() >= 3)
+        queue.put_nowait(EngineDeadError("the engine failed"))  # as the step loop reports a crash
+        merged = await anext(stream)
+        assert len(merged.outputs[0].delta_token_ids) >= 3 and not merged.finished
+        with pytest.raises(EngineDeadError):
+            await anext(stream)
+    finally:
+        await engine.shutdown()

@@ -59,6 +59,34 @@ async def test_completion_stream_ends_with_usage_and_done(client: httpx.AsyncCli
     assert all(c["usage"] is None for c in chunks)
 
 
+async def test_continuous_usage_stats_give_the_usage_so_far_on_every_chunk(client: httpx.AsyncClient) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True, "stream_options": options}
+    events = sse_events((await client.post("/v1/completions", json=body)).text)
+    chunks, totals = events[:-2], events[-2]["usage"]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4]
+    assert all(c["usage"]["prompt_tokens"] == totals["prompt_tokens"] for c in chunks)
+    assert totals["completion_tokens"] == 4
+
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "n": 2,
+        "temperature": 1.0,
+        "stream": True,
+        "stream_options": options,
+    }
+    events = sse_events((await client.post("/v1/chat/completions", json=chat)).text)
+    chunks, totals = events[:-2], events[-2]["usage"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[:2] == [0, 0]  # the role chunks carry no token
+    assert counts[-1] == totals["completion_tokens"] == 6
+    without = {**body, "stream_options": {"include_usage": True}}
+    events = sse_events((await client.post("/v1/completions", json=without)).text)
+    assert all(c["usage"] is None for c in events[:-2])
+
+
 async def test_multiple_prompts_and_n_number_choices(client: httpx.AsyncClient) -> None:
     body = {"model": MODEL, "prompt": [[256, 97], [256, 98]], "max_tokens": 3, "n": 2, "temperature": 1.0}
     r = await client.post("/v1/completions", json=body)

@@ -44,6 +44,10 @@ def build_body(settings: RequestSettings, request: BenchRequest) -> dict[str, An
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if settings.max_tokens_cap:
+        # A server that merges tokens for a slow reader (vLLM, Corral) sends chunks of several
+        # tokens; its running usage on every chunk says how many arrived (others ignore the field).
+        body["stream_options"]["continuous_usage_stats"] = True
     if settings.endpoint_type == "chat":
         if not isinstance(request.prompt, str):
             raise ValueError("chat requests need text prompts (give --tokenizer to decode token ids)")
@@ -97,7 +101,9 @@ async def send_request(
     """Stream one request; never raises for server or network trouble (the result records it).
 
     With `settings.max_tokens_cap`, the stream is closed (which aborts the request on the server)
-    once `request.output_len` tokens have arrived, and that sampled length is the output counted.
+    once `request.output_len` tokens have arrived, and what arrived by then is the output counted:
+    the sampled length, or a few more when the last chunk carried several tokens. Tokens are
+    counted from the server's running usage where it sends one, else one per chunk with a token.
     """
     result = RequestResult(prompt_len=request.prompt_len)
     url = settings.base_url.rstrip("/") + ENDPOINTS[settings.endpoint_type]
@@ -122,7 +128,8 @@ async def send_request(
                 if "error" in event:
                     result.error = f"stream error: {str(event['error'])[:_MAX_ERROR_CHARS]}"
                     return result
-                usage = event.get("usage") or usage
+                running = event.get("usage")
+                usage = running or usage
                 if chunk_text(event, settings.endpoint_type):
                     now = time.perf_counter()
                     if num_chunks == 0:
@@ -131,7 +138,10 @@ async def send_request(
                         result.itl_s.append(now - last)
                     last = now
                     num_chunks += 1
-                num_tokens += carries_token(event, settings.endpoint_type)
+                if isinstance(running, dict) and event.get("choices"):
+                    num_tokens = int(running.get("completion_tokens") or num_tokens)  # running usage
+                else:
+                    num_tokens += carries_token(event, settings.endpoint_type)
                 if stop_after is not None and num_tokens >= stop_after:
                     result.is_success = True
                     end = time.perf_counter()

@@ -24,6 +24,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far on every chunk
 
 
 class _SamplingFields(_Strict):
@@ -56,6 +57,12 @@ class _SamplingFields(_Strict):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def running_usage_in_stream(self) -> bool:
+        return self.include_usage_in_stream and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Build validated SamplingParams; raises SamplingError (a 400) naming the bad field."""

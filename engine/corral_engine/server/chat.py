@@ -12,10 +12,17 @@ from starlette.responses import JSONResponse, Response
 from corral_engine.outputs import RequestOutput
 from corral_engine.server import errors
 from corral_engine.server.api_models import ChatCompletionRequest
-from corral_engine.server.context import ServerContext, new_id, now_s, remaining_context, usage
+from corral_engine.server.context import (
+    RunningUsage,
+    ServerContext,
+    new_id,
+    now_s,
+    remaining_context,
+    usage,
+)
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
 from corral_engine.server.logprobs import chat_logprobs
-from corral_engine.server.streaming import DONE, EngineStreamingResponse, sse
+from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
 
 logger = logging.getLogger(__name__)
 
@@ -92,21 +99,31 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
 async def _stream(
     ctx: ServerContext, req: ChatCompletionRequest, run: GenerationRun, created: int
 ) -> AsyncIterator[bytes]:
-    base: dict[str, Any] = {
+    base = {
         "id": run.request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": ctx.model_name,
     }
     # With include_usage every chunk carries "usage": null, and a last one the totals.
-    tail: dict[str, Any] = {"usage": None} if req.include_usage_in_stream else {}
+    encoder = ChunkEncoder(base, req.include_usage_in_stream)
+    running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: Any = None,
+        num_tokens: int = 0,
+    ) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**base, "choices": [choice], **tail})
+        if running is None:
+            return encoder.chunk([choice])
+        return encoder.chunk([choice], usage=running.add(num_tokens))
 
     final: RequestOutput | None = None
     sent_finish: set[int] = set()
+    pending: dict[int, int] = {}  # tokens not yet sent in a chunk (no text yet), per choice
     try:
         for index in range(req.n):
             yield chunk(index, {"role": "assistant", "content": ""})
@@ -114,18 +131,20 @@ async def _stream(
             for o in out.outputs:
                 if o.index in sent_finish:
                     continue
+                pending[o.index] = pending.get(o.index, 0) + len(o.delta_token_ids)
                 if o.delta_text or o.delta_logprobs:
                     logprobs = None
                     if req.num_logprobs is not None:
                         logprobs = chat_logprobs(o.delta_logprobs or [], req.num_logprobs, ctx.token_text)
-                    yield chunk(o.index, {"content": o.delta_text}, logprobs=logprobs)
+                    content = {"content": o.delta_text}
+                    yield chunk(o.index, content, logprobs=logprobs, num_tokens=pending.pop(o.index))
                 if o.finish_reason is not None:
                     sent_finish.add(o.index)
-                    yield chunk(o.index, {}, finish=o.finish_reason)
+                    yield chunk(o.index, {}, finish=o.finish_reason, num_tokens=pending.pop(o.index, 0))
             if out.finished:
                 final = out
         if req.include_usage_in_stream:
-            yield sse({**base, "choices": [], "usage": usage([final] if final else [])})
+            yield encoder.chunk([], usage=usage([final] if final else []))
     except Exception as e:
         yield sse(errors.error_payload(e))
     yield DONE

@@ -12,10 +12,17 @@ from starlette.responses import JSONResponse, Response
 from corral_engine.outputs import CompletionOutput, RequestOutput
 from corral_engine.server import errors
 from corral_engine.server.api_models import CompletionRequest
-from corral_engine.server.context import ServerContext, new_id, now_s, remaining_context, usage
+from corral_engine.server.context import (
+    RunningUsage,
+    ServerContext,
+    new_id,
+    now_s,
+    remaining_context,
+    usage,
+)
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
 from corral_engine.server.logprobs import completion_logprobs
-from corral_engine.server.streaming import DONE, EngineStreamingResponse, sse
+from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +93,10 @@ def _choice(
 async def _stream(
     ctx: ServerContext, req: CompletionRequest, run: GenerationRun, created: int
 ) -> AsyncIterator[bytes]:
-    base: dict[str, Any] = {
-        "id": run.request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": ctx.model_name,
-    }
+    base = {"id": run.request_id, "object": "text_completion", "created": created, "model": ctx.model_name}
     # With include_usage every chunk carries "usage": null, and a last one the totals.
-    tail: dict[str, Any] = {"usage": None} if req.include_usage_in_stream else {}
+    encoder = ChunkEncoder(base, req.include_usage_in_stream)
+    running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
     finals: dict[int, RequestOutput] = {}
     sent_finish: set[int] = set()
     offsets: dict[int, int] = {}
@@ -107,11 +110,14 @@ async def _stream(
                     sent_finish.add(index)
                 choice = _choice(ctx, req, index, o, o.delta_text, o.delta_logprobs, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(o.delta_text)
-                yield sse({**base, "choices": [choice], **tail})
+                if running is None:
+                    yield encoder.chunk([choice])
+                else:
+                    yield encoder.chunk([choice], usage=running.add(len(o.delta_token_ids)))
             if out.finished:
                 finals[prompt_index] = out
         if req.include_usage_in_stream:
-            yield sse({**base, "choices": [], "usage": usage(list(finals.values()))})
+            yield encoder.chunk([], usage=usage(list(finals.values())))
     except Exception as e:
         yield sse(errors.error_payload(e))
     yield DONE

@@ -82,6 +82,24 @@ def usage(finals: list[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class RunningUsage:
+    """A streamed response's usage so far, counted from the tokens its chunks carried (the
+    outputs' `token_ids` may already hold tokens of steps not sent yet)."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = 0
+
+    def add(self, num_tokens: int) -> dict[str, int]:
+        """Count the tokens of the chunk about to be sent; the usage to send with it."""
+        self.num_completion_tokens += num_tokens
+        return self.as_dict()
+
+    def as_dict(self) -> dict[str, int]:
+        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def remaining_context(ctx: ServerContext, prompts: list[list[int]], param: str) -> int:
     """Tokens left after the longest prompt: the default max_tokens when a request gives none."""
     room = ctx.engine.max_model_len - max(len(p) for p in prompts)

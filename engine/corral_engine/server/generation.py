@@ -66,6 +66,7 @@ class GenerationRun:
         self.request_id = request_id
         self.params = params
         self.num_prompts = len(prompts)
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
         self._in_flight = in_flight
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._ids: list[str] = []

@@ -19,10 +19,28 @@ from starlette.types import Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+# json.dumps builds a new encoder per call unless every option is the default; build it once.
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_NO_USAGE = object()
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(payload).encode() + b"\n\n"
+
+
+class ChunkEncoder:
+    """One streamed response's chunks, `{**base, "choices": [...], **tail}` as SSE events. The
+    fields every chunk repeats (id, object, created, model, and "usage": null when the client
+    asked for usage) are encoded once per response instead of once per token."""
+
+    def __init__(self, base: dict[str, Any], include_usage: bool) -> None:
+        self._head = b"data: " + _JSON.encode(base)[:-1].encode() + b',"choices":'
+        self._tail = (b',"usage":null' if include_usage else b"") + b"}\n\n"
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = _NO_USAGE) -> bytes:
+        """A chunk with these choices; with `usage`, the last chunk carrying the totals instead."""
+        tail = self._tail if usage is _NO_USAGE else b',"usage":' + _JSON.encode(usage).encode() + b"}\n\n"
+        return self._head + _JSON.encode(choices).encode() + tail
 
 
 class EngineStreamingResponse(StreamingResponse):

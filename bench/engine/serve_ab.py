@@ -1,0 +1,183 @@
+"""The served engine at two revisions, side by side: where the HTTP front's CPU goes per token.
+
+    .venv/bin/python -m bench.engine.serve_ab [--base HEAD] [--preset tiny] [--rounds 8]
+
+Starts two `corral engine` processes on the same cores, one running `--base` (a git revision,
+unpacked aside) and one running the working tree, and drives each in turn with the same closed
+loop (`--concurrency` streams, each sending its next request as soon as the last one ended;
+`--num-requests` of a short prompt and `--output-tokens` tokens, ignore_eos). The order flips every
+round, so a drifting machine favours neither; the figures are medians of per-round ratios
+(working tree / base). The load client runs on the other cores.
+
+Per round and engine it reports output tok/s, median and p99 time to first token, and the CPU per
+output token of the engine's event-loop thread (HTTP, SSE, tokenization) and of its other threads
+(the step loop and the model's). With a small model the event loop's share is large, which is
+what a GPU serving thousands of tokens per second meets too. Writes serve_ab.json and
+serve_ab.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from corral_cli.bench.stats import RequestResult
+
+from bench.experiments import source
+from bench.routing.fleet import (
+    MODEL,
+    add_closed_loop_args,
+    closed_loop,
+    ensure_model,
+    start_loop_engine,
+    stream_requests,
+)
+
+logger = logging.getLogger("serve_ab")
+ARMS = ("base", "tree")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
+    add_closed_loop_args(p)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--out", type=Path, default=Path("bench/results/serve-ab"))
+    return p.parse_args()
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process's main thread (the event loop) and of all its others."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {"event_loop": 0.0, "other": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended between listing and reading
+            continue
+        used = (int(fields[11]) + int(fields[12])) / ticks
+        out["event_loop" if int(tid) == pid else "other"] += used
+    return out
+
+
+def round_summary(
+    results: list[RequestResult], duration_s: float, cpu_s: dict[str, float]
+) -> dict[str, float]:
+    ok = [r for r in results if r.is_success]
+    if len(ok) < len(results):
+        raise RuntimeError(f"{len(results) - len(ok)} requests failed: {results[0].error}")
+    num_tokens = sum(r.output_len for r in ok)
+    ttfts = sorted(r.ttft_s for r in ok)
+    return {
+        "output_tok_s": num_tokens / duration_s,
+        "median_ttft_ms": statistics.median(ttfts) * 1000,
+        "p99_ttft_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000,
+        "event_loop_us_per_token": cpu_s["event_loop"] / num_tokens * 1e6,
+        "other_us_per_token": cpu_s["other"] / num_tokens * 1e6,
+        "event_loop_cores": cpu_s["event_loop"] / duration_s,
+    }
+
+
+def summarize(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per measure: each arm's median, and the median, q1 and q3 of the per-round ratios tree/base."""
+    summary: dict[str, dict[str, float]] = {}
+    for key in runs["base"][0]:
+        ratios = [t[key] / b[key] for b, t in zip(runs["base"], runs["tree"], strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        summary[key] = {
+            "base": statistics.median(r[key] for r in runs["base"]),
+            "tree": statistics.median(r[key] for r in runs["tree"]),
+            "ratio": statistics.median(ratios),
+            "ratio_q1": q1,
+            "ratio_q3": q3,
+        }
+    return summary
+
+
+def table(summary: dict[str, dict[str, float]], base: str) -> str:
+    rows = []
+    for key, s in summary.items():
+        spread = f"{s['ratio']:.3f} ({s['ratio_q1']:.3f}-{s['ratio_q3']:.3f})"
+        rows.append(f"| {key} | {s['base']:.1f} | {s['tree']:.1f} | {spread} |")
+    head = f"| measure | base ({base}) | working tree | tree / base, median (IQR) |"
+    return "\n".join([head, "|---|---:|---:|---:|", *rows])
+
+
+def plot(runs: dict[str, list[dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    keys = ("output_tok_s", "median_ttft_ms", "event_loop_us_per_token", "other_us_per_token")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
+    for ax, key in zip(axes, keys, strict=True):
+        for arm in ARMS:
+            ax.plot([r[key] for r in runs[arm]], marker="o", label=arm)
+        ax.set_title(key)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    model_dir = ensure_model(args.model_dir, args.preset)
+    requests = stream_requests(args.num_requests, args.output_tokens)
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    engine_cpus, client_cpus = set(cpus[-half:]), set(cpus[:-half] or cpus)
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    with ExitStack() as stack:
+        work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-serve-ab-")))
+        sources = {"base": source.from_revision(args.base, work_dir), "tree": source.working_tree()}
+        engines = {
+            arm: stack.enter_context(
+                start_loop_engine(model_dir, work_dir, MODEL, args.concurrency, engine_cpus, sources[arm].env)
+            )
+            for arm in ARMS
+        }
+        os.sched_setaffinity(0, client_cpus)
+        for arm in ARMS:  # warm-up
+            asyncio.run(closed_loop(engines[arm].url, requests[: args.concurrency], args.concurrency))
+        for round_index in range(args.rounds):
+            for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
+                pid = engines[arm].proc.pid
+                before = thread_cpu_s(pid)
+                results, duration_s = asyncio.run(closed_loop(engines[arm].url, requests, args.concurrency))
+                after = thread_cpu_s(pid)
+                used = {k: after[k] - before[k] for k in after}
+                runs[arm].append(round_summary(results, duration_s, used))
+                logger.info("round %d %s: %s", round_index, arm, runs[arm][-1])
+    summary = summarize(runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "base": sources["base"].description,
+        "tree": sources["tree"].description,
+        "engine_cpus": sorted(engine_cpus),
+        "client_cpus": sorted(client_cpus),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "runs": runs,
+        "summary": summary,
+    }
+    (args.out / "serve_ab.json").write_text(json.dumps(report, indent=2))
+    plot(runs, args.out / "serve_ab.png")
+    logger.info("results in %s\n%s", args.out, table(summary, sources["base"].description))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
