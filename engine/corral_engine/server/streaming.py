@@ -38,7 +38,8 @@ class ChunkEncoder:
         self._tail = (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
     def chunk(self, choices: list[dict[str, Any]], usage: Any = _NO_USAGE) -> bytes:
-        """A chunk with these choices; with `usage`, the last chunk carrying the totals instead."""
+        """A chunk with these choices and `"usage": null`, or with `usage` (the totals on the last
+        chunk, or the usage so far when the client asked for continuous usage) in its place."""
         tail = self._tail if usage is _NO_USAGE else b',"usage":' + _JSON.encode(usage).encode() + b"}\n\n"
         return self._head + _JSON.encode(choices).encode() + tail
 
