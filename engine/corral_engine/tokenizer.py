@@ -31,6 +31,23 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         raise ModelLoadError(f"{path}: cannot load the tokenizer: {e}") from e
 
 
+def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """text -> ids as `tokenizer.encode(text)` gives them. For fast tokenizers that is the Rust
+    tokenizer's own encode, called directly: transformers' wrapper costs several times the encode
+    itself, on the server's event loop, for every request. Not when the Rust tokenizer carries
+    truncation or padding settings (transformers resets them per call) or special tokens are split."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and not getattr(tokenizer, "split_special_tokens", False)
+    ):
+        encode = backend.encode
+        return lambda text: encode(text, add_special_tokens=True).ids
+    return lambda text: list(tokenizer.encode(text))
+
+
 def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     """ids -> text as `tokenizer.decode(ids, skip_special_tokens=True)` gives it. For fast
     tokenizers without space clean-up that is the Rust tokenizer's own decode, called directly:

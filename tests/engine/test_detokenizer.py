@@ -6,7 +6,7 @@ import pathlib
 import random
 
 import pytest
-from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from corral_engine.tokenizer import IncrementalDetokenizer, encoder, load_tokenizer
 
 
 def stream(
@@ -76,3 +76,26 @@ def test_fast_tokenizers_decode_in_rust_unless_spaces_are_cleaned_up(
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     stream(tokenizer, [1, 2], ids)
     assert calls
+
+
+def test_fast_tokenizers_encode_in_rust_exactly_as_transformers_does(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    special = [t for t in tokenizer.all_special_tokens if t][:3]
+    texts = ["", " ", "hello , world . naïve", "\n\tmixed  spaces\n", "日本語 🦙 ok", *special]
+    texts += [f"{special[0]}inside{special[-1]} text"] if special else []
+    expected = [list(tokenizer.encode(t)) for t in texts]
+    original = tokenizer.encode
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> list[int]:
+        calls.append(1)
+        return list(original(*args, **kwargs))
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    assert [encoder(tokenizer)(t) for t in texts] == expected
+    assert calls == []  # straight to the Rust tokenizer
+    # Truncation set on the Rust tokenizer (transformers resets it per call): go through transformers.
+    tokenizer.backend_tokenizer.enable_truncation(max_length=2)
+    assert encoder(tokenizer)(texts[2]) == expected[2] and calls

@@ -28,3 +28,13 @@ def test_the_usage_chunk_replaces_the_null_usage() -> None:
     totals = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert encoder.chunk([], usage=totals) == sse({**BASE, "choices": [], "usage": totals})
     assert encoder.chunk([], usage=None).endswith(b',"usage":null}\n\n')
+
+
+def test_the_engine_app_turns_fastapi_telemetry_off_where_fastapi_has_it() -> None:
+    from corral_engine.server.app import fastapi_options
+    from fastapi import FastAPI
+
+    options = fastapi_options()
+    FastAPI(**options)  # accepted by the installed FastAPI
+    if options:
+        assert options["telemetry"] == {"tracing": False, "metrics": False, "logs": False}

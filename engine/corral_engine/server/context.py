@@ -6,6 +6,7 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ from corral_engine.server import errors
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.generation import GenerationRun, InFlight
 from corral_engine.server.metrics import ServerMetrics
+from corral_engine.tokenizer import encoder
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,11 @@ class ServerContext:
         return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.engine.tokenizer.encode(text))
+        return self._encode(text)
+
+    @functools.cached_property
+    def _encode(self) -> Callable[[str], list[int]]:
+        return encoder(self.engine.tokenizer)
 
     @functools.cached_property
     def token_text(self) -> Any:
