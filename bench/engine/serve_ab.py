@@ -39,6 +39,7 @@ from bench.routing.fleet import (
     ensure_model,
     start_loop_engine,
     stream_requests,
+    thread_cpu_seconds,
 )
 
 logger = logging.getLogger("serve_ab")
@@ -54,26 +55,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of a process's main thread (the event loop) and of all its others."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out = {"event_loop": 0.0, "other": 0.0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended between listing and reading
-            continue
-        used = (int(fields[11]) + int(fields[12])) / ticks
-        out["event_loop" if int(tid) == pid else "other"] += used
-    return out
-
-
 def round_summary(
     results: list[RequestResult], duration_s: float, cpu_s: dict[str, float]
 ) -> dict[str, float]:
     ok = [r for r in results if r.is_success]
-    if len(ok) < len(results):
-        raise RuntimeError(f"{len(results) - len(ok)} requests failed: {results[0].error}")
+    failed = [r for r in results if not r.is_success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0].error}")
     num_tokens = sum(r.output_len for r in ok)
     ttfts = sorted(r.ttft_s for r in ok)
     return {
@@ -156,9 +144,9 @@ def main() -> int:
         for round_index in range(args.rounds):
             for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
                 pid = engines[arm].proc.pid
-                before = thread_cpu_s(pid)
+                before = thread_cpu_seconds(pid)
                 results, duration_s = asyncio.run(closed_loop(engines[arm].url, requests, args.concurrency))
-                after = thread_cpu_s(pid)
+                after = thread_cpu_seconds(pid)
                 used = {k: after[k] - before[k] for k in after}
                 runs[arm].append(round_summary(results, duration_s, used))
                 logger.info("round %d %s: %s", round_index, arm, runs[arm][-1])

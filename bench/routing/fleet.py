@@ -71,6 +71,29 @@ def start_loop_engine(
     )
 
 
+def _stat_cpu_s(stat_path: Path) -> float:
+    """User + system CPU seconds from a Linux /proc `stat` file (a process's or a thread's)."""
+    fields = stat_path.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has used so far."""
+    return _stat_cpu_s(Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process's main thread (the event loop) and of all its others."""
+    out = {"event_loop": 0.0, "other": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            used = _stat_cpu_s(Path(f"/proc/{pid}/task/{tid}/stat"))
+        except OSError:  # the thread ended between listing and reading
+            continue
+        out["event_loop" if int(tid) == pid else "other"] += used
+    return out
+
+
 def ensure_model(model_dir: Path, preset: str) -> Path:
     if not (model_dir / "config.json").exists():
         from corral_engine.demo_model import write_demo_model

@@ -57,6 +57,7 @@ from bench.routing.fleet import (
     REQUEST_TIMEOUT_S,
     add_closed_loop_args,
     closed_loop,
+    cpu_seconds,
     ensure_model,
     start_gateway,
     start_loop_engine,
@@ -105,12 +106,6 @@ def parse_args() -> argparse.Namespace:
         "--gateway-setting", action="append", default=[], metavar="KEY=YAML", help="extra gateway setting"
     )
     return p.parse_args()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def streams_summary(

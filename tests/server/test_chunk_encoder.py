@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -36,5 +37,6 @@ def test_the_engine_app_turns_fastapi_telemetry_off_where_fastapi_has_it() -> No
 
     options = fastapi_options()
     FastAPI(**options)  # accepted by the installed FastAPI
+    assert bool(options) == ("telemetry" in inspect.signature(FastAPI.__init__).parameters)
     if options:
         assert options["telemetry"] == {"tracing": False, "metrics": False, "logs": False}

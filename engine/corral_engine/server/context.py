@@ -55,11 +55,9 @@ class ServerContext:
     def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
         return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params)
 
-    def encode(self, text: str) -> list[int]:
-        return self._encode(text)
-
     @functools.cached_property
-    def _encode(self) -> Callable[[str], list[int]]:
+    def encode(self) -> Callable[[str], list[int]]:
+        """text -> token ids, as the tokenizer's own `encode` gives them (`tokenizer.encoder`)."""
         return encoder(self.engine.tokenizer)
 
     @functools.cached_property
