@@ -62,6 +62,26 @@ def test_copies_existing_files_and_installs_existing_extras(path: Path) -> None:
     assert ignore.is_file(), f"{path.name} has no {ignore.name}"
 
 
+def _installed_extra(path: Path) -> str:
+    for command in dockerfile.parse_file(str(path)):
+        if command.cmd == "RUN" and "pip install" in command.value[0] and '".[' in command.value[0]:
+            return str(command.value[0].split('".[', 1)[1].split("]", 1)[0])
+    raise AssertionError(f"{path.name} installs no corral extra")
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in DOCKERFILES if not p.name.startswith("operator")], ids=lambda p: p.name
+)
+def test_http_images_get_uvicorns_fast_loop_and_parser(path: Path) -> None:
+    """Without uvloop and httptools, uvicorn falls back to asyncio's loop and the pure-Python h11
+    parser, and the engine streams ~10% fewer tokens per second (docs/engine-speed.md, item 8)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {
+        requirement.split(">")[0].split(";")[0].strip() for requirement in extras[_installed_extra(path)]
+    }
+    assert {"uvicorn", "uvloop", "httptools"} <= names
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_default_command_is_a_valid_corral_command_line(path: Path) -> None:
     final = _final_stage(path)

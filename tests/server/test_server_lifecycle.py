@@ -11,8 +11,8 @@ import httpx
 import uvicorn
 from corral_engine import wire
 from corral_engine.outputs import EngineStats
-from corral_engine.server import create_app
-from corral_engine.server.lifecycle import DrainingServer, throughput_line
+from corral_engine.server import create_app, lifecycle
+from corral_engine.server.lifecycle import DrainingServer, missing_fast_http, throughput_line
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.fake_engine import FakeEngine
@@ -164,6 +164,15 @@ async def test_health_is_503_before_start_and_while_draining(engine: FakeEngine)
             assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
             r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
             assert r.status_code == 503
+
+
+def test_missing_fast_http_names_what_uvicorn_would_fall_back_from(monkeypatch: Any) -> None:
+    assert missing_fast_http() == []  # the engine extra installs both
+    real = lifecycle.importlib.util.find_spec
+    monkeypatch.setattr(
+        lifecycle.importlib.util, "find_spec", lambda name: None if name == "httptools" else real(name)
+    )
+    assert missing_fast_http() == ["httptools"]
 
 
 def test_throughput_line_reports_rates_and_stays_quiet_when_idle() -> None:
