@@ -19,7 +19,6 @@ serve_ab.png to --out.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from corral_cli.bench.runner import run_async
 from corral_cli.bench.stats import RequestResult
 
 from bench.experiments import source
@@ -140,12 +140,12 @@ def main() -> int:
         }
         os.sched_setaffinity(0, client_cpus)
         for arm in ARMS:  # warm-up
-            asyncio.run(closed_loop(engines[arm].url, requests[: args.concurrency], args.concurrency))
+            run_async(closed_loop(engines[arm].url, requests[: args.concurrency], args.concurrency))
         for round_index in range(args.rounds):
             for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
                 pid = engines[arm].proc.pid
                 before = thread_cpu_seconds(pid)
-                results, duration_s = asyncio.run(closed_loop(engines[arm].url, requests, args.concurrency))
+                results, duration_s = run_async(closed_loop(engines[arm].url, requests, args.concurrency))
                 after = thread_cpu_seconds(pid)
                 used = {k: after[k] - before[k] for k in after}
                 runs[arm].append(round_summary(results, duration_s, used))

@@ -19,7 +19,7 @@ import numpy as np
 from corral_cli.bench import workload
 from corral_cli.bench.client import RequestSettings, send_request
 from corral_cli.bench.report import rate_label
-from corral_cli.bench.runner import RunSettings, make_client, run_once
+from corral_cli.bench.runner import RunSettings, make_client, run_async, run_once
 from corral_engine.args import DEFAULT_BLOCK_SIZE
 
 from bench.experiments.source import EngineSource
@@ -140,7 +140,7 @@ def run_experiment(
         # Entered before waiting for health, so an interrupt while it starts still stops it.
         with EngineProcess(model_dir, free_port(), flags, log_dir=log_dir, env=source.env) as proc:
             proc.wait_ready(ENGINE_START_TIMEOUT_S)
-            records += asyncio.run(_run_group(proc.url, specs, token_ids, len(records), show_progress))
+            records += run_async(_run_group(proc.url, specs, token_ids, len(records), show_progress))
     return {
         "experiment": experiment.name,
         "title": experiment.title,

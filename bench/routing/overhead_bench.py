@@ -48,7 +48,7 @@ from typing import Any
 import httpx
 import yaml
 from corral_cli.bench.client import RequestSettings, send_request
-from corral_cli.bench.runner import make_client
+from corral_cli.bench.runner import make_client, run_async
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
 
@@ -294,14 +294,14 @@ def main() -> int:
         gateway = stack.enter_context(start_gateway({MODEL: [engine.url]}, work_dir, **extra))
         os.sched_setaffinity(0, cores.client)
         targets = {"direct": engine.url, "gateway": gateway.url}
-        asyncio.run(closed_loop(engine.url, requests[: args.concurrency], args.concurrency))  # warm-up
+        run_async(closed_loop(engine.url, requests[: args.concurrency], args.concurrency))  # warm-up
         for round_index in range(args.rounds):
             order = list(targets.items()) if round_index % 2 == 0 else list(reversed(targets.items()))
             for name, url in order:
                 pids = {"engine": engine.proc.pid, "gateway": gateway.proc.pid}
                 before = {k: cpu_seconds(pid) for k, pid in pids.items()}
                 client_before = time.process_time()
-                results, duration_s = asyncio.run(closed_loop(url, requests, args.concurrency))
+                results, duration_s = run_async(closed_loop(url, requests, args.concurrency))
                 used = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
                 used["client"] = time.process_time() - client_before
                 runs[name].append(streams_summary(results, duration_s, used))
@@ -310,7 +310,7 @@ def main() -> int:
                 probes[name] += latencies
         for round_index in range(args.mixed_rounds):
             mixed_run = mixed_round(engine.url, gateway.url, requests, args.concurrency, round_index % 2)
-            mixed.append(asyncio.run(mixed_run))
+            mixed.append(run_async(mixed_run))
             logger.info("mixed round %d: %s", round_index, mixed[-1])
         queue_wait_s = gateway.metric("corral_gateway_queue_wait_seconds_sum")
         if args.twin_rounds + args.twin_aa_rounds > 0:
@@ -354,17 +354,17 @@ def run_twin_rounds(
     gateway = stack.enter_context(start_gateway(backends, work_dir, **gateway_settings))
     os.sched_setaffinity(0, cores.client)
     warm_up = requests[: 3 * args.concurrency]  # enough for both sides to finish some while both run
-    asyncio.run(twin_round((twin.url, TWIN_MODEL), (gateway.url, MODEL), warm_up, args.concurrency))
+    run_async(twin_round((twin.url, TWIN_MODEL), (gateway.url, MODEL), warm_up, args.concurrency))
     engines = [(engine_url, MODEL), (twin.url, TWIN_MODEL)]
     rounds: dict[str, list[dict[str, float]]] = {"twin": [], "twin_aa": []}
     for round_index in range(args.twin_rounds):
         direct, behind = engines if round_index % 2 == 0 else engines[::-1]
-        result = asyncio.run(twin_round(direct, (gateway.url, behind[1]), requests, args.concurrency))
+        result = run_async(twin_round(direct, (gateway.url, behind[1]), requests, args.concurrency))
         rounds["twin"].append(result)
         logger.info("twin round %d (%s behind the gateway): %s", round_index, behind[1], result)
     for round_index in range(args.twin_aa_rounds):
         first, second = engines if round_index % 2 == 0 else engines[::-1]
-        result = asyncio.run(twin_round(first, second, requests, args.concurrency))
+        result = run_async(twin_round(first, second, requests, args.concurrency))
         rounds["twin_aa"].append(result)
         logger.info("twin A/A round %d (both straight): %s", round_index, result)
     return rounds

@@ -16,7 +16,6 @@ under capacity one hour and over it the next. `--rate R` offers a fixed rate ins
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from corral_cli.bench.arrivals import arrival_offsets_s
+from corral_cli.bench.runner import run_async
 from corral_cli.bench.stats import RequestResult, summarize
 
 from bench.routing.fleet import MODEL, closed_loop, engine_counter, ensure_model, open_loop, start_gateway
@@ -103,7 +103,7 @@ def probe_capacity(
     requests = build_requests(spec, seed, count_tokens, text_seed=-seed)
     concurrency = args.replicas * args.max_num_seqs
     with start_gateway(backends, work_dir, policy="round-robin", max_queue_len=10 * concurrency) as gateway:
-        results, duration_s = asyncio.run(closed_loop(gateway.url, requests, concurrency))
+        results, duration_s = run_async(closed_loop(gateway.url, requests, concurrency))
     return sum(r.is_success for r in results) / duration_s
 
 
@@ -130,9 +130,9 @@ def run_policy(
     requests = build_requests(spec, seed, count_tokens, text_seed=text_seed)
     offsets = arrival_offsets_s(len(requests), rate, 1.0, seed)
     with start_gateway(backends, work_dir, policy=policy, max_queue_len=args.max_queue_len) as gateway:
-        asyncio.run(open_loop(gateway.url, requests[:6], [0.0] * 6))  # warm-up
+        run_async(open_loop(gateway.url, requests[:6], [0.0] * 6))  # warm-up
         before = {name: engine_counter(engines, name) for name in ENGINE_COUNTERS}
-        results, duration_s = asyncio.run(open_loop(gateway.url, requests, offsets))
+        results, duration_s = run_async(open_loop(gateway.url, requests, offsets))
         extra = {name: engine_counter(engines, name) - before[name] for name in ENGINE_COUNTERS}
         extra["gateway_queue_wait_s"] = gateway.metric("corral_gateway_queue_wait_seconds_sum")
         for labels, value in gateway.metrics().get("corral_gateway_retries_total", []):

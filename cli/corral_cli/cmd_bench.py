@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from typing import Any
 
@@ -68,10 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from corral_cli.bench.runner import BenchError
+    from corral_cli.bench.runner import BenchError, run_async
 
     try:
-        return asyncio.run(_bench(args))
+        return run_async(_bench(args))
     except BenchError as e:
         log.error("%s", e)
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -9,7 +10,7 @@ import socket
 
 import pytest
 from corral_cli.bench.client import RequestSettings, send_request
-from corral_cli.bench.runner import RunSettings, make_client, run_once
+from corral_cli.bench.runner import RunSettings, make_client, run_async, run_once
 from corral_cli.bench.workload import BenchRequest
 from corral_cli.main import main as corral_main
 
@@ -96,6 +97,18 @@ async def test_unlimited_concurrency_sends_everything_at_once(fake):
     assert outcome.summary["completed"] == 8
     assert state.max_in_flight == 8
     assert outcome.summary["num_preemptions"] is None  # no metrics URL given
+
+
+def test_run_async_runs_the_load_generator_on_uvloop(fake):
+    url, _ = fake
+
+    async def one() -> tuple[str, bool]:
+        async with make_client(30) as client:
+            result = await send_request(client, RequestSettings(url, MODEL), BenchRequest([1, 2], 2, 3))
+        return type(asyncio.get_running_loop()).__module__, result.is_success
+
+    loop_module, is_success = run_async(one())
+    assert loop_module.startswith("uvloop") and is_success  # the bench extra installs uvloop
 
 
 def test_cli_sweep_writes_results_and_plot(fake, tmp_path):
