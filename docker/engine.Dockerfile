@@ -22,8 +22,12 @@ RUN pip install ".[engine]"
 FROM python:${PYTHON_VERSION}-slim
 # A C compiler for the native paged-attention kernel, built for the node's own CPU at first start
 # (cached under $HOME/.cache/corral/kernels); without one the engine falls back to PyTorch SDPA.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+# tcmalloc, preloaded below: 6-10% more batched throughput on CPU than glibc's malloc
+# (docs/engine-speed.md); linked to one path whatever the architecture's library directory.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libtcmalloc-minimal4 \
+    && ln -s "$(find /usr/lib -name libtcmalloc_minimal.so.4 | head -n 1)" /usr/local/lib/libtcmalloc_minimal.so.4 \
     && rm -rf /var/lib/apt/lists/*
+ENV LD_PRELOAD=/usr/local/lib/libtcmalloc_minimal.so.4 TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=1099511627776
 RUN groupadd --gid 10001 corral \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin corral
 COPY --from=build /opt/corral /opt/corral

@@ -140,15 +140,6 @@ def find_lib(python: Path, pattern: str) -> Path | None:
     return hits[0] if hits else None
 
 
-def find_tcmalloc() -> Path | None:
-    """Debian's libtcmalloc-minimal4 (apt-get install -y libtcmalloc-minimal4)."""
-    for d in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib")):
-        hits = sorted(d.glob("libtcmalloc_minimal.so*")) + sorted(d.glob("libtcmalloc.so*"))
-        if hits:
-            return hits[0]
-    return None
-
-
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     which = sys.argv[1:] or ["transformers", "vllm"]

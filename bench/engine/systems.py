@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import envs
+from corral_cli import malloc
 
 HERE = Path(__file__).resolve().parent
 ALL_SYSTEMS = ("corral", "transformers", "vllm", "corral-t213")
@@ -84,7 +85,7 @@ class System:
 
 def vllm_env(python: Path, settings: Settings) -> dict[str, str]:
     """vLLM's CPU advice: tcmalloc and its bundled libiomp5 preloaded, OpenMP threads bound to cores."""
-    preload = [p for p in (envs.find_tcmalloc(), envs.find_lib(python, "libiomp5.so")) if p is not None]
+    preload = [p for p in (malloc.find_tcmalloc(), envs.find_lib(python, "libiomp5.so")) if p is not None]
     env = {
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{settings.threads - 1}",
@@ -95,11 +96,21 @@ def vllm_env(python: Path, settings: Settings) -> dict[str, str]:
     return env
 
 
+def corral_env() -> dict[str, str]:
+    """What `corral up` and the engine image add to an engine's environment: tcmalloc preloaded
+    where installed (vLLM gets it too, above)."""
+    return {k: v for k, v in malloc.engine_env(os.environ).items() if os.environ.get(k) != v}
+
+
 def build(name: str, settings: Settings) -> System:
     """Create (or reuse) the system's venv; raises envs.EnvError when it cannot be installed."""
     if name == "corral":
         return System(
-            "corral", f"Corral (torch {_torch_version()})", Path(sys.executable), "offline_corral.py"
+            "corral",
+            f"Corral (torch {_torch_version()})",
+            Path(sys.executable),
+            "offline_corral.py",
+            corral_env(),
         )
     if name == "transformers":
         python = envs.ensure_transformers_env()
@@ -109,7 +120,8 @@ def build(name: str, settings: Settings) -> System:
         return System("vllm", "vLLM-CPU 0.32.0", python, "offline_vllm.py", vllm_env(python, settings))
     if name == "corral-t213":
         python = envs.ensure_vllm_env()
-        return System("corral-t213", f"Corral (torch {envs.VLLM_TORCH})", python, "offline_corral.py")
+        label = f"Corral (torch {envs.VLLM_TORCH})"
+        return System("corral-t213", label, python, "offline_corral.py", corral_env())
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
 
 

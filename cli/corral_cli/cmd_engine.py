@@ -23,6 +23,8 @@ from corral_engine.args import (
     EngineArgs,
 )
 
+from corral_cli import malloc
+
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
@@ -175,6 +177,14 @@ def _set_torch_threads(num_threads: int | None) -> None:
         torch.set_num_interop_threads(1)
 
 
+def _log_allocator(device: str) -> None:
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        level, message = malloc.advice(malloc.is_loaded(), malloc.find_tcmalloc())
+        log.log(level, "%s", message)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         engine_args = engine_args_from(args)
@@ -182,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     _set_torch_threads(engine_args.num_threads)
+    _log_allocator(engine_args.device)
 
     from corral_engine.async_engine import AsyncEngine
     from corral_engine.errors import ModelLoadError

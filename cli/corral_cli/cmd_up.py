@@ -22,6 +22,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from corral_cli import malloc
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEMO_DIR = Path.home() / ".cache" / "corral" / "demo-model"
@@ -125,6 +127,7 @@ class _Engine:
             # Own session: Ctrl-C reaches only `corral up`, which stops the engines in order.
             self.proc = subprocess.Popen(
                 argv,
+                env=malloc.engine_env(os.environ),  # tcmalloc where installed (faster on CPU)
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

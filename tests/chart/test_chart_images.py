@@ -11,6 +11,7 @@ from typing import Any
 
 import dockerfile
 import pytest
+from corral_cli import malloc
 from corral_cli.main import build_parser
 
 from tests.chart.conftest import ROOT, find
@@ -80,6 +81,18 @@ def test_http_images_get_uvicorns_fast_loop_and_parser(path: Path) -> None:
         requirement.split(">")[0].split(";")[0].strip() for requirement in extras[_installed_extra(path)]
     }
     assert {"uvicorn", "uvloop", "httptools"} <= names
+
+
+def test_cpu_engine_image_preloads_the_tcmalloc_it_installs() -> None:
+    final = _final_stage(ROOT / "docker" / "engine.Dockerfile")
+    env: dict[str, str] = {}
+    for command in final:
+        if command.cmd == "ENV":
+            env.update(zip(command.value[::2], command.value[1::2], strict=True))
+    preload = Path(env["LD_PRELOAD"])
+    installs = [c.value[0] for c in final if c.cmd == "RUN" and "libtcmalloc-minimal4" in c.value[0]]
+    assert installs and f" {preload} " in f"{installs[0]} ", "LD_PRELOAD names a file the image does not make"
+    assert preload.parent in malloc.LIB_DIRS, "corral up / corral engine would not find it"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
