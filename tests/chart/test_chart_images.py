@@ -75,7 +75,7 @@ def _installed_extra(path: Path) -> str:
 )
 def test_http_images_get_uvicorns_fast_loop_and_parser(path: Path) -> None:
     """Without uvloop and httptools, uvicorn falls back to asyncio's loop and the pure-Python h11
-    parser, and the engine streams ~10% fewer tokens per second (docs/engine-speed.md, item 8)."""
+    parser, and the engine streams ~14% fewer tokens per second (docs/engine-speed.md, item 8)."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {
         requirement.split(">")[0].split(";")[0].strip() for requirement in extras[_installed_extra(path)]
