@@ -253,16 +253,18 @@ class LLMEngine:
 
     def _build_output(self, request: Request, touched: dict[int, int]) -> RequestOutput:
         outs = []
+        is_cumulative = request.params.output_kind == "cumulative"
         for seq in request.seqs:
             detok = self._detokenizers[seq.seq_id]
             delta_text = detok.take_delta(seq.is_finished)
             new = touched.get(seq.seq_id, 0)
-            delta_ids = seq.output_token_ids[-new:] if new else []
+            delta_ids = seq.token_ids[-new:] if new else []  # the newest tokens are outputs
+            is_whole = is_cumulative or seq.is_finished  # "delta": only what is new, until the end
             outs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=detok.text[: detok.num_emitted_chars],
-                    token_ids=seq.output_token_ids,
+                    text=detok.text[: detok.num_emitted_chars] if is_whole else "",
+                    token_ids=seq.output_token_ids if is_whole else [],
                     delta_text=delta_text,
                     delta_token_ids=delta_ids,
                     finish_reason=seq.finish_reason,

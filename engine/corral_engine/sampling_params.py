@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from corral_engine.errors import InvalidRequestError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "delta")
+OutputKind = Literal["cumulative", "delta"]
 
 
 class SamplingError(InvalidRequestError):
@@ -32,6 +35,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
     include_stop_str_in_output: bool = False
+    # What a sequence's `text` and `token_ids` hold before it finishes: "cumulative", all so far
+    # (as vLLM's default); "delta", nothing (only the delta_* fields), which saves the engine a copy
+    # per step that grows with the output. A finished sequence's output is always complete.
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +84,8 @@ class SamplingParams:
             raise bad("stop must be at most 16 non-empty strings", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative", "stop_token_ids")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}", "output_kind")
 
     @property
     def is_greedy(self) -> bool:

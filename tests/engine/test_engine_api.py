@@ -180,3 +180,31 @@ def test_prompt_tokens_count_once_prefilled_not_on_arrival(tiny_model_dir: pathl
     engine.abort_request("dropped")
     run_checked(engine)
     assert engine.stats().num_prompt_tokens_total == 5 + 3
+
+
+def test_delta_outputs_carry_only_whats_new_until_each_sequence_finishes(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    """output_kind="delta" (what the server asks for): no whole-text copy per step; the deltas
+    add up to the cumulative run's output, and a finished sequence's output is complete."""
+    prompt = random_prompts(1, 500, seed=4, min_len=12, max_len=12)[0]
+    base = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    runs = {}
+    for kind in ("cumulative", "delta"):
+        engine = make_engine(tiny_model_dir)
+        engine.add_request("r", prompt, base.replace(output_kind=kind))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        runs[kind] = outputs
+    final = runs["cumulative"][-1]
+    assert final.finished and all(len(o.token_ids) == 12 and o.text for o in final.outputs)
+    assert runs["delta"][-1].outputs == final.outputs
+    for index, whole in enumerate(final.outputs):
+        seen = [o for out in runs["delta"] for o in out.outputs if o.index == index]
+        running = [o for o in seen if o.finish_reason is None]
+        assert running and all(o.text == "" and o.token_ids == [] for o in running)
+        assert [t for o in seen for t in o.delta_token_ids] == whole.token_ids
+        assert "".join(o.delta_text for o in seen) == whole.text
+    with pytest.raises(SamplingError):
+        SamplingParams(output_kind="final")  # type: ignore[arg-type]

@@ -73,6 +73,8 @@ class _SamplingFields(_Strict):
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
+            # Handlers read whole texts only from finished outputs; streams need only the deltas.
+            "output_kind": "delta",
         }
         for name in (
             "temperature",
