@@ -281,6 +281,7 @@ class LLMEngine:
         for seq in request.seqs:
             self._detokenizers.pop(seq.seq_id, None)
             self.sampler.release(seq.seq_id)
+            self.runner.block_rows.release(seq.seq_id)
             reason = seq.finish_reason or "abort"
             self._stats.finished_by_reason[reason] = self._stats.finished_by_reason.get(reason, 0) + 1
         del self.requests[request.request_id]

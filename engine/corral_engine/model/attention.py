@@ -61,7 +61,7 @@ class DecodeBatch:
     gathered into a padded [S, max_blocks * block_size] key range and padding is masked out."""
 
     rows: torch.Tensor  # [S] long: rows of these sequences in the step's token batch
-    block_tables: torch.Tensor  # [S, max_blocks] long, padded with block 0
+    block_tables: torch.Tensor  # [S, max_blocks] long; past a context's blocks: stale ids, masked
     ctx_lens: torch.Tensor  # [S] long
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by sliding window (0 = none)
 

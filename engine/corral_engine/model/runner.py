@@ -91,6 +91,7 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads or max(1, len(os.sched_getaffinity(0))))
         self.model = self._build_model()
         self.num_kv_blocks = self._num_kv_blocks(args, max_model_len)
+        self.block_rows = BlockTableRows(-(-max_model_len // self.block_size))
         shape = (self.num_kv_blocks, self.block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: batched decode reads (masked) slots nobody wrote yet, and a NaN there
         # would survive masking (0 * NaN); stale finite values from freed blocks are harmless.
@@ -205,7 +206,8 @@ class ModelRunner:
         seqs: list[SeqAttention] = []
         logits_indices: list[int] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
+        decode_table_rows: list[int] = []  # each decode row's sequence in self.block_rows
+        decode_num_blocks: list[int] = []
         decode_lens: list[int] = []
         row = 0
         for s in scheduled:
@@ -220,9 +222,11 @@ class ModelRunner:
             if self.batched_decode and (s.num_new_tokens == 1 or s.num_spec):
                 # A decode, or a decode with draft tokens to verify: each of those rows attends
                 # like a decode over the context up to itself (its K/V is written first).
+                table_row = self.block_rows.row(seq.seq_id, table)
                 for j in range(s.num_new_tokens):
                     decode_rows.append(row + j)
-                    decode_tables.append(table[: -(-(start + j + 1) // bs)])
+                    decode_table_rows.append(table_row)
+                    decode_num_blocks.append(-(-(start + j + 1) // bs))
                     decode_lens.append(start + j + 1)
             else:
                 block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
@@ -234,25 +238,28 @@ class ModelRunner:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        def tables(group: list[int]) -> torch.Tensor:
+            width = max(decode_num_blocks[i] for i in group)
+            rows = torch.tensor([decode_table_rows[i] for i in group], dtype=torch.long)
+            return self.block_rows.table[rows, :width].to(self.device)
+
         decodes = [
             DecodeBatch(
                 as_tensor([decode_rows[i] for i in group]),
-                torch.tensor(
-                    _padded([decode_tables[i] for i in group]), dtype=torch.long, device=self.device
-                ),
+                tables(group),
                 as_tensor([decode_lens[i] for i in group]),
             )
-            for group in self._decode_groups(decode_tables)
+            for group in self._decode_groups(decode_num_blocks)
         ]
         ctx = AttentionContext(as_tensor(slots), seqs, bs, decodes, self.decode_kernel)
         return StepBatch(as_tensor(input_ids), as_tensor(positions), ctx, as_tensor(logits_indices))
 
-    def _decode_groups(self, tables: list[list[int]]) -> list[list[int]]:
-        if not tables:
+    def _decode_groups(self, num_blocks: list[int]) -> list[list[int]]:
+        if not num_blocks:
             return []
         if self.decode_kernel is not None:  # reads each context at its own length: no padding
-            return [list(range(len(tables)))]
-        return group_by_length([len(t) for t in tables])
+            return [list(range(len(num_blocks)))]
+        return group_by_length(num_blocks)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -265,9 +272,50 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
 
-def _padded(tables: list[list[int]]) -> list[list[int]]:
-    width = max(len(t) for t in tables)
-    return [t + [0] * (width - len(t)) for t in tables]
+class BlockTableRows:
+    """Running sequences' block tables kept as rows of one tensor across steps (vLLM v1 keeps a
+    persistent batch the same way), so a decode step copies only the blocks added since the last
+    step instead of converting every sequence's whole table: that work grew with context length
+    (1.3 ms a step for 128 sequences of 2,048 tokens).
+
+    A row is rewritten whole when its sequence's table is a new list object (the block manager
+    replaces the list when it frees or adopts blocks, and only ever extends it in place otherwise);
+    it holds a reference to the list it mirrors, so that identity check cannot be fooled by a
+    reused address. Entries past a sequence's length are stale block ids, which readers mask."""
+
+    def __init__(self, num_columns: int, num_rows: int = 64) -> None:
+        self.table = torch.zeros((num_rows, max(1, num_columns)), dtype=torch.long)
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._rows: dict[int, tuple[int, list[int], int]] = {}  # seq_id -> (row, mirrored, written)
+
+    def row(self, seq_id: int, blocks: list[int]) -> int:
+        """The row holding `blocks` (the sequence's block table) as of now."""
+        entry = self._rows.get(seq_id)
+        if entry is not None and entry[1] is blocks and entry[2] <= len(blocks):
+            row, _, start = entry
+        else:
+            row, start = (entry[0] if entry is not None else self._take()), 0
+        if len(blocks) > start:
+            if len(blocks) > self.table.shape[1]:
+                extra = torch.zeros(
+                    (self.table.shape[0], len(blocks) - self.table.shape[1]), dtype=torch.long
+                )
+                self.table = torch.cat([self.table, extra], dim=1)
+            self.table[row, start : len(blocks)] = torch.tensor(blocks[start:], dtype=torch.long)
+        self._rows[seq_id] = (row, blocks, len(blocks))
+        return row
+
+    def release(self, seq_id: int) -> None:
+        entry = self._rows.pop(seq_id, None)
+        if entry is not None:
+            self._free.append(entry[0])
+
+    def _take(self) -> int:
+        if not self._free:
+            grown = self.table.shape[0]
+            self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+            self._free = list(range(2 * grown - 1, grown - 1, -1))
+        return self._free.pop()
 
 
 def group_by_length(num_blocks: list[int], max_waste: float = 0.5, max_group: int = 64) -> list[list[int]]:
