@@ -132,7 +132,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.abort(request)
-        return self._finish_request(request, self._build_output(request, {}))
+        return self._finish_request(request, self._build_output(request, {}, request.is_finished))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -183,8 +183,9 @@ class LLMEngine:
         outputs = []
         for request_id, counts in touched.items():
             request = self.requests[request_id]
-            output = self._build_output(request, counts)
-            outputs.append(self._finish_request(request, output) if request.is_finished else output)
+            is_finished = request.is_finished
+            output = self._build_output(request, counts, is_finished)
+            outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
 
     def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
@@ -251,7 +252,7 @@ class LLMEngine:
             detok.flush()
         self.scheduler.finish(seq)
 
-    def _build_output(self, request: Request, touched: dict[int, int]) -> RequestOutput:
+    def _build_output(self, request: Request, touched: dict[int, int], is_finished: bool) -> RequestOutput:
         outs = []
         is_cumulative = request.params.output_kind == "cumulative"
         for seq in request.seqs:
@@ -273,7 +274,7 @@ class LLMEngine:
                 )
             )
         return RequestOutput(
-            request.request_id, request.prompt_token_ids, outs, request.is_finished, request.metrics
+            request.request_id, request.prompt_token_ids, outs, is_finished, request.metrics
         )
 
     def _finish_request(self, request: Request, output: RequestOutput) -> RequestOutput:

@@ -81,4 +81,9 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return not self.pending_forks and all(s.is_finished for s in self.seqs)
+        if self.pending_forks:
+            return False
+        for seq in self.seqs:  # a loop, not all(generator): this runs per request per step
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
