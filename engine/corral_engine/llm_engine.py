@@ -273,9 +273,7 @@ class LLMEngine:
                     delta_logprobs=seq.logprobs[-new:] if new and seq.logprobs else None,
                 )
             )
-        return RequestOutput(
-            request.request_id, request.prompt_token_ids, outs, is_finished, request.metrics
-        )
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, is_finished, request.metrics)
 
     def _finish_request(self, request: Request, output: RequestOutput) -> RequestOutput:
         request.metrics.finished_time = time.monotonic()

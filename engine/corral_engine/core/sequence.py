@@ -83,7 +83,7 @@ class Request:
     def is_finished(self) -> bool:
         if self.pending_forks:
             return False
-        for seq in self.seqs:  # a loop, not all(generator): this runs per request per step
+        for seq in self.seqs:  # noqa: SIM110 (a loop, not all(generator): runs per request per step)
             if seq.status is not SequenceStatus.FINISHED:
                 return False
         return True
