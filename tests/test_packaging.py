@@ -27,7 +27,8 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _declared(extra: str) -> set[str]:
+def declared_requirements(extra: str) -> set[str]:
+    """Distribution names (normalized) the base dependencies and `extra` declare."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = project["dependencies"] + project["optional-dependencies"][extra]
     return {_normalize(re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]) for r in requirements}
@@ -57,7 +58,7 @@ _PROVIDED_BY = {"starlette": "fastapi", "urllib3": "kubernetes"}
 
 @pytest.mark.parametrize("extra", sorted(EXTRA_CODE))
 def test_extras_declare_what_their_code_imports(extra: str) -> None:
-    declared = _declared(extra)
+    declared = declared_requirements(extra)
     distributions = importlib.metadata.packages_distributions()
     missing = []
     for code_dir in EXTRA_CODE[extra]:

@@ -178,9 +178,15 @@ def _set_torch_threads(num_threads: int | None) -> None:
 
 
 def _log_allocator(device: str) -> None:
-    import torch
+    """On CPU, which allocator the engine runs on (device chosen by the engine's own rule)."""
+    from corral_engine.errors import ModelLoadError
+    from corral_engine.model.runner import select_device
 
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+    try:
+        is_cpu = select_device(device).type == "cpu"
+    except ModelLoadError:
+        return  # the engine reports the bad device when it loads
+    if is_cpu:
         level, message = malloc.advice(malloc.is_loaded(), malloc.find_tcmalloc())
         log.log(level, "%s", message)
 

@@ -25,7 +25,7 @@ LIB_DIRS = (
     Path("/usr/lib"),
 )
 # tcmalloc reports every allocation over 1 GiB on stderr by default; loading weights makes some.
-_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
+_REPORT_THRESHOLD = "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"
 
 
 def find_tcmalloc(dirs: Iterable[Path] | None = None) -> Path | None:
@@ -49,8 +49,7 @@ def engine_env(env: Mapping[str, str], dirs: Iterable[Path] | None = None) -> di
     if library is None:
         return out
     out["LD_PRELOAD"] = f"{library}:{preload}" if preload else str(library)
-    for key, value in _QUIET.items():
-        out.setdefault(key, value)
+    out.setdefault(_REPORT_THRESHOLD, str(1 << 40))
     return out
 
 

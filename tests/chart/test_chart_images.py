@@ -15,6 +15,7 @@ from corral_cli import malloc
 from corral_cli.main import build_parser
 
 from tests.chart.conftest import ROOT, find
+from tests.test_packaging import declared_requirements
 
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
 UID = 10001
@@ -56,18 +57,19 @@ def test_copies_existing_files_and_installs_existing_extras(path: Path) -> None:
         if command.cmd == "COPY" and not command.flags:
             for source in command.value[:-1]:
                 assert (ROOT / source).exists(), f"{path.name} copies missing {source}"
-        if command.cmd == "RUN" and "pip install" in command.value[0] and '".[' in command.value[0]:
-            extra = command.value[0].split('".[', 1)[1].split("]", 1)[0]
-            assert extra in extras, f"{path.name} installs unknown extra {extra}"
+    for extra in _installed_extras(path):
+        assert extra in extras, f"{path.name} installs unknown extra {extra}"
     ignore = path.with_name(path.name + ".dockerignore")
     assert ignore.is_file(), f"{path.name} has no {ignore.name}"
 
 
-def _installed_extra(path: Path) -> str:
-    for command in dockerfile.parse_file(str(path)):
-        if command.cmd == "RUN" and "pip install" in command.value[0] and '".[' in command.value[0]:
-            return str(command.value[0].split('".[', 1)[1].split("]", 1)[0])
-    raise AssertionError(f"{path.name} installs no corral extra")
+def _installed_extras(path: Path) -> list[str]:
+    """The corral extras the Dockerfile's `pip install ".[extra]"` lines name."""
+    return [
+        str(command.value[0].split('".[', 1)[1].split("]", 1)[0])
+        for command in dockerfile.parse_file(str(path))
+        if command.cmd == "RUN" and "pip install" in command.value[0] and '".[' in command.value[0]
+    ]
 
 
 @pytest.mark.parametrize(
@@ -76,11 +78,8 @@ def _installed_extra(path: Path) -> str:
 def test_http_images_get_uvicorns_fast_loop_and_parser(path: Path) -> None:
     """Without uvloop and httptools, uvicorn falls back to asyncio's loop and the pure-Python h11
     parser, and the engine streams ~14% fewer tokens per second (docs/engine-speed.md, item 8)."""
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    names = {
-        requirement.split(">")[0].split(";")[0].strip() for requirement in extras[_installed_extra(path)]
-    }
-    assert {"uvicorn", "uvloop", "httptools"} <= names
+    (extra,) = _installed_extras(path)
+    assert {"uvicorn", "uvloop", "httptools"} <= declared_requirements(extra)
 
 
 def test_cpu_engine_image_preloads_the_tcmalloc_it_installs() -> None:
