@@ -159,16 +159,24 @@ def test_prepacked_linear_matches_f_linear(rows: int) -> None:
 
 @needs_mkldnn
 @pytest.mark.parametrize(
-    ("env", "dtype", "packs"),
+    ("env", "dtype", "native_bf16", "packs"),
     [
-        ("auto", "float32", True),
-        ("0", "float32", False),
-        ("auto", "bfloat16", False),
-        ("1", "bfloat16", True),
+        ("auto", "float32", True, True),
+        ("auto", "float32", False, True),
+        ("0", "float32", True, False),
+        ("auto", "bfloat16", True, True),  # native bf16 (AMX): packed, as PyTorch's compiler does
+        ("auto", "bfloat16", False, False),  # emulated bf16 with the upcast turned off: left alone
+        ("1", "bfloat16", True, True),
+        ("0", "bfloat16", True, False),
     ],
 )
 def test_runner_prepacks_linear_weights_on_cpu(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, env: str, dtype: str, packs: bool
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: str,
+    dtype: str,
+    native_bf16: bool,
+    packs: bool,
 ) -> None:
     from corral_engine.args import EngineArgs
     from corral_engine.model import runner as runner_mod
@@ -176,7 +184,8 @@ def test_runner_prepacks_linear_weights_on_cpu(
 
     has_native_bf16 = runner_mod.cpu_supports_bf16()
     monkeypatch.setenv(runner_mod.ENV_PREPACK, env)
-    monkeypatch.setattr(runner_mod, "cpu_supports_bf16", lambda: True)  # no bf16 upcast in the way
+    monkeypatch.setenv(runner_mod.ENV_UPCAST, "0")  # no bf16 upcast in the way
+    monkeypatch.setattr(runner_mod, "cpu_supports_bf16", lambda: native_bf16)
     config = load_model_config(tiny_model_dir)
     runner = runner_mod.ModelRunner(config, EngineArgs(model=str(tiny_model_dir), dtype=dtype), 64)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
@@ -187,6 +196,41 @@ def test_runner_prepacks_linear_weights_on_cpu(
     # keeps the shared one: test_rope_scaling_and_tied_embeddings runs packed in float32).
     assert not config.tie_word_embeddings
     assert (runner.model.lm_head.weight.numel() == 0) == packs
+
+
+@needs_mkldnn
+@pytest.mark.parametrize(
+    ("env", "native_bf16", "upcast", "asks"),
+    [
+        ("auto", True, "auto", True),  # AMX / AVX512-BF16: bf16 weights packed by default
+        ("auto", False, "auto", False),  # emulated bf16: batches run on float32 copies instead
+        ("auto", False, "0", False),
+        ("1", False, "0", True),
+        ("0", True, "auto", False),
+    ],
+)
+def test_runner_asks_to_pack_bf16_weights_where_the_cpu_has_native_bf16(
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: str,
+    native_bf16: bool,
+    upcast: str,
+    asks: bool,
+) -> None:
+    """The decision itself, on any CPU: whether oneDNN then manages to pack depends on this one."""
+    from corral_engine.args import EngineArgs
+    from corral_engine.model import runner as runner_mod
+    from corral_engine.model.config import load_model_config
+
+    asked: list[bool] = []
+    monkeypatch.setattr(Linear, "prepack", lambda self, keep_weight: asked.append(keep_weight))
+    monkeypatch.setenv(runner_mod.ENV_PREPACK, env)
+    monkeypatch.setenv(runner_mod.ENV_UPCAST, upcast)
+    monkeypatch.setattr(runner_mod, "cpu_supports_bf16", lambda: native_bf16)
+    monkeypatch.setattr(runner_mod, "available_memory_bytes", lambda: 2**40)
+    config = load_model_config(tiny_model_dir)
+    runner_mod.ModelRunner(config, EngineArgs(model=str(tiny_model_dir), dtype="bfloat16"), 64)
+    assert len(asked) == (4 * config.num_layers + 1 if asks else 0)
 
 
 @needs_mkldnn

@@ -133,21 +133,29 @@ class ModelRunner:
                 except RuntimeError as e:  # e.g. bf16 packing needs AVX512 or AVX-NE-CONVERT
                     logger.info("Linear weights stay unpacked: %s", e)
                     prepack = False
+        if prepack:
+            logger.info("Linear weights prepacked for oneDNN (%s)", str(self.dtype).removeprefix("torch."))
         inv_freq, _ = rope_parameters(self.config)
         model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval()
 
     def _prepack(self) -> bool:
-        """Linear weights prepacked for oneDNN: by default in float32 on CPU (small preset, AVX2,
+        """Linear weights prepacked for oneDNN, by default on CPU in float32 (small preset, AVX2,
         same process A/B: 1.13-1.37x output tok/s at batch 64, 1.03-1.21x at batch 1, greedy output
-        identical); `CORRAL_PREPACK=1` also packs bf16 where oneDNN can (AVX512 / AMX; not yet
-        measured there), `0` never."""
+        identical) and in bf16 where the CPU multiplies bf16 natively (AVX512-BF16 / AMX). The bf16
+        default follows PyTorch's own compiler, which packs bf16 Linear weights on such CPUs because
+        a plain-layout weight keeps oneDNN off its AMX kernel or reorders it on every call; vLLM's
+        CPU build prepacks too. It is not yet measured on an AMX machine by this project
+        (`bench/engine/prepack_ab.py --dtype bfloat16 --on auto` does). `CORRAL_PREPACK=1` packs
+        whatever oneDNN can, `0` nothing."""
         mode = self._prepack_mode()
         if mode == "0":
             return False
         if self.dtype == torch.bfloat16 and self.upcast_rows:
             return False  # bf16 batches are multiplied in float32 here; packing would not apply
-        return mode == "1" or self.dtype == torch.float32
+        if mode == "1" or self.dtype == torch.float32:
+            return True
+        return self.dtype == torch.bfloat16 and cpu_supports_bf16()
 
     def _prepack_mode(self) -> str:
         """CORRAL_PREPACK ("auto", "1" or "0"), or "0" where oneDNN cannot pack (not CPU, no oneDNN)."""
