@@ -90,6 +90,8 @@ def vllm_env(python: Path, settings: Settings) -> dict[str, str]:
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{settings.threads - 1}",
         "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib),
+        # Not vLLM's advice but PyTorch's switch, which Corral runs with: same footing.
+        malloc.THP_ENV: "1",
     }
     if preload:
         env["LD_PRELOAD"] = ":".join(str(p) for p in preload)
@@ -98,7 +100,7 @@ def vllm_env(python: Path, settings: Settings) -> dict[str, str]:
 
 def corral_env() -> dict[str, str]:
     """What `corral up` and the engine image add to an engine's environment: tcmalloc preloaded
-    where installed (vLLM gets it too, above)."""
+    where installed, tensors on huge pages (vLLM gets both too, above)."""
     return {k: v for k, v in malloc.engine_env(os.environ).items() if os.environ.get(k) != v}
 
 
@@ -114,7 +116,8 @@ def build(name: str, settings: Settings) -> System:
         )
     if name == "transformers":
         python = envs.ensure_transformers_env()
-        return System("transformers", "transformers static", python, "offline_hf.py", is_served=False)
+        thp = {malloc.THP_ENV: "1"}  # PyTorch's huge pages switch, as Corral and vLLM run here
+        return System("transformers", "transformers static", python, "offline_hf.py", thp, is_served=False)
     if name == "vllm":
         python = envs.ensure_vllm_env()
         return System("vllm", "vLLM-CPU 0.32.0", python, "offline_vllm.py", vllm_env(python, settings))

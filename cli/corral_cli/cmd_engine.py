@@ -168,6 +168,9 @@ def _set_torch_threads(num_threads: int | None) -> None:
     # policy): the server's event loop, and anything else on the node, shares these cores, and a
     # spinning team whose other thread is descheduled stalls every op. Read once, at torch import.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Weights, KV cache and large activations on 2 MiB pages (corral_cli.malloc); read by PyTorch
+    # at its first allocation, so before the import.
+    os.environ.setdefault(malloc.THP_ENV, "1")
     import torch
 
     torch.set_num_threads(num_threads or max(1, len(os.sched_getaffinity(0))))
@@ -188,6 +191,8 @@ def _log_allocator(device: str) -> None:
         return  # the engine reports the bad device when it loads
     if is_cpu:
         level, message = malloc.advice(malloc.is_loaded(), malloc.find_tcmalloc())
+        log.log(level, "%s", message)
+        level, message = malloc.huge_pages_advice(os.environ.get(malloc.THP_ENV), malloc.thp_mode())
         log.log(level, "%s", message)
 
 

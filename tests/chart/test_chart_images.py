@@ -82,7 +82,7 @@ def test_http_images_get_uvicorns_fast_loop_and_parser(path: Path) -> None:
     assert {"uvicorn", "uvloop", "httptools"} <= declared_requirements(extra)
 
 
-def test_cpu_engine_image_preloads_the_tcmalloc_it_installs() -> None:
+def test_cpu_engine_image_preloads_the_tcmalloc_it_installs_and_asks_for_huge_pages() -> None:
     final = _final_stage(ROOT / "docker" / "engine.Dockerfile")
     env: dict[str, str] = {}
     for command in final:
@@ -92,6 +92,7 @@ def test_cpu_engine_image_preloads_the_tcmalloc_it_installs() -> None:
     installs = [c.value[0] for c in final if c.cmd == "RUN" and "libtcmalloc-minimal4" in c.value[0]]
     assert installs and f" {preload} " in f"{installs[0]} ", "LD_PRELOAD names a file the image does not make"
     assert preload.parent in malloc.LIB_DIRS, "corral up / corral engine would not find it"
+    assert env.get(malloc.THP_ENV) == "1", "tensors on huge pages (docs/engine-speed.md, item 12)"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)

@@ -1,5 +1,5 @@
 """tcmalloc for engine processes: found where installed, preloaded by `corral up`, reported by
-`corral engine`, switched off by CORRAL_TCMALLOC=0."""
+`corral engine`, switched off by CORRAL_TCMALLOC=0; and PyTorch's huge pages switch."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def test_engine_env_preloads_it_once_and_keeps_other_preloads(libdir: Path) -> N
     assert malloc.engine_env(env, [libdir]) == env  # already there
 
 
-def test_engine_env_leaves_the_environment_alone_when_off_or_missing(tmp_path: Path, libdir: Path) -> None:
+def test_engine_env_preloads_nothing_when_off_or_missing(tmp_path: Path, libdir: Path) -> None:
     assert "LD_PRELOAD" not in malloc.engine_env({"CORRAL_TCMALLOC": "0"}, [libdir])
-    assert malloc.engine_env({"A": "1"}, [tmp_path / "none"]) == {"A": "1"}
+    assert malloc.engine_env({"A": "1"}, [tmp_path / "none"]) == {"A": "1", malloc.THP_ENV: "1"}
 
 
 def test_is_loaded_reads_the_process_maps(tmp_path: Path) -> None:
@@ -72,3 +72,48 @@ def test_corral_up_starts_engines_with_tcmalloc_preloaded(
     cmd_up._Engine(["--model", "m"], 1, tmp_path)
     assert started["env"]["LD_PRELOAD"] == str(libdir / "libtcmalloc_minimal.so.4")
     assert "engine" in started["argv"]
+
+
+def test_engines_ask_for_huge_pages_unless_told_otherwise(tmp_path: Path) -> None:
+    assert malloc.engine_env({}, [tmp_path])[malloc.THP_ENV] == "1"
+    assert malloc.engine_env({malloc.THP_ENV: "0"}, [tmp_path])[malloc.THP_ENV] == "0"
+    # with tcmalloc switched off too: the two settings are independent
+    assert malloc.engine_env({"CORRAL_TCMALLOC": "0"}, [tmp_path])[malloc.THP_ENV] == "1"
+
+
+def test_corral_engine_sets_the_switch_before_torch_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corral_cli import cmd_engine
+
+    monkeypatch.delenv(malloc.THP_ENV, raising=False)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setattr("torch.set_num_interop_threads", lambda n: None)
+    cmd_engine._set_torch_threads(1)
+    import os
+
+    assert os.environ[malloc.THP_ENV] == "1"
+    monkeypatch.setenv(malloc.THP_ENV, "0")
+    cmd_engine._set_torch_threads(1)
+    assert os.environ[malloc.THP_ENV] == "0"  # the user's choice stands
+
+
+@pytest.mark.parametrize(
+    ("text", "mode"),
+    [
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never\n", "always"),
+        ("always madvise [never]\n", "never"),
+        ("garbage\n", None),
+    ],
+)
+def test_thp_mode_reads_the_bracketed_choice(tmp_path: Path, text: str, mode: str | None) -> None:
+    path = tmp_path / "enabled"
+    path.write_text(text)
+    assert malloc.thp_mode(path) == mode
+    assert malloc.thp_mode(tmp_path / "missing") is None
+
+
+def test_huge_pages_advice_says_what_the_engine_runs_on() -> None:
+    assert "transparent huge pages" in malloc.huge_pages_advice("1", "madvise")[1]
+    assert "off (never)" in malloc.huge_pages_advice("1", "never")[1]
+    assert "4 KiB pages (THP_MEM_ALLOC_ENABLE=0)" in malloc.huge_pages_advice("0", "madvise")[1]
+    assert "unset" in malloc.huge_pages_advice(None, "always")[1]
