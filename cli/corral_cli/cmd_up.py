@@ -197,10 +197,27 @@ Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-
 """
 
 
-async def _serve_gateway(app: Any, host: str, port: int, banner: str) -> None:
+GRACE_S = 5  # how long open streams get to finish once Ctrl-C (or SIGTERM) stops the fleet
+
+
+def _gateway_server(app: Any, host: str, port: int) -> Any:
+    """A uvicorn server that treats every Ctrl-C and SIGTERM as the same bounded graceful stop.
+    uvicorn's own handler turns a second Ctrl-C into a forced exit, which cancels the app's
+    shutdown halfway and prints a traceback; here shutdown never takes more than GRACE_S anyway."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
+    )
+    return _Server(config)
+
+
+async def _serve_gateway(app: Any, host: str, port: int, banner: str) -> None:
+    server = _gateway_server(app, host, port)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -238,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
 
         settings = GatewaySettings(host=args.host, port=args.port, policy=args.policy, backends=backends)
         base_url = f"http://{args.host}:{args.port}"
-        # uvicorn handles SIGINT/SIGTERM from here on: it stops serving and returns.
+        # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(_serve_gateway(create_app(settings), args.host, args.port, usage_text(base_url, name)))
         return 0
     except (KeyboardInterrupt, _Stop):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -49,3 +51,28 @@ def test_corral_up_serves_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Path
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_corral_up_stops_quietly_on_a_double_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C twice in quick succession (the terminal signals the whole process group): the same
+    graceful stop, exit 0, no traceback. uvicorn's own handler forced an exit on the second one,
+    which cancelled the gateway's shutdown halfway and printed a traceback."""
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    argv = [sys.executable, "-m", "corral_cli.main", "up", "--model", str(tiny_model_dir), "--replicas", "1"]
+    argv += ["--port", str(port), "--log-dir", str(tmp_path)]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for("the banner", lambda: "Corral is up" in log_path.read_text(errors="replace"), timeout_s=180)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
+        output = log_path.read_text(errors="replace")
+        assert "stopping 1 engines" in output
+        assert "Traceback" not in output, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
