@@ -8,12 +8,13 @@ engines it starts, the engine image sets it in its environment, and `corral engi
 runs without it. `CORRAL_TCMALLOC=0` turns the preload off.
 
 PyTorch's `THP_MEM_ALLOC_ENABLE=1` puts tensors of 2 MiB or more on 2 MiB transparent huge pages
-(madvise). On glibc's malloc, which maps large activations afresh every step, that cut the page
-faults and batched decode ran ~1.05-1.08x faster; with tcmalloc, which keeps its memory, it made no
-difference (item 12). It costs nothing measurable, so engines get it either way: PyTorch reads it
-once, at its first allocation, so `corral engine` sets it before importing torch unless it is set,
-and `engine_env` and the engine image set it too. It needs the kernel's THP mode to be `madvise` or
-`always` (/sys/kernel/mm/transparent_hugepage/enabled); under `never` it does nothing.
+(madvise). On glibc's malloc, which maps large activations afresh every step, batched decode ran
+~1.05-1.08x faster with it; with tcmalloc, which keeps its memory, it made no difference
+(docs/engine-speed.md, item 12). It costs nothing measurable, so engines get it either way:
+PyTorch reads it once, at its first allocation, so `corral engine` sets it before importing torch
+unless it is set, and `engine_env` and the engine image set it too. It needs the kernel's THP mode
+to be `madvise` or `always` (/sys/kernel/mm/transparent_hugepage/enabled); under `never` it does
+nothing.
 """
 
 from __future__ import annotations
