@@ -180,8 +180,9 @@ def _set_torch_threads(num_threads: int | None) -> None:
         torch.set_num_interop_threads(1)
 
 
-def _log_allocator(device: str) -> None:
-    """On CPU, which allocator the engine runs on (device chosen by the engine's own rule)."""
+def _log_memory_setup(device: str) -> None:
+    """On CPU, which allocator the engine runs on and whether tensors get huge pages (device chosen
+    by the engine's own rule)."""
     from corral_engine.errors import ModelLoadError
     from corral_engine.model.runner import select_device
 
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     _set_torch_threads(engine_args.num_threads)
-    _log_allocator(engine_args.device)
+    _log_memory_setup(engine_args.device)
 
     from corral_engine.async_engine import AsyncEngine
     from corral_engine.errors import ModelLoadError

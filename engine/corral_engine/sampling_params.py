@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from corral_engine.errors import InvalidRequestError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
-OUTPUT_KINDS = ("cumulative", "delta")
 OutputKind = Literal["cumulative", "delta"]
+OUTPUT_KINDS: tuple[str, ...] = get_args(OutputKind)
 
 
 class SamplingError(InvalidRequestError):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -84,16 +85,15 @@ def test_engines_ask_for_huge_pages_unless_told_otherwise(tmp_path: Path) -> Non
 def test_corral_engine_sets_the_switch_before_torch_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from corral_cli import cmd_engine
 
-    monkeypatch.delenv(malloc.THP_ENV, raising=False)
+    environ: dict[str, str] = {}  # what it sets stays out of this process's environment
+    monkeypatch.setattr(os, "environ", environ)
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
     monkeypatch.setattr("torch.set_num_interop_threads", lambda n: None)
     cmd_engine._set_torch_threads(1)
-    import os
-
-    assert os.environ[malloc.THP_ENV] == "1"
-    monkeypatch.setenv(malloc.THP_ENV, "0")
+    assert environ[malloc.THP_ENV] == "1"
+    environ[malloc.THP_ENV] = "0"
     cmd_engine._set_torch_threads(1)
-    assert os.environ[malloc.THP_ENV] == "0"  # the user's choice stands
+    assert environ[malloc.THP_ENV] == "0"  # the user's choice stands
 
 
 @pytest.mark.parametrize(
