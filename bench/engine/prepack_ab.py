@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
 
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
-from corral_engine.model import runner as runner_mod
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 
 log = logging.getLogger("prepack_ab")
 MODEL_DIR = Path.home() / ".cache" / "corral-bench" / "model-small"
@@ -39,7 +38,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--on", default="1", help="CORRAL_PREPACK value for the packed engine (auto or 1)")
+    p.add_argument(
+        "--on",
+        default="1",
+        choices=("auto", "1"),
+        help="CORRAL_PREPACK value for the packed engine (auto or 1)",
+    )
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/prepack"))
     return p.parse_args()
 
@@ -48,8 +52,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args()
     engines: dict[str, LLMEngine] = {}
-    for name, env in (("plain", "0"), ("packed", args.on)):
-        os.environ[runner_mod.ENV_PREPACK] = env
+    for name, switch in (("plain", "0"), ("packed", args.on)):
         engines[name] = LLMEngine(
             EngineArgs(
                 model=str(args.model),
@@ -57,7 +60,8 @@ def main() -> int:
                 num_threads=args.threads,
                 max_num_seqs=max(args.batch, 1),
                 max_num_batched_tokens=2048,
-            )
+            ),
+            EngineSettings(prepack=switch),
         )
     head = engines["packed"].runner.model.lm_head
     is_packed = head.packed is not None or head.upcast_packed is not None

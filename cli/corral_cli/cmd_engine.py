@@ -22,6 +22,8 @@ from corral_engine.args import (
     ArgumentError,
     EngineArgs,
 )
+from corral_engine.settings import EngineSettings
+from pydantic import ValidationError
 
 from corral_cli import malloc
 
@@ -184,7 +186,7 @@ def _log_memory_setup(device: str) -> None:
     """On CPU, which allocator the engine runs on and whether tensors get huge pages (device chosen
     by the engine's own rule)."""
     from corral_engine.errors import ModelLoadError
-    from corral_engine.model.runner import select_device
+    from corral_engine.model.device import select_device
 
     try:
         is_cpu = select_device(device).type == "cpu"
@@ -203,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
     except ArgumentError as e:
         log.error("%s", e)
         return 2
+    try:
+        settings = EngineSettings()  # the CORRAL_* switches, read here once
+    except ValidationError as e:
+        log.error("invalid engine setting in the environment: %s", e)
+        return 2
     _set_torch_threads(engine_args.num_threads)
     _log_memory_setup(engine_args.device)
 
@@ -213,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
 
     log.info("loading %s", engine_args.model)
     try:
-        engine = AsyncEngine(engine_args)
+        engine = AsyncEngine(engine_args, settings=settings)
     except ModelLoadError as e:
         log.error("cannot load the model: %s", e)
         return 1

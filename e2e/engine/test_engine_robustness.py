@@ -160,7 +160,9 @@ async def test_fifty_streaming_clients_hanging_up_free_everything(engine: Engine
             "max_tokens": max_tokens,
             "ignore_eos": True,
         }
-        async with httpx.AsyncClient(base_url=engine.url, timeout=0.3) as client:
+        # Gone long before its answer on any CPU: 400 tokens in 0.1 s would take 250 us a step,
+        # a fraction of the step loop's own Python time at this batch size.
+        async with httpx.AsyncClient(base_url=engine.url, timeout=0.1) as client:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(C, json=body)
 

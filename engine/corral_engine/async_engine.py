@@ -22,6 +22,7 @@ from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFull
 from corral_engine.llm_engine import LLMEngine, Prompt
 from corral_engine.outputs import EngineStats, RequestOutput, merge_outputs
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +30,11 @@ _IDLE_WAIT_S = 0.05
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs, engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, engine: LLMEngine | None = None, settings: EngineSettings | None = None
+    ) -> None:
         self.args = args
-        self.engine = engine or LLMEngine(args)
+        self.engine = engine or LLMEngine(args, settings)
         self.tokenizer: Any = self.engine.tokenizer
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
@@ -48,10 +51,6 @@ class AsyncEngine:
         # Called on the step thread after every step with (duration_s, num_batched_tokens);
         # must be thread-safe and quick (a Prometheus histogram observe is).
         self.on_step: Callable[[float, int], None] | None = None
-
-    @classmethod
-    def from_args(cls, args: EngineArgs) -> AsyncEngine:
-        return cls(args)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:

@@ -25,6 +25,7 @@ from corral_engine.model.runner import ModelRunner
 from corral_engine.model.sampler import Sampler
 from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,11 @@ Prompt = str | list[int]
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, settings: EngineSettings | None = None) -> None:
+        """`settings`: the CORRAL_* switches; read from the environment when not given."""
         self.args = args
+        self.settings = settings or EngineSettings()
+        logger.info("engine settings: %s", self.settings.describe())
         self.model_config = load_model_config(args.model)
         self.tokenizer = load_tokenizer(args.model)
         self.max_model_len = min(
@@ -43,7 +47,7 @@ class LLMEngine:
         )
         self.served_model_name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
         self.eos_token_ids = self.model_config.eos_token_ids
-        self.runner = ModelRunner(self.model_config, args, self.max_model_len)
+        self.runner = ModelRunner(self.model_config, args, self.max_model_len, self.settings)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -280,7 +284,7 @@ class LLMEngine:
         for seq in request.seqs:
             self._detokenizers.pop(seq.seq_id, None)
             self.sampler.release(seq.seq_id)
-            self.runner.block_rows.release(seq.seq_id)
+            self.runner.release(seq.seq_id)
             reason = seq.finish_reason or "abort"
             self._stats.finished_by_reason[reason] = self._stats.finished_by_reason.get(reason, 0) + 1
         del self.requests[request.request_id]

@@ -43,7 +43,7 @@ def test_chunk_after_cached_prefix_matches_naive_attention() -> None:
 
 
 def test_decodes_are_grouped_so_padding_stays_bounded() -> None:
-    from corral_engine.model.runner import group_by_length
+    from corral_engine.model.batch import group_by_length
 
     lengths = [1, 40, 2, 41, 3, 60, 1, 100]
     groups = group_by_length(lengths, max_waste=0.5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 
 from corral_engine import SamplingParams
-from corral_engine.model.runner import BlockTableRows
+from corral_engine.model.batch import BlockTableRows
 
 from tests.engine.helpers import make_engine, random_prompts
 
@@ -43,7 +43,7 @@ def test_decode_rows_mirror_the_block_tables_through_preemption(tiny_model_dir: 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(8, 500, seed=3, min_len=20, max_len=40)):
         engine.add_request(f"r{i}", prompt, params)
-    rows = engine.runner.block_rows
+    rows = engine.runner.batches.block_rows
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import pytest
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 
 from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
 
@@ -108,8 +109,9 @@ def test_per_sequence_decode_path_matches_too(
     tiny_model_dirs: Mapping[str, pathlib.Path], references: dict
 ) -> None:
     prompts, expected = references["qwen2"]
-    engine = make_engine(tiny_model_dirs["qwen2"], num_kv_blocks=40, block_size=8)
-    engine.runner.batched_decode = False
+    settings = EngineSettings(batched_decode=False)
+    engine = make_engine(tiny_model_dirs["qwen2"], settings, num_kv_blocks=40, block_size=8)
+    assert engine.runner.batches.decode_kernel is None
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -122,8 +124,9 @@ def test_padded_sdpa_decode_path_matches_too(
 ) -> None:
     """The PyTorch path used where the native kernel cannot be built (grouped, padded SDPA)."""
     prompts, expected = references["mistral"]
-    engine = make_engine(tiny_model_dirs["mistral"], num_kv_blocks=40, block_size=8)
-    engine.runner.decode_kernel = None
+    settings = EngineSettings(native_kernels=False)  # CORRAL_NATIVE_ATTENTION=0
+    engine = make_engine(tiny_model_dirs["mistral"], settings, num_kv_blocks=40, block_size=8)
+    assert engine.runner.batches.decode_kernel is None
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -132,5 +135,8 @@ def test_padded_sdpa_decode_path_matches_too(
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the native kernel cannot be built")
+@pytest.mark.skipif(
+    not EngineSettings().native_kernels, reason="CORRAL_NATIVE_ATTENTION=0: the suite runs the PyTorch path"
+)
 def test_the_equality_tests_run_the_native_decode_kernel(tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
-    assert make_engine(tiny_model_dirs["llama"]).runner.decode_kernel is not None
+    assert make_engine(tiny_model_dirs["llama"]).runner.batches.decode_kernel is not None

@@ -10,6 +10,7 @@ import pytest
 import torch
 from corral_engine.model import native
 from corral_engine.model.attention import DecodeBatch, _decode_attention
+from corral_engine.settings import EngineSettings
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernel")
 
@@ -68,7 +69,7 @@ def test_kernel_matches_the_pytorch_path(
     window: int | None,
     num_seqs: int,
 ) -> None:
-    kernel = native.load_paged_decode()
+    kernel = native.load_paged_decode(EngineSettings(native_kernels=True))
     assert kernel is not None and kernel.supports(dtype, torch.device("cpu"))
     # Few sequences: one KV head per work item; many (>= 4 per thread): whole sequences per item.
     lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 57, 130] * 6
@@ -83,7 +84,7 @@ def test_kernel_matches_the_pytorch_path(
 
 @needs_compiler
 def test_kernel_rejects_non_contiguous_inputs() -> None:
-    kernel = native.load_paged_decode()
+    kernel = native.load_paged_decode(EngineSettings(native_kernels=True))
     assert kernel is not None
     q, k_cache, v_cache, tables, lens = paged_case([5, 9], 2, 2, 64, 4, torch.float32, seed=0)
     with pytest.raises(native.NativeKernelError):
@@ -93,38 +94,34 @@ def test_kernel_rejects_non_contiguous_inputs() -> None:
 
 
 def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    native.load_paged_decode.cache_clear()
-    try:
-        assert native.load_paged_decode() is None
-    finally:
-        native.load_paged_decode.cache_clear()
+    monkeypatch.setenv("CORRAL_NATIVE_ATTENTION", "0")
+    settings = EngineSettings()
+    assert not settings.native_kernels
+    assert native.load_paged_decode(settings) is None
 
 
 @needs_compiler
-def test_a_failed_build_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_CACHE_DIR, str(tmp_path / "cache"))
+def test_a_failed_build_says_why(tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("int f(void) { return missing_symbol; }\n")
     with pytest.raises(native.NativeKernelError, match="missing_symbol"):
-        native.build(broken)
+        native.build(broken, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
 @needs_compiler
-def test_builds_once_then_reuses_the_cached_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_CACHE_DIR, str(tmp_path))
-    first = native.build(native.SOURCE)
+def test_builds_once_then_reuses_the_cached_library(tmp_path: Path) -> None:
+    first = native.build(native.SOURCE, cache_dir=tmp_path)
+    assert first.parent == tmp_path
     stamp = first.stat().st_mtime_ns
-    assert native.build(native.SOURCE) == first and first.stat().st_mtime_ns == stamp
+    assert native.build(native.SOURCE, cache_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
 
 
 @needs_compiler
-def test_a_changed_header_builds_a_new_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_CACHE_DIR, str(tmp_path / "cache"))
+def test_a_changed_header_builds_a_new_library(tmp_path: Path) -> None:
     source, header = tmp_path / "k.c", tmp_path / "k.h"
     source.write_text('#include "k.h"\nint f(void) { return VALUE; }\n')
     header.write_text("#define VALUE 1\n")
-    first = native.build(source)
+    first = native.build(source, cache_dir=tmp_path / "cache")
     header.write_text("#define VALUE 2\n")
-    assert native.build(source) != first
+    assert native.build(source, cache_dir=tmp_path / "cache") != first

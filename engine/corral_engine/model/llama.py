@@ -13,19 +13,21 @@ from torch import nn
 
 from corral_engine.model.attention import AttentionContext, paged_attention
 from corral_engine.model.config import ModelConfig
-from corral_engine.model.native import FusedOps, load_fused_ops
+from corral_engine.model.native import FusedOps
 
 
 class RMSNorm(nn.Module):
+    fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = load_fused_ops() if FusedOps.supports(x) and self.weight.dtype == x.dtype else None
-        if ops is not None:  # bf16 on the CPU: the same arithmetic in one pass over memory
-            return ops.rms_norm(x, self.weight, self.eps)
+        ops = self.fused_ops
+        if ops is not None and ops.supports(x) and self.weight.dtype == x.dtype:
+            return ops.rms_norm(x, self.weight, self.eps)  # bf16 on the CPU: one pass over memory
         # Normalise in float32, scale in the model dtype: transformers' order, in one fused kernel.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -168,6 +170,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -179,8 +183,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        ops = load_fused_ops() if FusedOps.supports(gate_up) else None
-        if ops is not None:  # bf16 on the CPU: one pass instead of silu, round, multiply
+        ops = self.fused_ops
+        if ops is not None and ops.supports(gate_up):  # bf16 on the CPU: one pass, not three
             return self.down_proj(ops.silu_and_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size :])
 

@@ -2,7 +2,8 @@
 
 `load_paged_decode()` returns the paged decode attention kernel (kernels/paged_decode.c) and
 `load_fused_ops()` the fused bf16 elementwise ops (kernels/fused_ops.c: SiLU-and-multiply, RMSNorm);
-each is None when it cannot be had (no compiler, a failed build, `CORRAL_NATIVE_ATTENTION=0`), and
+each is None when it cannot be had (no compiler, a failed build, `native_kernels` off in the
+EngineSettings, i.e. `CORRAL_NATIVE_ATTENTION=0`), and
 callers then use the pure-PyTorch path, which computes the same thing. The libraries are built with
 `-march=native`, so the cache key includes the CPU's feature flags as well as the source and the
 compiler. The kernels run without the GIL (ctypes releases it), on torch's thread count, in torch's
@@ -24,12 +25,12 @@ from typing import Any
 
 import torch
 
+from corral_engine.settings import EngineSettings
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
 FUSED_SOURCE = Path(__file__).parent / "kernels" / "fused_ops.c"
-ENV_SWITCH = "CORRAL_NATIVE_ATTENTION"  # "0" turns the native kernels off
-ENV_CACHE_DIR = "CORRAL_KERNEL_CACHE"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120
 
@@ -117,32 +118,33 @@ class FusedOps:
 
 
 @cache
-def load_paged_decode() -> PagedDecode | None:
-    lib = _load(SOURCE, "native paged attention")
+def load_paged_decode(settings: EngineSettings) -> PagedDecode | None:
+    lib = _load(SOURCE, "native paged attention", settings)
     return PagedDecode(lib) if lib is not None else None
 
 
 @cache
-def load_fused_ops() -> FusedOps | None:
-    lib = _load(FUSED_SOURCE, "native fused bf16 ops")
+def load_fused_ops(settings: EngineSettings) -> FusedOps | None:
+    lib = _load(FUSED_SOURCE, "native fused bf16 ops", settings)
     return FusedOps(lib) if lib is not None else None
 
 
-def _load(source: Path, what: str) -> ctypes.CDLL | None:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("%s off (%s=0)", what, ENV_SWITCH)
+def _load(source: Path, what: str, settings: EngineSettings) -> ctypes.CDLL | None:
+    if not settings.native_kernels:
+        logger.info("%s off (CORRAL_NATIVE_ATTENTION=0)", what)
         return None
     try:
-        lib = ctypes.CDLL(str(build(source)))
+        lib = ctypes.CDLL(str(build(source, settings.compiler, settings.kernel_cache_dir)))
     except (NativeKernelError, OSError) as e:
         logger.warning("%s unavailable, using the PyTorch path: %s", what, e)
         return None
     return lib
 
 
-def build(source: Path) -> Path:
-    """The compiled library for `source` on this machine, building it on first use."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def build(source: Path, compiler: str | None = None, cache_dir: Path | None = None) -> Path:
+    """The compiled library for `source` on this machine, building it on first use with `compiler`
+    (default: cc, else gcc) into `cache_dir` (default: ~/.cache/corral/kernels)."""
+    compiler = compiler or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeKernelError("no C compiler found (set CC)")
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source includes
@@ -151,7 +153,7 @@ def build(source: Path) -> Path:
             [source.read_bytes(), *headers, " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_flags()]
         )
     ).hexdigest()[:16]
-    cache_dir = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "corral" / "kernels")
+    cache_dir = cache_dir or Path.home() / ".cache" / "corral" / "kernels"
     target = cache_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target
