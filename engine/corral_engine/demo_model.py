@@ -14,12 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral_engine.demo_tokenizer import (
-    BOS_TOKEN,
     BOS_TOKEN_ID,
-    CHAT_TEMPLATE,
-    EOS_TOKEN,
     EOS_TOKEN_ID,
-    PAD_TOKEN,
     PAD_TOKEN_ID,
     tokenizer_config,
     tokenizer_style,
@@ -28,13 +24,6 @@ from corral_engine.demo_tokenizer import (
 
 __all__ = [
     "ARCHITECTURES",
-    "BOS_TOKEN",
-    "BOS_TOKEN_ID",
-    "CHAT_TEMPLATE",
-    "EOS_TOKEN",
-    "EOS_TOKEN_ID",
-    "PAD_TOKEN",
-    "PAD_TOKEN_ID",
     "PRESETS",
     "build_config_dict",
     "count_parameters",

@@ -23,10 +23,11 @@ from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
 from corral_engine.model.runner import ModelRunner
 from corral_engine.model.sampler import Sampler
-from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from corral_engine.output_processor import OutputProcessor
+from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
-from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from corral_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(args.seed)
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
@@ -124,11 +125,7 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
         self.requests[request.request_id] = request
-        for seq in request.seqs:
-            params = request.params
-            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
-            )
+        self.output_processor.add(request)
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -136,7 +133,9 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.abort(request)
-        return self._finish_request(request, self._build_output(request, {}, request.is_finished))
+        return self._finish_request(
+            request, self.output_processor.build_output(request, {}, request.is_finished)
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -188,7 +187,7 @@ class LLMEngine:
         for request_id, counts in touched.items():
             request = self.requests[request_id]
             is_finished = request.is_finished
-            output = self._build_output(request, counts, is_finished)
+            output = self.output_processor.build_output(request, counts, is_finished)
             outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
 
@@ -223,7 +222,8 @@ class LLMEngine:
             seq.token_ids.append(token_id)
             counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
             self._stats.num_generation_tokens_total += 1
-            self._check_stop(seq, token_id)
+            if self.output_processor.append_token(seq, token_id):
+                self.scheduler.finish(seq)
             if seq.is_finished:
                 return
         if self.args.speculative and _can_speculate(request.params):
@@ -238,51 +238,10 @@ class LLMEngine:
                 max_ngram=self.args.prompt_lookup_max,
             )
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> None:
-        params = seq.request.params
-        detok = self._detokenizers[seq.seq_id]
-        stop_str = detok.add_token(token_id)
-        if stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token_id in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        else:
-            return
-        if stop_str is None:
-            detok.flush()
-        self.scheduler.finish(seq)
-
-    def _build_output(self, request: Request, touched: dict[int, int], is_finished: bool) -> RequestOutput:
-        outs = []
-        is_cumulative = request.params.output_kind == "cumulative"
-        for seq in request.seqs:
-            detok = self._detokenizers[seq.seq_id]
-            delta_text = detok.take_delta(seq.is_finished)
-            new = touched.get(seq.seq_id, 0)
-            delta_ids = seq.token_ids[-new:] if new else []  # the newest tokens are outputs
-            is_whole = is_cumulative or seq.is_finished  # "delta": only what is new, until the end
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=detok.text[: detok.num_emitted_chars] if is_whole else "",
-                    token_ids=seq.output_token_ids if is_whole else [],
-                    delta_text=delta_text,
-                    delta_token_ids=delta_ids,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    delta_logprobs=seq.logprobs[-new:] if new and seq.logprobs else None,
-                )
-            )
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, is_finished, request.metrics)
-
     def _finish_request(self, request: Request, output: RequestOutput) -> RequestOutput:
         request.metrics.finished_time = time.monotonic()
         for seq in request.seqs:
-            self._detokenizers.pop(seq.seq_id, None)
+            self.output_processor.release(seq.seq_id)
             self.sampler.release(seq.seq_id)
             self.runner.release(seq.seq_id)
             reason = seq.finish_reason or "abort"

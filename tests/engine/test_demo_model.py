@@ -11,11 +11,11 @@ import torch
 from corral_cli.main import main as corral_main
 from corral_engine.demo_model import (
     ARCHITECTURES,
-    EOS_TOKEN_ID,
     build_config_dict,
     count_parameters,
     write_demo_model,
 )
+from corral_engine.demo_tokenizer import EOS_TOKEN_ID
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 FILES = (

@@ -1,0 +1,72 @@
+"""From sampled tokens to what a client sees: incremental text, stop strings and stop tokens, and
+each request's output of a step (vLLM v1 keeps the same concept apart from the engine core)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from corral_engine.core.sequence import Request, Sequence
+from corral_engine.outputs import CompletionOutput, RequestOutput
+from corral_engine.tokenizer import IncrementalDetokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # seq_id -> its detokenizer
+
+    def add(self, request: Request) -> None:
+        params = request.params
+        for seq in request.seqs:
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
+            )
+
+    def release(self, seq_id: int) -> None:
+        self._detokenizers.pop(seq_id, None)
+
+    def append_token(self, seq: Sequence, token_id: int) -> bool:
+        """Detokenize `seq`'s newest token (already in seq.token_ids) and check every stop rule;
+        True when the sequence is now finished (its finish and stop reasons are set)."""
+        params = seq.request.params
+        detok = self._detokenizers[seq.seq_id]
+        stop_str = detok.add_token(token_id)
+        if stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return False
+        if stop_str is None:
+            detok.flush()
+        return True
+
+    def build_output(self, request: Request, touched: dict[int, int], is_finished: bool) -> RequestOutput:
+        """The request's output after a step; `touched`: seq_id -> tokens it gained this step."""
+        outs = []
+        is_cumulative = request.params.output_kind == "cumulative"
+        for seq in request.seqs:
+            detok = self._detokenizers[seq.seq_id]
+            delta_text = detok.take_delta(seq.is_finished)
+            new = touched.get(seq.seq_id, 0)
+            delta_ids = seq.token_ids[-new:] if new else []  # the newest tokens are outputs
+            is_whole = is_cumulative or seq.is_finished  # "delta": only what is new, until the end
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.text[: detok.num_emitted_chars] if is_whole else "",
+                    token_ids=seq.output_token_ids if is_whole else [],
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_logprobs=seq.logprobs[-new:] if new and seq.logprobs else None,
+                )
+            )
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, is_finished, request.metrics)
