@@ -156,7 +156,6 @@ class ServerMetrics:
         )
         self._model = model_name
         self._step_m = self._step.labels(model_name)
-        self._step_m = self._step.labels(model_name)
         self._ttft_m, self._itl_m = self._ttft.labels(model_name), self._itl.labels(model_name)
         self._e2e_m, self._queue_m = self._e2e.labels(model_name), self._queue.labels(model_name)
         self._prompt_m, self._generation_m = (
