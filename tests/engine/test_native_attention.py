@@ -125,3 +125,33 @@ def test_a_changed_header_builds_a_new_library(tmp_path: Path) -> None:
     first = native.build(source, cache_dir=tmp_path / "cache")
     header.write_text("#define VALUE 2\n")
     assert native.build(source, cache_dir=tmp_path / "cache") != first
+
+
+def test_without_a_compiler_the_engine_takes_the_pytorch_path(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A machine with no C compiler (faked by pointing CC at nothing, with an empty kernel cache):
+    the loaders say so and the runner runs without native kernels."""
+    from corral_engine.args import EngineArgs
+    from corral_engine.model.config import load_model_config
+    from corral_engine.model.llama import MLP, RMSNorm
+    from corral_engine.model.runner import ModelRunner
+
+    settings = EngineSettings(compiler=str(tmp_path / "no-cc"), kernel_cache_dir=tmp_path / "cache")
+    assert native.load_paged_decode(settings) is None and native.load_fused_ops(settings) is None
+    args = EngineArgs(model=str(tiny_model_dir), dtype="bfloat16")
+    runner = ModelRunner(load_model_config(tiny_model_dir), args, 64, settings)
+    assert runner.batches.decode_kernel is None
+    assert all(m.fused_ops is None for m in runner.model.modules() if isinstance(m, RMSNorm | MLP))
+
+
+@needs_compiler
+def test_with_a_compiler_the_runner_hands_the_fused_ops_to_the_model(tiny_model_dir: Path) -> None:
+    from corral_engine.args import EngineArgs
+    from corral_engine.model.config import load_model_config
+    from corral_engine.model.llama import MLP, RMSNorm
+    from corral_engine.model.runner import ModelRunner
+
+    args = EngineArgs(model=str(tiny_model_dir), dtype="bfloat16")
+    runner = ModelRunner(load_model_config(tiny_model_dir), args, 64, EngineSettings(native_kernels=True))
+    assert runner.batches.decode_kernel is not None
+    modules = [m for m in runner.model.modules() if isinstance(m, RMSNorm | MLP)]
+    assert modules and all(m.fused_ops is not None for m in modules)
