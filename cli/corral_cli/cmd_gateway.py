@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import typing
 from pathlib import Path
 from typing import Any
 
+from corral_gateway.settings import PolicyName
+
 logger = logging.getLogger(__name__)
 
-POLICY_CHOICES = ("prefix-affinity", "kv-aware", "least-requests", "round-robin")
+POLICY_CHOICES = typing.get_args(PolicyName)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
         logger.error("no replicas: pass --backend MODEL=URL, a --config with backends, or --kubernetes")
         return 2
     app = create_app(settings)
+    effective = settings.model_dump(mode="json")
+    if effective.get("upstream_api_key"):
+        effective["upstream_api_key"] = "(set)"  # never log a secret
+    logger.info("gateway settings: %s", effective)
     logger.info(
         "gateway on http://%s:%d, policy %s, models %s",
         settings.host,

@@ -1,13 +1,15 @@
-"""Queue-aware admission: hand out replicas, holding requests in a bounded per-model queue while
+"""Queue-aware admission: lease out replicas, holding requests in a bounded per-model queue while
 every replica of the model is saturated. Waiters are woken by `pump` when load changes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from corral_gateway.disconnect import race
 from corral_gateway.errors import RateLimited, Unavailable, UpstreamFailed
 from corral_gateway.fair_queue import FairQueue
 from corral_gateway.registry import Replica
@@ -26,6 +28,19 @@ class _Waiter:
     exclude: frozenset[str] = field(default_factory=frozenset)
 
 
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One request's claim on a replica: its model, its prompt prefix (for affinity), its place in
+    the queue, the replicas it must not get again, and how long it may wait (None: the default)."""
+
+    model: str
+    prefix_hash: int | None = None
+    priority: int = 0
+    fairness_key: str = ""
+    exclude: Collection[str] = ()
+    timeout_s: float | None = None
+
+
 class Admission:
     def __init__(self, router: Router, max_queue_len: int, timeout_s: float) -> None:
         self.router = router
@@ -37,26 +52,32 @@ class Admission:
         queue = self._queues.get(model)
         return len(queue) if queue is not None else 0
 
-    def models(self) -> list[str]:
-        return list(self._queues)
+    @asynccontextmanager
+    async def lease(self, ask: Ask, disconnect: asyncio.Future[None] | None = None) -> AsyncIterator[Replica]:
+        """A replica for the `async with` block, given back exactly once when the block ends, however
+        it ends (return, error, cancellation). Waits in the queue when the fleet is saturated; a
+        `disconnect` that completes first ends the wait with ClientGone, and a replica handed out
+        just then goes straight back."""
+        replica = self.try_acquire(ask.model, ask.prefix_hash, ask.exclude)
+        if replica is None:
+            waiting = self.acquire(ask)
+            replica = await (waiting if disconnect is None else race(waiting, disconnect, self.release))
+        try:
+            yield replica
+        finally:
+            self.release(replica)
 
-    async def acquire(
-        self,
-        model: str,
-        prefix_hash: int | None,
-        priority: int = 0,
-        fairness_key: str = "",
-        exclude: Collection[str] = (),
-        timeout_s: float | None = None,
-    ) -> Replica:
-        """A replica already marked dispatched; the caller must `release` it when done."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        replica = self.try_acquire(model, prefix_hash, exclude)
+    async def acquire(self, ask: Ask) -> Replica:
+        """A replica already marked dispatched; the caller must `release` it when done (`lease`
+        does both)."""
+        model = ask.model
+        timeout_s = self.timeout_s if ask.timeout_s is None else ask.timeout_s
+        replica = self.try_acquire(model, ask.prefix_hash, ask.exclude)
         if replica is not None:
             return replica
         queue = self._queues[model]
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), prefix_hash, frozenset(exclude))
-        if not queue.push(waiter, priority, fairness_key):
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), ask.prefix_hash, frozenset(ask.exclude))
+        if not queue.push(waiter, ask.priority, ask.fairness_key):
             raise RateLimited(
                 f"Too many requests queued for model `{model}`; retry later.",
                 retry_after_s=QUEUE_FULL_RETRY_AFTER_S,

@@ -19,6 +19,7 @@ from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.errors import (
     GatewayError,
     InvalidRequest,
+    MethodNotAllowed,
     ModelNotFound,
     NotFound,
     Unavailable,
@@ -74,7 +75,8 @@ PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 class GatewayApp:
-    """ASGI entry: the two proxied routes go straight to the proxy, everything else to FastAPI.
+    """ASGI entry: the two proxied routes go straight to the proxy (FastAPI never sees them; other
+    methods on them get 405), everything else to FastAPI.
 
     Skipping FastAPI's middleware stack matters on the hot path: every streamed chunk would
     otherwise pass through each middleware's `send` wrapper.
@@ -85,17 +87,31 @@ class GatewayApp:
         self._deps = deps
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXY_PATHS:
+        if scope["type"] == "http" and scope["path"] in PROXY_PATHS:
+            if scope["method"] != "POST":
+                await error_response(MethodNotAllowed("Method Not Allowed"))(scope, receive, send)
+                return
             deps = self._deps.get("deps")
             if deps is not None:
-                try:
-                    response = await proxy(deps, Request(scope, receive), scope["path"])
-                except Exception:  # the edge's last resort: a bug must still answer in OpenAI's shape
-                    logger.exception("unexpected error proxying %s", scope["path"])
-                    response = error_response(GatewayError("Internal gateway error."))
-                await response(scope, receive, send)
+                await self._proxy(deps, scope, receive, send)
                 return
         await self.api(scope, receive, send)
+
+    async def _proxy(self, deps: ProxyDeps, scope: Scope, receive: Receive, send: Send) -> None:
+        is_started = False
+
+        async def deliver(response: Response) -> None:
+            nonlocal is_started
+            is_started = True
+            await response(scope, receive, send)
+
+        try:
+            await proxy(deps, Request(scope, receive), scope["path"], deliver)
+        except Exception:  # the edge's last resort: a bug must still answer in OpenAI's shape
+            if is_started:
+                raise  # too late for another answer: the server logs it and closes the connection
+            logger.exception("unexpected error proxying %s", scope["path"])
+            await error_response(GatewayError("Internal gateway error."))(scope, receive, send)
 
 
 def create_app(settings: GatewaySettings) -> GatewayApp:
@@ -106,41 +122,48 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        config = UpstreamConfig(
-            settings.max_connections, settings.connect_timeout_s, settings.first_byte_timeout_s
-        )
-        async with Upstream(config) as upstream:
+        async with _background(settings, fleet, keys) as upstream:
             state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get)
-            tasks = [asyncio.create_task(fleet.run(upstream), name="fleet")]
-            tasks.append(asyncio.create_task(keys.watch()))
-            watcher = None
-            if settings.kubernetes.enabled:
-                on_owners = None
-                if settings.kubernetes.wake_from_zero:
-                    waker = fleet.waker = Waker(settings.kubernetes.kubeconfig)
-                    on_owners = waker.set_owners
-                watcher = KubernetesWatcher(settings.kubernetes, fleet.apply_discovery, on_owners)
-                watcher.start(asyncio.get_running_loop())
-            try:
-                yield
-            finally:
-                if watcher is not None:
-                    watcher.stop()
-                for task in tasks:
-                    task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            yield
 
     app = FastAPI(title="Corral gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fleet = fleet
     app.state.metrics = metrics
+    _add_error_handlers(app)
+    _add_routes(app, fleet, keys, metrics)
+    return GatewayApp(app, state)
 
-    def authenticate(request: Request) -> None:
-        store = keys.get()
-        if store is not None:
-            store.authenticate(request.headers)
 
+@asynccontextmanager
+async def _background(settings: GatewaySettings, fleet: Fleet, keys: KeysFile) -> AsyncIterator[Upstream]:
+    """The shared upstream client and the background tasks (load polls, key reloads, discovery)."""
+    config = UpstreamConfig(
+        settings.max_connections, settings.connect_timeout_s, settings.first_byte_timeout_s
+    )
+    async with Upstream(config) as upstream:
+        tasks = [asyncio.create_task(fleet.run(upstream), name="fleet")]
+        tasks.append(asyncio.create_task(keys.watch()))
+        watcher = None
+        if settings.kubernetes.enabled:
+            on_owners = None
+            if settings.kubernetes.wake_from_zero:
+                waker = fleet.waker = Waker(settings.kubernetes.kubeconfig)
+                on_owners = waker.set_owners
+            watcher = KubernetesWatcher(settings.kubernetes, fleet.apply_discovery, on_owners)
+            watcher.start(asyncio.get_running_loop())
+        try:
+            yield upstream
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:
         return error_response(exc)
@@ -153,32 +176,31 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         err.status_code = exc.status_code
         return error_response(err)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(state["deps"], request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy(state["deps"], request, "/v1/chat/completions")
+def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetrics) -> None:
+    """Every route but the two proxied ones (GatewayApp sends those to the proxy)."""
+
+    def authenticate(request: Request) -> None:
+        store = keys.get()
+        if store is not None:
+            store.authenticate(request.headers)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authenticate(request)
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "corral"} for m in fleet.registry.models()
-        ]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "corral"} for m in fleet.models()]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> Response:
         authenticate(request)
-        if not fleet.registry.has_model(model):
+        if not fleet.has_model(model):
             raise ModelNotFound(model)
         return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "corral"})
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok", "models": fleet.registry.models()})
+        return JSONResponse({"status": "ok", "models": fleet.models()})
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -187,7 +209,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             return error_response(
                 Unavailable("Replica discovery has not completed yet.", retry_after_s=1.0, code="not_ready")
             )
-        return JSONResponse({"status": "ready", "models": fleet.registry.models()})
+        return JSONResponse({"status": "ready", "models": fleet.models()})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -198,5 +220,3 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     async def replicas(request: Request) -> Response:
         authenticate(request)
         return JSONResponse({"time_s": time.monotonic(), "models": fleet.snapshot()})
-
-    return GatewayApp(app, state)

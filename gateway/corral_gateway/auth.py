@@ -83,30 +83,28 @@ class KeyStore:
     def admit(self, api_key: ApiKey, estimated_tokens: int, now_s: float) -> None:
         """Charge one request and its estimated tokens, or raise 429 with Retry-After."""
         limits = api_key.limits
-        requests = tokens = None
-        if limits.requests_per_minute is not None:
-            requests = self._requests.setdefault(
-                api_key.key_id, TokenBucket.per_minute(limits.requests_per_minute, now_s)
-            )
-            wait = requests.wait_s(1.0, now_s)
-            if wait > 0:
-                raise RateLimited(
-                    "Rate limit reached for requests.", retry_after_s=wait, code="rate_limit_requests"
-                )
-        if limits.tokens_per_minute is not None:
-            tokens = self._tokens.setdefault(
-                api_key.key_id, TokenBucket.per_minute(limits.tokens_per_minute, now_s)
-            )
-            # Allow a request while any budget is left; actual usage settles the debt afterwards.
-            wait = tokens.wait_s(1.0, now_s)
-            if wait > 0:
-                raise RateLimited(
-                    "Rate limit reached for tokens.", retry_after_s=wait, code="rate_limit_tokens"
-                )
+        requests = self._bucket(self._requests, api_key.key_id, limits.requests_per_minute, now_s, "requests")
+        # Allow a request while any token budget is left; actual usage settles the debt afterwards.
+        tokens = self._bucket(self._tokens, api_key.key_id, limits.tokens_per_minute, now_s, "tokens")
         if requests is not None:
             requests.charge(1.0, now_s)
         if tokens is not None:
             tokens.charge(float(estimated_tokens), now_s)
+
+    @staticmethod
+    def _bucket(
+        buckets: dict[str, TokenBucket], key_id: str, per_minute: float | None, now_s: float, what: str
+    ) -> TokenBucket | None:
+        """The key's bucket for `what` (None when unlimited); raises 429 while it is empty."""
+        if per_minute is None:
+            return None
+        bucket = buckets.setdefault(key_id, TokenBucket.per_minute(per_minute, now_s))
+        wait = bucket.wait_s(1.0, now_s)
+        if wait > 0:
+            raise RateLimited(
+                f"Rate limit reached for {what}.", retry_after_s=wait, code=f"rate_limit_{what}"
+            )
+        return bucket
 
     def settle_tokens(self, api_key: ApiKey, estimated_tokens: int, actual_tokens: int, now_s: float) -> None:
         bucket = self._tokens.get(api_key.key_id)

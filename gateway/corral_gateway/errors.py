@@ -27,35 +27,33 @@ class GatewayError(Exception):
 
 
 class InvalidRequest(GatewayError):
+    """The client's request is at fault (OpenAI's type for every 4xx but 429)."""
+
     status_code = 400
     error_type = "invalid_request_error"
 
 
-class Unauthorized(GatewayError):
-    status_code = 401
-    error_type = "invalid_request_error"
-    code = "invalid_api_key"
+class Unauthorized(InvalidRequest):
+    status_code, code = 401, "invalid_api_key"
 
 
-class ModelNotFound(GatewayError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    code = "model_not_found"
+class ModelNotFound(InvalidRequest):
+    status_code, code = 404, "model_not_found"
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.", param="model")
 
 
-class NotFound(GatewayError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    code = "not_found"
+class NotFound(InvalidRequest):
+    status_code, code = 404, "not_found"
 
 
-class PayloadTooLarge(GatewayError):
-    status_code = 413
-    error_type = "invalid_request_error"
-    code = "request_too_large"
+class MethodNotAllowed(InvalidRequest):
+    status_code, code = 405, "http_405"
+
+
+class PayloadTooLarge(InvalidRequest):
+    status_code, code = 413, "request_too_large"
 
 
 class _RetryLater(GatewayError):

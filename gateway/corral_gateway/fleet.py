@@ -1,5 +1,6 @@
-"""The live fleet: registry + router + admission, fed by /metrics polls, /health probes of ejected
-replicas, response load headers and discovery updates. Owns the gateway's background I/O."""
+"""The live fleet: registry + router + admission behind one narrow interface (models, leases,
+health reports), fed by /metrics polls, /health probes of ejected replicas, response load headers
+and discovery updates. Owns the gateway's background I/O."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from corral_gateway.admission import Admission
 from corral_gateway.k8s_wake import Waker
@@ -32,25 +33,40 @@ class Fleet:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
-        self.registry = Registry(
+        self._registry = Registry(
             Ejection(settings.eject_after_failures, settings.ejection_s, settings.max_ejection_s)
         )
         for model, urls in settings.backends.items():
-            self.registry.set_replicas(model, urls)
+            self._set_replicas(model, urls)
         self._static_models = set(settings.backends)
         self._discovered_models: set[str] = set()
         # Ready once Kubernetes discovery has listed replicas (static backends are known at once).
         self.is_synced = not settings.kubernetes.enabled
-        self.saturation = Saturation(settings.saturation_max_waiting, settings.saturation_max_kv_usage_ratio)
+        saturation = Saturation(settings.saturation_max_waiting, settings.saturation_max_kv_usage_ratio)
         policy = make_policy(
-            settings.policy, self.saturation, settings.affinity_load_factor, settings.affinity_vnodes
+            settings.policy, saturation, settings.affinity_load_factor, settings.affinity_vnodes
         )
-        self.router = Router(self.registry, policy, self.saturation, settings.load_max_age_s, clock)
-        self.admission = Admission(self.router, settings.max_queue_len, settings.queue_timeout_s)
-        self._scorer = KvAware(self.saturation)
+        self._router = Router(self._registry, policy, saturation, settings.load_max_age_s, clock)
+        self._admission = Admission(self._router, settings.max_queue_len, settings.queue_timeout_s)
+        # `async with fleet.lease(Ask(...)) as replica:` a replica, given back exactly once when the
+        # block ends (Admission.lease).
+        self.lease = self._admission.lease
+        self._scorer = KvAware(saturation)
         self.waker: Waker | None = None  # set when Kubernetes discovery may wake models at zero
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._metrics_only: set[str] = set()  # replicas without load headers (vLLM): poll /metrics
+
+    # ---- what the proxy asks --------------------------------------------------------------------
+
+    def models(self) -> list[str]:
+        return self._registry.models()
+
+    def has_model(self, model: str) -> bool:
+        return self._registry.has_model(model)
+
+    def has_candidates(self, model: str, exclude: Collection[str] = ()) -> bool:
+        """Whether some replica of `model` outside `exclude` is in rotation (a retry could go there)."""
+        return bool(self._router.candidates(model, exclude))
 
     # ---- inputs -------------------------------------------------------------------------------
 
@@ -61,37 +77,45 @@ class Fleet:
                 static = list(self.settings.backends[model])
                 urls = static + [u for u in urls if u not in static]
             self._forget_gone(model, set(urls))
-            self.registry.set_replicas(model, urls)
+            self._set_replicas(model, urls)
         for model in self._discovered_models - set(discovered) - self._static_models:
             self._forget_gone(model, set())
-            self.registry.remove_model(model)
+            self._registry.remove_model(model)
         self._discovered_models = set(discovered)
         self.is_synced = True
         logger.info("discovered replicas: %s", {m: len(u) for m, u in discovered.items()})
-        self.admission.pump_all()
+        self._admission.pump_all()
+
+    def _set_replicas(self, model: str, urls: Iterable[str]) -> None:
+        """Replicas appear here only: each gets its zero-valued metric series at once."""
+        urls = list(urls)
+        self._registry.set_replicas(model, urls)
+        self.metrics.add_model(model)
+        for url in urls:
+            self.metrics.add_replica(model, url)
 
     def _forget_gone(self, model: str, keep: set[str]) -> None:
-        for replica in self.registry.replicas(model):
+        for replica in self._registry.replicas(model):
             if replica.url not in keep:
                 self.metrics.forget_replica(model, replica.url)
 
     def wake_timeout_s(self, model: str) -> float | None:
         """For a model with no replica in rotation: ask the operator for one and return how long
         its requests may wait (None: the normal queue deadline applies)."""
-        if self.waker is None or self.router.candidates(model):
+        if self.waker is None or self._router.candidates(model):
             return None
         return self.settings.kubernetes.wake_timeout_s if self.waker.wake(model) else None
 
     def observe_headers(self, url: str, headers: Mapping[str, str]) -> None:
         sample = parse_load_headers(headers, self.clock())
         if sample is not None:
-            self.registry.observe(url, sample)
+            self._registry.observe(url, sample)
 
     def record_success(self, url: str) -> None:
-        self.registry.record_success(url)
+        self._registry.record_success(url)
 
     def record_failure(self, url: str, reason: str) -> None:
-        if self.registry.record_failure(url, self.clock()):
+        if self._registry.record_failure(url, self.clock()):
             self.metrics.ejections.labels(url).inc()
             logger.warning("ejected replica %s after repeated failures (last: %s)", url, reason)
 
@@ -101,7 +125,7 @@ class Fleet:
         """Keep one poller per replica URL and refresh the per-replica gauges; runs until cancelled."""
         try:
             while True:
-                urls = self.registry.urls()
+                urls = self._registry.urls()
                 for url in urls - set(self._pollers):
                     poll = self._poll_loop(upstream, url)
                     self._pollers[url] = asyncio.create_task(poll, name=f"poll {url}")
@@ -120,12 +144,12 @@ class Fleet:
 
     async def _poll_loop(self, upstream: Upstream, url: str) -> None:
         while True:
-            if any(r.is_ejected for r in self.registry.by_url(url)):
-                if self.registry.is_due_for_probe(url, self.clock()):
+            if any(r.is_ejected for r in self._registry.by_url(url)):
+                if self._registry.is_due_for_probe(url, self.clock()):
                     await self._probe(upstream, url)
             else:
                 await self._poll_load(upstream, url)
-            self.admission.pump_all()
+            self._admission.pump_all()
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _poll_load(self, upstream: Upstream, url: str) -> None:
@@ -139,7 +163,7 @@ class Fleet:
                 return
             sample = parse_load_headers(fetched.headers, self.clock())
             if sample is not None:
-                self.registry.observe(url, sample)
+                self._registry.observe(url, sample)
                 return
             if fetched.status == 200:
                 self._metrics_only.add(url)  # healthy, but says nothing about its load
@@ -147,7 +171,7 @@ class Fleet:
         if fetched is not None and fetched.status == 200:
             sample = parse_metrics_text(fetched.body.decode("utf-8", "replace"), self.clock())
             if sample is not None:
-                self.registry.observe(url, sample)
+                self._registry.observe(url, sample)
 
     async def _poll_get(self, upstream: Upstream, url: str, path: str) -> Fetched | None:
         try:
@@ -165,16 +189,16 @@ class Fleet:
         except UpstreamError:
             is_healthy = False
         if is_healthy:
-            if self.registry.readmit(url):
+            if self._registry.readmit(url):
                 logger.info("replica %s is healthy again; back in rotation", url)
         else:
-            self.registry.probe_failed(url, self.clock())
+            self._registry.probe_failed(url, self.clock())
 
     def update_gauges(self) -> None:
         now_s = self.clock()
-        for model in self.registry.models():
-            self.metrics.queue_length.labels(model).set(self.admission.queue_len(model))
-            replicas = self.registry.replicas(model)
+        for model in self._registry.models():
+            self.metrics.queue_length.labels(model).set(self._admission.queue_len(model))
+            replicas = self._registry.replicas(model)
             if not replicas:
                 continue
             loads = [r.load(now_s, self.settings.load_max_age_s) for r in replicas]
@@ -189,9 +213,9 @@ class Fleet:
         """Replica state for the /corral/replicas debug endpoint."""
         now_s = self.clock()
         out: dict[str, list[dict[str, object]]] = {}
-        for model in self.registry.models():
+        for model in self._registry.models():
             out[model] = []
-            for r in self.registry.replicas(model):
+            for r in self._registry.replicas(model):
                 load = r.load(now_s, self.settings.load_max_age_s)
                 out[model].append(
                     {

@@ -1,9 +1,12 @@
 """The gateway's own Prometheus metrics (`corral_gateway_*`), in a registry per app instance.
 
-Labels never carry API keys or prompts; replicas are labelled by URL.
+Labels never carry API keys or prompts; replicas are labelled by URL. Every known label set gets a
+zero series as soon as its model or replica is known, so a fresh fleet's dashboards show zeros.
 """
 
 from __future__ import annotations
+
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -23,41 +26,37 @@ REPLICA_INFLIGHT = PREFIX + "replica_inflight"
 REJECTED_TOTAL = PREFIX + "rejected_total"
 STREAMS_BROKEN_TOTAL = PREFIX + "streams_broken_total"
 
+# Why a request left a replica before its first byte without an answer (label `reason` of
+# retries_total). A retried HTTP answer is labelled `http_<status>` instead: open-ended, so its
+# series start with the first such retry.
+RetryReason = Literal["connect_error", "connect_timeout", "transport_error"]
+RETRY_REASONS: tuple[RetryReason, ...] = get_args(RetryReason)
+# The status a replica's zero series of requests_total carries (the "Requests/s" panels sum it).
+_OK_STATUS = "200"
+
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        model, per_replica = ["model"], ["model", "replica"]
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, model, buckets=_LATENCY_BUCKETS_S, registry=r)
+
         self.requests = Counter(
             REQUESTS_TOTAL,
             "Requests answered, by model, replica and HTTP status.",
             ["model", "replica", "status"],
             registry=r,
         )
-        self.duration = Histogram(
-            REQUEST_DURATION_SECONDS,
-            "Time from request arrival to the last response byte.",
-            ["model"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=r,
+        self.duration = latency(
+            REQUEST_DURATION_SECONDS, "Time from request arrival to the last response byte."
         )
-        self.ttfb = Histogram(
-            TIME_TO_FIRST_BYTE_SECONDS,
-            "Time from request arrival to the first byte from a replica.",
-            ["model"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=r,
+        self.ttfb = latency(
+            TIME_TO_FIRST_BYTE_SECONDS, "Time from request arrival to the first byte from a replica."
         )
-        self.queue_length = Gauge(
-            QUEUE_LENGTH, "Requests waiting in the gateway queue.", ["model"], registry=r
-        )
-        self.queue_wait = Histogram(
-            QUEUE_WAIT_SECONDS,
-            "Time requests spent in the gateway queue.",
-            ["model"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=r,
-        )
+        self.queue_length = Gauge(QUEUE_LENGTH, "Requests waiting in the gateway queue.", model, registry=r)
+        self.queue_wait = latency(QUEUE_WAIT_SECONDS, "Time requests spent in the gateway queue.")
         self.retries = Counter(
             RETRIES_TOTAL, "Requests retried on another replica.", ["model", "reason"], registry=r
         )
@@ -65,22 +64,13 @@ class GatewayMetrics:
             EJECTIONS_TOTAL, "Replica ejections after repeated failures.", ["replica"], registry=r
         )
         self.replica_score = Gauge(
-            REPLICA_SCORE,
-            "The kv-aware cost of each replica (lower is better).",
-            ["model", "replica"],
-            registry=r,
+            REPLICA_SCORE, "The kv-aware cost of each replica (lower is better).", per_replica, registry=r
         )
         self.replica_healthy = Gauge(
-            REPLICA_HEALTHY,
-            "1 while a replica is in rotation, 0 while ejected.",
-            ["model", "replica"],
-            registry=r,
+            REPLICA_HEALTHY, "1 while a replica is in rotation, 0 while ejected.", per_replica, registry=r
         )
         self.replica_inflight = Gauge(
-            REPLICA_INFLIGHT,
-            "Requests this gateway is proxying to each replica.",
-            ["model", "replica"],
-            registry=r,
+            REPLICA_INFLIGHT, "Requests this gateway is proxying to each replica.", per_replica, registry=r
         )
         self.rejected = Counter(
             REJECTED_TOTAL,
@@ -91,12 +81,27 @@ class GatewayMetrics:
         self.streams_broken = Counter(
             STREAMS_BROKEN_TOTAL,
             "Streams ended with an error event because the replica failed.",
-            ["model"],
+            model,
             registry=r,
         )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def add_model(self, model: str) -> None:
+        """Zero series for a model's per-model metrics (labels() creates a child at zero)."""
+        for histogram in (self.duration, self.ttfb, self.queue_wait):
+            histogram.labels(model)
+        self.queue_length.labels(model)
+        self.streams_broken.labels(model)
+        for reason in RETRY_REASONS:
+            self.retries.labels(model, reason)
+
+    def add_replica(self, model: str, url: str) -> None:
+        """Zero series for a replica's counters. Its gauges are set by Fleet.update_gauges, since
+        a made-up 0 there would read as "ejected" or "idle"."""
+        self.requests.labels(model, url, _OK_STATUS)
+        self.ejections.labels(url)
 
     def forget_replica(self, model: str, url: str) -> None:
         for gauge in (self.replica_score, self.replica_healthy, self.replica_inflight):

@@ -34,3 +34,21 @@ def test_up_flags_and_banner() -> None:
     assert 'OpenAI(base_url="http://127.0.0.1:9000/v1"' in banner and 'model="demo"' in banner
     with pytest.raises(SystemExit):
         build_parser(only="up").parse_args(["up", "--demo", "--model", "x"])
+
+
+def test_gateway_logs_its_effective_settings_once_without_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import uvicorn
+    from corral_cli import cmd_gateway
+
+    config = tmp_path / "gw.yaml"
+    config.write_text("backends:\n  a: [http://127.0.0.1:9001]\nupstream_api_key: sk-upstream-secret\n")
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    args = build_parser(only="gateway").parse_args(["gateway", "--config", str(config)])
+    with caplog.at_level("INFO", logger=cmd_gateway.logger.name):
+        assert cmd_gateway.run(args) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gateway settings:")]
+    assert len(lines) == 1
+    assert "'max_queue_len'" in lines[0] and "'upstream_api_key': '(set)'" in lines[0]
+    assert "sk-upstream-secret" not in caplog.text

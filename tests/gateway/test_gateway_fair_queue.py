@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from corral_gateway.admission import Admission
+from corral_gateway.admission import Admission, Ask
 from corral_gateway.errors import RateLimited, Unavailable
 from corral_gateway.fair_queue import FairQueue
 from corral_gateway.load import LoadSample
@@ -51,9 +51,9 @@ async def test_waits_while_saturated_and_is_released_when_load_drops() -> None:
     router = saturated_fleet(now)  # 9 waiting
     admission = Admission(router, max_queue_len=4, timeout_s=5.0)
     order: list[str] = []
-    low = asyncio.create_task(admission.acquire("m", None, priority=0, fairness_key="k1"))
+    low = asyncio.create_task(admission.acquire(Ask("m", priority=0, fairness_key="k1")))
     low.add_done_callback(lambda _: order.append("low"))
-    high = asyncio.create_task(admission.acquire("m", None, priority=9, fairness_key="k2"))
+    high = asyncio.create_task(admission.acquire(Ask("m", priority=9, fairness_key="k2")))
     high.add_done_callback(lambda _: order.append("high"))
     await asyncio.sleep(0.01)
     assert admission.queue_len("m") == 2 and not low.done() and not high.done()
@@ -87,7 +87,7 @@ async def test_queued_requests_spread_over_freed_room_instead_of_rushing_one_rep
         registry.observe(url, LoadSample(8, 0, 0.85, at_s=now[0]))  # KV over 0.8: saturated
     router = Router(registry, make_policy("prefix-affinity", SAT), SAT, 2.0, clock=lambda: now[0])
     admission = Admission(router, max_queue_len=8, timeout_s=5.0)
-    waiters = [asyncio.create_task(admission.acquire("m", 1234)) for _ in range(4)]
+    waiters = [asyncio.create_task(admission.acquire(Ask("m", 1234))) for _ in range(4)]
     await asyncio.sleep(0.01)
     assert admission.queue_len("m") == 4
     a, b = registry.replicas("m")
@@ -109,10 +109,10 @@ async def test_queued_requests_spread_over_freed_room_instead_of_rushing_one_rep
 async def test_full_queue_answers_429_with_retry_after() -> None:
     now = [100.0]
     admission = Admission(saturated_fleet(now), max_queue_len=1, timeout_s=5.0)
-    waiting = asyncio.create_task(admission.acquire("m", None))
+    waiting = asyncio.create_task(admission.acquire(Ask("m")))
     await asyncio.sleep(0)
     with pytest.raises(RateLimited) as info:
-        await admission.acquire("m", None)
+        await admission.acquire(Ask("m"))
     assert info.value.status_code == 429 and "retry-after" in info.value.headers()
     waiting.cancel()
 
@@ -121,14 +121,14 @@ async def test_deadline_gives_503_and_leaves_the_queue() -> None:
     now = [100.0]
     admission = Admission(saturated_fleet(now), max_queue_len=4, timeout_s=0.05)
     with pytest.raises(Unavailable):
-        await admission.acquire("m", None)
+        await admission.acquire(Ask("m"))
     assert admission.queue_len("m") == 0
 
 
 async def test_cancelled_waiter_leaves_the_queue() -> None:
     now = [100.0]
     admission = Admission(saturated_fleet(now), max_queue_len=4, timeout_s=5.0)
-    task = asyncio.create_task(admission.acquire("m", None))
+    task = asyncio.create_task(admission.acquire(Ask("m")))
     await asyncio.sleep(0.01)
     assert admission.queue_len("m") == 1
     task.cancel()

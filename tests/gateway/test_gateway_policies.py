@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from collections import Counter
 
 import pytest
@@ -9,6 +10,7 @@ from corral_gateway.load import LoadSample
 from corral_gateway.policies import POLICIES, Candidate, KvAware, PrefixAffinity, make_policy
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
+from corral_gateway.settings import PolicyName
 
 SAT = Saturation(max_waiting=5, max_kv_usage_ratio=0.8)
 
@@ -115,7 +117,7 @@ def test_prefix_affinity_bounded_load_moves_off_overloaded_home() -> None:
 def test_unknown_policy_name_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("random", SAT)
-    assert set(POLICIES) == {"round-robin", "least-requests", "kv-aware", "prefix-affinity"}
+    assert set(POLICIES) == set(typing.get_args(PolicyName))  # one list of names: settings, flags, chart
 
 
 def make_router(policy: str = "kv-aware", now: float = 100.0) -> Router:

@@ -74,6 +74,8 @@ async def test_unknown_model_and_unknown_route_are_openai_404s() -> None:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "model_not_found"
         assert (await client.get("/v2/whatever")).json()["error"]["code"] == "not_found"
+        wrong_method = await client.get("/v1/completions")
+        assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "http_405"
 
 
 async def test_malformed_body_gets_the_engines_own_error() -> None:
@@ -119,7 +121,8 @@ async def test_dead_replica_is_retried_ejected_and_readmitted_when_healthy() -> 
             return not (await replicas(client))[dead]["healthy"]
 
         await eventually(is_ejected)
-        assert "corral_gateway_ejections_total" in (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics")).text
+        assert f'corral_gateway_ejections_total{{replica="{dead}"}} 1.0' in metrics
         # Bring a replica up on the dead port: the /health probe re-admits it.
         port = int(dead.rsplit(":", 1)[1])
         revived = FakeEngine(name="revived")
@@ -312,7 +315,7 @@ async def test_not_ready_until_kubernetes_discovery_has_listed(tmp_path: Path) -
 
 
 async def test_pass_through_ends_the_exchange_even_if_the_body_never_started() -> None:
-    from corral_gateway.proxy import _PassThrough
+    from corral_gateway.passthrough import PassThrough
 
     ended: list[bool] = []
     started: list[bool] = []
@@ -328,7 +331,7 @@ async def test_pass_through_ends_the_exchange_even_if_the_body_never_started() -
         raise AssertionError("not read")
 
     disconnect: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    response = _PassThrough(body(), disconnect, lambda: ended.append(True), 200, {})
+    response = PassThrough(body(), disconnect, lambda: ended.append(True), 200, {})
     with pytest.raises(OSError):
         await response({"type": "http"}, receive_nothing, failing_send)
     assert ended == [True] and not started and disconnect.cancelled()

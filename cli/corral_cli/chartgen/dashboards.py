@@ -182,13 +182,11 @@ def fleet_overview() -> Dashboard:
                     ),
                 ),
                 unit="reqps",
-                is_event_driven=True,
             ),
             Panel(
                 "Replica ejections",
                 "Replicas taken out of rotation after repeated failures (probed back later).",
                 (Target(sum_by("replica", increase(gw.EJECTIONS_TOTAL)), "{{replica}}"),),
-                is_event_driven=True,
             ),
         ),
     )

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from corral_gateway.settings import PolicyName
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
-
-PolicyName = Literal["prefix-affinity", "kv-aware", "least-requests", "round-robin"]
 
 
 class _Values(BaseModel):

@@ -1,24 +1,29 @@
 """Prometheus metrics under vLLM's names (see corral_engine.wire), on the server's own registry.
 
 Gauges and cumulative counters are read from one EngineStats snapshot at scrape time, so they are
-never stale (the waiting count moves on enqueue). Latency and size histograms are observed here
-from each request's RequestOutput.metrics as outputs arrive and when the request finishes.
+never stale (as of the last engine step). Latency and size histograms are observed here
+from each request's RequestOutput.metrics as outputs arrive and when the request finishes. Every
+known label set has a series from the first scrape, at zero, so dashboards show zeros, not "No data".
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from corral_engine import wire
-from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.outputs import EngineStats, FinishReason, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
+# Why the server refused an API request before it reached the engine (label `reason`).
+RejectionReason = Literal["invalid", "unauthorized", "unknown_model", "queue_full", "unavailable"]
+REJECTION_REASONS: tuple[RejectionReason, ...] = get_args(RejectionReason)
 
 # Histogram upper bounds in seconds (vLLM's choices, so dashboards' quantiles line up).
 # fmt: off
@@ -162,7 +167,7 @@ class ServerMetrics:
             self._prompt.labels(model_name),
             self._generation.labels(model_name),
         )
-        for reason in ("queue_full", "invalid", "unauthorized", "unknown_model", "unavailable"):
+        for reason in REJECTION_REASONS:
             self._rejected.labels(model_name, reason)
 
     def observe_step(self, duration_s: float, num_tokens: int) -> None:
@@ -173,7 +178,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def count_rejected(self, reason: str) -> None:
+    def count_rejected(self, reason: RejectionReason) -> None:
         self._rejected.labels(self._model, reason).inc()
 
     def observe_output(self, out: RequestOutput, progress: RequestProgress) -> None:

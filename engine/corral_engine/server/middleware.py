@@ -14,13 +14,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from corral_engine import wire
 from corral_engine.server import errors
 from corral_engine.server.context import ServerContext
+from corral_engine.server.metrics import RejectionReason
 
 logger = logging.getLogger(__name__)
 
 # Paths anyone may read even when an API key is set (probes and scrapers carry no key).
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 # Refused API requests by status, for corral_engine_requests_rejected_total{reason}.
-REJECTION_REASONS = {
+REJECTION_REASON_BY_STATUS: dict[int, RejectionReason] = {
     400: "invalid",
     401: "unauthorized",
     404: "unknown_model",
@@ -61,7 +62,7 @@ class ServerMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 self._load_headers(message)
-                reason = REJECTION_REASONS.get(message["status"])
+                reason = REJECTION_REASON_BY_STATUS.get(message["status"])
                 if reason is not None and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
                     self.ctx.metrics.count_rejected(reason)
             await send(message)

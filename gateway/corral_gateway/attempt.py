@@ -1,0 +1,86 @@
+"""One attempt at one leased replica: send the request and classify what came back before the first
+body byte: a response to pass through, a `Retry` elsewhere, or an error for the client."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from corral_gateway.disconnect import race
+from corral_gateway.errors import UpstreamTimeout
+from corral_gateway.fleet import Fleet
+from corral_gateway.metrics import RetryReason
+from corral_gateway.registry import Replica
+from corral_gateway.upstream import (
+    ConnectFailed,
+    ConnectTimedOut,
+    Dropped,
+    ReadTimedOut,
+    Upstream,
+    UpstreamResponse,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """The replica gave no usable answer before the first byte: the request may go to another one.
+    Either the connection failed (`reason`) or the replica answered a retryable `status`."""
+
+    reason: RetryReason | None = None
+    status: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The `reason` label of corral_gateway_retries_total."""
+        return self.reason if self.reason is not None else f"http_{self.status}"
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """The request as every attempt sends it: the client's original bytes and the upstream headers."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str]
+
+
+async def send_once(
+    fleet: Fleet,
+    upstream: Upstream,
+    replica: Replica,
+    request: Outgoing,
+    disconnect: asyncio.Future[None],
+    exclude: list[str],
+    can_retry: bool,
+) -> UpstreamResponse | Retry:
+    """The replica's response (to pass through), or why to retry elsewhere. Raises ClientGone or
+    UpstreamTimeout; the caller's lease gives the replica back in every case."""
+    try:
+        response = await race(
+            upstream.post(replica.url + request.path, request.body, request.headers),
+            disconnect,
+            on_late=_close_unread,
+        )
+    except ReadTimedOut as e:
+        fleet.record_failure(replica.url, str(e))
+        raise UpstreamTimeout("The model replica did not answer in time.") from e
+    except (ConnectFailed, ConnectTimedOut) as e:
+        fleet.record_failure(replica.url, str(e))
+        return Retry("connect_timeout" if isinstance(e, ConnectTimedOut) else "connect_error")
+    except Dropped:
+        # Dropped before any response: a dying replica, or a keep-alive connection the replica
+        # closed just as it was reused. Safe to retry; only connect errors and 5xx count
+        # towards ejection, so a race cannot eject a healthy replica.
+        return Retry("transport_error")
+    status = response.status_code
+    is_retryable = status >= 500 or status == 429  # 429: that engine's own queue is full
+    if is_retryable and can_retry and fleet.has_candidates(replica.model, [*exclude, replica.url]):
+        response.close(complete=False)
+        if status >= 500:
+            fleet.record_failure(replica.url, f"HTTP {status}")
+        return Retry(status=status)
+    return response
+
+
+def _close_unread(response: UpstreamResponse) -> None:
+    response.close(complete=False)

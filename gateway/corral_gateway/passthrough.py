@@ -1,0 +1,178 @@
+"""A replica's response on its way back to the client: streamed through chunk by chunk (SSE and large
+or unsized bodies) or read whole first (small bodies), and the bookkeeping when it ends.
+
+A stream whose replica dies ends with an SSE error event; a whole body that breaks off is a 502; a
+client that hangs up mid-response closes the upstream request, so the engine aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from corral_gateway.errors import UpstreamFailed, error_response, sse_error_event
+from corral_gateway.fleet import Fleet
+from corral_gateway.metrics import GatewayMetrics
+from corral_gateway.quota import TokenUsage
+from corral_gateway.registry import Replica
+from corral_gateway.upstream import UpstreamError, UpstreamResponse
+
+logger = logging.getLogger(__name__)
+
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
+     "proxy-authorization", "server", "date"}
+)  # fmt: skip
+_WHOLE_BODY_MAX_BYTES = 4 * 1024 * 1024  # non-streamed bodies up to this size are read whole
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Which request a response answers: for metrics and logs."""
+
+    model: str
+    request_id: str
+    start_s: float  # time.monotonic() at arrival
+
+
+class Exchange:
+    """One response on its way back to the client; `finish` does the bookkeeping once, however it ends.
+    The replica itself is given back by the caller's lease, after the response has been sent."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: GatewayMetrics,
+        upstream: UpstreamResponse,
+        replica: Replica,
+        origin: Origin,
+        usage: TokenUsage | None,
+    ) -> None:
+        self.fleet, self.metrics, self.upstream, self.replica = fleet, metrics, upstream, replica
+        self.origin, self.usage = origin, usage
+        self.status_label = str(upstream.status_code)
+        self.is_complete = False
+        self.is_client_gone = False
+        self.is_finished = False
+
+    async def respond(self, disconnect: asyncio.Future[None]) -> Response:
+        """SSE and bodies of unknown or large size are streamed through as they arrive; a small
+        body of known length (a non-streamed completion) is read whole first and sent in one
+        piece, so a body that breaks off can still answer with a clean 502."""
+        upstream, origin = self.upstream, self.origin
+        self.fleet.observe_headers(self.replica.url, upstream.headers)
+        if upstream.status_code < 500:
+            self.fleet.record_success(self.replica.url)
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers["x-request-id"] = origin.request_id
+        is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        length = upstream.headers.get("content-length", "")
+        if is_sse or not length.isdigit() or int(length) > _WHOLE_BODY_MAX_BYTES:
+            disconnect.add_done_callback(self._on_disconnect)
+            return PassThrough(self._body(is_sse), disconnect, self.finish, upstream.status_code, headers)
+        disconnect.cancel()
+        content = b""
+        try:
+            content = await upstream.read()
+            self.is_complete = True
+        except UpstreamError as e:
+            self._broken(e, "body")
+        finally:
+            if self.usage is not None:
+                self.usage.feed(content)
+            self.finish()
+        if not self.is_complete:
+            failed = error_response(UpstreamFailed("The model replica failed while sending the response."))
+            failed.headers["x-request-id"] = origin.request_id
+            return failed
+        self.metrics.ttfb.labels(origin.model).observe(time.monotonic() - origin.start_s)
+        return Response(content, status_code=upstream.status_code, headers=headers)
+
+    async def _body(self, is_sse: bool) -> AsyncGenerator[bytes, None]:
+        is_first = True
+        try:
+            async for chunk in self.upstream.chunks():
+                if is_first:
+                    self.metrics.ttfb.labels(self.origin.model).observe(
+                        time.monotonic() - self.origin.start_s
+                    )
+                    is_first = False
+                if self.usage is not None:
+                    self.usage.feed(chunk)
+                yield chunk
+            self.is_complete = True
+        except UpstreamError as e:
+            if self.is_client_gone:
+                return  # our own close of the upstream request, below
+            self._broken(e, "stream")
+            if is_sse:
+                yield sse_error_event("The model replica failed while streaming the response.")
+        finally:
+            self.finish()
+
+    def _on_disconnect(self, disconnect: asyncio.Future[None]) -> None:
+        """The client hung up mid-response: close the upstream request, so the engine aborts it
+        (the pending read then fails, which ends the body)."""
+        if disconnect.cancelled() or self.is_finished:
+            return
+        self.is_client_gone = True
+        self.status_label = "499"
+        self.finish()
+
+    def _broken(self, e: UpstreamError, what: str) -> None:
+        self.status_label = "broken"
+        self.fleet.record_failure(self.replica.url, f"{what}: {e}")
+        self.metrics.streams_broken.labels(self.origin.model).inc()
+        logger.warning("request %s: replica %s failed mid-response (%s)", self.origin.request_id,
+                       self.replica.url, e)  # fmt: skip
+
+    def finish(self) -> None:
+        if self.is_finished:
+            return
+        self.is_finished = True
+        model = self.origin.model
+        self.upstream.close(self.is_complete)
+        self.metrics.requests.labels(model, self.replica.url, self.status_label).inc()
+        self.metrics.duration.labels(model).observe(time.monotonic() - self.origin.start_s)
+        if self.usage is not None:
+            self.usage.settle()
+
+
+class PassThrough(StreamingResponse):
+    """Sends the body's chunks as they come, and nothing else per chunk.
+
+    Starlette's StreamingResponse starts a task group per response to notice a client leaving
+    (under ASGI before 2.4, where sending to a gone client does not fail); the proxy already
+    watches for that (`disconnect`, whose callback closes the upstream request and so ends the
+    body), so it is not needed here."""
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        disconnect: asyncio.Future[None],
+        on_end: Callable[[], None],
+        status: int,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(body, status_code=status, headers=headers)
+        self._chunks = body
+        self._disconnect = disconnect
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            async for chunk in self._chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._disconnect.cancel()
+            await self._chunks.aclose()
+            self._on_end()  # when the body never started, its own `finally` did not run
