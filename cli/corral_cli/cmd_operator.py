@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from corral_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,39 +71,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    # kopf reads the timer interval when the handlers module is imported, and logs in via $KUBECONFIG.
-    os.environ["CORRAL_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
-    if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig
+def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
+    """The operator's settings from the flags (raises pydantic's ValidationError on bad values)."""
+    from corral_operator.settings import ANY_NETWORK, OperatorSettings
 
-    import corral_operator.handlers  # noqa: F401  (registers the handlers)
+    given: dict[str, Any] = {
+        "namespaces": tuple(args.namespace),
+        "kubeconfig": args.kubeconfig or None,
+        "peering": args.peering,
+        "standalone": args.standalone,
+        "liveness_url": args.liveness or None,
+        "resync_s": args.resync_seconds,
+        "scrape_metrics": not args.no_metrics,
+        "metrics_file": args.metrics_file,
+        "scrape_networks": tuple(args.scrape_network) or ANY_NETWORK,
+    }
+    if args.priority is not None:
+        given["priority"] = args.priority  # else drawn at random, so peered replicas never tie
+    return OperatorSettings(**given)
+
+
+def run(args: argparse.Namespace) -> int:
     import kopf
+    from corral_operator.context import Context
+    from corral_operator.handlers import build_registry
     from corral_operator.kube import Kube, load_config
     from corral_operator.metrics import FileSource, MetricsSource, PodScrapeSource
-    from corral_operator.reconcile import Context
+    from pydantic import ValidationError
 
-    load_config(args.kubeconfig)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as e:
+        log.error("invalid operator settings: %s", e)
+        return 2
+    log.info("corral operator settings: %s", settings.describe())
+    load_config(settings.kubeconfig)
     metrics: MetricsSource | None = None
-    if args.metrics_file is not None:
-        metrics = FileSource(args.metrics_file)
-    elif not args.no_metrics:
-        metrics = PodScrapeSource(allowed_networks=args.scrape_network or ("0.0.0.0/0", "::/0"))
-    priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 1 << 30)
-    namespaces = list(args.namespace)
-    log.info(
-        "corral operator: %s, peering %s (priority %d)",
-        f"namespaces {namespaces}" if namespaces else "all namespaces",
-        "off" if args.standalone else args.peering,
-        priority,
-    )
+    if settings.metrics_file is not None:
+        metrics = FileSource(settings.metrics_file)
+    elif settings.scrape_metrics:
+        metrics = PodScrapeSource(allowed_networks=settings.scrape_networks)
     kopf.run(
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        standalone=args.standalone,
-        peering_name=None if args.standalone else args.peering,
-        priority=priority,
-        liveness_endpoint=args.liveness or None,
+        registry=build_registry(settings),
+        clusterwide=not settings.namespaces,
+        namespaces=list(settings.namespaces),
+        standalone=settings.standalone,
+        peering_name=None if settings.standalone else settings.peering,
+        priority=settings.priority,
+        liveness_endpoint=settings.liveness_url,
         memo=kopf.Memo(ctx=Context(kube=Kube(), metrics=metrics)),
     )
     return 0

@@ -1,10 +1,11 @@
-"""The engine's wire contract (light; no torch): metric names and load headers.
-
-Gateways, dashboards and tests import these names instead of spelling them; the metric names
-and meanings are vLLM's, so routers and dashboards built for vLLM read a Corral engine unchanged.
-"""
+"""The fleet's wire contract between engine, gateway and operator (light: no torch, no I/O): metric
+names and load headers (vLLM's, so tools built for vLLM read a Corral engine unchanged), the
+LLMDeployment API, the labels and annotation the operator and gateway share, and when a pod serves."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 # Label carried by every engine metric.
 MODEL_NAME_LABEL = "model_name"
@@ -45,3 +46,30 @@ HEADER_NUM_WAITING = "x-corral-num-waiting"
 HEADER_KV_USAGE = "x-corral-kv-usage"  # 0-1 fraction
 
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
+
+# The LLMDeployment custom resource (the operator serves it; the gateway patches it to wake a model).
+GROUP = "corral.dev"
+VERSION = "v1alpha1"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Labels the operator puts on its Services (mirrored onto their EndpointSlices) and Pods; the
+# gateway discovers replicas and their LLMDeployment by them.
+MODEL_LABEL = "corral.dev/model"  # value: the served model name (spec.model.name)
+INSTANCE_LABEL = "app.kubernetes.io/instance"  # value: the LLMDeployment's name
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE = "corral-operator"
+MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"
+# Annotation a gateway sets on an LLMDeployment (conventionally an RFC 3339 time) to wake it from zero.
+WAKE_ANNOTATION = "corral.dev/wake"
+
+
+def is_pod_serving(pod: Mapping[str, Any]) -> bool:
+    """A pod (API JSON) takes traffic: its Ready condition is True, it has an IP, it is not being deleted."""
+    status = pod.get("status") or {}
+    is_ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
+    )
+    is_deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+    return is_ready and bool(status.get("podIP")) and not is_deleting

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from corral_engine import wire
+
 from corral_gateway.k8s_wake import owners_from_objects
 from corral_gateway.settings import KubernetesDiscovery
 
@@ -60,18 +62,14 @@ def replicas_from_pods(
         if not model:
             continue
         urls = by_model.setdefault(model, set())
-        status = pod.get("status") or {}
-        is_ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-        )
         ports = [
             {"name": p.get("name"), "port": p.get("containerPort"), "protocol": p.get("protocol", "TCP")}
             for c in (pod.get("spec") or {}).get("containers") or []
             for p in c.get("ports") or []
         ]
         port = _pick_port(ports, port_name)
-        if is_ready and not meta.get("deletionTimestamp") and status.get("podIP") and port is not None:
-            urls.add(_url(status["podIP"], port, None))
+        if wire.is_pod_serving(pod) and port is not None:
+            urls.add(_url(pod["status"]["podIP"], port, None))
     return {model: sorted(urls) for model, urls in by_model.items()}
 
 

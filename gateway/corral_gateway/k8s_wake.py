@@ -16,11 +16,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from corral_engine import wire
 
-WAKE_ANNOTATION = "corral.dev/wake"
-INSTANCE_LABEL = "app.kubernetes.io/instance"  # the LLMDeployment's name
-GROUP, VERSION, PLURAL = "corral.dev", "v1alpha1", "llmdeployments"
+logger = logging.getLogger(__name__)
 
 
 def owners_from_objects(objects: Iterable[Mapping[str, Any]], model_label: str) -> dict[str, tuple[str, str]]:
@@ -29,7 +27,7 @@ def owners_from_objects(objects: Iterable[Mapping[str, Any]], model_label: str) 
     for obj in objects:
         meta = obj.get("metadata") or {}
         labels = meta.get("labels") or {}
-        model, instance = labels.get(model_label), labels.get(INSTANCE_LABEL)
+        model, instance = labels.get(model_label), labels.get(wire.INSTANCE_LABEL)
         namespace = meta.get("namespace")
         if model and instance and namespace:
             owners.setdefault(model, (namespace, instance))
@@ -38,7 +36,7 @@ def owners_from_objects(objects: Iterable[Mapping[str, Any]], model_label: str) 
 
 def wake_patch(now_s: float) -> dict[str, Any]:
     stamp = datetime.fromtimestamp(now_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"metadata": {"annotations": {WAKE_ANNOTATION: stamp}}}
+    return {"metadata": {"annotations": {wire.WAKE_ANNOTATION: stamp}}}
 
 
 class Waker:
@@ -94,5 +92,5 @@ class Waker:
             config.load_incluster_config()
             api_client = client.ApiClient()
         client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name, body
+            wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name, body
         )

@@ -7,14 +7,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from corral_engine import wire
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PolicyName = Literal["prefix-affinity", "kv-aware", "least-requests", "round-robin"]
-
-# The operator labels the Services (and so their EndpointSlices) it manages with these.
-DEFAULT_K8S_LABEL_SELECTOR = "app.kubernetes.io/managed-by=corral-operator"
-DEFAULT_K8S_MODEL_LABEL = "corral.dev/model"
 
 
 class KubernetesDiscovery(BaseModel):
@@ -27,8 +24,9 @@ class KubernetesDiscovery(BaseModel):
     # whose pod IPs EndpointSlices cannot carry, such as the loopback pod IPs of the e2e cluster).
     source: Literal["endpointslices", "pods"] = "endpointslices"
     namespace: str | None = None  # None watches every namespace the gateway may read
-    label_selector: str = DEFAULT_K8S_LABEL_SELECTOR
-    model_label: str = DEFAULT_K8S_MODEL_LABEL  # label carrying the served model name
+    # The operator labels the Services (and so their EndpointSlices) and Pods it manages with these.
+    label_selector: str = wire.MANAGED_SELECTOR
+    model_label: str = wire.MODEL_LABEL  # label carrying the served model name
     port_name: str | None = "http"  # falls back to the slice's first port when absent
     kubeconfig: Path | None = None  # None: in-cluster config, else this kubeconfig file
     watch_timeout_s: int = Field(default=30, ge=1)

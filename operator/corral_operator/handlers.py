@@ -1,14 +1,13 @@
-"""kopf handlers for LLMDeployment: the operator's table of contents.
+"""kopf handlers for LLMDeployment: the operator's table of contents (`build_registry` lists them all).
 
-create / update / resume / timer all run the same idempotent step (autoscale, then reconcile);
-children are garbage-collected through owner references, so there is no delete handler and no
-finalizer. `corral operator` passes the shared reconcile.Context in the global memo as `ctx`.
+create / update / resume / timer run one idempotent tick (autoscale, reconcile, one status patch);
+children go with their owner (owner references): no delete handler, no finalizer.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -16,19 +15,36 @@ from typing import Any
 import kopf
 
 from corral_operator import labels
+from corral_operator.context import Context
 from corral_operator.errors import to_kopf
 from corral_operator.kube import KubeError
-from corral_operator.reconcile import Context, autoscale, reconcile, seed_state
+from corral_operator.login import login
+from corral_operator.reconcile import reconcile
+from corral_operator.scaling import autoscale, seed_state
+from corral_operator.settings import OperatorSettings
 from corral_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError
 
 log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
-# The timer re-asserts desired state, refreshes status and runs the autoscaler this often.
-RESYNC_S = float(os.environ.get("CORRAL_OPERATOR_RESYNC_SECONDS", "15"))
 ANNOTATION_PREFIX = "operator.corral.dev"
 
 
-@kopf.on.startup()
+def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+    """Every handler on a fresh registry, configured from `settings` (nothing is read at import)."""
+    registry = kopf.OperatorRegistry()
+    kopf.on.startup(registry=registry)(configure)
+    kopf.on.login(registry=registry)(functools.partial(login, kubeconfig=settings.kubeconfig))
+    kopf.on.probe(id="alive", registry=registry)(alive)
+    kopf.on.create(*RESOURCE, registry=registry)(on_change)
+    kopf.on.update(*RESOURCE, registry=registry)(on_change)
+    kopf.on.resume(*RESOURCE, registry=registry)(on_change)
+    resync_s = settings.resync_s
+    kopf.timer(*RESOURCE, interval=resync_s, initial_delay=resync_s, registry=registry)(on_timer)
+    managed = {labels.MANAGED_BY: labels.MANAGED_BY_VALUE}
+    kopf.on.event("apps", "v1", "deployments", labels=managed, registry=registry)(on_deployment_event)
+    return registry
+
+
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Handler progress and the last-handled spec live in annotations, so status stays ours.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
@@ -41,32 +57,18 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
 
-@kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    # An explicit kubeconfig (`corral operator --kubeconfig`) wins over the pod's service account.
-    if os.environ.get("KUBECONFIG"):
-        return kopf.login_with_kubeconfig(**kwargs)
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-
-
-@kopf.on.probe(id="alive")
 def alive(**_: Any) -> bool:
     return True
 
 
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE)
-@kopf.on.resume(*RESOURCE)
 def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    _step(body, memo, logger, scrape=False, is_timer=False)
+    _tick(body, memo, logger, scrape=False, is_timer=False)
 
 
-@kopf.timer(*RESOURCE, interval=RESYNC_S, initial_delay=RESYNC_S)
 def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    _step(body, memo, logger, scrape=True, is_timer=True)
+    _tick(body, memo, logger, scrape=True, is_timer=True)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={labels.MANAGED_BY: labels.MANAGED_BY_VALUE})
 def on_deployment_event(body: kopf.Body, memo: kopf.Memo, type: str | None, **_: Any) -> None:
     """A child Deployment changed (pods became ready, a rollout moved): refresh the owner's status now."""
     owner = next((r for r in body["metadata"].get("ownerReferences") or () if r.get("kind") == KIND), None)
@@ -87,7 +89,7 @@ def _post(body: Any, events: list[Any]) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
 
-def _step(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool, is_timer: bool) -> None:
+def _tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool, is_timer: bool) -> None:
     """Autoscale, then reconcile; one at a time per object (the timer and events run concurrently)."""
     ctx: Context = memo["ctx"]
     lock: threading.Lock = memo.setdefault("lock", threading.Lock())
@@ -96,7 +98,12 @@ def _step(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool
             state = memo.get("autoscaler") or seed_state(body.get("status") or {})
             scaled = autoscale(ctx, body, state, now_s=time.time(), scrape=scrape)
             memo["autoscaler"] = scaled.state
-            outcome = reconcile(ctx, body, load=scaled.load, is_load_known=scaled.is_load_known)
+            # What the autoscaler recorded waits in the memo until a status patch has carried it.
+            recorded = memo["recorded"] = {**memo.get("recorded", {}), **scaled.status}
+            outcome = reconcile(
+                ctx, body, load=scaled.load, is_load_known=scaled.is_load_known, recorded=recorded
+            )
+            memo["recorded"] = {}
         except (KubeError, SpecError) as e:
             raise to_kopf(e) from e
     _post(body, ([scaled.event] if scaled.event else []) + outcome.events)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import urllib3
@@ -61,10 +62,10 @@ class Unavailable(KubeError):
     """5xx, timeouts, connection errors: transient."""
 
 
-def load_config(kubeconfig: str | None = None) -> None:
+def load_config(kubeconfig: Path | None = None) -> None:
     """An explicit kubeconfig, else the in-cluster service account, else $KUBECONFIG / ~/.kube/config."""
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig)
+    if kubeconfig is not None:
+        config.load_kube_config(config_file=str(kubeconfig))
         return
     try:
         config.load_incluster_config()

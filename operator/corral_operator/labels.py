@@ -1,26 +1,28 @@
-"""Label and annotation keys the operator writes; the gateway's discovery selects on these.
+"""Label and annotation keys the operator writes; those the gateway reads too come from corral_engine.wire.
 
-Services carry all of LABELS (the EndpointSlice controller mirrors a Service's labels onto its
+Services carry the common labels (the EndpointSlice controller mirrors a Service's labels onto its
 EndpointSlices), so a gateway finds a model's replicas with `corral.dev/model=<served name>`.
 """
 
 from __future__ import annotations
 
+from corral_engine import wire
+
 NAME = "app.kubernetes.io/name"
-INSTANCE = "app.kubernetes.io/instance"
+INSTANCE = wire.INSTANCE_LABEL  # the gateway finds a model's LLMDeployment by it
 COMPONENT = "app.kubernetes.io/component"
-MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = wire.MANAGED_BY_LABEL
 PART_OF = "app.kubernetes.io/part-of"
-MODEL = "corral.dev/model"  # value: the served model name (spec.model.name)
+MODEL = wire.MODEL_LABEL  # value: the served model name (spec.model.name)
 ENGINE = "corral.dev/engine"  # value: corral | vllm
 
 NAME_VALUE = "corral-engine"
 COMPONENT_VALUE = "engine"
-MANAGED_BY_VALUE = "corral-operator"
+MANAGED_BY_VALUE = wire.MANAGED_BY_VALUE
 PART_OF_VALUE = "corral"
 
 # Annotation a gateway sets (any value, conventionally an RFC 3339 time) to wake a model at zero.
-WAKE_ANNOTATION = "corral.dev/wake"
+WAKE_ANNOTATION = wire.WAKE_ANNOTATION
 # Annotation on Services with the LLMDeployment's name, for tools that map endpoints back to it.
 OWNER_ANNOTATION = "corral.dev/llmdeployment"
 FIELD_MANAGER = "corral-operator"

@@ -17,17 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from corral_engine import wire
+from prometheus_client.parser import text_string_to_metric_families
+
 from corral_operator.autoscaler import Load
 
 log = logging.getLogger(__name__)
 
-# The engine's wire contract (corral_engine.wire); spelled here because the operator may import
-# only corral_engine.args. A unit test checks these equal the engine's names.
-NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
-NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
-KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # a 0-1 fraction
 MAX_PARALLEL_SCRAPES = 8
-_WANTED = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE_PERC)
+_WANTED = (wire.NUM_REQUESTS_WAITING, wire.NUM_REQUESTS_RUNNING, wire.KV_CACHE_USAGE_PERC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,34 +42,27 @@ class MetricsSource(Protocol):
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """Sum each wanted gauge over its label sets in a Prometheus text exposition."""
+    """Sum each wanted gauge over its label sets in a Prometheus text exposition; {} if it does not parse."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        if name_end < 0 or line[:name_end] not in _WANTED:
-            continue
-        value_text = line.rsplit("}", 1)[-1].split()
-        if not value_text:
-            continue
-        try:
-            value = float(value_text[0])
-        except ValueError:
-            continue
-        out[line[:name_end]] = out.get(line[:name_end], 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in _WANTED:
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        return {}
     return out
 
 
 def aggregate(per_pod: Sequence[dict[str, float]]) -> Load | None:
     """Sum waiting/running, average KV usage over the pods that answered."""
-    answered = [g for g in per_pod if KV_CACHE_USAGE_PERC in g or NUM_REQUESTS_WAITING in g]
+    answered = [g for g in per_pod if wire.KV_CACHE_USAGE_PERC in g or wire.NUM_REQUESTS_WAITING in g]
     if not answered:
         return None
     return Load(
-        num_waiting=sum(g.get(NUM_REQUESTS_WAITING, 0.0) for g in answered),
-        num_running=sum(g.get(NUM_REQUESTS_RUNNING, 0.0) for g in answered),
-        kv_usage_ratio=sum(g.get(KV_CACHE_USAGE_PERC, 0.0) for g in answered) / len(answered),
+        num_waiting=sum(g.get(wire.NUM_REQUESTS_WAITING, 0.0) for g in answered),
+        num_running=sum(g.get(wire.NUM_REQUESTS_RUNNING, 0.0) for g in answered),
+        kv_usage_ratio=sum(g.get(wire.KV_CACHE_USAGE_PERC, 0.0) for g in answered) / len(answered),
         num_reporting=len(answered),
     )
 

@@ -6,12 +6,13 @@ removes it with the LLMDeployment and the operator can prune what the spec no lo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from corral_operator import labels
 from corral_operator.engine_command import MODEL_MOUNT_PATH, corral_command, model_path_in_pod, vllm_args
-from corral_operator.spec import API_VERSION, KIND, LLMDeploymentSpec, SpecError
+from corral_operator.spec import API_VERSION, KIND, HostPathSource, LLMDeploymentSpec
 
 Obj = dict[str, Any]
 RUN_AS_UID = 1000
@@ -25,6 +26,11 @@ class Owner:
     name: str
     namespace: str
     uid: str
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
 
     def reference(self) -> Obj:
         return {
@@ -68,10 +74,10 @@ def _volumes(spec: LLMDeploymentSpec) -> tuple[list[Obj], list[Obj]]:
     source = spec.model.source
     if source.pvc is not None:
         model_volume: Obj = {"persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
-    elif source.host_path is not None:
-        model_volume = {"hostPath": {"path": source.host_path.path, "type": "Directory"}}
     else:
-        raise SpecError("model.source needs exactly one of pvc or hostPath")
+        # A validated spec has exactly one source (spec.ModelSource), so without a PVC it is a hostPath.
+        host_path = cast(HostPathSource, source.host_path)
+        model_volume = {"hostPath": {"path": host_path.path, "type": "Directory"}}
     volumes: list[Obj] = [{"name": "model", **model_volume}, {"name": "tmp", "emptyDir": {}}]
     mounts: list[Obj] = [
         {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True},

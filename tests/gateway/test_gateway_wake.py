@@ -6,8 +6,10 @@ import asyncio
 import threading
 from typing import Any
 
+from corral_engine import wire
+from corral_gateway.admission import Ask
 from corral_gateway.fleet import Fleet
-from corral_gateway.k8s_wake import WAKE_ANNOTATION, Waker, owners_from_objects, wake_patch
+from corral_gateway.k8s_wake import Waker, owners_from_objects, wake_patch
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.registry import Replica
 from corral_gateway.settings import GatewaySettings
@@ -27,7 +29,7 @@ def test_owners_from_operator_labels() -> None:
 
 
 def test_wake_patch_is_an_rfc3339_annotation() -> None:
-    assert wake_patch(0.0) == {"metadata": {"annotations": {WAKE_ANNOTATION: "1970-01-01T00:00:00Z"}}}
+    assert wake_patch(0.0) == {"metadata": {"annotations": {wire.WAKE_ANNOTATION: "1970-01-01T00:00:00Z"}}}
 
 
 def test_waker_patches_at_most_once_per_interval() -> None:
@@ -59,7 +61,12 @@ async def test_request_for_a_model_at_zero_waits_for_a_replica() -> None:
     fleet.waker.set_owners({"m": ("ns", "llmd")})
     timeout_s = fleet.wake_timeout_s("m")
     assert timeout_s == 5.0
-    waiter = asyncio.create_task(fleet.admission.acquire("m", None, timeout_s=timeout_s))
+
+    async def lease() -> Replica:
+        async with fleet.lease(Ask("m", timeout_s=timeout_s)) as replica:
+            return replica
+
+    waiter = asyncio.create_task(lease())
     await asyncio.sleep(0.2)  # longer than the normal queue deadline
     assert not waiter.done()
     fleet.apply_discovery({"m": ["http://127.0.0.1:9"]})

@@ -9,8 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from corral_engine import wire
-from corral_operator import metrics
 from corral_operator.metrics import FileSource, PodScrapeSource, PodTarget, parse_gauges
 
 EXPOSITION = """# HELP vllm:num_requests_waiting Waiting.
@@ -21,12 +19,6 @@ vllm:kv_cache_usage_perc{model_name="tiny"} 0.5
 vllm:num_requests_waiting_extra 99
 vllm:prompt_tokens_total{model_name="tiny"} 1234.0
 """
-
-
-def test_metric_names_match_the_engine_wire_contract() -> None:
-    assert metrics.NUM_REQUESTS_WAITING == wire.NUM_REQUESTS_WAITING
-    assert metrics.NUM_REQUESTS_RUNNING == wire.NUM_REQUESTS_RUNNING
-    assert metrics.KV_CACHE_USAGE_PERC == wire.KV_CACHE_USAGE_PERC
 
 
 def test_parse_gauges_sums_wanted_gauges_only() -> None:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
+import pytest
 from corral_operator import labels
 from corral_operator.autoscaler import Load, State
+from corral_operator.context import Context
 from corral_operator.kube import Invalid
 from corral_operator.metrics import PodTarget
-from corral_operator.reconcile import Context, autoscale, reconcile
+from corral_operator.reconcile import reconcile
+from corral_operator.scaling import autoscale
 
 from tests.operator.invalid_cases import valid_spec
 
@@ -21,10 +25,11 @@ class FakeKube:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.writes: list[tuple[str, Any]] = []
         self.reject_kind: str | None = None
+        self.reject_error: Exception | None = None  # default: Invalid (422)
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         if obj["kind"] == self.reject_kind:
-            raise Invalid(422, f"{obj['kind']} is invalid")
+            raise self.reject_error or Invalid(422, f"{obj['kind']} is invalid")
         meta = obj["metadata"]
         stored = copy.deepcopy(obj)
         stored["metadata"]["uid"] = f"uid-{obj['kind']}"
@@ -164,7 +169,7 @@ def test_wake_annotation_brings_a_model_back_from_zero() -> None:
 
 
 def test_parse_time_accepts_rfc3339_and_epoch() -> None:
-    from corral_operator.reconcile import parse_time
+    from corral_operator.timestamps import parse_time
 
     assert parse_time("1970-01-01T00:25:00Z") == 1500.0
     assert parse_time("1970-01-01T00:25:00.5Z") == 1500.5
@@ -181,3 +186,50 @@ def test_no_status_write_when_only_absent_fields_differ() -> None:
     kube.writes.clear()
     reconcile(make_ctx(kube), body(valid_spec(), status=stored), load=None, is_load_known=True, now_s=5)
     assert [w for w in kube.writes if w[0] == "status"] == []
+
+
+def autoscaled_spec() -> dict[str, Any]:
+    return valid_spec() | {
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 5, "scaleUpStabilizationSeconds": 0}
+    }
+
+
+def test_a_tick_that_scales_patches_status_once() -> None:
+    kube = FakeKube()
+    kube.objects[("Pod", "ml", "p1")] = ready_pod("p1", "127.0.0.11")
+    ctx = make_ctx(kube, DeepQueue())
+    scaled = autoscale(ctx, body(autoscaled_spec()), State(), now_s=100, scrape=True)
+    assert [w for w in kube.writes if w[0] == "status"] == []  # the autoscaler records, never writes
+    assert scaled.status == {
+        "lastScaleTime": "1970-01-01T00:01:40Z",
+        "lastActiveTime": "1970-01-01T00:01:40Z",
+    }
+    reconcile(
+        ctx, body(autoscaled_spec()), load=scaled.load, is_load_known=True, recorded=scaled.status, now_s=100
+    )
+    status_writes = [w[1] for w in kube.writes if w[0] == "status"]
+    assert len(status_writes) == 1
+    assert status_writes[0]["lastScaleTime"] == "1970-01-01T00:01:40Z"
+    assert status_writes[0]["load"]["numRequestsWaiting"] == 40 and status_writes[0]["conditions"]
+
+
+def test_what_the_autoscaler_recorded_survives_a_failed_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kopf
+    from corral_operator import handlers
+    from corral_operator.kube import Unavailable
+
+    monkeypatch.setattr(kopf, "event", lambda *args, **kwargs: None)  # no kopf event queue here
+    kube = FakeKube()
+    kube.objects[("Pod", "ml", "p1")] = ready_pod("p1", "127.0.0.11")
+    memo = kopf.Memo(ctx=make_ctx(kube, DeepQueue()))
+    logger = logging.getLogger("test")
+    cr = kopf.Body(body(autoscaled_spec()))  # type: ignore[arg-type]
+    kube.reject_kind, kube.reject_error = "Deployment", Unavailable(503, "API server restarting")
+    with pytest.raises(kopf.TemporaryError):
+        handlers.on_timer(body=cr, memo=memo, logger=logger)
+    assert ("replicas", 5) in kube.writes and not [w for w in kube.writes if w[0] == "status"]
+    kube.reject_kind = None
+    handlers.on_timer(body=cr, memo=memo, logger=logger)
+    status_writes = [w[1] for w in kube.writes if w[0] == "status"]
+    assert len(status_writes) == 1 and "lastScaleTime" in status_writes[0]
+    assert memo["recorded"] == {}

@@ -1,0 +1,47 @@
+"""Operator settings: built once at the edge from `corral operator`'s flags (a CORRAL_OPERATOR_*
+variable fills one no flag gives), logged once at start-up, passed down, never mutated."""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ANY_NETWORK = ("0.0.0.0/0", "::/0")
+
+
+def _random_priority() -> int:
+    # Peered replicas must never tie: kopf pauses every replica of a tie.
+    return random.SystemRandom().randint(1, 1 << 30)
+
+
+class OperatorSettings(BaseSettings):
+    """Everything `corral operator` needs, validated once at start-up and never mutated."""
+
+    model_config = SettingsConfigDict(env_prefix="CORRAL_OPERATOR_", frozen=True, extra="forbid")
+
+    namespaces: tuple[str, ...] = ()  # () serves every namespace
+    kubeconfig: Path | None = None  # None: the pod's service account, else $KUBECONFIG / ~/.kube/config
+    peering: str = "corral"  # kopf peering shared by replicas; only the highest priority one works
+    standalone: bool = False  # no peering (a single replica, dev clusters)
+    priority: int = Field(default_factory=_random_priority)
+    liveness_url: str | None = "http://0.0.0.0:8080/healthz"
+    # The timer re-asserts desired state, refreshes status and runs the autoscaler this often.
+    resync_s: float = Field(default=15.0, gt=0)
+    scrape_metrics: bool = True  # scrape the engine pods' /metrics (autoscaling needs load)
+    metrics_file: Path | None = None  # read load from this JSON file instead of scraping
+    scrape_networks: tuple[str, ...] = ANY_NETWORK  # only pods whose IP is in one are scraped
+
+    @field_validator("scrape_networks")
+    @classmethod
+    def _check_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for network in value:
+            ipaddress.ip_network(network)  # raises ValueError with the offending text
+        return value
+
+    def describe(self) -> str:
+        """One log line: every setting and its value."""
+        return ", ".join(f"{name}={getattr(self, name)}" for name in type(self).model_fields)

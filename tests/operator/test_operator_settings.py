@@ -1,0 +1,99 @@
+"""Operator settings: built from `corral operator` flags, passed to the handler registry and the login
+without touching the environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import kopf
+import pytest
+import yaml
+from corral_cli.cmd_operator import settings_from_args
+from corral_cli.main import build_parser
+from corral_operator.handlers import build_registry
+from corral_operator.login import connection_from_kubeconfig
+from corral_operator.settings import ANY_NETWORK, OperatorSettings
+from kopf._core.intents.handlers import TimerHandler  # kopf exports no registry accessors
+from pydantic import ValidationError
+
+
+def settings_for(*flags: str) -> OperatorSettings:
+    return settings_from_args(build_parser(only="operator").parse_args(["operator", *flags]))
+
+
+def test_flags_become_settings() -> None:
+    settings = settings_for("-n", "ml", "--resync-seconds", "3", "--priority", "7", "--kubeconfig", "/k")
+    assert settings.namespaces == ("ml",) and settings.resync_s == 3.0 and settings.priority == 7
+    assert settings.kubeconfig == Path("/k") and settings.scrape_networks == ANY_NETWORK
+    assert settings.liveness_url == "http://0.0.0.0:8080/healthz" and settings.scrape_metrics
+    assert settings_for("--liveness", "").liveness_url is None
+    assert settings_for("--scrape-network", "127.0.0.0/8").scrape_networks == ("127.0.0.0/8",)
+    assert "resync_s=3.0" in settings.describe()
+
+
+def test_priority_is_drawn_once_when_not_given() -> None:
+    settings = settings_for()
+    assert 1 <= settings.priority <= 1 << 30
+    assert f"priority={settings.priority}" in settings.describe()  # the logged value is the one used
+
+
+def test_bad_values_are_refused_at_the_edge_and_settings_are_frozen() -> None:
+    with pytest.raises(ValidationError):
+        settings_for("--resync-seconds", "0")
+    with pytest.raises(ValidationError):
+        settings_for("--scrape-network", "not-a-network")
+    settings = settings_for()
+    with pytest.raises(ValidationError):
+        settings.resync_s = 2.0  # type: ignore[misc]  # frozen: passed down, never changed
+
+
+def test_the_timer_interval_comes_from_the_settings_not_the_environment() -> None:
+    before = dict(os.environ)
+    registry = build_registry(OperatorSettings(resync_s=3.5))
+    assert dict(os.environ) == before
+    # kopf keeps timers in its spawning registry (no public accessor).
+    timers = [t for t in registry._spawning.get_all_handlers() if isinstance(t, TimerHandler)]
+    assert [(t.id, t.interval, t.initial_delay) for t in timers] == [("on_timer", 3.5, 3.5)]
+    other = build_registry(OperatorSettings(resync_s=20))._spawning.get_all_handlers()
+    assert [t.interval for t in other if isinstance(t, TimerHandler)] == [20]  # its own settings
+
+
+def test_every_handler_is_registered() -> None:
+    registry = build_registry(OperatorSettings())
+    activities = {h.id for h in registry._activities.get_all_handlers()}
+    # kopf marks a resume handler by `initial`, not by a reason.
+    changing = {
+        (h.id, h.reason or ("resume" if h.initial else None)) for h in registry._changing.get_all_handlers()
+    }
+    watching = {h.id for h in registry._watching.get_all_handlers()}
+    assert activities == {"configure", "login", "alive"}
+    assert changing == {("on_change", "create"), ("on_change", "update"), ("on_change", "resume")}
+    assert watching == {"on_deployment_event"}
+
+
+def test_login_reads_the_named_kubeconfig(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("not checked at login\n")
+    path = tmp_path / "operator.kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {"server": "https://127.0.0.1:6443", "certificate-authority": str(ca)},
+                    }
+                ],
+                "users": [{"name": "u", "user": {"token": "s3cret"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    info = connection_from_kubeconfig(path, trust_env=True)
+    assert isinstance(info, kopf.ConnectionInfo)
+    assert (info.server, info.token, info.scheme) == ("https://127.0.0.1:6443", "s3cret", "Bearer")
+    assert info.ca_path == str(ca) and not info.insecure and info.trust_env

@@ -1,0 +1,62 @@
+"""The fleet's wire contract on the Kubernetes side: the operator writes what the gateway reads, and
+both decide by the same rule which pods serve (corral_engine.wire)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from corral_engine import wire
+from corral_gateway.k8s_discovery import replicas_from_pods
+from corral_gateway.k8s_wake import owners_from_objects
+from corral_gateway.settings import KubernetesDiscovery
+from corral_operator import render
+from corral_operator.scaling import ready_targets
+from corral_operator.spec import parse_spec
+
+from tests.operator.invalid_cases import valid_spec
+
+
+def pod(
+    name: str, *, ready: str = "True", ip: str | None = "10.0.0.1", deleting: bool = False
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "namespace": "ml", "labels": {wire.MODEL_LABEL: "m"}}
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": ready}]}
+    if ip is not None:
+        status["podIP"] = ip
+    ports = [{"name": "http", "containerPort": 8000}]
+    return {"metadata": metadata, "spec": {"containers": [{"ports": ports}]}, "status": status}
+
+
+PODS = [
+    (pod("ready", ip="10.0.0.1"), True),
+    (pod("not-ready", ready="False", ip="10.0.0.2"), False),
+    (pod("no-ip", ip=None), False),
+    (pod("deleting", deleting=True, ip="10.0.0.4"), False),
+    ({"metadata": {"name": "bare"}}, False),
+]
+
+
+@pytest.mark.parametrize(("obj", "is_serving"), PODS, ids=[p["metadata"]["name"] for p, _ in PODS])
+def test_the_ready_rule(obj: dict[str, Any], is_serving: bool) -> None:
+    assert wire.is_pod_serving(obj) is is_serving
+
+
+def test_gateway_and_operator_pick_the_same_pods() -> None:
+    pods = [p for p, _ in PODS]
+    routed = replicas_from_pods(pods, wire.MODEL_LABEL, "http")["m"]
+    scraped = ready_targets(pods, 8000)
+    assert routed == [f"http://{t.ip}:{t.port}" for t in scraped] == ["http://10.0.0.1:8000"]
+
+
+def test_the_gateway_finds_what_the_operator_renders() -> None:
+    owner = render.Owner(name="tiny", namespace="ml", uid="u")
+    service = render.service(owner, parse_spec(valid_spec()))
+    labels = service["metadata"]["labels"]
+    discovery = KubernetesDiscovery()
+    key, _, value = discovery.label_selector.partition("=")
+    assert labels[key] == value
+    assert labels[discovery.model_label] == "tiny-llama"
+    assert owners_from_objects([service], discovery.model_label) == {"tiny-llama": ("ml", "tiny")}
