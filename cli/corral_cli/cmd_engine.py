@@ -1,7 +1,7 @@
 """`corral engine --model DIR`: serve a checkpoint with the bundled engine behind the OpenAI API.
 
-Engine flags mirror EngineArgs field by field (EngineArgs.to_cli_args renders them, the operator
-relies on that), and default to None so EngineArgs' own defaults apply.
+Engine flags are derived from the option declarations in corral_engine.args (EngineArgs.to_cli_args
+renders them back, the operator relies on that) and default to None so EngineArgs' own defaults apply.
 """
 
 from __future__ import annotations
@@ -10,17 +10,20 @@ import argparse
 import contextlib
 import logging
 import os
-import re
+from collections.abc import Callable
+from typing import Any
 
 from corral_engine.args import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    DTYPES,
-    KV_POLICIES,
+    DEFAULTS,
+    OPTIONS,
+    RULES,
     ArgumentError,
     EngineArgs,
+    Exclusive,
+    cli_flag,
+    default_text,
+    parse_bytes,
+    value_type,
 )
 from corral_engine.settings import EngineSettings
 from pydantic import ValidationError
@@ -32,82 +35,51 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8100
 DEFAULT_DRAIN_TIMEOUT_S = 20.0
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """`1073741824`, `512MiB`, `2G`, `1.5gi` -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory")
+    parser.add_argument("--model", required=True, metavar="DIR", help=OPTIONS["model"].help)
     _add_server_arguments(parser)
     _add_engine_arguments(parser)
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--served-model-name", metavar="NAME", help="model name in the API (default: DIR's name)"
-    )
-    parser.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: auto)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:N (default: auto)")
-    parser.add_argument("--block-size", type=int, help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})")
-    kv = parser.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV-cache size in blocks")
-    kv.add_argument(
-        "--kv-cache-memory",
-        type=parse_bytes,
-        metavar="BYTES",
-        dest="kv_cache_memory_bytes",
-        help=f"KV-cache size in bytes, e.g. 512MiB (default: {DEFAULT_KV_CACHE_MEMORY_BYTES >> 20}MiB)",
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, metavar="N", help="context window (default: the model's)"
-    )
-    parser.add_argument(
-        "--max-num-seqs", type=int, metavar="N", help=f"sequences per step (default: {DEFAULT_MAX_NUM_SEQS})"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        metavar="N",
-        help=f"token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
-    )
-    parser.add_argument("--kv-policy", choices=KV_POLICIES, help="on KV pressure (default: preempt)")
-    parser.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        default=None,
-        help="turn prefix caching off",
-    )
-    parser.add_argument(
-        "--max-waiting", type=int, metavar="N", help="waiting requests before 429s (default: unbounded)"
-    )
-    parser.add_argument("--seed", type=int, help="engine seed for unseeded sampling (default: 0)")
-    parser.add_argument("--num-threads", type=int, metavar="N", help="torch CPU threads (default: all cores)")
-    parser.add_argument(
-        "--speculative", choices=("ngram",), help="speculative decoding for greedy requests (default: off)"
-    )
-    parser.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        metavar="K",
-        help="draft tokens per step when speculating (default: 4)",
-    )
-    parser.add_argument(
-        "--prompt-lookup-min",
-        type=int,
-        metavar="N",
-        help="shortest recurring n-gram that proposes drafts (default: 2)",
-    )
-    parser.add_argument(
-        "--prompt-lookup-max", type=int, metavar="N", help="longest n-gram, tried first (default: 3)"
-    )
+    """One flag per engine option, derived from its declaration in corral_engine.args."""
+    groups: dict[str, Any] = {}  # option -> its mutually exclusive group
+    for rule in RULES:
+        if isinstance(rule, Exclusive):
+            groups[rule.first] = groups[rule.second] = parser.add_mutually_exclusive_group()
+    for name, option in OPTIONS.items():
+        if name == "model":
+            continue
+        target = groups.get(name, parser)
+        help_text = f"{option.help} (default: {default_text(name)})"
+        if value_type(name) is bool:
+            # A bool flag says "not the default": --no-prefix-caching turns prefix caching off.
+            action = "store_false" if DEFAULTS[name] else "store_true"
+            switch = "turn off" if DEFAULTS[name] else "turn on"
+            help_text = f"{switch}: {option.help}"
+            target.add_argument(cli_flag(name), dest=name, action=action, default=None, help=help_text)
+            continue
+        target.add_argument(
+            cli_flag(name),
+            dest=name,
+            type=_flag_type(name),
+            choices=option.choices,
+            metavar=option.metavar,
+            help=help_text,
+        )
+
+
+def _flag_type(name: str) -> Callable[[str], object]:
+    return _byte_size if OPTIONS[name].is_bytes else value_type(name)
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,32 +108,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_ENGINE_FIELDS = (
-    "model",
-    "served_model_name",
-    "dtype",
-    "device",
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory_bytes",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "kv_policy",
-    "enable_prefix_caching",
-    "max_waiting",
-    "seed",
-    "num_threads",
-    "speculative",
-    "num_speculative_tokens",
-    "prompt_lookup_min",
-    "prompt_lookup_max",
-)
-
-
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags; flags not given keep EngineArgs' defaults."""
-    given = {name: getattr(ns, name) for name in _ENGINE_FIELDS if getattr(ns, name, None) is not None}
+    given = {name: getattr(ns, name) for name in OPTIONS if getattr(ns, name, None) is not None}
     return EngineArgs(**given)
 
 

@@ -1,14 +1,47 @@
-"""Engine arguments: the one configuration object of a Corral engine (light; no torch).
+"""Engine arguments: the one configuration object of a Corral engine, and the one declaration of
+each engine option (light; no torch).
 
-Built once at the edge (CLI flags, the operator's CR spec) and passed down, never mutated.
-The operator renders these into `corral engine` flags with `to_cli_args`.
+Every `EngineArgs` field carries an `Option`: its help, bounds, CLI flag, CRD field and vLLM
+equivalent. `corral engine`'s flags, the CRD's `spec.engine.args`, the operator's command lines
+for both engine kinds and the docs' flag table are all derived from these declarations.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from corral_engine.options import (
+    BYTES_PATTERN,
+    ArgumentError,
+    AtMost,
+    Exclusive,
+    Option,
+    Vllm,
+    broken_rule,
+    parse_bytes,
+)
+
+__all__ = [
+    "BYTES_PATTERN",
+    "DEFAULTS",
+    "OPTIONS",
+    "RULES",
+    "ArgumentError",
+    "AtMost",
+    "EngineArgs",
+    "Exclusive",
+    "Option",
+    "Vllm",
+    "broken_rule",
+    "cli_flag",
+    "default_text",
+    "parse_bytes",
+    "value_type",
+]
 
 KvPolicy = Literal["preempt", "reserve"]
 DType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -20,70 +53,169 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither blocks nor bytes are given
 
+# Rules over two options, checked by EngineArgs and (as CEL and pydantic checks) by the CRD.
+RULES: tuple[Exclusive | AtMost, ...] = (
+    Exclusive("num_kv_blocks", "kv_cache_memory_bytes"),
+    AtMost("prompt_lookup_min", "prompt_lookup_max"),
+)
 
-class ArgumentError(ValueError):
-    """An engine argument is invalid; the message names the argument and the allowed values."""
+
+def _option(default: object, **declared: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"option": Option(**declared)})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    model: str
-    served_model_name: str | None = None
-    dtype: DType = "auto"
-    device: str = "auto"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    kv_policy: KvPolicy = "preempt"
-    enable_prefix_caching: bool = True
-    max_waiting: int | None = None
-    seed: int = 0
-    num_threads: int | None = None
-    speculative: Literal["ngram"] | None = None  # n-gram (prompt lookup) proposals, off by default
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2  # shortest n-gram that may propose drafts (vLLM's name; = core.ngram's)
-    prompt_lookup_max: int = 3  # longest n-gram, tried first
+    model: str = dataclasses.field(
+        metadata={"option": Option("Hugging Face checkpoint directory", metavar="DIR", vllm=Vllm("--model"))}
+    )
+    served_model_name: str | None = _option(
+        None,
+        help="model name in the API",
+        default_text="DIR's last component",
+        metavar="NAME",
+        vllm=Vllm("--served-model-name"),
+    )
+    dtype: DType = _option(
+        "auto",
+        help="weights and KV dtype; auto: bfloat16 where the CPU multiplies it natively, else float32",
+        choices=DTYPES,
+        crd="dtype",
+        vllm=Vllm("--dtype"),
+    )
+    device: str = _option("auto", help="cpu, cuda, cuda:N", metavar="DEVICE")
+    block_size: int = _option(
+        DEFAULT_BLOCK_SIZE,
+        help="tokens per KV block",
+        metavar="N",
+        ge=1,
+        le=1024,
+        is_power_of_two=True,
+        crd="blockSize",
+        vllm=Vllm("--block-size"),
+    )
+    num_kv_blocks: int | None = _option(
+        None,
+        help="KV-cache size in blocks",
+        default_text="from --kv-cache-memory",
+        metavar="N",
+        ge=1,
+        crd="numKvBlocks",
+        vllm=Vllm("--num-gpu-blocks-override"),
+    )
+    kv_cache_memory_bytes: int | None = _option(
+        None,
+        help="KV-cache size in bytes, e.g. 512Mi or 4Gi",
+        default_text="1Gi",
+        metavar="BYTES",
+        ge=1,
+        is_bytes=True,
+        flag="--kv-cache-memory",
+        crd="kvCacheMemory",
+        vllm=Vllm("--kv-cache-memory-bytes"),
+    )
+    max_model_len: int | None = _option(
+        None,
+        help="context window: prompt + output tokens",
+        default_text="the model's",
+        metavar="N",
+        ge=1,
+        crd="maxModelLen",
+        vllm=Vllm("--max-model-len"),
+    )
+    max_num_seqs: int = _option(
+        DEFAULT_MAX_NUM_SEQS,
+        help="sequences per step",
+        metavar="N",
+        ge=1,
+        le=4096,
+        crd="maxNumSeqs",
+        vllm=Vllm("--max-num-seqs"),
+    )
+    max_num_batched_tokens: int = _option(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="token budget per step",
+        metavar="N",
+        ge=1,
+        le=1 << 20,
+        crd="maxNumBatchedTokens",
+        vllm=Vllm("--max-num-batched-tokens"),
+    )
+    kv_policy: KvPolicy = _option(
+        "preempt",
+        help="on KV pressure: preempt the newest sequence, or admit only what fits",
+        choices=KV_POLICIES,
+        crd="kvPolicy",
+    )
+    enable_prefix_caching: bool = _option(
+        True,
+        help="reuse the KV blocks of shared prefixes",
+        flag="--no-prefix-caching",
+        crd="enablePrefixCaching",
+        vllm=Vllm("--enable-prefix-caching"),
+    )
+    max_waiting: int | None = _option(
+        None,
+        help="waiting requests before new ones get 429",
+        default_text="unbounded",
+        metavar="N",
+        ge=0,
+        crd="maxWaiting",
+    )
+    seed: int = _option(0, help="engine seed for unseeded sampling", metavar="N", vllm=Vllm("--seed"))
+    num_threads: int | None = _option(
+        None, help="torch CPU threads", default_text="all cores", metavar="N", ge=1
+    )
+    speculative: Literal["ngram"] | None = _option(
+        None,
+        help="speculative decoding for greedy requests: ngram drafts from the request's own tokens",
+        default_text="off",
+        choices=("ngram",),
+        crd="speculative.method",
+        crd_default="ngram",
+        vllm=Vllm("--speculative-config", "method"),
+    )
+    num_speculative_tokens: int = _option(
+        4,
+        help="draft tokens verified per step when speculating",
+        metavar="K",
+        ge=1,
+        le=16,
+        crd="speculative.numSpeculativeTokens",
+        crd_default=4,
+        vllm=Vllm("--speculative-config", "num_speculative_tokens"),
+    )
+    prompt_lookup_min: int = _option(
+        2,
+        help="shortest recurring n-gram that proposes drafts",
+        metavar="N",
+        ge=1,
+        le=16,
+        crd="speculative.promptLookupMin",
+        vllm=Vllm("--speculative-config", "prompt_lookup_min"),
+    )
+    prompt_lookup_max: int = _option(
+        3,
+        help="longest n-gram, tried first",
+        metavar="N",
+        ge=1,
+        le=16,
+        crd="speculative.promptLookupMax",
+        vllm=Vllm("--speculative-config", "prompt_lookup_max"),
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ArgumentError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
-            raise ArgumentError("give either num_kv_blocks or kv_cache_memory_bytes, not both")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ArgumentError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ArgumentError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ArgumentError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ArgumentError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ArgumentError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.kv_policy not in KV_POLICIES:
-            raise ArgumentError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
-        if self.dtype not in DTYPES:
-            raise ArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ArgumentError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.speculative not in (None, "ngram"):
-            raise ArgumentError(f"speculative must be 'ngram' or unset, got {self.speculative!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ArgumentError(
-                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
-            )
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
-            raise ArgumentError(
-                "need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got "
-                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
-            )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ArgumentError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name, option in OPTIONS.items():
+            value = getattr(self, name)
+            problem = None if value is None else option.problem(value)
+            if problem is not None:
+                raise ArgumentError(f"{name} {problem}, got {value!r}")
+        rule = broken_rule({name: getattr(self, name) for name in OPTIONS}, RULES)
+        if rule is not None:
+            raise ArgumentError(rule.message())
 
     def replace(self, **changes: object) -> EngineArgs:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -91,15 +223,44 @@ class EngineArgs:
     def to_cli_args(self) -> list[str]:
         """Render as `corral engine` flags; defaults are omitted so the engine's defaults apply."""
         out = ["--model", self.model]
-        defaults = EngineArgs(model=self.model)
-        for field in dataclasses.fields(self):
-            name = field.name
+        for name in OPTIONS:
             value = getattr(self, name)
-            if name == "model" or value == getattr(defaults, name) or value is None:
+            if name == "model" or value is None or value == DEFAULTS[name]:
                 continue
-            if name == "enable_prefix_caching":
-                out.append("--no-prefix-caching")
-                continue
-            flag = "--kv-cache-memory" if name == "kv_cache_memory_bytes" else "--" + name.replace("_", "-")
-            out += [flag, str(value)]
+            if isinstance(value, bool):
+                out.append(cli_flag(name))  # a bool flag says "not the default"
+            else:
+                out += [cli_flag(name), str(value)]
         return out
+
+
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in dataclasses.fields(EngineArgs)}
+DEFAULTS: dict[str, object] = {
+    f.name: f.default for f in dataclasses.fields(EngineArgs) if f.default is not dataclasses.MISSING
+}
+
+
+def cli_flag(name: str) -> str:
+    """The `corral engine` flag of option `name`."""
+    return OPTIONS[name].flag or "--" + name.replace("_", "-")
+
+
+def default_text(name: str) -> str:
+    """The option's default as the help and docs say it."""
+    option = OPTIONS[name]
+    if option.default_text is not None:
+        return option.default_text
+    default = DEFAULTS.get(name, "required")
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def value_type(name: str) -> type:
+    """The Python type of option `name`'s values: bool, int or str (a Literal's values are str)."""
+    hint = typing.get_type_hints(EngineArgs)[name]
+    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    (kind,) = [a for a in (typing.get_args(hint) if is_union else (hint,)) if a is not type(None)]
+    if typing.get_origin(kind) is Literal:
+        return type(typing.get_args(kind)[0])
+    return kind  # type: ignore[no-any-return]

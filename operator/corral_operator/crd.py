@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from corral_operator import spec
+from corral_operator.status_schema import LLMDeploymentStatus
 
 CRD_NAME = f"{spec.PLURAL}.{spec.GROUP}"
 CRD_PATH = "crds/corral.dev_llmdeployments.yaml"
@@ -123,7 +124,7 @@ def build_crd() -> dict[str, Any]:
     spec_schema["description"] = (
         "Desired state: which model, which engine, how many replicas and how to scale."
     )
-    status_schema = openapi_schema(spec.LLMDeploymentStatus)
+    status_schema = openapi_schema(LLMDeploymentStatus)
     status_schema["description"] = "Observed state, written by the operator."
     root = {
         "type": "object",

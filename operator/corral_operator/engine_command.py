@@ -8,24 +8,13 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 
-from corral_engine.args import EngineArgs
+from corral_engine.args import OPTIONS, ArgumentError, EngineArgs
 
-from corral_operator.spec import EngineArgsSpec, LLMDeploymentSpec, SpecError
+from corral_operator.engine_args_spec import given_options
+from corral_operator.spec import LLMDeploymentSpec, SpecError
 
 MODEL_MOUNT_PATH = "/models"
-_BYTE_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_BYTE_UNITS |= {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-_BYTES_RE = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-
-
-def parse_bytes(quantity: str) -> int:
-    """'4Gi' -> 4294967296. Only whole-byte quantities (the CRD's pattern) are accepted."""
-    match = _BYTES_RE.match(quantity)
-    if match is None:
-        raise SpecError(f"not a byte quantity: {quantity!r} (expected e.g. 512Mi or 4Gi)")
-    return int(match.group(1)) * _BYTE_UNITS[match.group(2) or ""]
 
 
 def model_path_in_pod(spec: LLMDeploymentSpec) -> str:
@@ -38,29 +27,9 @@ def model_path_in_pod(spec: LLMDeploymentSpec) -> str:
 
 def engine_args(spec: LLMDeploymentSpec, model_path: str) -> EngineArgs:
     """The typed engine arguments; raises SpecError when the engine rejects a combination."""
-    a: EngineArgsSpec = spec.engine.args
-    given: dict[str, object] = {
-        "max_num_seqs": a.max_num_seqs,
-        "max_num_batched_tokens": a.max_num_batched_tokens,
-        "block_size": a.block_size,
-        "kv_cache_memory_bytes": parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None,
-        "num_kv_blocks": a.num_kv_blocks,
-        "max_model_len": a.max_model_len,
-        "kv_policy": a.kv_policy,
-        "enable_prefix_caching": a.enable_prefix_caching,
-        "dtype": a.dtype,
-        "max_waiting": a.max_waiting,
-    }
-    speculative = _speculative_settings(a)
-    given["speculative"] = speculative.pop("method", None)  # EngineArgs names the method `speculative`
-    given |= speculative
     try:
-        return EngineArgs(
-            model=model_path,
-            served_model_name=spec.model.name,
-            **{k: v for k, v in given.items() if v is not None},  # type: ignore[arg-type]
-        )
-    except ValueError as e:  # corral_engine.args.ArgumentError
+        return EngineArgs(**_given(spec, model_path))  # type: ignore[arg-type]
+    except ArgumentError as e:
         raise SpecError(f"spec.engine.args: {e}") from e
 
 
@@ -71,37 +40,31 @@ def corral_command(spec: LLMDeploymentSpec, model_path: str, host: str, port: in
 
 
 def vllm_args(spec: LLMDeploymentSpec, model_path: str, port: int) -> list[str]:
-    """Arguments for the vllm/vllm-openai image's entrypoint (its OpenAI API server)."""
-    a = spec.engine.args
-    out = ["--model", model_path, "--served-model-name", spec.model.name, "--host", "0.0.0.0"]
-    out += ["--port", str(port)]
-    for flag, value in (
-        ("--max-num-seqs", a.max_num_seqs),
-        ("--max-num-batched-tokens", a.max_num_batched_tokens),
-        ("--block-size", a.block_size),
-        ("--max-model-len", a.max_model_len),
-        ("--dtype", a.dtype),
-        ("--num-gpu-blocks-override", a.num_kv_blocks),
-        ("--kv-cache-memory-bytes", parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None),
-    ):
-        if value is not None:
-            out += [flag, str(value)]
-    if a.enable_prefix_caching is not None:
-        out.append("--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching")
-    speculative = _speculative_settings(a)
-    if speculative:
-        out += ["--speculative-config", json.dumps({k: v for k, v in speculative.items() if v is not None})]
-    return out + list(spec.engine.extra_args)
+    """Arguments for the vllm/vllm-openai image's entrypoint (its OpenAI API server): only the
+    options the spec sets, so vLLM's own defaults hold for the rest."""
+    engine_args(spec, model_path)  # the engine's own checks hold for either engine kind
+    flags = vllm_flags(_given(spec, model_path))
+    return [*flags, "--host", "0.0.0.0", "--port", str(port), *spec.engine.extra_args]
 
 
-def _speculative_settings(a: EngineArgsSpec) -> dict[str, object]:
-    """spec.engine.args.speculative under the names both engines use ({} when off)."""
-    s = a.speculative
-    if s is None:
-        return {}
-    return {
-        "method": s.method,
-        "num_speculative_tokens": s.num_speculative_tokens,
-        "prompt_lookup_min": s.prompt_lookup_min,
-        "prompt_lookup_max": s.prompt_lookup_max,
-    }
+def vllm_flags(given: dict[str, object]) -> list[str]:
+    """vLLM's flags for engine options (name -> value), from each option's declared equivalent."""
+    out: list[str] = []
+    json_flags: dict[str, dict[str, object]] = {}
+    for name, value in given.items():
+        vllm = OPTIONS[name].vllm
+        if vllm is None:
+            raise SpecError(f"spec.engine.args: {name} has no vLLM equivalent")
+        if vllm.json_key is not None:
+            json_flags.setdefault(vllm.flag, {})[vllm.json_key] = value
+        elif isinstance(value, bool):  # vLLM's boolean flags take a --no- form
+            out.append(vllm.flag if value else "--no-" + vllm.flag.removeprefix("--"))
+        else:
+            out += [vllm.flag, str(value)]
+    for flag, obj in json_flags.items():
+        out += [flag, json.dumps(obj)]
+    return out
+
+
+def _given(spec: LLMDeploymentSpec, model_path: str) -> dict[str, object]:
+    return {"model": model_path, "served_model_name": spec.model.name, **given_options(spec.engine.args)}

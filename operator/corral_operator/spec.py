@@ -9,26 +9,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from corral_engine import wire
+from corral_engine.args import OPTIONS
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-GROUP = "corral.dev"
-VERSION = "v1alpha1"
-KIND = "LLMDeployment"
-PLURAL = "llmdeployments"
+from corral_operator.engine_args_spec import EngineArgsSpec, corral_only_fields, given_options
+
+# The API's names are part of the wire contract (the gateway patches LLMDeployments too).
+GROUP = wire.GROUP
+VERSION = wire.VERSION
+KIND = wire.KIND
+PLURAL = wire.PLURAL
 SINGULAR = "llmdeployment"
 SHORT_NAMES = ("llmd",)
-API_VERSION = f"{GROUP}/{VERSION}"
+API_VERSION = wire.API_VERSION
 
 EngineKind = Literal["corral", "vllm"]
-KvPolicy = Literal["preempt", "reserve"]
-DType = Literal["auto", "bfloat16", "float16", "float32"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
-MAX_BLOCK_SIZE = 1024
-POWERS_OF_TWO = tuple(1 << i for i in range(11))  # 1..1024
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
-BYTES_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 LABEL_VALUE_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
 PERCENT_OR_INT = r"^[0-9]+%?$"
 
@@ -99,113 +99,34 @@ class ModelSpec(_Model):
     source: ModelSource
 
 
-class SpeculativeSpec(_Model):
-    """Speculative decoding: n-gram (prompt lookup) drafts verified in one step; greedy output unchanged."""
-
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            cel(
-                "!has(self.promptLookupMin) || !has(self.promptLookupMax)"
-                " || self.promptLookupMin <= self.promptLookupMax",
-                "speculative.promptLookupMin must be <= promptLookupMax",
-            )
-        )
-    )
-    method: Literal["ngram"] = Field(default="ngram", description="ngram: draft tokens from the prompt.")
-    num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="Drafts verified per step.")
-    prompt_lookup_min: int | None = Field(default=None, ge=1, le=16, description="Shortest n-gram matched.")
-    prompt_lookup_max: int | None = Field(default=None, ge=1, le=16, description="Longest n-gram matched.")
-
-    @model_validator(mode="after")
-    def _check(self) -> SpeculativeSpec:
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is not None and high is not None and low > high:
-            raise ValueError("speculative.promptLookupMin must be <= promptLookupMax")
-        return self
+def _corral_only_rule() -> dict[str, str]:
+    fields = corral_only_fields()
+    unset = " && ".join(f"!has(self.args.{f})" for f in fields)
+    return cel(f"self.kind == 'corral' || !has(self.args) || ({unset})", CORRAL_ONLY_MESSAGE)
 
 
-class EngineArgsSpec(_Model):
-    """Typed engine arguments; unset fields keep the engine's defaults."""
-
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            cel(
-                "!has(self.numKvBlocks) || !has(self.kvCacheMemory)",
-                "give either numKvBlocks or kvCacheMemory, not both",
-            ),
-            cel(
-                "!has(self.maxNumSeqs) || !has(self.maxNumBatchedTokens)"
-                " || self.maxNumBatchedTokens >= self.maxNumSeqs",
-                "maxNumBatchedTokens must be >= maxNumSeqs (every running sequence needs a token per step)",
-            ),
-        )
-    )
-    max_num_seqs: int | None = Field(default=None, ge=1, le=4096, description="Max running sequences.")
-    max_num_batched_tokens: int | None = Field(
-        default=None, ge=1, le=1 << 20, description="Token budget/step."
-    )
-    block_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_BLOCK_SIZE,
-        description="KV block size in tokens (a power of two).",
-        json_schema_extra=validations(
-            cel(f"self in {list(POWERS_OF_TWO)}", "blockSize must be a power of two between 1 and 1024")
-        ),
-    )
-    kv_cache_memory: str | None = Field(
-        default=None, pattern=BYTES_PATTERN, description="KV cache size in bytes, e.g. 4Gi."
-    )
-    num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache size in blocks.")
-    max_model_len: int | None = Field(default=None, ge=1, description="Max prompt + output tokens.")
-    kv_policy: KvPolicy | None = Field(default=None, description="corral engine only: preempt or reserve.")
-    enable_prefix_caching: bool | None = Field(
-        default=None, description="Reuse KV blocks of shared prefixes."
-    )
-    dtype: DType | None = Field(default=None, description="Weights and activations dtype.")
-    max_waiting: int | None = Field(default=None, ge=0, description="corral engine only: queue bound.")
-    speculative: SpeculativeSpec | None = Field(default=None, description="Off unless given.")
-
-    @model_validator(mode="after")
-    def _check(self) -> EngineArgsSpec:
-        if self.block_size is not None and self.block_size not in POWERS_OF_TWO:
-            raise ValueError("blockSize must be a power of two between 1 and 1024")
-        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
-            raise ValueError("give either numKvBlocks or kvCacheMemory, not both")
-        if (
-            self.max_num_seqs is not None
-            and self.max_num_batched_tokens is not None
-            and self.max_num_batched_tokens < self.max_num_seqs
-        ):
-            raise ValueError("maxNumBatchedTokens must be >= maxNumSeqs")
-        return self
+CORRAL_ONLY_MESSAGE = (
+    f"args.{' and args.'.join(corral_only_fields())} are corral engine options; vllm has no equivalent"
+)
 
 
 class EngineSpec(_Model):
     """The inference engine: which one, its image and its arguments."""
 
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            cel(
-                "self.kind == 'corral' || !has(self.args) ||"
-                " (!has(self.args.kvPolicy) && !has(self.args.maxWaiting))",
-                "args.kvPolicy and args.maxWaiting are corral engine options; vllm has no equivalent",
-            )
-        )
-    )
+    model_config = ConfigDict(json_schema_extra=validations(_corral_only_rule()))
     kind: EngineKind = Field(default="corral", description="corral (the bundled engine) or vllm.")
     image: str = Field(min_length=1, max_length=512, description="Container image of the engine.")
     image_pull_policy: PullPolicy = "IfNotPresent"
     port: int = Field(default=8000, ge=1024, le=65535, description="Container port of the HTTP server.")
-    args: EngineArgsSpec = Field(default_factory=EngineArgsSpec)
+    args: EngineArgsSpec = Field(default_factory=EngineArgsSpec)  # type: ignore[valid-type]
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=64, description="Appended verbatim to the engine's flags."
     )
 
     @model_validator(mode="after")
     def _check(self) -> EngineSpec:
-        if self.kind == "vllm" and (self.args.kv_policy is not None or self.args.max_waiting is not None):
-            raise ValueError("args.kvPolicy and args.maxWaiting are corral engine options")
+        if self.kind == "vllm" and any(OPTIONS[n].vllm is None for n in given_options(self.args)):
+            raise ValueError(CORRAL_ONLY_MESSAGE)
         return self
 
 
@@ -358,32 +279,3 @@ def parse_spec(raw: object) -> LLMDeploymentSpec:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "spec"
         raise SpecError(f"spec.{where}: {first['msg']}") from e
-
-
-class Condition(_Model):
-    type: Literal["Available", "Progressing", "Degraded"]
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(max_length=128)
-    message: str = Field(default="", max_length=4096)
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
-
-
-class LoadStatus(_Model):
-    kv_usage_percent: int | None = Field(default=None, description="Mean KV cache usage of ready replicas.")
-    num_requests_waiting: int | None = Field(default=None, description="Waiting requests, all replicas.")
-    num_requests_running: int | None = None
-    observed_at: str | None = None
-
-
-class LLMDeploymentStatus(_Model):
-    observed_generation: int | None = None
-    replicas: int | None = None
-    ready_replicas: int | None = None
-    updated_replicas: int | None = None
-    selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
-    endpoint: str | None = Field(default=None, description="In-cluster URL of the Service.")
-    conditions: list[Condition] = Field(default_factory=list)
-    load: LoadStatus | None = None
-    last_scale_time: str | None = None
-    last_active_time: str | None = Field(default=None, description="Last time a replica had work.")

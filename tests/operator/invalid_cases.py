@@ -69,7 +69,7 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     (
         "token-budget-below-seqs",
         _with("engine.args", {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}),
-        "maxNumBatchedTokens must be >= maxNumSeqs",
+        "maxNumSeqs must be <= maxNumBatchedTokens",
     ),
     ("bad-kv-memory", _with("engine.args", {"kvCacheMemory": "lots"}), "kvCacheMemory"),
     ("relative-host-path", _with("model.source", {"hostPath": {"path": "models/x"}}), "path"),

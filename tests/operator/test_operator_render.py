@@ -7,7 +7,6 @@ import json
 
 import pytest
 from corral_operator import labels, render
-from corral_operator.engine_command import parse_bytes
 from corral_operator.spec import SpecError, parse_spec
 
 from tests.operator.invalid_cases import valid_spec
@@ -165,13 +164,3 @@ def test_service_targets_the_named_port() -> None:
     assert svc["spec"]["selector"] == labels.selector("tiny")
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
     assert render.endpoint_url(OWNER, _spec()) == "http://tiny.ml.svc:8000"
-
-
-@pytest.mark.parametrize(("text", "expected"), [("512", 512), ("4Gi", 4 << 30), ("2M", 2_000_000)])
-def test_parse_bytes(text: str, expected: int) -> None:
-    assert parse_bytes(text) == expected
-
-
-def test_parse_bytes_rejects_fractions() -> None:
-    with pytest.raises(SpecError):
-        parse_bytes("1.5Gi")

@@ -1,4 +1,5 @@
-"""`python -m corral_cli.chartgen [--check] [--root DIR]`: regenerate the chart's derived files."""
+"""`python -m corral_cli.chartgen [--check] [--root DIR]`: regenerate the chart's derived files and
+the docs' generated tables."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Every generated chart file, as path (relative to the repository root) -> text.
+"""Every generated file, as path (relative to the repository root) -> text.
 
 The operator's RBAC rules (named templates) are rendered from corral_operator.rbac.RULES (its source of
-truth), the chart's crds/ are byte-for-byte copies of the repository's crds/, and the dashboards
-and values schema come from this package.
+truth), the chart's crds/ are byte-for-byte copies of the repository's crds/, the dashboards and
+values schema come from this package, and the docs' engine option table from corral_engine.args.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from corral_operator import rbac
 
-from corral_cli.chartgen import values
+from corral_cli.chartgen import docs, values
 from corral_cli.chartgen.dashboards import DASHBOARDS
 from corral_cli.chartgen.grafana import to_json
 
@@ -57,12 +57,19 @@ def crd_files(root: Path) -> dict[Path, str]:
     }
 
 
+def doc_files(root: Path) -> dict[Path, str]:
+    """Docs with generated regions (their prose is hand-written; absent docs are skipped)."""
+    path = root / docs.DOC
+    return {docs.DOC: docs.render(path.read_text())} if path.is_file() else {}
+
+
 def generated_files(root: Path) -> dict[Path, str]:
     return {
         **dashboard_files(),
         **crd_files(root),
         CHART / "values.schema.json": values.schema_text(),
         CHART / "templates" / "_operator-rules.tpl": operator_rules_template(),
+        **doc_files(root),
     }
 
 

@@ -1,0 +1,40 @@
+"""The LLMDeployment status as pydantic models: the CRD's status schema. The operator writes status
+as plain dicts (computed by status.py); these models only describe them to the API server.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from corral_operator.spec import _Model
+
+
+class Condition(_Model):
+    type: Literal["Available", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(max_length=128)
+    message: str = Field(default="", max_length=4096)
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class LoadStatus(_Model):
+    kv_usage_percent: int | None = Field(default=None, description="Mean KV cache usage of ready replicas.")
+    num_requests_waiting: int | None = Field(default=None, description="Waiting requests, all replicas.")
+    num_requests_running: int | None = None
+    observed_at: str | None = None
+
+
+class LLMDeploymentStatus(_Model):
+    observed_generation: int | None = None
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
+    endpoint: str | None = Field(default=None, description="In-cluster URL of the Service.")
+    conditions: list[Condition] = Field(default_factory=list)
+    load: LoadStatus | None = None
+    last_scale_time: str | None = None
+    last_active_time: str | None = Field(default=None, description="Last time a replica had work.")
