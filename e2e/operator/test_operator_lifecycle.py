@@ -106,30 +106,17 @@ def test_spec_change_rolls_the_deployment_and_observed_generation_follows(
     def command(dep: dict) -> list[str]:
         return dep["spec"]["template"]["spec"]["containers"][0]["command"]
 
-    cluster.kubectl(
-        "patch",
-        "llmd",
-        "roll",
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        '{"spec":{"engine":{"args":{"maxNumSeqs":16}}}}',
-    )
+    def patch_engine(engine: str) -> None:
+        cluster.kubectl(
+            "patch", "llmd", "roll", "-n", ns, "--type=merge", "-p", f'{{"spec":{{"engine":{engine}}}}}'
+        )
+
+    patch_engine('{"args":{"maxNumSeqs":16}}')
     cluster.wait_until(
         "engine arg rolled",
         rolled_to(2, lambda d: command(d)[command(d).index("--max-num-seqs") + 1] == "16"),
     )
-    cluster.kubectl(
-        "patch",
-        "llmd",
-        "roll",
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        '{"spec":{"engine":{"image":"corral-engine:e2e-2"}}}',
-    )
+    patch_engine('{"image":"corral-engine:e2e-2"}')
     cluster.wait_until(
         "image rolled",
         rolled_to(

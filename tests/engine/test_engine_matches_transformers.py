@@ -105,27 +105,21 @@ def test_rope_scaling_and_tied_embeddings(tmp_path: pathlib.Path) -> None:
     assert _run(model_dir, prompts, max_num_batched_tokens=32) == expected
 
 
-def test_per_sequence_decode_path_matches_too(
-    tiny_model_dirs: Mapping[str, pathlib.Path], references: dict
+@pytest.mark.parametrize(
+    ("arch", "settings"),
+    [
+        ("qwen2", EngineSettings(batched_decode=False)),  # one sequence at a time
+        # The PyTorch path used where the native kernel cannot be built (grouped, padded SDPA);
+        # CORRAL_NATIVE_ATTENTION=0.
+        ("mistral", EngineSettings(native_kernels=False)),
+    ],
+    ids=["per-sequence", "padded-sdpa"],
+)
+def test_the_other_decode_paths_match_too(
+    tiny_model_dirs: Mapping[str, pathlib.Path], references: dict, arch: str, settings: EngineSettings
 ) -> None:
-    prompts, expected = references["qwen2"]
-    settings = EngineSettings(batched_decode=False)
-    engine = make_engine(tiny_model_dirs["qwen2"], settings, num_kv_blocks=40, block_size=8)
-    assert engine.runner.batches.decode_kernel is None
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    final = run_checked(engine)
-    assert [final[f"r{i}"] for i in range(len(prompts))] == expected
-
-
-def test_padded_sdpa_decode_path_matches_too(
-    tiny_model_dirs: Mapping[str, pathlib.Path], references: dict
-) -> None:
-    """The PyTorch path used where the native kernel cannot be built (grouped, padded SDPA)."""
-    prompts, expected = references["mistral"]
-    settings = EngineSettings(native_kernels=False)  # CORRAL_NATIVE_ATTENTION=0
-    engine = make_engine(tiny_model_dirs["mistral"], settings, num_kv_blocks=40, block_size=8)
+    prompts, expected = references[arch]
+    engine = make_engine(tiny_model_dirs[arch], settings, num_kv_blocks=40, block_size=8)
     assert engine.runner.batches.decode_kernel is None
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
