@@ -15,6 +15,7 @@ from pathlib import Path
 
 import envs
 from corral_cli import malloc
+from corral_cli.cmd_engine import OPENMP_DEFAULTS
 
 HERE = Path(__file__).resolve().parent
 ALL_SYSTEMS = ("corral", "transformers", "vllm", "corral-t213")
@@ -100,8 +101,12 @@ def vllm_env(python: Path, settings: Settings) -> dict[str, str]:
 
 def corral_env() -> dict[str, str]:
     """What `corral up` and the engine image add to an engine's environment: tcmalloc preloaded
-    where installed, tensors on huge pages (vLLM gets both too, above)."""
-    return {k: v for k, v in malloc.engine_env(os.environ).items() if os.environ.get(k) != v}
+    where installed, tensors on huge pages (vLLM gets both too, above); and what `corral engine`
+    sets before loading torch (OpenMP's wait settings), so Corral's offline runs match its server."""
+    env = malloc.engine_env(os.environ)
+    for name, value in OPENMP_DEFAULTS.items():
+        env.setdefault(name, value)
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
 
 
 def build(name: str, settings: Settings) -> System:

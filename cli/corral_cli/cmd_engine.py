@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8100
 DEFAULT_DRAIN_TIMEOUT_S = 20.0
+# How OpenMP workers wait between parallel regions; read once, when torch loads its OpenMP. They
+# spin briefly (GOMP_SPINCOUNT: libgomp counts ~100,000 spins a millisecond, so ~0.1 ms) so that one
+# step's ops run back to back, then sleep, so the server's event loop and anything else on the node
+# get the cores between steps (a spinning team whose other thread is descheduled stalls every op).
+# PASSIVE alone (sleep at once) cost batch-1 decode 25 -> 16 ms a token and batched W2 12-16%
+# (docs/engine-speed.md, item 13); other OpenMP runtimes ignore GOMP_SPINCOUNT and sleep.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,10 +122,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _set_torch_threads(num_threads: int | None) -> None:
-    # OpenMP workers sleep instead of spinning between parallel regions (unless the user chose a
-    # policy): the server's event loop, and anything else on the node, shares these cores, and a
-    # spinning team whose other thread is descheduled stalls every op. Read once, at torch import.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for name, value in OPENMP_DEFAULTS.items():  # unless the user set them
+        os.environ.setdefault(name, value)
     # Weights, KV cache and large activations on 2 MiB pages (corral_cli.malloc); read by PyTorch
     # at its first allocation, so before the import.
     os.environ.setdefault(malloc.THP_ENV, "1")

@@ -91,9 +91,11 @@ def test_corral_engine_sets_the_switch_before_torch_reads_it(monkeypatch: pytest
     monkeypatch.setattr("torch.set_num_interop_threads", lambda n: None)
     cmd_engine._set_torch_threads(1)
     assert environ[malloc.THP_ENV] == "1"
+    assert environ["OMP_WAIT_POLICY"] == "PASSIVE" and environ["GOMP_SPINCOUNT"] == "10000"
     environ[malloc.THP_ENV] = "0"
+    environ["GOMP_SPINCOUNT"] = "0"
     cmd_engine._set_torch_threads(1)
-    assert environ[malloc.THP_ENV] == "0"  # the user's choice stands
+    assert environ[malloc.THP_ENV] == "0" and environ["GOMP_SPINCOUNT"] == "0"  # the user's choice stands
 
 
 @pytest.mark.parametrize(
