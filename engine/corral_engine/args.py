@@ -240,6 +240,9 @@ DEFAULTS: dict[str, object] = {
 }
 
 
+_TYPE_HINTS = typing.get_type_hints(EngineArgs)  # resolved once: the annotations are strings
+
+
 def cli_flag(name: str) -> str:
     """The `corral engine` flag of option `name`."""
     return OPTIONS[name].flag or "--" + name.replace("_", "-")
@@ -258,7 +261,7 @@ def default_text(name: str) -> str:
 
 def value_type(name: str) -> type:
     """The Python type of option `name`'s values: bool, int or str (a Literal's values are str)."""
-    hint = typing.get_type_hints(EngineArgs)[name]
+    hint = _TYPE_HINTS[name]
     is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
     (kind,) = [a for a in (typing.get_args(hint) if is_union else (hint,)) if a is not type(None)]
     if typing.get_origin(kind) is Literal:

@@ -71,10 +71,14 @@ def _cel(rule: Exclusive | AtMost) -> dict[str, str]:
     return {"rule": text, "message": rule.message(leaf)}
 
 
-def _power_of_two_check(message: str) -> AfterValidator:
+def _bounds_check(name: str) -> AfterValidator:
+    """The engine's own check of option `name` (Option.problem), named as the CRD names it."""
+    option = OPTIONS[name]
+
     def check(value: int | None) -> int | None:
-        if value is not None and (value < 1 or value & (value - 1)):
-            raise ValueError(message)
+        problem = None if value is None else option.problem(value)
+        if problem is not None:
+            raise ValueError(f"{leaf(name)} {problem}")
         return value
 
     return AfterValidator(check)
@@ -100,7 +104,7 @@ def _field(name: str, option: Option) -> tuple[Any, Any]:
         message = f"{leaf(name)} must be a power of two between {option.ge} and {option.le}"
         powers = [1 << i for i in range((option.le or 1).bit_length())]
         extra["x-kubernetes-validations"] = [{"rule": f"self in {powers}", "message": message}]
-        annotation = Annotated[annotation, _power_of_two_check(message)]
+        annotation = Annotated[annotation, _bounds_check(name)]
     if option.crd_default is None:
         annotation = annotation | None
     info = Field(default=option.crd_default, description=description(name), json_schema_extra=extra or None)
