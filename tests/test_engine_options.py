@@ -43,6 +43,8 @@ def sample(name: str) -> Any:
         return 256 << 20
     if option.is_power_of_two:
         return 32
+    if kind is float:
+        return 0.5 if default != 0.5 else 0.75
     if kind is int:
         return (option.ge or 0) + 2 if default != (option.ge or 0) + 2 else (option.ge or 0) + 3
     return "/models/x" if name == "model" else "x"
@@ -62,6 +64,7 @@ def crd_raw(names: list[str], kind: str = "corral") -> dict[str, Any]:
     """valid_spec() with spec.engine.args setting each of `names` to its sample, by CRD path."""
     raw = valid_spec()
     raw["engine"] = {"kind": kind, "image": "engine:test", "args": {}}
+    raw["resources"] = {"gpu": 1}  # a GPU pod: every option applies
     for name, value in samples(names).items():
         node = raw["engine"]["args"]
         *parents, last = OPTIONS[name].crd.split(".")  # type: ignore[union-attr]
@@ -137,7 +140,7 @@ def test_the_crd_has_exactly_the_declared_fields_with_their_bounds() -> None:
         assert prop.get("maximum") == (None if option.is_bytes else option.le), path
         assert (
             prop["type"]
-            == {bool: "boolean", int: "integer", str: "string"}[
+            == {bool: "boolean", int: "integer", float: "number", str: "string"}[
                 str if option.is_bytes else engine_options.value_type(name)
             ]
         ), path

@@ -49,6 +49,11 @@ def test_invalid_manifests_are_rejected_by_the_api_server_with_clear_messages(
     )
     stored = json.loads(result.stdout)["spec"]["engine"]["args"]["speculative"]
     assert stored == {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 4}
+    # a GPU pod may give the engine its share of the card (a CPU pod may not: INVALID_SPECS)
+    gpu = valid_spec()
+    gpu["engine"]["args"]["gpuMemoryUtilization"] = 0.8
+    gpu["resources"] = {"gpu": 1}
+    cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=_manifest("gpu", ns, gpu))
     assert cluster.get_json("llmd", "-n", ns)["items"] == []
 
 

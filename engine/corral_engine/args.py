@@ -45,13 +45,16 @@ __all__ = [
 
 KvPolicy = Literal["preempt", "reserve"]
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+AttentionBackend = Literal["auto", "triton", "native", "sdpa"]
 KV_POLICIES: tuple[str, ...] = ("preempt", "reserve")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "native", "sdpa")
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither blocks nor bytes are given
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # on CPU, 1 GiB when neither blocks nor bytes are given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 # Rules over two options, checked by EngineArgs and (as CEL and pydantic checks) by the CRD.
 RULES: tuple[Exclusive | AtMost, ...] = (
@@ -84,6 +87,30 @@ class EngineArgs:
         vllm=Vllm("--dtype"),
     )
     device: str = _option("auto", help="cpu, cuda, cuda:N", metavar="DEVICE")
+    attention_backend: AttentionBackend = _option(
+        "auto",
+        help="attention kernels: triton (paged, one launch a step; on CPU only under TRITON_INTERPRET=1), "
+        "native (the C paged-decode kernel, CPU), sdpa (PyTorch's, the reference); auto: triton on "
+        "CUDA, native on CPU where it builds, else sdpa",
+        choices=ATTENTION_BACKENDS,
+        crd="attentionBackend",
+    )
+    enforce_eager: bool = _option(
+        False,
+        help="run every step eagerly: no CUDA graphs for decode batches",
+        crd="enforceEager",
+        vllm=Vllm("--enforce-eager"),
+    )
+    gpu_memory_utilization: float = _option(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="share of the GPU's memory this engine may use: weights, a maximal step's activations "
+        "and the KV cache, which gets the rest (CUDA only)",
+        metavar="FRACTION",
+        ge=0.05,
+        le=1.0,
+        crd="gpuMemoryUtilization",
+        vllm=Vllm("--gpu-memory-utilization"),
+    )
     block_size: int = _option(
         DEFAULT_BLOCK_SIZE,
         help="tokens per KV block",
@@ -106,7 +133,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = _option(
         None,
         help="KV-cache size in bytes, e.g. 512Mi or 4Gi",
-        default_text="1Gi",
+        default_text="1Gi on CPU; on CUDA what --gpu-memory-utilization leaves",
         metavar="BYTES",
         ge=1,
         is_bytes=True,
@@ -260,7 +287,8 @@ def default_text(name: str) -> str:
 
 
 def value_type(name: str) -> type:
-    """The Python type of option `name`'s values: bool, int or str (a Literal's values are str)."""
+    """The Python type of option `name`'s values: bool, int, float or str (a Literal's values are
+    str)."""
     hint = _TYPE_HINTS[name]
     is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
     (kind,) = [a for a in (typing.get_args(hint) if is_union else (hint,)) if a is not type(None)]

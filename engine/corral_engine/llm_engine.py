@@ -21,6 +21,7 @@ from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfi
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
+from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.runner import ModelRunner
 from corral_engine.model.sampler import Sampler
 from corral_engine.output_processor import OutputProcessor
@@ -35,8 +36,14 @@ Prompt = str | list[int]
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, settings: EngineSettings | None = None) -> None:
-        """`settings`: the CORRAL_* switches; read from the environment when not given."""
+    def __init__(
+        self,
+        args: EngineArgs,
+        settings: EngineSettings | None = None,
+        graph_capture: GraphCapture | None = None,
+    ) -> None:
+        """`settings`: the CORRAL_* switches; read from the environment when not given.
+        `graph_capture`: what records decode graphs (CUDA graphs on CUDA; tests pass EagerCapture)."""
         self.args = args
         self.settings = settings or EngineSettings()
         logger.info("engine settings: %s", self.settings.describe())
@@ -48,7 +55,9 @@ class LLMEngine:
         )
         self.served_model_name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
         self.eos_token_ids = self.model_config.eos_token_ids
-        self.runner = ModelRunner(self.model_config, args, self.max_model_len, self.settings)
+        self.runner = ModelRunner(
+            self.model_config, args, self.max_model_len, self.settings, graph_capture=graph_capture
+        )
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, args.block_size, args.enable_prefix_caching
         )

@@ -45,8 +45,8 @@ class Option:
     default_text: str | None = None  # the default as people say it, where not the literal value
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
-    ge: int | None = None
-    le: int | None = None
+    ge: float | None = None  # int bounds for int options, float bounds for float ones
+    le: float | None = None
     is_power_of_two: bool = False
     is_bytes: bool = False
     flag: str | None = None  # the `corral engine` flag, where not --<field-name>
@@ -58,9 +58,9 @@ class Option:
         """Why `value` is out of this option's bounds ("must be ..."), or None."""
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(self.choices)}"
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not isinstance(value, int | float) or isinstance(value, bool):
             return None
-        if self.is_power_of_two and (value < 1 or value & (value - 1)):
+        if self.is_power_of_two and (value < 1 or int(value) != value or int(value) & (int(value) - 1)):
             return f"must be a power of two between {self.ge} and {self.le}"
         too_low = self.ge is not None and value < self.ge
         too_high = self.le is not None and value > self.le

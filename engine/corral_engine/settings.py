@@ -31,6 +31,9 @@ class EngineSettings(BaseSettings):
     prepack: Switch = Field(default="auto", validation_alias="CORRAL_PREPACK")
     # CORRAL_BF16_UPCAST: bf16 matmuls of 8+ rows run in float32 where the CPU has no native bf16.
     bf16_upcast: Switch = Field(default="auto", validation_alias="CORRAL_BF16_UPCAST")
+    # TRITON_INTERPRET=1: Triton's interpreter runs Triton kernels on CPU tensors (slowly), so the
+    # triton attention backend can run, and be tested, without a GPU.
+    triton_interpret: bool = Field(default=False, validation_alias="TRITON_INTERPRET")
     # Where compiled kernels are cached (default ~/.cache/corral/kernels) and which compiler builds
     # them (default: cc, else gcc).
     kernel_cache_dir: Path | None = Field(default=None, validation_alias="CORRAL_KERNEL_CACHE")

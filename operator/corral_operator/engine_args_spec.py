@@ -102,7 +102,7 @@ def _field(name: str, option: Option) -> tuple[Any, Any]:
         annotation = Annotated[annotation, Field(ge=option.ge, le=option.le)]
     if option.is_power_of_two:
         message = f"{leaf(name)} must be a power of two between {option.ge} and {option.le}"
-        powers = [1 << i for i in range((option.le or 1).bit_length())]
+        powers = [1 << i for i in range(int(option.le or 1).bit_length())]
         extra["x-kubernetes-validations"] = [{"rule": f"self in {powers}", "message": message}]
         annotation = Annotated[annotation, _bounds_check(name)]
     if option.crd_default is None:

@@ -252,7 +252,20 @@ class PodSpecOverrides(_Model):
         return self
 
 
+GPU_ONLY_MESSAGE = "engine.args.gpuMemoryUtilization applies to GPU pods: set resources.gpu"
+
+
 class LLMDeploymentSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!has(self.engine.args) || !has(self.engine.args.gpuMemoryUtilization)"
+                " || (has(self.resources) && has(self.resources.gpu) && self.resources.gpu > 0)",
+                GPU_ONLY_MESSAGE,
+            )
+        )
+    )
+
     model: ModelSpec
     engine: EngineSpec
     replicas: int = Field(default=1, ge=0, le=1000, description="Written by the autoscaler when enabled.")
@@ -267,6 +280,13 @@ class LLMDeploymentSpec(_Model):
     autoscaling: AutoscalingSpec | None = Field(default=None, description="Absent: replicas is fixed.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     pod: PodSpecOverrides = Field(default_factory=PodSpecOverrides)
+
+    @model_validator(mode="after")
+    def _check(self) -> LLMDeploymentSpec:
+        share = getattr(self.engine.args, "gpu_memory_utilization", None)  # a derived model's field
+        if share is not None and not self.resources.gpu:
+            raise ValueError(GPU_ONLY_MESSAGE)
+        return self
 
 
 def parse_spec(raw: object) -> LLMDeploymentSpec:

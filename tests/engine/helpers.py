@@ -7,6 +7,7 @@ import pathlib
 import torch
 from corral_engine import EngineArgs, SamplingParams
 from corral_engine.llm_engine import LLMEngine
+from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.settings import EngineSettings
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -45,11 +46,15 @@ def transformers_greedy(
 
 
 def make_engine(
-    model_dir: pathlib.Path, settings: EngineSettings | None = None, **kwargs: object
+    model_dir: pathlib.Path,
+    settings: EngineSettings | None = None,
+    graph_capture: GraphCapture | None = None,
+    **kwargs: object,
 ) -> LLMEngine:
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("num_kv_blocks", 256)
-    return LLMEngine(EngineArgs(model=str(model_dir), **kwargs), settings)  # type: ignore[arg-type]
+    args = EngineArgs(model=str(model_dir), **kwargs)  # type: ignore[arg-type]
+    return LLMEngine(args, settings, graph_capture)
 
 
 def run_checked(engine: LLMEngine) -> dict[str, list[int]]:

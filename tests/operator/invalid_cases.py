@@ -72,6 +72,12 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "maxNumSeqs must be <= maxNumBatchedTokens",
     ),
     ("bad-kv-memory", _with("engine.args", {"kvCacheMemory": "lots"}), "kvCacheMemory"),
+    (
+        "gpu-memory-on-a-cpu-pod",
+        _with("engine.args", {"gpuMemoryUtilization": 0.8}),
+        "gpuMemoryUtilization applies to GPU pods",
+    ),
+    ("gpu-memory-above-one", _with("engine.args", {"gpuMemoryUtilization": 1.5}), "gpuMemoryUtilization"),
     ("relative-host-path", _with("model.source", {"hostPath": {"path": "models/x"}}), "path"),
     (
         "speculative-lookup-min-above-max",

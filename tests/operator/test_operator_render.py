@@ -111,6 +111,24 @@ def test_vllm_gets_vllm_flags_gpu_and_shared_memory() -> None:
     assert claim == {"claimName": "models", "readOnly": True}
 
 
+@pytest.mark.parametrize("kind", ["corral", "vllm"])
+def test_gpu_pods_pass_the_memory_share_and_graph_switch_to_either_engine(kind: str) -> None:
+    raw = valid_spec()
+    raw["engine"] = {
+        "kind": kind,
+        "image": "engine:test",
+        "args": {"gpuMemoryUtilization": 0.8, "enforceEager": True},
+    }
+    raw["resources"] = {"gpu": 1}
+    container = render.engine_container(parse_spec(raw))
+    argv = container.get("command", []) + container.get("args", [])
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.8"
+    assert "--enforce-eager" in argv
+    del raw["engine"]["args"]["gpuMemoryUtilization"]  # unset: both engines' default share, 0.9
+    container = render.engine_container(parse_spec(raw))
+    assert "--gpu-memory-utilization" not in container.get("command", []) + container.get("args", [])
+
+
 def test_speculative_decoding_reaches_both_engines() -> None:
     raw = valid_spec()
     raw["engine"]["args"] = {"speculative": {"numSpeculativeTokens": 3, "promptLookupMax": 4}}

@@ -1,5 +1,10 @@
 """Attention over the paged KV cache, and the per-step context every layer shares.
 
+Three backends (EngineArgs.attention_backend). triton: every sequence of the step (prompt chunks,
+prefix-cache hits, decodes, draft verification) in one launch of the Triton kernel
+(model/triton_attention.py), which reads K/V through the block tables; the default on CUDA, and
+the one CUDA graphs capture. native and sdpa, below, are the CPU paths and the reference.
+
 Decodes (one new token per sequence): the native paged kernel (model/native.py) reads K/V through
 the block tables for all of them at once; without it, one padded SDPA call per group of similar
 lengths over gathered blocks. Prompt chunks: one SDPA call per sequence over its gathered blocks.
@@ -79,15 +84,27 @@ class DecodeBatch:
         return self.masks[key]
 
 
+@dataclass(frozen=True, slots=True)
+class UnifiedBatch:
+    """Every sequence of a step for the Triton kernel. Captured CUDA graphs hold these as views of
+    persistent buffers, with padding sequences (seq_len 0) that the kernel skips."""
+
+    query_start_loc: torch.Tensor  # [S + 1] int32: sequence i's rows are [loc[i], loc[i + 1])
+    seq_lens: torch.Tensor  # [S] int32: context after this step (cached + new); 0: padding
+    block_tables: torch.Tensor  # [S, max_blocks] int32; past a context's blocks: stale, never read
+    max_query_len: int  # host-side bound of any sequence's rows (1: decodes only)
+
+
 @dataclass(slots=True)
 class AttentionContext:
     """Built once per step by the model runner; read by every layer."""
 
-    slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor  # [T]: cache slot (block * block_size + offset) of each new token
     seqs: list[SeqAttention]  # sequences attended one by one (prompt chunks)
     block_size: int
     decodes: list[DecodeBatch] = field(default_factory=list)  # batched decodes, grouped by length
     decode_kernel: PagedDecode | None = None  # native paged decode (all decodes in one batch)
+    unified: UnifiedBatch | None = None  # the triton backend: everything in one launch
 
 
 def paged_attention(
@@ -100,6 +117,25 @@ def paged_attention(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:  # [T, H, D]
+    if ctx.unified is not None:
+        from corral_engine.model import triton_attention  # imports triton: only for this backend
+
+        triton_attention.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        u = ctx.unified
+        triton_attention.unified_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            u.query_start_loc,
+            u.seq_lens,
+            u.block_tables,
+            scale,
+            window,
+            u.max_query_len,
+        )
+        return out
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from corral_engine.core.scheduler import ScheduledSeq
-from corral_engine.model.attention import AttentionContext, DecodeBatch, SeqAttention
+from corral_engine.model.attention import AttentionContext, DecodeBatch, SeqAttention, UnifiedBatch
 from corral_engine.model.native import PagedDecode
 
 
@@ -20,12 +20,34 @@ class StepBatch:
     logits_indices: torch.Tensor  # [S] rows of the batch whose next token is sampled
 
 
+@dataclass(slots=True)
+class UnifiedHostBatch:
+    """A step for the triton backend as host lists, before it becomes tensors: either the eager
+    step's (StepBatch) or a captured decode graph's persistent buffers (model/cuda_graphs.py)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    logits_indices: list[int]
+    query_starts: list[int]  # [S + 1]
+    seq_lens: list[int]  # [S]
+    table_rows: list[int]  # [S]: each sequence's row of BlockTableRows.table
+    max_query_len: int
+    max_blocks: int  # the widest block table among the sequences
+
+    @property
+    def is_plain_decode(self) -> bool:
+        """One new token per sequence, each sampled: the shape CUDA graphs capture."""
+        return self.max_query_len == 1 and len(self.logits_indices) == len(self.seq_lens)
+
+
 class BatchBuilder:
     """Turns a step's scheduled sequences into a StepBatch on `device`.
 
-    `batched_decode` False attends decodes one sequence at a time (CORRAL_BATCHED_DECODE=0, for
-    comparison); with a native `decode_kernel` all decodes go in one call at their own lengths,
-    else in padded groups of similar length."""
+    `unified` (the triton backend): every sequence in one UnifiedBatch. Otherwise prompt chunks go
+    one by one and decodes are batched: `batched_decode` False attends them one sequence at a time
+    (CORRAL_BATCHED_DECODE=0, for comparison); with a native `decode_kernel` all decodes go in one
+    call at their own lengths, else in padded groups of similar length."""
 
     def __init__(
         self,
@@ -34,11 +56,13 @@ class BatchBuilder:
         device: torch.device,
         batched_decode: bool,
         decode_kernel: PagedDecode | None,
+        unified: bool = False,
     ) -> None:
         self.block_size = block_size
         self.device = device
         self.batched_decode = batched_decode
         self.decode_kernel = decode_kernel
+        self.unified = unified
         self.block_rows = BlockTableRows(max_blocks_per_seq)
 
     def release(self, seq_id: int) -> None:
@@ -46,6 +70,8 @@ class BatchBuilder:
         self.block_rows.release(seq_id)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        if self.unified:
+            return self.to_step_batch(self.prepare_unified(scheduled))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -59,31 +85,23 @@ class BatchBuilder:
         row = 0
         for s in scheduled:
             seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
-            table = seq.block_table
-            num_blocks = -(-end // bs)
-            input_ids.extend(seq.token_ids[start : end - s.num_spec])
-            if s.num_spec:
-                input_ids.extend(seq.spec_token_ids[: s.num_spec])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            _append_tokens(s, bs, input_ids, positions, slots)
             if self.batched_decode and (s.num_new_tokens == 1 or s.num_spec):
                 # A decode, or a decode with draft tokens to verify: each of those rows attends
                 # like a decode over the context up to itself (its K/V is written first).
-                table_row = self.block_rows.row(seq.seq_id, table)
+                table_row = self.block_rows.row(seq.seq_id, seq.block_table)
                 for j in range(s.num_new_tokens):
                     decode_rows.append(row + j)
                     decode_table_rows.append(table_row)
                     decode_num_blocks.append(-(-(start + j + 1) // bs))
                     decode_lens.append(start + j + 1)
             else:
-                block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+                num_blocks = -(-end // bs)
+                block_ids = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
                 seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))
             row += s.num_new_tokens
             if s.samples:  # the last real token's row, then one per draft token
                 logits_indices.extend(range(row - 1 - s.num_spec, row))
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
 
         def tables(group: list[int]) -> torch.Tensor:
             width = max(decode_num_blocks[i] for i in group)
@@ -92,14 +110,51 @@ class BatchBuilder:
 
         decodes = [
             DecodeBatch(
-                as_tensor([decode_rows[i] for i in group]),
+                self._tensor([decode_rows[i] for i in group]),
                 tables(group),
-                as_tensor([decode_lens[i] for i in group]),
+                self._tensor([decode_lens[i] for i in group]),
             )
             for group in self._decode_groups(decode_num_blocks)
         ]
-        ctx = AttentionContext(as_tensor(slots), seqs, bs, decodes, self.decode_kernel)
-        return StepBatch(as_tensor(input_ids), as_tensor(positions), ctx, as_tensor(logits_indices))
+        ctx = AttentionContext(self._tensor(slots), seqs, bs, decodes, self.decode_kernel)
+        return StepBatch(self._tensor(input_ids), self._tensor(positions), ctx, self._tensor(logits_indices))
+
+    def prepare_unified(self, scheduled: list[ScheduledSeq]) -> UnifiedHostBatch:
+        """The step as host lists for the triton backend (every sequence alike)."""
+        bs = self.block_size
+        host = UnifiedHostBatch([], [], [], [], [0], [], [], 0, 0)
+        for s in scheduled:
+            end = s.start + s.num_new_tokens
+            _append_tokens(s, bs, host.input_ids, host.positions, host.slots)
+            row = host.query_starts[-1] + s.num_new_tokens
+            host.query_starts.append(row)
+            host.seq_lens.append(end)
+            host.table_rows.append(self.block_rows.row(s.seq.seq_id, s.seq.block_table))
+            host.max_query_len = max(host.max_query_len, s.num_new_tokens)
+            host.max_blocks = max(host.max_blocks, -(-end // bs))
+            if s.samples:
+                host.logits_indices.extend(range(row - 1 - s.num_spec, row))
+        return host
+
+    def block_tables(self, host: UnifiedHostBatch) -> torch.Tensor:
+        """[S, max_blocks] int32 on the host: the sequences' rows of the persistent table."""
+        rows = torch.tensor(host.table_rows, dtype=torch.long)
+        return self.block_rows.table[rows, : host.max_blocks].to(torch.int32)
+
+    def to_step_batch(self, host: UnifiedHostBatch) -> StepBatch:
+        unified = UnifiedBatch(
+            self._tensor(host.query_starts, torch.int32),
+            self._tensor(host.seq_lens, torch.int32),
+            self.block_tables(host).to(self.device),
+            host.max_query_len,
+        )
+        ctx = AttentionContext(self._tensor(host.slots), [], self.block_size, unified=unified)
+        return StepBatch(
+            self._tensor(host.input_ids), self._tensor(host.positions), ctx, self._tensor(host.logits_indices)
+        )
+
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
 
     def _decode_groups(self, num_blocks: list[int]) -> list[list[int]]:
         if not num_blocks:
@@ -107,6 +162,19 @@ class BatchBuilder:
         if self.decode_kernel is not None:  # reads each context at its own length: no padding
             return [list(range(len(num_blocks)))]
         return group_by_length(num_blocks)
+
+
+def _append_tokens(
+    s: ScheduledSeq, block_size: int, input_ids: list[int], positions: list[int], slots: list[int]
+) -> None:
+    """A scheduled chunk's token ids (drafts last), positions and KV-cache slots."""
+    seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
+    input_ids.extend(seq.token_ids[start : end - s.num_spec])
+    if s.num_spec:
+        input_ids.extend(seq.spec_token_ids[: s.num_spec])
+    positions.extend(range(start, end))
+    table = seq.block_table
+    slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
 
 
 class BlockTableRows:

@@ -1,6 +1,16 @@
-"""The paged KV cache: how many blocks it gets, and the per-layer K and V tensors."""
+"""The paged KV cache: how many blocks it gets, and the per-layer K and V tensors.
+
+On CPU the cache gets a fixed budget (1 GiB unless told). On CUDA it gets what the card has left
+once the weights and a maximal step fit under --gpu-memory-utilization, vLLM's rule: the runner
+profiles one step of max_num_batched_tokens tokens (profile_gpu_memory) and gpu_kv_cache_bytes
+turns the figures into the cache's size.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,3 +47,78 @@ def allocate_kv_caches(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMemoryProfile:
+    total_bytes: int  # the card's memory
+    peak_torch_bytes: int  # PyTorch's peak allocation in the profiled step, weights included
+    non_torch_bytes: int  # in use outside PyTorch's allocator: CUDA context, NCCL, other processes
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (
+            f"GPU memory {self.total_bytes / gib:.1f} GiB: weights and a maximal step peak at "
+            f"{self.peak_torch_bytes / gib:.2f} GiB, {self.non_torch_bytes / gib:.2f} GiB outside PyTorch"
+        )
+
+
+def gpu_kv_cache_bytes(profile: GpuMemoryProfile, utilization: float) -> int:
+    """KV-cache bytes: the share of the card this engine may use, less the profiled peak and what
+    is used outside PyTorch (counted as ours, so another process on the card shrinks the cache)."""
+    budget = int(profile.total_bytes * utilization)
+    kv_bytes = budget - profile.peak_torch_bytes - profile.non_torch_bytes
+    if kv_bytes <= 0:
+        raise ModelLoadError(
+            f"no GPU memory left for the KV cache: {profile.describe()}, and --gpu-memory-utilization "
+            f"{utilization} allows {budget / (1 << 30):.2f} GiB; raise it, lower "
+            "--max-num-batched-tokens or --max-num-seqs, or use a larger card"
+        )
+    return kv_bytes
+
+
+class CudaMemory(Protocol):
+    """The slice of torch.cuda's memory API the profile reads (faked in tests)."""
+
+    def mem_get_info(self) -> tuple[int, int]: ...  # (free, total) bytes on the card
+    def max_memory_allocated(self) -> int: ...
+    def memory_reserved(self) -> int: ...
+    def reset_peak_memory_stats(self) -> None: ...
+    def empty_cache(self) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TorchCudaMemory:
+    device: torch.device
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def profile_gpu_memory(memory: CudaMemory, run_step: Callable[[], object]) -> GpuMemoryProfile:
+    """Run one maximal step and read the card's figures."""
+    memory.empty_cache()
+    memory.reset_peak_memory_stats()
+    run_step()
+    memory.synchronize()
+    peak = memory.max_memory_allocated()
+    memory.empty_cache()
+    free, total = memory.mem_get_info()
+    return GpuMemoryProfile(total, peak, max(0, total - free - memory.memory_reserved()))

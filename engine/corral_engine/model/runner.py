@@ -1,18 +1,23 @@
-"""The model runner: builds the model on its device with its matmul plan, owns the KV cache and
-executes a step (batch building: model/batch.py; device and CPU features: model/device.py)."""
+"""The model runner: builds the model on its device with its matmul plan, chooses the attention
+backend, sizes and owns the KV cache, captures decode graphs on CUDA and executes a step (batch
+building: model/batch.py; device and CPU features: model/device.py; graphs: model/cuda_graphs.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+from typing import cast
 
 import torch
 
 from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
+from corral_engine.core.sequence import Request, Sequence
+from corral_engine.errors import ModelLoadError
 from corral_engine.model.batch import BatchBuilder
 from corral_engine.model.config import ModelConfig
+from corral_engine.model.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from corral_engine.model.device import (
     CpuFeatures,
     available_memory_bytes,
@@ -20,7 +25,13 @@ from corral_engine.model.device import (
     select_device,
     select_dtype,
 )
-from corral_engine.model.kv_cache import allocate_kv_caches, num_kv_blocks
+from corral_engine.model.kv_cache import (
+    TorchCudaMemory,
+    allocate_kv_caches,
+    gpu_kv_cache_bytes,
+    num_kv_blocks,
+    profile_gpu_memory,
+)
 from corral_engine.model.llama import MLP, CausalLM, Linear, RMSNorm, rope_parameters
 from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
@@ -38,9 +49,12 @@ class ModelRunner:
         max_model_len: int,
         settings: EngineSettings,
         cpu: CpuFeatures | None = None,  # this machine's (probe_cpu) unless a test fakes them
+        graph_capture: GraphCapture | None = None,  # CUDA graphs on CUDA; tests pass EagerCapture
     ) -> None:
         self.config = config
+        self.args = args
         self.block_size = args.block_size
+        self.max_model_len = max_model_len
         self.settings = settings
         self.cpu = cpu or probe_cpu()
         self.device = select_device(args.device)
@@ -48,28 +62,60 @@ class ModelRunner:
         is_cpu = self.device.type == "cpu"
         # The native paged decode kernel when it builds here (CPU, bf16/fp32); else PyTorch SDPA.
         kernel = load_paged_decode(settings) if settings.batched_decode and is_cpu else None
+        if kernel is not None and not kernel.supports(self.dtype, self.device):
+            kernel = None
+        self.attention_backend = choose_attention_backend(
+            args.attention_backend, self.device.type, kernel is not None, settings.triton_interpret
+        )
         self.batches = BatchBuilder(
             args.block_size,
             -(-max_model_len // args.block_size),
             self.device,
             settings.batched_decode,
-            kernel if kernel is not None and kernel.supports(self.dtype, self.device) else None,
+            kernel if self.attention_backend == "native" else None,
+            unified=self.attention_backend == "triton",
         )
         if is_cpu:
             torch.set_num_threads(args.num_threads or max(1, len(os.sched_getaffinity(0))))
         self.model, self.matmul_plan = self._build_model()
+        self.graphs: DecodeGraphs | None = None
         bytes_per_block = args.block_size * config.kv_bytes_per_token * self.dtype.itemsize
-        self.num_kv_blocks = num_kv_blocks(args, bytes_per_block, max_model_len)
+        if self.device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory_bytes is None:
+            profile = profile_gpu_memory(TorchCudaMemory(self.device), self._run_maximal_step)
+            kv_bytes = gpu_kv_cache_bytes(profile, args.gpu_memory_utilization)
+            logger.info(
+                "%s; the KV cache gets %.2f GiB (--gpu-memory-utilization %s)",
+                profile.describe(),
+                kv_bytes / (1 << 30),
+                args.gpu_memory_utilization,
+            )
+            self.num_kv_blocks = int(kv_bytes // bytes_per_block)
+        else:
+            self.num_kv_blocks = num_kv_blocks(args, bytes_per_block, max_model_len)
         shape = (self.num_kv_blocks, self.block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = allocate_kv_caches(config.num_layers, shape, self.dtype, self.device)
         logger.info(
-            "model %s on %s/%s: %d KV blocks of %d tokens",
+            "model %s on %s/%s: %d KV blocks of %d tokens, %s attention",
             config.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.num_kv_blocks,
             self.block_size,
+            self.attention_backend,
         )
+        if self.attention_backend == "triton" and not args.enforce_eager:
+            if graph_capture is None and self.device.type == "cuda":
+                graph_capture = CudaGraphCapture()
+            if graph_capture is not None:
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(
+                        lambda ids, positions, ctx: self.model(ids, positions, self.kv_caches, ctx),
+                        graph_capture,
+                        args.max_num_seqs,
+                        -(-max_model_len // args.block_size),
+                        args.block_size,
+                        self.device,
+                    )
 
     def _build_model(self) -> tuple[CausalLM, MatmulPlan]:
         with torch.device("meta"):
@@ -120,7 +166,14 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return float32 logits for the sequences that sample, in order: one row
         each, plus one per draft token of speculating sequences."""
-        batch = self.batches.prepare(scheduled)
+        if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1]:
+            host = self.batches.prepare_unified(scheduled)
+            if host.is_plain_decode:
+                hidden = self.graphs.run(host, self.batches.block_tables(host))
+                return self.model.compute_logits(hidden)
+            batch = self.batches.to_step_batch(host)
+        else:
+            batch = self.batches.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx)
         if batch.logits_indices.numel() == 0:
             return torch.empty((0, self.config.vocab_size))
@@ -129,3 +182,50 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop what the runner keeps for it across steps."""
         self.batches.release(seq_id)
+
+    def _run_maximal_step(self) -> None:
+        """One step as large as the scheduler allows (max_num_batched_tokens tokens over up to
+        max_num_seqs sequences, each sampling), over a KV cache just big enough: the peak
+        activation memory the KV cache must leave room for."""
+        args, bs = self.args, self.block_size
+        num_seqs = max(1, min(args.max_num_seqs, args.max_num_batched_tokens))
+        num_tokens = min(args.max_num_batched_tokens, num_seqs * self.max_model_len)
+        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        lengths = [n for n in lengths if n > 0]
+        scheduled, next_block = [], 0
+        for i, n in enumerate(lengths):
+            blocks = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(blocks)
+            seq = Sequence(-1 - i, cast(Request, None), 0, [0] * n, n, block_table=blocks)
+            scheduled.append(ScheduledSeq(seq, 0, n))
+        shape = (next_block, bs, self.config.num_kv_heads, self.config.head_dim)
+        self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.dtype, self.device)
+        try:
+            self.execute(scheduled)
+        finally:
+            for s in scheduled:
+                self.release(s.seq.seq_id)
+            del self.kv_caches  # the real cache is sized from this step's figures
+
+
+def choose_attention_backend(
+    requested: str, device_type: str, has_native: bool, triton_interpret: bool
+) -> str:
+    """The attention backend for `requested` (EngineArgs.attention_backend) on this device:
+    auto is triton on CUDA, else native where its kernel built (and takes this dtype), else sdpa.
+    A backend that cannot run here is an error that says why."""
+    if requested == "auto":
+        return "triton" if device_type == "cuda" else "native" if has_native else "sdpa"
+    if requested == "triton" and device_type != "cuda" and not triton_interpret:
+        raise ModelLoadError(
+            "attention backend triton runs on CUDA, or on the CPU under Triton's interpreter "
+            "(TRITON_INTERPRET=1; slow, for tests)"
+        )
+    if requested == "native" and not has_native:
+        why = (
+            "it is a CPU kernel"
+            if device_type != "cpu"
+            else "its kernel did not build here or takes no such dtype"
+        )
+        raise ModelLoadError(f"attention backend native is unavailable: {why}; use auto or sdpa")
+    return requested

@@ -2,7 +2,8 @@
 
 Rows that need nothing beyond greedy take one argmax; the rest are processed together. Seeded
 sequences draw from their own torch.Generator (kept across steps), so their output does not depend
-on what else shares the batch.
+on what else shares the batch. Everything runs where the logits are: on a GPU the step waits for
+the device once, when the chosen token ids come back, not once per sequence.
 """
 
 from __future__ import annotations
@@ -23,28 +24,32 @@ class SampleResult:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # unseeded draws, per device
         self._seq_generators: dict[int, torch.Generator] = {}
 
     def release(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
 
-    def _generator_for(self, seq: Sequence) -> torch.Generator:
+    def _generator_for(self, seq: Sequence, device: torch.device) -> torch.Generator:
         seed = seq.request.params.seed
         if seed is None:
-            return self.generator
+            gen = self._generators.get(device)
+            if gen is None:
+                gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+            return gen
         gen = self._seq_generators.get(seq.seq_id)
         if gen is None:
-            gen = torch.Generator().manual_seed((seed + seq.index) % (2**64))
+            gen = torch.Generator(device).manual_seed((seed + seq.index) % (2**64))
             self._seq_generators[seq.seq_id] = gen
         return gen
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [S, V] float32, one row per sequence in `seqs` order."""
-        logits = logits.cpu()
+        """logits: [S, V] float32, one row per sequence in `seqs` order, on any device."""
         raw_logprobs = None
-        if any(s.request.params.logprobs is not None for s in seqs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logprob_rows = [row for row, s in enumerate(seqs) if s.request.params.logprobs is not None]
+        if logprob_rows:
+            raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1).cpu()
         if any(s.request.params.has_penalties for s in seqs):
             logits = logits.clone()
             for row, seq in enumerate(seqs):
@@ -54,14 +59,14 @@ class Sampler:
         for row, seq in enumerate(seqs):
             params = seq.request.params
             if not params.is_greedy:
-                tokens[row] = _sample_row(logits[row], seq, self._generator_for(seq))
-        token_ids = tokens.tolist()
+                tokens[row] = _sample_row(logits[row], seq, self._generator_for(seq, logits.device))
+        token_ids = tokens.tolist()  # the step's one wait for the device
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
-            for row, seq in enumerate(seqs):
-                k = seq.request.params.logprobs
-                if k is not None:
-                    logprobs[row] = _token_logprob(raw_logprobs[row], token_ids[row], k)
+            for i, row in enumerate(logprob_rows):
+                k = seqs[row].request.params.logprobs
+                assert k is not None
+                logprobs[row] = _token_logprob(raw_logprobs[i], token_ids[row], k)
         return SampleResult(token_ids, logprobs)
 
 
@@ -69,7 +74,9 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:  # row: [V], mod
     params = seq.request.params
     vocab = row.shape[0]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({t for t in seq.token_ids if t < vocab}), dtype=torch.long)
+        seen = torch.tensor(
+            sorted({t for t in seq.token_ids if t < vocab}), dtype=torch.long, device=row.device
+        )
         if seen.numel():
             vals = row[seen]
             row[seen] = torch.where(
@@ -77,11 +84,13 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:  # row: [V], mod
             )
     output = [t for t in seq.output_token_ids if t < vocab]
     if output and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).to(row.dtype)
+        ids = torch.tensor(output, dtype=torch.long, device=row.device)
+        counts = torch.bincount(ids, minlength=vocab).to(row.dtype)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _sample_row(row: torch.Tensor, seq: Sequence, generator: torch.Generator) -> int:
+def _sample_row(row: torch.Tensor, seq: Sequence, generator: torch.Generator) -> torch.Tensor:
+    """The drawn token id as a 0-d tensor on the row's device (no wait for the device here)."""
     params = seq.request.params
     row = row / params.temperature
     if params.top_k > 0 and params.top_k < row.shape[0]:
@@ -98,7 +107,7 @@ def _sample_row(row: torch.Tensor, seq: Sequence, generator: torch.Generator) ->
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised p is fine).
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return int(torch.argmax(probs / noise))
+    return torch.argmax(probs / noise)
 
 
 def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:

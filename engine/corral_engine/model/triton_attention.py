@@ -1,0 +1,380 @@
+"""Triton kernels for the paged KV cache: `write_kv` stores a step's new K/V rows in their slots, and
+`unified_attention` attends a whole mixed batch (prompt chunks, prefix-cache hits, decodes,
+speculative verify rows) in one launch, reading every key through the block tables.
+
+Tiling: a program owns one KV head and BLOCK_Q consecutive queries of one sequence. Its BLOCK_M
+rows are those queries times the `group` query heads that share the KV head (GQA with no K/V
+repeat), padded with masked rows to a power of two >= 16, tl.dot's smallest M on GPUs; head dims
+are padded to a power of two the same way. Keys go by in tiles of TILE_N positions, each position's
+block looked up in the block table, under an online softmax accumulated in float32; key tiles past
+the tile's last query or before its sliding window are never visited. Causal masks align
+bottom-right: query j of a sequence with n queries sits at position seq_len - n + j.
+
+Grid: (T // BLOCK_Q + S, KVH, splits). Sequence i's query tiles are numbered from
+query_start_loc[i] // BLOCK_Q + i, which leaves room for all of sequence i - 1's tiles; a program
+binary-searches query_start_loc for its sequence and returns at once when it has no tile there.
+When that grid is too small to fill a GPU (decoding a few long sequences), each tile's keys are
+split across up to 16 programs that write float32 partials, merged by a second kernel. The grids
+depend only on shapes and host ints (T, S, KVH, max_query_len through BLOCK_Q), so a captured CUDA
+graph replays them with other lengths and block tables.
+
+Running on CPU: the kernels are plain functions, compiled per mode on first use: a JITFunction for
+GPU tensors, Triton's InterpretedFunction for CPU tensors (no TRITON_INTERPRET needed, whatever the
+import order). Under the INTERPRET flag the kernels avoid two interpreter gaps of Triton 3.9:
+tl.dot on bfloat16 operands returns garbage (the operands are upcast to float32; GPUs dot in the
+cache dtype), and the standard library's jit functions (tl.max, tl.sum, tl.zeros, tl.cdiv) cannot
+be called unless TRITON_INTERPRET was set at import (the reductions are spelled with tl.reduce and
+the combine functions the interpreter recognises). The interpreter also rounds float32 to bfloat16
+toward zero, one bf16 ulp off where a GPU rounds to nearest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+_MAX_BLOCK_M = 64  # query rows (queries x heads of a group) per program, before padding to 16
+_TARGET_PROGRAMS = 256  # attention programs that fill a large GPU (an H100 has 132 SMs) twice over
+_MAX_SPLITS = 16
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, KVH, D], unit stride in D
+    v: torch.Tensor,  # [T, KVH, D], unit stride in D
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], contiguous
+    slot_mapping: torch.Tensor,  # [T] int32 or int64: block * block_size + offset; < 0 skips the row
+) -> None:
+    """Stores each new token's K and V rows in its cache slot; negative slots (padding) are skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_unit_stride(k, v, slot_mapping)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv needs contiguous K/V caches")
+    _launcher(_write_kv_kernel, k.device)[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        KV_HEADS=num_kv_heads,
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip
+
+
+def unified_attention(
+    q: torch.Tensor,  # [T, H, D], unit stride in D
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], unit stride in D
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], strides equal to k_cache's
+    out: torch.Tensor,  # [T, H, D], unit stride in D; rows of padded sequences are left untouched
+    query_start_loc: torch.Tensor,  # [S + 1] int32: sequence i's rows are [qsl[i], qsl[i + 1])
+    seq_lens: torch.Tensor,  # [S] int32: context after this step (cached + new); 0 = padding
+    block_tables: torch.Tensor,  # [S, max_blocks] int32; entries past a context are stale, unread
+    scale: float,
+    window: int | None,  # query at position p sees keys k with p - k < window (None: all)
+    max_query_len: int,  # host bound on queries per sequence: a tile-size hint, never a limit
+) -> None:
+    """out rows of sequence i = softmax(q K^T * scale) V over its context read through its block
+    table (bottom-right causal, GQA by head // group, optional window); one launch per batch."""
+    num_tokens, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not split into {num_kv_heads} KV heads")
+    _check_unit_stride(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("the K and V caches need equal strides")
+    row_bytes = _head_dim_pad(q.shape[2]) * q.element_size()
+    block_q, _, _ = _tile_sizes(num_heads // num_kv_heads, max_query_len, row_bytes)
+    num_programs = (num_tokens // block_q + seq_lens.shape[0]) * num_kv_heads
+    # The interpreter runs programs one after another: splitting would only add programs.
+    num_splits = 1 if q.device.type == "cpu" else _num_splits(num_programs)
+    args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window)
+    _attention(*args, max_query_len, num_splits)
+
+
+def _tile_sizes(group: int, max_query_len: int, row_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_M, TILE_N). Decode-only batches take one query per tile (the rows are the
+    group's heads); longer chunks take as many queries as fit _MAX_BLOCK_M rows. Wide K/V rows
+    (`row_bytes`: padded head dim x element size) take smaller tiles, so the pipelined K/V tiles
+    stay under 100 KB of shared memory (fp32 with head dim 128: 96 KB)."""
+    max_block_m = _MAX_BLOCK_M if row_bytes <= 512 else 16
+    block_q = max(1, min(triton.next_power_of_2(max(1, max_query_len)), max_block_m // group))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    tile_n = 64 if block_m >= 64 and row_bytes <= 256 else 32
+    return block_q, block_m, tile_n
+
+
+def _num_splits(num_programs: int) -> int:
+    """Key-range splits per query tile: a power of two that brings a small batch's programs up to
+    about _TARGET_PROGRAMS (decoding one long sequence would otherwise busy KVH programs only)."""
+    splits = 1
+    while splits < _MAX_SPLITS and 2 * splits * num_programs <= _TARGET_PROGRAMS:
+        splits *= 2
+    return splits
+
+
+def _attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    window: int | None,
+    max_query_len: int,
+    num_splits: int,
+) -> None:
+    """unified_attention with the split count chosen: with num_splits > 1 each split attends a
+    share of the key tiles into float32 partials, merged by a second kernel."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    head_dim_pad = _head_dim_pad(head_dim)
+    block_q, block_m, tile_n = _tile_sizes(group, max_query_len, head_dim_pad * q.element_size())
+    if num_splits > 1:
+        # Rows no program writes (padding sequences) keep l = 0, which the merge skips.
+        part_m = q.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
+        part_l = q.new_zeros((num_tokens, num_heads, num_splits), dtype=torch.float32)
+        part_acc = q.new_empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    interpret = q.device.type == "cpu"
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)  # shapes and host ints only
+    _launcher(_attention_kernel, q.device)[grid](
+        q, k_cache, v_cache, out, part_m, part_l, part_acc, query_start_loc, seq_lens, block_tables,
+        scale * 1.4426950408889634,  # x log2(e): the kernel exponentiates with exp2
+        num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        WINDOW=window or 0,
+        NUM_SPLITS=num_splits,
+        INTERPRET=interpret,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models: fp32 scores
+        num_warps=4,
+    )  # fmt: skip
+    if num_splits > 1:
+        _launcher(_merge_kernel, q.device)[(num_tokens, num_heads)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, num_warps=4,
+        )  # fmt: skip
+
+
+def _head_dim_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _check_unit_stride(*tensors: torch.Tensor) -> None:
+    """Kernels step through the last dimension (head dim; index lists) one element at a time."""
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("triton attention needs unit stride in the last dimension of each tensor")
+
+
+@cache
+def _compiled(fn: Callable[..., None], interpret: bool) -> Any:
+    return InterpretedFunction(fn) if interpret else JITFunction(fn)
+
+
+def _launcher(fn: Callable[..., None], device: torch.device) -> Any:
+    """The launchable kernel for `device`: interpreted on CPU tensors, compiled on GPU tensors."""
+    return _compiled(fn, device.type == "cpu")
+
+
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per new token: copies its [KVH, D] K and V rows into its cache slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding row of a captured batch
+        return
+    offs_h = tl.arange(0, KV_HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h[:, None] < KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src_k = token.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst = slot * (KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src_k, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src_v, mask=mask), mask=mask)
+
+
+def _attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2,
+    num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out rows of one (query tile, KV head): softmax(q K^T * scale) V over the sequence's keys;
+    with NUM_SPLITS > 1, float32 partials (running max, sum, unnormalised acc) over a key share."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The last sequence whose first tile number qsl[i] // BLOCK_Q + i is <= tile (those numbers
+    # grow strictly with i). Fixed trip count: log2(S) halvings, branch-free.
+    lo = tl.program_id(0) * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        is_left = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(is_left, mid, lo)
+        hi = tl.where(is_left, hi, mid)
+    seq = lo
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    num_queries = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_query = (tile - q_begin // BLOCK_Q - seq) * BLOCK_Q  # of this tile, within the sequence
+    if first_query >= num_queries:  # a spare program
+        return
+    if seq_len == 0:  # a padding sequence
+        return
+
+    # Row m: query first_query + m // GROUP, head kv_head * GROUP + m % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    query = first_query + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    is_row = (offs_m < BLOCK_Q * GROUP) & (query < num_queries)
+    q_pos = seq_len - num_queries + query  # absolute position, bottom-right aligned
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    is_dim = offs_d < HEAD_DIM
+    token = (q_begin + query).to(tl.int64)
+    row_mask = is_row[:, None] & is_dim[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+    if INTERPRET:
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: up to its last query's position, from its first query's window on.
+    first_pos = seq_len - num_queries + first_query
+    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    kv_begin = first_pos * 0
+    if WINDOW > 0:
+        kv_begin = tl.maximum(first_pos - WINDOW + 1, 0) // TILE_N * TILE_N
+    if NUM_SPLITS > 1:  # this split's share of whole key tiles
+        split_len = (kv_end - kv_begin + TILE_N * NUM_SPLITS - 1) // (TILE_N * NUM_SPLITS) * TILE_N
+        kv_begin = kv_begin + split * split_len
+        kv_end = tl.minimum(kv_end, kv_begin + split_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of scaled scores (log2)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_table
+    cache_head = kv_head.to(tl.int64) * stride_cache_head
+    offs_n = tl.arange(0, TILE_N)
+    for start in range(kv_begin, kv_end, TILE_N):
+        k_pos = start + offs_n
+        is_key = k_pos < kv_end  # never reads a block-table entry past the context
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
+        slot = block * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + cache_head
+        k_t = tl.load(
+            k_cache_ptr + slot[None, :] + offs_d[:, None],
+            mask=is_dim[:, None] & is_key[None, :],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, TILE_N]
+        v = tl.load(
+            v_cache_ptr + slot[:, None] + offs_d[None, :],
+            mask=is_key[:, None] & is_dim[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
+        if INTERPRET:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        allowed = is_row[:, None] & (k_pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
+        if INTERPRET:  # tl.max / tl.sum are jit functions, which the interpreter cannot call
+            row_max = tl.reduce(s, 1, tl.standard._elementwise_max)
+        else:
+            row_max = tl.max(s, axis=1)
+        m_new = tl.maximum(m_i, row_max)
+        # A row with nothing visible yet keeps m = -inf; subtract 0 there instead (no inf - inf).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        if INTERPRET:
+            row_sum = tl.reduce(p, 1, tl.standard._sum_combine)
+        else:
+            row_sum = tl.sum(p, axis=1)
+        l_i = l_i * alpha + row_sum
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
+    else:  # partials [T, H, NUM_SPLITS(, HEAD_DIM_PAD)]; an empty share writes m = -inf, l = 0
+        part = (token * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=is_row)
+        tl.store(part_l_ptr + part, l_i, mask=is_row)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=is_row[:, None])
+
+
+def _merge_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, head): rescales the splits' partials to a common max and sums them.
+    Rows whose partials all have l = 0 belong to no sequence (padding) and stay untouched."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS
+    l_total = tl.load(part_l_ptr + part)
+    for j in tl.static_range(1, NUM_SPLITS):
+        l_total += tl.load(part_l_ptr + part + j)
+    if l_total == 0.0:  # no sequence's row: the other partials are unwritten garbage
+        return
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_run = tl.load(part_m_ptr + part)
+    l_run = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part * HEAD_DIM_PAD + offs_d)
+    for j in tl.static_range(1, NUM_SPLITS):
+        m_j = tl.load(part_m_ptr + part + j)
+        m_new = tl.maximum(m_run, m_j)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_shift)
+        beta = tl.exp2(m_j - m_shift)
+        l_run = l_run * alpha + tl.load(part_l_ptr + part + j) * beta
+        acc = acc * alpha + tl.load(part_acc_ptr + (part + j) * HEAD_DIM_PAD + offs_d) * beta
+        m_run = m_new
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        (acc / l_run).to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
