@@ -1,4 +1,4 @@
-"""`corral demo-model DIR`: write a small random-weight Hugging Face checkpoint with a local tokenizer."""
+"""`corral demo-model DIR`: write a random-weight Hugging Face checkpoint with a local tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 log = logging.getLogger(__name__)
 
 # Kept in step with corral_engine.demo_model (not imported here: the engine side pulls in torch).
-_PRESETS = ("tiny", "small")
+_PRESETS = ("tiny", "small", "llama3-8b")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -18,10 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=_PRESETS,
         default="tiny",
-        help="tiny: for tests (hidden 64, 2 layers); small: ~107M-parameter Llama for benchmarks",
+        help=(
+            "tiny: for tests (hidden 64, 2 layers); small: ~107M-parameter Llama for benchmarks; "
+            "llama3-8b: Llama-3-8B's shapes (16 GB in bf16, sharded) for GPU benchmarks"
+        ),
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer (default: 0)")
     parser.add_argument("--arch", choices=_ARCHS, default="llama", help="model architecture (default: llama)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the weights are drawn: cuda makes llama3-8b quick; each kind of device draws its "
+        "own bytes (default: cpu)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -29,7 +38,12 @@ def run(args: argparse.Namespace) -> int:
     from corral_engine.demo_model import write_demo_model
 
     out = write_demo_model(
-        args.dir, preset=args.preset, seed=args.seed, arch=args.arch, progress=not args.quiet
+        args.dir,
+        preset=args.preset,
+        seed=args.seed,
+        arch=args.arch,
+        progress=not args.quiet,
+        device=args.device,
     )
     log.info("wrote %s checkpoint (%s, seed %d) to %s", args.preset, args.arch, args.seed, out)
     return 0

@@ -1,13 +1,16 @@
-"""Write small random-weight Hugging Face checkpoints (model + locally trained tokenizer) for tests and demos.
+"""Write random-weight Hugging Face checkpoints (model + locally trained tokenizer) for tests, demos
+and benchmarks.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained on a corpus generated from the seed,
-the weights are drawn from a seeded generator. The same seed writes byte-identical files.
+the weights are drawn from a seeded generator one tensor at a time and written shard by shard. The
+same seed on the same kind of device writes byte-identical files.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import pathlib
 from dataclasses import dataclass
@@ -27,11 +30,13 @@ __all__ = [
     "PRESETS",
     "build_config_dict",
     "count_parameters",
+    "plan_shards",
     "preset_config",
+    "shard_file_names",
     "write_demo_model",
 ]
 
-PRESETS = ("tiny", "small")
+PRESETS = ("tiny", "small", "llama3-8b")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -57,6 +62,10 @@ class Preset:
     qwen3_head_dim: int  # Qwen3 states head_dim explicitly; chosen != hidden/heads to exercise it
     num_corpus_words: int  # words of synthetic text the tokenizer is trained on
     lexicon_size: int  # distinct synthetic words
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    # Largest safetensors file; bigger checkpoints are split into shards with an index, as HF does.
+    max_shard_bytes: int | None = None
 
 
 _PRESETS: dict[str, Preset] = {
@@ -95,6 +104,29 @@ _PRESETS: dict[str, Preset] = {
         num_corpus_words=400_000,
         lexicon_size=60_000,
     ),
+    # For GPU benchmarks: Llama-3-8B's shapes (8.03B parameters, 16 GB in bf16, untied LM head).
+    # The tokenizer is trained to the full 128,256 entries (~6 s) rather than padding the embedding
+    # past a smaller tokenizer, so every id the random weights pick decodes to text, as with the
+    # real model, and detokenizing costs what it would there.
+    "llama3-8b": Preset(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        lm_head_std=0.02,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        qwen3_head_dim=128,
+        num_corpus_words=200_000,
+        lexicon_size=220_000,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_shard_bytes=5_000_000_000,
+    ),
 }
 
 
@@ -122,8 +154,8 @@ def build_config_dict(
         "vocab_size": p.vocab_size,
         "max_position_embeddings": p.max_position_embeddings,
         "initializer_range": p.initializer_range,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rms_norm_eps": p.rms_norm_eps,
+        "rope_theta": p.rope_theta,
         "tie_word_embeddings": p.tie_word_embeddings,
         "bos_token_id": BOS_TOKEN_ID,
         "eos_token_id": EOS_TOKEN_ID,
@@ -160,41 +192,31 @@ def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _init_weights(model: Any, seed: int, p: Preset, tied: bool) -> None:
-    """Seeded init in sorted-name order, independent of transformers' own init.
-
-    Norm weights and biases are random too (not 1 / 0), so an engine that drops them is caught.
-    """
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    std = float(getattr(model.config, "initializer_range", p.initializer_range))
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * (torch.rand(param.shape, generator=gen) - 0.5))
-            elif name.endswith(".bias"):
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
-            elif name == "lm_head.weight" and not tied:
-                param.copy_(torch.randn(param.shape, generator=gen) * p.lm_head_std)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int | None) -> list[list[str]]:
+    """Tensor names, in the order given, grouped into consecutive shards of at most `max_shard_bytes`
+    each (a tensor larger than that gets a shard of its own); one shard when there is no limit."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, num_bytes in sizes:
+        if max_shard_bytes is not None and shards[-1] and used + num_bytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += num_bytes
+    return shards
 
 
-def _save_weights(model: Any, path: pathlib.Path, dtype: str, tied: bool) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    state = {
-        name: t.detach().to(torch_dtype).contiguous()
-        for name, t in model.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
-    save_file(dict(sorted(state.items())), str(path), metadata={"format": "pt"})
+def shard_file_names(num_shards: int) -> list[str]:
+    """HF's names: model.safetensors alone, else model-0000i-of-0000n.safetensors."""
+    if num_shards == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
 
 
-def _build_model(cfg: dict[str, Any], seed: int, p: Preset) -> Any:
+def _meta_model(cfg: dict[str, Any]) -> Any:
+    """The transformers model on the meta device: its config, parameter names and shapes, no memory.
+
+    Only parameters are saved, so buffers (never initialised here) do not matter."""
     import torch
     import transformers
 
@@ -204,16 +226,60 @@ def _build_model(cfg: dict[str, Any], seed: int, p: Preset) -> Any:
     kwargs = copy.deepcopy({k: v for k, v in cfg.items() if k not in ("architectures", "dtype")})
     config = config_class(**kwargs)
     config.architectures = [arch_class]
-    # Build without transformers' own (discarded) init; _init_weights fills every parameter. Only the
-    # parameters are saved, so the non-persistent buffers left uninitialised here never matter.
     with torch.device("meta"):
         model = model_class(config)
-    model = model.to_empty(device="cpu").to(torch.float32)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:
-        model.tie_weights()  # to_empty allocates the shared tensor twice
-    _init_weights(model, seed, p, tied)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # one parameter, listed once by named_parameters
     return model
+
+
+def _draw(name: str, shape: tuple[int, ...], gen: Any, std: float, p: Preset, device: Any) -> Any:
+    """One float32 tensor. Norm weights and biases are random too (not 1 / 0), so an engine that drops
+    them is caught. The untied lm_head has its own std (named_parameters lists a tied one once, as
+    the embedding)."""
+    import torch
+
+    if "norm" in name:
+        return 1.0 + 0.2 * (torch.rand(shape, generator=gen, device=device) - 0.5)
+    if name == "lm_head.weight":
+        return torch.randn(shape, generator=gen, device=device) * p.lm_head_std
+    return torch.randn(shape, generator=gen, device=device) * std
+
+
+def _write_weights(
+    model: Any,
+    out: pathlib.Path,
+    seed: int,
+    p: Preset,
+    dtype: str,
+    device: str,
+    max_shard_bytes: int | None,
+    steps: _Steps,
+) -> None:
+    """Draw every parameter in sorted-name order from one seeded generator on `device` (independent
+    of transformers' own init), one shard at a time, so host memory holds at most one shard."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    shapes = {name: tuple(t.shape) for name, t in sorted(model.named_parameters(), key=lambda kv: kv[0])}
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    sizes = [(name, math.prod(shape) * itemsize) for name, shape in shapes.items()]
+    shards = plan_shards(sizes, max_shard_bytes)
+    files = shard_file_names(len(shards))
+    std = float(getattr(model.config, "initializer_range", p.initializer_range))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    with torch.no_grad():
+        for file, names in zip(files, shards, strict=True):
+            steps.advance(f"writing {file}")
+            state = {n: _draw(n, shapes[n], gen, std, p, device).to(torch_dtype).cpu() for n in names}
+            save_file(state, str(out / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, file))
+            del state
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
+        _write_json(out / "model.safetensors.index.json", index)
 
 
 def write_demo_model(
@@ -223,28 +289,31 @@ def write_demo_model(
     arch: str = "llama",
     config_overrides: dict[str, Any] | None = None,
     progress: bool = False,
+    device: str = "cpu",
+    max_shard_bytes: int | None = None,
 ) -> pathlib.Path:
     """Write a random-weight checkpoint of `arch` to `out_dir` and return its path.
 
-    Files: config.json, model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json.
+    Files: config.json, model.safetensors (or shards and model.safetensors.index.json),
+    generation_config.json, tokenizer.json, tokenizer_config.json. `device` is where the weights are
+    drawn ("cuda" makes llama3-8b's 16 GB quick); each kind of device draws its own bytes.
+    `max_shard_bytes` overrides the preset's largest safetensors file.
     """
     p = preset_config(preset)
     cfg = build_config_dict(preset, arch, config_overrides)
     vocab_size = int(cfg["vocab_size"])
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with _Steps(progress, f"demo model ({preset}, {arch})", total=4) as steps:
+    with _Steps(progress, f"demo model ({preset}, {arch})") as steps:
         steps.advance("training tokenizer")
         style = tokenizer_style(arch)
         tok = train_tokenizer(seed, vocab_size, p.num_corpus_words, p.lexicon_size, style)
         tok.save(str(out / "tokenizer.json"), pretty=True)
         max_len = int(cfg["max_position_embeddings"])
         _write_json(out / "tokenizer_config.json", tokenizer_config(max_len, style))
-        steps.advance("initializing weights")
-        model = _build_model(cfg, seed, p)
-        steps.advance("writing model.safetensors")
-        tied = bool(model.config.tie_word_embeddings)
-        _save_weights(model, out / "model.safetensors", str(cfg["dtype"]), tied)
+        model = _meta_model(cfg)
+        shard_limit = max_shard_bytes if max_shard_bytes is not None else p.max_shard_bytes
+        _write_weights(model, out, seed, p, str(cfg["dtype"]), device, shard_limit, steps)
         config_json = model.config.to_diff_dict()
         config_json.pop("transformers_version", None)  # keep files identical across library versions
         config_json["dtype"] = cfg["dtype"]
@@ -261,13 +330,13 @@ def write_demo_model(
 
 
 class _Steps:
-    """A few named steps shown with rich when asked; silent otherwise."""
+    """A few named steps shown with rich when asked (how many is known only once the weights are
+    planned, so the bar counts time, not steps); silent otherwise."""
 
-    def __init__(self, enabled: bool, title: str, total: int) -> None:
-        self._enabled, self._title, self._total = enabled, title, total
+    def __init__(self, enabled: bool, title: str) -> None:
+        self._enabled, self._title = enabled, title
         self._progress: Any = None
         self._task: Any = None
-        self._started = False
 
     def __enter__(self) -> _Steps:
         if self._enabled:
@@ -277,18 +346,15 @@ class _Steps:
                 TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
             )
             self._progress.start()
-            self._task = self._progress.add_task(self._title, total=self._total)
+            self._task = self._progress.add_task(self._title, total=None)
         return self
 
     def advance(self, what: str) -> None:
         if self._progress is None:
             return
-        self._progress.update(
-            self._task, description=f"{self._title}: {what}", advance=1 if self._started else 0
-        )
-        self._started = True
+        self._progress.update(self._task, description=f"{self._title}: {what}")
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=self._total)
+            self._progress.update(self._task, total=1, completed=1)
             self._progress.stop()

@@ -10,39 +10,21 @@ from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.settings import EngineSettings
 
+from bench.gpu import reference
+from bench.gpu.reference import random_prompts
+
+__all__ = ["GREEDY", "make_engine", "random_prompts", "run_checked", "transformers_greedy"]
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def random_prompts(
-    num: int, vocab: int, seed: int = 0, min_len: int = 1, max_len: int = 70
-) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def transformers_greedy(
     model_dir: pathlib.Path, prompts: list[list[int]], max_new_tokens: int
 ) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    # No EOS: the engine runs with ignore_eos, which keeps going past EOS without suppressing it.
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                generation_config=config,
-            )
-            out.append(ids[0, len(prompt) :].tolist())
-            if len(out[-1]) != max_new_tokens:
-                raise RuntimeError("transformers stopped early; the reference is unusable")
-    return out
+    """transformers' greedy output in float32 on the CPU (bench/gpu/reference.py, shared with the
+    GPU acceptance run)."""
+    model = reference.load_model(model_dir, torch.device("cpu"), torch.float32)
+    return reference.transformers_greedy(model, prompts, max_new_tokens)
 
 
 def make_engine(

@@ -1,0 +1,138 @@
+"""Issue 22's targets (acceptance 4) checked against a GPU run's figures, and its Markdown table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TARGET_PRESET = "llama3-8b"
+
+
+def _target(
+    name: str, value: float | bool | None, goal: str, met: bool | None, note: str = ""
+) -> dict[str, Any]:
+    return {"target": name, "value": value, "goal": goal, "met": met, "note": note}
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per target; `met` is None where the run has no figure for it. A smoke run's rows are
+    computed the same way but say so: they measure the harness, not a GPU."""
+    phases = results.get("phases", {})
+    smoke = "smoke run on CPU: not a measurement of the target" if results.get("mode") == "smoke" else ""
+    rows = []
+    eq = phases.get("equality", {})
+    passed = eq.get("passed")
+    on_cuda = eq.get("device", "").startswith("cuda")
+    rows.append(
+        _target(
+            "greedy equality, all architectures",
+            passed,
+            "equal on CUDA",
+            None if passed is None else bool(passed) and on_cuda,
+            smoke,
+        )
+    )
+    b1 = phases.get("batch1", {})
+    mbu = b1.get("variants", {}).get("default", {}).get("mbu_ratio")
+    note = smoke or ("" if b1.get("preset") in (None, TARGET_PRESET) else f"preset {b1.get('preset')}")
+    rows.append(
+        _target(
+            "batch-1 model-bandwidth utilisation",
+            mbu,
+            ">= 0.70 (llama3-8b)",
+            None if mbu is None else mbu >= 0.70,
+            note,
+        )
+    )
+    ratio = phases.get("throughput", {}).get("ratios", {}).get("W2_corral_over_hf-static")
+    rows.append(
+        _target(
+            "W2 output throughput vs transformers static",
+            ratio,
+            ">= 5x",
+            None if ratio is None else ratio >= 5.0,
+            smoke,
+        )
+    )
+    batches = phases.get("overhead", {}).get("batches", {})
+    outside = batches.get("64", {}).get("outside_kernels_ratio")
+    rows.append(
+        _target(
+            "time outside kernels at batch 64",
+            outside,
+            "< 0.10",
+            None if outside is None else outside < 0.10,
+            smoke or _no64(batches),
+        )
+    )
+    return rows
+
+
+def _no64(batches: dict[str, Any]) -> str:
+    return "" if "64" in batches or not batches else f"batches measured: {', '.join(batches)}"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    phases = results.get("phases", {})
+    env = phases.get("env", {})
+    lines = [
+        f"GPU run: {env.get('gpu') or env.get('device', '?')}, mode {results.get('mode')}, "
+        f"commit {results.get('commit') or '?'}, torch {env.get('torch', '?')}, "
+        f"transformers {env.get('transformers', '?')}, triton {env.get('triton', '?')}",
+        "",
+        "| target | value | goal | met | note |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results.get("targets") or targets(results):
+        met = {True: "yes", False: "no", None: "-"}[row["met"]]
+        lines.append(f"| {row['target']} | {_fmt(row['value'])} | {row['goal']} | {met} | {row['note']} |")
+    lines += ["", "| phase | figures |", "|---|---|"]
+    for name, figures in phases.items():
+        lines.append(f"| {name} | {_summary(name, figures)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _summary(name: str, f: dict[str, Any]) -> str:
+    if "error" in f:
+        return f"failed: {f['error']}"
+    if name == "bandwidth":
+        return f"read {f['read_gb_s_median']:.0f} GB/s, copy {f['copy_gb_s_median']:.0f} GB/s (medians)"
+    if name == "equality":
+        return (
+            "passed"
+            if f["passed"]
+            else "FAILED: "
+            + ", ".join(
+                f"{a} {v['num_equal']}/{e['num_prompts']}"
+                for a, e in f["archs"].items()
+                for v in e["variants"]
+            )
+        )
+    if name == "batch1":
+        return "; ".join(
+            f"{n}: {v['tpot_ms']:.3f} ms/token, {v['achieved_gb_s']:.0f} GB/s, MBU {_fmt(v.get('mbu_ratio'))}"
+            for n, v in f["variants"].items()
+        )
+    if name == "overhead":
+        return "; ".join(
+            f"batch {b}: step {v['step_ms']:.2f} ms, outside {_fmt(v['outside_kernels_ratio'])}"
+            for b, v in f["batches"].items()
+        )
+    if name == "throughput":
+        parts = []
+        for system, v in f["systems"].items():
+            if v.get("status") != "ok":
+                parts.append(f"{system}: {v.get('status')}")
+                continue
+            tps = ", ".join(f"{w} {x['output_throughput']:.0f}" for w, x in v["workloads"].items())
+            parts.append(f"{system}: {tps} tok/s")
+        parts += [f"{k} {v:.2f}x" for k, v in f.get("ratios", {}).items()]
+        return "; ".join(parts)
+    return ", ".join(f"{k} {_fmt(v)}" for k, v in f.items() if not isinstance(v, dict | list))
