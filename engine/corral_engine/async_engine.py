@@ -4,6 +4,9 @@ The model's forward pass blocks, so the engine steps on a dedicated thread while
 keeps serving HTTP. Requests and aborts cross to the step thread through queues; outputs come back
 through `loop.call_soon_threadsafe`, one callback per step for all requests. A request's consumer
 that falls behind gets the outputs queued meanwhile merged into one.
+
+The engine is built (weights loaded, KV cache allocated) on a thread that then exits, never on
+the event loop's: see `_build_off_thread`.
 """
 
 from __future__ import annotations
@@ -29,12 +32,39 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
+def _build_off_thread(args: EngineArgs, settings: EngineSettings | None) -> LLMEngine:
+    """LLMEngine(args, settings), built on a short-lived thread.
+
+    OpenMP keeps a team of worker threads for every thread that ran a parallel region, for that
+    thread's whole life. Loading the model on the event loop's thread would leave its team idle
+    beside the step thread's; libgomp then counts more of its threads than cores and stops spinning
+    between regions altogether (its "throttled" spin count, 0 under OMP_WAIT_POLICY=PASSIVE), so
+    nearly every op of every step ended with both threads asleep on a futex: served W2 at 0.90x of
+    offline on 2 cores (docs/engine-speed.md, item 14). A loading thread's team goes when it exits,
+    leaving the step thread's as the only one."""
+    built: list[LLMEngine] = []
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            built.append(LLMEngine(args, settings))
+        except BaseException as e:  # re-raised on the caller's thread
+            failed.append(e)
+
+    loader = threading.Thread(target=build, name="corral-engine-load")
+    loader.start()
+    loader.join()
+    if failed:
+        raise failed[0]
+    return built[0]
+
+
 class AsyncEngine:
     def __init__(
         self, args: EngineArgs, engine: LLMEngine | None = None, settings: EngineSettings | None = None
     ) -> None:
         self.args = args
-        self.engine = engine or LLMEngine(args, settings)
+        self.engine = engine or _build_off_thread(args, settings)
         self.tokenizer: Any = self.engine.tokenizer
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len

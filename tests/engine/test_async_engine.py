@@ -144,3 +144,30 @@ async def test_an_error_behind_queued_outputs_comes_after_them(tiny_model_dir: p
             await anext(stream)
     finally:
         await engine.shutdown()
+
+
+def test_the_engine_is_built_off_the_event_loops_thread(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenMP keeps a worker team per thread that ran parallel work, for that thread's life; one
+    left on the event loop's thread beside the step thread's makes libgomp stop spinning between
+    regions (docs/engine-speed.md, item 14). So the model loads on a thread that is gone once
+    AsyncEngine exists, and a load failure still reaches the caller."""
+    import threading
+
+    from corral_engine import async_engine
+
+    loaders: list[threading.Thread] = []
+    real = async_engine.LLMEngine
+
+    def recording(*args: object, **kwargs: object) -> object:
+        loaders.append(threading.current_thread())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(async_engine, "LLMEngine", recording)
+    engine = AsyncEngine(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
+    assert engine.engine.model_config is not None
+    (loader,) = loaders
+    assert loader is not threading.current_thread() and not loader.is_alive()
+    with pytest.raises(Exception, match="no-such-model"):
+        AsyncEngine(EngineArgs(model=str(tiny_model_dir / "no-such-model"), dtype="float32"))
