@@ -20,9 +20,15 @@ from corral_engine.errors import ModelLoadError
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [blocks, block_size, KVH, D]
 
 
-def num_kv_blocks(args: EngineArgs, bytes_per_block: int, max_model_len: int) -> int:
-    """Blocks as given, else as many as the byte budget holds. Without either: a fixed budget, but
-    no more than twice what max_num_seqs full-length sequences can use (the surplus keeps
+def num_kv_blocks(
+    args: EngineArgs,
+    bytes_per_block: int,
+    max_model_len: int,
+    measured_bytes: Callable[[], int] | None = None,
+) -> int:
+    """Blocks as given, else as many as the byte budget holds. Without either: on CUDA
+    (`measured_bytes`, called only then) what the card has left; elsewhere a fixed budget, but no
+    more than twice what max_num_seqs full-length sequences can use (the surplus keeps
     prefix-cache entries alive), so small models stay small."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
@@ -34,6 +40,8 @@ def num_kv_blocks(args: EngineArgs, bytes_per_block: int, max_model_len: int) ->
                 f"{bytes_per_block} bytes; raise it"
             )
         return int(num)
+    if measured_bytes is not None:
+        return int(measured_bytes() // bytes_per_block)
     useful = 2 * args.max_num_seqs * -(-max_model_len // args.block_size)
     return int(max(1, min(DEFAULT_KV_CACHE_MEMORY_BYTES // bytes_per_block, useful)))
 

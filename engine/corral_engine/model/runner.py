@@ -80,18 +80,8 @@ class ModelRunner:
         self.model, self.matmul_plan = self._build_model()
         self.graphs: DecodeGraphs | None = None
         bytes_per_block = args.block_size * config.kv_bytes_per_token * self.dtype.itemsize
-        if self.device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory_bytes is None:
-            profile = profile_gpu_memory(TorchCudaMemory(self.device), self._run_maximal_step)
-            kv_bytes = gpu_kv_cache_bytes(profile, args.gpu_memory_utilization)
-            logger.info(
-                "%s; the KV cache gets %.2f GiB (--gpu-memory-utilization %s)",
-                profile.describe(),
-                kv_bytes / (1 << 30),
-                args.gpu_memory_utilization,
-            )
-            self.num_kv_blocks = int(kv_bytes // bytes_per_block)
-        else:
-            self.num_kv_blocks = num_kv_blocks(args, bytes_per_block, max_model_len)
+        measured = self._gpu_kv_bytes if self.device.type == "cuda" else None
+        self.num_kv_blocks = num_kv_blocks(args, bytes_per_block, max_model_len, measured)
         shape = (self.num_kv_blocks, self.block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = allocate_kv_caches(config.num_layers, shape, self.dtype, self.device)
         logger.info(
@@ -182,6 +172,18 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop what the runner keeps for it across steps."""
         self.batches.release(seq_id)
+
+    def _gpu_kv_bytes(self) -> int:
+        """What the card has left for the KV cache once a maximal step has run (logged)."""
+        profile = profile_gpu_memory(TorchCudaMemory(self.device), self._run_maximal_step)
+        kv_bytes = gpu_kv_cache_bytes(profile, self.args.gpu_memory_utilization)
+        logger.info(
+            "%s; the KV cache gets %.2f GiB (--gpu-memory-utilization %s)",
+            profile.describe(),
+            kv_bytes / (1 << 30),
+            self.args.gpu_memory_utilization,
+        )
+        return kv_bytes
 
     def _run_maximal_step(self) -> None:
         """One step as large as the scheduler allows (max_num_batched_tokens tokens over up to
