@@ -135,3 +135,19 @@ def _start_fetch(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.3)  # the first takes the lock before the second starts
     return proc
+
+
+def test_corral_up_fetches_once_and_hands_engines_the_directory(
+    hub: HubStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from corral_cli import cmd_up
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("CORRAL_MODEL_CACHE", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    cmd_up.add_arguments(parser)
+    fleet = cmd_up._fleet(parser.parse_args(["--model", "hf://org/tiny", "--replicas", "2"]))
+    entry = str(tmp_path / "hf" / "org" / "tiny" / "main")
+    assert fleet == {"org/tiny": [["--model", entry, "--served-model-name", "org/tiny"]] * 2}
