@@ -6,6 +6,7 @@ containers' logs; the operator's half reads the last one)."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import threading
 import time
@@ -25,6 +26,13 @@ def bytes_under(directory: Path) -> int:
         except OSError:
             continue  # renamed or removed while we looked
     return total
+
+
+def _terminal_size() -> dict[str, int]:
+    """tqdm's ncols and nrows. A terminal that reports 0x0 (a bare pty) gets 80x24: tqdm hides bars
+    beyond the last row, so 0 rows would show nothing."""
+    columns, lines = shutil.get_terminal_size((80, 24))
+    return {"ncols": columns or 80, "nrows": lines or 24}
 
 
 class Progress:
@@ -59,7 +67,7 @@ class Progress:
 
             self._bar = tqdm(
                 total=self.total_bytes, initial=self._start_bytes, unit="B", unit_scale=True,
-                desc=self.name, file=self.stream,
+                desc=self.name, file=self.stream, **_terminal_size(),
             )  # fmt: skip
         self._thread = threading.Thread(target=self._run, name="fetch-progress", daemon=True)
         self._thread.start()
