@@ -151,3 +151,26 @@ def test_corral_up_fetches_once_and_hands_engines_the_directory(
     fleet = cmd_up._fleet(parser.parse_args(["--model", "hf://org/tiny", "--replicas", "2"]))
     entry = str(tmp_path / "hf" / "org" / "tiny" / "main")
     assert fleet == {"org/tiny": [["--model", entry, "--served-model-name", "org/tiny"]] * 2}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE=1"),
+        ({"TRANSFORMERS_OFFLINE": "1"}, "HF_HUB_OFFLINE=1"),
+        ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hub cannot be reached"),
+    ],
+)
+def test_offline_or_unreachable_is_one_clear_line(
+    tmp_path: Path, extra: dict[str, str], message: str
+) -> None:
+    done = fetch_model("hf://org/tiny", "--cache-dir", str(tmp_path), env=clean_env(tmp_path, **extra))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "FetchFailed" in errors[0] and message in errors[0], done.stderr
+
+
+def test_the_offline_default_is_overridden_by_hf_hub_offline_0(hub: HubStandIn, tmp_path: Path) -> None:
+    env = clean_env(tmp_path, HF_ENDPOINT=hub.url, TRANSFORMERS_OFFLINE="1", HF_HUB_OFFLINE="0")
+    done = fetch_model("hf://org/tiny", "--cache-dir", str(tmp_path / "c"), env=env)
+    assert done.returncode == 0, done.stderr

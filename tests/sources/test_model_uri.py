@@ -99,3 +99,15 @@ def test_disk_errors_anywhere_in_the_chain() -> None:
         full = disk_error(outer)
     assert full is not None and (full.kind, full.exit_code) == ("disk_full", 5)
     assert disk_error(OSError(errno.EACCES, "Permission denied")) is None
+
+
+def test_settings_never_show_their_secrets() -> None:
+    secrets = {
+        "HF_TOKEN": "hf_secretValue123",
+        "AWS_SECRET_ACCESS_KEY": "awsSecret/456",
+        "AWS_SESSION_TOKEN": "tok789",
+    }
+    settings = SourceSettings(**secrets, AWS_ACCESS_KEY_ID="AKIAEXAMPLE")
+    shown = f"{settings!r} {settings} {settings.model_dump()} {settings.model_dump_json()}"
+    assert not any(value in shown for value in secrets.values())
+    assert settings.hf_token is not None and settings.hf_token.get_secret_value() == "hf_secretValue123"

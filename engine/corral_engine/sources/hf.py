@@ -14,7 +14,9 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
+    HTTPError,  # the base of the HTTP library's errors (httpx's, or httpx2's from huggingface_hub 2)
     LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -95,6 +97,14 @@ def _mapped(uri: ModelUri) -> Iterator[None]:
         if isinstance(cause, HfHubHTTPError):
             raise _from_status(uri, cause) from e
         raise FetchError("error", f"{uri.text}: the Hub cannot be reached") from e
+    except OfflineModeIsEnabled as e:
+        message = (
+            f"{uri.text} is not in the cache and HF_HUB_OFFLINE=1 (the engine images' default) forbids "
+            "downloading it: set HF_HUB_OFFLINE=0 where the download may happen"
+        )
+        raise FetchError("error", message) from e
+    except HTTPError as e:  # connection refused, DNS, timeouts
+        raise FetchError("error", f"{uri.text}: the Hub cannot be reached ({type(e).__name__})") from e
     except OSError as e:
         full = disk_error(e)
         if full is not None:
