@@ -4,6 +4,7 @@ serving the tiny demo checkpoint, and `corral fetch-model` run as a real process
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,6 +47,17 @@ def clean_env(home: Path, **extra: str) -> dict[str, str]:
     """This process's environment without the sources' variables, HOME at `home`, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in _SOURCE_ENV}
     return {**env, "HOME": str(home), "HF_HOME": str(home / "hf"), **extra}
+
+
+def small_tmpfs(directory: Path) -> list[str]:
+    """A command prefix that runs the command with a 256 KiB tmpfs on `directory`, mounted in a private
+    mount namespace (nothing outside sees it; it goes when the command ends); skips where not allowed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"'
+    prefix = ["unshare", "--mount", "sh", "-c", script, str(directory)]
+    if not shutil.which("unshare") or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs in a private mount namespace here")
+    return prefix
 
 
 def fetch_model(

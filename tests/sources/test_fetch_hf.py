@@ -5,7 +5,6 @@ code and one-line message, with the token never in the output."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from corral_engine.sources import FetchError, FetchOptions, parse, resolve_model
 from corral_engine.sources.cache import COMPLETE_MARKER
 from corral_engine.sources.progress import PROGRESS_EVENT
 
-from tests.sources.conftest import HF_TOKEN, HF_TOKEN_NO_ACCESS, clean_env, fetch_model
+from tests.sources.conftest import HF_TOKEN, HF_TOKEN_NO_ACCESS, clean_env, fetch_model, small_tmpfs
 from tests.sources.hub_standin import COMMIT, HubStandIn
 
 
@@ -117,13 +116,8 @@ def test_two_processes_sharing_a_cache_download_once(hub: HubStandIn, tmp_path: 
 def test_a_full_disk_is_reported_as_such(hub: HubStandIn, tmp_path: Path) -> None:
     """The cache on a 256 KiB tmpfs (mounted in a private mount namespace) cannot hold the weights."""
     cache = tmp_path / "small"
-    cache.mkdir()
-    script = 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"'
-    mount = ["unshare", "--mount", "sh", "-c", script, str(cache)]
-    if not shutil.which("unshare") or subprocess.run([*mount, "true"], capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs in a private mount namespace here")
     env = clean_env(tmp_path, HF_ENDPOINT=hub.url)
-    done = fetch_model("hf://org/tiny", "--cache-dir", str(cache), env=env, prefix=mount)
+    done = fetch_model("hf://org/tiny", "--cache-dir", str(cache), env=env, prefix=small_tmpfs(cache))
     assert done.returncode == 5, done.stderr
     assert "DiskFull" in done.stderr and "Traceback" not in done.stderr
 
@@ -174,3 +168,16 @@ def test_the_offline_default_is_overridden_by_hf_hub_offline_0(hub: HubStandIn, 
     env = clean_env(tmp_path, HF_ENDPOINT=hub.url, TRANSFORMERS_OFFLINE="1", HF_HUB_OFFLINE="0")
     done = fetch_model("hf://org/tiny", "--cache-dir", str(tmp_path / "c"), env=env)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_damaged_entry_is_fetched_again(hub: HubStandIn, tmp_path: Path) -> None:
+    options = FetchOptions(cache_dir=tmp_path, show_progress=False)
+    first = resolve_model(parse("hf://org/tiny"), settings(hub), options)
+    weights = first.path / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as fh:
+        fh.truncate(size // 2)
+    before = hub.file_gets("model.safetensors")
+    again = resolve_model(parse("hf://org/tiny"), settings(hub), options)
+    assert again.was_downloaded and weights.stat().st_size == size
+    assert hub.file_gets("model.safetensors") == before + 1

@@ -11,7 +11,7 @@ from corral_engine.settings import SourceSettings
 from corral_engine.sources import FetchOptions, parse, resolve_model
 from corral_engine.sources.cache import COMPLETE_MARKER
 
-from tests.sources.conftest import BUCKET, PREFIX, clean_env, fetch_model
+from tests.sources.conftest import BUCKET, PREFIX, clean_env, fetch_model, small_tmpfs
 from tests.sources.s3_server import S3Server
 
 URI = f"s3://{BUCKET}/{PREFIX}"
@@ -58,3 +58,12 @@ def test_cli_exit_codes_messages_and_no_secrets(
     else:
         errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
         assert len(errors) == 1 and reason in errors[0], output
+
+
+def test_a_full_disk_is_reported_as_such(s3: S3Server, tmp_path: Path) -> None:
+    cache = tmp_path / "small"
+    done = fetch_model(
+        URI, "--cache-dir", str(cache), env=clean_env(tmp_path, **s3.env()), prefix=small_tmpfs(cache)
+    )
+    assert done.returncode == 5, done.stderr
+    assert "DiskFull" in done.stderr and "Traceback" not in done.stderr

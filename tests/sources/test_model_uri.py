@@ -78,10 +78,14 @@ def test_verify_files_checks_sizes_digests_and_shards(tiny_model_dir: Path, tmp_
     size = (model / "config.json").stat().st_size
     verify_files(model, [ExpectedFile("config.json", size_bytes=size)])
     for wrong in (ExpectedFile("config.json", size_bytes=size + 1), ExpectedFile("config.json", md5="0" * 32),
-                  ExpectedFile("config.json", sha256="0" * 64), ExpectedFile("absent.json")):  # fmt: skip
+                  ExpectedFile("config.json", sha256="0" * 64)):  # fmt: skip
         with pytest.raises(FetchError) as e:
             verify_files(model, [wrong])
         assert e.value.exit_code == 6
+        assert not (model / "config.json").exists()  # so the next try downloads it again
+        shutil.copy(tiny_model_dir / "config.json", model / "config.json")
+    with pytest.raises(FetchError, match="missing"):
+        verify_files(model, [ExpectedFile("absent.json")])
     index = {"weight_map": {"a": "model-00001.safetensors", "b": "model-00002.safetensors"}}
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     (model / "model-00001.safetensors").write_bytes(b"x")

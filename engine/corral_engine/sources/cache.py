@@ -61,7 +61,18 @@ def entry_dir(cache_dir: Path, uri: ModelUri, endpoint: str | None = None) -> Pa
 
 
 def is_complete(entry: Path) -> bool:
-    return (entry / COMPLETE_MARKER).is_file()
+    """The marker is there and every file it lists still has its size (a stat each, no reading: a
+    file deleted or truncated since makes the entry incomplete, and the next fetch repairs it)."""
+    try:
+        listed = json.loads((entry / COMPLETE_MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    for name, size in listed.items():
+        path = entry / name
+        if not path.is_file() or (size is not None and path.stat().st_size != size):
+            log.warning("%s in the cache lost %s since it was fetched; fetching again", entry, name)
+            return False
+    return True
 
 
 def mark_complete(entry: Path, uri: ModelUri, commit: str | None, files: list[ExpectedFile]) -> None:
@@ -93,18 +104,33 @@ def entry_lock(entry: Path) -> Iterator[None]:
         lock.release()
 
 
+def forget_damaged(directory: Path, expected: list[ExpectedFile]) -> None:
+    """Before a download: drop the marker and every file whose size differs from the listing, so the
+    clients (which skip a file they once finished) fetch those again."""
+    (directory / COMPLETE_MARKER).unlink(missing_ok=True)
+    for f in expected:
+        path = directory / f.name
+        if f.size_bytes is not None and path.is_file() and path.stat().st_size != f.size_bytes:
+            path.unlink()
+
+
 def verify_files(directory: Path, expected: list[ExpectedFile]) -> None:
-    """Every listed file is there with the listed size and digest, and the directory is a checkpoint."""
+    """Every listed file is there with the listed size and digest, and the directory is a checkpoint.
+    A file that fails is deleted, so that the next try downloads it again."""
     for f in expected:
         path = directory / f.name
         if not path.is_file():
             raise FetchError("corrupt", f"{f.name} is missing after the download")
         size = path.stat().st_size
+        problem = None
         if f.size_bytes is not None and size != f.size_bytes:
-            raise FetchError("corrupt", f"{f.name} has {size} bytes, the source lists {f.size_bytes}")
+            problem = f"{f.name} has {size} bytes, the source lists {f.size_bytes}"
         for algorithm, want in (("sha256", f.sha256), ("md5", f.md5)):
-            if want is not None and _digest(path, algorithm) != want:
-                raise FetchError("corrupt", f"{f.name}'s {algorithm} differs from the source's")
+            if problem is None and want is not None and _digest(path, algorithm) != want:
+                problem = f"{f.name}'s {algorithm} differs from the source's"
+        if problem is not None:
+            path.unlink()
+            raise FetchError("corrupt", problem)
     verify_checkpoint(directory)
 
 

@@ -85,6 +85,7 @@ def _download(uri: ModelUri, settings: SourceSettings, options: FetchOptions, en
         listing = hf.list_files(uri)
         files, commit = listing.files, listing.commit
         log.info("fetching %s (commit %s, %d files) into %s", uri.text, commit[:12], len(files), entry)
+        cache.forget_damaged(entry, files)
         with _progress(uri, entry, files, options):
             hf.download(uri, listing, entry)
     else:
@@ -93,6 +94,7 @@ def _download(uri: ModelUri, settings: SourceSettings, options: FetchOptions, en
         s3 = S3Source(settings, options.s3_endpoint)
         files, commit = s3.list_files(uri), None
         log.info("fetching %s (%d files) into %s", uri.text, len(files), entry)
+        cache.forget_damaged(entry, files)
         with _progress(uri, entry, files, options):
             s3.download(uri, files, entry)
     cache.verify_files(entry, files)
