@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from e2e.procs import EngineProcess, start_engine
+from e2e.procs import EngineProcess, free_port, start_engine
 from tests.sources.conftest import BUCKET, HF_TOKEN, PREFIX
 from tests.sources.hub_standin import HubStandIn, Repo
 from tests.sources.s3_server import S3Server, moto_s3
@@ -45,12 +45,22 @@ def chat(engine: EngineProcess, model: str) -> None:
     assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens > 0
 
 
-def test_hf_uri_serves_then_restarts_from_the_cache(hub: HubStandIn, tmp_path: Path) -> None:
+def test_two_replicas_on_one_cache_download_once_then_restart_offline(
+    hub: HubStandIn, tmp_path: Path
+) -> None:
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": HF_TOKEN, "CORRAL_MODEL_CACHE": str(tmp_path / "cache")}
-    with start_engine("hf://org/tiny-chat", log_dir=tmp_path, env=env, **FLAGS) as engine:
-        chat(engine, "org/tiny-chat")
-        log = engine.log_tail(200_000)
-    assert HF_TOKEN not in log
+    hub.chunk_delay_s = 0.05  # the weights take ~0.7 s, so the second replica asks mid-download
+    try:
+        uri = "hf://org/tiny-chat"
+        replicas = [EngineProcess(uri, free_port(), FLAGS, log_dir=tmp_path, env=env) for _ in range(2)]
+        with replicas[0], replicas[1]:
+            for engine in replicas:
+                engine.wait_ready(120.0)
+                chat(engine, "org/tiny-chat")
+            logs = [engine.log_tail(200_000) for engine in replicas]
+    finally:
+        hub.chunk_delay_s = 0.0
+    assert not any(HF_TOKEN in log for log in logs)
     assert hub.file_gets("model.safetensors") == 1
 
     # The Hub gone and no token: the complete entry loads with no network access.
