@@ -127,7 +127,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def _with_local_model(args: argparse.Namespace, engine_args: EngineArgs) -> EngineArgs:
     """EngineArgs naming the local checkpoint the URI resolves to (downloaded into the cache first
     when it is not complete there), served under the URI's name unless one was given."""
-    resolved = cmd_fetch_model.fetch(args)
+    resolved = cmd_fetch_model.fetch(args.model, cache_dir=args.model_cache_dir, s3_endpoint=args.s3_endpoint)
     if resolved.uri.scheme == "local":
         return engine_args
     name = engine_args.served_model_name or resolved.uri.default_served_name

@@ -50,31 +50,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def fetch(
-    args: argparse.Namespace, *, revision: str | None = None, show_progress: bool = True
+    text: str,
+    *,
+    cache_dir: str | None = None,
+    s3_endpoint: str | None = None,
+    revision: str | None = None,
+    show_progress: bool = True,
 ) -> ResolvedModel:
-    """The URI in `args` (`uri`, or `model` for `corral engine`) resolved to a local directory."""
+    """The model URI `text` resolved to a local directory (what `corral engine` and `up` call too)."""
     for name in CLIENT_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         settings = SourceSettings()  # the cache and the credentials, read here once
     except ValidationError as e:
-        raise FetchError("invalid", f"invalid model source setting in the environment: {e}") from e
-    uri = parse(getattr(args, "uri", None) or args.model, revision)
-    options = FetchOptions(
-        cache_dir=_path(args.model_cache_dir), s3_endpoint=args.s3_endpoint, show_progress=show_progress
-    )
+        # The variables' names only: pydantic's message quotes the values.
+        names = ", ".join(sorted({str(error["loc"][0]) for error in e.errors() if error["loc"]}))
+        raise FetchError("invalid", f"invalid model source setting in the environment: {names}") from e
+    uri = parse(text, revision)
+    cache = Path(cache_dir).expanduser() if cache_dir else None
+    options = FetchOptions(cache_dir=cache, s3_endpoint=s3_endpoint, show_progress=show_progress)
     return resolve_model(uri, settings, options)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        resolved = fetch(args, revision=args.revision, show_progress=not args.quiet)
+        resolved = fetch(
+            args.uri,
+            cache_dir=args.model_cache_dir,
+            s3_endpoint=args.s3_endpoint,
+            revision=args.revision,
+            show_progress=not args.quiet,
+        )
     except FetchError as e:
         log.error("%s", e.one_line())
         return e.exit_code
     sys.stdout.write(f"{resolved.path}\n")
     return 0
-
-
-def _path(text: str | None) -> Path | None:
-    return Path(text).expanduser() if text else None

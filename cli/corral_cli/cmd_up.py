@@ -84,8 +84,7 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     """The checkpoint directory and its default served name (the demo model's is 'demo')."""
     if args.model is not None:
         # Once here, with the progress on this terminal, rather than in every engine process.
-        source = argparse.Namespace(model=args.model, model_cache_dir=None, s3_endpoint=None)
-        resolved = fetch(source)
+        resolved = fetch(args.model)
         return resolved.path, resolved.uri.default_served_name
     demo_dir = (
         DEFAULT_DEMO_DIR if args.demo_preset == "tiny" else DEFAULT_DEMO_DIR.with_name("demo-model-small")
