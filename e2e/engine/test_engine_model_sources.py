@@ -48,7 +48,12 @@ def chat(engine: EngineProcess, model: str) -> None:
 def test_two_replicas_on_one_cache_download_once_then_restart_offline(
     hub: HubStandIn, tmp_path: Path
 ) -> None:
-    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": HF_TOKEN, "CORRAL_MODEL_CACHE": str(tmp_path / "cache")}
+    env = {
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": HF_TOKEN,
+        "CORRAL_MODEL_CACHE": str(tmp_path / "cache"),
+    }
     hub.chunk_delay_s = 0.05  # the weights take ~0.7 s, so the second replica asks mid-download
     try:
         uri = "hf://org/tiny-chat"
@@ -64,7 +69,7 @@ def test_two_replicas_on_one_cache_download_once_then_restart_offline(
     assert hub.file_gets("model.safetensors") == 1
 
     # The Hub gone and no token: the complete entry loads with no network access.
-    offline = {**env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": ""}
+    offline = {**env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "", "HF_HUB_OFFLINE": "1"}
     with start_engine("hf://org/tiny-chat", log_dir=tmp_path, env=offline, **FLAGS) as engine:
         chat(engine, "org/tiny-chat")
 
@@ -79,7 +84,7 @@ def test_s3_uri_serves_a_chat_completion(s3: S3Server, tmp_path: Path) -> None:
 
 def test_an_unfetchable_model_exits_with_its_reason(hub: HubStandIn, tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", "hf://org/absent"]
-    env = {"HF_ENDPOINT": hub.url, "CORRAL_MODEL_CACHE": str(tmp_path)}
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "CORRAL_MODEL_CACHE": str(tmp_path)}
     done = subprocess.run(argv, env=_with(env), capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 3, done.stderr
     assert "ModelNotFound" in done.stderr and "Traceback" not in done.stderr
