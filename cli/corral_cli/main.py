@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("corral_cli.cmd_operator", "run the Kubernetes operator for LLMDeployments"),
     "up": ("corral_cli.cmd_up", "run a local fleet: engines and a gateway on this machine"),
     "bench": ("corral_cli.cmd_bench", "benchmark an OpenAI-compatible endpoint"),
+    "fetch-model": ("corral_cli.cmd_fetch_model", "download a model (hf://, s3://) into the model cache"),
     "demo-model": ("corral_cli.cmd_demo_model", "write a random-weight HF checkpoint"),
 }
 
