@@ -75,9 +75,13 @@ def test_apply_creates_owned_children_running_pods_and_available_status(
                 == 6
             ),
         )
+    # the habitual wait works: Ready follows the pods that take traffic
+    cluster.kubectl("wait", "--for=condition=Ready", "llmd/tiny", "-n", ns, "--timeout=60s")
     table = cluster.kubectl("get", "llmd", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODEL", "ENGINE", "READY", "REPLICAS", "KV%", "WAITING", "AGE"]
-    assert table[1].split()[:7] == ["tiny", "tiny", "corral", "2", "2", "25", "6"]
+    header = ["NAME", "MODEL", "ENGINE", "READY", "UP", "REPLICAS", "KV%", "WAITING", "URL", "AGE"]
+    assert table[0].split() == header
+    url = f"http://tiny.{ns}.svc:{port}"
+    assert table[1].split()[:9] == ["tiny", "tiny", "corral", "True", "2", "2", "25", "6", url]
 
 
 def test_spec_change_rolls_the_deployment_and_observed_generation_follows(

@@ -27,10 +27,12 @@ NAME_RULE = spec.cel(
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind"},
-    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Up", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready replicas"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
     {"name": "KV%", "type": "integer", "jsonPath": ".status.load.kvUsagePercent"},
     {"name": "Waiting", "type": "integer", "jsonPath": ".status.load.numRequestsWaiting"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

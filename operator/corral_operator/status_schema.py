@@ -12,7 +12,7 @@ from corral_operator.spec import _Model
 
 
 class Condition(_Model):
-    type: Literal["Available", "Progressing", "Degraded"]
+    type: Literal["Ready", "Available", "Progressing", "Degraded"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=128)
     message: str = Field(default="", max_length=4096)
