@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from corral_operator import spec
+from corral_operator.spec_base import SpecModel
 from corral_operator.status_schema import LLMDeploymentStatus
 
 CRD_NAME = f"{spec.PLURAL}.{spec.GROUP}"
@@ -113,7 +114,7 @@ def _is_optional(prop: dict[str, Any]) -> bool:
     return any(b.get("type") == "null" for b in prop.get("anyOf", ()))
 
 
-def openapi_schema(model: type[spec._Model]) -> dict[str, Any]:
+def openapi_schema(model: type[SpecModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True)
     defs = raw.pop("$defs", {})
     schema = _structural(raw, defs)

@@ -90,4 +90,6 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         _with("engine.args.speculative", {"numSpeculativeTokens": 64}),
         "numSpeculativeTokens",
     ),
+    ("shm-size-not-a-quantity", _with("pod", {"shmSize": "lots"}), "shmSize"),
+    ("probe-period-zero", _with("pod", {"probes": {"readiness": {"periodSeconds": 0}}}), "periodSeconds"),
 ]

@@ -182,3 +182,64 @@ def test_service_targets_the_named_port() -> None:
     assert svc["spec"]["selector"] == labels.selector("tiny")
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
     assert render.endpoint_url(OWNER, _spec()) == "http://tiny.ml.svc:8000"
+
+
+def test_pod_escape_hatches_reach_the_pod_and_merge_over_the_defaults() -> None:
+    raw = valid_spec()
+    raw["pod"] = {
+        "imagePullSecrets": ["regcred"],
+        "envFrom": [{"secretRef": {"name": "hf-token"}}],
+        "runtimeClassName": "nvidia",
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}
+        ],
+        "securityContext": {"runAsUser": 2000, "fsGroup": 2000},
+        "containerSecurityContext": {"readOnlyRootFilesystem": False},
+        "probes": {"startup": {"failureThreshold": 1440}, "liveness": {"timeoutSeconds": 10}},
+        "annotations": {"sidecar.istio.io/inject": "true"},
+    }
+    template = render.deployment(OWNER, parse_spec(raw))["spec"]["template"]
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["runtimeClassName"] == "nvidia"
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["labelSelector"] == {"matchLabels": labels.selector(OWNER.name)}
+    assert spread["maxSkew"] == 1
+    assert container["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsNonRoot"]) == (2000, True)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert (startup["failureThreshold"], startup["periodSeconds"]) == (1440, 5)
+    assert (liveness["timeoutSeconds"], liveness["httpGet"]["path"]) == (10, "/health")
+    assert template["metadata"]["annotations"] == {"sidecar.istio.io/inject": "true"}
+
+
+def test_defaults_leave_the_pod_as_before_and_run_as_the_images_user() -> None:
+    pod = render.deployment(OWNER, parse_spec(valid_spec()))["spec"]["template"]["spec"]
+    for key in ("imagePullSecrets", "runtimeClassName", "topologySpreadConstraints"):
+        assert key not in pod
+    assert "envFrom" not in pod["containers"][0]
+    assert pod["securityContext"]["runAsUser"] == 10001  # USER in docker/engine.Dockerfile
+    assert "dshm" not in {v["name"] for v in pod["volumes"]}
+
+
+@pytest.mark.parametrize("kind", ["corral", "vllm"])
+def test_gpu_pods_get_shared_memory_and_vllm_spans_its_gpus(kind: str) -> None:
+    raw = valid_spec()
+    raw["engine"] = {"kind": kind, "image": "engine:test"}
+    raw["resources"] = {"gpu": 4}
+    raw["pod"] = {"shmSize": "16Gi"}
+    dep = render.deployment(OWNER, parse_spec(raw))
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    argv = pod["containers"][0].get("args", []) + pod["containers"][0].get("command", [])
+    if kind == "vllm":
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    else:  # the bundled engine has no tensor parallelism yet (issue 27): one GPU is used
+        assert "--tensor-parallel-size" not in argv
+    raw["engine"]["extraArgs"] = ["--tensor-parallel-size=2", "--pipeline-parallel-size=2"]
+    args = render.engine_container(parse_spec(raw)).get("args", [])
+    assert "--tensor-parallel-size" not in args  # the user's own split wins
