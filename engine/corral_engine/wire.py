@@ -40,6 +40,10 @@ NUM_REQUESTS_REJECTED_TOTAL = "corral_engine_requests_rejected_total"  # label: 
 NUM_STEPS_TOTAL = "corral_engine_steps_total"
 STEP_DURATION_SECONDS = "corral_engine_step_duration_seconds"
 
+# The gateway's per-model queue (label `model`): requests held for a model, woken from zero included.
+# KEDA-mode autoscaling activates a model at zero replicas on it.
+GATEWAY_QUEUE_LENGTH = "corral_gateway_queue_length"
+
 # Load headers on every engine response, so a gateway learns load from its own traffic.
 HEADER_NUM_RUNNING = "x-corral-num-running"
 HEADER_NUM_WAITING = "x-corral-num-waiting"

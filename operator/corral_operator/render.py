@@ -6,16 +6,17 @@ removes it with the LLMDeployment and the operator can prune what the spec no lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from corral_operator import labels
+from corral_operator import autoscalers, labels
 from corral_operator.engine_command import MODEL_MOUNT_PATH, corral_command, model_path_in_pod, vllm_args
 from corral_operator.pod_spec import ProbeTiming
 from corral_operator.spec import API_VERSION, KIND, HostPathSource, LLMDeploymentSpec
 
 Obj = dict[str, Any]
+SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 RUN_AS_UID = 10001  # the corral images' user (docker/*.Dockerfile)
 PORT_NAME = "http"
 
@@ -256,11 +257,17 @@ def endpoint_url(owner: Owner, spec: LLMDeploymentSpec) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{spec.engine.port}"
 
 
-def desired_objects(owner: Owner, spec: LLMDeploymentSpec, *, has_service_monitor_crd: bool) -> list[Obj]:
-    """Everything the spec asks for; a PDB only when two or more replicas can keep serving."""
+def desired_objects(owner: Owner, spec: LLMDeploymentSpec, *, crds: Collection[str]) -> list[Obj]:
+    """Everything the spec asks for; a PDB only when two or more replicas can keep serving; objects
+    of optional CRDs (ServiceMonitor, ScaledObject) only when `crds` (installed CRD names) has them."""
     objects = [deployment(owner, spec), service(owner, spec)]
     if spec.replicas >= 2:
         objects.append(pod_disruption_budget(owner, spec))
-    if has_service_monitor_crd:
+    if SERVICE_MONITOR_CRD in crds:
         objects.append(service_monitor(owner, spec))
+    mode = spec.autoscaling.mode if spec.autoscaling else None
+    if mode == "hpa":
+        objects.append(autoscalers.horizontal_pod_autoscaler(_metadata(owner, spec), spec))
+    elif mode == "keda" and autoscalers.SCALED_OBJECT_CRD in crds:
+        objects.append(autoscalers.scaled_object(_metadata(owner, spec), spec))
     return objects

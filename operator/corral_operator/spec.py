@@ -130,13 +130,34 @@ class Toleration(SpecModel):
     toleration_seconds: int | None = None
 
 
+AutoscalingMode = Literal["builtin", "hpa", "keda"]
+HPA_ZERO_MESSAGE = "autoscaling.minReplicas 0 needs mode builtin or keda: an HPA cannot scale to zero"
+KEDA_URL_MESSAGE = "autoscaling.prometheusUrl is required in keda mode (KEDA's triggers query it)"
+
+
 class AutoscalingSpec(SpecModel):
-    """Scale on engine load: waiting requests per replica and KV cache usage, HPA-style windows."""
+    """Scale on engine load: waiting requests per replica and KV cache usage, HPA-style windows.
+
+    mode builtin: the operator scrapes the pods and writes spec.replicas (scale subresource).
+    mode hpa / keda: the operator renders a HorizontalPodAutoscaler / KEDA ScaledObject on the
+    scale subresource and never writes spec.replicas (GitOps tools then see no drift).
+    """
 
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= maxReplicas"),
+            cel("!has(self.mode) || self.mode != 'hpa' || self.minReplicas >= 1", HPA_ZERO_MESSAGE),
+            cel("!has(self.mode) || self.mode != 'keda' || has(self.prometheusUrl)", KEDA_URL_MESSAGE),
         )
+    )
+    mode: AutoscalingMode = Field(
+        default="builtin", description="builtin (the operator scales), hpa or keda (they scale; see docs)."
+    )
+    prometheus_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        max_length=2048,
+        description="Prometheus that scrapes the engines and the gateway (keda mode).",
     )
     min_replicas: int = Field(default=1, ge=0, le=1000, description="0 allows scale to zero.")
     max_replicas: int = Field(default=4, ge=1, le=1000, description="Upper bound for the autoscaler.")
@@ -161,7 +182,15 @@ class AutoscalingSpec(SpecModel):
     def _check(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError("autoscaling.minReplicas must be <= maxReplicas")
+        if self.mode == "hpa" and self.min_replicas < 1:
+            raise ValueError(HPA_ZERO_MESSAGE)
+        if self.mode == "keda" and self.prometheus_url is None:
+            raise ValueError(KEDA_URL_MESSAGE)
         return self
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.mode == "builtin"
 
 
 IntOrPercent = int | Annotated[str, Field(pattern=PERCENT_OR_INT)]
