@@ -30,7 +30,6 @@ EngineKind = Literal["corral", "vllm"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
-LABEL_VALUE_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
 PERCENT_OR_INT = r"^[0-9]+%?$"
 
 
@@ -70,15 +69,40 @@ class ModelSource(SpecModel):
         return self
 
 
-class ModelSpec(SpecModel):
-    """The model: its served name and where its checkpoint (config, tokenizer, weights) lives."""
+# OpenAI-style model ids: letters, digits and . _ - : / (e.g. meta-llama/Llama-3.1-8B-Instruct),
+# starting and ending with a letter or digit.
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._:/-]{0,126}[A-Za-z0-9])?$"
+ServedName = Annotated[str, Field(pattern=SERVED_NAME_PATTERN, max_length=128)]
+ALIAS_MESSAGE = "model.aliases must differ from model.name and from each other"
 
-    name: str = Field(
-        pattern=LABEL_VALUE_PATTERN,
-        max_length=63,
-        description="Served model name (the OpenAI `model`); also the pods' corral.dev/model label value.",
+
+class ModelSpec(SpecModel):
+    """The model: its served name(s) and where its checkpoint (config, tokenizer, weights) lives."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!has(self.aliases) || (!(self.name in self.aliases)"
+                " && self.aliases.all(a, self.aliases.exists_one(b, b == a)))",
+                ALIAS_MESSAGE,
+            )
+        )
+    )
+    name: ServedName = Field(
+        description="Served model name (the OpenAI `model`), e.g. meta-llama/Llama-3.1-8B-Instruct.",
+    )
+    aliases: list[ServedName] = Field(
+        default_factory=list,
+        max_length=8,
+        description="More names clients may ask for; the gateway routes them here and sends `name` upstream.",
     )
     source: ModelSource
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.name in self.aliases or len(set(self.aliases)) != len(self.aliases):
+            raise ValueError(ALIAS_MESSAGE)
+        return self
 
 
 def _corral_only_rule() -> dict[str, str]:
