@@ -90,4 +90,13 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         _with("engine.args.speculative", {"numSpeculativeTokens": 64}),
         "numSpeculativeTokens",
     ),
+    ("shm-size-not-a-quantity", _with("pod", {"shmSize": "lots"}), "shmSize"),
+    ("probe-period-zero", _with("pod", {"probes": {"readiness": {"periodSeconds": 0}}}), "periodSeconds"),
+    (
+        "hpa-to-zero",
+        _with("autoscaling", {"mode": "hpa", "minReplicas": 0, "maxReplicas": 2}),
+        "an HPA cannot scale to zero",
+    ),
+    ("keda-without-prometheus", _with("autoscaling", {"mode": "keda"}), "prometheusUrl is required"),
+    ("unknown-autoscaling-mode", _with("autoscaling", {"mode": "vpa"}), "mode"),
 ]
