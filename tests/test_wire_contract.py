@@ -83,3 +83,9 @@ def test_openai_style_names_and_aliases_reach_the_gateway_through_the_llmdeploym
     upstream = Route("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct")
     assert found.names.routes["llama-8b"] == upstream
     assert found.names.routes["ml/llama-8b"] == upstream
+
+
+def test_fetch_exit_codes_mean_the_same_to_the_fetcher_and_the_operator() -> None:
+    from corral_engine.sources.errors import KINDS
+
+    assert {code: reason for code, reason in KINDS.values()} == wire.FETCH_EXIT_REASONS

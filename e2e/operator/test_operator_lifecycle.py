@@ -240,3 +240,30 @@ def test_pod_escape_hatches_are_accepted_by_the_api_server_and_reach_running_pod
     assert engine["startupProbe"]["failureThreshold"] == 720
     dshm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+
+
+def test_a_hub_model_gets_a_fetch_init_container_and_its_token_stays_in_its_secret(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    token = "hf_e2e_secret_value_never_shown"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub", "namespace": ns}}
+    cluster.apply(yaml.safe_dump({**secret, "stringData": {"HF_TOKEN": token}}))
+    doc = llmdeployment("hub", ns, replicas=1)
+    doc["spec"]["model"] = {
+        "name": "org/tiny-chat",
+        "uri": "hf://org/tiny-chat@main",
+        "credentialsSecret": "hub",
+        "cache": {"sizeLimit": "1Gi"},
+    }
+    cluster.apply(yaml.safe_dump(doc))
+    cluster.kubectl("wait", "--for=condition=Ready", "llmd/hub", "-n", ns, "--timeout=60s")
+    template = cluster.get_json("deployment", "hub", "-n", ns)["spec"]["template"]["spec"]
+    (fetch,) = template["initContainers"]
+    assert fetch["command"][:3] == ["corral", "fetch-model", "hf://org/tiny-chat@main"]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hub"}}]
+    command = template["containers"][0]["command"]
+    assert command[command.index("--model") + 1] == "hf://org/tiny-chat@main"
+    seen = cluster.kubectl("get", "llmd,deployment,pods,events", "-n", ns, "-o", "json").stdout
+    assert token not in seen

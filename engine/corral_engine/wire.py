@@ -48,6 +48,18 @@ STEP_DURATION_SECONDS = "corral_engine_step_duration_seconds"
 # KEDA-mode autoscaling activates a model at zero replicas on it.
 GATEWAY_QUEUE_LENGTH = "corral_gateway_queue_length"
 
+# `corral fetch-model` (the init container that downloads hf:// and s3:// models): its container name
+# and exit code -> the reason a status condition shows (sources/errors.py:KINDS says the same).
+FETCH_CONTAINER = "fetch-model"
+FETCH_EXIT_REASONS = {
+    1: "FetchFailed",
+    2: "InvalidModelURI",
+    3: "ModelNotFound",
+    4: "ModelUnauthorized",
+    5: "DiskFull",
+    6: "ModelCorrupt",
+}
+
 # Load headers on every engine response, so a gateway learns load from its own traffic.
 HEADER_NUM_RUNNING = "x-corral-num-running"
 HEADER_NUM_WAITING = "x-corral-num-waiting"

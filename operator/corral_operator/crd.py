@@ -45,6 +45,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
+    is_collapsed = False  # an optional's branch, already rewritten (nested defaults included)
     if "$ref" in node:
         target = defs[node.pop("$ref").split("/")[-1]]
         node = {**target, **node}
@@ -54,6 +55,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             del node["default"]
         if len(branches) == 1:
             node = {**_structural(branches[0], defs), **node}
+            is_collapsed = True
         elif {b.get("type") for b in branches} == {"integer", "string"}:
             node.pop("type", None)
             node["x-kubernetes-int-or-string"] = True
@@ -81,7 +83,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = value
     if out.get("type") == "object" and node.get("additionalProperties") is True and "properties" not in out:
         out["x-kubernetes-preserve-unknown-fields"] = True
-    _default_nested_objects(out, node)
+    if not is_collapsed:
+        _default_nested_objects(out, node)
     return _ordered(out)
 
 

@@ -131,11 +131,11 @@ def reconcile(
 
 
 def _observe(ctx: Context, owner: Owner, spec: LLMDeploymentSpec, base: Observed) -> Observed:
-    """What status depends on, read from the API: the Deployment, its Pods, the model's PVC."""
-    pvc = spec.model.source.pvc
-    missing_pvc = None
-    if pvc is not None and ctx.kube.get("PersistentVolumeClaim", owner.namespace, pvc.claim_name) is None:
-        missing_pvc = pvc.claim_name
+    """What status depends on, read from the API: the Deployment, its Pods, the model's PVCs."""
+    missing_pvc = next(
+        (c for c in spec.model.claims if ctx.kube.get("PersistentVolumeClaim", owner.namespace, c) is None),
+        None,
+    )
     return dataclasses.replace(
         base,
         desired_replicas=spec.replicas,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from corral_operator import autoscalers, labels
-from corral_operator.engine_command import MODEL_MOUNT_PATH, corral_command, model_path_in_pod, vllm_args
+from corral_operator.engine_command import corral_command, model_path_in_pod, vllm_args
+from corral_operator.model_volumes import fetch_container, model_volumes, s3_env
 from corral_operator.pod_spec import ProbeTiming
-from corral_operator.spec import API_VERSION, KIND, HostPathSource, LLMDeploymentSpec
+from corral_operator.spec import API_VERSION, KIND, LLMDeploymentSpec
 
 Obj = dict[str, Any]
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
@@ -78,19 +79,10 @@ def _has_shm(spec: LLMDeploymentSpec) -> bool:
 
 
 def _volumes(spec: LLMDeploymentSpec) -> tuple[list[Obj], list[Obj]]:
-    """(pod volumes, engine mounts): the weights read-only, a writable /tmp, shared memory for vLLM."""
-    source = spec.model.source
-    if source.pvc is not None:
-        model_volume: Obj = {"persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
-    else:
-        # A validated spec has exactly one source (spec.ModelSource), so without a PVC it is a hostPath.
-        host_path = cast(HostPathSource, source.host_path)
-        model_volume = {"hostPath": {"path": host_path.path, "type": "Directory"}}
-    volumes: list[Obj] = [{"name": "model", **model_volume}, {"name": "tmp", "emptyDir": {}}]
-    mounts: list[Obj] = [
-        {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True},
-        {"name": "tmp", "mountPath": "/tmp"},
-    ]
+    """(pod volumes, engine mounts): the weights (or their cache), a writable /tmp, shared memory."""
+    volumes, mounts = model_volumes(spec)
+    volumes.append({"name": "tmp", "emptyDir": {}})
+    mounts.append({"name": "tmp", "mountPath": "/tmp"})
     if _has_shm(spec):
         shm: Obj = {"medium": "Memory"}
         if spec.pod.shm_size:
@@ -108,9 +100,31 @@ def _env(spec: LLMDeploymentSpec) -> list[Obj]:
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
+    base += s3_env(spec)
     user = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pod.env]
     user_names = {e["name"] for e in user}
     return [e for e in base if e["name"] not in user_names] + user
+
+
+def _container_security(spec: LLMDeploymentSpec) -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+        **spec.pod.container_security_context,
+    }
+
+
+def _init_containers(spec: LLMDeploymentSpec) -> list[Obj]:
+    """The model download, sized like the engine without its GPUs (it needs none)."""
+    resources = {
+        k: {r: v for r, v in amounts.items() if r != "nvidia.com/gpu"}
+        for k, amounts in _resources(spec).items()
+    }
+    fetch = fetch_container(spec, _container_security(spec), resources)
+    return [fetch] if fetch is not None else []
 
 
 def engine_container(spec: LLMDeploymentSpec) -> Obj:
@@ -136,14 +150,7 @@ def engine_container(spec: LLMDeploymentSpec) -> Obj:
         "startupProbe": _probe(PORT_NAME, period_s=5, failures=360, timing=probes.startup),
         "readinessProbe": _probe(PORT_NAME, period_s=5, failures=2, timing=probes.readiness),
         "livenessProbe": _probe(PORT_NAME, period_s=10, failures=3, timing=probes.liveness),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-            **spec.pod.container_security_context,
-        },
+        "securityContext": _container_security(spec),
     }
     if spec.pod.env_from:
         container["envFrom"] = list(spec.pod.env_from)
@@ -195,6 +202,8 @@ def deployment(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
     if spec.pod.priority_class_name:
         pod_spec["priorityClassName"] = spec.pod.priority_class_name
     pod_spec |= _pod_extras(owner, spec)
+    if init := _init_containers(spec):
+        pod_spec["initContainers"] = init
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -13,7 +13,9 @@ from corral_engine import wire
 from corral_engine.args import OPTIONS
 from pydantic import ConfigDict, Field, model_validator
 
+from corral_operator import spec_base
 from corral_operator.engine_args_spec import EngineArgsSpec, corral_only_fields, given_options
+from corral_operator.model_spec import ModelSpec
 from corral_operator.pod_spec import OPEN_OBJECT, PodSpecOverrides
 from corral_operator.spec_base import SpecError, SpecModel, cel, validations
 
@@ -29,80 +31,8 @@ API_VERSION = wire.API_VERSION
 EngineKind = Literal["corral", "vllm"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
-QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
+QUANTITY_PATTERN = spec_base.QUANTITY_PATTERN
 PERCENT_OR_INT = r"^[0-9]+%?$"
-
-
-class PvcSource(SpecModel):
-    """Weights on a PersistentVolumeClaim, mounted read-only at /models."""
-
-    claim_name: str = Field(min_length=1, max_length=253, description="PVC in the same namespace.")
-    path: str = Field(
-        default="",
-        max_length=1024,
-        pattern=r"^[^/].*$|^$",
-        description="Relative path of the checkpoint directory inside the claim ('' = the root).",
-    )
-
-
-class HostPathSource(SpecModel):
-    """Weights in a directory on the node (single-node and test clusters)."""
-
-    path: str = Field(min_length=1, max_length=1024, pattern=r"^/", description="Absolute path on the node.")
-
-
-class ModelSource(SpecModel):
-    """Where the weights are: exactly one of pvc or hostPath."""
-
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            cel("has(self.pvc) != has(self.hostPath)", "model.source needs exactly one of pvc or hostPath")
-        )
-    )
-    pvc: PvcSource | None = None
-    host_path: HostPathSource | None = None
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSource:
-        if (self.pvc is None) == (self.host_path is None):
-            raise ValueError("model.source needs exactly one of pvc or hostPath")
-        return self
-
-
-# OpenAI-style model ids: letters, digits and . _ - : / (e.g. meta-llama/Llama-3.1-8B-Instruct),
-# starting and ending with a letter or digit.
-SERVED_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._:/-]{0,126}[A-Za-z0-9])?$"
-ServedName = Annotated[str, Field(pattern=SERVED_NAME_PATTERN, max_length=128)]
-ALIAS_MESSAGE = "model.aliases must differ from model.name and from each other"
-
-
-class ModelSpec(SpecModel):
-    """The model: its served name(s) and where its checkpoint (config, tokenizer, weights) lives."""
-
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            cel(
-                "!has(self.aliases) || (!(self.name in self.aliases)"
-                " && self.aliases.all(a, self.aliases.exists_one(b, b == a)))",
-                ALIAS_MESSAGE,
-            )
-        )
-    )
-    name: ServedName = Field(
-        description="Served model name (the OpenAI `model`), e.g. meta-llama/Llama-3.1-8B-Instruct.",
-    )
-    aliases: list[ServedName] = Field(
-        default_factory=list,
-        max_length=8,
-        description="More names clients may ask for; the gateway routes them here and sends `name` upstream.",
-    )
-    source: ModelSource
-
-    @model_validator(mode="after")
-    def _check(self) -> ModelSpec:
-        if self.name in self.aliases or len(set(self.aliases)) != len(self.aliases):
-            raise ValueError(ALIAS_MESSAGE)
-        return self
 
 
 def _corral_only_rule() -> dict[str, str]:
@@ -242,6 +172,9 @@ class RolloutSpec(SpecModel):
         return self
 
 
+FETCHER_MESSAGE = (
+    "model.fetcherImage is required for hf:// and s3:// models on vllm (its image has no corral)"
+)
 GPU_ONLY_MESSAGE = "engine.args.gpuMemoryUtilization applies to GPU pods: set resources.gpu"
 
 
@@ -252,7 +185,12 @@ class LLMDeploymentSpec(SpecModel):
                 "!has(self.engine.args) || !has(self.engine.args.gpuMemoryUtilization)"
                 " || (has(self.resources) && has(self.resources.gpu) && self.resources.gpu > 0)",
                 GPU_ONLY_MESSAGE,
-            )
+            ),
+            cel(
+                "self.engine.kind != 'vllm' || !has(self.model.uri) || self.model.uri.startsWith('pvc://')"
+                " || has(self.model.fetcherImage)",
+                FETCHER_MESSAGE,
+            ),
         )
     )
 
@@ -276,6 +214,8 @@ class LLMDeploymentSpec(SpecModel):
         share = getattr(self.engine.args, "gpu_memory_utilization", None)  # a derived model's field
         if share is not None and not self.resources.gpu:
             raise ValueError(GPU_ONLY_MESSAGE)
+        if self.engine.kind == "vllm" and self.model.is_downloaded and self.model.fetcher_image is None:
+            raise ValueError(FETCHER_MESSAGE)
         return self
 
 

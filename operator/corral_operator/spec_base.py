@@ -7,6 +7,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
+
 
 class SpecError(ValueError):
     """The spec cannot be turned into a deployment; the message says which field and why."""

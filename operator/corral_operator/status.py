@@ -65,10 +65,44 @@ def _deployment_condition(deployment: Obj | None, kind: str) -> Obj:
     return {}
 
 
+def fetch_failure(pod: Obj) -> tuple[str, str] | None:
+    """(reason, message) when the pod's model download failed: the reason from its exit code, the
+    message from its termination message's last line (the fetcher's one-line error, no secrets)."""
+    for cs in pod.get("status", {}).get("initContainerStatuses") or ():
+        if cs.get("name") != wire.FETCH_CONTAINER:
+            continue
+        state = cs.get("state") or {}
+        if "running" in state:
+            return None  # (re)trying now
+        terminated = state.get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+        code = terminated.get("exitCode")
+        if code in (None, 0):
+            return None
+        lines = (terminated.get("message") or "").strip().splitlines()
+        detail = lines[-1] if lines else f"exit code {code}"
+        name = pod.get("metadata", {}).get("name", "?")
+        return wire.FETCH_EXIT_REASONS.get(
+            code, "FetchFailed"
+        ), f"pod {name}: cannot fetch the model: {detail}"
+    return None
+
+
+def fetching(pods: Sequence[Obj]) -> str | None:
+    """The first pod downloading its model now, if any."""
+    for pod in pods:
+        for cs in pod.get("status", {}).get("initContainerStatuses") or ():
+            if cs.get("name") == wire.FETCH_CONTAINER and "running" in (cs.get("state") or {}):
+                return str(pod.get("metadata", {}).get("name", "?"))
+    return None
+
+
 def pod_problem(pods: Sequence[Obj]) -> tuple[str, str] | None:
-    """(reason, message) for the first pod that cannot pull its image, crash-loops or cannot schedule."""
+    """(reason, message) for the first pod whose model download failed, that cannot pull its image,
+    crash-loops or cannot schedule."""
     for pod in pods:
         name = pod.get("metadata", {}).get("name", "?")
+        if failed := fetch_failure(pod):
+            return failed
         for cs in pod.get("status", {}).get("containerStatuses") or ():
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason", "")
@@ -145,6 +179,8 @@ def progressing(obs: Observed, ready: int) -> Obj:
     updated = st.get("updatedReplicas", 0) or 0
     total = st.get("replicas", 0) or 0
     want = obs.desired_replicas
+    if downloading := fetching(obs.pods):
+        return _condition("Progressing", True, "FetchingModel", f"pod {downloading}: downloading the model")
     if not is_current or updated < want or ready < want or total > want:
         return _condition(
             "Progressing", True, "RollingOut", f"{updated}/{want} updated, {ready}/{want} ready, {total} pods"

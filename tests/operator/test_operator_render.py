@@ -279,3 +279,67 @@ def test_scaled_object_queries_this_models_engines_and_the_gateway_queue() -> No
     gateway = triggers["gateway-queue"]["metadata"]
     assert gateway["query"] == 'sum(corral_gateway_queue_length{model="tiny-llama"}) or vector(0)'
     assert gateway["activationThreshold"] == "0"
+
+
+def _uri_spec(uri: str, kind: str = "corral", **model: object):
+    raw = valid_spec()
+    raw["model"] = {"name": "org/m", "uri": uri, **model}
+    raw["engine"] = {"kind": kind, "image": "engine:test"}
+    if kind == "vllm":
+        raw["engine"]["image"] = "vllm/vllm-openai:v0.11.0"
+    return parse_spec(raw)
+
+
+def test_hf_model_is_fetched_by_an_init_container_into_the_cache_the_engine_reads() -> None:
+    spec = _uri_spec("hf://org/m@v1", credentialsSecret="hf-token", cache={"sizeLimit": "40Gi"})
+    pod = render.deployment(OWNER, spec)["spec"]["template"]["spec"]
+    (fetch,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    assert fetch["name"] == "fetch-model" and fetch["image"] == "engine:test"
+    assert fetch["command"] == ["corral", "fetch-model", "hf://org/m@v1", "--cache-dir", "/models-cache"]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert {"name": "HF_HUB_OFFLINE", "value": "0"} in fetch["env"]
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert fetch["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "nvidia.com/gpu" not in fetch["resources"]["limits"]
+    # the secret reaches the download only; the engine loads the complete entry offline
+    assert "envFrom" not in engine
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in engine["env"]
+    command = engine["command"]
+    assert command[command.index("--model") + 1] == "hf://org/m@v1"
+    assert command[command.index("--model-cache-dir") + 1] == "/models-cache"
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}} in pod["volumes"]
+    assert {"name": "model-cache", "mountPath": "/models-cache"} in engine["volumeMounts"]
+
+
+def test_s3_model_on_vllm_reads_the_cache_entry_directory_and_shares_a_cache_claim() -> None:
+    spec = _uri_spec(
+        "s3://bucket/llama/8b",
+        kind="vllm",
+        s3Endpoint="http://minio.storage:9000",
+        cache={"claimName": "model-cache"},
+        fetcherImage="corral-engine:test",
+    )
+    pod = render.deployment(OWNER, spec)["spec"]["template"]["spec"]
+    (fetch,) = pod["initContainers"]
+    assert fetch["image"] == "corral-engine:test"
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models-cache/s3/minio.storage_9000/bucket/llama/8b"
+    endpoint = {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"}
+    assert endpoint in fetch["env"] and endpoint in pod["containers"][0]["env"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
+    assert spec.model.claims == ["model-cache"]
+
+
+def test_pvc_uri_is_read_in_place_without_an_init_container() -> None:
+    for kind, expected in (("corral", "pvc://weights/llama/8b"), ("vllm", "/mnt/pvc/weights/llama/8b")):
+        spec = _uri_spec("pvc://weights/llama/8b", kind=kind)
+        pod = render.deployment(OWNER, spec)["spec"]["template"]["spec"]
+        assert "initContainers" not in pod
+        argv = pod["containers"][0].get("command", []) + pod["containers"][0].get("args", [])
+        assert argv[argv.index("--model") + 1] == expected
+        claim = {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+        assert claim in pod["volumes"]
+        mount = {"name": "model", "mountPath": "/mnt/pvc/weights", "readOnly": True}
+        assert mount in pod["containers"][0]["volumeMounts"]
+        assert spec.model.claims == ["weights"]

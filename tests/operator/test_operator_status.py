@@ -160,3 +160,35 @@ def test_ready_at_zero_only_when_a_request_wakes_it() -> None:
     assert ready_of(woken) == ("True", "WakesOnRequest")
     parked = compute(observed(desired_replicas=0, deployment=deployment(0, 0)), NOW)
     assert ready_of(parked) == ("False", "ScaledToZero")
+
+
+def fetch_pod(state: dict, last: dict | None = None) -> dict:
+    status = {"name": "fetch-model", "state": state, "lastState": last or {}}
+    return {"metadata": {"name": "p-1"}, "status": {"initContainerStatuses": [status]}}
+
+
+def test_a_failed_download_is_degraded_with_the_fetchers_reason_and_last_line() -> None:
+    message = "downloading...\nModelUnauthorized: hf://org/m: 401 (no token or a refused one)\n"
+    failed = fetch_pod(
+        {"waiting": {"reason": "CrashLoopBackOff"}}, {"terminated": {"exitCode": 4, "message": message}}
+    )
+    st = compute(observed(deployment=deployment(1, 0), pods=[failed]), NOW)
+    degraded = cond(st, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ModelUnauthorized")
+    assert (
+        degraded["message"]
+        == "pod p-1: cannot fetch the model: ModelUnauthorized: hf://org/m: 401 (no token or a refused one)"
+    )
+    disk = fetch_pod({"terminated": {"exitCode": 5}})
+    assert cond(compute(observed(pods=[disk]), NOW), "Degraded")["reason"] == "DiskFull"
+
+
+def test_a_download_in_progress_is_progressing_and_a_finished_one_is_no_problem() -> None:
+    running = fetch_pod({"running": {}}, {"terminated": {"exitCode": 1}})
+    st = compute(observed(deployment=deployment(1, 0), pods=[running]), NOW)
+    assert (cond(st, "Progressing")["reason"], cond(st, "Degraded")["status"]) == ("FetchingModel", "False")
+    done = fetch_pod({"terminated": {"exitCode": 0}})
+    assert (
+        cond(compute(observed(deployment=deployment(1, 1), pods=[done]), NOW), "Degraded")["status"]
+        == "False"
+    )

@@ -13,12 +13,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 
 from corral_engine.sources.errors import FetchError
-from corral_engine.sources.uri import DEFAULT_HF_REVISION, ModelUri
+from corral_engine.sources.uri import ModelUri, cache_subdir
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +48,8 @@ class ExpectedFile:
 
 
 def entry_dir(cache_dir: Path, uri: ModelUri, endpoint: str | None = None) -> Path:
-    """Where `uri` lives in the cache: hf/ORG/NAME/REVISION, s3/HOST/BUCKET/PREFIX (HOST is 'aws'
-    unless an endpoint is set, so two S3-compatible stores never share an entry)."""
-    if uri.scheme == "hf":
-        revision = (uri.revision or DEFAULT_HF_REVISION).replace("/", "--")
-        return cache_dir / "hf" / uri.location / revision
-    if uri.scheme == "s3":
-        host = (urlsplit(endpoint).netloc.replace(":", "_") if endpoint else "") or "aws"
-        return cache_dir / "s3" / host / uri.location / (uri.path or "_root")
-    raise ValueError(f"{uri.scheme} models are not cached")
+    """Where `uri` lives in the cache (uri.cache_subdir says how)."""
+    return cache_dir / cache_subdir(uri, endpoint)
 
 
 def is_complete(entry: Path) -> bool:

@@ -1,5 +1,6 @@
 """Model URIs: `hf://org/name[@revision]`, `s3://bucket/prefix`, `pvc://claim/path` or a local path,
-parsed into a `ModelUri` (pure: no I/O)."""
+parsed into a `ModelUri`, and where each lives in the model cache (pure: no I/O). The operator
+imports this module to render pods that find what `corral fetch-model` downloaded."""
 
 from __future__ import annotations
 
@@ -98,3 +99,15 @@ def _clean_path(path: str, text: str) -> str:
     if any(p in (".", "..") for p in parts):
         raise ModelUriError(f"'.' and '..' are not allowed in {text!r}")
     return "/".join(parts)
+
+
+def cache_subdir(uri: ModelUri, endpoint: str | None = None) -> PurePosixPath:
+    """Where `uri` lives under the cache directory: hf/ORG/NAME/REVISION, s3/HOST/BUCKET/PREFIX
+    (HOST is 'aws' unless an endpoint is set, so two S3-compatible stores never share an entry)."""
+    if uri.scheme == "hf":
+        revision = (uri.revision or DEFAULT_HF_REVISION).replace("/", "--")
+        return PurePosixPath("hf", uri.location, revision)
+    if uri.scheme == "s3":
+        host = (urlsplit(endpoint).netloc.replace(":", "_") if endpoint else "") or "aws"
+        return PurePosixPath("s3", host, uri.location, uri.path or "_root")
+    raise ValueError(f"{uri.scheme} models are not cached")
