@@ -5,13 +5,15 @@ under preemption and with prefix-cache hits; and the shard arithmetic on its own
 from __future__ import annotations
 
 import pathlib
+import time
 from collections.abc import Iterator, Mapping
 
 import pytest
-from corral_engine.errors import ModelLoadError
+from corral_engine.errors import EngineDeadError, ModelLoadError
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.config import load_model_config
 from corral_engine.model.parallel import ShardPlan, check_shardable
+from corral_engine.model.tp_workers import ParallelRunner
 from corral_engine.sampling_params import SamplingParams
 
 from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
@@ -129,3 +131,30 @@ def test_two_ranks_match_one_rank_and_transformers(
     if arch == "odd":  # the demo models' one-rank equality is test_engine_matches_transformers.py's
         assert _workload(model_dir) == expected
     assert _workload(model_dir, tensor_parallel_size=2) == expected
+
+
+def test_a_size_the_model_cannot_split_fails_before_any_worker_starts(tiny_model_dir: pathlib.Path) -> None:
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 3 must divide the 4 attention heads"):
+        make_engine(tiny_model_dir, tensor_parallel_size=3)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_next_step_naming_it(tiny_model_dir: pathlib.Path) -> None:
+    engine = make_engine(tiny_model_dir, tensor_parallel_size=2)
+    runner = engine.runner
+    assert isinstance(runner, ParallelRunner)
+    failures: list[str] = []
+    runner.on_failure = failures.append
+    try:
+        (worker,) = runner.workers
+        worker.kill()
+        worker.join(10)
+        engine.add_request("r", [1, 2, 3], PARAMS)
+        with pytest.raises(EngineDeadError, match=f"tensor-parallel rank 1 \\(pid {worker.pid}\\) exited"):
+            engine.step()
+        deadline = time.monotonic() + 5  # the watchdog calls back on its own thread
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failures and "rank 1" in failures[0]
+    finally:
+        runner.close()

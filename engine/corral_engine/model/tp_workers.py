@@ -26,7 +26,7 @@ import torch
 from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request, Sequence
-from corral_engine.errors import EngineDeadError
+from corral_engine.errors import EngineDeadError, ModelLoadError
 from corral_engine.model.config import ModelConfig, load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.device import select_device
@@ -129,9 +129,16 @@ class ParallelRunner:
     ) -> None:
         size = args.tensor_parallel_size
         plan = ShardPlan.build(config, 0, size)  # a model the ranks cannot split fails here, at once
+        device = rank_device(args.device, 0)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ModelLoadError(
+                f"--tensor-parallel-size {size} needs {size} GPUs, one a rank; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
         # Called on the watchdog thread with the error when a rank dies (`corral engine` exits).
         self.on_failure: Callable[[str], None] | None = None
         self.failure: str | None = None
+        self._failed = threading.Event()  # set once `failure` names the dead rank
         self._closing = False
         self._released: list[int] = []
         self._store_dir = tempfile.TemporaryDirectory(prefix="corral-tp-")
@@ -153,7 +160,6 @@ class ParallelRunner:
             self._pipes.append(send)
         self._watchdog = threading.Thread(target=self._watch, name="corral-tp-watchdog", daemon=True)
         self._watchdog.start()
-        device = rank_device(args.device, 0)
         try:
             tp = TensorParallel(plan, make_group(store, 0, size, device), device)
             self.local = ModelRunner(config, args, max_model_len, settings, tp=tp)
@@ -211,6 +217,7 @@ class ParallelRunner:
                     f"tensor-parallel rank {rank} (pid {worker.pid}) exited with code "
                     f"{worker.exitcode}; the engine cannot run without it"
                 )
+                self._failed.set()
                 logger.error("%s", self.failure)
                 self._closing = True
                 for other in self.workers:
@@ -220,8 +227,8 @@ class ParallelRunner:
                     self.on_failure(self.failure)
 
     def _wait_for_death(self) -> None:
-        for worker in self.workers:
-            worker.join(_DEATH_WAIT_S if self.failure is None else 0)
+        """A collective or a pipe failed: give the watchdog a moment to name the rank that died."""
+        self._failed.wait(_DEATH_WAIT_S)
 
 
 def run_worker(
