@@ -108,3 +108,13 @@ def test_a_rank_killed_mid_step_ends_the_engine_with_an_error(
     assert f"tensor-parallel rank 1 (pid {rank1}) exited with code -9" in engine.log_tail()
     assert _wait_gone(descendants, 10.0) == []
     engine.stop()
+
+
+def test_workers_leave_when_rank_zero_is_killed(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    engine = start_engine(tiny_model_dir, log_dir=tmp_path, **FLAGS)
+    descendants = _children(engine.proc.pid)
+    assert any(_is_rank(p) for p in descendants)
+    engine.signal(signal.SIGKILL)  # no drain, no atexit: only the closed pipe tells the workers
+    engine.proc.wait(10)
+    assert _wait_gone(descendants, 10.0) == []
+    engine.stop()
