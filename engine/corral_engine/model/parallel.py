@@ -26,6 +26,9 @@ from corral_engine.model.config import ModelConfig
 
 # A collective waits this long for a slow peer; a dead one is seen at once (the socket closes).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# How long the ranks may take to meet at start-up (a worker imports torch first); a rank that dies
+# before it would otherwise leave the others waiting this long.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
@@ -162,6 +165,7 @@ def make_group(store_path: Path, rank: int, size: int, device: torch.device) -> 
     """The process group of `size` ranks meeting through a file store: gloo on the CPU (over
     127.0.0.1), NCCL on CUDA."""
     store = dist.FileStore(str(store_path), size)
+    store.set_timeout(RENDEZVOUS_TIMEOUT)
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]

@@ -163,6 +163,10 @@ class ParallelRunner:
         try:
             tp = TensorParallel(plan, make_group(store, 0, size, device), device)
             self.local = ModelRunner(config, args, max_model_len, settings, tp=tp)
+        except RuntimeError as e:  # the group did not form, or a rank died while loading
+            self._wait_for_death()
+            self.close()
+            raise ModelLoadError(self.failure or f"tensor-parallel start-up failed: {e}") from e
         except BaseException:
             self.close()
             raise
