@@ -117,11 +117,13 @@ def _die_with_parent() -> None:
 
 
 class _Engine:
-    def __init__(self, engine_flags: list[str], num_threads: int, log_dir: Path) -> None:
+    def __init__(
+        self, engine_flags: list[str], num_threads: int, log_dir: Path, log_flags: list[str]
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"engine-{self.port}.log"
-        argv = [sys.executable, "-m", "corral_cli.main", "engine", *engine_flags]
+        argv = [sys.executable, "-m", "corral_cli.main", *log_flags, "engine", *engine_flags]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", str(num_threads)]
         with self.log_path.open("wb") as log:
             # Own session: Ctrl-C reaches only `corral up`, which stops the engines in order.
@@ -242,9 +244,10 @@ def run(args: argparse.Namespace) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         num_threads = max(1, len(os.sched_getaffinity(0)) // sum(len(f) for f in fleet.values()))
         backends: dict[str, list[str]] = {}
+        log_flags = ["--log-level", str(args.log_level), "--log-format", str(args.log_format)]
         for name, replicas in fleet.items():
             for flags in replicas:
-                engines.append(_Engine(flags, num_threads, log_dir))
+                engines.append(_Engine(flags, num_threads, log_dir, log_flags))
                 backends.setdefault(name, []).append(engines[-1].url)
         logger.info("starting %d engines (logs in %s)", len(engines), log_dir)
         _wait_ready(engines)

@@ -16,9 +16,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from corral_engine import wire
 from starlette.requests import Request
 from starlette.responses import Response
 
+from corral_gateway.access import AccessLog, Origin
 from corral_gateway.admission import Ask
 from corral_gateway.attempt import Outgoing, Retry, send_once
 from corral_gateway.auth import KeyStore
@@ -34,7 +36,7 @@ from corral_gateway.errors import (
 )
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
-from corral_gateway.passthrough import Exchange, Origin
+from corral_gateway.passthrough import Exchange
 from corral_gateway.peek import peek_request
 from corral_gateway.quota import TokenUsage
 from corral_gateway.settings import GatewaySettings
@@ -63,6 +65,7 @@ class ProxyDeps:
     upstream: Upstream
     metrics: GatewayMetrics
     keys: Callable[[], KeyStore | None]
+    access: AccessLog
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,27 +77,28 @@ class _Ticket:
     prefix_hash: int | None
     priority: int
     fairness_key: str
-    usage: TokenUsage | None
+    quota: TokenUsage | None
 
 
 async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) -> None:
     """Answer one proxied request through `deliver`; every error the gateway knows is answered in
     OpenAI's shape (an unexpected one propagates, for the app's last resort)."""
     start_s = time.monotonic()
-    request_id = request.headers.get("x-request-id") or _new_request_id()
-    model = "unknown"
+    request_id = wire.valid_request_id(request.headers.get(wire.HEADER_REQUEST_ID)) or _new_request_id()
+    model, key_name = "unknown", ""
     try:
         raw = await _read_body(request, deps.settings.max_request_bytes)
         info = peek_request(raw, deps.settings.affinity_block_chars, deps.settings.affinity_num_blocks)
         keystore = deps.keys()
         api_key = keystore.authenticate(request.headers) if keystore is not None else None
+        key_name = api_key.name if api_key is not None else ""
         model = _route_model(deps.fleet, info.model)
         priority = _priority(request.headers.get(PRIORITY_HEADER))
         if keystore is not None and api_key is not None:
             keystore.admit(api_key, info.estimated_tokens, time.monotonic())
         headers = _upstream_headers(request, request_id, deps.settings, keystore is not None)
         ticket = _Ticket(
-            Origin(model, request_id, start_s),
+            Origin(model, request_id, start_s, key_name),
             Outgoing(path, raw, headers),
             info.prefix_hash,
             priority,
@@ -105,10 +109,12 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
             await _forward(deps, ticket, disconnect, deliver)
     except ClientGone:
         deps.metrics.requests.labels(model, "", "499").inc()
+        deps.access.finished(Origin(model, request_id, start_s, key_name), "", "499", None)
         await deliver(Response(status_code=499))
     except GatewayError as e:
         deps.metrics.requests.labels(model, "", str(e.status_code)).inc()
         deps.metrics.rejected.labels(model, e.code or e.error_type).inc()
+        deps.access.finished(Origin(model, request_id, start_s, key_name), "", str(e.status_code), None)
         await deliver(_with_request_id(error_response(e), request_id))
 
 
@@ -134,7 +140,7 @@ async def _forward(
                 logger.warning("request %s: replica %s failed (%s); attempt %d", ticket.origin.request_id,
                                replica.url, outcome.label, attempt + 1)  # fmt: skip
                 continue
-            exchange = Exchange(fleet, metrics, outcome, replica, ticket.origin, ticket.usage)
+            exchange = Exchange(fleet, metrics, outcome, replica, ticket.origin, ticket.quota, deps.access)
             try:
                 await deliver(await exchange.respond(disconnect))
             finally:
@@ -197,7 +203,7 @@ def _upstream_headers(
     headers = {
         "content-type": request.headers.get("content-type", "application/json"),
         "accept": request.headers.get("accept", "*/*"),
-        "x-request-id": request_id,
+        wire.HEADER_REQUEST_ID: request_id,
     }
     if settings.upstream_api_key:
         headers["authorization"] = f"Bearer {settings.upstream_api_key}"
@@ -207,5 +213,5 @@ def _upstream_headers(
 
 
 def _with_request_id(response: Response, request_id: str) -> Response:
-    response.headers["x-request-id"] = request_id
+    response.headers[wire.HEADER_REQUEST_ID] = request_id
     return response

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from corral_engine.outputs import RequestOutput, TokenLogprob
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.server import access
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.metrics import RequestProgress, ServerMetrics
 
@@ -113,6 +114,7 @@ class GenerationRun:
             if out.finished:
                 self._unfinished.discard(self._ids[index])
                 self.metrics.observe_finished(out)
+                access.count_tokens(out)
             yield index, out
         # The stream may end without a finished output (e.g. after an abort).
         self._unfinished.discard(self._ids[index])
