@@ -1,4 +1,5 @@
-"""What every handler shares: the Kubernetes API, the metrics source and a little cached discovery."""
+"""What every handler shares: the Kubernetes API, the metrics source, the operator's own metrics
+and a little cached discovery."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 from corral_operator.kube import SERVICE_MONITOR_CRD, Kube
 from corral_operator.metrics import MetricsSource
+from corral_operator.telemetry import OperatorMetrics
 
 CRD_CACHE_S = 60.0
 
@@ -17,6 +19,7 @@ class Context:
 
     kube: Kube
     metrics: MetricsSource | None = None
+    telemetry: OperatorMetrics = field(default_factory=OperatorMetrics)
     _sm_checked_at: float = -1e9
     _has_sm: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -163,6 +163,28 @@ class Dashboards(_Values):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+class Alerts(_Values):
+    enabled: bool = Field(
+        default=True, description="A PrometheusRule with Corral's alerts (when monitoring is enabled)."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra labels on the PrometheusRule, e.g. for a ruleSelector."
+    )
+    ttft_p99_slo_seconds: float = Field(default=2.0, gt=0, description="CorralTTFTHigh: p99 TTFT above this.")
+    kv_usage_ratio: float = Field(
+        default=0.9, gt=0, le=1, description="CorralKVCacheFull: KV usage above this."
+    )
+    error_ratio: float = Field(
+        default=0.05,
+        gt=0,
+        le=1,
+        description="CorralErrorRateHigh: share of 5xx and broken streams above this.",
+    )
+    queue_min_waiting: int = Field(
+        default=5, ge=0, description="CorralQueueGrowing: waiting requests above this, and growing."
+    )
+
+
 class Values(_Values):
     name_override: str = ""
     fullname_override: str = ""
@@ -173,6 +195,7 @@ class Values(_Values):
     monitoring: Monitoring = Field(default_factory=Monitoring)
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
     dashboards: Dashboards = Field(default_factory=Dashboards)
+    alerts: Alerts = Field(default_factory=Alerts)
 
 
 def _strip_titles(node: Any) -> Any:
