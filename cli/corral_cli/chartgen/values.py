@@ -185,6 +185,23 @@ class Alerts(_Values):
     )
 
 
+class TestApiKey(_Values):
+    existing_secret: str = Field(
+        default="", description="Secret holding one API key the gateway accepts; empty: send none."
+    )
+    secret_key: str = Field(default="api-key", min_length=1, description="Key of the API key in the Secret.")
+
+
+class Tests(_Values):
+    enabled: bool = Field(
+        default=True, description="`helm test`: a pod running `corral check` on the gateway."
+    )
+    model: str = Field(
+        default="", description="Model to send the chat completion to; empty: the first listed."
+    )
+    api_key: TestApiKey = Field(default_factory=TestApiKey)
+
+
 class Values(_Values):
     name_override: str = ""
     fullname_override: str = ""
@@ -196,6 +213,7 @@ class Values(_Values):
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
     dashboards: Dashboards = Field(default_factory=Dashboards)
     alerts: Alerts = Field(default_factory=Alerts)
+    tests: Tests = Field(default_factory=Tests)
 
 
 def _strip_titles(node: Any) -> Any:
