@@ -28,7 +28,7 @@ from corral_engine.args import (
 from corral_engine.settings import EngineSettings
 from pydantic import ValidationError
 
-from corral_cli import malloc
+from corral_cli import malloc, tracing
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"on SIGTERM, time running requests get to finish (default: {DEFAULT_DRAIN_TIMEOUT_S:.0f})",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)",
+    )
+    parser.add_argument(
         "--log-interval",
         type=float,
         default=10.0,
@@ -163,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
         settings = EngineSettings()  # the CORRAL_* switches, read here once
     except ValidationError as e:
         log.error("invalid engine setting in the environment: %s", e)
+        return 2
+    try:
+        tracing.configure("corral-engine", args.otlp_traces_endpoint)
+    except tracing.TracingUnavailable as e:
+        log.error("%s", e)
         return 2
     _set_torch_threads(engine_args.num_threads)
     _log_memory_setup(engine_args.device)

@@ -8,6 +8,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
+from corral_gateway import tracing
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.quota import ReportedUsage
 
@@ -22,6 +25,7 @@ class Origin:
     request_id: str
     start_s: float  # time.monotonic() at arrival
     key_name: str = ""  # the API key's name; "" when the gateway checks no keys
+    span: Span | None = None  # the request's server span, while tracing
 
 
 class AccessLog:
@@ -30,7 +34,12 @@ class AccessLog:
         self.is_enabled = is_enabled
 
     def finished(self, origin: Origin, replica: str, status: str, usage: ReportedUsage | None) -> None:
-        """Record a request that has ended, however it ended (`replica` is "" when none served it)."""
+        """Record a request that has ended, however it ended (`replica` is "" when none served it):
+        its span ends, the key's tokens are counted, and its access line is written."""
+        prompt = usage.prompt_tokens if usage is not None else None
+        completion = usage.completion_tokens if usage is not None else None
+        if origin.span is not None:
+            tracing.end_request_span(origin.span, origin.model, replica, status, prompt, completion)
         if usage is not None and origin.key_name:
             tokens = self.metrics.key_tokens
             tokens.labels(origin.key_name, origin.model, "prompt").inc(usage.prompt_tokens)
@@ -38,8 +47,6 @@ class AccessLog:
         if not self.is_enabled:
             return
         duration_s = time.monotonic() - origin.start_s
-        prompt = usage.prompt_tokens if usage is not None else None
-        completion = usage.completion_tokens if usage is not None else None
         fields = {
             "request_id": origin.request_id,
             "model": origin.model,

@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
 from corral_engine import wire
 from corral_engine.outputs import RequestOutput
+from corral_engine.server import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +32,7 @@ class AccessRecord:
     status: int = 0
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    span: Span | None = None  # the request's server span, while tracing
 
     def ensure_id(self) -> str:
         if self.request_id is None:
@@ -35,9 +40,10 @@ class AccessRecord:
         return self.request_id
 
 
-def begin(incoming_id: str | None) -> AccessRecord:
+def begin(headers: Mapping[str, str], path: str, model: str) -> AccessRecord:
     """A record for the request now starting, current for the rest of this context."""
-    record = AccessRecord(wire.valid_request_id(incoming_id), time.monotonic())
+    record = AccessRecord(wire.valid_request_id(headers.get(wire.HEADER_REQUEST_ID)), time.monotonic())
+    record.span = tracing.start_request_span(headers, path, model)
     _CURRENT.set(record)
     return record
 
@@ -55,9 +61,20 @@ def count_tokens(out: RequestOutput) -> None:
     if record is not None:
         record.num_prompt_tokens += len(out.prompt_token_ids)
         record.num_completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+        if record.span is not None:
+            tracing.add_phases(record.span, out.metrics)
 
 
 def log_request(record: AccessRecord, method: str, path: str, model: str) -> None:
+    """The request's access line (and the end of its span)."""
+    if record.span is not None:
+        tracing.end_request_span(
+            record.span,
+            record.request_id,
+            record.status,
+            record.num_prompt_tokens,
+            record.num_completion_tokens,
+        )
     latency_s = time.monotonic() - record.start_s
     fields = {
         "request_id": record.request_id,

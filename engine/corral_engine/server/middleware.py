@@ -60,7 +60,7 @@ class ServerMiddleware:
         path: str = scope["path"]
         record = None
         if path.startswith("/v1/"):
-            record = access.begin(Headers(scope=scope).get(wire.HEADER_REQUEST_ID))
+            record = access.begin(Headers(scope=scope), path, self.ctx.model_name)
 
         async def send_with_load(message: Message) -> None:
             nonlocal started
