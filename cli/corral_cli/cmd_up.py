@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from corral_cli import malloc
+from corral_cli import malloc, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -257,13 +257,15 @@ def run(args: argparse.Namespace) -> int:
         from corral_gateway.settings import GatewaySettings
 
         settings = GatewaySettings(host=args.host, port=args.port, policy=args.policy, backends=backends)
+        # Traces only from the OTEL_* variables here; the engines, its children, read the same ones.
+        tracing.configure("corral-gateway", None)
         base_url = f"http://{args.host}:{args.port}"
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(_serve_gateway(create_app(settings), args.host, args.port, usage_text(base_url, name)))
         return 0
     except (KeyboardInterrupt, _Stop):
         return 0
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError) as e:  # TracingUnavailable is a RuntimeError
         logger.error("%s", e)
         return 1
     finally:

@@ -52,3 +52,15 @@ def test_helm_test_pod_can_be_left_out(helm: Helm, tmp_path: Path) -> None:
     values = tmp_path / "values.yaml"
     values.write_text("tests:\n  enabled: false\n")
     assert not find(helm.template(values), "Pod")
+
+
+def test_gateway_extra_env_reaches_its_container(helm: Helm, tmp_path: Path) -> None:
+    """How the gateway's pods get OTEL_* variables (docs/operations.md, Traces)."""
+    values = tmp_path / "values.yaml"
+    endpoint = {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://collector:4318"}
+    values.write_text(f"gateway:\n  extraEnv: [{{name: {endpoint['name']}, value: '{endpoint['value']}'}}]\n")
+    (deployment,) = find(helm.template(values), "Deployment", "gateway")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["env"] == [endpoint]
+    (default,) = find(helm.template(None), "Deployment", "gateway")
+    assert "env" not in default["spec"]["template"]["spec"]["containers"][0]

@@ -120,6 +120,10 @@ class Gateway(PodPlacement):
         default_factory=dict, description="More gateway settings (snake_case keys, see the gateway docs)."
     )
     api_keys: ApiKeys = Field(default_factory=ApiKeys)
+    extra_env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra environment variables (core/v1 EnvVar), e.g. OTEL_EXPORTER_OTLP_ENDPOINT.",
+    )
     service: Service = Field(default_factory=Service)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     pod_disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
