@@ -3,11 +3,13 @@ response header and the access log line; anything else is replaced by a minted o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 import httpx
 import pytest
+from corral_cli.main import version
 from corral_engine import wire
 
 from tests.server.fake_engine import FakeEngine
@@ -90,7 +92,22 @@ def test_request_id_rule() -> None:
 
 
 async def test_version_route(client: httpx.AsyncClient) -> None:
-    from corral_cli.main import version
-
     r = await client.get("/version")
     assert r.status_code == 200 and r.json() == {"version": version()}
+
+
+async def test_a_reused_id_of_a_running_request_is_still_served(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    engine.gate.clear()  # the first request waits in the queue, its id in use
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    first = asyncio.create_task(client.post("/v1/completions", json=body, headers={"x-request-id": "same"}))
+    while "cmpl-same" not in engine.requests:
+        await asyncio.sleep(0.01)
+    second = asyncio.create_task(client.post("/v1/completions", json=body, headers={"x-request-id": "same"}))
+    while len(engine.requests) < 2:
+        await asyncio.sleep(0.01)
+    engine.gate.set()
+    for response in await asyncio.gather(first, second):
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == "cmpl-same" and response.headers["x-request-id"] == "same"
