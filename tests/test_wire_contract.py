@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 from corral_engine import wire
-from corral_gateway.k8s_discovery import replicas_from_pods
-from corral_gateway.k8s_wake import owners_from_objects
+from corral_gateway.k8s_discovery import discover, replicas_from_pods
+from corral_gateway.k8s_names import Route, served_from_deployments
 from corral_gateway.settings import KubernetesDiscovery
 from corral_operator import render
 from corral_operator.scaling import ready_targets
@@ -59,4 +59,33 @@ def test_the_gateway_finds_what_the_operator_renders() -> None:
     key, _, value = discovery.label_selector.partition("=")
     assert labels[key] == value
     assert labels[discovery.model_label] == "tiny-llama"
-    assert owners_from_objects([service], discovery.model_label) == {"tiny-llama": ("ml", "tiny")}
+    found = discover([service], is_pods=False, model_label=discovery.model_label, port_name="http")
+    assert found.owners == {"tiny-llama": ("ml", "tiny")}
+
+
+def test_openai_style_names_and_aliases_reach_the_gateway_through_the_llmdeployment() -> None:
+    raw = valid_spec()
+    raw["model"] |= {"name": "meta-llama/Llama-3.1-8B-Instruct", "aliases": ["llama-8b"]}
+    owner = render.Owner(name="llama", namespace="ml", uid="u")
+    service = render.service(owner, parse_spec(raw))
+    label = service["metadata"]["labels"][wire.MODEL_LABEL]
+    assert label != raw["model"]["name"] and label.startswith("meta-llama.Llama-3.1-8B-Instruct-")
+    deployment = {"metadata": {"name": "llama", "namespace": "ml"}, "spec": raw}
+    found = discover(
+        [service],
+        is_pods=False,
+        model_label=wire.MODEL_LABEL,
+        port_name="http",
+        served=served_from_deployments([deployment]),
+    )
+    assert set(found.pools) == {"meta-llama/Llama-3.1-8B-Instruct"}
+    assert found.owners == {"meta-llama/Llama-3.1-8B-Instruct": ("ml", "llama")}
+    upstream = Route("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct")
+    assert found.names.routes["llama-8b"] == upstream
+    assert found.names.routes["ml/llama-8b"] == upstream
+
+
+def test_fetch_exit_codes_mean_the_same_to_the_fetcher_and_the_operator() -> None:
+    from corral_engine.sources.errors import KINDS
+
+    assert {code: reason for code, reason in KINDS.values()} == wire.FETCH_EXIT_REASONS

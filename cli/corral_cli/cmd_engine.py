@@ -1,4 +1,4 @@
-"""`corral engine --model DIR`: serve a checkpoint with the bundled engine behind the OpenAI API.
+"""`corral engine --model URI`: serve a checkpoint with the bundled engine behind the OpenAI API.
 
 Engine flags are derived from the option declarations in corral_engine.args (EngineArgs.to_cli_args
 renders them back, the operator relies on that) and default to None so EngineArgs' own defaults apply.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -26,9 +27,10 @@ from corral_engine.args import (
     value_type,
 )
 from corral_engine.settings import EngineSettings
+from corral_engine.sources import FetchError
 from pydantic import ValidationError
 
-from corral_cli import malloc, tracing
+from corral_cli import cmd_fetch_model, malloc, tracing
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,8 @@ OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help=OPTIONS["model"].help)
+    parser.add_argument("--model", required=True, metavar="URI", help=OPTIONS["model"].help)
+    cmd_fetch_model.add_source_arguments(parser, cache_flag="--model-cache-dir")
     _add_server_arguments(parser)
     _add_engine_arguments(parser)
 
@@ -128,6 +131,16 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**given)
 
 
+def _with_local_model(args: argparse.Namespace, engine_args: EngineArgs) -> EngineArgs:
+    """EngineArgs naming the local checkpoint the URI resolves to (downloaded into the cache first
+    when it is not complete there), served under the URI's name unless one was given."""
+    resolved = cmd_fetch_model.fetch(args.model, cache_dir=args.model_cache_dir, s3_endpoint=args.s3_endpoint)
+    if resolved.uri.scheme == "local":
+        return engine_args
+    name = engine_args.served_model_name or resolved.uri.default_served_name
+    return dataclasses.replace(engine_args, model=str(resolved.path), served_model_name=name)
+
+
 def _set_torch_threads(num_threads: int | None) -> None:
     for name, value in OPENMP_DEFAULTS.items():  # unless the user set them
         os.environ.setdefault(name, value)
@@ -171,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         log.error("invalid engine setting in the environment: %s", e)
         return 2
+    try:
+        engine_args = _with_local_model(args, engine_args)
+    except FetchError as e:
+        log.error("cannot fetch the model: %s", e.one_line())
+        return e.exit_code
     try:
         tracing.configure("corral-engine", args.otlp_traces_endpoint)
     except tracing.TracingUnavailable as e:

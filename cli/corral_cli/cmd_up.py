@@ -22,7 +22,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from corral_engine.sources import FetchError
+
 from corral_cli import malloc, tracing
+from corral_cli.cmd_fetch_model import fetch
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,12 @@ class _Stop(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", type=Path, metavar="DIR", help="Hugging Face checkpoint to serve")
+    source.add_argument(
+        "--model",
+        metavar="URI",
+        help="checkpoint to serve: a directory, hf://ORG/NAME[@REV], s3://BUCKET/PREFIX (fetched once "
+        "into the model cache first; docs/models.md)",
+    )
     source.add_argument("--demo", action="store_true", help="serve a generated demo model (the default)")
     source.add_argument(
         "-f",
@@ -72,9 +80,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
+def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
+    """The checkpoint directory and its default served name (the demo model's is 'demo')."""
     if args.model is not None:
-        return Path(args.model)
+        # Once here, with the progress on this terminal, rather than in every engine process.
+        resolved = fetch(args.model)
+        return resolved.path, resolved.uri.default_served_name
     demo_dir = (
         DEFAULT_DEMO_DIR if args.demo_preset == "tiny" else DEFAULT_DEMO_DIR.with_name("demo-model-small")
     )
@@ -83,7 +94,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
         logger.info("writing the %s demo model to %s (once)", args.demo_preset, demo_dir)
         write_demo_model(demo_dir, preset=args.demo_preset, progress=True)
-    return demo_dir
+    return demo_dir, "demo"
 
 
 def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
@@ -101,8 +112,8 @@ def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
         return out
     if args.replicas < 1:
         raise ValueError("--replicas must be at least 1")
-    model_dir = _model_dir(args)
-    name = args.served_model_name or ("demo" if args.model is None else model_dir.name)
+    model_dir, default_name = _model_dir(args)
+    name = args.served_model_name or default_name
     flags = ["--model", str(model_dir), "--served-model-name", name]
     return {name: [list(flags) for _ in range(args.replicas)]}
 
@@ -268,6 +279,9 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as e:  # TracingUnavailable is a RuntimeError
         logger.error("%s", e)
         return 1
+    except FetchError as e:
+        logger.error("cannot fetch the model: %s", e.one_line())
+        return e.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
         logger.info("stopping %d engines", len(engines))

@@ -17,6 +17,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "operator": ("corral_cli.cmd_operator", "run the Kubernetes operator for LLMDeployments", "operator"),
     "up": ("corral_cli.cmd_up", "run a local fleet: engines and a gateway on this machine", "engine,gateway"),
     "bench": ("corral_cli.cmd_bench", "benchmark an OpenAI-compatible endpoint", "bench"),
+    "fetch-model": (
+        "corral_cli.cmd_fetch_model",
+        "download a model (hf://, s3://) into the model cache",
+        "engine",
+    ),
     "check": ("corral_cli.cmd_check", "list an endpoint's models and send one chat completion", "gateway"),
     "demo-model": ("corral_cli.cmd_demo_model", "write a random-weight HF checkpoint", "engine"),
 }

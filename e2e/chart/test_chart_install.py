@@ -124,6 +124,8 @@ def test_chart_rbac_grants_what_each_component_needs_and_no_more(
     assert not _can_i(k8s_cluster, operator, "get", "secrets", *ns)
     assert not _can_i(k8s_cluster, operator, "create", "pods", *ns)
     assert _can_i(k8s_cluster, gateway, "watch", "pods", *ns)
+    assert _can_i(k8s_cluster, gateway, "watch", "llmdeployments.corral.dev", *ns)
+    assert _can_i(k8s_cluster, gateway, "patch", "llmdeployments.corral.dev", *ns)
     assert not _can_i(k8s_cluster, gateway, "list", "endpointslices.discovery.k8s.io", *ns)
     assert not _can_i(k8s_cluster, gateway, "create", "pods", *ns)
     assert not _can_i(k8s_cluster, gateway, "get", "secrets", *ns)

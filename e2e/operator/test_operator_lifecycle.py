@@ -75,9 +75,13 @@ def test_apply_creates_owned_children_running_pods_and_available_status(
                 == 6
             ),
         )
+    # the habitual wait works: Ready follows the pods that take traffic
+    cluster.kubectl("wait", "--for=condition=Ready", "llmd/tiny", "-n", ns, "--timeout=60s")
     table = cluster.kubectl("get", "llmd", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODEL", "ENGINE", "READY", "REPLICAS", "KV%", "WAITING", "AGE"]
-    assert table[1].split()[:7] == ["tiny", "tiny", "corral", "2", "2", "25", "6"]
+    header = ["NAME", "MODEL", "ENGINE", "READY", "UP", "REPLICAS", "KV%", "WAITING", "URL", "AGE"]
+    assert table[0].split() == header
+    url = f"http://tiny.{ns}.svc:{port}"
+    assert table[1].split()[:9] == ["tiny", "tiny", "corral", "True", "2", "2", "25", "6", url]
 
 
 def test_spec_change_rolls_the_deployment_and_observed_generation_follows(
@@ -201,3 +205,65 @@ def test_service_monitor_when_prometheus_operator_crd_exists(
     assert monitor["metadata"]["ownerReferences"][0]["name"] == "monitored"
     assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
     assert monitor["spec"]["selector"] == {"matchLabels": labels.selector("monitored")}
+
+
+def test_pod_escape_hatches_are_accepted_by_the_api_server_and_reach_running_pods(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    # A RuntimeClass must exist for pods to name it (the API server's RuntimeClass admission).
+    runtime_class = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": ns}}
+    cluster.apply(yaml.safe_dump({**runtime_class, "handler": "runc"}))
+    doc = llmdeployment("hatch", ns, replicas=1)
+    doc["spec"]["pod"] = {
+        "imagePullSecrets": ["regcred"],
+        "envFrom": [{"configMapRef": {"name": "engine-env", "optional": True}}],
+        "runtimeClassName": ns,
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+        ],
+        "securityContext": {"runAsUser": 20000},
+        "probes": {"startup": {"failureThreshold": 720}},
+        "shmSize": "1Gi",
+    }
+    cluster.apply(yaml.safe_dump(doc))
+    cluster.kubectl("wait", "--for=condition=Ready", "llmd/hatch", "-n", ns, "--timeout=60s")
+    (pod,) = running_pods(cluster, ns, "hatch")
+    spec = pod["spec"]
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert spec["runtimeClassName"] == ns
+    assert spec["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"] == labels.selector("hatch")
+    assert spec["securityContext"]["runAsUser"] == 20000
+    (engine,) = spec["containers"]
+    assert engine["envFrom"] == [{"configMapRef": {"name": "engine-env", "optional": True}}]
+    assert engine["startupProbe"]["failureThreshold"] == 720
+    dshm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+
+
+def test_a_hub_model_gets_a_fetch_init_container_and_its_token_stays_in_its_secret(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    token = "hf_e2e_secret_value_never_shown"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub", "namespace": ns}}
+    cluster.apply(yaml.safe_dump({**secret, "stringData": {"HF_TOKEN": token}}))
+    doc = llmdeployment("hub", ns, replicas=1)
+    doc["spec"]["model"] = {
+        "name": "org/tiny-chat",
+        "uri": "hf://org/tiny-chat@main",
+        "credentialsSecret": "hub",
+        "cache": {"sizeLimit": "1Gi"},
+    }
+    cluster.apply(yaml.safe_dump(doc))
+    cluster.kubectl("wait", "--for=condition=Ready", "llmd/hub", "-n", ns, "--timeout=60s")
+    template = cluster.get_json("deployment", "hub", "-n", ns)["spec"]["template"]["spec"]
+    (fetch,) = template["initContainers"]
+    assert fetch["command"][:3] == ["corral", "fetch-model", "hf://org/tiny-chat@main"]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hub"}}]
+    command = template["containers"][0]["command"]
+    assert command[command.index("--model") + 1] == "hf://org/tiny-chat@main"
+    seen = cluster.kubectl("get", "llmd,deployment,pods,events", "-n", ns, "-o", "json").stdout
+    assert token not in seen

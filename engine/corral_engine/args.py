@@ -63,6 +63,9 @@ RULES: tuple[Exclusive | AtMost, ...] = (
 )
 
 
+_MODEL_HELP = "a local checkpoint directory, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or pvc://CLAIM/PATH"
+
+
 def _option(default: object, **declared: Any) -> Any:
     return dataclasses.field(default=default, metadata={"option": Option(**declared)})
 
@@ -70,12 +73,12 @@ def _option(default: object, **declared: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     model: str = dataclasses.field(
-        metadata={"option": Option("Hugging Face checkpoint directory", metavar="DIR", vllm=Vllm("--model"))}
+        metadata={"option": Option(_MODEL_HELP, metavar="URI", vllm=Vllm("--model"))}
     )
     served_model_name: str | None = _option(
         None,
         help="model name in the API",
-        default_text="DIR's last component",
+        default_text="ORG/NAME for hf://, else the path's last component",
         metavar="NAME",
         vllm=Vllm("--served-model-name"),
     )

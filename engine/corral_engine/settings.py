@@ -1,5 +1,6 @@
-"""Engine settings from the environment: the `CORRAL_*` switches that choose kernels and weight
-layouts (fallbacks and A/B knobs, not engine arguments), read in this one place and passed down.
+"""Engine settings from the environment, read in this one place and passed down: the `CORRAL_*`
+switches that choose kernels and weight layouts (fallbacks and A/B knobs, not engine arguments), and
+the model sources' cache and credentials (`SourceSettings`).
 
 Light (no torch). `EngineSettings()` reads the environment once; `LLMEngine` builds it when not
 given one, and `corral engine` builds it at start-up and logs it.
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # "auto": the engine decides from the CPU it runs on; "1" forces the behaviour on; "0" off.
@@ -45,3 +46,31 @@ class EngineSettings(BaseSettings):
 
 
 ENV_NAMES = {name: str(field.validation_alias) for name, field in EngineSettings.model_fields.items()}
+
+
+class SourceSettings(BaseSettings):
+    """Where models come from: the cache, the PVC mount convention, and the credentials of each
+    source, under the names the official clients use. Secrets stay `SecretStr` (masked in repr and
+    logs) until the one call that hands them to a client."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    # CORRAL_MODEL_CACHE: the model cache (default ~/.cache/corral/models); a shared PVC on a cluster.
+    model_cache_dir: Path | None = Field(default=None, validation_alias="CORRAL_MODEL_CACHE")
+    # CORRAL_PVC_ROOT: pvc://CLAIM/PATH is read from <root>/CLAIM/PATH, where the claim is mounted.
+    pvc_root: Path = Field(default=Path("/mnt/pvc"), validation_alias="CORRAL_PVC_ROOT")
+    # The Hugging Face Hub: its token and, for a mirror or a stand-in, its address.
+    hf_token: SecretStr | None = Field(default=None, validation_alias="HF_TOKEN")
+    hf_endpoint: str | None = Field(default=None, validation_alias="HF_ENDPOINT")
+    # S3 and S3-compatible stores (MinIO, Ceph, R2): boto3's standard variable names.
+    aws_access_key_id: SecretStr | None = Field(default=None, validation_alias="AWS_ACCESS_KEY_ID")
+    aws_secret_access_key: SecretStr | None = Field(default=None, validation_alias="AWS_SECRET_ACCESS_KEY")
+    aws_session_token: SecretStr | None = Field(default=None, validation_alias="AWS_SESSION_TOKEN")
+    aws_endpoint_url: str | None = Field(default=None, validation_alias="AWS_ENDPOINT_URL")
+    aws_region: str | None = Field(
+        default=None, validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION")
+    )
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.model_cache_dir or Path.home() / ".cache" / "corral" / "models"

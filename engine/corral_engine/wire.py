@@ -4,9 +4,12 @@ LLMDeployment API, the labels and annotation the operator and gateway share, and
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from typing import Any
+
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 
 # Label carried by every engine metric.
 MODEL_NAME_LABEL = "model_name"
@@ -51,6 +54,22 @@ NUM_REQUESTS_REJECTED_TOTAL = "corral_engine_requests_rejected_total"  # label: 
 NUM_STEPS_TOTAL = "corral_engine_steps_total"
 STEP_DURATION_SECONDS = "corral_engine_step_duration_seconds"
 
+# The gateway's per-model queue (label `model`): requests held for a model, woken from zero included.
+# KEDA-mode autoscaling activates a model at zero replicas on it.
+GATEWAY_QUEUE_LENGTH = "corral_gateway_queue_length"
+
+# `corral fetch-model` (the init container that downloads hf:// and s3:// models): its container name
+# and exit code -> the reason a status condition shows (sources/errors.py:KINDS says the same).
+FETCH_CONTAINER = "fetch-model"
+FETCH_EXIT_REASONS = {
+    1: "FetchFailed",
+    2: "InvalidModelURI",
+    3: "ModelNotFound",
+    4: "ModelUnauthorized",
+    5: "DiskFull",
+    6: "ModelCorrupt",
+}
+
 # Load headers on every engine response, so a gateway learns load from its own traffic.
 HEADER_NUM_RUNNING = "x-corral-num-running"
 HEADER_NUM_WAITING = "x-corral-num-waiting"
@@ -81,6 +100,18 @@ MANAGED_BY_VALUE = "corral-operator"
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"
 # Annotation a gateway sets on an LLMDeployment (conventionally an RFC 3339 time) to wake it from zero.
 WAKE_ANNOTATION = "corral.dev/wake"
+
+
+def model_label_value(model: str) -> str:
+    """The `corral.dev/model` label value for a served model name. Label values allow 63 characters
+    of [A-Za-z0-9._-]; a name that fits is its own value (so label selectors read naturally), any
+    other (`meta-llama/Llama-3.1-8B-Instruct`) becomes a readable, collision-safe stand-in. The
+    gateway learns the real names from the LLMDeployments, so it never needs to invert this."""
+    if _LABEL_VALUE.fullmatch(model):
+        return model
+    digest = hashlib.sha256(model.encode()).hexdigest()[:10]
+    readable = re.sub(r"[^A-Za-z0-9._-]+", ".", model).strip("._-")[:52].rstrip("._-")
+    return f"{readable}-{digest}" if readable else digest
 
 
 def is_pod_serving(pod: Mapping[str, Any]) -> bool:

@@ -148,11 +148,9 @@ async def _background(settings: GatewaySettings, fleet: Fleet, keys: KeysFile) -
         tasks.append(asyncio.create_task(keys.watch()))
         watcher = None
         if settings.kubernetes.enabled:
-            on_owners = None
             if settings.kubernetes.wake_from_zero:
-                waker = fleet.waker = Waker(settings.kubernetes.kubeconfig)
-                on_owners = waker.set_owners
-            watcher = KubernetesWatcher(settings.kubernetes, fleet.apply_discovery, on_owners)
+                fleet.waker = Waker(settings.kubernetes.kubeconfig)
+            watcher = KubernetesWatcher(settings.kubernetes, fleet.apply_discovery)
             watcher.start(asyncio.get_running_loop())
         try:
             yield upstream
@@ -191,13 +189,14 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authenticate(request)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "corral"} for m in fleet.models()]
+        listed = fleet.listed_models()
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "corral"} for m in listed]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> Response:
         authenticate(request)
-        if not fleet.has_model(model):
+        if not fleet.has_model(fleet.resolve(model).key):
             raise ModelNotFound(model)
         return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "corral"})
 

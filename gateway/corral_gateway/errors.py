@@ -44,6 +44,16 @@ class ModelNotFound(InvalidRequest):
         super().__init__(f"The model `{model}` does not exist.", param="model")
 
 
+class AmbiguousModel(InvalidRequest):
+    status_code, code = 400, "model_ambiguous"
+
+    def __init__(self, model: str, choices: list[str]) -> None:
+        listed = ", ".join(f"`{c}`" for c in choices)
+        super().__init__(
+            f"The model `{model}` is served in several namespaces; ask for one of {listed}.", param="model"
+        )
+
+
 class NotFound(InvalidRequest):
     status_code, code = 404, "not_found"
 

@@ -11,6 +11,9 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 from corral_gateway.admission import Admission
+from corral_gateway.errors import AmbiguousModel
+from corral_gateway.k8s_discovery import Discovery
+from corral_gateway.k8s_names import Naming, Route
 from corral_gateway.k8s_wake import Waker
 from corral_gateway.load import parse_load_headers, parse_metrics_text
 from corral_gateway.metrics import GatewayMetrics
@@ -53,6 +56,7 @@ class Fleet:
         self.lease = self._admission.lease
         self._scorer = KvAware(saturation)
         self.waker: Waker | None = None  # set when Kubernetes discovery may wake models at zero
+        self._names = Naming()  # served names and aliases from the LLMDeployments
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._metrics_only: set[str] = set()  # replicas without load headers (vLLM): poll /metrics
 
@@ -70,8 +74,34 @@ class Fleet:
 
     # ---- inputs -------------------------------------------------------------------------------
 
-    def apply_discovery(self, discovered: Mapping[str, list[str]]) -> None:
-        """A new model -> URLs map from Kubernetes; static backends stay as configured."""
+    def resolve(self, requested: str) -> Route:
+        """The pool a requested name goes to and the name the engine serves it under; a name served
+        in several namespaces must be qualified (AmbiguousModel lists the choices)."""
+        if requested in self._static_models:
+            return Route(requested, requested)
+        route = self._names.routes.get(requested)
+        if route is not None:
+            return route
+        choices = self._names.ambiguous.get(requested)
+        if choices:
+            raise AmbiguousModel(requested, choices)
+        return Route(requested, requested)
+
+    def listed_models(self) -> list[str]:
+        """What /v1/models lists: every pool (a served name, or NAMESPACE/NAME where the name is
+        ambiguous) and every alias of a known pool."""
+        pools = set(self.models())
+        return sorted(pools | {alias for alias, key in self._names.aliases.items() if key in pools})
+
+    def apply_discovery(self, discovery: Discovery) -> None:
+        """What Kubernetes discovery found: names first (a request never sees a pool without its
+        names), then owners for waking, then pools; static backends stay as configured."""
+        self._names = discovery.names
+        if self.waker is not None:
+            self.waker.set_owners(discovery.owners)
+        self._apply_pools(discovery.pools)
+
+    def _apply_pools(self, discovered: Mapping[str, list[str]]) -> None:
         for model, urls in discovered.items():
             if model in self._static_models:
                 static = list(self.settings.backends[model])

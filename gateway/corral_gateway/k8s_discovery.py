@@ -1,8 +1,9 @@
-"""Kubernetes discovery: watch EndpointSlices (or Pods) selected by label; ready ones become replicas.
+"""Kubernetes discovery: watch EndpointSlices (or Pods) selected by label, and the LLMDeployments
+that own them; ready endpoints become replicas of the deployment's served name (k8s_names.py).
 
-`replicas_from_slices` / `replicas_from_pods` are the pure translations (tested without a cluster).
-The watcher runs the synchronous `kubernetes` client in a daemon thread and hands each new
-model -> URLs map to the event loop, so replicas come and go without a restart.
+`discover` is the pure translation (tested without a cluster). The watcher runs the synchronous
+`kubernetes` client in daemon threads and hands each new result to the event loop, so replicas and
+names come and go without a restart.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from corral_engine import wire
 
-from corral_gateway.k8s_wake import owners_from_objects
+from corral_gateway.k8s_names import Naming, Served, naming, served_from_deployments
 from corral_gateway.settings import KubernetesDiscovery
 
 logger = logging.getLogger(__name__)
@@ -24,53 +26,94 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 _RETRY_DELAY_S = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class Discovery:
+    """What discovery knows at one moment."""
+
+    pools: dict[str, list[str]]  # registry key (a served name) -> sorted replica base URLs
+    owners: dict[str, tuple[str, str]]  # key -> (namespace, LLMDeployment), for waking from zero
+    names: Naming = field(default_factory=Naming)
+
+
+def slice_urls(eps: Mapping[str, Any], port_name: str | None) -> list[str]:
+    """An EndpointSlice's ready, non-terminating endpoints as base URLs."""
+    port = _pick_port(eps.get("ports") or [], port_name)
+    if port is None:
+        return []
+    urls = []
+    for endpoint in eps.get("endpoints") or []:
+        conditions = endpoint.get("conditions") or {}
+        # The API says a missing `ready` means ready; terminating endpoints are never ready.
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        addresses = endpoint.get("addresses") or []
+        if addresses:
+            urls.append(_url(addresses[0], port, eps.get("addressType")))
+    return urls
+
+
+def pod_urls(pod: Mapping[str, Any], port_name: str | None) -> list[str]:
+    """A Ready, non-terminating pod's base URL."""
+    ports = [
+        {"name": p.get("name"), "port": p.get("containerPort"), "protocol": p.get("protocol", "TCP")}
+        for c in (pod.get("spec") or {}).get("containers") or []
+        for p in c.get("ports") or []
+    ]
+    port = _pick_port(ports, port_name)
+    if wire.is_pod_serving(pod) and port is not None:
+        return [_url(pod["status"]["podIP"], port, None)]
+    return []
+
+
+def discover(
+    objects: Iterable[Mapping[str, Any]],
+    *,
+    is_pods: bool,
+    model_label: str,
+    port_name: str | None,
+    served: Iterable[Served] = (),
+) -> Discovery:
+    """Slices or pods -> pools keyed by served name. An object whose LLMDeployment is known goes to
+    that deployment's pool; any other (a hand-made Service) to its model label's value (for slices,
+    else the Service's name). A model scaled to zero keeps its (empty) pool, so its requests wake it
+    instead of getting 404."""
+    names = naming(served)
+    by_key: dict[str, set[str]] = {}
+    owners: dict[str, tuple[str, str]] = {}
+    # Every LLMDeployment is a pool, with replicas or not: at zero it may have no object at all
+    # (pods discovery), and its requests must wake it, not get 404.
+    for owner, pool in names.keys.items():
+        by_key.setdefault(pool, set())
+        owners.setdefault(pool, owner)
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        namespace, instance = meta.get("namespace"), labels.get(wire.INSTANCE_LABEL)
+        key = names.keys.get((str(namespace), str(instance))) or labels.get(model_label)
+        if not key and not is_pods:
+            key = labels.get(SERVICE_NAME_LABEL)
+        if not key:
+            continue
+        urls = by_key.setdefault(key, set())
+        urls.update(pod_urls(obj, port_name) if is_pods else slice_urls(obj, port_name))
+        if namespace and instance:
+            owners.setdefault(key, (str(namespace), str(instance)))
+    pools = {key: sorted(urls) for key, urls in by_key.items()}
+    return Discovery(pools, owners, names)
+
+
 def replicas_from_slices(
     slices: Iterable[Mapping[str, Any]], model_label: str, port_name: str | None
 ) -> dict[str, list[str]]:
-    """EndpointSlices (API JSON, camelCase) -> model -> sorted replica base URLs, ready endpoints only."""
-    by_model: dict[str, set[str]] = {}
-    for eps in slices:
-        labels = (eps.get("metadata") or {}).get("labels") or {}
-        model = labels.get(model_label) or labels.get(SERVICE_NAME_LABEL)
-        if not model:
-            continue
-        # A model scaled to zero still has its Service's slice (no endpoints, `ports: null`): keep
-        # the model known with no replicas, so requests for it wake it instead of getting 404.
-        urls = by_model.setdefault(model, set())
-        port = _pick_port(eps.get("ports") or [], port_name)
-        if port is None:
-            continue
-        for endpoint in eps.get("endpoints") or []:
-            conditions = endpoint.get("conditions") or {}
-            # The API says a missing `ready` means ready; terminating endpoints are never ready.
-            if conditions.get("ready") is False or conditions.get("terminating") is True:
-                continue
-            addresses = endpoint.get("addresses") or []
-            if addresses:
-                urls.add(_url(addresses[0], port, eps.get("addressType")))
-    return {model: sorted(urls) for model, urls in by_model.items()}
+    """EndpointSlices (API JSON, camelCase) -> model label -> replica URLs (no LLMDeployments)."""
+    return discover(slices, is_pods=False, model_label=model_label, port_name=port_name).pools
 
 
 def replicas_from_pods(
     pods: Iterable[Mapping[str, Any]], model_label: str, port_name: str | None
 ) -> dict[str, list[str]]:
-    """Pods (API JSON) -> model -> sorted replica base URLs, Ready and not terminating only."""
-    by_model: dict[str, set[str]] = {}
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        model = (meta.get("labels") or {}).get(model_label)
-        if not model:
-            continue
-        urls = by_model.setdefault(model, set())
-        ports = [
-            {"name": p.get("name"), "port": p.get("containerPort"), "protocol": p.get("protocol", "TCP")}
-            for c in (pod.get("spec") or {}).get("containers") or []
-            for p in c.get("ports") or []
-        ]
-        port = _pick_port(ports, port_name)
-        if wire.is_pod_serving(pod) and port is not None:
-            urls.add(_url(pod["status"]["podIP"], port, None))
-    return {model: sorted(urls) for model, urls in by_model.items()}
+    """Pods (API JSON) -> model label -> replica URLs, Ready and not terminating only."""
+    return discover(pods, is_pods=True, model_label=model_label, port_name=port_name).pools
 
 
 def _pick_port(ports: Sequence[Mapping[str, Any]], port_name: str | None) -> int | None:
@@ -86,41 +129,51 @@ def _url(address: str, port: int, address_type: str | None) -> str:
 
 
 class KubernetesWatcher:
-    """List + watch in a daemon thread; `on_change(model -> urls)` runs on the event loop."""
+    """List + watch in daemon threads (the slices or pods; the LLMDeployments when allowed);
+    `on_change(Discovery)` runs on the event loop once both have been listed."""
 
-    def __init__(
-        self,
-        config: KubernetesDiscovery,
-        on_change: Callable[[dict[str, list[str]]], None],
-        on_owners: Callable[[dict[str, tuple[str, str]]], None] | None = None,
-    ) -> None:
+    def __init__(self, config: KubernetesDiscovery, on_change: Callable[[Discovery], None]) -> None:
         self.config = config
         self.on_change = on_change
-        self.on_owners = on_owners
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._slices: dict[tuple[str, str], dict[str, Any]] = {}
+        self._objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self._deployments: dict[tuple[str, str], dict[str, Any]] = {}
+        self._listed: set[str] = set()  # which streams have completed a first list
+        self._ambiguous: frozenset[str] = frozenset()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="corral-k8s-discovery", daemon=True)
-        self._thread.start()
+        streams = ["objects"] + (["deployments"] if self.config.read_llmdeployments else [])
+        for stream in streams:
+            name = f"corral-k8s-{stream}"
+            threading.Thread(target=self._run, args=(stream,), name=name, daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
 
     def _emit(self) -> None:
-        translate = replicas_from_pods if self.config.source == "pods" else replicas_from_slices
-        mapping = translate(self._slices.values(), self.config.model_label, self.config.port_name)
+        with self._lock:
+            wanted = {"objects", "deployments"} if self.config.read_llmdeployments else {"objects"}
+            if not wanted <= self._listed:
+                return  # names known before replicas: no pool keyed by a label value first
+            found = discover(
+                self._objects.values(),
+                is_pods=self.config.source == "pods",
+                model_label=self.config.model_label,
+                port_name=self.config.port_name,
+                served=served_from_deployments(self._deployments.values()),
+            )
+            ambiguous = frozenset(found.names.ambiguous)
+            if ambiguous - self._ambiguous:
+                choices = {n: found.names.ambiguous[n] for n in sorted(ambiguous - self._ambiguous)}
+                logger.warning("served in several namespaces; clients must qualify them: %s", choices)
+            self._ambiguous = ambiguous
         if self._loop is not None and not self._loop.is_closed():
-            # Owners first: a model is never known to the router without the LLMDeployment to wake.
-            if self.on_owners is not None:
-                owners = owners_from_objects(self._slices.values(), self.config.model_label)
-                self._loop.call_soon_threadsafe(self.on_owners, owners)
-            self._loop.call_soon_threadsafe(self.on_change, mapping)
+            self._loop.call_soon_threadsafe(self.on_change, found)
 
-    def _run(self) -> None:
+    def _run(self, stream: str) -> None:
         from kubernetes import client, config, watch
 
         try:
@@ -131,48 +184,79 @@ class KubernetesWatcher:
         except (config.ConfigException, OSError) as e:
             logger.error("kubernetes discovery disabled: cannot load cluster config: %s", e)
             return
-        api = client.CoreV1Api() if self.config.source == "pods" else client.DiscoveryV1Api()
         serialize = client.ApiClient().sanitize_for_serialization
         while not self._stop.is_set():
             try:
-                self._list_and_watch(api, serialize, watch.Watch())
+                list_fn, kwargs = self._list_call(stream, client)
+                self._list_and_watch(stream, list_fn, kwargs, serialize, watch.Watch())
             except client.ApiException as e:
-                logger.warning("%s watch ended (HTTP %s); re-listing", self.config.source, e.status)
+                if stream == "deployments" and e.status == 403:
+                    logger.warning(
+                        "not allowed to read llmdeployments: served names come from the %s label only",
+                        self.config.model_label,
+                    )
+                    self._replace(stream, {})
+                    return
+                logger.warning("%s watch ended (HTTP %s); re-listing", stream, e.status)
                 self._stop.wait(_RETRY_DELAY_S)
             except (OSError, ValueError) as e:  # urllib3 errors derive from OSError / ValueError
-                logger.warning("%s watch failed: %s; retrying", self.config.source, e)
+                logger.warning("%s watch failed: %s; retrying", stream, e)
                 self._stop.wait(_RETRY_DELAY_S)
 
-    def _list_and_watch(self, api: Any, serialize: Callable[[Any], Any], w: Any) -> None:
+    def _list_call(self, stream: str, client: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
         cfg = self.config
+        if stream == "deployments":
+            api = client.CustomObjectsApi()
+            kwargs: dict[str, Any] = {"group": wire.GROUP, "version": wire.VERSION, "plural": wire.PLURAL}
+            if cfg.namespace:
+                return api.list_namespaced_custom_object, {**kwargs, "namespace": cfg.namespace}
+            return api.list_cluster_custom_object, kwargs
+        api = client.CoreV1Api() if cfg.source == "pods" else client.DiscoveryV1Api()
         kind = "pod" if cfg.source == "pods" else "endpoint_slice"
-        kwargs: dict[str, Any] = {"label_selector": cfg.label_selector}
+        kwargs = {"label_selector": cfg.label_selector}
         if cfg.namespace:
-            list_fn: Callable[..., Any] = getattr(api, f"list_namespaced_{kind}")
-            kwargs["namespace"] = cfg.namespace
-        else:
-            list_fn = getattr(api, f"list_{kind}_for_all_namespaces")
-        listed = list_fn(**kwargs)
-        self._slices = {_key(s): s for s in (serialize(item) for item in listed.items)}
+            return getattr(api, f"list_namespaced_{kind}"), {**kwargs, "namespace": cfg.namespace}
+        return getattr(api, f"list_{kind}_for_all_namespaces"), kwargs
+
+    def _replace(self, stream: str, items: dict[tuple[str, str], dict[str, Any]]) -> None:
+        with self._lock:
+            if stream == "deployments":
+                self._deployments = items
+            else:
+                self._objects = items
+            self._listed.add(stream)
         self._emit()
-        stream = w.stream(
-            list_fn,
-            resource_version=listed.metadata.resource_version,
-            timeout_seconds=cfg.watch_timeout_s,
-            **kwargs,
+
+    def _update(self, stream: str, event_type: str, obj: dict[str, Any]) -> None:
+        with self._lock:
+            store = self._deployments if stream == "deployments" else self._objects
+            if event_type == "DELETED":
+                store.pop(_key(obj), None)
+            else:
+                store[_key(obj)] = obj
+        self._emit()
+
+    def _list_and_watch(
+        self,
+        stream: str,
+        list_fn: Callable[..., Any],
+        kwargs: dict[str, Any],
+        serialize: Callable[[Any], Any],
+        w: Any,
+    ) -> None:
+        listed = serialize(list_fn(**kwargs))  # custom objects come back as plain dicts already
+        self._replace(stream, {_key(s): s for s in listed.get("items") or []})
+        version = (listed.get("metadata") or {}).get("resourceVersion")
+        stream_events = w.stream(
+            list_fn, resource_version=version, timeout_seconds=self.config.watch_timeout_s, **kwargs
         )
-        for event in stream:
+        for event in stream_events:
             if self._stop.is_set():
                 w.stop()
                 return
             if event.get("type") == "ERROR":
                 return  # e.g. 410 Gone: re-list
-            obj = serialize(event["object"])
-            if event["type"] == "DELETED":
-                self._slices.pop(_key(obj), None)
-            else:
-                self._slices[_key(obj)] = obj
-            self._emit()
+            self._update(stream, event["type"], serialize(event["object"]))
 
 
 def _key(obj: Mapping[str, Any]) -> tuple[str, str]:

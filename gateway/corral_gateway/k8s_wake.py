@@ -2,8 +2,8 @@
 
 A request for a model with no replica in rotation sets `corral.dev/wake` (an RFC 3339 time) on the
 LLMDeployment that serves it, at most once per `min_interval_s`; the request waits in the model's
-queue until a replica is discovered. The owner comes from the labels the operator puts on its
-Services (mirrored onto EndpointSlices) and Pods.
+queue until a replica is discovered. The owner comes from discovery (k8s_discovery.Discovery.owners):
+the instance label the operator puts on its Services (mirrored onto EndpointSlices) and Pods.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,19 +19,6 @@ from typing import Any
 from corral_engine import wire
 
 logger = logging.getLogger(__name__)
-
-
-def owners_from_objects(objects: Iterable[Mapping[str, Any]], model_label: str) -> dict[str, tuple[str, str]]:
-    """EndpointSlices or Pods -> model -> (namespace, LLMDeployment name) (pure)."""
-    owners: dict[str, tuple[str, str]] = {}
-    for obj in objects:
-        meta = obj.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        model, instance = labels.get(model_label), labels.get(wire.INSTANCE_LABEL)
-        namespace = meta.get("namespace")
-        if model and instance and namespace:
-            owners.setdefault(model, (namespace, instance))
-    return owners
 
 
 def wake_patch(now_s: float) -> dict[str, Any]:

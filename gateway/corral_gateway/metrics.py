@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from corral_engine import wire
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "corral_gateway_"
@@ -16,7 +17,7 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 REQUESTS_TOTAL = PREFIX + "requests_total"
 REQUEST_DURATION_SECONDS = PREFIX + "request_duration_seconds"
 TIME_TO_FIRST_BYTE_SECONDS = PREFIX + "time_to_first_byte_seconds"
-QUEUE_LENGTH = PREFIX + "queue_length"
+QUEUE_LENGTH = wire.GATEWAY_QUEUE_LENGTH  # the operator's KEDA trigger reads it
 QUEUE_WAIT_SECONDS = PREFIX + "queue_wait_seconds"
 RETRIES_TOTAL = PREFIX + "retries_total"
 EJECTIONS_TOTAL = PREFIX + "ejections_total"

@@ -97,3 +97,10 @@ def peek_request(raw: bytes, block_chars: int = 64, num_blocks: int = 4) -> Requ
         prefix_hash=None if prefix is None else block_prefix_hash(prefix, block_chars, num_blocks),
         estimated_tokens=_estimate_tokens(body, prefix),
     )
+
+
+def with_model(raw: bytes, model: str) -> bytes:
+    """The body with `model` replaced (only called on a body peek_request read as a JSON object)."""
+    body = json.loads(raw)
+    body["model"] = model
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

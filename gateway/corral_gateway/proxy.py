@@ -39,7 +39,7 @@ from corral_gateway.errors import (
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.passthrough import Exchange
-from corral_gateway.peek import peek_request
+from corral_gateway.peek import peek_request, with_model
 from corral_gateway.quota import TokenUsage
 from corral_gateway.registry import Replica
 from corral_gateway.settings import GatewaySettings
@@ -96,7 +96,7 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
         keystore = deps.keys()
         api_key = keystore.authenticate(request.headers) if keystore is not None else None
         key_name = api_key.name if api_key is not None else ""
-        model = _route_model(deps.fleet, info.model)
+        model, raw = _route_model(deps.fleet, info.model, raw)
         priority = _priority(request.headers.get(PRIORITY_HEADER))
         if keystore is not None and api_key is not None:
             keystore.admit(api_key, info.estimated_tokens, time.monotonic())
@@ -205,16 +205,19 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _route_model(fleet: Fleet, model: str | None) -> str:
+def _route_model(fleet: Fleet, model: str | None, raw: bytes) -> tuple[str, bytes]:
+    """(the pool to route to, the body to send): an alias or a NAMESPACE/NAME is sent upstream
+    under the deployment's served name; any other body goes through byte for byte."""
     if model is not None:
-        if not fleet.has_model(model):
+        route = fleet.resolve(model)
+        if not fleet.has_model(route.key):
             raise ModelNotFound(model)
-        return model
+        return route.key, raw if route.upstream == model else with_model(raw, route.upstream)
     # No readable model: any replica answers with the engine's own validation error.
     models = fleet.models()
     if not models:
         raise Unavailable("No model is being served yet.", retry_after_s=5.0, code="no_models")
-    return models[0]
+    return models[0], raw
 
 
 def _priority(value: str | None) -> int:

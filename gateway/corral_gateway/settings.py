@@ -26,7 +26,10 @@ class KubernetesDiscovery(BaseModel):
     namespace: str | None = None  # None watches every namespace the gateway may read
     # The operator labels the Services (and so their EndpointSlices) and Pods it manages with these.
     label_selector: str = wire.MANAGED_SELECTOR
-    model_label: str = wire.MODEL_LABEL  # label carrying the served model name
+    model_label: str = wire.MODEL_LABEL  # label carrying the model name where no LLMDeployment says it
+    # Read served names and aliases from the LLMDeployments (needs RBAC to list and watch them);
+    # without it, or when refused, each pool is named by its objects' model label.
+    read_llmdeployments: bool = True
     port_name: str | None = "http"  # falls back to the slice's first port when absent
     kubeconfig: Path | None = None  # None: in-cluster config, else this kubeconfig file
     watch_timeout_s: int = Field(default=30, ge=1)

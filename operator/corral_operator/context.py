@@ -6,11 +6,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from corral_operator.kube import SERVICE_MONITOR_CRD, Kube
+from corral_operator.autoscalers import SCALED_OBJECT_CRD
+from corral_operator.kube import Kube
 from corral_operator.metrics import MetricsSource
+from corral_operator.render import SERVICE_MONITOR_CRD
 from corral_operator.telemetry import OperatorMetrics
 
 CRD_CACHE_S = 60.0
+OPTIONAL_CRDS = (SERVICE_MONITOR_CRD, SCALED_OBJECT_CRD)  # objects of these kinds only if installed
 
 
 @dataclass
@@ -20,13 +23,14 @@ class Context:
     kube: Kube
     metrics: MetricsSource | None = None
     telemetry: OperatorMetrics = field(default_factory=OperatorMetrics)
-    _sm_checked_at: float = -1e9
-    _has_sm: bool = False
+    _crds_checked_at: float = -1e9
+    _crds: frozenset[str] = frozenset()
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def has_service_monitor_crd(self, now_s: float) -> bool:
+    def installed_crds(self, now_s: float) -> frozenset[str]:
+        """Which of OPTIONAL_CRDS the cluster has (looked up at most once a minute)."""
         with self._lock:
-            if now_s - self._sm_checked_at > CRD_CACHE_S:
-                self._has_sm = self.kube.crd_exists(SERVICE_MONITOR_CRD)
-                self._sm_checked_at = now_s
-            return self._has_sm
+            if now_s - self._crds_checked_at > CRD_CACHE_S:
+                self._crds = frozenset(n for n in OPTIONAL_CRDS if self.kube.crd_exists(n))
+                self._crds_checked_at = now_s
+            return self._crds

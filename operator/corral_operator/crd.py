@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from corral_operator import spec
+from corral_operator.spec_base import SpecModel
 from corral_operator.status_schema import LLMDeploymentStatus
 
 CRD_NAME = f"{spec.PLURAL}.{spec.GROUP}"
@@ -27,10 +28,12 @@ NAME_RULE = spec.cel(
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind"},
-    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Up", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready replicas"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
     {"name": "KV%", "type": "integer", "jsonPath": ".status.load.kvUsagePercent"},
     {"name": "Waiting", "type": "integer", "jsonPath": ".status.load.numRequestsWaiting"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -42,6 +45,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
+    is_collapsed = False  # an optional's branch, already rewritten (nested defaults included)
     if "$ref" in node:
         target = defs[node.pop("$ref").split("/")[-1]]
         node = {**target, **node}
@@ -51,6 +55,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             del node["default"]
         if len(branches) == 1:
             node = {**_structural(branches[0], defs), **node}
+            is_collapsed = True
         elif {b.get("type") for b in branches} == {"integer", "string"}:
             node.pop("type", None)
             node["x-kubernetes-int-or-string"] = True
@@ -78,7 +83,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = value
     if out.get("type") == "object" and node.get("additionalProperties") is True and "properties" not in out:
         out["x-kubernetes-preserve-unknown-fields"] = True
-    _default_nested_objects(out, node)
+    if not is_collapsed:
+        _default_nested_objects(out, node)
     return _ordered(out)
 
 
@@ -111,7 +117,7 @@ def _is_optional(prop: dict[str, Any]) -> bool:
     return any(b.get("type") == "null" for b in prop.get("anyOf", ()))
 
 
-def openapi_schema(model: type[spec._Model]) -> dict[str, Any]:
+def openapi_schema(model: type[SpecModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True)
     defs = raw.pop("$defs", {})
     schema = _structural(raw, defs)

@@ -10,6 +10,7 @@ import json
 import posixpath
 
 from corral_engine.args import OPTIONS, ArgumentError, EngineArgs
+from corral_engine.sources.uri import cache_subdir, parse_model_uri
 
 from corral_operator.engine_args_spec import given_options
 from corral_operator.spec import LLMDeploymentSpec, SpecError
@@ -17,12 +18,30 @@ from corral_operator.spec import LLMDeploymentSpec, SpecError
 MODEL_MOUNT_PATH = "/models"
 
 
+MODEL_CACHE_PATH = "/models-cache"  # the download cache volume, in the init container and the engine
+PVC_ROOT = "/mnt/pvc"  # pvc://CLAIM/PATH is read at PVC_ROOT/CLAIM/PATH (CORRAL_PVC_ROOT's default)
+
+
 def model_path_in_pod(spec: LLMDeploymentSpec) -> str:
-    """Where the engine finds the checkpoint inside the container."""
-    pvc = spec.model.source.pvc
+    """What the engine's --model says inside the container: the bundled engine takes a model URI
+    (found complete in the cache the init container filled, or under PVC_ROOT); vLLM a directory."""
+    model = spec.model
+    if model.uri is not None:
+        uri = parse_model_uri(model.uri)
+        if spec.engine.kind == "corral":
+            return model.uri
+        if uri.scheme == "pvc":
+            return posixpath.join(PVC_ROOT, uri.location, uri.path)
+        return posixpath.join(MODEL_CACHE_PATH, str(cache_subdir(uri, model.s3_endpoint)))
+    pvc = model.source.pvc if model.source is not None else None
     if pvc is not None and pvc.path:
         return posixpath.join(MODEL_MOUNT_PATH, pvc.path)
     return MODEL_MOUNT_PATH
+
+
+def fetch_command(spec: LLMDeploymentSpec) -> list[str]:
+    """The init container's argv: download the model into the cache volume (docs/models.md)."""
+    return ["corral", "fetch-model", str(spec.model.uri), "--cache-dir", MODEL_CACHE_PATH]
 
 
 def engine_args(spec: LLMDeploymentSpec, model_path: str) -> EngineArgs:
@@ -36,6 +55,8 @@ def engine_args(spec: LLMDeploymentSpec, model_path: str) -> EngineArgs:
 def corral_command(spec: LLMDeploymentSpec, model_path: str, host: str, port: int) -> list[str]:
     """argv for the bundled engine: `corral engine ... --host H --port P` plus extraArgs."""
     args = engine_args(spec, model_path).to_cli_args()
+    if spec.model.is_downloaded:
+        args += ["--model-cache-dir", MODEL_CACHE_PATH]
     return ["corral", "engine", *args, "--host", host, "--port", str(port), *spec.engine.extra_args]
 
 
@@ -44,6 +65,9 @@ def vllm_args(spec: LLMDeploymentSpec, model_path: str, port: int) -> list[str]:
     options the spec sets, so vLLM's own defaults hold for the rest."""
     engine_args(spec, model_path)  # the engine's own checks hold for either engine kind
     flags = vllm_flags(_given(spec, model_path))
+    gpus = spec.resources.gpu
+    if gpus > 1 and not any(a.startswith("--tensor-parallel-size") for a in spec.engine.extra_args):
+        flags += ["--tensor-parallel-size", str(gpus)]  # one replica spans its GPUs
     return [*flags, "--host", "0.0.0.0", "--port", str(port), *spec.engine.extra_args]
 
 

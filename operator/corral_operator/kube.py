@@ -32,9 +32,10 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
     "Pod": ("/api/v1", "pods"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "LLMDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
-SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 
 
 class KubeError(Exception):

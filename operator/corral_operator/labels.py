@@ -13,7 +13,7 @@ INSTANCE = wire.INSTANCE_LABEL  # the gateway finds a model's LLMDeployment by i
 COMPONENT = "app.kubernetes.io/component"
 MANAGED_BY = wire.MANAGED_BY_LABEL
 PART_OF = "app.kubernetes.io/part-of"
-MODEL = wire.MODEL_LABEL  # value: the served model name (spec.model.name)
+MODEL = wire.MODEL_LABEL  # value: model_label_value(spec.model.name)
 ENGINE = "corral.dev/engine"  # value: corral | vllm
 
 NAME_VALUE = "corral-engine"
@@ -48,6 +48,6 @@ def common(name: str, model: str, engine_kind: str) -> dict[str, str]:
         COMPONENT: COMPONENT_VALUE,
         MANAGED_BY: MANAGED_BY_VALUE,
         PART_OF: PART_OF_VALUE,
-        MODEL: model,
+        MODEL: wire.model_label_value(model),
         ENGINE: engine_kind,
     }

@@ -31,8 +31,9 @@ class LocalFleet:
 def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> LocalFleet:
     """Map one LLMDeployment document to local fleet parameters.
 
-    The weights come from `model_path` when given, else from spec.model.source.hostPath (a PVC has no
-    local meaning). Replicas: spec.replicas, raised to autoscaling.minReplicas and to at least 1.
+    The weights come from `model_path` when given, else from spec.model.uri (hf://, s3://) or
+    spec.model.source.hostPath (a PVC has no local meaning). Replicas: spec.replicas, raised to
+    autoscaling.minReplicas and to at least 1.
     """
     if document.get("apiVersion") != API_VERSION or document.get("kind") != KIND:
         raise SpecError(f"expected apiVersion {API_VERSION} and kind {KIND}")
@@ -41,11 +42,14 @@ def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> L
         raise SpecError("metadata.name is required")
     spec = parse_spec(document.get("spec"))
     source = spec.model.source
-    path = model_path or (source.host_path.path if source.host_path else None)
+    path = model_path
+    if path is None and spec.model.is_downloaded:
+        path = spec.model.uri  # each engine fetches it through the local model cache (one download)
+    if path is None and source is not None and source.host_path is not None:
+        path = source.host_path.path
     if path is None:
         raise SpecError(
-            "spec.model.source is a PVC, which has no local equivalent;"
-            " pass the checkpoint directory explicitly"
+            "spec.model is on a PVC, which has no local equivalent; pass the checkpoint directory explicitly"
         )
     floor = spec.autoscaling.min_replicas if spec.autoscaling else 0
     return LocalFleet(

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from corral_operator.kube import SERVICE_MONITOR_CRD
+from corral_operator.autoscalers import SCALED_OBJECT_CRD
+from corral_operator.render import SERVICE_MONITOR_CRD
 from corral_operator.spec import GROUP, PLURAL
 
 RBAC_PATH = "deploy/rbac/operator.yaml"
@@ -54,6 +55,14 @@ RULES: list[tuple[str, dict[str, Any]]] = [
         {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"], "verbs": APPLY + PRUNE},
     ),
     (
+        "a HorizontalPodAutoscaler in autoscaling mode hpa",
+        {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": APPLY + PRUNE},
+    ),
+    (
+        "a KEDA ScaledObject in autoscaling mode keda",
+        {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": APPLY + PRUNE},
+    ),
+    (
         "status from pods (image pulls, crash loops) and their IPs for metrics",
         {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
     ),
@@ -70,11 +79,11 @@ RULES: list[tuple[str, dict[str, Any]]] = [
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     ),
     (
-        "does the ServiceMonitor CRD exist? (only that one CRD)",
+        "are the optional CRDs (ServiceMonitor, ScaledObject) installed? (only those)",
         {
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
-            "resourceNames": [SERVICE_MONITOR_CRD],
+            "resourceNames": [SERVICE_MONITOR_CRD, SCALED_OBJECT_CRD],
             "verbs": ["get"],
         },
     ),

@@ -14,16 +14,23 @@ from typing import Any
 from corral_operator import labels, render
 from corral_operator import status as status_mod
 from corral_operator.autoscaler import Load
+from corral_operator.autoscalers import SCALED_OBJECT_CRD
 from corral_operator.context import Context
 from corral_operator.kube import Forbidden, Invalid, Kube
-from corral_operator.render import Owner
+from corral_operator.render import SERVICE_MONITOR_CRD, Owner
 from corral_operator.spec import LLMDeploymentSpec, SpecError, parse_spec
 from corral_operator.status import Event, Observed
 from corral_operator.timestamps import rfc3339
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
-PRUNABLE_KINDS = ("PodDisruptionBudget", "ServiceMonitor")  # Deployment and Service always exist
+# (kind, the CRD it needs): what the spec may stop asking for; Deployment and Service always exist.
+PRUNABLE_KINDS: tuple[tuple[str, str | None], ...] = (
+    ("PodDisruptionBudget", None),
+    ("HorizontalPodAutoscaler", None),
+    ("ServiceMonitor", SERVICE_MONITOR_CRD),
+    ("ScaledObject", SCALED_OBJECT_CRD),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +60,18 @@ def _prune(kube: Kube, owner: Owner, desired: list[Obj], kinds: tuple[str, ...])
 def _apply_all(
     ctx: Context, owner: Owner, spec: LLMDeploymentSpec, now_s: float
 ) -> tuple[str | None, list[str]]:
-    has_sm = ctx.has_service_monitor_crd(now_s)
-    desired = render.desired_objects(owner, spec, has_service_monitor_crd=has_sm)
+    crds = ctx.installed_crds(now_s)
+    desired = render.desired_objects(owner, spec, crds=crds)
     try:
         for obj in desired:
             ctx.kube.apply(obj)
     except (Invalid, Forbidden) as e:
         return f"applying {obj['kind']}/{owner.name} failed: {e.message}", []
-    kinds = PRUNABLE_KINDS if has_sm else PRUNABLE_KINDS[:1]
-    return None, _prune(ctx.kube, owner, desired, kinds)
+    kinds = [kind for kind, crd in PRUNABLE_KINDS if crd is None or crd in crds]
+    pruned = _prune(ctx.kube, owner, desired, tuple(kinds))
+    if spec.autoscaling is not None and spec.autoscaling.mode == "keda" and SCALED_OBJECT_CRD not in crds:
+        return f"autoscaling.mode keda needs KEDA: CRD {SCALED_OBJECT_CRD} is not installed", pruned
+    return None, pruned
 
 
 def _status_changed(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -121,11 +131,11 @@ def reconcile(
 
 
 def _observe(ctx: Context, owner: Owner, spec: LLMDeploymentSpec, base: Observed) -> Observed:
-    """What status depends on, read from the API: the Deployment, its Pods, the model's PVC."""
-    pvc = spec.model.source.pvc
-    missing_pvc = None
-    if pvc is not None and ctx.kube.get("PersistentVolumeClaim", owner.namespace, pvc.claim_name) is None:
-        missing_pvc = pvc.claim_name
+    """What status depends on, read from the API: the Deployment, its Pods, the model's PVCs."""
+    missing_pvc = next(
+        (c for c in spec.model.claims if ctx.kube.get("PersistentVolumeClaim", owner.namespace, c) is None),
+        None,
+    )
     return dataclasses.replace(
         base,
         desired_replicas=spec.replicas,

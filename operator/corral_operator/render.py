@@ -6,16 +6,19 @@ removes it with the LLMDeployment and the operator can prune what the spec no lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from corral_operator import labels
-from corral_operator.engine_command import MODEL_MOUNT_PATH, corral_command, model_path_in_pod, vllm_args
-from corral_operator.spec import API_VERSION, KIND, HostPathSource, LLMDeploymentSpec
+from corral_operator import autoscalers, labels
+from corral_operator.engine_command import corral_command, model_path_in_pod, vllm_args
+from corral_operator.model_volumes import fetch_container, model_volumes, s3_env
+from corral_operator.pod_spec import ProbeTiming
+from corral_operator.spec import API_VERSION, KIND, LLMDeploymentSpec
 
 Obj = dict[str, Any]
-RUN_AS_UID = 1000
+SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+RUN_AS_UID = 10001  # the corral images' user (docker/*.Dockerfile)
 PORT_NAME = "http"
 
 
@@ -60,31 +63,31 @@ def _resources(spec: LLMDeploymentSpec) -> Obj:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _probe(port_name: str, period_s: int, failures: int) -> Obj:
-    return {
+def _probe(port_name: str, period_s: int, failures: int, timing: ProbeTiming | None) -> Obj:
+    probe = {
         "httpGet": {"path": "/health", "port": port_name},
         "periodSeconds": period_s,
         "timeoutSeconds": 3,
         "failureThreshold": failures,
     }
+    return probe | (timing.model_dump(by_alias=True, exclude_none=True) if timing else {})
+
+
+def _has_shm(spec: LLMDeploymentSpec) -> bool:
+    """NCCL and vLLM's workers talk through /dev/shm; the runtime's default is 64Mi."""
+    return spec.engine.kind == "vllm" or spec.resources.gpu > 0 or spec.pod.shm_size is not None
 
 
 def _volumes(spec: LLMDeploymentSpec) -> tuple[list[Obj], list[Obj]]:
-    """(pod volumes, engine mounts): the weights read-only, a writable /tmp, shared memory for vLLM."""
-    source = spec.model.source
-    if source.pvc is not None:
-        model_volume: Obj = {"persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
-    else:
-        # A validated spec has exactly one source (spec.ModelSource), so without a PVC it is a hostPath.
-        host_path = cast(HostPathSource, source.host_path)
-        model_volume = {"hostPath": {"path": host_path.path, "type": "Directory"}}
-    volumes: list[Obj] = [{"name": "model", **model_volume}, {"name": "tmp", "emptyDir": {}}]
-    mounts: list[Obj] = [
-        {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True},
-        {"name": "tmp", "mountPath": "/tmp"},
-    ]
-    if spec.engine.kind == "vllm":
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    """(pod volumes, engine mounts): the weights (or their cache), a writable /tmp, shared memory."""
+    volumes, mounts = model_volumes(spec)
+    volumes.append({"name": "tmp", "emptyDir": {}})
+    mounts.append({"name": "tmp", "mountPath": "/tmp"})
+    if _has_shm(spec):
+        shm: Obj = {"medium": "Memory"}
+        if spec.pod.shm_size:
+            shm["sizeLimit"] = spec.pod.shm_size
+        volumes.append({"name": "dshm", "emptyDir": shm})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes + list(spec.pod.volumes), mounts + list(spec.pod.volume_mounts)
 
@@ -97,9 +100,31 @@ def _env(spec: LLMDeploymentSpec) -> list[Obj]:
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
+    base += s3_env(spec)
     user = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pod.env]
     user_names = {e["name"] for e in user}
     return [e for e in base if e["name"] not in user_names] + user
+
+
+def _container_security(spec: LLMDeploymentSpec) -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+        **spec.pod.container_security_context,
+    }
+
+
+def _init_containers(spec: LLMDeploymentSpec) -> list[Obj]:
+    """The model download, sized like the engine without its GPUs (it needs none)."""
+    resources = {
+        k: {r: v for r, v in amounts.items() if r != "nvidia.com/gpu"}
+        for k, amounts in _resources(spec).items()
+    }
+    fetch = fetch_container(spec, _container_security(spec), resources)
+    return [fetch] if fetch is not None else []
 
 
 def engine_container(spec: LLMDeploymentSpec) -> Obj:
@@ -115,24 +140,36 @@ def engine_container(spec: LLMDeploymentSpec) -> Obj:
     else:
         container["args"] = vllm_args(spec, model_path, port)
     _, mounts = _volumes(spec)
+    probes = spec.pod.probes
     container |= {
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "env": _env(spec),
         "resources": _resources(spec),
         "volumeMounts": mounts,
         # Loading weights can take minutes; the startup probe holds liveness off until /health answers.
-        "startupProbe": _probe(PORT_NAME, period_s=5, failures=360),
-        "readinessProbe": _probe(PORT_NAME, period_s=5, failures=2),
-        "livenessProbe": _probe(PORT_NAME, period_s=10, failures=3),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "startupProbe": _probe(PORT_NAME, period_s=5, failures=360, timing=probes.startup),
+        "readinessProbe": _probe(PORT_NAME, period_s=5, failures=2, timing=probes.readiness),
+        "livenessProbe": _probe(PORT_NAME, period_s=10, failures=3, timing=probes.liveness),
+        "securityContext": _container_security(spec),
     }
+    if spec.pod.env_from:
+        container["envFrom"] = list(spec.pod.env_from)
     return container
+
+
+def _pod_extras(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+    """The pod-level escape hatches that are set (absent keys keep the API server's defaults)."""
+    extras: Obj = {}
+    if spec.pod.image_pull_secrets:
+        extras["imagePullSecrets"] = [{"name": n} for n in spec.pod.image_pull_secrets]
+    if spec.pod.runtime_class_name:
+        extras["runtimeClassName"] = spec.pod.runtime_class_name
+    if spec.pod.topology_spread_constraints:
+        own = {"matchLabels": labels.selector(owner.name)}
+        extras["topologySpreadConstraints"] = [
+            {"labelSelector": own, **c} for c in spec.pod.topology_spread_constraints
+        ]
+    return extras
 
 
 def deployment(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
@@ -148,6 +185,7 @@ def deployment(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
             "runAsGroup": RUN_AS_UID,
             "fsGroup": RUN_AS_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
+            **spec.pod.security_context,
         },
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -163,6 +201,9 @@ def deployment(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
         pod_spec["serviceAccountName"] = spec.pod.service_account_name
     if spec.pod.priority_class_name:
         pod_spec["priorityClassName"] = spec.pod.priority_class_name
+    pod_spec |= _pod_extras(owner, spec)
+    if init := _init_containers(spec):
+        pod_spec["initContainers"] = init
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -225,11 +266,17 @@ def endpoint_url(owner: Owner, spec: LLMDeploymentSpec) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{spec.engine.port}"
 
 
-def desired_objects(owner: Owner, spec: LLMDeploymentSpec, *, has_service_monitor_crd: bool) -> list[Obj]:
-    """Everything the spec asks for; a PDB only when two or more replicas can keep serving."""
+def desired_objects(owner: Owner, spec: LLMDeploymentSpec, *, crds: Collection[str]) -> list[Obj]:
+    """Everything the spec asks for; a PDB only when two or more replicas can keep serving; objects
+    of optional CRDs (ServiceMonitor, ScaledObject) only when `crds` (installed CRD names) has them."""
     objects = [deployment(owner, spec), service(owner, spec)]
     if spec.replicas >= 2:
         objects.append(pod_disruption_budget(owner, spec))
-    if has_service_monitor_crd:
+    if SERVICE_MONITOR_CRD in crds:
         objects.append(service_monitor(owner, spec))
+    mode = spec.autoscaling.mode if spec.autoscaling else None
+    if mode == "hpa":
+        objects.append(autoscalers.horizontal_pod_autoscaler(_metadata(owner, spec), spec))
+    elif mode == "keda" and autoscalers.SCALED_OBJECT_CRD in crds:
+        objects.append(autoscalers.scaled_object(_metadata(owner, spec), spec))
     return objects

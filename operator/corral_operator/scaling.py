@@ -70,8 +70,8 @@ def autoscale(
     except SpecError:
         return ScaleOutcome(None, False, state)
     load, is_known = observe_load(ctx, owner, spec) if scrape else (None, False)
-    if spec.autoscaling is None:
-        return ScaleOutcome(load, is_known, state)
+    if spec.autoscaling is None or not spec.autoscaling.is_builtin:
+        return ScaleOutcome(load, is_known, state)  # fixed, or an HPA / KEDA owns spec.replicas
     wake = (body["metadata"].get("annotations") or {}).get(labels.WAKE_ANNOTATION)
     policy = autoscaler.Policy.from_spec(spec.autoscaling)
     decision = autoscaler.decide(policy, state, spec.replicas, load, now_s, parse_time(wake))

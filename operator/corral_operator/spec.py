@@ -11,10 +11,13 @@ from typing import Annotated, Any, Literal
 
 from corral_engine import wire
 from corral_engine.args import OPTIONS
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, model_validator
 
+from corral_operator import spec_base
 from corral_operator.engine_args_spec import EngineArgsSpec, corral_only_fields, given_options
+from corral_operator.model_spec import ModelSpec
+from corral_operator.pod_spec import OPEN_OBJECT, PodSpecOverrides
+from corral_operator.spec_base import SpecError, SpecModel, cel, validations
 
 # The API's names are part of the wire contract (the gateway patches LLMDeployments too).
 GROUP = wire.GROUP
@@ -28,75 +31,8 @@ API_VERSION = wire.API_VERSION
 EngineKind = Literal["corral", "vllm"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
-QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
-LABEL_VALUE_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
+QUANTITY_PATTERN = spec_base.QUANTITY_PATTERN
 PERCENT_OR_INT = r"^[0-9]+%?$"
-
-
-class SpecError(ValueError):
-    """The spec cannot be turned into a deployment; the message says which field and why."""
-
-
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    out = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    return out
-
-
-def validations(*rules: dict[str, str]) -> dict[str, Any]:
-    return {"x-kubernetes-validations": list(rules)}
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
-
-
-class PvcSource(_Model):
-    """Weights on a PersistentVolumeClaim, mounted read-only at /models."""
-
-    claim_name: str = Field(min_length=1, max_length=253, description="PVC in the same namespace.")
-    path: str = Field(
-        default="",
-        max_length=1024,
-        pattern=r"^[^/].*$|^$",
-        description="Relative path of the checkpoint directory inside the claim ('' = the root).",
-    )
-
-
-class HostPathSource(_Model):
-    """Weights in a directory on the node (single-node and test clusters)."""
-
-    path: str = Field(min_length=1, max_length=1024, pattern=r"^/", description="Absolute path on the node.")
-
-
-class ModelSource(_Model):
-    """Where the weights are: exactly one of pvc or hostPath."""
-
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            cel("has(self.pvc) != has(self.hostPath)", "model.source needs exactly one of pvc or hostPath")
-        )
-    )
-    pvc: PvcSource | None = None
-    host_path: HostPathSource | None = None
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSource:
-        if (self.pvc is None) == (self.host_path is None):
-            raise ValueError("model.source needs exactly one of pvc or hostPath")
-        return self
-
-
-class ModelSpec(_Model):
-    """The model: its served name and where its checkpoint (config, tokenizer, weights) lives."""
-
-    name: str = Field(
-        pattern=LABEL_VALUE_PATTERN,
-        max_length=63,
-        description="Served model name (the OpenAI `model`); also the pods' corral.dev/model label value.",
-    )
-    source: ModelSource
 
 
 def _corral_only_rule() -> dict[str, str]:
@@ -110,7 +46,7 @@ CORRAL_ONLY_MESSAGE = (
 )
 
 
-class EngineSpec(_Model):
+class EngineSpec(SpecModel):
     """The inference engine: which one, its image and its arguments."""
 
     model_config = ConfigDict(json_schema_extra=validations(_corral_only_rule()))
@@ -130,7 +66,7 @@ class EngineSpec(_Model):
         return self
 
 
-class ResourcesSpec(_Model):
+class ResourcesSpec(SpecModel):
     """Per-replica resources; requests equal limits (Guaranteed QoS keeps latency steady)."""
 
     cpu: str = Field(default="1", pattern=QUANTITY_PATTERN, description="CPU cores, e.g. 2 or 500m.")
@@ -138,7 +74,7 @@ class ResourcesSpec(_Model):
     gpu: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu count per replica.")
 
 
-class Toleration(_Model):
+class Toleration(SpecModel):
     """A core/v1 Toleration."""
 
     key: str | None = None
@@ -148,13 +84,34 @@ class Toleration(_Model):
     toleration_seconds: int | None = None
 
 
-class AutoscalingSpec(_Model):
-    """Scale on engine load: waiting requests per replica and KV cache usage, HPA-style windows."""
+AutoscalingMode = Literal["builtin", "hpa", "keda"]
+HPA_ZERO_MESSAGE = "autoscaling.minReplicas 0 needs mode builtin or keda: an HPA cannot scale to zero"
+KEDA_URL_MESSAGE = "autoscaling.prometheusUrl is required in keda mode (KEDA's triggers query it)"
+
+
+class AutoscalingSpec(SpecModel):
+    """Scale on engine load: waiting requests per replica and KV cache usage, HPA-style windows.
+
+    mode builtin: the operator scrapes the pods and writes spec.replicas (scale subresource).
+    mode hpa / keda: the operator renders a HorizontalPodAutoscaler / KEDA ScaledObject on the
+    scale subresource and never writes spec.replicas (GitOps tools then see no drift).
+    """
 
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= maxReplicas"),
+            cel("!has(self.mode) || self.mode != 'hpa' || self.minReplicas >= 1", HPA_ZERO_MESSAGE),
+            cel("!has(self.mode) || self.mode != 'keda' || has(self.prometheusUrl)", KEDA_URL_MESSAGE),
         )
+    )
+    mode: AutoscalingMode = Field(
+        default="builtin", description="builtin (the operator scales), hpa or keda (they scale; see docs)."
+    )
+    prometheus_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        max_length=2048,
+        description="Prometheus that scrapes the engines and the gateway (keda mode).",
     )
     min_replicas: int = Field(default=1, ge=0, le=1000, description="0 allows scale to zero.")
     max_replicas: int = Field(default=4, ge=1, le=1000, description="Upper bound for the autoscaler.")
@@ -179,13 +136,21 @@ class AutoscalingSpec(_Model):
     def _check(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError("autoscaling.minReplicas must be <= maxReplicas")
+        if self.mode == "hpa" and self.min_replicas < 1:
+            raise ValueError(HPA_ZERO_MESSAGE)
+        if self.mode == "keda" and self.prometheus_url is None:
+            raise ValueError(KEDA_URL_MESSAGE)
         return self
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.mode == "builtin"
 
 
 IntOrPercent = int | Annotated[str, Field(pattern=PERCENT_OR_INT)]
 
 
-class RolloutSpec(_Model):
+class RolloutSpec(SpecModel):
     """How a spec change rolls out (the Deployment's RollingUpdate strategy)."""
 
     model_config = ConfigDict(
@@ -207,62 +172,25 @@ class RolloutSpec(_Model):
         return self
 
 
-RESERVED_LABEL_RULE = cel(
-    "self.all(k, !k.startsWith('app.kubernetes.io/') && !k.startsWith('corral.dev/'))",
-    "pod.labels may not set app.kubernetes.io/* or corral.dev/* keys; the operator owns them",
+FETCHER_MESSAGE = (
+    "model.fetcherImage is required for hf:// and s3:// models on vllm (its image has no corral)"
 )
-OPEN_OBJECT: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-
-
-class EnvVar(_Model):
-    """A core/v1 EnvVar."""
-
-    name: str = Field(min_length=1, max_length=256)
-    value: str | None = None
-    value_from: dict[str, Any] | None = Field(default=None, json_schema_extra=OPEN_OBJECT)
-
-
-class PodSpecOverrides(_Model):
-    """Additions to the engine pods."""
-
-    env: list[EnvVar] = Field(
-        default_factory=list, max_length=128, description="Extra environment variables."
-    )
-    volumes: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=64, description="Extra pod volumes (core/v1 Volume)."
-    )
-    volume_mounts: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=64, description="Extra engine volumeMounts (core/v1 VolumeMount)."
-    )
-    annotations: dict[str, str] = Field(default_factory=dict, max_length=64, description="Pod annotations.")
-    labels: dict[str, str] = Field(
-        default_factory=dict,
-        max_length=64,
-        description="Extra pod labels (not app.kubernetes.io/* or corral.dev/*).",
-        json_schema_extra=validations(RESERVED_LABEL_RULE),
-    )
-    service_account_name: str | None = Field(default=None, max_length=253)
-    priority_class_name: str | None = Field(default=None, max_length=253)
-
-    @model_validator(mode="after")
-    def _check(self) -> PodSpecOverrides:
-        for key in self.labels:
-            if key.startswith(("app.kubernetes.io/", "corral.dev/")):
-                raise ValueError(f"pod.labels may not set {key}; the operator owns that key")
-        return self
-
-
 GPU_ONLY_MESSAGE = "engine.args.gpuMemoryUtilization applies to GPU pods: set resources.gpu"
 
 
-class LLMDeploymentSpec(_Model):
+class LLMDeploymentSpec(SpecModel):
     model_config = ConfigDict(
         json_schema_extra=validations(
             cel(
                 "!has(self.engine.args) || !has(self.engine.args.gpuMemoryUtilization)"
                 " || (has(self.resources) && has(self.resources.gpu) && self.resources.gpu > 0)",
                 GPU_ONLY_MESSAGE,
-            )
+            ),
+            cel(
+                "self.engine.kind != 'vllm' || !has(self.model.uri) || self.model.uri.startsWith('pvc://')"
+                " || has(self.model.fetcherImage)",
+                FETCHER_MESSAGE,
+            ),
         )
     )
 
@@ -286,6 +214,8 @@ class LLMDeploymentSpec(_Model):
         share = getattr(self.engine.args, "gpu_memory_utilization", None)  # a derived model's field
         if share is not None and not self.resources.gpu:
             raise ValueError(GPU_ONLY_MESSAGE)
+        if self.engine.kind == "vllm" and self.model.is_downloaded and self.model.fetcher_image is None:
+            raise ValueError(FETCHER_MESSAGE)
         return self
 
 

@@ -1,7 +1,9 @@
 """Pure status computation: observed Deployment, Pods and PVC -> LLMDeployment status and Events.
 
-Conditions: Available (a replica serves), Progressing (a rollout or scale is under way), Degraded
-(something only the operator can see is wrong: bad spec, missing PVC, image pulls, crash loops).
+Conditions: Ready (the endpoint serves: a pod takes traffic by the rule the gateway and the
+EndpointSlice controller use, or the model is at zero and a request wakes it), Available (a replica
+serves), Progressing (a rollout or scale is under way), Degraded (something only the operator can
+see is wrong: bad spec, missing PVC, image pulls, crash loops).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from corral_engine import wire
 
 from corral_operator.autoscaler import Load
 
@@ -61,10 +65,44 @@ def _deployment_condition(deployment: Obj | None, kind: str) -> Obj:
     return {}
 
 
+def fetch_failure(pod: Obj) -> tuple[str, str] | None:
+    """(reason, message) when the pod's model download failed: the reason from its exit code, the
+    message from its termination message's last line (the fetcher's one-line error, no secrets)."""
+    for cs in pod.get("status", {}).get("initContainerStatuses") or ():
+        if cs.get("name") != wire.FETCH_CONTAINER:
+            continue
+        state = cs.get("state") or {}
+        if "running" in state:
+            return None  # (re)trying now
+        terminated = state.get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+        code = terminated.get("exitCode")
+        if code in (None, 0):
+            return None
+        lines = (terminated.get("message") or "").strip().splitlines()
+        detail = lines[-1] if lines else f"exit code {code}"
+        name = pod.get("metadata", {}).get("name", "?")
+        return wire.FETCH_EXIT_REASONS.get(
+            code, "FetchFailed"
+        ), f"pod {name}: cannot fetch the model: {detail}"
+    return None
+
+
+def fetching(pods: Sequence[Obj]) -> str | None:
+    """The first pod downloading its model now, if any."""
+    for pod in pods:
+        for cs in pod.get("status", {}).get("initContainerStatuses") or ():
+            if cs.get("name") == wire.FETCH_CONTAINER and "running" in (cs.get("state") or {}):
+                return str(pod.get("metadata", {}).get("name", "?"))
+    return None
+
+
 def pod_problem(pods: Sequence[Obj]) -> tuple[str, str] | None:
-    """(reason, message) for the first pod that cannot pull its image, crash-loops or cannot schedule."""
+    """(reason, message) for the first pod whose model download failed, that cannot pull its image,
+    crash-loops or cannot schedule."""
     for pod in pods:
         name = pod.get("metadata", {}).get("name", "?")
+        if failed := fetch_failure(pod):
+            return failed
         for cs in pod.get("status", {}).get("containerStatuses") or ():
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason", "")
@@ -116,6 +154,22 @@ def available(obs: Observed, ready: int) -> Obj:
     return _condition("Available", False, "NoReplicasReady", f"{ready}/{obs.desired_replicas} replicas ready")
 
 
+def ready_condition(obs: Observed, is_available: Obj) -> Obj:
+    """`kubectl wait --for=condition=Ready`: true once a request sent now would be served."""
+    if obs.spec_error:
+        return _condition("Ready", False, "InvalidSpec", obs.spec_error)
+    if obs.desired_replicas == 0 and obs.is_autoscaled:
+        return _condition(
+            "Ready", True, "WakesOnRequest", "0 replicas; a request through the gateway wakes it"
+        )
+    if is_available["status"] != "True":
+        return _condition("Ready", False, is_available["reason"], is_available["message"])
+    serving = sum(1 for pod in obs.pods if wire.is_pod_serving(pod))
+    if serving < 1:
+        return _condition("Ready", False, "NoPodServing", "no pod is Ready with an IP and not terminating")
+    return _condition("Ready", True, "Serving", f"{serving} pod(s) serving at {obs.endpoint}")
+
+
 def progressing(obs: Observed, ready: int) -> Obj:
     dep = obs.deployment
     if dep is None:
@@ -125,6 +179,8 @@ def progressing(obs: Observed, ready: int) -> Obj:
     updated = st.get("updatedReplicas", 0) or 0
     total = st.get("replicas", 0) or 0
     want = obs.desired_replicas
+    if downloading := fetching(obs.pods):
+        return _condition("Progressing", True, "FetchingModel", f"pod {downloading}: downloading the model")
     if not is_current or updated < want or ready < want or total > want:
         return _condition(
             "Progressing", True, "RollingOut", f"{updated}/{want} updated, {ready}/{want} ready, {total} pods"
@@ -148,7 +204,8 @@ def compute(obs: Observed, now: str) -> Obj:
     st = (obs.deployment or {}).get("status", {})
     ready = int(st.get("readyReplicas", 0) or 0)
     applied = obs.spec_error is None and obs.apply_error is None and not obs.is_refresh_only
-    conditions = [available(obs, ready), progressing(obs, ready), degraded(obs)]
+    is_available = available(obs, ready)
+    conditions = [ready_condition(obs, is_available), is_available, progressing(obs, ready), degraded(obs)]
     prev_generation = obs.previous.get("observedGeneration")
     generation = obs.generation if applied else prev_generation
     load = obs.load
@@ -185,6 +242,8 @@ def transitions(previous: Sequence[Obj], current: Sequence[Obj]) -> list[Event]:
             events.append(Event("Warning", reason, cond["message"]))
         elif kind == "Degraded" and kind in old and old[kind][0] == "True":
             events.append(Event("Normal", "Recovered", f"no longer degraded ({old[kind][1]})"))
+        elif kind == "Ready":
+            continue  # follows Available; one Event per transition is enough
         elif kind == "Available" and status == "True" and old.get(kind, (None,))[0] != "True":
             events.append(Event("Normal", "Available", cond["message"]))
         elif kind == "Available" and status == "False" and old.get(kind, (None,))[0] == "True":

@@ -8,11 +8,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from corral_operator.spec import _Model
+from corral_operator.spec_base import SpecModel
 
 
-class Condition(_Model):
-    type: Literal["Available", "Progressing", "Degraded"]
+class Condition(SpecModel):
+    type: Literal["Ready", "Available", "Progressing", "Degraded"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=128)
     message: str = Field(default="", max_length=4096)
@@ -20,14 +20,14 @@ class Condition(_Model):
     observed_generation: int | None = None
 
 
-class LoadStatus(_Model):
+class LoadStatus(SpecModel):
     kv_usage_percent: int | None = Field(default=None, description="Mean KV cache usage of ready replicas.")
     num_requests_waiting: int | None = Field(default=None, description="Waiting requests, all replicas.")
     num_requests_running: int | None = None
     observed_at: str | None = None
 
 
-class LLMDeploymentStatus(_Model):
+class LLMDeploymentStatus(SpecModel):
     observed_generation: int | None = None
     replicas: int | None = None
     ready_replicas: int | None = None

@@ -129,8 +129,12 @@ def test_gateway_may_only_read_what_its_discovery_watches(
     rendered: Render, profile: str, kind: str, resource: str
 ) -> None:
     (role,) = find(rendered(profile), kind, "gateway")
-    assert [r["resources"] for r in role["rules"]] == [[resource]]
-    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
+    assert [r["resources"] for r in role["rules"]] == [[resource], ["llmdeployments"]]
+    discovery, deployments = role["rules"]
+    assert set(discovery["verbs"]) == {"get", "list", "watch"}
+    # names and aliases come from the LLMDeployments; patch only sets the wake annotation
+    assert deployments["apiGroups"] == ["corral.dev"]
+    assert set(deployments["verbs"]) == {"get", "list", "watch", "patch"}
 
 
 def _args(deployment: dict[str, Any]) -> list[str]:

@@ -4,6 +4,7 @@ and for replicas discovered later as soon as they appear."""
 from __future__ import annotations
 
 from corral_gateway.fleet import Fleet
+from corral_gateway.k8s_discovery import Discovery
 from corral_gateway.metrics import RETRY_REASONS, GatewayMetrics
 from corral_gateway.settings import GatewaySettings
 
@@ -33,7 +34,7 @@ def test_discovered_replicas_get_zero_series_when_they_appear() -> None:
     metrics = GatewayMetrics()
     fleet = Fleet(GatewaySettings(kubernetes={"enabled": True}), metrics)
     assert value(metrics, "corral_gateway_ejections_total", replica="http://c") is None
-    fleet.apply_discovery({"late": ["http://c"]})
+    fleet.apply_discovery(Discovery({"late": ["http://c"]}, {}))
     assert_zero_series(metrics, "late", "http://c")
     fleet.update_gauges()
     assert value(metrics, "corral_gateway_replica_healthy", model="late", replica="http://c") == 1.0

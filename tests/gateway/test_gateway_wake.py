@@ -9,7 +9,8 @@ from typing import Any
 from corral_engine import wire
 from corral_gateway.admission import Ask
 from corral_gateway.fleet import Fleet
-from corral_gateway.k8s_wake import Waker, owners_from_objects, wake_patch
+from corral_gateway.k8s_discovery import Discovery, discover
+from corral_gateway.k8s_wake import Waker, wake_patch
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.registry import Replica
 from corral_gateway.settings import GatewaySettings
@@ -25,7 +26,8 @@ def test_owners_from_operator_labels() -> None:
         },
         {"metadata": {"namespace": "ns", "labels": {"corral.dev/model": "x"}}},  # no owner label
     ]
-    assert owners_from_objects(objs, "corral.dev/model") == {"m": ("ns", "llmd")}
+    found = discover(objs, is_pods=True, model_label="corral.dev/model", port_name="http")
+    assert found.owners == {"m": ("ns", "llmd")}
 
 
 def test_wake_patch_is_an_rfc3339_annotation() -> None:
@@ -55,10 +57,11 @@ def test_waker_patches_at_most_once_per_interval() -> None:
 async def test_request_for_a_model_at_zero_waits_for_a_replica() -> None:
     settings = GatewaySettings(kubernetes={"enabled": True, "wake_timeout_s": 5.0}, queue_timeout_s=0.05)
     fleet = Fleet(settings, GatewayMetrics())
-    fleet.apply_discovery({"m": []})
     woken: list[str] = []
     fleet.waker = Waker(None, patch=lambda ns, name, body: woken.append(name))
-    fleet.waker.set_owners({"m": ("ns", "llmd")})
+    owners = {"m": ("ns", "llmd")}
+    fleet.apply_discovery(Discovery({"m": []}, owners))
+    assert fleet.waker.owners == owners
     timeout_s = fleet.wake_timeout_s("m")
     assert timeout_s == 5.0
 
@@ -69,7 +72,7 @@ async def test_request_for_a_model_at_zero_waits_for_a_replica() -> None:
     waiter = asyncio.create_task(lease())
     await asyncio.sleep(0.2)  # longer than the normal queue deadline
     assert not waiter.done()
-    fleet.apply_discovery({"m": ["http://127.0.0.1:9"]})
+    fleet.apply_discovery(Discovery({"m": ["http://127.0.0.1:9"]}, owners))
     replica = await asyncio.wait_for(waiter, 2)
     assert isinstance(replica, Replica) and replica.url == "http://127.0.0.1:9"
     assert fleet.wake_timeout_s("m") is None  # a replica is in rotation now

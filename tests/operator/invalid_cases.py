@@ -90,4 +90,34 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         _with("engine.args.speculative", {"numSpeculativeTokens": 64}),
         "numSpeculativeTokens",
     ),
+    ("shm-size-not-a-quantity", _with("pod", {"shmSize": "lots"}), "shmSize"),
+    ("probe-period-zero", _with("pod", {"probes": {"readiness": {"periodSeconds": 0}}}), "periodSeconds"),
+    (
+        "hpa-to-zero",
+        _with("autoscaling", {"mode": "hpa", "minReplicas": 0, "maxReplicas": 2}),
+        "an HPA cannot scale to zero",
+    ),
+    ("keda-without-prometheus", _with("autoscaling", {"mode": "keda"}), "prometheusUrl is required"),
+    ("unknown-autoscaling-mode", _with("autoscaling", {"mode": "vpa"}), "mode"),
+    (
+        "uri-and-source",
+        _with("model", {"name": "m", "uri": "hf://org/m", "source": {"hostPath": {"path": "/m"}}}),
+        "exactly one of uri or source",
+    ),
+    ("neither-uri-nor-source", _with("model", {"name": "m"}), "exactly one of uri or source"),
+    ("uri-scheme", _with("model", {"name": "m", "uri": "gs://bucket/m"}), "uri"),
+    (
+        "vllm-hf-without-fetcher",
+        {
+            **valid_spec(),
+            "model": {"name": "m", "uri": "hf://org/m"},
+            "engine": {"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"},
+        },
+        "fetcherImage is required",
+    ),
+    (
+        "alias-equals-name",
+        _with("model", {"name": "m", "aliases": ["m"], "source": {"hostPath": {"path": "/m"}}}),
+        "aliases must differ",
+    ),
 ]

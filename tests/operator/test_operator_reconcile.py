@@ -58,8 +58,10 @@ class FakeKube:
     def patch_replicas(self, namespace: str, name: str, replicas: int) -> None:
         self.writes.append(("replicas", replicas))
 
+    crds: frozenset[str] = frozenset()
+
     def crd_exists(self, name: str) -> bool:
-        return False
+        return name in self.crds
 
 
 def body(spec: dict[str, Any], status: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
@@ -233,3 +235,30 @@ def test_what_the_autoscaler_recorded_survives_a_failed_tick(monkeypatch: pytest
     status_writes = [w[1] for w in kube.writes if w[0] == "status"]
     assert len(status_writes) == 1 and "lastScaleTime" in status_writes[0]
     assert memo["recorded"] == {}
+
+
+def test_hpa_mode_renders_an_hpa_and_never_writes_replicas() -> None:
+    kube = FakeKube()
+    kube.objects[("Pod", "ml", "p1")] = ready_pod("p1", "127.0.0.11")
+    spec = valid_spec() | {"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 5}}
+    outcome = autoscale(make_ctx(kube, DeepQueue()), body(spec), State(), now_s=100, scrape=True)
+    assert outcome.decision is None and not [w for w in kube.writes if w[0] == "replicas"]
+    reconcile(make_ctx(kube), body(spec), now_s=100)
+    assert ("HorizontalPodAutoscaler", "ml", "tiny") in kube.objects
+    # back to a fixed size: the HPA is pruned
+    reconcile(make_ctx(kube), body(valid_spec(), generation=2), now_s=200)
+    assert ("HorizontalPodAutoscaler", "ml", "tiny") not in kube.objects
+
+
+def test_keda_mode_without_keda_installed_is_reported_and_with_it_renders_a_scaled_object() -> None:
+    kube = FakeKube()
+    auto = {"mode": "keda", "minReplicas": 0, "maxReplicas": 3, "prometheusUrl": "http://prom:9090"}
+    spec = valid_spec() | {"autoscaling": auto}
+    outcome = reconcile(make_ctx(kube), body(spec), now_s=0)
+    degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
+    assert "scaledobjects.keda.sh is not installed" in degraded["message"]
+    kube.crds = frozenset({"scaledobjects.keda.sh"})
+    outcome = reconcile(make_ctx(kube), body(spec), now_s=100)
+    assert ("ScaledObject", "ml", "tiny") in kube.objects
+    assert next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")["status"] == "False"

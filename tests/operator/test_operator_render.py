@@ -22,7 +22,7 @@ def _spec(**changes: object):
 
 
 def test_every_child_has_managed_labels_and_a_controller_owner_reference() -> None:
-    objects = render.desired_objects(OWNER, _spec(), has_service_monitor_crd=True)
+    objects = render.desired_objects(OWNER, _spec(), crds={render.SERVICE_MONITOR_CRD})
     assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
     for obj in objects:
         meta = obj["metadata"]
@@ -35,9 +35,7 @@ def test_every_child_has_managed_labels_and_a_controller_owner_reference() -> No
 
 
 def test_pdb_only_with_two_replicas_and_service_monitor_only_with_its_crd() -> None:
-    kinds = [
-        o["kind"] for o in render.desired_objects(OWNER, _spec(replicas=1), has_service_monitor_crd=False)
-    ]
+    kinds = [o["kind"] for o in render.desired_objects(OWNER, _spec(replicas=1), crds=())]
     assert kinds == ["Deployment", "Service"]
 
 
@@ -182,3 +180,166 @@ def test_service_targets_the_named_port() -> None:
     assert svc["spec"]["selector"] == labels.selector("tiny")
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
     assert render.endpoint_url(OWNER, _spec()) == "http://tiny.ml.svc:8000"
+
+
+def test_pod_escape_hatches_reach_the_pod_and_merge_over_the_defaults() -> None:
+    raw = valid_spec()
+    raw["pod"] = {
+        "imagePullSecrets": ["regcred"],
+        "envFrom": [{"secretRef": {"name": "hf-token"}}],
+        "runtimeClassName": "nvidia",
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}
+        ],
+        "securityContext": {"runAsUser": 2000, "fsGroup": 2000},
+        "containerSecurityContext": {"readOnlyRootFilesystem": False},
+        "probes": {"startup": {"failureThreshold": 1440}, "liveness": {"timeoutSeconds": 10}},
+        "annotations": {"sidecar.istio.io/inject": "true"},
+    }
+    template = render.deployment(OWNER, parse_spec(raw))["spec"]["template"]
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["runtimeClassName"] == "nvidia"
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["labelSelector"] == {"matchLabels": labels.selector(OWNER.name)}
+    assert spread["maxSkew"] == 1
+    assert container["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsNonRoot"]) == (2000, True)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert (startup["failureThreshold"], startup["periodSeconds"]) == (1440, 5)
+    assert (liveness["timeoutSeconds"], liveness["httpGet"]["path"]) == (10, "/health")
+    assert template["metadata"]["annotations"] == {"sidecar.istio.io/inject": "true"}
+
+
+def test_defaults_leave_the_pod_as_before_and_run_as_the_images_user() -> None:
+    pod = render.deployment(OWNER, parse_spec(valid_spec()))["spec"]["template"]["spec"]
+    for key in ("imagePullSecrets", "runtimeClassName", "topologySpreadConstraints"):
+        assert key not in pod
+    assert "envFrom" not in pod["containers"][0]
+    assert pod["securityContext"]["runAsUser"] == 10001  # USER in docker/engine.Dockerfile
+    assert "dshm" not in {v["name"] for v in pod["volumes"]}
+
+
+@pytest.mark.parametrize("kind", ["corral", "vllm"])
+def test_gpu_pods_get_shared_memory_and_vllm_spans_its_gpus(kind: str) -> None:
+    raw = valid_spec()
+    raw["engine"] = {"kind": kind, "image": "engine:test"}
+    raw["resources"] = {"gpu": 4}
+    raw["pod"] = {"shmSize": "16Gi"}
+    dep = render.deployment(OWNER, parse_spec(raw))
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    argv = pod["containers"][0].get("args", []) + pod["containers"][0].get("command", [])
+    if kind == "vllm":
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    else:  # the bundled engine has no tensor parallelism yet (issue 27): one GPU is used
+        assert "--tensor-parallel-size" not in argv
+    raw["engine"]["extraArgs"] = ["--tensor-parallel-size=2", "--pipeline-parallel-size=2"]
+    args = render.engine_container(parse_spec(raw)).get("args", [])
+    assert "--tensor-parallel-size" not in args  # the user's own split wins
+
+
+def test_hpa_targets_the_scale_subresource_with_per_pod_engine_metrics() -> None:
+    auto = {"mode": "hpa", "minReplicas": 2, "maxReplicas": 9, "targetWaitingPerReplica": 4}
+    auto |= {"targetKvUsage": 0.75, "scaleDownStabilizationSeconds": 120}
+    objects = render.desired_objects(OWNER, _spec(autoscaling=auto), crds=())
+    hpa = next(o for o in objects if o["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "corral.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "name": "tiny",
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 9)
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"]}
+    assert targets["vllm_num_requests_waiting"] == {"type": "AverageValue", "averageValue": "4"}
+    assert targets["vllm_kv_cache_usage_perc"] == {"type": "AverageValue", "averageValue": "750m"}
+    assert hpa["spec"]["behavior"]["scaleDown"] == {"stabilizationWindowSeconds": 120}
+
+
+def test_scaled_object_queries_this_models_engines_and_the_gateway_queue() -> None:
+    auto = {"mode": "keda", "minReplicas": 0, "maxReplicas": 3, "prometheusUrl": "http://prom.mon:9090"}
+    auto |= {"scaleToZeroIdleSeconds": 900}
+    spec = _spec(autoscaling=auto)
+    assert "ScaledObject" not in [o["kind"] for o in render.desired_objects(OWNER, spec, crds=())]
+    objects = render.desired_objects(OWNER, spec, crds={"scaledobjects.keda.sh"})
+    scaled = next(o for o in objects if o["kind"] == "ScaledObject")
+    body = scaled["spec"]
+    assert (body["minReplicaCount"], body["maxReplicaCount"], body["cooldownPeriod"]) == (0, 3, 900)
+    assert body["scaleTargetRef"]["kind"] == "LLMDeployment"
+    triggers = {t["name"]: t for t in body["triggers"]}
+    assert {t["metadata"]["serverAddress"] for t in triggers.values()} == {"http://prom.mon:9090"}
+    waiting = triggers["waiting"]["metadata"]["query"]
+    assert waiting == 'sum(vllm:num_requests_waiting{namespace="ml",model_name="tiny-llama"}) or vector(0)'
+    assert triggers["kv-usage"]["metricType"] == "Value"
+    gateway = triggers["gateway-queue"]["metadata"]
+    assert gateway["query"] == 'sum(corral_gateway_queue_length{model="tiny-llama"}) or vector(0)'
+    assert gateway["activationThreshold"] == "0"
+
+
+def _uri_spec(uri: str, kind: str = "corral", **model: object):
+    raw = valid_spec()
+    raw["model"] = {"name": "org/m", "uri": uri, **model}
+    raw["engine"] = {"kind": kind, "image": "engine:test"}
+    if kind == "vllm":
+        raw["engine"]["image"] = "vllm/vllm-openai:v0.11.0"
+    return parse_spec(raw)
+
+
+def test_hf_model_is_fetched_by_an_init_container_into_the_cache_the_engine_reads() -> None:
+    spec = _uri_spec("hf://org/m@v1", credentialsSecret="hf-token", cache={"sizeLimit": "40Gi"})
+    pod = render.deployment(OWNER, spec)["spec"]["template"]["spec"]
+    (fetch,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    assert fetch["name"] == "fetch-model" and fetch["image"] == "engine:test"
+    assert fetch["command"] == ["corral", "fetch-model", "hf://org/m@v1", "--cache-dir", "/models-cache"]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert {"name": "HF_HUB_OFFLINE", "value": "0"} in fetch["env"]
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert fetch["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "nvidia.com/gpu" not in fetch["resources"]["limits"]
+    # the secret reaches the download only; the engine loads the complete entry offline
+    assert "envFrom" not in engine
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in engine["env"]
+    command = engine["command"]
+    assert command[command.index("--model") + 1] == "hf://org/m@v1"
+    assert command[command.index("--model-cache-dir") + 1] == "/models-cache"
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}} in pod["volumes"]
+    assert {"name": "model-cache", "mountPath": "/models-cache"} in engine["volumeMounts"]
+
+
+def test_s3_model_on_vllm_reads_the_cache_entry_directory_and_shares_a_cache_claim() -> None:
+    spec = _uri_spec(
+        "s3://bucket/llama/8b",
+        kind="vllm",
+        s3Endpoint="http://minio.storage:9000",
+        cache={"claimName": "model-cache"},
+        fetcherImage="corral-engine:test",
+    )
+    pod = render.deployment(OWNER, spec)["spec"]["template"]["spec"]
+    (fetch,) = pod["initContainers"]
+    assert fetch["image"] == "corral-engine:test"
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models-cache/s3/minio.storage_9000/bucket/llama/8b"
+    endpoint = {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"}
+    assert endpoint in fetch["env"] and endpoint in pod["containers"][0]["env"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
+    assert spec.model.claims == ["model-cache"]
+
+
+def test_pvc_uri_is_read_in_place_without_an_init_container() -> None:
+    for kind, expected in (("corral", "pvc://weights/llama/8b"), ("vllm", "/mnt/pvc/weights/llama/8b")):
+        spec = _uri_spec("pvc://weights/llama/8b", kind=kind)
+        pod = render.deployment(OWNER, spec)["spec"]["template"]["spec"]
+        assert "initContainers" not in pod
+        argv = pod["containers"][0].get("command", []) + pod["containers"][0].get("args", [])
+        assert argv[argv.index("--model") + 1] == expected
+        claim = {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+        assert claim in pod["volumes"]
+        mount = {"name": "model", "mountPath": "/mnt/pvc/weights", "readOnly": True}
+        assert mount in pod["containers"][0]["volumeMounts"]
+        assert spec.model.claims == ["weights"]

@@ -131,3 +131,64 @@ def test_events_on_important_transitions_only() -> None:
     events = [(e.type, e.reason) for e in transitions(healthy, crashing)]
     assert ("Warning", "CrashLooping") in events and ("Warning", "NoReplicasReady") in events
     assert ("Normal", "Recovered") in [(e.type, e.reason) for e in transitions(crashing, healthy)]
+
+
+def serving_pod(ip: str = "127.0.0.2", **meta: Any) -> dict:
+    ready = {"type": "Ready", "status": "True"}
+    return {"metadata": {"name": "p", **meta}, "status": {"podIP": ip, "conditions": [ready]}}
+
+
+def ready_of(status: dict) -> tuple[str, str]:
+    return cond(status, "Ready")["status"], cond(status, "Ready")["reason"]
+
+
+def test_ready_needs_available_replicas_and_a_pod_taking_traffic() -> None:
+    pods = [serving_pod(), serving_pod("127.0.0.3", deletionTimestamp="2026-01-01T00:00:00Z")]
+    serving = compute(observed(deployment=deployment(2, 2), pods=pods), NOW)
+    assert ready_of(serving) == ("True", "Serving")
+    assert cond(serving, "Ready")["message"] == "1 pod(s) serving at http://tiny.ml.svc:8000"
+    no_ip = compute(observed(deployment=deployment(2, 2), pods=[serving_pod(ip="")]), NOW)
+    assert ready_of(no_ip) == ("False", "NoPodServing")
+    starting = compute(observed(deployment=deployment(2, 0), pods=[serving_pod()]), NOW)
+    assert ready_of(starting) == ("False", "NoReplicasReady")
+    bad = compute(observed(spec_error="spec.model: bad", pods=[serving_pod()]), NOW)
+    assert ready_of(bad) == ("False", "InvalidSpec")
+
+
+def test_ready_at_zero_only_when_a_request_wakes_it() -> None:
+    woken = compute(observed(desired_replicas=0, is_autoscaled=True, deployment=deployment(0, 0)), NOW)
+    assert ready_of(woken) == ("True", "WakesOnRequest")
+    parked = compute(observed(desired_replicas=0, deployment=deployment(0, 0)), NOW)
+    assert ready_of(parked) == ("False", "ScaledToZero")
+
+
+def fetch_pod(state: dict, last: dict | None = None) -> dict:
+    status = {"name": "fetch-model", "state": state, "lastState": last or {}}
+    return {"metadata": {"name": "p-1"}, "status": {"initContainerStatuses": [status]}}
+
+
+def test_a_failed_download_is_degraded_with_the_fetchers_reason_and_last_line() -> None:
+    message = "downloading...\nModelUnauthorized: hf://org/m: 401 (no token or a refused one)\n"
+    failed = fetch_pod(
+        {"waiting": {"reason": "CrashLoopBackOff"}}, {"terminated": {"exitCode": 4, "message": message}}
+    )
+    st = compute(observed(deployment=deployment(1, 0), pods=[failed]), NOW)
+    degraded = cond(st, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ModelUnauthorized")
+    assert (
+        degraded["message"]
+        == "pod p-1: cannot fetch the model: ModelUnauthorized: hf://org/m: 401 (no token or a refused one)"
+    )
+    disk = fetch_pod({"terminated": {"exitCode": 5}})
+    assert cond(compute(observed(pods=[disk]), NOW), "Degraded")["reason"] == "DiskFull"
+
+
+def test_a_download_in_progress_is_progressing_and_a_finished_one_is_no_problem() -> None:
+    running = fetch_pod({"running": {}}, {"terminated": {"exitCode": 1}})
+    st = compute(observed(deployment=deployment(1, 0), pods=[running]), NOW)
+    assert (cond(st, "Progressing")["reason"], cond(st, "Degraded")["status"]) == ("FetchingModel", "False")
+    done = fetch_pod({"terminated": {"exitCode": 0}})
+    assert (
+        cond(compute(observed(deployment=deployment(1, 1), pods=[done]), NOW), "Degraded")["status"]
+        == "False"
+    )

@@ -9,6 +9,10 @@
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
 {{- end }}
+# Served names and aliases come from the LLMDeployments; patch sets the wake annotation at zero.
+- apiGroups: ["corral.dev"]
+  resources: ["llmdeployments"]
+  verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 
 {{/* The gateway's settings file (`corral gateway --config`); gateway.config adds to it. */}}

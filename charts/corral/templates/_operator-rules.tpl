@@ -29,6 +29,14 @@
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
   verbs: [create, patch, list, delete]
+# a HorizontalPodAutoscaler in autoscaling mode hpa
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [create, patch, list, delete]
+# a KEDA ScaledObject in autoscaling mode keda
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [create, patch, list, delete]
 # status from pods (image pulls, crash loops) and their IPs for metrics
 - apiGroups: ['']
   resources: [pods]
@@ -45,10 +53,10 @@
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
-# does the ServiceMonitor CRD exist? (only that one CRD)
+# are the optional CRDs (ServiceMonitor, ScaledObject) installed? (only those)
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  resourceNames: [servicemonitors.monitoring.coreos.com]
+  resourceNames: [servicemonitors.monitoring.coreos.com, scaledobjects.keda.sh]
   verbs: [get]
 # kopf peering between replicas, cluster-wide mode
 - apiGroups: [kopf.dev]
@@ -88,6 +96,14 @@
 # a ServiceMonitor when Prometheus Operator is installed
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
+  verbs: [create, patch, list, delete]
+# a HorizontalPodAutoscaler in autoscaling mode hpa
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [create, patch, list, delete]
+# a KEDA ScaledObject in autoscaling mode keda
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
   verbs: [create, patch, list, delete]
 # status from pods (image pulls, crash loops) and their IPs for metrics
 - apiGroups: ['']

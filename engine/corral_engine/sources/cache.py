@@ -1,0 +1,150 @@
+"""The model cache: one directory per source and revision, a lock so that processes sharing the cache
+(replicas on one PVC) download an entry once, a marker written atomically when the entry is complete,
+and the check that a directory holds a loadable checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from corral_engine.sources.errors import FetchError
+from corral_engine.sources.uri import ModelUri, cache_subdir
+
+log = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".corral-complete.json"
+LOCK_SUFFIX = ".lock"
+# Files a checkpoint may have that the engine reads; sources download only these.
+ALLOW_PATTERNS = (
+    "*.safetensors",
+    "*.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "merges.txt",
+    "vocab.txt",
+    "*.jinja",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedFile:
+    """A file the source lists, with what the source says about it (None where it says nothing)."""
+
+    name: str
+    size_bytes: int | None = None
+    sha256: str | None = None
+    md5: str | None = None
+
+
+def entry_dir(cache_dir: Path, uri: ModelUri, endpoint: str | None = None) -> Path:
+    """Where `uri` lives in the cache (uri.cache_subdir says how)."""
+    return cache_dir / cache_subdir(uri, endpoint)
+
+
+def is_complete(entry: Path) -> bool:
+    """The marker is there and every file it lists still has its size (a stat each, no reading: a
+    file deleted or truncated since makes the entry incomplete, and the next fetch repairs it)."""
+    try:
+        listed = json.loads((entry / COMPLETE_MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    for name, size in listed.items():
+        path = entry / name
+        if not path.is_file() or (size is not None and path.stat().st_size != size):
+            log.warning("%s in the cache lost %s since it was fetched; fetching again", entry, name)
+            return False
+    return True
+
+
+def mark_complete(entry: Path, uri: ModelUri, commit: str | None, files: list[ExpectedFile]) -> None:
+    """Write the marker through a temporary file and a rename, so a reader sees all of it or none."""
+    record = {
+        "uri": uri.text,
+        "commit": commit,
+        "files": {f.name: f.size_bytes for f in files},
+        "completed_at": time.time(),
+    }
+    tmp = entry / f"{COMPLETE_MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, entry / COMPLETE_MARKER)
+
+
+@contextlib.contextmanager
+def entry_lock(entry: Path) -> Iterator[None]:
+    """Hold the entry's lock (a file beside it: fcntl locks, which NFS v4 and local disks honour)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(entry) + LOCK_SUFFIX)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process is fetching %s; waiting for it", entry)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def forget_damaged(directory: Path, expected: list[ExpectedFile]) -> None:
+    """Before a download: drop the marker and every file whose size differs from the listing, so the
+    clients (which skip a file they once finished) fetch those again."""
+    (directory / COMPLETE_MARKER).unlink(missing_ok=True)
+    for f in expected:
+        path = directory / f.name
+        if f.size_bytes is not None and path.is_file() and path.stat().st_size != f.size_bytes:
+            path.unlink()
+
+
+def verify_files(directory: Path, expected: list[ExpectedFile]) -> None:
+    """Every listed file is there with the listed size and digest, and the directory is a checkpoint.
+    A file that fails is deleted, so that the next try downloads it again."""
+    for f in expected:
+        path = directory / f.name
+        if not path.is_file():
+            raise FetchError("corrupt", f"{f.name} is missing after the download")
+        size = path.stat().st_size
+        problem = None
+        if f.size_bytes is not None and size != f.size_bytes:
+            problem = f"{f.name} has {size} bytes, the source lists {f.size_bytes}"
+        for algorithm, want in (("sha256", f.sha256), ("md5", f.md5)):
+            if problem is None and want is not None and _digest(path, algorithm) != want:
+                problem = f"{f.name}'s {algorithm} differs from the source's"
+        if problem is not None:
+            path.unlink()
+            raise FetchError("corrupt", problem)
+    verify_checkpoint(directory)
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """A config, weights in safetensors (every shard an index names) and a tokenizer."""
+    if not directory.is_dir():
+        raise FetchError("not_found", f"{directory} is not a directory")
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any(directory.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(" or ".join(TOKENIZER_FILES))
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing += sorted(s for s in shards if not (directory / s).is_file())
+    if missing:
+        raise FetchError("not_found", f"{directory} is not a complete checkpoint: no {', '.join(missing)}")
+
+
+def _digest(path: Path, algorithm: str) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, algorithm).hexdigest()

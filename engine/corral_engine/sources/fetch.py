@@ -1,0 +1,112 @@
+"""From a model URI to a local checkpoint directory. hf:// and s3:// go through the cache: an entry
+already complete is returned without any network access; otherwise, under the entry's lock, the
+source lists the files, downloads them, the files are verified and the entry is marked complete.
+pvc:// reads <pvc_root>/CLAIM/PATH where the claim is mounted; a local path is used as it is."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from corral_engine.settings import SourceSettings
+from corral_engine.sources import cache
+from corral_engine.sources.errors import FetchError, disk_error
+from corral_engine.sources.progress import Progress
+from corral_engine.sources.uri import ModelUri, ModelUriError, parse_model_uri
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOptions:
+    """How to fetch: the cache (None: the settings' CORRAL_MODEL_CACHE, else ~/.cache/corral/models),
+    an S3 endpoint overriding AWS_ENDPOINT_URL, and whether to report progress."""
+
+    cache_dir: Path | None = None
+    s3_endpoint: str | None = None
+    show_progress: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    uri: ModelUri
+    path: Path
+    was_downloaded: bool
+
+
+def parse(text: str, revision: str | None = None) -> ModelUri:
+    """A URI (with --revision applied) or a FetchError of kind 'invalid'."""
+    try:
+        return parse_model_uri(text).with_revision(revision)
+    except ModelUriError as e:
+        raise FetchError("invalid", str(e)) from e
+
+
+def resolve_model(
+    uri: ModelUri, settings: SourceSettings, options: FetchOptions = FetchOptions()
+) -> ResolvedModel:
+    """The local directory holding `uri`'s checkpoint, downloading it first if it is remote."""
+    if uri.scheme == "local":
+        return ResolvedModel(uri, Path(uri.location), was_downloaded=False)
+    if uri.scheme == "pvc":
+        path = settings.pvc_root / uri.location / uri.path
+        cache.verify_checkpoint(path)
+        return ResolvedModel(uri, path, was_downloaded=False)
+    endpoint = (options.s3_endpoint or settings.aws_endpoint_url) if uri.scheme == "s3" else None
+    entry = cache.entry_dir(options.cache_dir or settings.cache_dir, uri, endpoint)
+    if cache.is_complete(entry):
+        log.info("%s is in the cache at %s", uri.text, entry)
+        return ResolvedModel(uri, entry, was_downloaded=False)
+    try:
+        with cache.entry_lock(entry):
+            if cache.is_complete(entry):  # another process finished it while we waited
+                return ResolvedModel(uri, entry, was_downloaded=False)
+            _download(uri, settings, options, entry)
+    except OSError as e:
+        _remove_if_empty(entry)
+        full = disk_error(e)
+        if full is not None:
+            raise full from e
+        raise FetchError("error", f"cannot write the cache at {entry}: {e.strerror or e}") from e
+    except FetchError:
+        _remove_if_empty(entry)  # a partial download stays, for the next try to resume
+        raise
+    return ResolvedModel(uri, entry, was_downloaded=True)
+
+
+def _download(uri: ModelUri, settings: SourceSettings, options: FetchOptions, entry: Path) -> None:
+    entry.mkdir(parents=True, exist_ok=True)
+    if uri.scheme == "hf":
+        from corral_engine.sources.hf import HfSource
+
+        hf = HfSource(settings)
+        listing = hf.list_files(uri)
+        files, commit = listing.files, listing.commit
+        log.info("fetching %s (commit %s, %d files) into %s", uri.text, commit[:12], len(files), entry)
+        cache.forget_damaged(entry, files)
+        with _progress(uri, entry, files, options):
+            hf.download(uri, listing, entry)
+    else:
+        from corral_engine.sources.s3 import S3Source
+
+        s3 = S3Source(settings, options.s3_endpoint)
+        files, commit = s3.list_files(uri), None
+        log.info("fetching %s (%d files) into %s", uri.text, len(files), entry)
+        cache.forget_damaged(entry, files)
+        with _progress(uri, entry, files, options):
+            s3.download(uri, files, entry)
+    cache.verify_files(entry, files)
+    cache.mark_complete(entry, uri, commit, files)
+    log.info("%s is complete in the cache", uri.text)
+
+
+def _remove_if_empty(entry: Path) -> None:
+    with contextlib.suppress(OSError):
+        entry.rmdir()
+
+
+def _progress(uri: ModelUri, entry: Path, files: list[cache.ExpectedFile], options: FetchOptions) -> Progress:
+    total = sum(f.size_bytes or 0 for f in files)
+    return Progress(entry, total, uri.text, enabled=options.show_progress)

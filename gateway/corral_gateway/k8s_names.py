@@ -1,0 +1,84 @@
+"""Served names from LLMDeployments (pure): which names a client may ask for, and where each goes.
+
+The rule: within the gateway's scope (its namespace, or every namespace it may read), a served name
+or alias used in one namespace is requested as is; deployments in one namespace that serve the same
+name pool together. A name used in several namespaces is ambiguous: each deployment is then asked
+for as `NAMESPACE/NAME`, and the bare name is refused with a message listing those. `NAMESPACE/NAME`
+always works. An alias routes to its deployment's pool; the engine is sent the deployment's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One LLMDeployment's names."""
+
+    namespace: str
+    deployment: str
+    name: str
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    key: str  # the registry's pool
+    upstream: str  # the model name the engine serves (what the request body is sent with)
+
+
+@dataclass(frozen=True, slots=True)
+class Naming:
+    routes: dict[str, Route] = field(default_factory=dict)  # every name a client may ask for
+    ambiguous: dict[str, list[str]] = field(default_factory=dict)  # bare name -> qualified names
+    keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (namespace, deployment) -> pool
+    aliases: dict[str, str] = field(default_factory=dict)  # unqualified alias -> pool (for listing)
+
+
+def served_from_deployments(items: Iterable[Mapping[str, Any]]) -> list[Served]:
+    """LLMDeployments (API JSON) -> their names; objects without a string model name are skipped."""
+    out = []
+    for item in items:
+        meta = item.get("metadata") or {}
+        model = (item.get("spec") or {}).get("model") or {}
+        name, aliases = model.get("name"), model.get("aliases") or []
+        if isinstance(name, str) and name and meta.get("namespace") and meta.get("name"):
+            clean = tuple(a for a in aliases if isinstance(a, str) and a and a != name)
+            out.append(Served(str(meta["namespace"]), str(meta["name"]), name, clean))
+    return out
+
+
+def naming(served: Iterable[Served]) -> Naming:
+    served = sorted(served, key=lambda s: (s.namespace, s.deployment))
+    namespaces_of: dict[str, set[str]] = {}
+    for s in served:
+        for n in (s.name, *s.aliases):
+            namespaces_of.setdefault(n, set()).add(s.namespace)
+    result = Naming()
+    for s in served:
+        qualified = f"{s.namespace}/{s.name}"
+        is_unique = len(namespaces_of[s.name]) == 1
+        key = s.name if is_unique else qualified
+        result.keys[(s.namespace, s.deployment)] = key
+        result.routes[qualified] = Route(key, s.name)
+        for alias in s.aliases:
+            result.routes[f"{s.namespace}/{alias}"] = Route(key, s.name)
+    for s in served:
+        key = result.keys[(s.namespace, s.deployment)]
+        for n in (s.name, *s.aliases):
+            if len(namespaces_of[n]) == 1:
+                # a name beats an alias of another deployment in the namespace
+                if n == s.name:
+                    result.routes[n] = Route(key, s.name)
+                    result.aliases.pop(n, None)
+                elif n not in result.routes:
+                    result.routes[n] = Route(key, s.name)
+                    result.aliases[n] = key
+            else:
+                result.ambiguous.setdefault(n, [])
+                if f"{s.namespace}/{n}" not in result.ambiguous[n]:
+                    result.ambiguous[n].append(f"{s.namespace}/{n}")
+    return result
