@@ -89,5 +89,9 @@ def run(args: argparse.Namespace) -> int:
         settings.policy,
         ", ".join(settings.backends) or "(from Kubernetes)",
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    # log_config=None: uvicorn's own lines go through the process's logging (--log-format); the
+    # gateway writes its own access lines.
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level="warning", access_log=False, log_config=None
+    )
     return 0

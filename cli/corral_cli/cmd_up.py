@@ -224,7 +224,13 @@ def _gateway_server(app: Any, host: str, port: int) -> Any:
             self.should_exit = True
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        log_config=None,  # uvicorn's lines in the process's format (--log-format)
+        timeout_graceful_shutdown=GRACE_S,
     )
     return _Server(config)
 
