@@ -30,7 +30,7 @@ from corral_engine.settings import EngineSettings
 from corral_engine.sources import FetchError
 from pydantic import ValidationError
 
-from corral_cli import cmd_fetch_model, malloc
+from corral_cli import cmd_fetch_model, malloc, tracing
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"on SIGTERM, time running requests get to finish (default: {DEFAULT_DRAIN_TIMEOUT_S:.0f})",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)",
+    )
+    parser.add_argument(
         "--log-interval",
         type=float,
         default=10.0,
@@ -182,6 +189,11 @@ def run(args: argparse.Namespace) -> int:
     except FetchError as e:
         log.error("cannot fetch the model: %s", e.one_line())
         return e.exit_code
+    try:
+        tracing.configure("corral-engine", args.otlp_traces_endpoint)
+    except tracing.TracingUnavailable as e:
+        log.error("%s", e)
+        return 2
     _set_torch_threads(engine_args.num_threads)
     _log_memory_setup(engine_args.device)
 

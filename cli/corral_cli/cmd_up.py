@@ -24,7 +24,7 @@ from typing import Any
 
 from corral_engine.sources import FetchError
 
-from corral_cli import malloc
+from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
 
 logger = logging.getLogger(__name__)
@@ -128,11 +128,13 @@ def _die_with_parent() -> None:
 
 
 class _Engine:
-    def __init__(self, engine_flags: list[str], num_threads: int, log_dir: Path) -> None:
+    def __init__(
+        self, engine_flags: list[str], num_threads: int, log_dir: Path, log_flags: list[str]
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"engine-{self.port}.log"
-        argv = [sys.executable, "-m", "corral_cli.main", "engine", *engine_flags]
+        argv = [sys.executable, "-m", "corral_cli.main", *log_flags, "engine", *engine_flags]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", str(num_threads)]
         with self.log_path.open("wb") as log:
             # Own session: Ctrl-C reaches only `corral up`, which stops the engines in order.
@@ -222,7 +224,13 @@ def _gateway_server(app: Any, host: str, port: int) -> Any:
             self.should_exit = True
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        log_config=None,  # uvicorn's lines in the process's format (--log-format)
+        timeout_graceful_shutdown=GRACE_S,
     )
     return _Server(config)
 
@@ -253,9 +261,10 @@ def run(args: argparse.Namespace) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         num_threads = max(1, len(os.sched_getaffinity(0)) // sum(len(f) for f in fleet.values()))
         backends: dict[str, list[str]] = {}
+        log_flags = ["--log-level", str(args.log_level), "--log-format", str(args.log_format)]
         for name, replicas in fleet.items():
             for flags in replicas:
-                engines.append(_Engine(flags, num_threads, log_dir))
+                engines.append(_Engine(flags, num_threads, log_dir, log_flags))
                 backends.setdefault(name, []).append(engines[-1].url)
         logger.info("starting %d engines (logs in %s)", len(engines), log_dir)
         _wait_ready(engines)
@@ -265,13 +274,15 @@ def run(args: argparse.Namespace) -> int:
         from corral_gateway.settings import GatewaySettings
 
         settings = GatewaySettings(host=args.host, port=args.port, policy=args.policy, backends=backends)
+        # Traces only from the OTEL_* variables here; the engines, its children, read the same ones.
+        tracing.configure("corral-gateway", None)
         base_url = f"http://{args.host}:{args.port}"
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(_serve_gateway(create_app(settings), args.host, args.port, usage_text(base_url, name)))
         return 0
     except (KeyboardInterrupt, _Stop):
         return 0
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError) as e:  # TracingUnavailable is a RuntimeError
         logger.error("%s", e)
         return 1
     except FetchError as e:

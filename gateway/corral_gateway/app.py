@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from corral_gateway.access import AccessLog
 from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.errors import (
     GatewayError,
@@ -123,7 +125,8 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _background(settings, fleet, keys) as upstream:
-            state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get)
+            access = AccessLog(metrics, settings.access_log)
+            state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get, access)
             yield
 
     app = FastAPI(title="Corral gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -200,6 +203,13 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok", "models": fleet.models()})
+
+    @app.get("/version")
+    async def version() -> Response:
+        try:
+            return JSONResponse({"version": importlib.metadata.version("corral")})
+        except importlib.metadata.PackageNotFoundError:
+            return JSONResponse({"version": "0+unknown"})
 
     @app.get("/ready")
     async def ready() -> Response:

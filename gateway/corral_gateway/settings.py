@@ -55,6 +55,8 @@ class GatewaySettings(BaseSettings):
     api_keys_file: Path | None = None
     # Sent to engines as `Authorization: Bearer ...` when they require a key of their own.
     upstream_api_key: str | None = None
+    # One log line per request (id, model, replica, status, tokens, latency; never prompts or keys).
+    access_log: bool = True
 
     # Admission: per-model queue used while every replica of the model is saturated.
     max_queue_len: int = Field(default=256, ge=0)

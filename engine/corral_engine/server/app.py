@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import inspect
 import logging
 import time
@@ -32,6 +33,14 @@ def fastapi_options() -> dict[str, Any]:
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
         return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
     return {}
+
+
+def package_version() -> str:
+    """The installed corral distribution's version (as `corral --version` shows it)."""
+    try:
+        return importlib.metadata.version("corral")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval_s: float = 10.0) -> FastAPI:
@@ -101,6 +110,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -15,7 +14,7 @@ from starlette.requests import Request
 
 from corral_engine.outputs import RequestOutput
 from corral_engine.sampling_params import SamplingParams
-from corral_engine.server import errors
+from corral_engine.server import access, errors
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.generation import GenerationRun, InFlight
 from corral_engine.server.metrics import ServerMetrics
@@ -73,7 +72,8 @@ class ServerContext:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """The response's id: `<prefix>-<request id>`, the request id adopted from x-request-id."""
+    return access.response_id(prefix)
 
 
 def now_s() -> int:
