@@ -28,6 +28,8 @@ from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
+from corral_engine.structured.compiler import GrammarCompiler
+from corral_engine.structured.masks import advance
 from corral_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.sampler = Sampler(args.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seq_ids = itertools.count()
@@ -96,6 +99,7 @@ class LLMEngine:
             Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))
             for i in range(params.n)
         ]
+        self.grammars.attach(request)
         return request
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -160,6 +164,7 @@ class LLMEngine:
             metrics = s.seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        masks = self.grammars.start_masks(sched.scheduled)  # filled while the model runs
         logits = self.runner.execute(sched.scheduled)
         plain: list[Sequence] = []
         plain_rows: list[int] = []
@@ -177,10 +182,8 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(row)
             row += 1 + s.num_spec
-        if len(plain_rows) == row:
-            result = self.sampler.sample(logits, plain)
-        else:
-            result = self.sampler.sample(logits[plain_rows], plain)
+        sampled = logits if len(plain_rows) == row else logits[plain_rows]
+        result = self.sampler.sample(sampled, plain, masks.wait())
         now = time.monotonic()
         touched: dict[str, dict[int, int]] = {}
         for seq, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
@@ -230,12 +233,14 @@ class LLMEngine:
         for token_id in tokens:
             seq.token_ids.append(token_id)
             counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+            if seq.grammar is not None:
+                advance(seq, token_id)
             self._stats.num_generation_tokens_total += 1
             if self.output_processor.append_token(seq, token_id):
                 self.scheduler.finish(seq)
             if seq.is_finished:
                 return
-        if self.args.speculative and _can_speculate(request.params):
+        if self.args.speculative and request.params.can_speculate:
             room = (
                 min(request.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
                 - 1
@@ -293,11 +298,3 @@ class LLMEngine:
 
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
-
-    def __repr__(self) -> str:
-        return f"LLMEngine({self.served_model_name!r}, blocks={self.block_manager.num_blocks})"
-
-
-def _can_speculate(params: SamplingParams) -> bool:
-    """Drafts are verified greedily, so only plain greedy requests speculate."""
-    return params.is_greedy and not params.has_penalties and params.logprobs is None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from corral_engine.errors import InvalidRequestError
+from corral_engine.structured.spec import GrammarSpec
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -39,6 +40,8 @@ class SamplingParams:
     # (as vLLM's default); "delta", nothing (only the delta_* fields), which saves the engine a copy
     # per step that grows with the output. A finished sequence's output is always complete.
     output_kind: OutputKind = "cumulative"
+    # Structured outputs: what every completion must match (compiled when the request is built).
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +97,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Drafts are verified greedily, so only plain greedy requests speculate; constrained ones
+        don't (a draft the grammar refuses must never be accepted; unmasked verification can't tell)."""
+        return self.is_greedy and not self.has_penalties and self.logprobs is None and self.grammar is None
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

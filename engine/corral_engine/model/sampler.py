@@ -14,6 +14,7 @@ import torch
 
 from corral_engine.core.sequence import Sequence
 from corral_engine.outputs import TokenLogprob
+from corral_engine.structured.masks import TokenMasks, apply_token_masks
 
 
 @dataclass(slots=True)
@@ -44,14 +45,20 @@ class Sampler:
             self._seq_generators[seq.seq_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [S, V] float32, one row per sequence in `seqs` order, on any device."""
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None
+    ) -> SampleResult:
+        """logits: [S, V] float32, one row per sequence in `seqs` order, on any device. `masks`:
+        the allowed tokens of the constrained rows (structured outputs)."""
         raw_logprobs = None
         logprob_rows = [row for row, s in enumerate(seqs) if s.request.params.logprobs is not None]
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1).cpu()
-        if any(s.request.params.has_penalties for s in seqs):
+        if masks is not None:
             logits = logits.clone()
+            apply_token_masks(logits, masks)
+        if any(s.request.params.has_penalties for s in seqs):
+            logits = logits.clone() if masks is None else logits
             for row, seq in enumerate(seqs):
                 if seq.request.params.has_penalties:
                     _apply_penalties(logits[row], seq)

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from corral_engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from corral_engine.server.api_structured import ResponseFormat, StructuredOutputs, grammar_of
 
 TokenId = Annotated[int, Field(ge=0)]
 # A bound on the number of prompts one completions request may carry (each is an engine request).
@@ -47,6 +48,8 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:
@@ -75,6 +78,7 @@ class _SamplingFields(_Strict):
             "logprobs": logprobs,
             # Handlers read whole texts only from finished outputs; streams need only the deltas.
             "output_kind": "delta",
+            "grammar": grammar_of(self.response_format, self.structured_outputs),
         }
         for name in (
             "temperature",
