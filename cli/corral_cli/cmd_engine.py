@@ -41,6 +41,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 20.0
 # get the cores between steps (a spinning team whose other thread is descheduled stalls every op).
 # PASSIVE alone (sleep at once) cost batch-1 decode 25 -> 16 ms a token and batched W2 12-16%
 # (docs/engine-speed.md, item 13); other OpenMP runtimes ignore GOMP_SPINCOUNT and sleep.
+# corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated so --help needs no server import
+# (tests/server/test_tool_calls.py checks they agree).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
@@ -105,6 +108,14 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DRAIN_TIMEOUT_S,
         metavar="SECONDS",
         help=f"on SIGTERM, time running requests get to finish (default: {DEFAULT_DRAIN_TIMEOUT_S:.0f})",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="parse tool calls out of replies in this format, which enables tool_choice 'auto' "
+        "(hermes: <tool_call> blocks, Qwen 2.5/3 and Hermes; llama3_json: Llama 3.1+ JSON calls) "
+        "(default: none; 'required' and named tool choices work without it)",
     )
     parser.add_argument(
         "--log-interval",
@@ -178,6 +189,11 @@ def run(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         log.error("cannot load the model: %s", e)
         return 1
-    app = create_app(engine, api_key=args.api_key, log_interval_s=args.log_interval)
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        log_interval_s=args.log_interval,
+        tool_call_parser=args.tool_call_parser,
+    )
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
     return 0

@@ -15,10 +15,12 @@ from corral_engine.server import create_app
 
 
 @contextlib.asynccontextmanager
-async def openai_client(model_dir: pathlib.Path, **args: Any) -> AsyncIterator[openai.AsyncOpenAI]:
+async def openai_client(
+    model_dir: pathlib.Path, tool_call_parser: str | None = None, **args: Any
+) -> AsyncIterator[openai.AsyncOpenAI]:
     args.setdefault("num_kv_blocks", 256)
     engine = AsyncEngine(EngineArgs(model=str(model_dir), dtype="float32", **args))
-    app = create_app(engine)
+    app = create_app(engine, tool_call_parser=tool_call_parser)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:

@@ -6,12 +6,16 @@ so wrong types are 400s. Ranges that the engine owns are checked once, by Sampli
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from corral_engine.errors import InvalidRequestError
 from corral_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from corral_engine.server.api_structured import ResponseFormat, StructuredOutputs, grammar_of
+from corral_engine.server.api_tools import Tool, ToolCallItem, ToolChoice
+from corral_engine.structured.spec import GrammarSpec
 
 TokenId = Annotated[int, Field(ge=0)]
 # A bound on the number of prompts one completions request may carry (each is an engine request).
@@ -67,8 +71,17 @@ class _SamplingFields(_Strict):
             self.stream_options and self.stream_options.continuous_usage_stats
         )
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Build validated SamplingParams; raises SamplingError (a 400) naming the bad field."""
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, tool_grammar: GrammarSpec | None = None
+    ) -> SamplingParams:
+        """Build validated SamplingParams; raises SamplingError (a 400) naming the bad field.
+        `tool_grammar`: what a forced tool call (required or named) constrains the reply to."""
+        grammar = grammar_of(self.response_format, self.structured_outputs)
+        if grammar is not None and tool_grammar is not None:
+            raise InvalidRequestError(
+                "A required or named tool_choice cannot be combined with another output constraint.",
+                "tool_choice",
+            )
         values: dict[str, Any] = {
             "max_tokens": max_tokens,
             "n": self.n,
@@ -78,7 +91,7 @@ class _SamplingFields(_Strict):
             "logprobs": logprobs,
             # Handlers read whole texts only from finished outputs; streams need only the deltas.
             "output_kind": "delta",
-            "grammar": grammar_of(self.response_format, self.structured_outputs),
+            "grammar": grammar or tool_grammar,
         }
         for name in (
             "temperature",
@@ -140,12 +153,40 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this is the result of
 
     @model_validator(mode="after")
     def _check_content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
+
+    def template_message(self) -> dict[str, Any]:
+        """As chat templates expect it: role, plain-text content, and the tool fields when set.
+        Templates predate OpenAI's `developer` role, which means what `system` means to them;
+        they index a call's arguments as an object, so JSON arguments are parsed (as vLLM does)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        message["content"] = self.text()
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -161,6 +202,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -178,10 +222,18 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates expect them: role and plain-text content. Templates predate
-        OpenAI's `developer` role, which means what `system` means to them."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """`tools` as chat templates take them (OpenAI's shape, as vLLM passes it)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text

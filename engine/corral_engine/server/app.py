@@ -34,10 +34,17 @@ def fastapi_options() -> dict[str, Any]:
     return {}
 
 
-def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval_s: float = 10.0) -> FastAPI:
-    """An app serving `engine`; its lifespan starts the engine's loop and shuts it down."""
+def create_app(
+    engine: EngineClient,
+    *,
+    api_key: str | None = None,
+    log_interval_s: float = 10.0,
+    tool_call_parser: str | None = None,
+) -> FastAPI:
+    """An app serving `engine`; its lifespan starts the engine's loop and shuts it down.
+    `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto"."""
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
-    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key)
+    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key, tool_call_parser=tool_call_parser)
     if hasattr(engine, "on_step"):
         engine.on_step = metrics.observe_step
     created = int(time.time())

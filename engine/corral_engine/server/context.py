@@ -32,6 +32,7 @@ class ServerContext:
     engine: EngineClient
     metrics: ServerMetrics
     api_key: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser: enables tool_choice "auto"
     in_flight: InFlight = field(default_factory=InFlight)
     is_ready: bool = False
     is_draining: bool = False
