@@ -26,6 +26,7 @@ from corral_engine.model.runner import ModelRunner
 from corral_engine.model.sampler import Sampler
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.structured.compiler import GrammarCompiler
@@ -67,7 +68,7 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy),
             self.block_manager,
         )
-        self.sampler = Sampler(args.seed)
+        self.sampler = Sampler(args.seed, self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -87,7 +88,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and build a request without touching engine state (safe from any thread)."""
         token_ids = self.tokenize(prompt)
-        self._validate(token_ids, params)
+        check_request(token_ids, params, self.max_model_len, self.model_config.vocab_size, self.block_manager)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -101,31 +102,6 @@ class LLMEngine:
         ]
         self.grammars.attach(request)
         return request
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        num = len(token_ids)
-        if num >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num} tokens; this model's maximum context length is {self.max_model_len}",
-                "prompt",
-            )
-        if num + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {num} "
-                f"and max_tokens asks for {params.max_tokens} more",
-                "max_tokens",
-            )
-        need = self.block_manager.blocks_for_tokens(num + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}",
-                "max_tokens",
-            )
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None

@@ -1,20 +1,21 @@
-"""OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic, no torch).
+"""OpenAI request bodies: the fields both endpoints share, and /v1/completions' (pydantic, no torch;
+chat's are in api_chat.py).
 
-Unknown fields are ignored, as OpenAI does; known fields are strict (no "1" for 1, no 1 for true),
-so wrong types are 400s. Ranges that the engine owns are checked once, by SamplingParams.
+Fields OpenAI or vLLM define are declared here or refused in request_fields.py; others are logged
+and ignored, as vLLM does. Declared fields are strict (no "1" for 1, no 1 for true), so wrong types
+are 400s. Ranges that the engine owns are checked once, by SamplingParams.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from corral_engine.errors import InvalidRequestError
-from corral_engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from corral_engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from corral_engine.server.api_structured import ResponseFormat, StructuredOutputs, grammar_of
-from corral_engine.server.api_tools import Tool, ToolCallItem, ToolChoice
+from corral_engine.server.request_fields import REFUSED_COMPLETION, check_fields
 from corral_engine.structured.spec import GrammarSpec
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -27,12 +28,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class _Request(BaseModel):
+    """A request body: unknown fields are kept aside, so refused ones are 400s and the rest are
+    logged and ignored (request_fields.py)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far on every chunk
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     """Fields both endpoints share; they become one SamplingParams."""
 
     model: str = Field(min_length=1)
@@ -54,6 +62,18 @@ class _SamplingFields(_Strict):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[TokenId] | None = None
+    min_tokens: int = 0
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep only the prompt's last k
+    # Hints with nothing for this server to do (no stored completions, one service tier, prefix
+    # caching is automatic): accepted, as vLLM accepts them.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:
@@ -109,7 +129,23 @@ class _SamplingFields(_Strict):
             values["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.stop_token_ids:
             values["stop_token_ids"] = tuple(self.stop_token_ids)
+        if self.logit_bias:
+            values["logit_bias"] = tuple((_token_id(k), v) for k, v in self.logit_bias.items())
+        if self.allowed_token_ids is not None:
+            values["allowed_token_ids"] = tuple(self.allowed_token_ids)
+        values["min_tokens"] = self.min_tokens
         return SamplingParams(**values)
+
+    def truncate(self, prompt: list[int]) -> list[int]:
+        """The prompt as the engine sees it: its last truncate_prompt_tokens tokens, if set."""
+        k = self.truncate_prompt_tokens
+        return prompt if k is None else prompt[-k:]
+
+
+def _token_id(key: str) -> int:
+    if not key.isdigit():
+        raise InvalidRequestError(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+    return int(key)
 
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -119,7 +155,16 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text before each completion's
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # return the n likeliest of best_of
+    add_special_tokens: bool = True  # text prompts: as the tokenizer adds them (BOS)
+
+    def check_fields(self) -> None:
+        check_fields(self.model_extra or {}, REFUSED_COMPLETION)
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError("best_of must be at least n", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise InvalidRequestError("best_of cannot be used with stream", "best_of")
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -130,8 +175,6 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
             if isinstance(self.prompt[0], list) and any(not p for p in self.prompt):
                 raise ValueError("a token-id prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -142,98 +185,3 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallItem] | None = None  # assistant turns that called tools
-    tool_call_id: str | None = None  # tool turns: which call this is the result of
-
-    @model_validator(mode="after")
-    def _check_content(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return self
-
-    def template_message(self) -> dict[str, Any]:
-        """As chat templates expect it: role, plain-text content, and the tool fields when set.
-        Templates predate OpenAI's `developer` role, which means what `system` means to them;
-        they index a call's arguments as an object, so JSON arguments are parsed (as vLLM does)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        message["content"] = self.text()
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": call.type,
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": _arguments(call.function.arguments),
-                    },
-                }
-                for call in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_message() for m in self.messages]
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """`tools` as chat templates take them (OpenAI's shape, as vLLM passes it)."""
-        if not self.tools:
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text

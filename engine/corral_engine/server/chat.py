@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from corral_engine.outputs import RequestOutput
 from corral_engine.server import errors
-from corral_engine.server.api_models import ChatCompletionRequest
+from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_tools import ToolPlan, plan_tools
 from corral_engine.server.context import (
     RunningUsage,
@@ -42,18 +42,16 @@ def _template_errors() -> tuple[type[Exception], ...]:
 
 def render_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
     """Token ids of the conversation rendered by the model's chat template, ready for a reply."""
-    extra: dict[str, Any] = {}
-    tools = req.template_tools()
-    if tools is not None:
-        extra["tools"] = tools
     try:
         text = ctx.engine.tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=True, tokenize=False, **extra
+            req.template_messages(), tokenize=False, **req.template_kwargs()
         )
     except _template_errors() as e:
         raise errors.invalid_request(f"The chat template rejected the messages: {e}", "messages") from e
-    # The template already holds any special tokens (BOS); don't add them twice.
-    ids = list(ctx.engine.tokenizer.encode(str(text), add_special_tokens=False))
+    # The template already holds any special tokens (BOS); don't add them twice unless asked.
+    ids = req.truncate(
+        list(ctx.engine.tokenizer.encode(str(text), add_special_tokens=req.add_special_tokens))
+    )
     if not ids:
         raise errors.invalid_request("The messages render to an empty prompt.", "messages")
     return ids
