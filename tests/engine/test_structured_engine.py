@@ -45,6 +45,10 @@ def test_mask_bits_allow_exactly_the_set_tokens() -> None:
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 2]
     assert torch.isfinite(logits[1]).all()  # an unconstrained row is untouched
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [63]
+    every = torch.zeros(2, 40)  # every row constrained (one op), a vocabulary narrower than the mask
+    apply_token_masks(every, TokenMasks(rows=[0, 1], bitmask=bitmask))
+    assert torch.isfinite(every[0]).nonzero().flatten().tolist() == [0, 2]
+    assert not torch.isfinite(every[1]).any()  # token 63 is past this vocabulary
 
 
 def test_mixed_batch_with_preemption_keeps_every_constrained_output_valid(

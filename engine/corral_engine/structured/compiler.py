@@ -15,7 +15,7 @@ from typing import Any
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request
 from corral_engine.errors import InvalidRequestError
-from corral_engine.structured.masks import MaskBuilder, PendingMasks
+from corral_engine.structured.masks import MaskBuilder, MaskStats, PendingMasks
 from corral_engine.structured.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,10 @@ class GrammarCompiler:
         if self._masks is None:
             self._masks = MaskBuilder(self.mask_width)
         return self._masks.start([s.seq for s in scheduled if s.samples and not s.num_spec])
+
+    @property
+    def mask_stats(self) -> MaskStats:
+        return self._masks.stats if self._masks is not None else MaskStats()
 
     def matcher(self, spec: GrammarSpec) -> Any:
         """A fresh llguidance.LLMatcher for one sequence; InvalidRequestError when `spec` does not
