@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from corral_engine.server import errors
+from corral_engine.server import errors, tokens
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
 from corral_engine.server.context import ServerContext
@@ -126,3 +126,15 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokens.tokenize(ctx, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await tokens.detokenize(ctx, request)
+
+    @app.get("/version")
+    async def version_route() -> Response:
+        return tokens.version()

@@ -27,7 +27,8 @@ from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingRe
 logger = logging.getLogger(__name__)
 
 
-def _tokenize(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+def tokenize_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt, as the engine will see them."""
     prompts: list[list[int]] = []
     for i, prompt in enumerate(req.prompts()):
         if isinstance(prompt, list):
@@ -71,7 +72,7 @@ def _best(
 
 async def create_completion(ctx: ServerContext, request: Request) -> Response:
     req = await ctx.parse(request, CompletionRequest)
-    prompts = _tokenize(ctx, req)
+    prompts = tokenize_prompts(ctx, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else remaining_context(ctx, prompts, "prompt")
     if req.echo and req.logprobs is not None:
         raise errors.invalid_request(
