@@ -23,7 +23,7 @@ from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.runner import ModelRunner
-from corral_engine.model.sampler import Sampler
+from corral_engine.model.sampler import Sampler, token_logprob
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from corral_engine.request_checks import check_request
@@ -141,6 +141,11 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         masks = self.grammars.start_masks(sched.scheduled)  # filled while the model runs
+        scored = [
+            (s.seq, s.prompt_positions())
+            for s in sched.scheduled
+            if s.seq.request.params.prompt_logprobs is not None
+        ]
         logits = self.runner.execute(sched.scheduled)
         plain: list[Sequence] = []
         plain_rows: list[int] = []
@@ -158,7 +163,9 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(row)
             row += 1 + s.num_spec
-        sampled = logits if len(plain_rows) == row else logits[plain_rows]
+        if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
+            self._record_prompt_logprobs(scored, logits[row:])
+        sampled = logits[:row] if len(plain_rows) == row else logits[plain_rows]
         result = self.sampler.sample(sampled, plain, masks.wait())
         now = time.monotonic()
         touched: dict[str, dict[int, int]] = {}
@@ -178,6 +185,15 @@ class LLMEngine:
             output = self.output_processor.build_output(request, counts, is_finished)
             outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
+
+    def _record_prompt_logprobs(self, scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
+        raw = torch.log_softmax(logits, dim=-1).cpu()  # [rows, V]
+        i = 0
+        for seq, positions in scored:
+            k = seq.request.params.prompt_logprobs or 0
+            for q in positions:
+                seq.prompt_logprobs.append(token_logprob(raw[i], seq.token_ids[q + 1], k))
+                i += 1
 
     def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
         """Greedy verification: keep the drafts the model agrees with, plus its own next token."""

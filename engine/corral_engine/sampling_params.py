@@ -46,6 +46,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's)
     min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many output tokens
+    # Logprobs of the prompt's tokens (each given the ones before it), with the top k alternatives.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +102,8 @@ class SamplingParams:
             raise bad("allowed_token_ids must not be empty", "allowed_token_ids")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", "prompt_logprobs")
         if self.output_kind not in OUTPUT_KINDS:
             raise bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}", "output_kind")
 

@@ -47,7 +47,7 @@ IMPLEMENTED_COMMON = {
     "stream_options": "test_server_api", "response_format": "test_structured_outputs",
     "structured_outputs": "test_structured_outputs", "logit_bias": "here", "allowed_token_ids": "here",
     "min_tokens": "here", "truncate_prompt_tokens": "here", "max_tokens": "test_server_api",
-    "logprobs": "test_server_api", "add_special_tokens": "here",
+    "logprobs": "test_server_api", "add_special_tokens": "here", "prompt_logprobs": "here",
     # Hints with nothing to do here (no stored completions, one tier, automatic prefix caching):
     "user": "here", "metadata": "here", "service_tier": "here", "prompt_cache_key": "here",
     "prompt_cache_retention": "here", "prompt_cache_options": "here", "safety_identifier": "here",
@@ -239,3 +239,35 @@ async def test_template_fields_reach_the_chat_template(client: openai.AsyncOpenA
     )
     kwargs = req.template_kwargs()
     assert kwargs["documents"] == [{"text": "d"}] and kwargs["reasoning_effort"] == "low"
+
+
+async def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(
+    client: openai.AsyncOpenAI, tokenizer: Any
+) -> None:
+    prompt = "The quick brown fox jumps"
+    ids = tokenizer.encode(prompt)
+    c = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == len(ids) + 1  # every prompt token, then the generated one
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert c.choices[0].text.startswith(prompt)
+    r = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    scored = r.model_dump()["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for q, entry in enumerate(scored[1:], start=1):
+        assert entry[str(ids[q])]["logprob"] == pytest.approx(lp.token_logprobs[q], abs=1e-4)
+        assert entry[str(ids[q])]["rank"] >= 1
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    assert chat.model_dump()["prompt_logprobs"][0] is None
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, stream=True
+        )

@@ -73,7 +73,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (C, cmpl(seed=2**70), 400, "seed"),
     (C, cmpl(stream="yes"), 400, "stream"),
     (C, cmpl(stream_options={"include_usage": "y"}), 400, "stream_options.include_usage"),
-    (C, cmpl(echo=True, logprobs=1), 400, "echo"),
+    (C, cmpl(echo=True, logprobs=1, stream=True), 400, "stream"),
     (C, cmpl(suffix="x"), 400, "suffix"),
     (C, cmpl(best_of=1, n=2), 400, "best_of"),
     (C, cmpl(logit_bias={"x": 1}), 400, "logit_bias"),

@@ -44,6 +44,8 @@ class Sequence:
     # Structured outputs: the grammar state (an llguidance matcher) after the last output token.
     # It lives with the tokens, so preemption (which recomputes only KV) leaves it valid.
     grammar: Any = None
+    # prompt_logprobs: one per prompt token after the first, filled as prefill chunks are computed.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -82,7 +82,7 @@ class Sampler:
             for i, row in enumerate(logprob_rows):
                 k = seqs[row].request.params.logprobs
                 assert k is not None
-                logprobs[row] = _token_logprob(raw_logprobs[i], token_ids[row], k)
+                logprobs[row] = token_logprob(raw_logprobs[i], token_ids[row], k)
         return SampleResult(token_ids, logprobs)
 
     def _apply_token_rules(self, row: torch.Tensor, seq: Sequence) -> None:  # row: [V], in place
@@ -142,9 +142,12 @@ def _sample_row(row: torch.Tensor, seq: Sequence, generator: torch.Generator) ->
     return torch.argmax(probs / noise)
 
 
-def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """row: [V] log-probabilities on the CPU; the token's logprob and the top k."""
     top: list[tuple[int, float]] = []
     if k > 0:
         values, ids = torch.topk(row, k)
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token_id=token_id, logprob=float(row[token_id]), top=top)
+    logprob = row[token_id]
+    rank = int((row > logprob).sum()) + 1
+    return TokenLogprob(token_id=token_id, logprob=float(logprob), top=top, rank=rank)

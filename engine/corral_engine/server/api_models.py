@@ -65,6 +65,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[TokenId] | None = None
     min_tokens: int = 0
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens, top k of each
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep only the prompt's last k
     # Hints with nothing for this server to do (no stored completions, one service tier, prefix
     # caching is automatic): accepted, as vLLM accepts them.
@@ -134,6 +135,7 @@ class _SamplingFields(_Request):
         if self.allowed_token_ids is not None:
             values["allowed_token_ids"] = tuple(self.allowed_token_ids)
         values["min_tokens"] = self.min_tokens
+        values["prompt_logprobs"] = self.prompt_logprobs
         return SamplingParams(**values)
 
     def truncate(self, prompt: list[int]) -> list[int]:

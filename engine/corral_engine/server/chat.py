@@ -22,7 +22,7 @@ from corral_engine.server.context import (
     usage,
 )
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
-from corral_engine.server.logprobs import chat_logprobs
+from corral_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
 from corral_engine.server.tool_calls import ReplyStream, finish_reason, reply_message
 
@@ -64,6 +64,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     if max_tokens is None:
         max_tokens = remaining_context(ctx, [prompt], "messages")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
+    if req.prompt_logprobs is not None and req.stream:
+        raise errors.invalid_request("prompt_logprobs are not streamed.", "stream")
     params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
     request_id = new_id("chatcmpl")
     run = ctx.start_run(request_id, [prompt], params)
@@ -90,16 +92,18 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
                     "stop_reason": o.stop_reason,
                 }
             )
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": ctx.model_name,
-            "choices": choices,
-            "usage": usage(collected.finals),
-        }
-    )
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(collected.finals),
+    }
+    scored = collected.finals[0].prompt_logprobs if collected.finals else None
+    if req.prompt_logprobs is not None and scored is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(scored, ctx.token_text)
+    return JSONResponse(body)
 
 
 async def _stream(

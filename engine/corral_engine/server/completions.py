@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from corral_engine.outputs import CompletionOutput, RequestOutput
+from corral_engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from corral_engine.server import errors
 from corral_engine.server.api_models import CompletionRequest
 from corral_engine.server.context import (
@@ -21,7 +21,7 @@ from corral_engine.server.context import (
     usage,
 )
 from corral_engine.server.generation import Collected, GenerationRun, collect_unless_disconnected
-from corral_engine.server.logprobs import completion_logprobs
+from corral_engine.server.logprobs import completion_logprobs, prompt_logprobs_json, unscored
 from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
 
 logger = logging.getLogger(__name__)
@@ -74,14 +74,17 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     req = await ctx.parse(request, CompletionRequest)
     prompts = tokenize_prompts(ctx, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else remaining_context(ctx, prompts, "prompt")
-    if req.echo and req.logprobs is not None:
+    prompt_k = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:  # the prompt's tokens come with logprobs too
+        prompt_k = max(prompt_k or 0, req.logprobs)
+    if prompt_k is not None and req.stream:
         raise errors.invalid_request(
-            "echo with logprobs needs prompt logprobs, which are not computed", "echo"
+            "Prompt logprobs (prompt_logprobs, echo with logprobs) are not streamed.", "stream"
         )
     best_of = req.best_of or req.n
     # best_of ranks sequences by their cumulative logprob: the chosen tokens' logprobs are needed.
     logprobs = req.logprobs if req.logprobs is not None or best_of == req.n else 0
-    params = req.to_sampling_params(max_tokens, logprobs).replace(n=best_of)
+    params = req.to_sampling_params(max_tokens, logprobs).replace(n=best_of, prompt_logprobs=prompt_k)
     echo = _echo_texts(ctx, req, prompts)
     request_id = new_id("cmpl")
     run = ctx.start_run(request_id, prompts, params)
@@ -99,7 +102,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
             "created": created,
             "model": ctx.model_name,
             "choices": [
-                _choice(ctx, req, i * req.n + j, o, echo[i] + o.text, collected.logprobs_of(i, o.index), 0)
+                _final_choice(ctx, req, i * req.n + j, out, o, echo[i], collected.logprobs_of(i, o.index))
                 for i, out in enumerate(collected.finals)
                 for j, o in enumerate(
                     _best(collected, i, out.outputs, req.n) if best_of > req.n else out.outputs
@@ -108,6 +111,25 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
             "usage": usage(collected.finals),
         }
     )
+
+
+def _final_choice(
+    ctx: ServerContext,
+    req: CompletionRequest,
+    index: int,
+    out: RequestOutput,
+    o: CompletionOutput,
+    echo: str,
+    items: list[TokenLogprob],
+) -> dict[str, Any]:
+    """A finished choice: with echo the prompt's text (and its tokens' logprobs) come first."""
+    prompt = out.prompt_logprobs
+    if echo and req.logprobs is not None and prompt is not None:
+        items = [unscored(out.prompt_token_ids[0]), *(lp for lp in prompt[1:] if lp is not None), *items]
+    choice = _choice(ctx, req, index, o, echo + o.text, items, 0)
+    if req.prompt_logprobs is not None and prompt is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(prompt, ctx.token_text)
+    return choice
 
 
 def _choice(

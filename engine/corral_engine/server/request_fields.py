@@ -41,7 +41,6 @@ REFUSED_COMMON: dict[str, Refused] = {
     "vllm_xargs": Refused("no extension takes extra arguments"),
     "mm_processor_kwargs": Refused(_NO_MM),
     "store": Refused("completions are not stored", (None, False)),
-    "prompt_logprobs": Refused("prompt logprobs are not computed"),
     # vLLM's old guided decoding fields (removed in vLLM 0.12): refused so a constraint is never lost.
     **{
         name: Refused("use structured_outputs")
