@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import torch
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 
 from bench.gpu import reference
 from tests.engine.helpers import make_engine, random_prompts
@@ -55,3 +57,16 @@ def test_prompt_logprobs_survive_preemption(tiny_model_dir: pathlib.Path) -> Non
     for i, prompt in enumerate(prompts):
         scored = finals[f"r{i}"].prompt_logprobs
         assert [x.token_id if x else None for x in scored] == [None, *prompt[1:]]
+
+
+def test_prompt_logprobs_on_the_triton_backend(tiny_model_dir: pathlib.Path) -> None:
+    """The unified (triton) batch puts the prompt rows after the sampling rows too."""
+    (prompt,) = random_prompts(1, 24, seed=6)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    results = []
+    for settings, backend in ((None, "auto"), (EngineSettings(triton_interpret=True), "triton")):
+        engine = make_engine(tiny_model_dir, settings, attention_backend=backend, max_num_batched_tokens=7)
+        engine.add_request("t", prompt, params)
+        engine.add_request("other", prompt[:5], SamplingParams(max_tokens=6))  # a sampling row alongside
+        results.append([x.logprob for x in _final(engine, "t").prompt_logprobs[1:]])
+    assert results[0] == pytest.approx(results[1], abs=1e-4)
