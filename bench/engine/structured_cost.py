@@ -16,16 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.sampling_params import SamplingParams
-from corral_engine.structured.masks import TokenMasks, apply_token_masks
+from corral_engine.structured.masks import MaskBuilder, TokenMasks, apply_token_masks
 from corral_engine.structured.spec import GrammarSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--w2-prompts", type=int, default=200, help="W2 requests (200 is the full workload)")
     p.add_argument("--w2-repeats", type=int, default=2, help="A B rounds of W2")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--micro-only", action="store_true", help="only the grammar's own work (no model runs)")
     return p.parse_args()
 
 
@@ -104,8 +107,6 @@ def step_cost(engine: LLMEngine, batch: int, grammar: GrammarSpec | None, steps:
 
 def apply_cost(batch: int, vocab: int, width: int) -> float:
     """ms to apply `batch` masks to [batch, vocab] float32 logits (the sampler's part)."""
-    import torch
-
     logits = torch.randn(batch, vocab)
     masks = TokenMasks(list(range(batch)), torch.full((batch, width), 0x55555555, dtype=torch.int32))
     best = float("inf")
@@ -114,6 +115,34 @@ def apply_cost(batch: int, vocab: int, width: int) -> float:
         apply_token_masks(logits.clone(), masks)
         best = min(best, time.perf_counter() - start)
     return 1e3 * best
+
+
+def grammar_micro(engine: LLMEngine, batch: int, steps: int = 40) -> dict[str, float]:
+    """The grammar's own work per step, without the model: `batch` matchers walk random allowed
+    tokens; best-of timings (ms) of filling the masks, applying them, and advancing the matchers."""
+    compiler = engine.grammars
+    builder = MaskBuilder(compiler.mask_width)
+    matchers = [compiler.matcher(LONG_JSON) for _ in range(batch)]
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(0)
+    fill, apply, advance = float("inf"), float("inf"), float("inf")
+    bitmask = torch.empty((batch, compiler.mask_width), dtype=torch.int32)
+    logits = torch.randn(batch, vocab)
+    for _ in range(steps):
+        start = time.perf_counter()
+        builder._fill([(m, i) for i, m in enumerate(matchers)], bitmask)
+        fill = min(fill, time.perf_counter() - start)
+        masked = logits.clone()
+        start = time.perf_counter()
+        apply_token_masks(masked, TokenMasks(list(range(batch)), bitmask))
+        apply = min(apply, time.perf_counter() - start)
+        allowed = torch.isfinite(masked)
+        tokens = [rng.choice(allowed[i].nonzero().flatten().tolist()) for i in range(batch)]
+        start = time.perf_counter()
+        for m, t in zip(matchers, tokens, strict=True):
+            m.consume_token(t)
+        advance = min(advance, time.perf_counter() - start)
+    return {"fill_ms": 1e3 * fill, "apply_ms": 1e3 * apply, "advance_ms": 1e3 * advance}
 
 
 def w2(engine: LLMEngine, records: list[dict[str, Any]], share: float) -> dict[str, float]:
@@ -138,6 +167,11 @@ def main() -> int:
     engine = make_engine(args)
     results: dict[str, Any] = {"model": str(args.model), "steps": {}, "apply_ms": {}}
     width = engine.grammars.mask_width if engine.grammars.ll_tokenizer else 0
+    results["micro"] = {batch: grammar_micro(engine, batch) for batch in (1, 64)}
+    log.info("grammar work per step, best of 40: %s", results["micro"])
+    if args.micro_only:
+        log.info("results:\n%s", json.dumps(results, indent=2))
+        return 0
     for batch in (1, 64):
         runs: dict[str, list[dict[str, float]]] = {"off": [], "json": []}
         for _ in range(args.repeats):
