@@ -23,11 +23,14 @@ from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.runner import ModelRunner
-from corral_engine.model.sampler import Sampler
+from corral_engine.model.sampler import Sampler, token_logprob
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
+from corral_engine.structured.compiler import GrammarCompiler
+from corral_engine.structured.masks import advance
 from corral_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,7 +68,8 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy),
             self.block_manager,
         )
-        self.sampler = Sampler(args.seed)
+        self.sampler = Sampler(args.seed, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seq_ids = itertools.count()
@@ -84,7 +88,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and build a request without touching engine state (safe from any thread)."""
         token_ids = self.tokenize(prompt)
-        self._validate(token_ids, params)
+        check_request(token_ids, params, self.max_model_len, self.model_config.vocab_size, self.block_manager)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -96,32 +100,8 @@ class LLMEngine:
             Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))
             for i in range(params.n)
         ]
+        self.grammars.attach(request)
         return request
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        num = len(token_ids)
-        if num >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num} tokens; this model's maximum context length is {self.max_model_len}",
-                "prompt",
-            )
-        if num + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {num} "
-                f"and max_tokens asks for {params.max_tokens} more",
-                "max_tokens",
-            )
-        need = self.block_manager.blocks_for_tokens(num + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}",
-                "max_tokens",
-            )
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
@@ -160,6 +140,12 @@ class LLMEngine:
             metrics = s.seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        masks = self.grammars.start_masks(sched.scheduled)  # filled while the model runs
+        scored = [
+            (s.seq, s.prompt_positions())
+            for s in sched.scheduled
+            if s.seq.request.params.prompt_logprobs is not None
+        ]
         logits = self.runner.execute(sched.scheduled)
         plain: list[Sequence] = []
         plain_rows: list[int] = []
@@ -177,10 +163,10 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(row)
             row += 1 + s.num_spec
-        if len(plain_rows) == row:
-            result = self.sampler.sample(logits, plain)
-        else:
-            result = self.sampler.sample(logits[plain_rows], plain)
+        if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
+            self._record_prompt_logprobs(scored, logits[row:])
+        sampled = logits[:row] if len(plain_rows) == row else logits[plain_rows]
+        result = self.sampler.sample(sampled, plain, masks.wait())
         now = time.monotonic()
         touched: dict[str, dict[int, int]] = {}
         for seq, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
@@ -199,6 +185,15 @@ class LLMEngine:
             output = self.output_processor.build_output(request, counts, is_finished)
             outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
+
+    def _record_prompt_logprobs(self, scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
+        raw = torch.log_softmax(logits, dim=-1).cpu()  # [rows, V]
+        i = 0
+        for seq, positions in scored:
+            k = seq.request.params.prompt_logprobs or 0
+            for q in positions:
+                seq.prompt_logprobs.append(token_logprob(raw[i], seq.token_ids[q + 1], k))
+                i += 1
 
     def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
         """Greedy verification: keep the drafts the model agrees with, plus its own next token."""
@@ -230,12 +225,14 @@ class LLMEngine:
         for token_id in tokens:
             seq.token_ids.append(token_id)
             counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+            if seq.grammar is not None:
+                advance(seq, token_id)
             self._stats.num_generation_tokens_total += 1
             if self.output_processor.append_token(seq, token_id):
                 self.scheduler.finish(seq)
             if seq.is_finished:
                 return
-        if self.args.speculative and _can_speculate(request.params):
+        if self.args.speculative and request.params.can_speculate:
             room = (
                 min(request.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
                 - 1
@@ -293,11 +290,3 @@ class LLMEngine:
 
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
-
-    def __repr__(self) -> str:
-        return f"LLMEngine({self.served_model_name!r}, blocks={self.block_manager.num_blocks})"
-
-
-def _can_speculate(params: SamplingParams) -> bool:
-    """Drafts are verified greedily, so only plain greedy requests speculate."""
-    return params.is_greedy and not params.has_penalties and params.logprobs is None

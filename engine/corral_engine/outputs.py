@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k alternatives as (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were likelier (None where not computed)
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # prompt_logprobs: None for the first prompt token, then one per token (as far as computed).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

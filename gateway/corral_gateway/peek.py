@@ -6,6 +6,8 @@ so a body the gateway cannot read is still forwarded and gets the engine's own e
 
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -81,8 +83,15 @@ def _estimate_tokens(body: dict[str, Any], prefix: str | None) -> int:
     return prompt_tokens + n * max_tokens
 
 
-def peek_request(raw: bytes, block_chars: int = 64, num_blocks: int = 4) -> RequestInfo:
-    """Never raises: anything unreadable yields model=None and lets the engine answer."""
+def peek_request(
+    raw: bytes, block_chars: int = 64, num_blocks: int = 4, content_type: str | None = None
+) -> RequestInfo:
+    """Never raises: anything unreadable yields model=None and lets the engine answer. Multipart
+    bodies (vLLM's /v1/audio/*) are read for their `model` field only."""
+    if content_type is not None and content_type.lower().startswith("multipart/form-data"):
+        return RequestInfo(
+            model=_form_model(raw, content_type), is_stream=False, prefix_hash=None, estimated_tokens=1
+        )
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
@@ -100,7 +109,29 @@ def peek_request(raw: bytes, block_chars: int = 64, num_blocks: int = 4) -> Requ
 
 
 def with_model(raw: bytes, model: str) -> bytes:
-    """The body with `model` replaced (only called on a body peek_request read as a JSON object)."""
-    body = json.loads(raw)
+    """A JSON body with `model` replaced; any other body (a multipart form) is returned as it is."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
+    if not isinstance(body, dict):
+        return raw
     body["model"] = model
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _form_model(raw: bytes, content_type: str) -> str | None:
+    """The `model` field of a multipart/form-data body (the standard library's MIME parser)."""
+    head = f"Content-Type: {content_type}\r\n\r\n".encode("latin-1", "replace")
+    try:
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    except (ValueError, TypeError, IndexError):
+        return None
+    if not message.is_multipart():
+        return None
+    for part in message.iter_parts():
+        if part.get_param("name", header="content-disposition") == "model":
+            payload = part.get_payload(decode=True)
+            if isinstance(payload, bytes):
+                return payload.decode("utf-8", "replace").strip() or None
+    return None

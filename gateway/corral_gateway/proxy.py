@@ -92,7 +92,12 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
     span = tracing.start_request_span(request.headers, request.method, path, request_id)
     try:
         raw = await _read_body(request, deps.settings.max_request_bytes)
-        info = peek_request(raw, deps.settings.affinity_block_chars, deps.settings.affinity_num_blocks)
+        info = peek_request(
+            raw,
+            deps.settings.affinity_block_chars,
+            deps.settings.affinity_num_blocks,
+            request.headers.get("content-type"),
+        )
         keystore = deps.keys()
         api_key = keystore.authenticate(request.headers) if keystore is not None else None
         key_name = api_key.name if api_key is not None else ""

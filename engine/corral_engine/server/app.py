@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from corral_engine.server import errors
+from corral_engine.server import errors, tokens
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
 from corral_engine.server.context import ServerContext
@@ -43,10 +43,17 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval_s: float = 10.0) -> FastAPI:
-    """An app serving `engine`; its lifespan starts the engine's loop and shuts it down."""
+def create_app(
+    engine: EngineClient,
+    *,
+    api_key: str | None = None,
+    log_interval_s: float = 10.0,
+    tool_call_parser: str | None = None,
+) -> FastAPI:
+    """An app serving `engine`; its lifespan starts the engine's loop and shuts it down.
+    `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto"."""
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
-    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key)
+    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key, tool_call_parser=tool_call_parser)
     if hasattr(engine, "on_step"):
         engine.on_step = metrics.observe_step
     created = int(time.time())
@@ -132,3 +139,11 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokens.tokenize(ctx, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await tokens.detokenize(ctx, request)

@@ -31,6 +31,7 @@ class ServerContext:
     engine: EngineClient
     metrics: ServerMetrics
     api_key: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser: enables tool_choice "auto"
     in_flight: InFlight = field(default_factory=InFlight)
     is_ready: bool = False
     is_draining: bool = False
@@ -49,6 +50,9 @@ class ServerContext:
         parsed = model.model_validate_json(body)
         if getattr(parsed, "model", None) != self.model_name:
             raise errors.model_not_found(str(getattr(parsed, "model", "")))
+        check_fields = getattr(parsed, "check_fields", None)
+        if check_fields is not None:  # refused fields are 400s; unknown ones are logged
+            check_fields()
         return parsed
 
     def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
