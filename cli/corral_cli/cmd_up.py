@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name clients ask for")
     parser.add_argument(
         "--policy",
-        choices=("prefix-affinity", "kv-aware", "least-requests", "round-robin"),
+        choices=("prefix-affinity", "kv-aware", "least-requests", "round-robin", "llm-d"),
         default="prefix-affinity",
         help="gateway routing policy (default: prefix-affinity)",
     )

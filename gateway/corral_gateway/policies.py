@@ -9,6 +9,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import random
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,6 +21,7 @@ from corral_gateway.registry import Replica, ReplicaLoad, Saturation
 QUEUE_WEIGHT = 2.0
 KV_WEIGHT = 2.0
 RUNNING_WEIGHT = 1.0
+PREFIX_WEIGHT = 3.0  # the llm-d scorer's prefix-cache weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +33,9 @@ class Candidate:
 class Policy(Protocol):
     name: str
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate: ...
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate: ...
 
 
 class RoundRobin:
@@ -39,7 +44,9 @@ class RoundRobin:
     def __init__(self, saturation: Saturation) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
         ordered = sorted(candidates, key=lambda c: c.replica.url)
         chosen = ordered[self._next % len(ordered)]
         self._next += 1
@@ -54,7 +61,9 @@ class LeastRequests:
     def __init__(self, saturation: Saturation) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
         self._next += 1
         return _argmin_rotating(candidates, lambda c: float(c.load.num_inflight), self._next)
 
@@ -79,7 +88,9 @@ class KvAware:
         max_running = max(c.load.num_running for c in candidates)
         return [self.cost(c.load, max_running) for c in candidates]
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
         self._next += 1
         pool = [c for c in candidates if not c.load.is_saturated(self._saturation)] or list(candidates)
         costs = dict(zip((id(c) for c in pool), self.costs(pool), strict=True))
@@ -127,7 +138,9 @@ class PrefixAffinity:
         self._ring_urls = urls
         self._ring = sorted((_hash64(f"{url}#{i}"), url) for url in urls for i in range(self._vnodes))
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
         if prefix_hash is None or len(candidates) == 1:
             return self._fallback.pick(candidates, prefix_hash)
         by_url = {c.replica.url: c for c in candidates}
@@ -145,6 +158,66 @@ class PrefixAffinity:
                 continue
             return by_url[url]
         return self._fallback.pick(candidates, prefix_hash)
+
+
+class LlmdScorer:
+    """The llm-d inference scheduler's default mix, re-implemented as the peer to compare with:
+    saturated replicas filtered out (unless all are), then 2 x queue + 2 x KV + 3 x prefix, the
+    highest score wins, ties at random. queue: (max - q) / (max - min) of the waiting counts; KV:
+    1 - usage; prefix: the share of the prompt's blocks, from its start, that this gateway last sent
+    to the replica (an index of chained block hashes, `lru_blocks` per replica, oldest dropped)."""
+
+    name = "llm-d"
+
+    def __init__(self, saturation: Saturation, lru_blocks: int = 31_250, seed: int = 0) -> None:
+        self._saturation = saturation
+        self._lru_blocks = lru_blocks
+        self._where: dict[int, set[str]] = {}  # block hash -> replicas it was sent to
+        self._lru: dict[str, OrderedDict[int, None]] = {}  # replica -> its blocks, oldest first
+        self._rng = random.Random(seed)
+
+    def prefix_scores(self, urls: Sequence[str], block_hashes: Sequence[int]) -> dict[str, float]:
+        matched = dict.fromkeys(urls, 0)
+        alive = set(urls)
+        for i, h in enumerate(block_hashes):
+            alive &= self._where.get(h, set())
+            if not alive:
+                break
+            for url in alive:
+                matched[url] = i + 1
+        return {url: n / len(block_hashes) if block_hashes else 0.0 for url, n in matched.items()}
+
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
+        pool = [c for c in candidates if not c.load.is_saturated(self._saturation)] or list(candidates)
+        queues = [c.load.num_waiting_reported for c in pool]
+        low, high = min(queues), max(queues)
+        prefix = self.prefix_scores([c.replica.url for c in pool], block_hashes)
+        scores = [
+            QUEUE_WEIGHT * ((high - q) / (high - low) if high > low else 1.0)
+            + KV_WEIGHT * (1.0 - c.load.kv_usage_ratio_reported)
+            + PREFIX_WEIGHT * prefix[c.replica.url]
+            for c, q in zip(pool, queues, strict=True)
+        ]
+        best = max(scores)
+        chosen = self._rng.choice([c for c, s in zip(pool, scores, strict=True) if s >= best - 1e-9])
+        self._remember(chosen.replica.url, block_hashes)
+        return chosen
+
+    def _remember(self, url: str, block_hashes: Sequence[int]) -> None:
+        lru = self._lru.setdefault(url, OrderedDict())
+        for h in block_hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+            self._where.setdefault(h, set()).add(url)
+        while len(lru) > self._lru_blocks:
+            old, _ = lru.popitem(last=False)
+            holders = self._where.get(old)
+            if holders is not None:
+                holders.discard(url)
+                if not holders:
+                    del self._where[old]
 
 
 def _runs_at_once(load: ReplicaLoad) -> bool:
@@ -172,6 +245,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     LeastRequests.name: LeastRequests,
     KvAware.name: KvAware,
     PrefixAffinity.name: PrefixAffinity,
+    LlmdScorer.name: LlmdScorer,
 }
 
 
