@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("corral_cli.cmd_up", "run a local fleet: engines and a gateway on this machine"),
     "bench": ("corral_cli.cmd_bench", "benchmark an OpenAI-compatible endpoint"),
     "demo-model": ("corral_cli.cmd_demo_model", "write a random-weight HF checkpoint"),
+    "calibrate": ("corral_cli.cmd_calibrate", "time the engine's steps and fit a simulator profile"),
 }
 
 

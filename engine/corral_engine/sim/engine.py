@@ -46,14 +46,18 @@ class SimEngine:
         enable_prefix_caching: bool = True,
         kv_policy: str = "preempt",
         clock: Callable[[], float] = time.monotonic,
+        is_lean: bool = False,
     ) -> None:
-        """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text)."""
+        """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
+        `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
+        context length, no text, and an output only when a request gets its first token or ends."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = profile.max_model_len
         self.eos_token_ids = eos_token_ids
         self.clock = clock
+        self.is_lean = is_lean
         self.vocab_size = int(getattr(tokenizer, "vocab_size", 1 << 31))
         self.block_manager = BlockManager(profile.num_kv_blocks, profile.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -80,7 +84,7 @@ class SimEngine:
         )
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.vocab_size for t in ids):
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
@@ -105,11 +109,13 @@ class SimEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
         excluded = set(self.eos_token_ids) | set(request.params.stop_token_ids)
-        self._sources[request.request_id] = [t for t in request.prompt_token_ids if t not in excluded] or [
-            self.vocab_size - 1
-        ]
+        source = request.prompt_token_ids
+        if excluded:
+            source = [t for t in source if t not in excluded] or [self.vocab_size - 1]
+        self._sources[request.request_id] = source
         self.requests[request.request_id] = request
-        self.output_processor.add(request)
+        if not self.is_lean:
+            self.output_processor.add(request)
         self.scheduler.add(request)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
@@ -157,6 +163,11 @@ class SimEngine:
         outputs = []
         for request_id, counts in touched.items():
             request = self.requests[request_id]
+            if self.is_lean:
+                if request.is_finished or request.metrics.first_token_time == now:
+                    output = RequestOutput(request_id, [], [], False, request.metrics)
+                    outputs.append(self._finish(request, output) if request.is_finished else output)
+                continue
             output = self.output_processor.build_output(request, counts, request.is_finished)
             outputs.append(self._finish(request, output) if request.is_finished else output)
         return outputs
@@ -175,7 +186,11 @@ class SimEngine:
         counts = touched.setdefault(request.request_id, {})
         counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
         self._stats.num_generation_tokens_total += 1
-        if self.output_processor.append_token(seq, token_id):
+        if self.is_lean:
+            if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+        elif self.output_processor.append_token(seq, token_id):
             self.scheduler.finish(seq)
 
     def _finish(self, request: Request, output: RequestOutput) -> RequestOutput:
