@@ -10,11 +10,11 @@ import bisect
 import hashlib
 import math
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from corral_gateway.prefix_index import PrefixIndex
 from corral_gateway.registry import Replica, ReplicaLoad, Saturation
 
 # Weights as in the Gateway API Inference Extension's default scorers: queue x2, KV x2.
@@ -98,13 +98,16 @@ class KvAware:
 
 
 class PrefixAffinity:
-    """Consistent hashing with bounded load over the prompt-prefix hash; kv-aware when saturated.
+    """Longest cached prefix first, else consistent hashing with bounded load; kv-aware when saturated.
 
-    Every gateway builds the same ring from the same replica URLs, so gateways agree on a prompt's
-    home replica without sharing state. A home replica above `load_factor` x the mean load passes
-    the request along the ring (bounded loads), and so does one whose engine already queues while
-    another replica runs without a queue: a cached prefix saves one prefill, a queue costs a whole
-    request's wait. A saturated home hands the request to kv-aware.
+    With the prompt's chained block hashes, the replicas this gateway sent more of the prompt's
+    leading blocks than it sent every replica (`PrefixIndex`; a system prompt all of them hold is
+    no reason to pick one) come first, longest match first. A prompt no replica holds more of goes
+    to its home on a ring of the replica URLs, keyed by its deepest block hash (or the hash of its
+    first blocks when no chain came): gateways agree on a home without sharing state. Either way a
+    replica above `load_factor` x the mean load is passed over (bounded loads), and so is one
+    whose engine already queues while another runs without a queue: a cached prefix saves one
+    prefill, a queue costs a whole request's wait. A saturated home hands the request to kv-aware.
     """
 
     name = "prefix-affinity"
@@ -114,6 +117,7 @@ class PrefixAffinity:
         self._load_factor = load_factor
         self._vnodes = vnodes
         self._fallback = KvAware(saturation)
+        self.index = PrefixIndex()
         self._ring_urls: tuple[str, ...] = ()
         self._ring: list[tuple[int, str]] = []
 
@@ -141,22 +145,41 @@ class PrefixAffinity:
     def pick(
         self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
     ) -> Candidate:
-        if prefix_hash is None or len(candidates) == 1:
+        chosen = self._pick(candidates, prefix_hash, block_hashes)
+        if block_hashes:
+            self.index.remember(chosen.replica.url, block_hashes)
+        return chosen
+
+    def _pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int]
+    ) -> Candidate:
+        key = block_hashes[-1] if block_hashes else prefix_hash
+        if key is None or len(candidates) == 1:
             return self._fallback.pick(candidates, prefix_hash)
         by_url = {c.replica.url: c for c in candidates}
-        order = self.ring_order(list(by_url), prefix_hash)
+        order = self.ring_order(list(by_url), key)
         total = sum(c.load.num_outstanding for c in candidates)
         capacity = math.ceil(self._load_factor * (total + 1) / len(candidates))
+        someone_has_a_seat = any(_runs_at_once(c.load) for c in candidates)
+
+        def fits(load: ReplicaLoad) -> bool:
+            if load.is_saturated(self._saturation) or load.num_outstanding + 1 > capacity:
+                return False
+            return not someone_has_a_seat or _runs_at_once(load)
+
+        if block_hashes:
+            matched = self.index.matched_blocks(order, block_hashes)
+            floor = min(matched.values())
+            rank = {url: i for i, url in enumerate(order)}
+            holders = sorted((u for u in order if matched[u] > floor), key=lambda u: (-matched[u], rank[u]))
+            for url in holders:
+                if fits(by_url[url].load):
+                    return by_url[url]
         if by_url[order[0]].load.is_saturated(self._saturation):
             return self._fallback.pick(candidates, prefix_hash)
-        someone_has_a_seat = any(_runs_at_once(c.load) for c in candidates)
         for url in order:
-            load = by_url[url].load
-            if load.is_saturated(self._saturation) or load.num_outstanding + 1 > capacity:
-                continue
-            if someone_has_a_seat and not _runs_at_once(load):
-                continue
-            return by_url[url]
+            if fits(by_url[url].load):
+                return by_url[url]
         return self._fallback.pick(candidates, prefix_hash)
 
 
@@ -165,26 +188,17 @@ class LlmdScorer:
     saturated replicas filtered out (unless all are), then 2 x queue + 2 x KV + 3 x prefix, the
     highest score wins, ties at random. queue: (max - q) / (max - min) of the waiting counts; KV:
     1 - usage; prefix: the share of the prompt's blocks, from its start, that this gateway last sent
-    to the replica (an index of chained block hashes, `lru_blocks` per replica, oldest dropped)."""
+    to the replica (`PrefixIndex`, 31,250 blocks per replica)."""
 
     name = "llm-d"
 
     def __init__(self, saturation: Saturation, lru_blocks: int = 31_250, seed: int = 0) -> None:
         self._saturation = saturation
-        self._lru_blocks = lru_blocks
-        self._where: dict[int, set[str]] = {}  # block hash -> replicas it was sent to
-        self._lru: dict[str, OrderedDict[int, None]] = {}  # replica -> its blocks, oldest first
+        self.index = PrefixIndex(lru_blocks)
         self._rng = random.Random(seed)
 
     def prefix_scores(self, urls: Sequence[str], block_hashes: Sequence[int]) -> dict[str, float]:
-        matched = dict.fromkeys(urls, 0)
-        alive = set(urls)
-        for i, h in enumerate(block_hashes):
-            alive &= self._where.get(h, set())
-            if not alive:
-                break
-            for url in alive:
-                matched[url] = i + 1
+        matched = self.index.matched_blocks(urls, block_hashes)
         return {url: n / len(block_hashes) if block_hashes else 0.0 for url, n in matched.items()}
 
     def pick(
@@ -202,22 +216,8 @@ class LlmdScorer:
         ]
         best = max(scores)
         chosen = self._rng.choice([c for c, s in zip(pool, scores, strict=True) if s >= best - 1e-9])
-        self._remember(chosen.replica.url, block_hashes)
+        self.index.remember(chosen.replica.url, block_hashes)
         return chosen
-
-    def _remember(self, url: str, block_hashes: Sequence[int]) -> None:
-        lru = self._lru.setdefault(url, OrderedDict())
-        for h in block_hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-            self._where.setdefault(h, set()).add(url)
-        while len(lru) > self._lru_blocks:
-            old, _ = lru.popitem(last=False)
-            holders = self._where.get(old)
-            if holders is not None:
-                holders.discard(url)
-                if not holders:
-                    del self._where[old]
 
 
 def _runs_at_once(load: ReplicaLoad) -> bool:

@@ -87,7 +87,7 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
     try:
         raw = await _read_body(request, deps.settings.max_request_bytes)
         settings = deps.settings
-        chain = settings.llmd_max_prefix_blocks if settings.policy == "llm-d" else 0
+        chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
         info = peek_request(raw, settings.affinity_block_chars, settings.affinity_num_blocks, chain)
         keystore = deps.keys()
         api_key = keystore.authenticate(request.headers) if keystore is not None else None

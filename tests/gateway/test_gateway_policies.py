@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import typing
 from collections import Counter
 
@@ -203,3 +204,33 @@ def test_peek_chains_block_hashes_so_shared_heads_share_hashes() -> None:
     assert len(one.block_hashes) == len(doc + "first?") // 64
     assert one.block_hashes[:7] == two.block_hashes[:7]
     assert peek_request(json.dumps({"model": "m", "prompt": doc}).encode()).block_hashes == ()
+
+
+def test_prefix_affinity_follows_the_longest_prefix_a_replica_was_sent() -> None:
+    policy = PrefixAffinity(SAT)
+    urls = [f"http://r{i}" for i in range(4)]
+    system = (1, 2, 3)
+    for i, url in enumerate(urls):  # every replica has served the shared system prompt
+        policy.index.remember(url, (*system, 100 + i))
+    doc = (*system, 7, 8, 9)
+    first = policy.pick([cand(u) for u in urls], 5, (*doc, 40))
+    for question in range(41, 46):  # the document's later questions follow it, not the system prompt
+        assert policy.pick([cand(u) for u in urls], 5, (*doc, question)).replica.url == first.replica.url
+    # ... unless its replica queues while another has a free seat.
+    busy = [cand(u, waiting=2) if u == first.replica.url else cand(u) for u in urls]
+    assert policy.pick(busy, 5, (*doc, 50)).replica.url != first.replica.url
+
+
+def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:
+    policy = PrefixAffinity(SAT)
+    urls = [f"http://r{i}" for i in range(4)]
+    for url in urls:  # once every replica has served the system prompt, it no longer pulls
+        policy.index.remember(url, (1, 2, 3, 99))
+    rng = random.Random(0)  # block hashes are 64-bit, spread over the ring
+    homes = Counter(
+        policy.pick(
+            [cand(u) for u in urls], 5, (1, 2, 3, rng.getrandbits(64), rng.getrandbits(64))
+        ).replica.url
+        for _ in range(200)
+    )
+    assert len(homes) == 4 and max(homes.values()) < 100
