@@ -32,7 +32,6 @@ logger = logging.getLogger("fleet_sim")
 POLICIES = ("round-robin", "least-requests", "kv-aware", "prefix-affinity", "llm-d")
 TTFT_SLO_S, TPOT_SLO_S = 1.0, 0.050
 BURSTY_SHAPE = 0.25
-CLOSED_LOOP_PER_REPLICA = 48
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,15 +60,24 @@ def fleet_profiles(args: argparse.Namespace, num_replicas: int) -> list[Any]:
 
 
 def measure_capacity(args: argparse.Namespace, num_replicas: int, workload: str) -> float:
-    """Requests per second round-robin completes with the fleet kept full: a closed loop of
-    CLOSED_LOOP_PER_REPLICA requests per replica, each finish sending the next (the workload's
-    request shapes, other words), counted between the first and last `concurrency` finishes."""
-    concurrency = CLOSED_LOOP_PER_REPLICA * num_replicas
+    """Requests per second round-robin completes with the fleet kept full, as `num_replicas` x one
+    replica's (round-robin hands each replica an even random share of the same traffic, so one
+    replica sees what each of them sees): a closed loop of 1.5 x max_num_seqs requests, each finish
+    sending the next (the workload's request shapes, other words), counted between the first and
+    last `concurrency` finishes. Heterogeneous fleets: the mean over the distinct profiles."""
+    profiles = fleet_profiles(args, num_replicas)
+    distinct = list({id(p): p for p in profiles}.values())
+    per_replica = [_replica_capacity(args, p, num_replicas, workload) for p in distinct]
+    return num_replicas * sum(per_replica) / len(per_replica)
+
+
+def _replica_capacity(args: argparse.Namespace, profile: Any, num_replicas: int, workload: str) -> float:
+    concurrency = max(8, int(1.5 * profile.max_num_seqs))
     total = 6 * concurrency
     spec = WorkloadSpec(workload, total, float("inf"), 1.0, num_replicas, seed=args.seed + 7)
     requests = build(spec)
     backlog = requests[concurrency:][::-1]
-    sim = FleetSim(fleet_profiles(args, num_replicas), GatewayModel("round-robin"), args.seed)
+    sim = FleetSim([profile], GatewayModel("round-robin"), args.seed)
 
     def next_request(_: Outcome) -> None:
         if backlog:
