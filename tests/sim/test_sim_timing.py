@@ -137,3 +137,28 @@ def test_outputs_cycle_through_the_prompt_and_count_prefix_hits() -> None:
     assert step is not None and step.shape.num_tokens == 32 - 16  # the last block is recomputed
     stats = engine.stats()
     assert stats.num_prefix_cache_hits_total == 16
+
+
+def test_lean_mode_steps_exactly_like_the_full_one() -> None:
+    """The fleet benchmark's lean engines skip text, not scheduling: same steps, same times."""
+
+    def trace(is_lean: bool) -> list[tuple[str, float, bool]]:
+        clock = [0.0]
+        engine = SimEngine(PROFILE, NullTokenizer(), "sim", clock=lambda: clock[0], is_lean=is_lean)
+        rng = random.Random(1)
+        for i in range(12):
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(5, 300))]
+            engine.add_request(
+                f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True)
+            )
+        events = []
+        while engine.has_unfinished_requests():
+            step = engine.begin_step()
+            assert step is not None
+            clock[0] += step.duration_s
+            for out in engine.finish_step(step):
+                if out.finished or out.metrics.first_token_time == clock[0]:
+                    events.append((out.request_id, clock[0], out.finished))
+        return events
+
+    assert trace(True) == trace(False)
