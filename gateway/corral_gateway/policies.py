@@ -98,16 +98,17 @@ class KvAware:
 
 
 class PrefixAffinity:
-    """Longest cached prefix first, else consistent hashing with bounded load; kv-aware when saturated.
+    """Longest cached prefix first, else the least loaded replica; kv-aware when saturated.
 
     With the prompt's chained block hashes, the replicas this gateway sent more of the prompt's
     leading blocks than it sent every replica (`PrefixIndex`; a system prompt all of them hold is
-    no reason to pick one) come first, longest match first. A prompt no replica holds more of goes
-    to its home on a ring of the replica URLs, keyed by its deepest block hash (or the hash of its
-    first blocks when no chain came): gateways agree on a home without sharing state. Either way a
-    replica above `load_factor` x the mean load is passed over (bounded loads), and so is one
-    whose engine already queues while another runs without a queue: a cached prefix saves one
-    prefill, a queue costs a whole request's wait. A saturated home hands the request to kv-aware.
+    no reason to pick one) come first, longest match first, unless above `load_factor` x the mean
+    load (bounded loads) or queueing while another replica runs without a queue: a cached prefix
+    saves one prefill, a queue costs a whole request's wait. A prompt no replica holds more of goes
+    to kv-aware's pick. Without a chain (a caller that computed only the hash of the first blocks),
+    consistent hashing with the same bounds: every gateway builds the same ring from the replica
+    URLs, so gateways agree on a prompt's home without sharing state; a saturated home hands the
+    request to kv-aware.
     """
 
     name = "prefix-affinity"
@@ -175,6 +176,10 @@ class PrefixAffinity:
             for url in holders:
                 if fits(by_url[url].load):
                     return by_url[url]
+            # Nobody holds more of it than anyone else: no cache to aim for, so the least loaded
+            # replica (a random home on the ring spread ShareGPT-like traffic less evenly: p99 TTFT
+            # 1.2x round-robin's against kv-aware's 0.9x on the simulated 16-replica fleet).
+            return self._fallback.pick(candidates, prefix_hash)
         if by_url[order[0]].load.is_saturated(self._saturation):
             return self._fallback.pick(candidates, prefix_hash)
         for url in order:
