@@ -25,7 +25,7 @@ import numpy as np
 from corral_engine.sim.perf_model import BUILTIN, describe, load_profile
 
 from bench.routing.des import FleetSim, GatewayModel, Outcome
-from bench.routing.fleet_sim_report import plot, table, targets
+from bench.routing.fleet_sim_report import plot, summary, table
 from bench.routing.sim_workloads import WORKLOADS, WorkloadSpec, build
 
 logger = logging.getLogger("fleet_sim")
@@ -74,12 +74,12 @@ def rerender(paths: list[Path], out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for n in sorted({c["replicas"] for c in cells}):
         plot([c for c in cells if c["replicas"] == n], out / f"fleet_sim_{n}.png")
-    text = table(cells)
-    (out / "fleet_sim.md").write_text(text + "\n\n" + json.dumps(targets(cells), indent=1) + "\n")
+    text = summary(cells) + "\n\n" + table(cells)
+    (out / "fleet_sim.md").write_text(text + "\n")
     (out / "fleet_sim.json").write_text(
         json.dumps({"sources": [str(p) for p in paths], "cells": cells}, indent=1)
     )
-    logger.info("%s\n%s", text, json.dumps(targets(cells), indent=1))
+    logger.info("%s", text)
     return 0
 
 

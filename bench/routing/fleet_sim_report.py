@@ -36,23 +36,6 @@ def table(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def targets(cells: list[dict[str, Any]], load: float = 0.85) -> list[dict[str, Any]]:
-    """Per cell at `load`: the default policy's p99 TTFT and goodput against round-robin and llm-d."""
-    out = []
-    for cell in cells:
-        rows = cell["policies"]
-        if cell["load"] != load or DEFAULT not in rows:
-            continue
-        d = rows[DEFAULT]
-        entry = {k: cell[k] for k in ("replicas", "workload", "arrivals")}
-        for peer in ("round-robin", "llm-d"):
-            if peer in rows:
-                entry[f"p99_vs_{peer}"] = d["ttft_p99_ms"] / max(1e-9, rows[peer]["ttft_p99_ms"])
-                entry[f"goodput_vs_{peer}"] = d["goodput_req_s"] / max(1e-9, rows[peer]["goodput_req_s"])
-        out.append(entry)
-    return out
-
-
 def plot(cells: list[dict[str, Any]], path: Path) -> None:
     if not cells:
         return
@@ -93,3 +76,43 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def summary(cells: list[dict[str, Any]]) -> str:
+    """One line per (replicas, workload, arrivals, load): p99 TTFT per policy, then the default's
+    p99 and goodput against round-robin's and llm-d's, and prefix-cache hit rates."""
+    names = ("round-robin", "least-requests", "kv-aware", "prefix-affinity", "llm-d")
+    short = {
+        "round-robin": "RR",
+        "least-requests": "LR",
+        "kv-aware": "KV",
+        "prefix-affinity": "PA",
+        "llm-d": "llm-d",
+    }
+    head = " | ".join(f"p99 {short[n]}" for n in names)
+    lines = [
+        f"| fleet | workload | arrivals | load | {head} | PA p99 / RR | PA p99 / llm-d | PA goodput / RR "
+        "| PA goodput / llm-d | in SLO RR / PA / llm-d | hits RR / PA / llm-d |",
+        "|---|---|---|---:|" + "---:|" * (len(names) + 6),
+    ]
+    for c in cells:
+        rows = c["policies"]
+        p99 = " | ".join(f"{rows[n]['ttft_p99_ms']:.0f}" if n in rows else "-" for n in names)
+
+        def ratio(key: str, peer: str, rows: dict[str, Any] = rows) -> str:
+            if DEFAULT not in rows or peer not in rows or not rows[peer][key]:
+                return "-"
+            return f"{rows[DEFAULT][key] / rows[peer][key]:.2f}x"
+
+        def trio(key: str, fmt: str, rows: dict[str, Any] = rows) -> str:
+            return " / ".join(
+                format(rows[n][key], fmt) if n in rows else "-" for n in ("round-robin", DEFAULT, "llm-d")
+            )
+
+        lines.append(
+            f"| {c['replicas']} | {c['workload']} | {c['arrivals']} | {c['load']:.2f} | {p99} | "
+            f"{ratio('ttft_p99_ms', 'round-robin')} | {ratio('ttft_p99_ms', 'llm-d')} | "
+            f"{ratio('goodput_req_s', 'round-robin')} | {ratio('goodput_req_s', 'llm-d')} | "
+            f"{trio('slo_share', '.0%')} | {trio('prefix_hit_rate', '.2f')} |"
+        )
+    return "\n".join(lines)
