@@ -13,8 +13,8 @@ from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import NullTokenizer, SimEngine
 from corral_engine.sim.perf_model import BUILTIN, H100, LLAMA3_8B, Fitted, Profile, Roofline, StepShape
 
-# Measured against the model on a loaded 2-core machine: a step may end up to one event-loop
-# turn late (uvloop and epoll wake in whole milliseconds); the loop's own timeline catches up.
+# Measured against the model: a step may end up to one event-loop turn late (epoll wakes in whole
+# milliseconds; the loop's own timeline catches up), plus what other processes delay the loop by.
 ABS_TOL_S = 0.012
 REL_TOL = 0.10
 
@@ -92,14 +92,31 @@ async def _run(
             max_tokens - 1
         )
 
+    probe = asyncio.create_task(_loop_lateness())
     try:
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     finally:
+        probe.cancel()
         await engine.shutdown()
 
 
+_LATENESS = [0.0]
+
+
+async def _loop_lateness() -> None:
+    """How late this event loop wakes a 5 ms sleeper: on a machine other processes load, a step
+    ends that much after its time however right the model is, so the upper bound allows it."""
+    loop = asyncio.get_running_loop()
+    _LATENESS[0] = 0.0
+    while True:
+        start = loop.time()
+        await asyncio.sleep(0.005)
+        _LATENESS[0] = max(_LATENESS[0], loop.time() - start - 0.005)
+
+
 def _within(measured: float, predicted: float) -> bool:
-    return predicted * (1 - REL_TOL) - 1e-3 <= measured <= predicted * (1 + REL_TOL) + ABS_TOL_S
+    high = predicted * (1 + REL_TOL) + ABS_TOL_S + 2 * _LATENESS[0]
+    return predicted * (1 - REL_TOL) - 1e-3 <= measured <= high
 
 
 async def test_one_request_follows_its_profile() -> None:

@@ -43,6 +43,7 @@ class AsyncSimEngine:
         self._dead: BaseException | None = None
         self._stats = engine.stats()
         self.timeline_s = 0.0  # when the last step ended, on the loop's clock
+        self.max_lag_s = 0.0  # the latest a step was committed after its predicted end (host resets)
         self.on_step: Callable[[float, int], None] | None = None  # (duration_s, num_batched_tokens)
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -129,6 +130,7 @@ class AsyncSimEngine:
                     continue
                 self.timeline_s = max(self.timeline_s, loop.time()) + step.duration_s
                 await asyncio.sleep(max(0.0, self.timeline_s - loop.time()))
+                self.max_lag_s = max(self.max_lag_s, loop.time() - self.timeline_s)
                 outputs = engine.finish_step(step)
                 if self.on_step is not None:
                     self.on_step(step.duration_s, step.shape.num_tokens)

@@ -113,10 +113,31 @@ async def serve_fleet(
     )
     if on_ready is not None:
         on_ready()
+    watch = asyncio.create_task(_watch_lag(engines))
     await asyncio.wait([asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
     for s in servers:
         s.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _watch_lag(
+    engines: list[AsyncSimEngine], interval_s: float = 10.0, max_lag_s: float = 0.05
+) -> None:
+    """Warn when steps end later than the profile says: the process cannot keep up (too many
+    replicas or tokens per second for its CPU), so latencies read high and throughput low."""
+    while True:
+        await asyncio.sleep(interval_s)
+        lag_s = max(e.max_lag_s for e in engines)
+        for e in engines:
+            e.max_lag_s = 0.0
+        if lag_s > max_lag_s:
+            logger.warning(
+                "simulated steps ended up to %.0f ms after their predicted time in the last %.0f s: "
+                "this process cannot keep up; run fewer replicas per process",
+                1000 * lag_s,
+                interval_s,
+            )
 
 
 def _ports_text(ports: list[int]) -> str:
