@@ -45,7 +45,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     workloads = list(dict.fromkeys(c["workload"] for c in cells))
-    policies = list(cells[0]["policies"])
+    policies = list(dict.fromkeys(p for c in cells for p in c["policies"]))
     fig, axes = plt.subplots(len(workloads), 3, figsize=(15, 3.6 * len(workloads)), squeeze=False)
     colors = {p: f"C{i}" for i, p in enumerate(policies)}
     for row, workload in enumerate(workloads):
@@ -61,7 +61,9 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
             for policy in policies:
                 for arrivals, style in (("poisson", "-o"), ("bursty", "x")):
                     pts = sorted(
-                        (c["load"], c["policies"][policy][key]) for c in mine if c["arrivals"] == arrivals
+                        (c["load"], c["policies"][policy][key])
+                        for c in mine
+                        if c["arrivals"] == arrivals and policy in c["policies"]
                     )
                     if pts:
                         label = policy if arrivals == "poisson" else None
