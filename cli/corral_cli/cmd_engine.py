@@ -128,6 +128,20 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: none; 'required' and named tool choices work without it)",
     )
     parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="serve a simulated engine instead of the model: the real scheduler and server, step times "
+        "from PROFILE (h100-llama3-8b, h100-llama3-70b, a100-llama3-8b, a100-llama3-70b, or a fitted "
+        "profile's JSON file); --model gives only the tokenizer; no torch (docs/simulator.md)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --simulate: serve this many replicas from this one process, on consecutive ports "
+        "from --port (default: 1)",
+    )
+    parser.add_argument(
         "--log-interval",
         type=float,
         default=10.0,
@@ -189,6 +203,13 @@ def run(args: argparse.Namespace) -> int:
         engine_args = engine_args_from(args)
     except ArgumentError as e:
         log.error("%s", e)
+        return 2
+    if args.simulate is not None:
+        from corral_cli.simulate import run_simulated
+
+        return run_simulated(args, engine_args)
+    if args.replicas != 1:
+        log.error("--replicas is for --simulate; run one engine process per replica")
         return 2
     try:
         settings = EngineSettings()  # the CORRAL_* switches, read here once

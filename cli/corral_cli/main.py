@@ -24,6 +24,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "check": ("corral_cli.cmd_check", "list an endpoint's models and send one chat completion", "gateway"),
     "demo-model": ("corral_cli.cmd_demo_model", "write a random-weight HF checkpoint", "engine"),
+    "calibrate": (
+        "corral_cli.cmd_calibrate",
+        "time the engine's steps and fit a simulator profile",
+        "engine",
+    ),
 }
 DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_LOG_FORMAT: logs.LogFormat = "text"

@@ -76,6 +76,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
         self.last_step_num_tokens = 0
+        self.last_schedule: list[ScheduledSeq] = []  # the last step's batch (the simulator's calibration)
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -133,6 +134,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_batched_tokens
+        self.last_schedule = sched.scheduled
         if sched.is_empty:
             return []
         now = time.monotonic()

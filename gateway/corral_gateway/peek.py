@@ -24,6 +24,7 @@ class RequestInfo:
     is_stream: bool
     prefix_hash: int | None  # hash of the prompt's leading blocks, None when there is no prompt text
     estimated_tokens: int
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (when asked)
 
 
 def prompt_prefix(body: dict[str, Any], max_chars: int) -> str | None:
@@ -73,6 +74,18 @@ def block_prefix_hash(prefix: str, block_chars: int, num_blocks: int) -> int:
     return int.from_bytes(hashlib.blake2b(window.encode("utf-8", "replace"), digest_size=8).digest(), "big")
 
 
+def block_hash_chain(prefix: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """Hashes of the prompt's full blocks, each chained over every block before it, so two prompts
+    share the first k hashes exactly when they share the first k blocks (the llm-d scorer's index)."""
+    out: list[int] = []
+    parent = b""
+    for i in range(min(max_blocks, len(prefix) // block_chars)):
+        block = prefix[i * block_chars : (i + 1) * block_chars].encode("utf-8", "replace")
+        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
+        out.append(int.from_bytes(parent, "big"))
+    return tuple(out)
+
+
 def _estimate_tokens(body: dict[str, Any], prefix: str | None) -> int:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
@@ -84,10 +97,15 @@ def _estimate_tokens(body: dict[str, Any], prefix: str | None) -> int:
 
 
 def peek_request(
-    raw: bytes, block_chars: int = 64, num_blocks: int = 4, content_type: str | None = None
+    raw: bytes,
+    block_chars: int = 64,
+    num_blocks: int = 4,
+    chain_blocks: int = 0,
+    content_type: str | None = None,
 ) -> RequestInfo:
-    """Never raises: anything unreadable yields model=None and lets the engine answer. Multipart
-    bodies (vLLM's /v1/audio/*) are read for their `model` field only."""
+    """Never raises: anything unreadable yields model=None and lets the engine answer. With
+    `chain_blocks`, also the chained hashes of up to that many blocks (`block_hash_chain`).
+    Multipart bodies (vLLM's /v1/audio/*) are read for their `model` field only."""
     if content_type is not None and content_type.lower().startswith("multipart/form-data"):
         return RequestInfo(
             model=_form_model(raw, content_type), is_stream=False, prefix_hash=None, estimated_tokens=1
@@ -100,11 +118,16 @@ def peek_request(
         return RequestInfo(model=None, is_stream=False, prefix_hash=None, estimated_tokens=1)
     model = body.get("model")
     prefix = prompt_prefix(body, block_chars * num_blocks)
+    chain: tuple[int, ...] = ()
+    if chain_blocks:
+        long_prefix = prompt_prefix(body, block_chars * chain_blocks)
+        chain = block_hash_chain(long_prefix, block_chars, chain_blocks) if long_prefix else ()
     return RequestInfo(
         model=model if isinstance(model, str) else None,
         is_stream=body.get("stream") is True,
         prefix_hash=None if prefix is None else block_prefix_hash(prefix, block_chars, num_blocks),
         estimated_tokens=_estimate_tokens(body, prefix),
+        block_hashes=chain,
     )
 
 

@@ -81,6 +81,7 @@ class _Ticket:
     priority: int
     fairness_key: str
     quota: TokenUsage | None
+    block_hashes: tuple[int, ...] = ()
 
 
 async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) -> None:
@@ -92,10 +93,13 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
     span = tracing.start_request_span(request.headers, request.method, path, request_id)
     try:
         raw = await _read_body(request, deps.settings.max_request_bytes)
+        settings = deps.settings
+        chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
         info = peek_request(
             raw,
-            deps.settings.affinity_block_chars,
-            deps.settings.affinity_num_blocks,
+            settings.affinity_block_chars,
+            settings.affinity_num_blocks,
+            chain,
             request.headers.get("content-type"),
         )
         keystore = deps.keys()
@@ -113,6 +117,7 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
             priority,
             api_key.key_id if api_key is not None else "",
             TokenUsage.track(keystore, api_key, info.estimated_tokens),
+            info.block_hashes,
         )
         async with _watch_disconnect(request) as disconnect:
             await _forward(deps, ticket, disconnect, deliver)
@@ -137,7 +142,15 @@ async def _forward(
     wake_timeout_s = fleet.wake_timeout_s(model)
     for attempt in range(deps.settings.max_attempts):
         queued_s = time.monotonic()
-        ask = Ask(model, ticket.prefix_hash, ticket.priority, ticket.fairness_key, tried, wake_timeout_s)
+        ask = Ask(
+            model,
+            ticket.prefix_hash,
+            ticket.priority,
+            ticket.fairness_key,
+            tried,
+            wake_timeout_s,
+            ticket.block_hashes,
+        )
         async with fleet.lease(ask, disconnect) as replica:
             metrics.queue_wait.labels(model).observe(time.monotonic() - queued_s)
             can_retry = attempt + 1 < deps.settings.max_attempts

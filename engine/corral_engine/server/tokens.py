@@ -1,5 +1,5 @@
-"""vLLM's /tokenize, /detokenize and /version: a prompt or a conversation to token ids as the
-generation endpoints would build them, token ids back to text, and the server's version."""
+"""vLLM's /tokenize and /detokenize: a prompt or a conversation to token ids as the
+generation endpoints would build them, and token ids back to text (/version is in app.py)."""
 
 from __future__ import annotations
 
