@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from corral_engine.core.sequence import Request
-from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from corral_engine.outputs import EngineStats, RequestOutput, merge_outputs
+from corral_engine.errors import EngineDeadError, InvalidRequestError
+from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.request_streams import RequestStreams
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import Prompt, SimEngine
 
@@ -37,7 +38,7 @@ class AsyncSimEngine:
         self._adds: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._wakeup = asyncio.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams = RequestStreams()
         self._task: asyncio.Task[None] | None = None
         self._running = False
         self._dead: BaseException | None = None
@@ -76,39 +77,12 @@ class AsyncSimEngine:
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        if self.max_waiting is not None and self._stats.num_waiting + len(self._adds) >= self.max_waiting:
-            raise QueueFullError(f"the engine's waiting queue is full ({self.max_waiting} requests)", 1.0)
+        self._streams.check_new(request_id, self.max_waiting, self._stats.num_waiting + len(self._adds))
         request = self.engine.make_request(request_id, prompt, params)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = queue
+        stream = self._streams.open(request_id, self.abort)
         self._adds.append(request)
         self._wakeup.set()
-        return self._stream(request_id, queue)
-
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                while not isinstance(item, BaseException) and not item.finished and not queue.empty():
-                    later = queue.get_nowait()  # outputs that piled up go out as one
-                    if isinstance(later, BaseException):
-                        yield item
-                        item = later
-                        break
-                    item = merge_outputs(item, later)
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return stream
 
     def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)

@@ -9,7 +9,6 @@ the two; the fleet benchmark advances a virtual clock instead.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -206,18 +205,7 @@ class SimEngine:
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm, s = self.block_manager, self._stats
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
-        s.num_free_blocks = bm.num_free_blocks
-        s.num_cached_blocks = bm.num_cached_free_blocks
-        s.kv_usage_ratio = bm.usage_ratio
-        s.num_preemptions_total = self.scheduler.num_preemptions
-        s.num_prefix_cache_queries_total = bm.num_prefix_queries
-        s.num_prefix_cache_hits_total = bm.num_prefix_hits
-        snapshot = dataclasses.replace(s)
-        snapshot.finished_by_reason = dict(s.finished_by_reason)
-        return snapshot
+        return self._stats.observe(self.scheduler, self.block_manager)
 
 
 class NullTokenizer:
