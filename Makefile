@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install-system.sh
 PYTEST_ARGS ?=
 LINT_DIRS := $(wildcard engine gateway operator cli tests e2e bench conftest.py)
 
-.PHONY: install up test lint typecheck unit e2e k8s-tools clean
+.PHONY: install up test lint typecheck unit e2e k8s-tools otel-tools clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ test: install lint typecheck
 # Go module proxy into ~/.cache/corral-e2e/<versions>/bin (minutes when cold, a no-op when cached).
 k8s-tools:
 	bash e2e/k8s/build.sh
+
+# The OpenTelemetry Collector the tracing e2e sends spans to, built from the Go module proxy into
+# ~/.cache/corral-e2e/otelcol-<hash>/ (minutes when cold, a no-op when cached).
+otel-tools:
+	bash e2e/otel/build.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -18,7 +18,7 @@ COPY engine engine
 COPY gateway gateway
 COPY operator operator
 COPY cli cli
-RUN pip install ".[engine]"
+RUN pip install ".[engine,tracing]"
 
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive

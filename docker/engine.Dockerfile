@@ -17,7 +17,7 @@ COPY engine engine
 COPY gateway gateway
 COPY operator operator
 COPY cli cli
-RUN pip install ".[engine]"
+RUN pip install ".[engine,tracing]"
 
 FROM python:${PYTHON_VERSION}-slim
 # A C compiler for the native paged-attention kernel, built for the node's own CPU at first start

@@ -13,7 +13,7 @@ COPY engine engine
 COPY gateway gateway
 COPY operator operator
 COPY cli cli
-RUN pip install ".[gateway]"
+RUN pip install ".[gateway,tracing]"
 
 FROM python:${PYTHON_VERSION}-slim
 RUN groupadd --gid 10001 corral \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
     target.add_argument("--request-timeout", type=float, default=600.0, help="per-request seconds")
+    target.add_argument(
+        "--api-key",
+        default=os.environ.get("CORRAL_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $CORRAL_API_KEY, else none)",
+    )
+    target.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME:VALUE",
+        help="an extra HTTP header for every request (repeatable), e.g. 'x-corral-priority: 5'",
+    )
 
     work = parser.add_argument_group("workload")
     work.add_argument("--dataset", help="ShareGPT JSON or JSONL file (default: random prompts)")
@@ -76,6 +89,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def request_headers(api_key: str | None, header_flags: list[str]) -> dict[str, str]:
+    """The headers every request carries; ValueError on a --header without a name and a colon."""
+    headers: dict[str, str] = {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    for flag in header_flags:
+        name, sep, value = flag.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"--header expects NAME:VALUE, got {flag!r}")
+        headers[name.strip()] = value.strip()
+    return headers
+
+
 def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[Any]], str]:
     """The requests for each run, and where their token lengths come from.
 
@@ -129,8 +155,12 @@ async def _bench(args: argparse.Namespace) -> int:
         raise BenchError("--burstiness must be > 0 and --max-concurrency >= 1")
     if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
         raise BenchError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
+    try:
+        headers = request_headers(args.api_key, args.header)
+    except ValueError as e:
+        raise BenchError(str(e)) from e
     workloads, lengths_from = _load_workloads(args, len(rates))
-    model = await resolve_model(args.base_url, args.model)
+    model = await resolve_model(args.base_url, args.model, headers)
     settings = RequestSettings(
         base_url=args.base_url,
         model=model,
@@ -138,6 +168,7 @@ async def _bench(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         max_tokens_cap=args.max_tokens_cap,
+        headers=headers,
     )
     metrics_url = None if args.no_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics")
     runs = [

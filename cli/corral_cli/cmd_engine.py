@@ -30,7 +30,7 @@ from corral_engine.settings import EngineSettings
 from corral_engine.sources import FetchError
 from pydantic import ValidationError
 
-from corral_cli import cmd_fetch_model, malloc
+from corral_cli import cmd_fetch_model, malloc, tracing
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 20.0
 # get the cores between steps (a spinning team whose other thread is descheduled stalls every op).
 # PASSIVE alone (sleep at once) cost batch-1 decode 25 -> 16 ms a token and batched W2 12-16%
 # (docs/engine-speed.md, item 13); other OpenMP runtimes ignore GOMP_SPINCOUNT and sleep.
+# corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated so --help needs no server import
+# (tests/server/test_tool_calls.py checks they agree).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
@@ -110,6 +113,35 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"on SIGTERM, time running requests get to finish (default: {DEFAULT_DRAIN_TIMEOUT_S:.0f})",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="parse tool calls out of replies in this format, which enables tool_choice 'auto' "
+        "(hermes: <tool_call> blocks, Qwen 2.5/3 and Hermes; llama3_json: Llama 3.1+ JSON calls) "
+        "(default: none; 'required' and named tool choices work without it)",
+    )
+    parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="serve a simulated engine instead of the model: the real scheduler and server, step times "
+        "from PROFILE (h100-llama3-8b, h100-llama3-70b, a100-llama3-8b, a100-llama3-70b, or a fitted "
+        "profile's JSON file); --model gives only the tokenizer; no torch (docs/simulator.md)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --simulate: serve this many replicas from this one process, on consecutive ports "
+        "from --port (default: 1)",
+    )
+    parser.add_argument(
         "--log-interval",
         type=float,
         default=10.0,
@@ -173,6 +205,13 @@ def run(args: argparse.Namespace) -> int:
     except ArgumentError as e:
         log.error("%s", e)
         return 2
+    if args.simulate is not None:
+        from corral_cli.simulate import run_simulated
+
+        return run_simulated(args, engine_args)
+    if args.replicas != 1:
+        log.error("--replicas is for --simulate; run one engine process per replica")
+        return 2
     try:
         settings = EngineSettings()  # the CORRAL_* switches, read here once
     except ValidationError as e:
@@ -183,6 +222,11 @@ def run(args: argparse.Namespace) -> int:
     except FetchError as e:
         log.error("cannot fetch the model: %s", e.one_line())
         return e.exit_code
+    try:
+        tracing.configure("corral-engine", args.otlp_traces_endpoint)
+    except tracing.TracingUnavailable as e:
+        log.error("%s", e)
+        return 2
     _set_torch_threads(engine_args.num_threads, engine_args.tensor_parallel_size)
     _log_memory_setup(engine_args.device)
 
@@ -199,7 +243,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if hasattr(engine.engine.runner, "on_failure"):  # tensor parallel: a dead rank ends the engine
         engine.engine.runner.on_failure = _exit_on_rank_failure
-    app = create_app(engine, api_key=args.api_key, log_interval_s=args.log_interval)
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        log_interval_s=args.log_interval,
+        tool_call_parser=args.tool_call_parser,
+    )
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
     return 0
 

@@ -10,6 +10,8 @@ from typing import Any
 
 from corral_gateway.settings import PolicyName
 
+from corral_cli import tracing
+
 logger = logging.getLogger(__name__)
 
 POLICY_CHOICES = typing.get_args(PolicyName)
@@ -28,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--policy", choices=POLICY_CHOICES, default=None, help="routing policy")
     parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys (text or YAML)")
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)",
+    )
     parser.add_argument(
         "--kubernetes",
         action="store_true",
@@ -63,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
     if not settings.backends and not settings.kubernetes.enabled:
         logger.error("no replicas: pass --backend MODEL=URL, a --config with backends, or --kubernetes")
         return 2
+    try:
+        tracing.configure("corral-gateway", args.otlp_traces_endpoint)
+    except tracing.TracingUnavailable as e:
+        logger.error("%s", e)
+        return 2
     app = create_app(settings)
     effective = settings.model_dump(mode="json")
     if effective.get("upstream_api_key"):
@@ -75,5 +89,9 @@ def run(args: argparse.Namespace) -> int:
         settings.policy,
         ", ".join(settings.backends) or "(from Kubernetes)",
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    # log_config=None: uvicorn's own lines go through the process's logging (--log-format); the
+    # gateway writes its own access lines.
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level="warning", access_log=False, log_config=None
+    )
     return 0

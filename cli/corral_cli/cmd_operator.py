@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="liveness endpoint to serve (default: http://0.0.0.0:8080/healthz; '' to disable)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the operator's own metrics (reconciles, errors) on 0.0.0.0:PORT/metrics (default: off)",
+    )
+    parser.add_argument(
         "--resync-seconds",
         type=float,
         default=15.0,
@@ -81,6 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         "peering": args.peering,
         "standalone": args.standalone,
         "liveness_url": args.liveness or None,
+        "metrics_port": args.metrics_port,
         "resync_s": args.resync_seconds,
         "scrape_metrics": not args.no_metrics,
         "metrics_file": args.metrics_file,
@@ -111,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
         metrics = FileSource(settings.metrics_file)
     elif settings.scrape_metrics:
         metrics = PodScrapeSource(allowed_networks=settings.scrape_networks)
+    ctx = Context(kube=Kube(), metrics=metrics)
+    if settings.metrics_port is not None:
+        ctx.telemetry.serve(settings.metrics_port)
     kopf.run(
         registry=build_registry(settings),
         clusterwide=not settings.namespaces,
@@ -119,6 +130,6 @@ def run(args: argparse.Namespace) -> int:
         peering_name=None if settings.standalone else settings.peering,
         priority=settings.priority,
         liveness_endpoint=settings.liveness_url,
-        memo=kopf.Memo(ctx=Context(kube=Kube(), metrics=metrics)),
+        memo=kopf.Memo(ctx=ctx),
     )
     return 0

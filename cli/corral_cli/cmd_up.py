@@ -24,7 +24,7 @@ from typing import Any
 
 from corral_engine.sources import FetchError
 
-from corral_cli import malloc
+from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
 
 logger = logging.getLogger(__name__)
@@ -62,12 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--demo-preset", choices=("tiny", "small"), default="tiny", help="demo model size")
     parser.add_argument("--replicas", type=int, default=2, help="engine processes (default: 2)")
+    parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="simulated replicas instead (h100-llama3-8b, ... or a fitted profile's JSON): all of them in "
+        "one process, no torch; the demo model gives the tokenizer (docs/simulator.md)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
     parser.add_argument("--served-model-name", default=None, help="model name clients ask for")
     parser.add_argument(
         "--policy",
-        choices=("prefix-affinity", "kv-aware", "least-requests", "round-robin"),
+        choices=("prefix-affinity", "kv-aware", "least-requests", "round-robin", "llm-d"),
         default="prefix-affinity",
         help="gateway routing policy (default: prefix-affinity)",
     )
@@ -99,6 +105,8 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
 
 def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     """Served model name -> one `corral engine` flag list per replica."""
+    if args.file is not None and args.simulate is not None:
+        raise ValueError("--simulate runs the demo model's fleet; it does not combine with -f")
     if args.file is not None:
         from corral_operator.local import local_fleets
 
@@ -115,7 +123,24 @@ def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     model_dir, default_name = _model_dir(args)
     name = args.served_model_name or default_name
     flags = ["--model", str(model_dir), "--served-model-name", name]
+    if args.simulate is not None:  # one process serves every replica
+        return {name: [[*flags, "--simulate", args.simulate]]}
     return {name: [list(flags) for _ in range(args.replicas)]}
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` consecutive free ports (a simulated fleet listens on --port and the ones after)."""
+    for _ in range(50):
+        base = _free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return list(range(base, base + count))
+        except OSError:
+            continue
+    raise RuntimeError(f"found no {count} consecutive free ports")
 
 
 def _die_with_parent() -> None:
@@ -128,12 +153,24 @@ def _die_with_parent() -> None:
 
 
 class _Engine:
-    def __init__(self, engine_flags: list[str], num_threads: int, log_dir: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    """One `corral engine` process: one replica, or `num_replicas` simulated ones."""
+
+    def __init__(
+        self,
+        engine_flags: list[str],
+        num_threads: int,
+        log_dir: Path,
+        log_flags: list[str],
+        num_replicas: int = 1,
+    ) -> None:
+        ports = _free_ports(num_replicas)
+        self.port = ports[0]
+        self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.log_path = log_dir / f"engine-{self.port}.log"
-        argv = [sys.executable, "-m", "corral_cli.main", "engine", *engine_flags]
+        argv = [sys.executable, "-m", "corral_cli.main", *log_flags, "engine", *engine_flags]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", str(num_threads)]
+        if num_replicas > 1:
+            argv += ["--replicas", str(num_replicas)]
         with self.log_path.open("wb") as log:
             # Own session: Ctrl-C reaches only `corral up`, which stops the engines in order.
             self.proc = subprocess.Popen(
@@ -150,8 +187,11 @@ class _Engine:
             tail = self.log_path.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"engine on port {self.port} exited with {self.proc.returncode}:\n{tail}")
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2.0) as response:
-                return bool(response.status == 200)
+            for url in self.urls:
+                with urllib.request.urlopen(url + "/health", timeout=2.0) as response:
+                    if response.status != 200:
+                        return False
+            return True
         except OSError:  # refused, reset, timed out, or an HTTP error status
             return False
 
@@ -222,7 +262,13 @@ def _gateway_server(app: Any, host: str, port: int) -> Any:
             self.should_exit = True
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        log_config=None,  # uvicorn's lines in the process's format (--log-format)
+        timeout_graceful_shutdown=GRACE_S,
     )
     return _Server(config)
 
@@ -253,10 +299,12 @@ def run(args: argparse.Namespace) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         num_threads = max(1, len(os.sched_getaffinity(0)) // sum(len(f) for f in fleet.values()))
         backends: dict[str, list[str]] = {}
+        log_flags = ["--log-level", str(args.log_level), "--log-format", str(args.log_format)]
         for name, replicas in fleet.items():
             for flags in replicas:
-                engines.append(_Engine(flags, num_threads, log_dir))
-                backends.setdefault(name, []).append(engines[-1].url)
+                num_replicas = args.replicas if args.simulate is not None else 1
+                engines.append(_Engine(flags, num_threads, log_dir, log_flags, num_replicas))
+                backends.setdefault(name, []).extend(engines[-1].urls)
         logger.info("starting %d engines (logs in %s)", len(engines), log_dir)
         _wait_ready(engines)
         name = next(iter(fleet))
@@ -265,13 +313,15 @@ def run(args: argparse.Namespace) -> int:
         from corral_gateway.settings import GatewaySettings
 
         settings = GatewaySettings(host=args.host, port=args.port, policy=args.policy, backends=backends)
+        # Traces only from the OTEL_* variables here; the engines, its children, read the same ones.
+        tracing.configure("corral-gateway", None)
         base_url = f"http://{args.host}:{args.port}"
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(_serve_gateway(create_app(settings), args.host, args.port, usage_text(base_url, name)))
         return 0
     except (KeyboardInterrupt, _Stop):
         return 0
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError) as e:  # TracingUnavailable is a RuntimeError
         logger.error("%s", e)
         return 1
     except FetchError as e:

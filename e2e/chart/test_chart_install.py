@@ -1,5 +1,5 @@
 """`helm install` of charts/corral into the real control plane, then the chart's operator and gateway
-at work with exactly the RBAC the chart installed.
+at work with exactly the RBAC the chart installed, and `helm test` passing against them.
 
 kwok runs the chart's pods only on paper, so the operator and the gateway also run here as processes,
 with the arguments and settings the chart gave their pods and the identities of the chart's
@@ -15,9 +15,11 @@ import contextlib
 import ipaddress
 import json
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +199,63 @@ def test_chart_operator_and_gateway_serve_the_example(
             with ManagedProcess(gateway_argv, gateway_port, name="gateway", log_dir=tmp_path) as gateway:
                 gateway.wait_ready(60)
                 _chat_through(gateway.url, example["spec"]["model"]["name"])
+                _helm_test(cluster, release, gateway.url)
+
+
+def _pod_or_none(cluster: Cluster, namespace: str, name: str, phase: str) -> dict[str, Any] | None:
+    result = cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json", check=False)
+    if result.returncode != 0:
+        return None
+    pod: dict[str, Any] = json.loads(result.stdout)
+    return pod if pod.get("status", {}).get("phase") == phase else None
+
+
+def _finish_pod(cluster: Cluster, pod: dict[str, Any], exit_code: int) -> None:
+    """Write a terminated pod's status, as a kubelet would once its container exited."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    statuses = [
+        {
+            **status,
+            "ready": False,
+            "started": False,
+            "state": {
+                "terminated": {
+                    "exitCode": exit_code,
+                    "reason": "Completed" if exit_code == 0 else "Error",
+                    "startedAt": now,
+                    "finishedAt": now,
+                }
+            },
+        }
+        for status in pod["status"].get("containerStatuses") or []
+    ]
+    phase = "Succeeded" if exit_code == 0 else "Failed"
+    patch = {"status": {"phase": phase, "containerStatuses": statuses}}
+    name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
+    cluster.kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps(patch))  # fmt: skip
+
+
+def _helm_test(cluster: Cluster, rel: Release, gateway_url: str) -> None:
+    """`helm test`, with this process as the test pod's kubelet: kwok completes only Jobs' pods, so the
+    pod's own command runs here (its arguments, with the local gateway's address after the Service's
+    cluster DNS name, which nothing resolves here) and its exit code becomes the pod's phase."""
+    name = f"{rel.name}-gateway-test"
+    with ThreadPoolExecutor(1) as pool:
+        helm = pool.submit(cluster.helm, "test", rel.name, "--namespace", rel.namespace, "--timeout=120s",
+                           check=False)  # fmt: skip
+        pod = cluster.wait_until(
+            "the helm test pod running", lambda: _pod_or_none(cluster, rel.namespace, name, "Running"), 60
+        )
+        (container,) = pod["spec"]["containers"]
+        argv = [sys.executable, "-m", "corral_cli.main", *container["args"], "--base-url", gateway_url]
+        check = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+        _finish_pod(cluster, pod, check.returncode)
+        outcome = helm.result()
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "check passed" in check.stderr
+    assert outcome.returncode == 0, outcome.stdout + outcome.stderr
+    assert "Succeeded" in outcome.stdout, outcome.stdout
 
 
 def test_namespaced_chart_operator_needs_only_its_roles(

@@ -1,4 +1,5 @@
-"""Every dashboard query returns data from a real Prometheus scraping a real local fleet under load.
+"""Every dashboard query returns data from a real Prometheus scraping a real local fleet under load,
+and that Prometheus loads and evaluates every alert rule of the chart.
 
 Two `corral engine` processes and a `corral gateway` process; a third "replica" answers every
 completion with 503 (a broken replica), so the gateway's retry and ejection panels have something to
@@ -12,6 +13,7 @@ import shutil
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +23,8 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from corral_cli.chartgen import promcheck
+from corral_cli.chartgen import alerts, promcheck
+from corral_cli.chartgen.files import ALERT_RULES
 from corral_cli.chartgen.queries import dashboard_queries, metric_names
 from corral_engine import wire
 
@@ -30,8 +33,11 @@ from e2e.procs import HOST, EngineProcess, ManagedProcess, free_port, start_engi
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "tiny-llama"
+# The gateway checks API keys, so the per-key token panel has a key to show.
+API_KEY, KEY_NAME = "sk-dashboards-e2e", "e2e-team"
 SHARED_PREFIX = "You are a helpful assistant for the Corral project. Answer briefly and precisely. "
 _DATA_TIMEOUT_S = 90.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _BrokenReplica(BaseHTTPRequestHandler):
@@ -83,7 +89,10 @@ def gateway(
     engines: list[EngineProcess], broken_replica: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ManagedProcess]:
     port = free_port()
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": [{"key": API_KEY, "name": KEY_NAME}]}))
     argv = [sys.executable, "-m", "corral_cli.main", "gateway", "--host", HOST, "--port", str(port)]
+    argv += ["--api-keys-file", str(keys)]
     for url in [*(e.url for e in engines), broken_replica]:
         argv += ["--backend", f"{MODEL}={url}"]
     # Round-robin sends a share of the traffic to the broken replica whenever it is in rotation.
@@ -105,8 +114,11 @@ def prometheus(
     # The same config `promcheck scrape-config` gives users, from the gateway's own replica list
     # minus the broken replica (it is not an engine).
     engine_urls = [e.url for e in engines]
-    assert set(engine_urls) < set(promcheck.engine_urls(gateway.url))
-    config.write_text(yaml.safe_dump(promcheck.scrape_config(gateway.url, engine_urls, interval="1s")))
+    assert set(engine_urls) < set(promcheck.engine_urls(gateway.url, API_KEY))
+    scrape = promcheck.scrape_config(gateway.url, engine_urls, interval="1s")
+    # The chart's alerts, as docs/operations.md tells a Prometheus without the operator to load them.
+    scrape["rule_files"] = [str(ROOT / ALERT_RULES)]
+    config.write_text(yaml.safe_dump(scrape))
     port = free_port()
     argv = [
         binary,
@@ -150,7 +162,7 @@ def load(gateway: ManagedProcess, prometheus: ManagedProcess) -> Iterator[list[i
     stop = threading.Event()
     done: list[int] = []
     errors: list[BaseException] = []
-    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
     def worker(first: int) -> None:
         i = first
@@ -195,6 +207,7 @@ def test_every_dashboard_query_returns_data(prometheus: ManagedProcess, load: li
     assert by_panel[("Requests/s by model", "{{model}}")].sample > 0
     assert by_panel[("Tokens/s by model", "{{model_name}} generated")].sample > 0
     assert by_panel[("Retries/s by reason", "{{model}} {{reason}}")].num_series >= 1
+    assert by_panel[("Tokens/s by API key", "{{key}} {{kind}}")].num_series == 2  # prompt, completion
 
 
 def test_every_dashboard_metric_is_exported_by_a_live_process(
@@ -219,7 +232,8 @@ def test_promcheck_commands_a_user_runs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """docs/dashboards.md: `promcheck scrape-config` then `promcheck check` against that Prometheus."""
-    assert promcheck.main(["scrape-config", "--gateway", gateway.url, "--interval", "1s"]) == 0
+    argv = ["scrape-config", "--gateway", gateway.url, "--interval", "1s", "--api-key", API_KEY]
+    assert promcheck.main(argv) == 0
     config = yaml.safe_load(capsys.readouterr().out)
     jobs = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
     assert jobs["corral-gateway"] == [gateway.url.removeprefix("http://")]
@@ -229,3 +243,26 @@ def test_promcheck_commands_a_user_runs(
     report = capsys.readouterr().out
     total = len(dashboard_queries())
     assert f"{total} of {total} queries returned data" in report
+
+
+def test_every_alert_rule_loads_and_evaluates(prometheus: ManagedProcess, load: list[int]) -> None:
+    """Each rule of the chart's rules file runs against the live series without an error (a wrong
+    name would only show as an alert that never fires, so evaluation is what can be checked here;
+    tests/chart/alerts_test.yaml shows each one firing)."""
+    expected = {a.name for a in alerts.alerts(alerts.default_thresholds())}
+    deadline = time.monotonic() + _DATA_TIMEOUT_S
+    while True:
+        with urllib.request.urlopen(prometheus.url + "/api/v1/rules", timeout=10) as response:
+            groups = json.loads(response.read())["data"]["groups"]
+        rules = {r["name"]: r for g in groups for r in g["rules"]}
+        evaluated = {n for n, r in rules.items() if r.get("lastEvaluation", "").startswith("2")}
+        if expected <= evaluated or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert set(rules) == expected
+    assert evaluated >= expected, f"not evaluated yet: {sorted(expected - evaluated)}"
+    unhealthy = {n: r.get("lastError") for n, r in rules.items() if r["health"] != "ok"}
+    assert not unhealthy, unhealthy
+    # A healthy fleet under light load: nothing fires but the broken replica's retries.
+    firing = {n for n, r in rules.items() if r["state"] == "firing"}
+    assert not firing, firing

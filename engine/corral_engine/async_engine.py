@@ -21,9 +21,10 @@ from typing import Any
 
 from corral_engine.args import EngineArgs
 from corral_engine.core.sequence import Request
-from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.llm_engine import LLMEngine, Prompt
-from corral_engine.outputs import EngineStats, RequestOutput, merge_outputs
+from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.request_streams import RequestStreams
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 
@@ -72,7 +73,7 @@ class AsyncEngine:
         self._adds: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams = RequestStreams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._running = False
@@ -127,45 +128,12 @@ class AsyncEngine:
         the request's output stream. Leaving the stream early aborts the request."""
         if self._dead is not None or not self._running:
             raise EngineDeadError("the engine is not running")
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        max_waiting = self.args.max_waiting
-        if max_waiting is not None and self._stats.num_waiting + len(self._adds) >= max_waiting:
-            raise QueueFullError(f"the engine's waiting queue is full ({max_waiting} requests)", 1.0)
+        self._streams.check_new(request_id, self.args.max_waiting, self._stats.num_waiting + len(self._adds))
         request = self.engine.make_request(request_id, prompt, params)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = queue
+        stream = self._streams.open(request_id, self.abort)
         self._adds.append(request)
         self._wakeup.set()
-        return self._stream(request_id, queue)
-
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                # Outputs that piled up while this consumer was behind go out as one.
-                error: BaseException | None = None
-                while not item.finished and not queue.empty():
-                    later = queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        error = later
-                        break
-                    item = merge_outputs(item, later)
-                finished = item.finished
-                yield item
-                if error is not None:
-                    raise error
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return stream
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks are freed at the start of the next step."""

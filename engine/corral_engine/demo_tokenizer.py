@@ -16,14 +16,29 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2 in this order
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 
 # Role-tagged turns; an assistant turn ends with eos so generation stops at the end of a reply.
+# With `tools`, a system turn lists them and asks for Hermes-style calls (the format of Qwen 2.5/3 and
+# NousResearch Hermes: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`); an assistant turn's
+# `tool_calls` are written back in that format, and a `tool` turn holds a result. Without tools the
+# rendering is what it always was.
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
+    "{%- if tools %}"
+    '{{- \'<|system|>\\nCall a function by replying <tool_call>{"name": NAME, "arguments": ARGS}'
+    "</tool_call>.\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '</tools>' + eos_token + '\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{- '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson %}"
+    "{{- '<tool_call>{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- eos_token + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
-
 
 # Fixed English text so common words get their own tokens and demos read naturally.
 _ENGLISH = """

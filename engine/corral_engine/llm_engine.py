@@ -6,7 +6,6 @@ free what finished -> hand back an output per request that progressed.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -22,12 +21,15 @@ from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
-from corral_engine.model.sampler import Sampler
+from corral_engine.model.sampler import Sampler, token_logprob
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
+from corral_engine.structured.compiler import GrammarCompiler
+from corral_engine.structured.masks import advance
 from corral_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,13 +65,15 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy),
             self.block_manager,
         )
-        self.sampler = Sampler(args.seed)
+        self.sampler = Sampler(args.seed, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
         self.last_step_num_tokens = 0
+        self.last_schedule: list[ScheduledSeq] = []  # the last step's batch (the simulator's calibration)
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -82,7 +86,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and build a request without touching engine state (safe from any thread)."""
         token_ids = self.tokenize(prompt)
-        self._validate(token_ids, params)
+        check_request(token_ids, params, self.max_model_len, self.model_config.vocab_size, self.block_manager)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -94,32 +98,8 @@ class LLMEngine:
             Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))
             for i in range(params.n)
         ]
+        self.grammars.attach(request)
         return request
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        num = len(token_ids)
-        if num >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num} tokens; this model's maximum context length is {self.max_model_len}",
-                "prompt",
-            )
-        if num + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {num} "
-                f"and max_tokens asks for {params.max_tokens} more",
-                "max_tokens",
-            )
-        need = self.block_manager.blocks_for_tokens(num + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}",
-                "max_tokens",
-            )
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
@@ -151,6 +131,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_batched_tokens
+        self.last_schedule = sched.scheduled
         if sched.is_empty:
             return []
         now = time.monotonic()
@@ -158,6 +139,12 @@ class LLMEngine:
             metrics = s.seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        masks = self.grammars.start_masks(sched.scheduled)  # filled while the model runs
+        scored = [
+            (s.seq, s.prompt_positions())
+            for s in sched.scheduled
+            if s.seq.request.params.prompt_logprobs is not None
+        ]
         logits = self.runner.execute(sched.scheduled)
         plain: list[Sequence] = []
         plain_rows: list[int] = []
@@ -175,10 +162,10 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(row)
             row += 1 + s.num_spec
-        if len(plain_rows) == row:
-            result = self.sampler.sample(logits, plain)
-        else:
-            result = self.sampler.sample(logits[plain_rows], plain)
+        if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
+            self._record_prompt_logprobs(scored, logits[row:])
+        sampled = logits[:row] if len(plain_rows) == row else logits[plain_rows]
+        result = self.sampler.sample(sampled, plain, masks.wait())
         now = time.monotonic()
         touched: dict[str, dict[int, int]] = {}
         for seq, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
@@ -197,6 +184,15 @@ class LLMEngine:
             output = self.output_processor.build_output(request, counts, is_finished)
             outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
+
+    def _record_prompt_logprobs(self, scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
+        raw = torch.log_softmax(logits, dim=-1).cpu()  # [rows, V]
+        i = 0
+        for seq, positions in scored:
+            k = seq.request.params.prompt_logprobs or 0
+            for q in positions:
+                seq.prompt_logprobs.append(token_logprob(raw[i], seq.token_ids[q + 1], k))
+                i += 1
 
     def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
         """Greedy verification: keep the drafts the model agrees with, plus its own next token."""
@@ -228,12 +224,14 @@ class LLMEngine:
         for token_id in tokens:
             seq.token_ids.append(token_id)
             counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+            if seq.grammar is not None:
+                advance(seq, token_id)
             self._stats.num_generation_tokens_total += 1
             if self.output_processor.append_token(seq, token_id):
                 self.scheduler.finish(seq)
             if seq.is_finished:
                 return
-        if self.args.speculative and _can_speculate(request.params):
+        if self.args.speculative and request.params.can_speculate:
             room = (
                 min(request.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
                 - 1
@@ -259,19 +257,7 @@ class LLMEngine:
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        s = self._stats
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
-        s.num_free_blocks = bm.num_free_blocks
-        s.num_cached_blocks = bm.num_cached_free_blocks
-        s.kv_usage_ratio = bm.usage_ratio
-        s.num_preemptions_total = self.scheduler.num_preemptions
-        s.num_prefix_cache_queries_total = bm.num_prefix_queries
-        s.num_prefix_cache_hits_total = bm.num_prefix_hits
-        snapshot = dataclasses.replace(s)
-        snapshot.finished_by_reason = dict(s.finished_by_reason)
-        return snapshot
+        return self._stats.observe(self.scheduler, self.block_manager)
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(
@@ -291,11 +277,3 @@ class LLMEngine:
 
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
-
-    def __repr__(self) -> str:
-        return f"LLMEngine({self.served_model_name!r}, blocks={self.block_manager.num_blocks})"
-
-
-def _can_speculate(params: SamplingParams) -> bool:
-    """Drafts are verified greedily, so only plain greedy requests speculate."""
-    return params.is_greedy and not params.has_penalties and params.logprobs is None

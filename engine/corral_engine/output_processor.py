@@ -69,4 +69,9 @@ class OutputProcessor:
                     delta_logprobs=seq.logprobs[-new:] if new and seq.logprobs else None,
                 )
             )
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, is_finished, request.metrics)
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *request.seqs[0].prompt_logprobs]
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, outs, is_finished, request.metrics, prompt_logprobs
+        )

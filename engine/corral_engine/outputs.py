@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from corral_engine.core.block_manager import BlockManager
+    from corral_engine.core.scheduler import Scheduler
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -13,6 +18,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k alternatives as (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were likelier (None where not computed)
 
 
 @dataclass(slots=True)
@@ -49,6 +55,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # prompt_logprobs: None for the first prompt token, then one per token (as far as computed).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -71,6 +79,22 @@ class EngineStats:
     num_spec_proposed_total: int = 0  # speculative draft tokens verified
     num_spec_accepted_total: int = 0  # ... and accepted
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, scheduler: Scheduler, block_manager: BlockManager) -> EngineStats:
+        """Refresh the load fields from the scheduler and block manager, and return a snapshot the
+        caller may hand to another thread (the counters go on accumulating here)."""
+        bm = block_manager
+        self.num_running = scheduler.num_running
+        self.num_waiting = scheduler.num_waiting
+        self.num_free_blocks = bm.num_free_blocks
+        self.num_cached_blocks = bm.num_cached_free_blocks
+        self.kv_usage_ratio = bm.usage_ratio
+        self.num_preemptions_total = scheduler.num_preemptions
+        self.num_prefix_cache_queries_total = bm.num_prefix_queries
+        self.num_prefix_cache_hits_total = bm.num_prefix_hits
+        snapshot = dataclasses.replace(self)
+        snapshot.finished_by_reason = dict(self.finished_by_reason)
+        return snapshot
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

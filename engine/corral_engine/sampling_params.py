@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from corral_engine.errors import InvalidRequestError
+from corral_engine.structured.spec import GrammarSpec
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -39,6 +40,14 @@ class SamplingParams:
     # (as vLLM's default); "delta", nothing (only the delta_* fields), which saves the engine a copy
     # per step that grows with the output. A finished sequence's output is always complete.
     output_kind: OutputKind = "cumulative"
+    # Structured outputs: what every completion must match (compiled when the request is built).
+    grammar: GrammarSpec | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, in [-100, 100]).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's)
+    min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many output tokens
+    # Logprobs of the prompt's tokens (each given the ones before it), with the top k alternatives.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +55,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -84,6 +96,14 @@ class SamplingParams:
             raise bad("stop must be at most 16 non-empty strings", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative", "stop_token_ids")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias) or len(self.logit_bias) > 1024:
+            raise bad("logit_bias takes at most 1024 tokens, each with a bias in [-100, 100]", "logit_bias")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids must not be empty", "allowed_token_ids")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", "prompt_logprobs")
         if self.output_kind not in OUTPUT_KINDS:
             raise bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}", "output_kind")
 
@@ -94,6 +114,23 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether the sampler changes this request's logits beyond penalties (bias, allowed, min)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Drafts are verified greedily on raw logits, so only plain greedy requests speculate; not
+        constrained ones (a draft the grammar or a token rule refuses must never be accepted)."""
+        return (
+            self.is_greedy
+            and not self.has_penalties
+            and self.logprobs is None
+            and self.grammar is None
+            and not self.has_token_rules
+        )
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -35,6 +35,16 @@ E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME_SECONDS = "vllm:request_queue_time_seconds"
 REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS = "vllm:request_time_per_output_token_seconds"
+REQUEST_PREFILL_TIME_SECONDS = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
+REQUEST_DECODE_TIME_SECONDS = "vllm:request_decode_time_seconds"  # first token -> last token
+REQUEST_INFERENCE_TIME_SECONDS = "vllm:request_inference_time_seconds"  # first scheduled -> last token
+# A histogram despite the suffix (vLLM's name): tokens computed per engine step.
+ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"
+
+# Speculative decoding (n-gram drafts), counters as vLLM names them.
+SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL = "vllm:spec_decode_num_accepted_tokens_total"
 
 # Corral-specific metrics where vLLM has none.
 CORRAL_ENGINE_PREFIX = "corral_engine_"
@@ -64,6 +74,13 @@ FETCH_EXIT_REASONS = {
 HEADER_NUM_RUNNING = "x-corral-num-running"
 HEADER_NUM_WAITING = "x-corral-num-waiting"
 HEADER_KV_USAGE = "x-corral-kv-usage"  # 0-1 fraction
+
+# The request id: the gateway sends its own (or the client's, when valid) to the engine, which adopts
+# a valid one for its response id and logs; both answer with it. Anything else is replaced, so a
+# client cannot put arbitrary text into logs or headers.
+HEADER_REQUEST_ID = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
 
@@ -105,3 +122,10 @@ def is_pod_serving(pod: Mapping[str, Any]) -> bool:
     )
     is_deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
     return is_ready and bool(status.get("podIP")) and not is_deleting
+
+
+def valid_request_id(value: str | None) -> str | None:
+    """`value` if it may serve as a request id (1-128 of letters, digits and `._:-`), else None."""
+    if not value or len(value) > MAX_REQUEST_ID_CHARS or _REQUEST_ID.fullmatch(value) is None:
+        return None
+    return value

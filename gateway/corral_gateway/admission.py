@@ -26,6 +26,7 @@ class _Waiter:
     future: asyncio.Future[Replica]
     prefix_hash: int | None
     exclude: frozenset[str] = field(default_factory=frozenset)
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ class Ask:
     fairness_key: str = ""
     exclude: Collection[str] = ()
     timeout_s: float | None = None
+    block_hashes: tuple[int, ...] = ()  # the prompt's chained block hashes (for the llm-d scorer)
 
 
 class Admission:
@@ -58,7 +60,7 @@ class Admission:
         it ends (return, error, cancellation). Waits in the queue when the fleet is saturated; a
         `disconnect` that completes first ends the wait with ClientGone, and a replica handed out
         just then goes straight back."""
-        replica = self.try_acquire(ask.model, ask.prefix_hash, ask.exclude)
+        replica = self.try_acquire(ask.model, ask.prefix_hash, ask.exclude, ask.block_hashes)
         if replica is None:
             waiting = self.acquire(ask)
             replica = await (waiting if disconnect is None else race(waiting, disconnect, self.release))
@@ -72,11 +74,12 @@ class Admission:
         does both)."""
         model = ask.model
         timeout_s = self.timeout_s if ask.timeout_s is None else ask.timeout_s
-        replica = self.try_acquire(model, ask.prefix_hash, ask.exclude)
+        replica = self.try_acquire(model, ask.prefix_hash, ask.exclude, ask.block_hashes)
         if replica is not None:
             return replica
         queue = self._queues[model]
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), ask.prefix_hash, frozenset(ask.exclude))
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, ask.prefix_hash, frozenset(ask.exclude), tuple(ask.block_hashes))
         if not queue.push(waiter, ask.priority, ask.fairness_key):
             raise RateLimited(
                 f"Too many requests queued for model `{model}`; retry later.",
@@ -99,13 +102,17 @@ class Admission:
         return waiter.future.result()
 
     def try_acquire(
-        self, model: str, prefix_hash: int | None, exclude: Collection[str] = ()
+        self,
+        model: str,
+        prefix_hash: int | None,
+        exclude: Collection[str] = (),
+        block_hashes: tuple[int, ...] = (),
     ) -> Replica | None:
         """The fast path, without waiting: a dispatched replica, or None when the request must queue."""
         queue = self._queues.setdefault(model, FairQueue(self.max_queue_len))
         if queue:
             return None  # others are waiting: queue behind them
-        routed = self.router.route(model, prefix_hash, exclude)
+        routed = self.router.route(model, prefix_hash, exclude, block_hashes=block_hashes)
         if isinstance(routed, Replica):
             routed.on_dispatch()
             return routed
@@ -134,7 +141,9 @@ class Admission:
             if waiter.future.done():
                 queue.pop()
                 continue
-            routed = self.router.route(model, waiter.prefix_hash, waiter.exclude, from_queue=True)
+            routed = self.router.route(
+                model, waiter.prefix_hash, waiter.exclude, from_queue=True, block_hashes=waiter.block_hashes
+            )
             if isinstance(routed, NoReplica):
                 break
             queue.pop()

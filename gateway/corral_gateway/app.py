@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from corral_gateway.access import AccessLog
 from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.errors import (
     GatewayError,
@@ -71,12 +73,22 @@ class KeysFile:
             self.reload_if_changed()
 
 
-PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # POST only: other methods 405
+# vLLM's POST routes outside /v1, forwarded like /v1's (the body's `model` picks the replicas).
+VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank"})
+
+
+def is_proxied(method: str, path: str) -> bool:
+    """Every POST a backend serves goes to a replica of the body's model: /v1/* (embeddings,
+    responses, audio, ... as well as completions and chat) and vLLM's own routes."""
+    if path in PROXY_PATHS:
+        return True
+    return method == "POST" and (path.startswith("/v1/") or path in VLLM_PATHS)
 
 
 class GatewayApp:
-    """ASGI entry: the two proxied routes go straight to the proxy (FastAPI never sees them; other
-    methods on them get 405), everything else to FastAPI.
+    """ASGI entry: proxied requests go straight to the proxy (FastAPI never sees them; other
+    methods on the two generation routes get 405), everything else to FastAPI.
 
     Skipping FastAPI's middleware stack matters on the hot path: every streamed chunk would
     otherwise pass through each middleware's `send` wrapper.
@@ -87,7 +99,7 @@ class GatewayApp:
         self._deps = deps
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in PROXY_PATHS:
+        if scope["type"] == "http" and is_proxied(scope["method"], scope["path"]):
             if scope["method"] != "POST":
                 await error_response(MethodNotAllowed("Method Not Allowed"))(scope, receive, send)
                 return
@@ -123,7 +135,8 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _background(settings, fleet, keys) as upstream:
-            state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get)
+            access = AccessLog(metrics, settings.access_log)
+            state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get, access)
             yield
 
     app = FastAPI(title="Corral gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -200,6 +213,13 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok", "models": fleet.models()})
+
+    @app.get("/version")
+    async def version() -> Response:
+        try:
+            return JSONResponse({"version": importlib.metadata.version("corral")})
+        except importlib.metadata.PackageNotFoundError:
+            return JSONResponse({"version": "0+unknown"})
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -18,7 +18,7 @@ from corral_gateway.k8s_wake import Waker
 from corral_gateway.load import parse_load_headers, parse_metrics_text
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.policies import KvAware, make_policy
-from corral_gateway.registry import Ejection, Registry, Saturation
+from corral_gateway.registry import Ejection, Registry, Replica, Saturation
 from corral_gateway.router import Router
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Fetched, Upstream, UpstreamError
@@ -231,13 +231,23 @@ class Fleet:
             replicas = self._registry.replicas(model)
             if not replicas:
                 continue
-            loads = [r.load(now_s, self.settings.load_max_age_s) for r in replicas]
-            max_running = max(load.num_running for load in loads)
-            for replica, load in zip(replicas, loads, strict=True):
-                replica.last_score = self._scorer.cost(load, max_running)
+            for replica, score in zip(replicas, self._scores(replicas, now_s), strict=True):
+                replica.last_score = score
                 self.metrics.replica_score.labels(model, replica.url).set(replica.last_score)
                 self.metrics.replica_healthy.labels(model, replica.url).set(0 if replica.is_ejected else 1)
                 self.metrics.replica_inflight.labels(model, replica.url).set(replica.num_inflight)
+
+    def _scores(self, replicas: list[Replica], now_s: float) -> list[float]:
+        """Each replica's kv-aware cost now (lower is better), as the gauge and traces show it."""
+        loads = [r.load(now_s, self.settings.load_max_age_s) for r in replicas]
+        max_running = max(load.num_running for load in loads)
+        return [self._scorer.cost(load, max_running) for load in loads]
+
+    def scores(self, model: str) -> dict[str, float]:
+        replicas = self._registry.replicas(model)
+        if not replicas:
+            return {}
+        return {r.url: s for r, s in zip(replicas, self._scores(replicas, self.clock()), strict=True)}
 
     def snapshot(self) -> dict[str, list[dict[str, object]]]:
         """Replica state for the /corral/replicas debug endpoint."""

@@ -26,6 +26,7 @@ REPLICA_HEALTHY = PREFIX + "replica_healthy"
 REPLICA_INFLIGHT = PREFIX + "replica_inflight"
 REJECTED_TOTAL = PREFIX + "rejected_total"
 STREAMS_BROKEN_TOTAL = PREFIX + "streams_broken_total"
+KEY_TOKENS_TOTAL = PREFIX + "key_tokens_total"
 
 # Why a request left a replica before its first byte without an answer (label `reason` of
 # retries_total). A retried HTTP answer is labelled `http_<status>` instead: open-ended, so its
@@ -83,6 +84,14 @@ class GatewayMetrics:
             STREAMS_BROKEN_TOTAL,
             "Streams ended with an error event because the replica failed.",
             model,
+            registry=r,
+        )
+
+        self.key_tokens = Counter(
+            KEY_TOKENS_TOTAL,
+            "Tokens the responses to each API key reported, by key name, model and kind "
+            "(prompt, completion); only responses that report usage count.",
+            ["key", "model", "kind"],
             registry=r,
         )
 

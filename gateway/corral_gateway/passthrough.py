@@ -11,15 +11,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from corral_gateway.access import AccessLog, Origin
 from corral_gateway.errors import UpstreamFailed, error_response, sse_error_event
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
-from corral_gateway.quota import TokenUsage
+from corral_gateway.quota import TokenUsage, UsageTail
 from corral_gateway.registry import Replica
 from corral_gateway.upstream import UpstreamError, UpstreamResponse
 
@@ -30,15 +30,6 @@ _HOP_BY_HOP = frozenset(
      "proxy-authorization", "server", "date"}
 )  # fmt: skip
 _WHOLE_BODY_MAX_BYTES = 4 * 1024 * 1024  # non-streamed bodies up to this size are read whole
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Which request a response answers: for metrics and logs."""
-
-    model: str
-    request_id: str
-    start_s: float  # time.monotonic() at arrival
 
 
 class Exchange:
@@ -52,10 +43,12 @@ class Exchange:
         upstream: UpstreamResponse,
         replica: Replica,
         origin: Origin,
-        usage: TokenUsage | None,
+        quota: TokenUsage | None,
+        access: AccessLog,
     ) -> None:
         self.fleet, self.metrics, self.upstream, self.replica = fleet, metrics, upstream, replica
-        self.origin, self.usage = origin, usage
+        self.origin, self.quota, self.access = origin, quota, access
+        self.tail = UsageTail()  # the body's end, for the usage it reports
         self.status_label = str(upstream.status_code)
         self.is_complete = False
         self.is_client_gone = False
@@ -84,8 +77,7 @@ class Exchange:
         except UpstreamError as e:
             self._broken(e, "body")
         finally:
-            if self.usage is not None:
-                self.usage.feed(content)
+            self.tail.feed(content)
             self.finish()
         if not self.is_complete:
             failed = error_response(UpstreamFailed("The model replica failed while sending the response."))
@@ -103,8 +95,7 @@ class Exchange:
                         time.monotonic() - self.origin.start_s
                     )
                     is_first = False
-                if self.usage is not None:
-                    self.usage.feed(chunk)
+                self.tail.feed(chunk)
                 yield chunk
             self.is_complete = True
         except UpstreamError as e:
@@ -140,8 +131,10 @@ class Exchange:
         self.upstream.close(self.is_complete)
         self.metrics.requests.labels(model, self.replica.url, self.status_label).inc()
         self.metrics.duration.labels(model).observe(time.monotonic() - self.origin.start_s)
-        if self.usage is not None:
-            self.usage.settle()
+        reported = self.tail.reported()
+        if self.quota is not None:
+            self.quota.settle(reported)
+        self.access.finished(self.origin, self.replica.url, self.status_label, reported)
 
 
 class PassThrough(StreamingResponse):

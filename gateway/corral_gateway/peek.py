@@ -6,6 +6,8 @@ so a body the gateway cannot read is still forwarded and gets the engine's own e
 
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ class RequestInfo:
     is_stream: bool
     prefix_hash: int | None  # hash of the prompt's leading blocks, None when there is no prompt text
     estimated_tokens: int
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (when asked)
 
 
 def prompt_prefix(body: dict[str, Any], max_chars: int) -> str | None:
@@ -71,6 +74,18 @@ def block_prefix_hash(prefix: str, block_chars: int, num_blocks: int) -> int:
     return int.from_bytes(hashlib.blake2b(window.encode("utf-8", "replace"), digest_size=8).digest(), "big")
 
 
+def block_hash_chain(prefix: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """Hashes of the prompt's full blocks, each chained over every block before it, so two prompts
+    share the first k hashes exactly when they share the first k blocks (the llm-d scorer's index)."""
+    out: list[int] = []
+    parent = b""
+    for i in range(min(max_blocks, len(prefix) // block_chars)):
+        block = prefix[i * block_chars : (i + 1) * block_chars].encode("utf-8", "replace")
+        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
+        out.append(int.from_bytes(parent, "big"))
+    return tuple(out)
+
+
 def _estimate_tokens(body: dict[str, Any], prefix: str | None) -> int:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
@@ -81,8 +96,20 @@ def _estimate_tokens(body: dict[str, Any], prefix: str | None) -> int:
     return prompt_tokens + n * max_tokens
 
 
-def peek_request(raw: bytes, block_chars: int = 64, num_blocks: int = 4) -> RequestInfo:
-    """Never raises: anything unreadable yields model=None and lets the engine answer."""
+def peek_request(
+    raw: bytes,
+    block_chars: int = 64,
+    num_blocks: int = 4,
+    chain_blocks: int = 0,
+    content_type: str | None = None,
+) -> RequestInfo:
+    """Never raises: anything unreadable yields model=None and lets the engine answer. With
+    `chain_blocks`, also the chained hashes of up to that many blocks (`block_hash_chain`).
+    Multipart bodies (vLLM's /v1/audio/*) are read for their `model` field only."""
+    if content_type is not None and content_type.lower().startswith("multipart/form-data"):
+        return RequestInfo(
+            model=_form_model(raw, content_type), is_stream=False, prefix_hash=None, estimated_tokens=1
+        )
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
@@ -91,16 +118,43 @@ def peek_request(raw: bytes, block_chars: int = 64, num_blocks: int = 4) -> Requ
         return RequestInfo(model=None, is_stream=False, prefix_hash=None, estimated_tokens=1)
     model = body.get("model")
     prefix = prompt_prefix(body, block_chars * num_blocks)
+    chain: tuple[int, ...] = ()
+    if chain_blocks:
+        long_prefix = prompt_prefix(body, block_chars * chain_blocks)
+        chain = block_hash_chain(long_prefix, block_chars, chain_blocks) if long_prefix else ()
     return RequestInfo(
         model=model if isinstance(model, str) else None,
         is_stream=body.get("stream") is True,
         prefix_hash=None if prefix is None else block_prefix_hash(prefix, block_chars, num_blocks),
         estimated_tokens=_estimate_tokens(body, prefix),
+        block_hashes=chain,
     )
 
 
 def with_model(raw: bytes, model: str) -> bytes:
-    """The body with `model` replaced (only called on a body peek_request read as a JSON object)."""
-    body = json.loads(raw)
+    """A JSON body with `model` replaced; any other body (a multipart form) is returned as it is."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
+    if not isinstance(body, dict):
+        return raw
     body["model"] = model
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _form_model(raw: bytes, content_type: str) -> str | None:
+    """The `model` field of a multipart/form-data body (the standard library's MIME parser)."""
+    head = f"Content-Type: {content_type}\r\n\r\n".encode("latin-1", "replace")
+    try:
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    except (ValueError, TypeError, IndexError):
+        return None
+    if not message.is_multipart():
+        return None
+    for part in message.iter_parts():
+        if part.get_param("name", header="content-disposition") == "model":
+            payload = part.get_payload(decode=True)
+            if isinstance(payload, bytes):
+                return payload.decode("utf-8", "replace").strip() or None
+    return None

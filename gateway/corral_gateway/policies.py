@@ -9,16 +9,19 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from corral_gateway.prefix_index import PrefixIndex
 from corral_gateway.registry import Replica, ReplicaLoad, Saturation
 
 # Weights as in the Gateway API Inference Extension's default scorers: queue x2, KV x2.
 QUEUE_WEIGHT = 2.0
 KV_WEIGHT = 2.0
 RUNNING_WEIGHT = 1.0
+PREFIX_WEIGHT = 3.0  # the llm-d scorer's prefix-cache weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +33,9 @@ class Candidate:
 class Policy(Protocol):
     name: str
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate: ...
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate: ...
 
 
 class RoundRobin:
@@ -39,7 +44,9 @@ class RoundRobin:
     def __init__(self, saturation: Saturation) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
         ordered = sorted(candidates, key=lambda c: c.replica.url)
         chosen = ordered[self._next % len(ordered)]
         self._next += 1
@@ -54,7 +61,9 @@ class LeastRequests:
     def __init__(self, saturation: Saturation) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
         self._next += 1
         return _argmin_rotating(candidates, lambda c: float(c.load.num_inflight), self._next)
 
@@ -79,7 +88,9 @@ class KvAware:
         max_running = max(c.load.num_running for c in candidates)
         return [self.cost(c.load, max_running) for c in candidates]
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
         self._next += 1
         pool = [c for c in candidates if not c.load.is_saturated(self._saturation)] or list(candidates)
         costs = dict(zip((id(c) for c in pool), self.costs(pool), strict=True))
@@ -87,13 +98,17 @@ class KvAware:
 
 
 class PrefixAffinity:
-    """Consistent hashing with bounded load over the prompt-prefix hash; kv-aware when saturated.
+    """Longest cached prefix first, else the least loaded replica; kv-aware when saturated.
 
-    Every gateway builds the same ring from the same replica URLs, so gateways agree on a prompt's
-    home replica without sharing state. A home replica above `load_factor` x the mean load passes
-    the request along the ring (bounded loads), and so does one whose engine already queues while
-    another replica runs without a queue: a cached prefix saves one prefill, a queue costs a whole
-    request's wait. A saturated home hands the request to kv-aware.
+    With the prompt's chained block hashes, the replicas this gateway sent more of the prompt's
+    leading blocks than it sent every replica (`PrefixIndex`; a system prompt all of them hold is
+    no reason to pick one) come first, longest match first, unless above `load_factor` x the mean
+    load (bounded loads) or queueing while another replica runs without a queue: a cached prefix
+    saves one prefill, a queue costs a whole request's wait. A prompt no replica holds more of goes
+    to kv-aware's pick. Without a chain (a caller that computed only the hash of the first blocks),
+    consistent hashing with the same bounds: every gateway builds the same ring from the replica
+    URLs, so gateways agree on a prompt's home without sharing state; a saturated home hands the
+    request to kv-aware.
     """
 
     name = "prefix-affinity"
@@ -103,6 +118,7 @@ class PrefixAffinity:
         self._load_factor = load_factor
         self._vnodes = vnodes
         self._fallback = KvAware(saturation)
+        self.index = PrefixIndex()
         self._ring_urls: tuple[str, ...] = ()
         self._ring: list[tuple[int, str]] = []
 
@@ -127,24 +143,86 @@ class PrefixAffinity:
         self._ring_urls = urls
         self._ring = sorted((_hash64(f"{url}#{i}"), url) for url in urls for i in range(self._vnodes))
 
-    def pick(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
-        if prefix_hash is None or len(candidates) == 1:
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
+        chosen = self._pick(candidates, prefix_hash, block_hashes)
+        if block_hashes:
+            self.index.remember(chosen.replica.url, block_hashes)
+        return chosen
+
+    def _pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int]
+    ) -> Candidate:
+        key = block_hashes[-1] if block_hashes else prefix_hash
+        if key is None or len(candidates) == 1:
             return self._fallback.pick(candidates, prefix_hash)
         by_url = {c.replica.url: c for c in candidates}
-        order = self.ring_order(list(by_url), prefix_hash)
+        order = self.ring_order(list(by_url), key)
         total = sum(c.load.num_outstanding for c in candidates)
         capacity = math.ceil(self._load_factor * (total + 1) / len(candidates))
+        someone_has_a_seat = any(_runs_at_once(c.load) for c in candidates)
+
+        def fits(load: ReplicaLoad) -> bool:
+            if load.is_saturated(self._saturation) or load.num_outstanding + 1 > capacity:
+                return False
+            return not someone_has_a_seat or _runs_at_once(load)
+
+        if block_hashes:
+            matched = self.index.matched_blocks(order, block_hashes)
+            floor = min(matched.values())
+            rank = {url: i for i, url in enumerate(order)}
+            holders = sorted((u for u in order if matched[u] > floor), key=lambda u: (-matched[u], rank[u]))
+            for url in holders:
+                if fits(by_url[url].load):
+                    return by_url[url]
+            # Nobody holds more of it than anyone else: no cache to aim for, so the least loaded
+            # replica (a random home on the ring spread ShareGPT-like traffic less evenly: p99 TTFT
+            # 1.2x round-robin's against kv-aware's 0.9x on the simulated 16-replica fleet).
+            return self._fallback.pick(candidates, prefix_hash)
         if by_url[order[0]].load.is_saturated(self._saturation):
             return self._fallback.pick(candidates, prefix_hash)
-        someone_has_a_seat = any(_runs_at_once(c.load) for c in candidates)
         for url in order:
-            load = by_url[url].load
-            if load.is_saturated(self._saturation) or load.num_outstanding + 1 > capacity:
-                continue
-            if someone_has_a_seat and not _runs_at_once(load):
-                continue
-            return by_url[url]
+            if fits(by_url[url].load):
+                return by_url[url]
         return self._fallback.pick(candidates, prefix_hash)
+
+
+class LlmdScorer:
+    """The llm-d inference scheduler's default mix, re-implemented as the peer to compare with:
+    saturated replicas filtered out (unless all are), then 2 x queue + 2 x KV + 3 x prefix, the
+    highest score wins, ties at random. queue: (max - q) / (max - min) of the waiting counts; KV:
+    1 - usage; prefix: the share of the prompt's blocks, from its start, that this gateway last sent
+    to the replica (`PrefixIndex`, 31,250 blocks per replica)."""
+
+    name = "llm-d"
+
+    def __init__(self, saturation: Saturation, lru_blocks: int = 31_250, seed: int = 0) -> None:
+        self._saturation = saturation
+        self.index = PrefixIndex(lru_blocks)
+        self._rng = random.Random(seed)
+
+    def prefix_scores(self, urls: Sequence[str], block_hashes: Sequence[int]) -> dict[str, float]:
+        matched = self.index.matched_blocks(urls, block_hashes)
+        return {url: n / len(block_hashes) if block_hashes else 0.0 for url, n in matched.items()}
+
+    def pick(
+        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
+    ) -> Candidate:
+        pool = [c for c in candidates if not c.load.is_saturated(self._saturation)] or list(candidates)
+        queues = [c.load.num_waiting_reported for c in pool]
+        low, high = min(queues), max(queues)
+        prefix = self.prefix_scores([c.replica.url for c in pool], block_hashes)
+        scores = [
+            QUEUE_WEIGHT * ((high - q) / (high - low) if high > low else 1.0)
+            + KV_WEIGHT * (1.0 - c.load.kv_usage_ratio_reported)
+            + PREFIX_WEIGHT * prefix[c.replica.url]
+            for c, q in zip(pool, queues, strict=True)
+        ]
+        best = max(scores)
+        chosen = self._rng.choice([c for c, s in zip(pool, scores, strict=True) if s >= best - 1e-9])
+        self.index.remember(chosen.replica.url, block_hashes)
+        return chosen
 
 
 def _runs_at_once(load: ReplicaLoad) -> bool:
@@ -172,6 +250,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     LeastRequests.name: LeastRequests,
     KvAware.name: KvAware,
     PrefixAffinity.name: PrefixAffinity,
+    LlmdScorer.name: LlmdScorer,
 }
 
 

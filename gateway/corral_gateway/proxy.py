@@ -14,11 +14,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from corral_engine import wire
+from opentelemetry.trace import Span
 from starlette.requests import Request
 from starlette.responses import Response
 
+from corral_gateway import tracing
+from corral_gateway.access import AccessLog, Origin
 from corral_gateway.admission import Ask
 from corral_gateway.attempt import Outgoing, Retry, send_once
 from corral_gateway.auth import KeyStore
@@ -34,11 +38,12 @@ from corral_gateway.errors import (
 )
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
-from corral_gateway.passthrough import Exchange, Origin
+from corral_gateway.passthrough import Exchange
 from corral_gateway.peek import peek_request, with_model
 from corral_gateway.quota import TokenUsage
+from corral_gateway.registry import Replica
 from corral_gateway.settings import GatewaySettings
-from corral_gateway.upstream import Upstream
+from corral_gateway.upstream import Upstream, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class ProxyDeps:
     upstream: Upstream
     metrics: GatewayMetrics
     keys: Callable[[], KeyStore | None]
+    access: AccessLog
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,41 +80,56 @@ class _Ticket:
     prefix_hash: int | None
     priority: int
     fairness_key: str
-    usage: TokenUsage | None
+    quota: TokenUsage | None
+    block_hashes: tuple[int, ...] = ()
 
 
 async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) -> None:
     """Answer one proxied request through `deliver`; every error the gateway knows is answered in
     OpenAI's shape (an unexpected one propagates, for the app's last resort)."""
     start_s = time.monotonic()
-    request_id = request.headers.get("x-request-id") or _new_request_id()
-    model = "unknown"
+    request_id = wire.valid_request_id(request.headers.get(wire.HEADER_REQUEST_ID)) or _new_request_id()
+    model, key_name = "unknown", ""
+    span = tracing.start_request_span(request.headers, request.method, path, request_id)
     try:
         raw = await _read_body(request, deps.settings.max_request_bytes)
-        info = peek_request(raw, deps.settings.affinity_block_chars, deps.settings.affinity_num_blocks)
+        settings = deps.settings
+        chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
+        info = peek_request(
+            raw,
+            settings.affinity_block_chars,
+            settings.affinity_num_blocks,
+            chain,
+            request.headers.get("content-type"),
+        )
         keystore = deps.keys()
         api_key = keystore.authenticate(request.headers) if keystore is not None else None
+        key_name = api_key.name if api_key is not None else ""
         model, raw = _route_model(deps.fleet, info.model, raw)
         priority = _priority(request.headers.get(PRIORITY_HEADER))
         if keystore is not None and api_key is not None:
             keystore.admit(api_key, info.estimated_tokens, time.monotonic())
         headers = _upstream_headers(request, request_id, deps.settings, keystore is not None)
         ticket = _Ticket(
-            Origin(model, request_id, start_s),
+            Origin(model, request_id, start_s, key_name, span),
             Outgoing(path, raw, headers),
             info.prefix_hash,
             priority,
             api_key.key_id if api_key is not None else "",
             TokenUsage.track(keystore, api_key, info.estimated_tokens),
+            info.block_hashes,
         )
         async with _watch_disconnect(request) as disconnect:
             await _forward(deps, ticket, disconnect, deliver)
     except ClientGone:
         deps.metrics.requests.labels(model, "", "499").inc()
+        deps.access.finished(Origin(model, request_id, start_s, key_name, span), "", "499", None)
         await deliver(Response(status_code=499))
     except GatewayError as e:
         deps.metrics.requests.labels(model, "", str(e.status_code)).inc()
         deps.metrics.rejected.labels(model, e.code or e.error_type).inc()
+        origin = Origin(model, request_id, start_s, key_name, span)
+        deps.access.finished(origin, "", str(e.status_code), None)
         await deliver(_with_request_id(error_response(e), request_id))
 
 
@@ -121,26 +142,64 @@ async def _forward(
     wake_timeout_s = fleet.wake_timeout_s(model)
     for attempt in range(deps.settings.max_attempts):
         queued_s = time.monotonic()
-        ask = Ask(model, ticket.prefix_hash, ticket.priority, ticket.fairness_key, tried, wake_timeout_s)
+        ask = Ask(
+            model,
+            ticket.prefix_hash,
+            ticket.priority,
+            ticket.fairness_key,
+            tried,
+            wake_timeout_s,
+            ticket.block_hashes,
+        )
         async with fleet.lease(ask, disconnect) as replica:
             metrics.queue_wait.labels(model).observe(time.monotonic() - queued_s)
             can_retry = attempt + 1 < deps.settings.max_attempts
-            outcome = await send_once(
-                fleet, deps.upstream, replica, ticket.outgoing, disconnect, tried, can_retry
-            )
+            outgoing, upstream_span = ticket.outgoing, None
+            if ticket.origin.span is not None:
+                policy, scores = deps.settings.policy, fleet.scores(model)
+                tracing.record_pick(ticket.origin.span, queued_s, policy, replica.url, scores, attempt + 1)
+                upstream_span, carrier = tracing.start_upstream_span(
+                    ticket.origin.span, replica.url, attempt + 1
+                )
+                outgoing = replace(outgoing, headers={**outgoing.headers, **carrier})
+            outcome = await _attempt(deps, replica, outgoing, disconnect, tried, can_retry, upstream_span)
             if isinstance(outcome, Retry):
                 tried.append(replica.url)
                 metrics.retries.labels(model, outcome.label).inc()
                 logger.warning("request %s: replica %s failed (%s); attempt %d", ticket.origin.request_id,
                                replica.url, outcome.label, attempt + 1)  # fmt: skip
                 continue
-            exchange = Exchange(fleet, metrics, outcome, replica, ticket.origin, ticket.usage)
+            exchange = Exchange(fleet, metrics, outcome, replica, ticket.origin, ticket.quota, deps.access)
             try:
                 await deliver(await exchange.respond(disconnect))
             finally:
                 exchange.finish()  # a no-op unless the response was cancelled before it started
             return
     raise UpstreamFailed("No replica of the model could serve the request.")
+
+
+async def _attempt(
+    deps: ProxyDeps,
+    replica: Replica,
+    outgoing: Outgoing,
+    disconnect: asyncio.Future[None],
+    tried: list[str],
+    can_retry: bool,
+    span: Span | None,
+) -> UpstreamResponse | Retry:
+    """One `send_once`, timed by the attempt's upstream span when tracing."""
+    if span is None:
+        return await send_once(deps.fleet, deps.upstream, replica, outgoing, disconnect, tried, can_retry)
+    try:
+        outcome = await send_once(deps.fleet, deps.upstream, replica, outgoing, disconnect, tried, can_retry)
+    except BaseException as e:
+        tracing.end_upstream_span(span, None, type(e).__name__)
+        raise
+    if isinstance(outcome, Retry):
+        tracing.end_upstream_span(span, outcome.status, outcome.label)
+    else:
+        tracing.end_upstream_span(span, outcome.status_code, None)
+    return outcome
 
 
 @asynccontextmanager
@@ -200,7 +259,7 @@ def _upstream_headers(
     headers = {
         "content-type": request.headers.get("content-type", "application/json"),
         "accept": request.headers.get("accept", "*/*"),
-        "x-request-id": request_id,
+        wire.HEADER_REQUEST_ID: request_id,
     }
     if settings.upstream_api_key:
         headers["authorization"] = f"Bearer {settings.upstream_api_key}"
@@ -210,5 +269,5 @@ def _upstream_headers(
 
 
 def _with_request_id(response: Response, request_id: str) -> Response:
-    response.headers["x-request-id"] = request_id
+    response.headers[wire.HEADER_REQUEST_ID] = request_id
     return response

@@ -5,7 +5,7 @@ The clock is injected so the router stays I/O-free and testable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from corral_gateway.policies import Candidate, Policy
@@ -43,7 +43,12 @@ class Router:
         ]
 
     def route(
-        self, model: str, prefix_hash: int | None, exclude: Collection[str] = (), from_queue: bool = False
+        self,
+        model: str,
+        prefix_hash: int | None,
+        exclude: Collection[str] = (),
+        from_queue: bool = False,
+        block_hashes: Sequence[int] = (),
     ) -> Replica | NoReplica:
         """A replica to send to (not yet marked dispatched), or why there is none. A request leaving
         the gateway's queue (`from_queue`) only goes where room remains after what was sent since
@@ -57,4 +62,4 @@ class Router:
                 return NoReplica(is_saturated=True)
         elif all(c.load.is_saturated(self.saturation) for c in candidates):
             return NoReplica(is_saturated=True)
-        return self.policy.pick(candidates, prefix_hash).replica
+        return self.policy.pick(candidates, prefix_hash, block_hashes).replica

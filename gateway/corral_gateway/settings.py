@@ -11,7 +11,7 @@ from corral_engine import wire
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PolicyName = Literal["prefix-affinity", "kv-aware", "least-requests", "round-robin"]
+PolicyName = Literal["prefix-affinity", "kv-aware", "least-requests", "round-robin", "llm-d"]
 
 
 class KubernetesDiscovery(BaseModel):
@@ -55,6 +55,8 @@ class GatewaySettings(BaseSettings):
     api_keys_file: Path | None = None
     # Sent to engines as `Authorization: Bearer ...` when they require a key of their own.
     upstream_api_key: str | None = None
+    # One log line per request (id, model, replica, status, tokens, latency; never prompts or keys).
+    access_log: bool = True
 
     # Admission: per-model queue used while every replica of the model is saturated.
     max_queue_len: int = Field(default=256, ge=0)
@@ -68,6 +70,8 @@ class GatewaySettings(BaseSettings):
     affinity_num_blocks: int = Field(default=4, ge=1)
     affinity_load_factor: float = Field(default=1.25, ge=1.0)  # bounded-load consistent hashing c
     affinity_vnodes: int = Field(default=64, ge=1)
+    # Prefix index (prefix-affinity, llm-d): up to this many chained blocks of `affinity_block_chars`.
+    affinity_chain_blocks: int = Field(default=256, ge=1)
 
     # Load tracking.
     poll_interval_s: float = Field(default=0.075, gt=0)

@@ -1,4 +1,5 @@
-"""What every handler shares: the Kubernetes API, the metrics source and a little cached discovery."""
+"""What every handler shares: the Kubernetes API, the metrics source, the operator's own metrics
+and a little cached discovery."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from corral_operator.autoscalers import SCALED_OBJECT_CRD
 from corral_operator.kube import Kube
 from corral_operator.metrics import MetricsSource
 from corral_operator.render import SERVICE_MONITOR_CRD
+from corral_operator.telemetry import OperatorMetrics
 
 CRD_CACHE_S = 60.0
 OPTIONAL_CRDS = (SERVICE_MONITOR_CRD, SCALED_OBJECT_CRD)  # objects of these kinds only if installed
@@ -20,6 +22,7 @@ class Context:
 
     kube: Kube
     metrics: MetricsSource | None = None
+    telemetry: OperatorMetrics = field(default_factory=OperatorMetrics)
     _crds_checked_at: float = -1e9
     _crds: frozenset[str] = frozenset()
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -6,6 +6,7 @@ import kopf
 
 from corral_operator.kube import Conflict, Forbidden, Invalid, KubeError, Unavailable
 from corral_operator.spec import SpecError
+from corral_operator.telemetry import ErrorReason
 
 RETRY_CONFLICT_S = 1.0
 RETRY_UNAVAILABLE_S = 5.0
@@ -27,3 +28,16 @@ def to_kopf(error: Exception) -> kopf.TemporaryError | kopf.PermanentError:
             f"API server trouble, retrying: {error.message}", delay=RETRY_UNAVAILABLE_S
         )
     return kopf.TemporaryError(f"unexpected {type(error).__name__}: {error}", delay=RETRY_UNAVAILABLE_S)
+
+
+def error_reason(error: Exception) -> ErrorReason:
+    """The `reason` label of corral_operator_reconcile_errors_total for a failed tick."""
+    if isinstance(error, SpecError):
+        return "invalid_spec"
+    if isinstance(error, Conflict):
+        return "conflict"
+    if isinstance(error, Forbidden):
+        return "forbidden"
+    if isinstance(error, Invalid):
+        return "rejected"
+    return "api_unavailable"

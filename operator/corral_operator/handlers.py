@@ -16,7 +16,7 @@ import kopf
 
 from corral_operator import labels
 from corral_operator.context import Context
-from corral_operator.errors import to_kopf
+from corral_operator.errors import error_reason, to_kopf
 from corral_operator.kube import KubeError
 from corral_operator.login import login
 from corral_operator.reconcile import reconcile
@@ -93,6 +93,7 @@ def _tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool
     """Autoscale, then reconcile; one at a time per object (the timer and events run concurrently)."""
     ctx: Context = memo["ctx"]
     lock: threading.Lock = memo.setdefault("lock", threading.Lock())
+    ctx.telemetry.reconciles.inc()
     with lock:
         try:
             state = memo.get("autoscaler") or seed_state(body.get("status") or {})
@@ -105,9 +106,13 @@ def _tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool
             )
             memo["recorded"] = {}
         except (KubeError, SpecError) as e:
+            ctx.telemetry.count_error(error_reason(e))
             raise to_kopf(e) from e
     _post(body, ([scaled.event] if scaled.event else []) + outcome.events)
-    if outcome.spec_error and not is_timer:
-        raise to_kopf(SpecError(outcome.spec_error))
+    if outcome.spec_error:
+        ctx.telemetry.count_error("invalid_spec")
+        if not is_timer:
+            raise to_kopf(SpecError(outcome.spec_error))
     if outcome.apply_error:
+        ctx.telemetry.count_error("apply")
         logger.warning("apply failed: %s", outcome.apply_error)

@@ -29,6 +29,7 @@ class OperatorSettings(BaseSettings):
     standalone: bool = False  # no peering (a single replica, dev clusters)
     priority: int = Field(default_factory=_random_priority)
     liveness_url: str | None = "http://0.0.0.0:8080/healthz"
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)  # the operator's own /metrics
     # The timer re-asserts desired state, refreshes status and runs the autoscaler this often.
     resync_s: float = Field(default=15.0, gt=0)
     scrape_metrics: bool = True  # scrape the engine pods' /metrics (autoscaling needs load)

@@ -25,6 +25,7 @@ class FakeState:
     max_in_flight: int = 0
     num_preemptions: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # of every request, models list too
     token_delay_s: float = 0.0
     num_tokens_sent: list[int] = field(default_factory=list)  # per stream, once it has ended
     tokens_per_chunk: int = 1  # as a server that merges the tokens of a slow consumer sends them
@@ -38,7 +39,8 @@ def build_app(state: FakeState) -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        state.headers.append(dict(request.headers))
         return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
 
     @app.get("/metrics")
@@ -87,6 +89,7 @@ def build_app(state: FakeState) -> FastAPI:
     async def handle(request: Request, chat: bool) -> Any:
         body = await request.json()
         state.bodies.append(body)
+        state.headers.append(dict(request.headers))
         text = body["messages"][0]["content"] if chat else body.get("prompt")
         if text == "fail" or body.get("model") != MODEL:
             error = {"message": "no such thing", "type": "invalid_request_error", "param": None, "code": None}

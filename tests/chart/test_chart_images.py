@@ -64,11 +64,12 @@ def test_copies_existing_files_and_installs_existing_extras(path: Path) -> None:
 
 
 def _installed_extras(path: Path) -> list[str]:
-    """The corral extras the Dockerfile's `pip install ".[extra]"` lines name."""
+    """The corral extras the Dockerfile's `pip install ".[extra,...]"` lines name."""
     return [
-        str(command.value[0].split('".[', 1)[1].split("]", 1)[0])
+        extra.strip()
         for command in dockerfile.parse_file(str(path))
         if command.cmd == "RUN" and "pip install" in command.value[0] and '".[' in command.value[0]
+        for extra in command.value[0].split('".[', 1)[1].split("]", 1)[0].split(",")
     ]
 
 
@@ -78,8 +79,16 @@ def _installed_extras(path: Path) -> list[str]:
 def test_http_images_get_uvicorns_fast_loop_and_parser(path: Path) -> None:
     """Without uvloop and httptools, uvicorn falls back to asyncio's loop and the pure-Python h11
     parser, and the engine streams ~14% fewer tokens per second (docs/engine-speed.md, item 8)."""
-    (extra,) = _installed_extras(path)
-    assert {"uvicorn", "uvloop", "httptools"} <= declared_requirements(extra)
+    extras = _installed_extras(path)
+    assert any({"uvicorn", "uvloop", "httptools"} <= declared_requirements(extra) for extra in extras)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in DOCKERFILES if not p.name.startswith("operator")], ids=lambda p: p.name
+)
+def test_http_images_can_send_traces(path: Path) -> None:
+    """--otlp-traces-endpoint in the chart's pods needs the SDK and its exporter (docs/operations.md)."""
+    assert "tracing" in _installed_extras(path)
 
 
 def test_cpu_engine_image_preloads_the_tcmalloc_it_installs_and_asks_for_huge_pages() -> None:

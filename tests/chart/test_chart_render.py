@@ -22,7 +22,7 @@ from tests.chart.conftest import CHART, PROFILES, ROOT, Helm, find
 Render = Callable[[str], list[dict[str, Any]]]
 KUBERNETES_VERSION = "1.36.0"  # the e2e control plane's minor (e2e/k8s/versions.env)
 # Custom resources: checked against their CRD's schema in the chart, or by the test below.
-MONITORING_KINDS = {"ServiceMonitor", "PodMonitor"}
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def test_generated_files_are_current() -> None:

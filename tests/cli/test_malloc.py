@@ -70,9 +70,11 @@ def test_corral_up_starts_engines_with_tcmalloc_preloaded(
     monkeypatch.setattr(subprocess, "Popen", fake_popen)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("CORRAL_TCMALLOC", raising=False)
-    cmd_up._Engine(["--model", "m"], 1, tmp_path)
+    cmd_up._Engine(["--model", "m"], 1, tmp_path, ["--log-format", "json"])
     assert started["env"]["LD_PRELOAD"] == str(libdir / "libtcmalloc_minimal.so.4")
     assert "engine" in started["argv"]
+    # The fleet's logging options reach the engines.
+    assert started["argv"][started["argv"].index("--log-format") + 1] == "json"
 
 
 def test_engines_ask_for_huge_pages_unless_told_otherwise(tmp_path: Path) -> None:

@@ -39,3 +39,14 @@ def test_non_corral_engine_is_refused(tmp_path: Path) -> None:
     path.write_text(text)
     with pytest.raises(ValueError, match="cannot run locally"):
         cmd_up._fleet(_args("-f", str(path)))
+
+
+def test_up_simulate_runs_every_replica_in_one_engine_process(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    cmd_up.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path), "--simulate", "h100-llama3-8b", "--replicas", "16"])
+    fleet = cmd_up._fleet(args)
+    [(name, [flags])] = fleet.items()
+    assert flags[-2:] == ["--simulate", "h100-llama3-8b"] and name == tmp_path.name
+    ports = cmd_up._free_ports(16)
+    assert ports == list(range(ports[0], ports[0] + 16))

@@ -158,3 +158,25 @@ def test_a_dead_rank_fails_the_next_step_naming_it(tiny_model_dir: pathlib.Path)
         assert failures and "rank 1" in failures[0]
     finally:
         runner.close()
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_under_two_ranks(tiny_model_dir: pathlib.Path) -> None:
+    """prompt_logprobs add logits rows after the sampled ones; every rank must agree on them."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    prompts = random_prompts(3, 500, seed=5, min_len=20, max_len=40)
+    outputs = []
+    for size in (1, 2):
+        engine = make_engine(tiny_model_dir, tensor_parallel_size=size, max_num_batched_tokens=16)
+        try:
+            outputs.append(engine.generate(prompts, params))
+        finally:
+            engine.runner.close()
+    for one, two in zip(*outputs, strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        assert one.prompt_logprobs is not None and two.prompt_logprobs is not None
+        assert len(one.prompt_logprobs) == len(two.prompt_logprobs) > 1
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+            assert a is not None and b is not None
+            assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

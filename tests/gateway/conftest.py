@@ -44,6 +44,8 @@ class FakeEngine:
                 Route("/v1/chat/completions", self.completions, methods=["POST"]),
                 Route("/metrics", self.metrics),
                 Route("/health", self.health),
+                Route("/tokenize", self.echo, methods=["POST"]),
+                Route("/v1/{rest:path}", self.echo, methods=["POST"]),
             ]
         )
 
@@ -69,6 +71,20 @@ class FakeEngine:
         }
         text = "".join(f'# TYPE {n} gauge\n{n}{{model_name="m"}} {v}\n' for n, v in values.items())
         return PlainTextResponse(text)
+
+    async def echo(self, request: Request) -> Response:
+        """Any other POST route: what arrived (path, body length, content type) and who answered."""
+        raw = await request.body()
+        self.bodies.append(raw)
+        self.headers_seen.append(dict(request.headers))
+        if self.mode == "error500":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        seen = {
+            "path": request.url.path,
+            "num_bytes": len(raw),
+            "content_type": request.headers.get("content-type"),
+        }
+        return JSONResponse({**seen, "replica": self.name}, headers=self.load_headers())
 
     async def completions(self, request: Request) -> Response:
         raw = await request.body()

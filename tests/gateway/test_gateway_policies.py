@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import typing
 from collections import Counter
 
@@ -161,3 +162,75 @@ def test_prefix_affinity_leaves_a_queueing_home_for_a_replica_with_a_free_seat()
     # When every replica queues, affinity holds (the prefix cache is the only difference left).
     everywhere = [cand(c.replica.url, running=4, waiting=2) for c in cands]
     assert policy.pick(everywhere, 11).replica.url == home
+
+
+def test_llmd_scorer_prefers_the_replica_holding_the_longest_prefix() -> None:
+    from corral_gateway.policies import LlmdScorer
+
+    policy = LlmdScorer(SAT)
+    a, b = cand("http://a"), cand("http://b")
+    first = policy.pick([a, b], None, (1, 2, 3, 4))
+    other = b if first is a else a
+    assert policy.prefix_scores(["http://a", "http://b"], (1, 2, 9, 9))[first.replica.url] == 0.5
+    for _ in range(5):  # the same document keeps its replica while loads are equal
+        assert policy.pick([a, b], None, (1, 2, 3, 4, 5)) is first
+    # A queue outweighs a shared prefix: 3 x 1.0 prefix < 2 x 1.0 queue + 2 x KV gap of 0.6.
+    busy = cand(first.replica.url, waiting=4, kv=0.7)
+    idle = cand(other.replica.url, waiting=0, kv=0.1)
+    assert policy.pick([busy, idle], None, (1, 2, 3, 4)) is idle
+
+
+def test_llmd_scorer_filters_saturated_replicas_and_forgets_old_blocks() -> None:
+    from corral_gateway.policies import LlmdScorer
+
+    policy = LlmdScorer(SAT, lru_blocks=4)
+    home = cand("http://a")
+    policy.pick([home], None, (1, 2, 3, 4))
+    full = cand("http://a", waiting=9)
+    free = cand("http://b", waiting=3, kv=0.5)
+    assert policy.pick([full, free], None, (1, 2, 3, 4)) is free
+    policy.pick([cand("http://a")], None, (5, 6, 7, 8))  # pushes 1-4 out of a's four slots
+    assert policy.prefix_scores(["http://a"], (1, 2, 3, 4)) == {"http://a": 0.0}
+
+
+def test_peek_chains_block_hashes_so_shared_heads_share_hashes() -> None:
+    import json
+
+    from corral_gateway.peek import peek_request
+
+    doc = "lorem ipsum " * 40
+    one = peek_request(json.dumps({"model": "m", "prompt": doc + "first?"}).encode(), 64, 4, 256)
+    two = peek_request(json.dumps({"model": "m", "prompt": doc + "second!"}).encode(), 64, 4, 256)
+    assert len(one.block_hashes) == len(doc + "first?") // 64
+    assert one.block_hashes[:7] == two.block_hashes[:7]
+    assert peek_request(json.dumps({"model": "m", "prompt": doc}).encode()).block_hashes == ()
+
+
+def test_prefix_affinity_follows_the_longest_prefix_a_replica_was_sent() -> None:
+    policy = PrefixAffinity(SAT)
+    urls = [f"http://r{i}" for i in range(4)]
+    system = (1, 2, 3)
+    for i, url in enumerate(urls):  # every replica has served the shared system prompt
+        policy.index.remember(url, (*system, 100 + i))
+    doc = (*system, 7, 8, 9)
+    first = policy.pick([cand(u) for u in urls], 5, (*doc, 40))
+    for question in range(41, 46):  # the document's later questions follow it, not the system prompt
+        assert policy.pick([cand(u) for u in urls], 5, (*doc, question)).replica.url == first.replica.url
+    # ... unless its replica queues while another has a free seat.
+    busy = [cand(u, waiting=2) if u == first.replica.url else cand(u) for u in urls]
+    assert policy.pick(busy, 5, (*doc, 50)).replica.url != first.replica.url
+
+
+def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:
+    policy = PrefixAffinity(SAT)
+    urls = [f"http://r{i}" for i in range(4)]
+    for url in urls:  # once every replica has served the system prompt, it no longer pulls
+        policy.index.remember(url, (1, 2, 3, 99))
+    rng = random.Random(0)  # block hashes are 64-bit, spread over the ring
+    homes = Counter(
+        policy.pick(
+            [cand(u) for u in urls], 5, (1, 2, 3, rng.getrandbits(64), rng.getrandbits(64))
+        ).replica.url
+        for _ in range(200)
+    )
+    assert len(homes) == 4 and max(homes.values()) < 100

@@ -111,7 +111,7 @@ class FakeEngine:
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise QueueFullError("the waiting queue is full", retry_after_s=1.5)
         if request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id}")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         req = FakeRequest(request_id, ids, params)
         self.requests[request_id] = req
         return self._generate(req)

@@ -33,6 +33,8 @@ class RequestSettings:
     # the server does not know the real length in advance (as with a real EOS). None: max_tokens is
     # the sampled length.
     max_tokens_cap: int | None = None
+    # Sent with every request (the API key's Authorization, --header); never written to results.
+    headers: dict[str, str] | None = None
 
 
 def build_body(settings: RequestSettings, request: BenchRequest) -> dict[str, Any]:

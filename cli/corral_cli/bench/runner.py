@@ -62,7 +62,7 @@ class RunOutcome:
 _MAX_LINE_BYTES = 2**20
 
 
-def make_client(request_timeout_s: float) -> aiohttp.ClientSession:
+def make_client(request_timeout_s: float, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
     """The benchmark's HTTP client; open it with `async with` inside the event loop.
 
     No connection cap: a client-side pool limit would queue requests and inflate TTFT. The timeout
@@ -70,7 +70,11 @@ def make_client(request_timeout_s: float) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CHECK_TIMEOUT_S, sock_read=request_timeout_s)
     return aiohttp.ClientSession(
-        connector=connector, timeout=timeout, trust_env=False, read_bufsize=_MAX_LINE_BYTES
+        connector=connector,
+        timeout=timeout,
+        trust_env=False,
+        read_bufsize=_MAX_LINE_BYTES,
+        headers=headers,
     )
 
 
@@ -169,13 +173,13 @@ async def run_sweep(
     request_timeout_s: float,
 ) -> list[RunOutcome]:
     """Run each (setting, workload) in turn, one after the other."""
-    async with make_client(request_timeout_s) as client:
+    async with make_client(request_timeout_s, request.headers) as client:
         return [await run_once(client, request, run, requests) for run, requests in runs]
 
 
-async def resolve_model(base_url: str, model: str | None) -> str:
+async def resolve_model(base_url: str, model: str | None, headers: dict[str, str] | None = None) -> str:
     """`model` if given, else the endpoint's first served model; BenchError if unreachable or none."""
-    async with make_client(CHECK_TIMEOUT_S) as client:
+    async with make_client(CHECK_TIMEOUT_S, headers) as client:
         models = await list_models(client, base_url)
     if model:
         if models and model not in models:

@@ -53,6 +53,74 @@ def _hit_rate(by: str) -> str:
     return f"{hits} / {queries}"
 
 
+def _ratio(numerator: str, denominator: str, by: str) -> str:
+    return f"{sum_by(by, rate(_engine(numerator)))} / {sum_by(by, rate(_engine(denominator)))}"
+
+
+def _phases_row() -> Row:
+    """Where a request's engine time goes, and what speculative decoding saves (deployment view)."""
+    r, m = REPLICA, ENGINE_MODEL
+    iteration = wire.ITERATION_TOKENS_TOTAL
+    return Row(
+        "Request phases and speculative decoding",
+        (
+            Panel(
+                "Prefill and decode time",
+                "Per request: first scheduled to first token (prefill), first to last token (decode); "
+                "p50 and p99.",
+                _quantiles(wire.REQUEST_PREFILL_TIME_SECONDS, m, "prefill")
+                + _quantiles(wire.REQUEST_DECODE_TIME_SECONDS, m, "decode"),
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Time per output token per request",
+                "Each request's decode time over its output tokens after the first (p50, p99).",
+                _quantiles(wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS, r, "{{instance}}"),
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Tokens per engine step",
+                "Mean tokens computed per step (prompt chunks, decodes and drafts): how full batches are.",
+                (Target(_ratio(iteration + "_sum", iteration + "_count", r), "{{instance}}"),),
+                width=8,
+            ),
+            Panel(
+                "Speculative draft acceptance",
+                "Share of n-gram draft tokens the model accepted (no data without --speculative).",
+                (
+                    Target(
+                        _ratio(
+                            wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL,
+                            wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL,
+                            r,
+                        ),
+                        "{{instance}}",
+                    ),
+                ),
+                unit="percentunit",
+                max_value=1.0,
+                is_event_driven=True,
+            ),
+            Panel(
+                "Speculative drafts/s",
+                "Draft tokens verified and accepted per second.",
+                (
+                    Target(
+                        sum_by(r, rate(_engine(wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL))),
+                        "{{instance}} drafted",
+                    ),
+                    Target(
+                        sum_by(r, rate(_engine(wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL))),
+                        "{{instance}} accepted",
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
 def fleet_overview() -> Dashboard:
     m = ENGINE_MODEL
     traffic = Row(
@@ -187,6 +255,14 @@ def fleet_overview() -> Dashboard:
                 "Replica ejections",
                 "Replicas taken out of rotation after repeated failures (probed back later).",
                 (Target(sum_by("replica", increase(gw.EJECTIONS_TOTAL)), "{{replica}}"),),
+            ),
+            Panel(
+                "Tokens/s by API key",
+                "Prompt and completion tokens the gateway's responses reported, by API key name "
+                "(only with a keys file; streams without include_usage report none).",
+                (Target(sum_by("key, kind", rate(_gateway(gw.KEY_TOKENS_TOTAL))), "{{key}} {{kind}}"),),
+                width=24,
+                is_event_driven=True,
             ),
         ),
     )
@@ -343,7 +419,7 @@ def deployment_drilldown() -> Dashboard:
         uid="corral-deployment",
         title="Corral / Deployment",
         description="One served model: each replica's load, latency and cache, and the gateway's view.",
-        rows=(per_replica_load, latency, gateway),
+        rows=(per_replica_load, latency, _phases_row(), gateway),
         variables=(Variable("model", "Model", MODEL_VARIABLE_QUERY),),
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -60,17 +61,19 @@ def scrape_config(gateway_url: str, engine_urls: Sequence[str], interval: str = 
     }
 
 
-def _get_json(url: str) -> Any:
+def _get_json(url: str, api_key: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with _OPENER.open(url, timeout=_TIMEOUT_S) as response:
+        with _OPENER.open(urllib.request.Request(url, headers=headers), timeout=_TIMEOUT_S) as response:
             return json.loads(response.read())
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise PromCheckError(f"GET {url} failed: {e}") from e
 
 
-def engine_urls(gateway_url: str) -> list[str]:
-    """Every replica URL the gateway routes to (its /corral/replicas endpoint)."""
-    models = _get_json(gateway_url.rstrip("/") + "/corral/replicas").get("models") or {}
+def engine_urls(gateway_url: str, api_key: str | None = None) -> list[str]:
+    """Every replica URL the gateway routes to (its /corral/replicas endpoint, which needs a key
+    when the gateway checks keys)."""
+    models = _get_json(gateway_url.rstrip("/") + "/corral/replicas", api_key).get("models") or {}
     return sorted({r["url"] for replicas in models.values() for r in replicas})
 
 
@@ -98,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     config = sub.add_parser("scrape-config", help="print a Prometheus config for a local fleet")
     config.add_argument("--gateway", default="http://127.0.0.1:8000", help="the gateway's base URL")
     config.add_argument("--interval", default="5s", help="scrape interval (default: 5s)")
+    config.add_argument(
+        "--api-key",
+        default=os.environ.get("CORRAL_API_KEY"),
+        help="a gateway API key, when it checks keys (default: $CORRAL_API_KEY, else none)",
+    )
     check = sub.add_parser(
         "check", help="run every dashboard query; exit 1 if one returns nothing (event panels excepted)"
     )
@@ -108,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "scrape-config":
-            text = yaml.safe_dump(scrape_config(args.gateway, engine_urls(args.gateway), args.interval))
+            urls = engine_urls(args.gateway, args.api_key)
+            text = yaml.safe_dump(scrape_config(args.gateway, urls, args.interval))
             sys.stdout.write(text)
             return 0
         results = check_dashboards(args.prometheus, args.model, args.rate_interval)

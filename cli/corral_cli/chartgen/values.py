@@ -120,6 +120,10 @@ class Gateway(PodPlacement):
         default_factory=dict, description="More gateway settings (snake_case keys, see the gateway docs)."
     )
     api_keys: ApiKeys = Field(default_factory=ApiKeys)
+    extra_env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra environment variables (core/v1 EnvVar), e.g. OTEL_EXPORTER_OTLP_ENDPOINT.",
+    )
     service: Service = Field(default_factory=Service)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     pod_disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
@@ -163,6 +167,45 @@ class Dashboards(_Values):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+class Alerts(_Values):
+    enabled: bool = Field(
+        default=True, description="A PrometheusRule with Corral's alerts (when monitoring is enabled)."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra labels on the PrometheusRule, e.g. for a ruleSelector."
+    )
+    ttft_p99_slo_seconds: float = Field(default=2.0, gt=0, description="CorralTTFTHigh: p99 TTFT above this.")
+    kv_usage_ratio: float = Field(
+        default=0.9, gt=0, le=1, description="CorralKVCacheFull: KV usage above this."
+    )
+    error_ratio: float = Field(
+        default=0.05,
+        gt=0,
+        le=1,
+        description="CorralErrorRateHigh: share of 5xx and broken streams above this.",
+    )
+    queue_min_waiting: int = Field(
+        default=5, ge=0, description="CorralQueueGrowing: waiting requests above this, and growing."
+    )
+
+
+class TestApiKey(_Values):
+    existing_secret: str = Field(
+        default="", description="Secret holding one API key the gateway accepts; empty: send none."
+    )
+    secret_key: str = Field(default="api-key", min_length=1, description="Key of the API key in the Secret.")
+
+
+class Tests(_Values):
+    enabled: bool = Field(
+        default=True, description="`helm test`: a pod running `corral check` on the gateway."
+    )
+    model: str = Field(
+        default="", description="Model to send the chat completion to; empty: the first listed."
+    )
+    api_key: TestApiKey = Field(default_factory=TestApiKey)
+
+
 class Values(_Values):
     name_override: str = ""
     fullname_override: str = ""
@@ -173,6 +216,8 @@ class Values(_Values):
     monitoring: Monitoring = Field(default_factory=Monitoring)
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
     dashboards: Dashboards = Field(default_factory=Dashboards)
+    alerts: Alerts = Field(default_factory=Alerts)
+    tests: Tests = Field(default_factory=Tests)
 
 
 def _strip_titles(node: Any) -> Any:

@@ -30,6 +30,16 @@ class ScheduledSeq:
     num_new_tokens: int  # including num_spec draft tokens
     num_spec: int = 0  # draft tokens appended after the sequence's real tokens, to be verified
 
+    def prompt_positions(self) -> range:
+        """prompt_logprobs: the positions of this chunk whose logits score the next prompt token,
+        each prompt position once (a recompute after preemption scores nothing again); only the
+        first sequence's, since its siblings share its prompt."""
+        seq = self.seq
+        if seq.request.params.prompt_logprobs is None or seq.index != 0:
+            return range(0)
+        start = max(self.start, len(seq.prompt_logprobs))
+        return range(start, min(self.start + self.num_new_tokens - self.num_spec, seq.num_prompt_tokens - 1))
+
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the sequence's last known token, so a new one is sampled."""
@@ -133,7 +143,7 @@ class Scheduler:
         `reserve`, for everything it may ever need). On failure nothing new is held."""
         had_blocks = bool(seq.block_table)  # a forked sibling already shares its prompt blocks
         matched = 0
-        if not had_blocks:
+        if not had_blocks and seq.request.params.prompt_logprobs is None:  # those score every token
             cached = self.bm.match_prefix(seq)
             self.bm.adopt_prefix(seq, cached)
             matched = len(cached) * self.bm.block_size

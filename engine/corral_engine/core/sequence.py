@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from corral_engine.outputs import FinishReason, RequestMetrics, TokenLogprob
 from corral_engine.sampling_params import SamplingParams
@@ -40,6 +41,11 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # Filled by the engine's output side (detokenizer); the core never reads them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Structured outputs: the grammar state (an llguidance matcher) after the last output token.
+    # It lives with the tokens, so preemption (which recomputes only KV) leaves it valid.
+    grammar: Any = None
+    # prompt_logprobs: one per prompt token after the first, filled as prefill chunks are computed.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -34,11 +34,16 @@ class UnifiedHostBatch:
     table_rows: list[int]  # [S]: each sequence's row of BlockTableRows.table
     max_query_len: int
     max_blocks: int  # the widest block table among the sequences
+    num_prompt_rows: int = 0  # prompt_logprobs rows after the sampling rows of logits_indices
 
     @property
     def is_plain_decode(self) -> bool:
         """One new token per sequence, each sampled: the shape CUDA graphs capture."""
-        return self.max_query_len == 1 and len(self.logits_indices) == len(self.seq_lens)
+        return (
+            self.max_query_len == 1
+            and len(self.logits_indices) == len(self.seq_lens)
+            and not self.num_prompt_rows
+        )
 
 
 class BatchBuilder:
@@ -82,6 +87,7 @@ class BatchBuilder:
         decode_table_rows: list[int] = []  # each decode row's sequence in self.block_rows
         decode_num_blocks: list[int] = []
         decode_lens: list[int] = []
+        prompt_rows: list[int] = []  # prompt_logprobs: after every sampling row
         row = 0
         for s in scheduled:
             seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
@@ -99,9 +105,11 @@ class BatchBuilder:
                 num_blocks = -(-end // bs)
                 block_ids = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
                 seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))
+            prompt_rows.extend(row + q - start for q in s.prompt_positions())
             row += s.num_new_tokens
             if s.samples:  # the last real token's row, then one per draft token
                 logits_indices.extend(range(row - 1 - s.num_spec, row))
+        logits_indices += prompt_rows
 
         def tables(group: list[int]) -> torch.Tensor:
             width = max(decode_num_blocks[i] for i in group)
@@ -123,7 +131,9 @@ class BatchBuilder:
         """The step as host lists for the triton backend (every sequence alike)."""
         bs = self.block_size
         host = UnifiedHostBatch([], [], [], [], [0], [], [], 0, 0)
+        prompt_rows: list[int] = []  # prompt_logprobs: after every sampling row
         for s in scheduled:
+            prompt_rows.extend(host.query_starts[-1] + q - s.start for q in s.prompt_positions())
             end = s.start + s.num_new_tokens
             _append_tokens(s, bs, host.input_ids, host.positions, host.slots)
             row = host.query_starts[-1] + s.num_new_tokens
@@ -134,6 +144,8 @@ class BatchBuilder:
             host.max_blocks = max(host.max_blocks, -(-end // bs))
             if s.samples:
                 host.logits_indices.extend(range(row - 1 - s.num_spec, row))
+        host.logits_indices += prompt_rows
+        host.num_prompt_rows = len(prompt_rows)
         return host
 
     def block_tables(self, host: UnifiedHostBatch) -> torch.Tensor:

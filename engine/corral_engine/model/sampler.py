@@ -14,6 +14,7 @@ import torch
 
 from corral_engine.core.sequence import Sequence
 from corral_engine.outputs import TokenLogprob
+from corral_engine.structured.masks import TokenMasks, apply_token_masks
 
 
 @dataclass(slots=True)
@@ -23,8 +24,10 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+        """`eos_token_ids`: what min_tokens holds back, with each request's stop_token_ids."""
         self.seed = seed
+        self.eos_token_ids = eos_token_ids
         self._generators: dict[torch.device, torch.Generator] = {}  # unseeded draws, per device
         self._seq_generators: dict[int, torch.Generator] = {}
 
@@ -44,17 +47,30 @@ class Sampler:
             self._seq_generators[seq.seq_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [S, V] float32, one row per sequence in `seqs` order, on any device."""
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None
+    ) -> SampleResult:
+        """logits: [S, V] float32, one row per sequence in `seqs` order, on any device. `masks`:
+        the allowed tokens of the constrained rows (structured outputs)."""
         raw_logprobs = None
         logprob_rows = [row for row, s in enumerate(seqs) if s.request.params.logprobs is not None]
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1).cpu()
-        if any(s.request.params.has_penalties for s in seqs):
+        adjusted = [
+            row
+            for row, s in enumerate(seqs)
+            if s.request.params.has_penalties or s.request.params.has_token_rules
+        ]
+        if masks is not None or adjusted:
             logits = logits.clone()
-            for row, seq in enumerate(seqs):
-                if seq.request.params.has_penalties:
-                    _apply_penalties(logits[row], seq)
+        if masks is not None:
+            apply_token_masks(logits, masks)
+        for row in adjusted:
+            seq = seqs[row]
+            if seq.request.params.has_penalties:
+                _apply_penalties(logits[row], seq)
+            if seq.request.params.has_token_rules:
+                self._apply_token_rules(logits[row], seq)
         tokens = torch.max(logits, dim=-1).indices  # [S]; greedy rows are done (max beats argmax on CPU)
         for row, seq in enumerate(seqs):
             params = seq.request.params
@@ -66,8 +82,24 @@ class Sampler:
             for i, row in enumerate(logprob_rows):
                 k = seqs[row].request.params.logprobs
                 assert k is not None
-                logprobs[row] = _token_logprob(raw_logprobs[i], token_ids[row], k)
+                logprobs[row] = token_logprob(raw_logprobs[i], token_ids[row], k)
         return SampleResult(token_ids, logprobs)
+
+    def _apply_token_rules(self, row: torch.Tensor, seq: Sequence) -> None:  # row: [V], in place
+        params = seq.request.params
+        vocab = row.shape[0]
+        if params.allowed_token_ids is not None:
+            keep = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
+            kept = row.index_select(0, keep)
+            row.fill_(float("-inf")).index_copy_(0, keep, kept)
+        if params.logit_bias:
+            ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=row.device)
+            bias = torch.tensor([b for _, b in params.logit_bias], dtype=row.dtype, device=row.device)
+            row.index_add_(0, ids, bias)
+        if seq.num_output_tokens < params.min_tokens:
+            held = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < vocab]
+            if held:
+                row[torch.tensor(held, dtype=torch.long, device=row.device)] = float("-inf")
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:  # row: [V], modified in place
@@ -110,9 +142,12 @@ def _sample_row(row: torch.Tensor, seq: Sequence, generator: torch.Generator) ->
     return torch.argmax(probs / noise)
 
 
-def _token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """row: [V] log-probabilities on the CPU; the token's logprob and the top k."""
     top: list[tuple[int, float]] = []
     if k > 0:
         values, ids = torch.topk(row, k)
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token_id=token_id, logprob=float(row[token_id]), top=top)
+    logprob = row[token_id]
+    rank = int((row > logprob).sum()) + 1
+    return TokenLogprob(token_id=token_id, logprob=float(logprob), top=top, rank=rank)

@@ -51,6 +51,18 @@ class StepSeq:
     samples: bool
     tokens: list[int]  # the chunk's tokens, drafts last
     block_table: list[int]
+    prompt_positions: range  # positions whose logits score prompt tokens (prompt_logprobs)
+
+
+@dataclass(slots=True)
+class MirroredSeq(ScheduledSeq):
+    """A scheduled chunk on a worker: its prompt-logprob positions come from rank 0 (the request's
+    parameters stay there)."""
+
+    positions: range = range(0)
+
+    def prompt_positions(self) -> range:
+        return self.positions
 
 
 def encode_step(scheduled: list[ScheduledSeq]) -> list[StepSeq]:
@@ -58,9 +70,9 @@ def encode_step(scheduled: list[ScheduledSeq]) -> list[StepSeq]:
     for s in scheduled:
         seq, end = s.seq, s.start + s.num_new_tokens
         tokens = seq.token_ids[s.start : end - s.num_spec] + seq.spec_token_ids[: s.num_spec]
-        out.append(
-            StepSeq(seq.seq_id, s.start, s.num_new_tokens, s.num_spec, s.samples, tokens, seq.block_table)
-        )
+        positions = s.prompt_positions()
+        args = (s.start, s.num_new_tokens, s.num_spec, s.samples, tokens, seq.block_table, positions)
+        out.append(StepSeq(seq.seq_id, *args))
     return out
 
 
@@ -73,7 +85,7 @@ class SequenceMirror:
         self.seqs: dict[int, Sequence] = {}
 
     def scheduled(self, steps: list[StepSeq]) -> list[ScheduledSeq]:
-        out = []
+        out: list[ScheduledSeq] = []
         for st in steps:
             seq = self.seqs.get(st.seq_id)
             if seq is None:
@@ -92,7 +104,7 @@ class SequenceMirror:
             if not st.samples:
                 tokens.append(0)  # a prompt chunk short of the end: more tokens follow, none sampled
             seq.spec_token_ids = st.tokens[real:]
-            out.append(ScheduledSeq(seq, st.start, st.num_new_tokens, st.num_spec))
+            out.append(MirroredSeq(seq, st.start, st.num_new_tokens, st.num_spec, st.prompt_positions))
         return out
 
     def release(self, seq_id: int) -> None:

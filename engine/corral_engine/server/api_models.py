@@ -1,16 +1,22 @@
-"""OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic, no torch).
+"""OpenAI request bodies: the fields both endpoints share, and /v1/completions' (pydantic, no torch;
+chat's are in api_chat.py).
 
-Unknown fields are ignored, as OpenAI does; known fields are strict (no "1" for 1, no 1 for true),
-so wrong types are 400s. Ranges that the engine owns are checked once, by SamplingParams.
+Fields OpenAI or vLLM define are declared here or refused in request_fields.py; others are logged
+and ignored, as vLLM does. Declared fields are strict (no "1" for 1, no 1 for true), so wrong types
+are 400s. Ranges that the engine owns are checked once, by SamplingParams.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from corral_engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from corral_engine.errors import InvalidRequestError
+from corral_engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from corral_engine.server.api_structured import ResponseFormat, StructuredOutputs, grammar_of
+from corral_engine.server.request_fields import REFUSED_COMPLETION, check_fields
+from corral_engine.structured.spec import GrammarSpec
 
 TokenId = Annotated[int, Field(ge=0)]
 # A bound on the number of prompts one completions request may carry (each is an engine request).
@@ -22,12 +28,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class _Request(BaseModel):
+    """A request body: unknown fields are kept aside, so refused ones are 400s and the rest are
+    logged and ignored (request_fields.py)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far on every chunk
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     """Fields both endpoints share; they become one SamplingParams."""
 
     model: str = Field(min_length=1)
@@ -47,6 +60,21 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[TokenId] | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens, top k of each
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep only the prompt's last k
+    # Hints with nothing for this server to do (no stored completions, one service tier, prefix
+    # caching is automatic): accepted, as vLLM accepts them.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:
@@ -64,8 +92,17 @@ class _SamplingFields(_Strict):
             self.stream_options and self.stream_options.continuous_usage_stats
         )
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Build validated SamplingParams; raises SamplingError (a 400) naming the bad field."""
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, tool_grammar: GrammarSpec | None = None
+    ) -> SamplingParams:
+        """Build validated SamplingParams; raises SamplingError (a 400) naming the bad field.
+        `tool_grammar`: what a forced tool call (required or named) constrains the reply to."""
+        grammar = grammar_of(self.response_format, self.structured_outputs)
+        if grammar is not None and tool_grammar is not None:
+            raise InvalidRequestError(
+                "A required or named tool_choice cannot be combined with another output constraint.",
+                "tool_choice",
+            )
         values: dict[str, Any] = {
             "max_tokens": max_tokens,
             "n": self.n,
@@ -75,6 +112,7 @@ class _SamplingFields(_Strict):
             "logprobs": logprobs,
             # Handlers read whole texts only from finished outputs; streams need only the deltas.
             "output_kind": "delta",
+            "grammar": grammar or tool_grammar,
         }
         for name in (
             "temperature",
@@ -92,7 +130,24 @@ class _SamplingFields(_Strict):
             values["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.stop_token_ids:
             values["stop_token_ids"] = tuple(self.stop_token_ids)
+        if self.logit_bias:
+            values["logit_bias"] = tuple((_token_id(k), v) for k, v in self.logit_bias.items())
+        if self.allowed_token_ids is not None:
+            values["allowed_token_ids"] = tuple(self.allowed_token_ids)
+        values["min_tokens"] = self.min_tokens
+        values["prompt_logprobs"] = self.prompt_logprobs
         return SamplingParams(**values)
+
+    def truncate(self, prompt: list[int]) -> list[int]:
+        """The prompt as the engine sees it: its last truncate_prompt_tokens tokens, if set."""
+        k = self.truncate_prompt_tokens
+        return prompt if k is None else prompt[-k:]
+
+
+def _token_id(key: str) -> int:
+    if not key.isdigit():
+        raise InvalidRequestError(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+    return int(key)
 
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -102,7 +157,16 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text before each completion's
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # return the n likeliest of best_of
+    add_special_tokens: bool = True  # text prompts: as the tokenizer adds them (BOS)
+
+    def check_fields(self) -> None:
+        check_fields(self.model_extra or {}, REFUSED_COMPLETION)
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError("best_of must be at least n", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise InvalidRequestError("best_of cannot be used with stream", "best_of")
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -113,8 +177,6 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
             if isinstance(self.prompt[0], list) and any(not p for p in self.prompt):
                 raise ValueError("a token-id prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -125,59 +187,3 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _check_content(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates expect them: role and plain-text content. Templates predate
-        OpenAI's `developer` role, which means what `system` means to them."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]

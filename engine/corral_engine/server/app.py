@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import inspect
 import logging
 import time
@@ -13,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from corral_engine.server import errors
+from corral_engine.server import errors, tokens
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
 from corral_engine.server.context import ServerContext
@@ -34,10 +35,25 @@ def fastapi_options() -> dict[str, Any]:
     return {}
 
 
-def create_app(engine: EngineClient, *, api_key: str | None = None, log_interval_s: float = 10.0) -> FastAPI:
-    """An app serving `engine`; its lifespan starts the engine's loop and shuts it down."""
+def package_version() -> str:
+    """The installed corral distribution's version (as `corral --version` shows it)."""
+    try:
+        return importlib.metadata.version("corral")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def create_app(
+    engine: EngineClient,
+    *,
+    api_key: str | None = None,
+    log_interval_s: float = 10.0,
+    tool_call_parser: str | None = None,
+) -> FastAPI:
+    """An app serving `engine`; its lifespan starts the engine's loop and shuts it down.
+    `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto"."""
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
-    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key)
+    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key, tool_call_parser=tool_call_parser)
     if hasattr(engine, "on_step"):
         engine.on_step = metrics.observe_step
     created = int(time.time())
@@ -102,6 +118,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [model_card()]})
@@ -119,3 +139,11 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokens.tokenize(ctx, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await tokens.detokenize(ctx, request)

@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse, Response
 
 from corral_engine.outputs import RequestOutput
 from corral_engine.server import errors
-from corral_engine.server.api_models import ChatCompletionRequest
+from corral_engine.server.api_chat import ChatCompletionRequest
+from corral_engine.server.api_tools import ToolPlan, plan_tools
 from corral_engine.server.context import (
     RunningUsage,
     ServerContext,
@@ -21,8 +22,9 @@ from corral_engine.server.context import (
     usage,
 )
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
-from corral_engine.server.logprobs import chat_logprobs
+from corral_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
+from corral_engine.server.tool_calls import ReplyStream, finish_reason, reply_message
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +44,14 @@ def render_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
     """Token ids of the conversation rendered by the model's chat template, ready for a reply."""
     try:
         text = ctx.engine.tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=True, tokenize=False
+            req.template_messages(), tokenize=False, **req.template_kwargs()
         )
     except _template_errors() as e:
         raise errors.invalid_request(f"The chat template rejected the messages: {e}", "messages") from e
-    # The template already holds any special tokens (BOS); don't add them twice.
-    ids = list(ctx.engine.tokenizer.encode(str(text), add_special_tokens=False))
+    # The template already holds any special tokens (BOS); don't add them twice unless asked.
+    ids = req.truncate(
+        list(ctx.engine.tokenizer.encode(str(text), add_special_tokens=req.add_special_tokens))
+    )
     if not ids:
         raise errors.invalid_request("The messages render to an empty prompt.", "messages")
     return ids
@@ -59,13 +63,16 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = remaining_context(ctx, [prompt], "messages")
-    params = req.to_sampling_params(max_tokens, req.num_logprobs)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
+    if req.prompt_logprobs is not None and req.stream:
+        raise errors.invalid_request("prompt_logprobs are not streamed.", "stream")
+    params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
     request_id = new_id("chatcmpl")
     run = ctx.start_run(request_id, [prompt], params)
     logger.info("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)
     created = now_s()
     if req.stream:
-        return EngineStreamingResponse(_stream(ctx, req, run, created), on_close=run.close)
+        return EngineStreamingResponse(_stream(ctx, req, plan, run, created), on_close=run.close)
     collected = await collect_unless_disconnected(run, request.receive)
     if collected is None:
         return Response(status_code=499)
@@ -75,29 +82,32 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
             logprobs = None
             if req.num_logprobs is not None:
                 logprobs = chat_logprobs(collected.logprobs_of(0, o.index), req.num_logprobs, ctx.token_text)
+            message = reply_message(plan, o.text)
             choices.append(
                 {
                     "index": o.index,
-                    "message": {"role": "assistant", "content": o.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": o.finish_reason,
+                    "finish_reason": finish_reason(o.finish_reason, "tool_calls" in message),
                     "stop_reason": o.stop_reason,
                 }
             )
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": ctx.model_name,
-            "choices": choices,
-            "usage": usage(collected.finals),
-        }
-    )
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(collected.finals),
+    }
+    scored = collected.finals[0].prompt_logprobs if collected.finals else None
+    if req.prompt_logprobs is not None and scored is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(scored, ctx.token_text)
+    return JSONResponse(body)
 
 
 async def _stream(
-    ctx: ServerContext, req: ChatCompletionRequest, run: GenerationRun, created: int
+    ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, run: GenerationRun, created: int
 ) -> AsyncIterator[bytes]:
     base = {
         "id": run.request_id,
@@ -124,6 +134,7 @@ async def _stream(
     final: RequestOutput | None = None
     sent_finish: set[int] = set()
     pending: dict[int, int] = {}  # tokens not yet sent in a chunk (no text yet), per choice
+    replies = [ReplyStream(plan) for _ in range(req.n)]
     try:
         for index in range(req.n):
             yield chunk(index, {"role": "assistant", "content": ""})
@@ -132,15 +143,20 @@ async def _stream(
                 if o.index in sent_finish:
                     continue
                 pending[o.index] = pending.get(o.index, 0) + len(o.delta_token_ids)
-                if o.delta_text or o.delta_logprobs:
+                reply = replies[o.index]
+                text, calls = reply.feed(o.delta_text, o.finish_reason is not None)
+                if text or calls or o.delta_logprobs:
                     logprobs = None
                     if req.num_logprobs is not None:
                         logprobs = chat_logprobs(o.delta_logprobs or [], req.num_logprobs, ctx.token_text)
-                    content = {"content": o.delta_text}
-                    yield chunk(o.index, content, logprobs=logprobs, num_tokens=pending.pop(o.index))
+                    delta: dict[str, Any] = {"content": text} if text or not calls else {}
+                    if calls:
+                        delta["tool_calls"] = calls
+                    yield chunk(o.index, delta, logprobs=logprobs, num_tokens=pending.pop(o.index))
                 if o.finish_reason is not None:
                     sent_finish.add(o.index)
-                    yield chunk(o.index, {}, finish=o.finish_reason, num_tokens=pending.pop(o.index, 0))
+                    finish = finish_reason(o.finish_reason, reply.has_calls)
+                    yield chunk(o.index, {}, finish=finish, num_tokens=pending.pop(o.index, 0))
             if out.finished:
                 final = out
         if req.include_usage_in_stream:

@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from corral_engine.outputs import CompletionOutput, RequestOutput
+from corral_engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from corral_engine.server import errors
 from corral_engine.server.api_models import CompletionRequest
 from corral_engine.server.context import (
@@ -20,36 +20,78 @@ from corral_engine.server.context import (
     remaining_context,
     usage,
 )
-from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
-from corral_engine.server.logprobs import completion_logprobs
+from corral_engine.server.generation import Collected, GenerationRun, collect_unless_disconnected
+from corral_engine.server.logprobs import completion_logprobs, prompt_logprobs_json, unscored
 from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
 
 logger = logging.getLogger(__name__)
 
 
-def _tokenize(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+def tokenize_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt, as the engine will see them."""
     prompts: list[list[int]] = []
     for i, prompt in enumerate(req.prompts()):
-        ids = ctx.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, list):
+            ids = prompt
+        elif req.add_special_tokens:
+            ids = ctx.encode(prompt)
+        else:
+            ids = list(ctx.engine.tokenizer.encode(prompt, add_special_tokens=False))
         if not ids:
             raise errors.invalid_request(
                 "The prompt must not be empty.", "prompt" if i == 0 else f"prompt.{i}"
             )
-        prompts.append(ids)
+        prompts.append(req.truncate(ids))
     return prompts
+
+
+def _echo_texts(ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """What `echo` puts before each prompt's completions: the prompt as given (text prompts, unless
+    truncated) or decoded."""
+    if not req.echo:
+        return [""] * len(prompts)
+    given = req.prompts()
+    return [
+        p
+        if isinstance(p, str) and req.truncate_prompt_tokens is None
+        else str(ctx.engine.tokenizer.decode(ids))
+        for p, ids in zip(given, prompts, strict=True)
+    ]
+
+
+def _best(
+    collected: Collected, prompt_index: int, outputs: list[CompletionOutput], n: int
+) -> list[CompletionOutput]:
+    """best_of: the n outputs with the highest cumulative logprob, likeliest first."""
+
+    def total(o: CompletionOutput) -> float:
+        return sum(lp.logprob for lp in collected.logprobs_of(prompt_index, o.index))
+
+    return sorted(outputs, key=total, reverse=True)[:n]
 
 
 async def create_completion(ctx: ServerContext, request: Request) -> Response:
     req = await ctx.parse(request, CompletionRequest)
-    prompts = _tokenize(ctx, req)
+    prompts = tokenize_prompts(ctx, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else remaining_context(ctx, prompts, "prompt")
-    params = req.to_sampling_params(max_tokens, req.logprobs)
+    prompt_k = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:  # the prompt's tokens come with logprobs too
+        prompt_k = max(prompt_k or 0, req.logprobs)
+    if prompt_k is not None and req.stream:
+        raise errors.invalid_request(
+            "Prompt logprobs (prompt_logprobs, echo with logprobs) are not streamed.", "stream"
+        )
+    best_of = req.best_of or req.n
+    # best_of ranks sequences by their cumulative logprob: the chosen tokens' logprobs are needed.
+    logprobs = req.logprobs if req.logprobs is not None or best_of == req.n else 0
+    params = req.to_sampling_params(max_tokens, logprobs).replace(n=best_of, prompt_logprobs=prompt_k)
+    echo = _echo_texts(ctx, req, prompts)
     request_id = new_id("cmpl")
     run = ctx.start_run(request_id, prompts, params)
     logger.info("request %s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
     created = now_s()
     if req.stream:
-        return EngineStreamingResponse(_stream(ctx, req, run, created), on_close=run.close)
+        return EngineStreamingResponse(_stream(ctx, req, run, created, echo), on_close=run.close)
     collected = await collect_unless_disconnected(run, request.receive)
     if collected is None:
         return Response(status_code=499)
@@ -60,13 +102,34 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
             "created": created,
             "model": ctx.model_name,
             "choices": [
-                _choice(ctx, req, i * req.n + o.index, o, o.text, collected.logprobs_of(i, o.index), 0)
+                _final_choice(ctx, req, i * req.n + j, out, o, echo[i], collected.logprobs_of(i, o.index))
                 for i, out in enumerate(collected.finals)
-                for o in out.outputs
+                for j, o in enumerate(
+                    _best(collected, i, out.outputs, req.n) if best_of > req.n else out.outputs
+                )
             ],
             "usage": usage(collected.finals),
         }
     )
+
+
+def _final_choice(
+    ctx: ServerContext,
+    req: CompletionRequest,
+    index: int,
+    out: RequestOutput,
+    o: CompletionOutput,
+    echo: str,
+    items: list[TokenLogprob],
+) -> dict[str, Any]:
+    """A finished choice: with echo the prompt's text (and its tokens' logprobs) come first."""
+    prompt = out.prompt_logprobs
+    if echo and req.logprobs is not None and prompt is not None:
+        items = [unscored(out.prompt_token_ids[0]), *(lp for lp in prompt[1:] if lp is not None), *items]
+    choice = _choice(ctx, req, index, o, echo + o.text, items, 0)
+    if req.prompt_logprobs is not None and prompt is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(prompt, ctx.token_text)
+    return choice
 
 
 def _choice(
@@ -91,7 +154,7 @@ def _choice(
 
 
 async def _stream(
-    ctx: ServerContext, req: CompletionRequest, run: GenerationRun, created: int
+    ctx: ServerContext, req: CompletionRequest, run: GenerationRun, created: int, echo: list[str]
 ) -> AsyncIterator[bytes]:
     base = {"id": run.request_id, "object": "text_completion", "created": created, "model": ctx.model_name}
     # With include_usage every chunk carries "usage": null, and a last one the totals.
@@ -108,8 +171,9 @@ async def _stream(
                     continue
                 if o.finish_reason is not None:
                     sent_finish.add(index)
-                choice = _choice(ctx, req, index, o, o.delta_text, o.delta_logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(o.delta_text)
+                text = o.delta_text if index in offsets else echo[prompt_index] + o.delta_text
+                choice = _choice(ctx, req, index, o, text, o.delta_logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
                 if running is None:
                     yield encoder.chunk([choice])
                 else:

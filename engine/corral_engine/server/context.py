@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -15,7 +14,7 @@ from starlette.requests import Request
 
 from corral_engine.outputs import RequestOutput
 from corral_engine.sampling_params import SamplingParams
-from corral_engine.server import errors
+from corral_engine.server import access, errors
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.generation import GenerationRun, InFlight
 from corral_engine.server.metrics import ServerMetrics
@@ -32,6 +31,7 @@ class ServerContext:
     engine: EngineClient
     metrics: ServerMetrics
     api_key: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser: enables tool_choice "auto"
     in_flight: InFlight = field(default_factory=InFlight)
     is_ready: bool = False
     is_draining: bool = False
@@ -50,6 +50,9 @@ class ServerContext:
         parsed = model.model_validate_json(body)
         if getattr(parsed, "model", None) != self.model_name:
             raise errors.model_not_found(str(getattr(parsed, "model", "")))
+        check_fields = getattr(parsed, "check_fields", None)
+        if check_fields is not None:  # refused fields are 400s; unknown ones are logged
+            check_fields()
         return parsed
 
     def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
@@ -73,7 +76,8 @@ class ServerContext:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """The response's id: `<prefix>-<request id>`, the request id adopted from x-request-id."""
+    return access.response_id(prefix)
 
 
 def now_s() -> int:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from corral_engine.errors import InvalidRequestError
 from corral_engine.outputs import RequestOutput, TokenLogprob
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.server import access
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.metrics import RequestProgress, ServerMetrics
 
@@ -76,14 +79,26 @@ class GenerationRun:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self._streams.append(engine.add_request(engine_id, prompt, params))
-                self._ids.append(engine_id)
-                self._unfinished.add(engine_id)
+                self._add(engine_id, prompt, params)
         except BaseException:
             self.abort_unfinished()
             self._closed = True
             in_flight.leave()
             raise
+
+    def _add(self, engine_id: str, prompt: list[int], params: SamplingParams) -> None:
+        try:
+            stream = self.engine.add_request(engine_id, prompt, params)
+        except InvalidRequestError as e:
+            if e.param != "request_id":
+                raise
+            # A client reused an x-request-id that is still running here: the response keeps the
+            # id it asked for; only the engine's own key gets a suffix.
+            engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+            stream = self.engine.add_request(engine_id, prompt, params)
+        self._streams.append(stream)
+        self._ids.append(engine_id)
+        self._unfinished.add(engine_id)
 
     def abort_unfinished(self) -> None:
         """Abort the engine requests that have not finished; idempotent, never blocks."""
@@ -113,6 +128,7 @@ class GenerationRun:
             if out.finished:
                 self._unfinished.discard(self._ids[index])
                 self.metrics.observe_finished(out)
+                access.count_tokens(out)
             yield index, out
         # The stream may end without a finished output (e.g. after an abort).
         self._unfinished.discard(self._ids[index])

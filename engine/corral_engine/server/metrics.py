@@ -35,6 +35,10 @@ ITL_BUCKETS_S: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
 )
+# Tokens per engine step: vLLM's default CUDA-graph capture sizes up to 16384.
+ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+)
 STEP_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS_S: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -118,6 +122,16 @@ class _SnapshotCollector(Collector):
         yield gauge(wire.NUM_KV_BLOCKS_FREE, "Free KV blocks (cached included).", s.num_free_blocks)
         yield gauge(wire.NUM_KV_BLOCKS_CACHED, "KV blocks holding cached prefixes.", s.num_cached_blocks)
         yield counter(wire.NUM_STEPS_TOTAL, "Engine steps run.", s.num_steps_total)
+        yield counter(
+            wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL,
+            "Speculative draft tokens verified (0 without --speculative).",
+            s.num_spec_proposed_total,
+        )
+        yield counter(
+            wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL,
+            "Speculative draft tokens accepted.",
+            s.num_spec_accepted_total,
+        )
 
 
 class RequestProgress:
@@ -146,6 +160,21 @@ class ServerMetrics:
         self._queue = hist(wire.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS_S)
         self._prompt = hist(wire.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", tokens)
         self._generation = hist(wire.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", tokens)
+        self._tpot = hist(
+            wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+            "Decode time over output tokens after the first, per request of two tokens or more.",
+            ITL_BUCKETS_S,
+        )
+        self._prefill = hist(
+            wire.REQUEST_PREFILL_TIME_SECONDS, "First scheduled to first token.", REQUEST_BUCKETS_S
+        )
+        self._decode = hist(wire.REQUEST_DECODE_TIME_SECONDS, "First token to last token.", REQUEST_BUCKETS_S)
+        self._inference = hist(
+            wire.REQUEST_INFERENCE_TIME_SECONDS, "First scheduled to last token.", REQUEST_BUCKETS_S
+        )
+        self._iteration_tokens = hist(
+            wire.ITERATION_TOKENS_TOTAL, "Tokens computed per engine step.", ITERATION_TOKENS_BUCKETS
+        )
         self._step = Histogram(
             wire.STEP_DURATION_SECONDS,
             "Wall time of one engine step (schedule, forward, sample, detokenize).",
@@ -161,6 +190,12 @@ class ServerMetrics:
         )
         self._model = model_name
         self._step_m = self._step.labels(model_name)
+        self._iteration_tokens_m = self._iteration_tokens.labels(model_name)
+        self._tpot_m, self._prefill_m = self._tpot.labels(model_name), self._prefill.labels(model_name)
+        self._decode_m, self._inference_m = (
+            self._decode.labels(model_name),
+            self._inference.labels(model_name),
+        )
         self._ttft_m, self._itl_m = self._ttft.labels(model_name), self._itl.labels(model_name)
         self._e2e_m, self._queue_m = self._e2e.labels(model_name), self._queue.labels(model_name)
         self._prompt_m, self._generation_m = (
@@ -174,6 +209,7 @@ class ServerMetrics:
         """Thread-safe: called on the engine's step thread."""
         if num_tokens:
             self._step_m.observe(duration_s)
+            self._iteration_tokens_m.observe(num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -210,3 +246,18 @@ class ServerMetrics:
             self._queue_m.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         self._prompt_m.observe(len(out.prompt_token_ids))
         self._generation_m.observe(sum(len(o.token_ids) for o in out.outputs))
+        self._observe_phases(out)
+
+    def _observe_phases(self, out: RequestOutput) -> None:
+        """Prefill, decode and inference time (vLLM's split) and the mean time per output token.
+        With n > 1 the sequences decode together: their longest one counts."""
+        m = out.metrics
+        if m.first_scheduled_time is None or m.first_token_time is None or m.last_token_time is None:
+            return
+        decode_s = max(0.0, m.last_token_time - m.first_token_time)
+        self._prefill_m.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        self._decode_m.observe(decode_s)
+        self._inference_m.observe(max(0.0, m.last_token_time - m.first_scheduled_time))
+        num_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
+        if num_tokens > 1:
+            self._tpot_m.observe(decode_s / (num_tokens - 1))

@@ -1,4 +1,5 @@
-"""The outermost ASGI layer: load headers on every response, API-key auth, last-resort errors.
+"""The outermost ASGI layer: load headers on every response, API-key auth, last-resort errors, and
+the request id and access log line of every /v1 request.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming bodies and client disconnects pass through untouched.
 """
@@ -12,7 +13,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral_engine import wire
-from corral_engine.server import errors
+from corral_engine.server import access, errors
 from corral_engine.server.context import ServerContext
 from corral_engine.server.metrics import RejectionReason
 
@@ -56,12 +57,19 @@ class ServerMiddleware:
             await self.app(scope, receive, send)
             return
         started = False
+        path: str = scope["path"]
+        record = None
+        if path.startswith("/v1/"):
+            record = access.begin(Headers(scope=scope), path, self.ctx.model_name)
 
         async def send_with_load(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
                 self._load_headers(message)
+                if record is not None:
+                    record.status = message["status"]
+                    MutableHeaders(scope=message)[wire.HEADER_REQUEST_ID] = record.ensure_id()
                 reason = REJECTION_REASON_BY_STATUS.get(message["status"])
                 if reason is not None and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
                     self.ctx.metrics.count_rejected(reason)
@@ -77,3 +85,6 @@ class ServerMiddleware:
                 logger.error("error after the response started", exc_info=e)
                 return
             await errors.error_response(e)(scope, receive, send_with_load)
+        finally:
+            if record is not None:
+                access.log_request(record, scope["method"], path, self.ctx.model_name)

@@ -1,0 +1,179 @@
+"""A simulated fleet on a virtual clock: the gateway's own router, registry and policies in front of
+simulated engines (the engine's real scheduler, block manager and prefix cache), events in time order.
+
+What the gateway does, restated without I/O: route on arrival (queue FIFO while every replica is
+saturated), poll each replica's load every `poll_interval_s` (each on its own phase), read the load
+headers of a response as its first token arrives, and hand queued requests out after each poll
+and each finished request. Network and gateway latency are not modelled (the gateway bench
+measures them). A run of minutes of fleet time takes seconds to a minute of CPU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim.engine import NullTokenizer, SimEngine, SimStep
+from corral_engine.sim.perf_model import Profile
+from corral_gateway.load import LoadSample
+from corral_gateway.policies import make_policy
+from corral_gateway.registry import Registry, Replica, Saturation
+from corral_gateway.router import NoReplica, Router
+
+from bench.routing.sim_workloads import SimRequest
+
+MODEL = "sim"
+
+
+@dataclass(slots=True)
+class Outcome:
+    request_id: str
+    arrival_s: float
+    output_len: int
+    replica: int = -1
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayModel:
+    policy: str
+    poll_interval_s: float = 0.075
+    load_max_age_s: float = 2.0
+    saturation: Saturation = field(default_factory=Saturation)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FleetSim:
+    def __init__(self, profiles: list[Profile], gateway: GatewayModel, seed: int = 0) -> None:
+        self.clock = _Clock()
+        tokenizer = NullTokenizer()
+        self.engines = [SimEngine(p, tokenizer, MODEL, clock=self.clock, is_lean=True) for p in profiles]
+        self.urls = [f"http://replica-{i}" for i in range(len(profiles))]
+        self._index = {url: i for i, url in enumerate(self.urls)}
+        self.registry = Registry()
+        self.registry.set_replicas(MODEL, self.urls)
+        policy = make_policy(gateway.policy, gateway.saturation)
+        self.router = Router(self.registry, policy, gateway.saturation, gateway.load_max_age_s, self.clock)
+        self.gateway = gateway
+        self._replicas = {r.url: r for r in self.registry.replicas(MODEL)}
+        self._steps: list[SimStep | None] = [None] * len(profiles)
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self._queue: deque[SimRequest] = deque()
+        self._pending = 0  # submitted and not finished
+        self._rng = random.Random(seed)
+        self.outcomes: dict[str, Outcome] = {}
+        self.max_queue_len = 0
+        self.on_finish: Callable[[Outcome], None] | None = None  # may `submit` more requests
+
+    # -- events ---------------------------------------------------------------------------------
+    def _at(self, when_s: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._events, (when_s, next(self._seq), kind, payload))
+
+    def submit(self, request: SimRequest) -> None:
+        """Send `request` at its arrival time (now, if that has passed)."""
+        self._pending += 1
+        self._at(max(self.clock.now, request.arrival_s), "arrive", request)
+
+    def run(self, requests: list[SimRequest]) -> dict[str, Outcome]:
+        self._pending = 0
+        for r in requests:
+            self.submit(r)
+        for i in range(len(self.engines)):
+            self._at(self._rng.uniform(0, self.gateway.poll_interval_s), "poll", i)
+        while self._events and self._pending:
+            when_s, _, kind, payload = heapq.heappop(self._events)
+            self.clock.now = when_s
+            if kind == "arrive":
+                self._arrive(payload)  # type: ignore[arg-type]
+            elif kind == "step":
+                num_finished = self._step_done(payload)  # type: ignore[arg-type]  # may submit more
+                self._pending -= num_finished
+            else:
+                self._poll(payload)  # type: ignore[arg-type]
+        return self.outcomes
+
+    def _arrive(self, request: SimRequest) -> None:
+        self.outcomes[request.request_id] = Outcome(request.request_id, request.arrival_s, request.output_len)
+        if self._queue:
+            self._enqueue(request)
+            return
+        routed = self.router.route(MODEL, request.prefix_hash, block_hashes=request.block_hashes)
+        if isinstance(routed, NoReplica):
+            self._enqueue(request)
+        else:
+            self._dispatch(request, routed)
+
+    def _enqueue(self, request: SimRequest) -> None:
+        self._queue.append(request)
+        self.max_queue_len = max(self.max_queue_len, len(self._queue))
+
+    def _pump(self) -> None:
+        while self._queue:
+            request = self._queue[0]
+            routed = self.router.route(
+                MODEL, request.prefix_hash, from_queue=True, block_hashes=request.block_hashes
+            )
+            if isinstance(routed, NoReplica):
+                return
+            self._queue.popleft()
+            self._dispatch(request, routed)
+
+    def _dispatch(self, request: SimRequest, replica: Replica) -> None:
+        replica.on_dispatch()
+        i = self._index[replica.url]
+        self.outcomes[request.request_id].replica = i
+        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
+        self.engines[i].add_request(request.request_id, request.prompt, params)
+        if self._steps[i] is None:
+            self._start_step(i)
+
+    def _start_step(self, i: int) -> None:
+        step = self.engines[i].begin_step()
+        self._steps[i] = step
+        if step is not None:
+            self._at(self.clock.now + step.duration_s, "step", i)
+
+    def _step_done(self, i: int) -> int:
+        step = self._steps[i]
+        assert step is not None
+        now = self.clock.now
+        num_finished = 0
+        for out in self.engines[i].finish_step(step):
+            outcome = self.outcomes[out.request_id]
+            if outcome.first_token_s is None:
+                outcome.first_token_s = now
+                self._observe(i)  # a streamed response's load headers
+            if out.finished:
+                outcome.finish_s = now
+                self._replicas[self.urls[i]].on_done()
+                num_finished += 1
+                if self.on_finish is not None:
+                    self.on_finish(outcome)
+        self._start_step(i)
+        if num_finished:
+            self._pump()
+        return num_finished
+
+    def _observe(self, i: int) -> None:
+        stats = self.engines[i].stats()
+        sample = LoadSample(stats.num_running, stats.num_waiting, stats.kv_usage_ratio, self.clock.now)
+        self.registry.observe(self.urls[i], sample)
+
+    def _poll(self, i: int) -> None:
+        self._observe(i)
+        self._pump()
+        self._at(self.clock.now + self.gateway.poll_interval_s, "poll", i)

@@ -1,0 +1,132 @@
+"""The simulated-fleet benchmark's workloads (pure, generated locally from a seed): token-id prompts
+with ShareGPT-like lengths, multi-turn chats whose prompts grow by whole turns, RAG over a corpus
+larger than one replica's KV cache, each with Poisson or bursty (gamma) arrivals.
+
+Prompts are token ids, so the gateway's prefix hashes come from the same code path as a request
+with `"prompt": [ids]` (`peek.prompt_prefix` and `block_prefix_hash`). A chat's next turn carries
+the reply the simulated engine really produced (it cycles through the prompt's ids), so the cached
+KV of a reply is reused as it would be on a real engine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from corral_cli.bench.arrivals import arrival_offsets_s
+from corral_gateway.peek import block_hash_chain, block_prefix_hash, prompt_prefix
+
+WORKLOADS = ("sharegpt", "chat", "rag")
+VOCAB = 32_000
+BLOCK_CHARS, NUM_BLOCKS, CHAIN_BLOCKS = 64, 4, 256  # the gateway's defaults
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: str
+    arrival_s: float
+    prompt: list[int]
+    output_len: int
+    prefix_hash: int | None = None
+    block_hashes: tuple[int, ...] = field(default_factory=tuple)
+
+    def hash_prefix(self) -> None:
+        """What the gateway's peek computes for `{"prompt": ids}`."""
+        body = {"prompt": self.prompt}
+        head = prompt_prefix(body, BLOCK_CHARS * NUM_BLOCKS)
+        self.prefix_hash = None if head is None else block_prefix_hash(head, BLOCK_CHARS, NUM_BLOCKS)
+        chain_text = prompt_prefix(body, BLOCK_CHARS * CHAIN_BLOCKS) or ""
+        self.block_hashes = block_hash_chain(chain_text, BLOCK_CHARS, CHAIN_BLOCKS)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    name: str
+    num_requests: int
+    rate: float  # requests per second, mean
+    burstiness: float = 1.0  # gamma shape of the gaps: 1 Poisson, < 1 bursty
+    num_replicas: int = 16  # sizes the RAG corpus and the chat population
+    max_model_len: int = 8192
+    seed: int = 0
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    return max(low, min(high, int(rng.lognormvariate(math.log(median), sigma))))
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def reply_of(prompt: list[int], output_len: int) -> list[int]:
+    """The tokens the simulated engine answers `prompt` with (`SimEngine` cycles its ids)."""
+    return [prompt[i % len(prompt)] for i in range(output_len)]
+
+
+def build(spec: WorkloadSpec) -> list[SimRequest]:
+    builders = {"sharegpt": _sharegpt, "chat": _chat, "rag": _rag}
+    if spec.name not in builders:
+        raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")
+    requests = builders[spec.name](spec, random.Random(spec.seed))
+    requests.sort(key=lambda r: r.arrival_s)
+    for r in requests:
+        r.hash_prefix()
+    return requests
+
+
+def _sharegpt(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
+    """Independent conversations' first turns: prompts ~ 180 tokens (median, long tail to 3,000),
+    replies ~ 120 (to 1,000), as in ShareGPT; no shared prefixes beyond chance."""
+    offsets = arrival_offsets_s(spec.num_requests, spec.rate, spec.burstiness, spec.seed)
+    out = []
+    for i, at in enumerate(offsets):
+        prompt = _ids(rng, _lognormal(rng, 180, 1.0, 8, 3000))
+        out.append(SimRequest(f"s{i}", at, prompt, _lognormal(rng, 120, 0.9, 4, 1000)))
+    return out
+
+
+def _chat(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
+    """Sessions of 3-8 turns under one of 4 system prompts (400 tokens); each turn's prompt is the
+    whole conversation so far plus a new user message; turns 2-6 s apart. Sessions start before
+    the window too (their earlier turns are not sent: their KV is not cached anywhere), so the
+    window holds a steady population and its arrival rate is `rate`."""
+    systems = [_ids(rng, 400) for _ in range(4)]
+    mean_turns, lead_s = 5.5, 8 * 6.0
+    window_s = spec.num_requests / spec.rate if math.isfinite(spec.rate) else 0.0
+    num_sessions = max(1, round(spec.num_requests * (window_s + lead_s) / max(window_s, 1e-9) / mean_turns))
+    if not math.isfinite(spec.rate):  # everything at once: one turn per session, all at 0
+        num_sessions = spec.num_requests
+    starts = arrival_offsets_s(
+        num_sessions, num_sessions / max(window_s + lead_s, 1e-9), spec.burstiness, spec.seed
+    )
+    out: list[SimRequest] = []
+    for s, start in enumerate(starts):
+        history = list(rng.choice(systems))
+        at = start - lead_s if math.isfinite(spec.rate) else 0.0
+        for turn in range(rng.randint(3, 8)):
+            prompt = history + _ids(rng, _lognormal(rng, 60, 0.8, 4, 600))
+            output_len = _lognormal(rng, 150, 0.8, 4, 800)
+            if len(prompt) + output_len > spec.max_model_len:
+                break
+            if at >= 0.0:
+                out.append(SimRequest(f"c{s}-{turn}", at, prompt, output_len))
+            history = prompt + reply_of(prompt, output_len)
+            at += rng.uniform(2.0, 6.0) if math.isfinite(spec.rate) else 0.0
+    out.sort(key=lambda r: r.arrival_s)
+    return out[: spec.num_requests]
+
+
+def _rag(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
+    """Questions about documents of 1,500-4,000 tokens, 32 per replica (together ~3x what one
+    H100 replica's KV cache holds, a fifth of the fleet's), chosen by a Zipf(1.1) popularity."""
+    system = _ids(rng, 60)
+    docs = [_ids(rng, rng.randint(1500, 4000)) for _ in range(32 * spec.num_replicas)]
+    weights = [1.0 / (k + 1) ** 1.1 for k in range(len(docs))]
+    offsets = arrival_offsets_s(spec.num_requests, spec.rate, spec.burstiness, spec.seed)
+    chosen = rng.choices(range(len(docs)), weights, k=len(offsets))
+    out = []
+    for i, (at, d) in enumerate(zip(offsets, chosen, strict=True)):
+        prompt = system + docs[d] + _ids(rng, _lognormal(rng, 40, 0.6, 4, 300))
+        out.append(SimRequest(f"r{i}", at, prompt, _lognormal(rng, 80, 0.7, 4, 600)))
+    return out

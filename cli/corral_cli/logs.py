@@ -1,0 +1,32 @@
+"""The process's logging, set up once by `corral`: plain text lines, or one JSON object a line
+(`--log-format json`) whose keys are the record's time, level, logger and message plus the fields a
+call passes in `extra` (request id, model, replica, status, tokens, latency)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def json_formatter() -> logging.Formatter:
+    from pythonjsonlogger.json import JsonFormatter
+
+    return JsonFormatter(
+        "{levelname}{name}{message}",
+        style="{",
+        rename_fields={"levelname": "level", "name": "logger"},
+        timestamp="time",  # ISO 8601, UTC
+    )
+
+
+def configure(level: str, log_format: LogFormat) -> None:
+    """One handler on stderr in the chosen format (a no-op where the root logger already has
+    handlers, as under pytest)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(json_formatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])

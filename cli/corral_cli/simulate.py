@@ -1,0 +1,68 @@
+"""`corral engine --simulate PROFILE`: simulated replicas behind the engine's server, without torch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+from pathlib import Path
+
+from corral_engine.args import EngineArgs
+from corral_engine.errors import ModelLoadError
+from corral_engine.sim.host import PROFILE_OPTIONS, ReplicaSpec, build_engines, serve_fleet, with_overrides
+from corral_engine.sim.perf_model import describe, load_profile
+
+log = logging.getLogger(__name__)
+
+
+def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSpec:
+    """The profile named by --simulate, resized by any sizing flag given (raises ValueError)."""
+    given = {name: getattr(args, name, None) for name in PROFILE_OPTIONS}
+    profile = with_overrides(load_profile(args.simulate), given)
+    model_dir = Path(engine_args.model)
+    return ReplicaSpec(
+        profile,
+        model_dir,
+        engine_args.served_model_name or model_dir.name,
+        enable_prefix_caching=engine_args.enable_prefix_caching,
+        kv_policy=engine_args.kv_policy,
+        max_waiting=engine_args.max_waiting,
+    )
+
+
+def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+    if args.replicas < 1:
+        log.error("--replicas must be at least 1")
+        return 2
+    try:
+        spec = replica_spec(args, engine_args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    log.info("simulating %s: %s", spec.profile.name, describe(spec.profile))
+    try:
+        if args.replicas == 1:
+            from corral_engine.server import create_app
+            from corral_engine.server.lifecycle import serve
+
+            [engine] = build_engines(spec, 1)
+            app = create_app(engine, api_key=args.api_key, log_interval_s=args.log_interval)
+            serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
+            return 0
+        ports = list(range(args.port, args.port + args.replicas))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve_fleet(spec, args.host, ports, args.api_key))
+    except ModelLoadError as e:
+        log.error("cannot load the tokenizer: %s", e)
+        return 1
+    return 0
+
+
+def _loop_factory():  # type: ignore[no-untyped-def]
+    """uvloop's loop where installed: 64 replicas' servers share one event loop."""
+    if importlib.util.find_spec("uvloop") is None:
+        return None
+    import uvloop
+
+    return uvloop.new_event_loop

@@ -1,0 +1,38 @@
+"""What a request must satisfy before it is queued: a prompt that fits the context and the KV
+cache, and token ids (prompt, logit_bias, allowed_token_ids) inside the vocabulary."""
+
+from __future__ import annotations
+
+from corral_engine.core.block_manager import BlockManager
+from corral_engine.errors import InvalidRequestError
+from corral_engine.sampling_params import SamplingParams
+
+
+def check_request(
+    token_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int, bm: BlockManager
+) -> None:
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if any(not 0 <= t < vocab for t in token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    if params.allowed_token_ids is not None and any(not 0 <= t < vocab for t in params.allowed_token_ids):
+        raise InvalidRequestError(f"allowed_token_ids must be in [0, {vocab})", "allowed_token_ids")
+    num = len(token_ids)
+    if num >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {num} tokens; this model's maximum context length is {max_model_len}",
+            "prompt",
+        )
+    if num + params.max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {num} "
+            f"and max_tokens asks for {params.max_tokens} more",
+            "max_tokens",
+        )
+    need = bm.blocks_for_tokens(num + params.max_tokens)
+    if need > bm.num_blocks:
+        raise InvalidRequestError(
+            f"the request needs {need} KV blocks; the cache has {bm.num_blocks}", "max_tokens"
+        )

@@ -1,0 +1,60 @@
+"""One output queue per request for the engine's asyncio fronts (the threaded AsyncEngine and the
+simulator's AsyncSimEngine): admission checks, a stream that merges outputs that piled up, and an
+abort when the consumer leaves early. Light: asyncio only, no torch."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from corral_engine.errors import InvalidRequestError, QueueFullError
+from corral_engine.outputs import RequestOutput, merge_outputs
+
+Queue = asyncio.Queue[RequestOutput | BaseException]
+
+
+class RequestStreams(dict[str, Queue]):
+    """request id -> its output queue; the step loop puts outputs (or an exception) in, the
+    request's consumer reads them through `stream`."""
+
+    def check_new(self, request_id: str, max_waiting: int | None, num_waiting: int) -> None:
+        """Refuse a duplicate id (400) or a full waiting queue (503 with Retry-After)."""
+        if request_id in self:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if max_waiting is not None and num_waiting >= max_waiting:
+            raise QueueFullError(f"the engine's waiting queue is full ({max_waiting} requests)", 1.0)
+
+    def open(self, request_id: str, abort: Callable[[str], None]) -> AsyncIterator[RequestOutput]:
+        """Register the request's queue and return its stream; leaving the stream before the
+        final output calls `abort(request_id)`."""
+        queue: Queue = asyncio.Queue()
+        self[request_id] = queue
+        return self._stream(request_id, queue, abort)
+
+    async def _stream(
+        self, request_id: str, queue: Queue, abort: Callable[[str], None]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                # Outputs that piled up while this consumer was behind go out as one.
+                error: BaseException | None = None
+                while not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = merge_outputs(item, later)
+                finished = item.finished
+                yield item
+                if error is not None:
+                    raise error
+                if finished:
+                    return
+        finally:
+            self.pop(request_id, None)
+            if not finished:
+                abort(request_id)

@@ -1,0 +1,99 @@
+"""One API request's access record: its id (a valid incoming x-request-id, else one minted here),
+status, tokens and latency, logged as one line when the response ends.
+
+The record lives in a context variable set by the middleware, so the handlers (and the tasks they
+start, which copy the context) reach it without passing it down. Never holds prompts or keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from opentelemetry.trace import Span
+
+from corral_engine import wire
+from corral_engine.outputs import RequestOutput
+from corral_engine.server import tracing
+
+logger = logging.getLogger(__name__)
+
+_CURRENT: ContextVar[AccessRecord | None] = ContextVar("corral_access_record", default=None)
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    request_id: str | None  # the incoming id, or the one minted for the response; None until then
+    start_s: float  # time.monotonic() at arrival
+    status: int = 0
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    span: Span | None = None  # the request's server span, while tracing
+
+    def ensure_id(self) -> str:
+        if self.request_id is None:
+            self.request_id = uuid.uuid4().hex
+        return self.request_id
+
+
+def begin(headers: Mapping[str, str], path: str, model: str) -> AccessRecord:
+    """A record for the request now starting, current for the rest of this context."""
+    record = AccessRecord(wire.valid_request_id(headers.get(wire.HEADER_REQUEST_ID)), time.monotonic())
+    record.span = tracing.start_request_span(headers, path, model)
+    _CURRENT.set(record)
+    return record
+
+
+def response_id(prefix: str) -> str:
+    """`<prefix>-<request id>` (vLLM's shape): the response's `id`, and the engine's request id."""
+    record = _CURRENT.get()
+    base = record.ensure_id() if record is not None else uuid.uuid4().hex
+    return f"{prefix}-{base}"
+
+
+def count_tokens(out: RequestOutput) -> None:
+    """Add a finished engine request's tokens to the current record."""
+    record = _CURRENT.get()
+    if record is not None:
+        record.num_prompt_tokens += len(out.prompt_token_ids)
+        record.num_completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+        if record.span is not None:
+            tracing.add_phases(record.span, out.metrics)
+
+
+def log_request(record: AccessRecord, method: str, path: str, model: str) -> None:
+    """The request's access line (and the end of its span)."""
+    if record.span is not None:
+        tracing.end_request_span(
+            record.span,
+            record.request_id,
+            record.status,
+            record.num_prompt_tokens,
+            record.num_completion_tokens,
+        )
+    latency_s = time.monotonic() - record.start_s
+    fields = {
+        "request_id": record.request_id,
+        "model": model,
+        "method": method,
+        "path": path,
+        "status": record.status,
+        "prompt_tokens": record.num_prompt_tokens,
+        "completion_tokens": record.num_completion_tokens,
+        "latency_s": round(latency_s, 6),
+    }
+    logger.info(
+        "request %s: %s %s %d, %d prompt + %d completion tokens, %.3f s",
+        record.request_id,
+        method,
+        path,
+        record.status,
+        record.num_prompt_tokens,
+        record.num_completion_tokens,
+        latency_s,
+        extra=fields,
+    )

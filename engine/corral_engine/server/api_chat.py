@@ -1,0 +1,139 @@
+"""OpenAI request bodies for /v1/chat/completions: messages (tool calls and results included),
+tools, and the fields that go to the chat template."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from corral_engine.errors import InvalidRequestError
+from corral_engine.sampling_params import MAX_LOGPROBS
+from corral_engine.server.api_models import _SamplingFields, _Strict
+from corral_engine.server.api_tools import Tool, ToolCallItem, ToolChoice
+from corral_engine.server.request_fields import REFUSED_CHAT, check_fields
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this is the result of
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def template_message(self) -> dict[str, Any]:
+        """As chat templates expect it: role, plain-text content, and the tool fields when set.
+        Templates predate OpenAI's `developer` role, which means what `system` means to them;
+        they index a call's arguments as an object, so JSON arguments are parsed (as vLLM does)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        message["content"] = self.text()
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """vLLM's template fields (chat_template_kwargs, add_generation_prompt, continue_final_message,
+    documents; OpenAI's reasoning_effort) go to the chat template as its keyword arguments."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None
+    add_special_tokens: bool = False  # the template writes BOS itself
+
+    def check_fields(self) -> None:
+        check_fields(self.model_extra or {}, REFUSED_CHAT)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message needs add_generation_prompt false", "continue_final_message"
+            )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        kwargs["add_generation_prompt"] = self.add_generation_prompt
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        for name in ("documents", "reasoning_effort"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        tools = self.template_tools()
+        if tools is not None:
+            kwargs["tools"] = tools
+        return kwargs
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """`tools` as chat templates take them (OpenAI's shape, as vLLM passes it)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text

@@ -1,0 +1,109 @@
+"""Request fields for tool calling: `tools`, `tool_choice`, `parallel_tool_calls`, and what they
+ask of generation (a grammar for "required" and a named function; a parser for "auto")."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from corral_engine.errors import InvalidRequestError
+from corral_engine.server.tool_parsers import TOOL_PARSERS, RequiredListParser, ToolParser
+from corral_engine.structured.spec import GrammarSpec
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar enforces `parameters` either way
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallItem(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolPlan:
+    """How a request's reply becomes tool calls: `grammar` (required, named) constrains it, `parser`
+    reads the calls back (None: no tool calls, plain content); `named` is the forced function."""
+
+    def __init__(
+        self, grammar: GrammarSpec | None, parser: ToolParser | None, named: str | None = None
+    ) -> None:
+        self.grammar = grammar
+        self.parser = parser
+        self.named = named
+
+
+NO_TOOLS = ToolPlan(None, None)
+
+
+def plan_tools(
+    tools: list[Tool] | None,
+    choice: ToolChoice | None,
+    parallel: bool,
+    parser_name: str | None,
+) -> ToolPlan:
+    """The plan for these fields; InvalidRequestError for a choice the request cannot have."""
+    if choice is not None and choice != "none" and not tools:
+        raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+    if not tools or choice == "none":
+        return NO_TOOLS
+    by_name = {t.function.name: t.function for t in tools}
+    if isinstance(choice, NamedToolChoice):
+        fn = by_name.get(choice.function.name)
+        if fn is None:
+            raise InvalidRequestError(
+                f"tool_choice names `{choice.function.name}`, which is not in tools", "tool_choice"
+            )
+        grammar = GrammarSpec.json_schema(fn.parameters or ANY_OBJECT, f"tools.{fn.name}.parameters")
+        return ToolPlan(grammar, None, fn.name)
+    if choice == "required":
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn.name}, "parameters": fn.parameters or ANY_OBJECT},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for fn in by_name.values()
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan(GrammarSpec.json_schema(schema, "tools"), RequiredListParser())
+    if parser_name is None:  # "auto", given or by default
+        raise InvalidRequestError(
+            '"auto" tool choice needs the server to be started with --tool-call-parser', "tool_choice"
+        )
+    return ToolPlan(None, TOOL_PARSERS[parser_name]())

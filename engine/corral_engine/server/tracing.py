@@ -1,0 +1,85 @@
+"""OpenTelemetry spans of one API request: a server span continuing the caller's W3C trace
+(`traceparent`), with the queue, prefill and decode phases as children, written from the engine's
+own timestamps when the request finishes, and GenAI attributes (the names vLLM uses, and the
+current semantic conventions' token counts).
+
+Only the OpenTelemetry API is used here; `corral engine --otlp-traces-endpoint` (or the OTEL_*
+variables) installs the SDK's provider. Without one, nothing is created (one check per request).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from corral_engine.outputs import RequestMetrics
+
+_tracer = trace.get_tracer("corral_engine")
+# Path -> GenAI operation name (the span is named "<operation> <model>").
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+
+def is_enabled() -> bool:
+    """Whether a tracer provider is installed (the API's default is a no-op proxy)."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def start_request_span(headers: Mapping[str, str], path: str, model: str) -> Span | None:
+    """The request's server span, child of the caller's span when a valid traceparent came in."""
+    if not is_enabled():
+        return None
+    operation = OPERATIONS.get(path, "http")
+    span = _tracer.start_span(
+        f"{operation} {model}", context=propagate.extract(headers), kind=SpanKind.SERVER
+    )
+    span.set_attribute("gen_ai.operation.name", operation)
+    span.set_attribute("gen_ai.request.model", model)
+    span.set_attribute("url.path", path)
+    return span
+
+
+def _wall_ns(monotonic_s: float, offset_ns: int) -> int:
+    return int(monotonic_s * 1e9) + offset_ns
+
+
+def add_phases(span: Span, m: RequestMetrics) -> None:
+    """Queue wait, prefill and decode of one finished engine request, as child spans of `span`."""
+    offset_ns = time.time_ns() - time.monotonic_ns()  # engine timestamps are time.monotonic()
+    parent = trace.set_span_in_context(span)
+    phases = (
+        ("queue", m.arrival_time, m.first_scheduled_time),
+        ("prefill", m.first_scheduled_time, m.first_token_time),
+        ("decode", m.first_token_time, m.last_token_time),
+    )
+    for name, start_s, end_s in phases:
+        if start_s is None or end_s is None:
+            continue
+        child = _tracer.start_span(name, context=parent, start_time=_wall_ns(start_s, offset_ns))
+        child.end(end_time=_wall_ns(max(start_s, end_s), offset_ns))
+    if m.first_token_time is not None:
+        span.set_attribute("gen_ai.latency.time_to_first_token", m.first_token_time - m.arrival_time)
+    if m.first_scheduled_time is not None:
+        span.set_attribute("gen_ai.latency.time_in_queue", m.first_scheduled_time - m.arrival_time)
+
+
+def end_request_span(
+    span: Span,
+    request_id: str | None,
+    status: int,
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+) -> None:
+    if request_id is not None:
+        span.set_attribute("gen_ai.request.id", request_id)
+    span.set_attribute("http.response.status_code", status)
+    span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", num_completion_tokens)
+    # vLLM's names for the same counts.
+    span.set_attribute("gen_ai.usage.prompt_tokens", num_prompt_tokens)
+    span.set_attribute("gen_ai.usage.completion_tokens", num_completion_tokens)
+    if status >= 500:
+        span.set_status(Status(StatusCode.ERROR))
+    span.end()

@@ -1,0 +1,146 @@
+"""The simulated engine's asyncio front: the server's `EngineClient` with a step loop that is a task
+on the event loop, not a thread, so one process can host dozens of replicas.
+
+Each step sleeps until the time the profile predicts for its batch. The loop keeps its own
+timeline: a step starts when the previous one ended (or now, after idling), so a wake-up the event
+loop delivers late shortens the next sleep instead of slowing the replica down for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from corral_engine.core.sequence import Request
+from corral_engine.errors import EngineDeadError, InvalidRequestError
+from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.request_streams import RequestStreams
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim.engine import Prompt, SimEngine
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncSimEngine:
+    def __init__(self, engine: SimEngine, max_waiting: int | None = None) -> None:
+        """`engine` must use the running loop's clock (`loop.time`), which `build` arranges."""
+        self.engine = engine
+        self.tokenizer: Any = engine.tokenizer
+        self.served_model_name = engine.served_model_name
+        self.max_model_len = engine.max_model_len
+        self.max_waiting = max_waiting
+        self._adds: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._wakeup = asyncio.Event()
+        self._streams = RequestStreams()
+        self._task: asyncio.Task[None] | None = None
+        self._running = False
+        self._dead: BaseException | None = None
+        self._stats = engine.stats()
+        self.timeline_s = 0.0  # when the last step ended, on the loop's clock
+        self.max_lag_s = 0.0  # the latest a step was committed after its predicted end (host resets)
+        self.on_step: Callable[[float, int], None] | None = None  # (duration_s, num_batched_tokens)
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._running = True
+            self._task = asyncio.create_task(self._run(), name=f"sim-{self.served_model_name}")
+
+    async def shutdown(self) -> None:
+        self._running = False
+        self._wakeup.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError("the engine is shutting down"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self._dead is None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        self._streams.check_new(request_id, self.max_waiting, self._stats.num_waiting + len(self._adds))
+        request = self.engine.make_request(request_id, prompt, params)
+        stream = self._streams.open(request_id, self.abort)
+        self._adds.append(request)
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wakeup.set()
+
+    # -- the step loop --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        try:
+            while self._running:
+                self._drain_inputs()
+                step = engine.begin_step() if engine.has_unfinished_requests() else None
+                if step is None:
+                    self._stats = engine.stats()
+                    self._wakeup.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), _IDLE_WAIT_S)
+                    continue
+                self.timeline_s = max(self.timeline_s, loop.time()) + step.duration_s
+                await asyncio.sleep(max(0.0, self.timeline_s - loop.time()))
+                self.max_lag_s = max(self.max_lag_s, loop.time() - self.timeline_s)
+                outputs = engine.finish_step(step)
+                if self.on_step is not None:
+                    self.on_step(step.duration_s, step.shape.num_tokens)
+                self._stats = engine.stats()
+                self._put_outputs(outputs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the step loop must report, not vanish
+            logger.exception("simulated engine step loop died")
+            self._dead = e
+            for queue in self._streams.values():
+                queue.put_nowait(EngineDeadError(f"the engine failed: {e}"))
+
+    def _drain_inputs(self) -> None:
+        engine = self.engine
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            self._adds = deque(r for r in self._adds if r.request_id != request_id)
+            output = engine.abort_request(request_id)
+            if output is not None:
+                self._put_outputs([output])
+            else:
+                self._streams.pop(request_id, None)
+        while self._adds:
+            request = self._adds.popleft()
+            try:
+                engine.insert_request(request)
+            except InvalidRequestError as e:
+                queue = self._streams.get(request.request_id)
+                if queue is not None:
+                    queue.put_nowait(e)
+
+    def _put_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+                if output.finished:
+                    del self._streams[output.request_id]

@@ -1,0 +1,220 @@
+"""The simulated engine's step, without a model: the real scheduler, block manager, prefix cache and
+output processor; a step's duration comes from a step-time model and its tokens from the prompt.
+
+A step is split in two so the caller decides how time passes: `begin_step` schedules and says how
+long the batch would take on the profile's GPU; `finish_step` commits it (tokens computed, one token
+sampled per sequence that reached its end, stop rules, outputs). The asyncio front sleeps between
+the two; the fleet benchmark advances a virtual clock instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from corral_engine.core.block_manager import BlockManager
+from corral_engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from corral_engine.core.sequence import Request, Sequence
+from corral_engine.errors import InvalidRequestError
+from corral_engine.output_processor import OutputProcessor
+from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim.perf_model import Profile, StepShape
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class SimStep:
+    scheduled: SchedulerOutput
+    shape: StepShape
+    duration_s: float
+
+
+class SimEngine:
+    def __init__(
+        self,
+        profile: Profile,
+        tokenizer: Any,
+        served_model_name: str,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        enable_prefix_caching: bool = True,
+        kv_policy: str = "preempt",
+        clock: Callable[[], float] = time.monotonic,
+        is_lean: bool = False,
+    ) -> None:
+        """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
+        `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
+        context length, no text, and an output only when a request gets its first token or ends."""
+        self.profile = profile
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = profile.max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.is_lean = is_lean
+        self.vocab_size = int(getattr(tokenizer, "vocab_size", 1 << 31))
+        self.block_manager = BlockManager(profile.num_kv_blocks, profile.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens, kv_policy),  # type: ignore[arg-type]
+            self.block_manager,
+        )
+        self.requests: dict[str, Request] = {}
+        self.output_processor = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
+        self._stats = EngineStats(block_size=profile.block_size, num_kv_blocks=profile.num_kv_blocks)
+        self.last_step_num_tokens = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> Request:
+        """Validate and build a request without touching engine state (as LLMEngine.make_request)."""
+        ids = (
+            self.tokenizer.encode(prompt, add_special_tokens=True)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} and max_tokens asks for {params.max_tokens} more",
+                "max_tokens",
+            )
+        need = self.block_manager.blocks_for_tokens(len(ids) + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}",
+                "max_tokens",
+            )
+        metrics = RequestMetrics(arrival_time=self.clock() if arrival_time is None else arrival_time)
+        request = Request(request_id, ids, params, next(self._arrivals), metrics)
+        request.seqs = [
+            Sequence(next(self._seq_ids), request, i, list(ids), len(ids)) for i in range(params.n)
+        ]
+        return request
+
+    def insert_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
+        excluded = set(self.eos_token_ids) | set(request.params.stop_token_ids)
+        source = request.prompt_token_ids
+        if excluded:
+            source = [t for t in source if t not in excluded] or [self.vocab_size - 1]
+        self._sources[request.request_id] = source
+        self.requests[request.request_id] = request
+        if not self.is_lean:
+            self.output_processor.add(request)
+        self.scheduler.add(request)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        request = self.make_request(request_id, prompt, params)
+        self.insert_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.abort(request)
+        return self._finish(request, self.output_processor.build_output(request, {}, request.is_finished))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------------
+    def begin_step(self) -> SimStep | None:
+        """Schedule the next batch; None when nothing can run."""
+        sched = self.scheduler.schedule()
+        self.last_step_num_tokens = sched.num_batched_tokens
+        if sched.is_empty:
+            return None
+        now = self.clock()
+        for s in sched.scheduled:
+            if s.seq.request.metrics.first_scheduled_time is None:
+                s.seq.request.metrics.first_scheduled_time = now
+        shape = StepShape.of(sched.scheduled)
+        return SimStep(sched, shape, self.profile.step_time_s(shape))
+
+    def finish_step(self, step: SimStep) -> list[RequestOutput]:
+        """Commit a step begun by `begin_step` (its requests may have been aborted since)."""
+        now = self.clock()
+        touched: dict[str, dict[int, int]] = {}
+        for s in step.scheduled.scheduled:
+            seq = s.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.register_computed(seq)
+            if s.samples:
+                self._append_token(seq, now, touched)
+        self._stats.num_steps_total += 1
+        outputs = []
+        for request_id, counts in touched.items():
+            request = self.requests[request_id]
+            if self.is_lean:
+                if request.is_finished or request.metrics.first_token_time == now:
+                    output = RequestOutput(request_id, [], [], False, request.metrics)
+                    outputs.append(self._finish(request, output) if request.is_finished else output)
+                continue
+            output = self.output_processor.build_output(request, counts, request.is_finished)
+            outputs.append(self._finish(request, output) if request.is_finished else output)
+        return outputs
+
+    def _append_token(self, seq: Sequence, now: float, touched: dict[str, dict[int, int]]) -> None:
+        request = seq.request
+        if seq.index == 0 and request.pending_forks:
+            self.scheduler.fork_siblings(request)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
+        request.metrics.last_token_time = now
+        source = self._sources[request.request_id]
+        token_id = source[(seq.num_output_tokens + seq.index) % len(source)]
+        seq.token_ids.append(token_id)
+        counts = touched.setdefault(request.request_id, {})
+        counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+        self._stats.num_generation_tokens_total += 1
+        if self.is_lean:
+            if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+        elif self.output_processor.append_token(seq, token_id):
+            self.scheduler.finish(seq)
+
+    def _finish(self, request: Request, output: RequestOutput) -> RequestOutput:
+        request.metrics.finished_time = self.clock()
+        for seq in request.seqs:
+            self.output_processor.release(seq.seq_id)
+            reason = seq.finish_reason or "abort"
+            self._stats.finished_by_reason[reason] = self._stats.finished_by_reason.get(reason, 0) + 1
+        del self.requests[request.request_id]
+        self._sources.pop(request.request_id, None)
+        output.finished = True
+        return output
+
+    # -- observability --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return self._stats.observe(self.scheduler, self.block_manager)
+
+
+class NullTokenizer:
+    """For runs that read no text (the fleet benchmark): token ids in, empty text out."""
+
+    vocab_size = 1 << 31
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise InvalidRequestError("this simulated engine takes token ids only", "prompt")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""

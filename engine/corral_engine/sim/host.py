@@ -1,0 +1,144 @@
+"""Simulated replicas behind the real engine server: one, or many in one process on one event loop
+(`corral engine --simulate`, `corral up --simulate`). Nothing here imports torch or transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from corral_engine.sim.async_engine import AsyncSimEngine
+from corral_engine.sim.engine import SimEngine
+from corral_engine.sim.perf_model import Profile
+from corral_engine.sim.tokenizer import LightTokenizer
+
+logger = logging.getLogger(__name__)
+
+# Engine options a simulated replica honours, by the profile field each overrides.
+PROFILE_OPTIONS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size")
+
+
+def with_overrides(profile: Profile, given: Mapping[str, Any]) -> Profile:
+    """The profile with the sizing options the user gave (`--max-num-seqs 64`, ...)."""
+    return dataclasses.replace(
+        profile, **{k: v for k, v in given.items() if k in PROFILE_OPTIONS and v is not None}
+    )
+
+
+def eos_token_ids(model_dir: Path, tokenizer: LightTokenizer) -> tuple[int, ...]:
+    """config.json's eos_token_id (one id or a list), else the tokenizer's eos token."""
+    config_path = model_dir / "config.json"
+    if config_path.is_file():
+        eos = json.loads(config_path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            return (eos,)
+        if isinstance(eos, list):
+            return tuple(int(e) for e in eos)
+    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    profile: Profile
+    model_dir: Path
+    served_model_name: str
+    enable_prefix_caching: bool = True
+    kv_policy: str = "preempt"
+    max_waiting: int | None = None
+
+
+def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
+    """`num_replicas` simulated engines sharing one tokenizer."""
+    tokenizer = LightTokenizer(spec.model_dir)
+    eos = eos_token_ids(spec.model_dir, tokenizer)
+    engines = []
+    for _ in range(num_replicas):
+        core = SimEngine(
+            spec.profile,
+            tokenizer,
+            spec.served_model_name,
+            eos,
+            enable_prefix_caching=spec.enable_prefix_caching,
+            kv_policy=spec.kv_policy,
+        )
+        engines.append(AsyncSimEngine(core, spec.max_waiting))
+    return engines
+
+
+class _FleetServer(uvicorn.Server):
+    """One of many servers on one loop: the fleet, not each server, owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_fleet(
+    spec: ReplicaSpec,
+    host: str,
+    ports: list[int],
+    api_key: str | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Serve one simulated replica per port until SIGINT/SIGTERM."""
+    from corral_engine.server import create_app
+
+    loop = asyncio.get_running_loop()
+    engines = build_engines(spec, len(ports))
+    servers = []
+    for engine, port in zip(engines, ports, strict=True):
+        app = create_app(engine, api_key=api_key, log_interval_s=60.0)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=2
+        )
+        servers.append(_FleetServer(config))
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    while not all(s.started for s in servers):
+        if any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.05)
+    logger.info(
+        "%d simulated replicas (%s) on %s ports %s", len(ports), spec.profile.name, host, _ports_text(ports)
+    )
+    if on_ready is not None:
+        on_ready()
+    watch = asyncio.create_task(_watch_lag(engines))
+    await asyncio.wait([asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    for s in servers:
+        s.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _watch_lag(
+    engines: list[AsyncSimEngine], interval_s: float = 10.0, max_lag_s: float = 0.05
+) -> None:
+    """Warn when steps end later than the profile says: the process cannot keep up (too many
+    replicas or tokens per second for its CPU), so latencies read high and throughput low."""
+    while True:
+        await asyncio.sleep(interval_s)
+        lag_s = max(e.max_lag_s for e in engines)
+        for e in engines:
+            e.max_lag_s = 0.0
+        if lag_s > max_lag_s:
+            logger.warning(
+                "simulated steps ended up to %.0f ms after their predicted time in the last %.0f s: "
+                "this process cannot keep up; run fewer replicas per process",
+                1000 * lag_s,
+                interval_s,
+            )
+
+
+def _ports_text(ports: list[int]) -> str:
+    return f"{ports[0]}-{ports[-1]}" if ports == list(range(ports[0], ports[0] + len(ports))) else str(ports)

@@ -1,0 +1,218 @@
+"""Step-time models for the simulated engine: a roofline from a GPU's FLOP/s and memory bandwidth,
+or a linear fit to measured step times (no torch; numpy only for fitting).
+
+A step's cost depends on the batch the scheduler chose: how many tokens it computes, how many
+sequences it holds, how much KV their attention reads, and how many query-key pairs it scores.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+from corral_engine.core.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computes; every step-time model reads only this."""
+
+    num_tokens: int  # new tokens computed (prefill chunks + one per decode)
+    num_seqs: int
+    num_kv_tokens: int  # KV entries attention reads: sum over sequences of their context after the step
+    num_attn_pairs: float  # query-key pairs scored (causal within a chunk)
+
+    @classmethod
+    def of(cls, scheduled: Iterable[ScheduledSeq]) -> StepShape:
+        num_tokens = num_seqs = num_kv = 0
+        pairs = 0.0
+        for s in scheduled:
+            new = s.num_new_tokens
+            num_tokens += new
+            num_seqs += 1
+            num_kv += s.start + new
+            pairs += new * (s.start + (new + 1) / 2)
+        return cls(num_tokens, num_seqs, num_kv, pairs)
+
+    def features(self) -> list[float]:
+        """The fitted model's regressors, constant first."""
+        return [
+            1.0,
+            float(self.num_seqs),
+            float(self.num_tokens),
+            float(self.num_kv_tokens),
+            self.num_attn_pairs,
+        ]
+
+
+class StepTimeModel(Protocol):
+    def step_time_s(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A transformer's shape, as much as its cost needs."""
+
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_param: int = 2  # bf16
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    name: str
+    peak_flops: float  # dense bf16, per GPU
+    memory_bandwidth_bytes_s: float
+    memory_bytes: float
+    link_bandwidth_bytes_s: float = 450e9  # NVLink, one direction, for tensor-parallel all-reduces
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """max(compute time, memory time) + fixed costs. Efficiencies are the share of peak that real
+    kernels reach (vLLM-class engines: ~0.6 of FLOP/s in prefill, ~0.85 of bandwidth in decode)."""
+
+    gpu: Gpu
+    model: ModelShape
+    num_gpus: int = 1  # tensor parallel
+    compute_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.85
+    step_overhead_s: float = 1.0e-3  # scheduling, launches (CUDA graphs), sampling
+    seq_overhead_s: float = 10e-6  # per sequence in the batch (inputs, outputs, detokenizing)
+    allreduce_latency_s: float = 8e-6
+
+    def step_time_s(self, shape: StepShape) -> float:
+        m = self.model
+        flops = (
+            2 * m.num_params * shape.num_tokens
+            + 4 * m.num_layers * m.num_heads * m.head_dim * shape.num_attn_pairs
+        )
+        mem_bytes = m.weight_bytes + m.kv_bytes_per_token * (shape.num_kv_tokens + shape.num_tokens)
+        compute_s = flops / (self.num_gpus * self.gpu.peak_flops * self.compute_efficiency)
+        memory_s = mem_bytes / (self.num_gpus * self.gpu.memory_bandwidth_bytes_s * self.bandwidth_efficiency)
+        comm_s = 0.0
+        if self.num_gpus > 1:  # two all-reduces of the activations per layer
+            volume = shape.num_tokens * m.hidden_size * m.bytes_per_param
+            comm_s = 2 * m.num_layers * (self.allreduce_latency_s + volume / self.gpu.link_bandwidth_bytes_s)
+        return self.step_overhead_s + self.seq_overhead_s * shape.num_seqs + max(compute_s, memory_s) + comm_s
+
+    def num_kv_blocks(self, block_size: int, memory_utilization: float = 0.9) -> int:
+        """KV blocks in what the GPUs' memory holds beyond the weights and ~2 GiB of activations each."""
+        budget = (
+            self.num_gpus * (self.gpu.memory_bytes * memory_utilization - 2 * 2**30) - self.model.weight_bytes
+        )
+        return max(1, int(budget // (self.model.kv_bytes_per_token * block_size)))
+
+
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    """t = c0 + c_seq * seqs + c_tok * tokens + c_kv * kv tokens + c_attn * attention pairs."""
+
+    coefficients: tuple[float, float, float, float, float]
+
+    def step_time_s(self, shape: StepShape) -> float:
+        return max(0.0, sum(c * f for c, f in zip(self.coefficients, shape.features(), strict=True)))
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], times_s: Sequence[float]) -> Fitted:
+        """Least squares with non-negative coefficients (a regressor that fits negative is dropped
+        and the rest refitted), so the model never predicts that more work takes less time."""
+        import numpy as np
+
+        x = np.array([s.features() for s in shapes], dtype=np.float64)
+        y = np.array(times_s, dtype=np.float64)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns span ~10 orders of magnitude
+        active = list(range(x.shape[1]))
+        coef = np.zeros(x.shape[1])
+        while active:
+            sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+            coef[:] = 0.0
+            coef[active] = sol / scale[active]
+            negative = [i for i in active if coef[i] < 0]
+            if not negative:
+                break
+            active.remove(min(negative, key=lambda i: coef[i] * scale[i]))
+        c0, c1, c2, c3, c4 = (float(c) for c in coef)
+        return cls((c0, c1, c2, c3, c4))
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A simulated replica: how long its steps take and how its scheduler is sized."""
+
+    name: str
+    model: Roofline | Fitted
+    num_kv_blocks: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    block_size: int = 16
+
+    def step_time_s(self, shape: StepShape) -> float:
+        return self.model.step_time_s(shape)
+
+    def to_json(self) -> dict[str, Any]:
+        if not isinstance(self.model, Fitted):
+            raise ValueError("only fitted profiles are written to files; roofline ones are built in")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        return {**out, "kind": "fitted", "coefficients": list(self.model.coefficients)}
+
+
+LLAMA3_8B = ModelShape(8.03e9, 32, 4096, 32, 8, 128)
+LLAMA3_70B = ModelShape(70.6e9, 80, 8192, 64, 8, 128)
+H100 = Gpu("H100-SXM-80GB", 989e12, 3.35e12, 80e9)
+A100 = Gpu("A100-SXM-80GB", 312e12, 2.039e12, 80e9, link_bandwidth_bytes_s=300e9)
+
+
+def _roofline_profile(name: str, gpu: Gpu, model: ModelShape, num_gpus: int) -> Profile:
+    roofline = Roofline(gpu, model, num_gpus)
+    return Profile(name, roofline, roofline.num_kv_blocks(16))
+
+
+BUILTIN = {
+    p.name: p
+    for p in (
+        _roofline_profile("h100-llama3-8b", H100, LLAMA3_8B, 1),
+        _roofline_profile("h100-llama3-70b", H100, LLAMA3_70B, 4),
+        _roofline_profile("a100-llama3-8b", A100, LLAMA3_8B, 1),
+        _roofline_profile("a100-llama3-70b", A100, LLAMA3_70B, 4),
+    )
+}
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile by name (`h100-llama3-8b`, ...) or a fitted one from a JSON file."""
+    if name_or_path in BUILTIN:
+        return BUILTIN[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"unknown profile {name_or_path!r}: not one of {', '.join(BUILTIN)} nor a file")
+    data = json.loads(path.read_text())
+    if data.get("kind") != "fitted" or len(data.get("coefficients", ())) != 5:
+        raise ValueError(f"{path}: not a fitted profile (kind 'fitted' with 5 coefficients)")
+    known = {f.name for f in fields(Profile)} - {"model"}
+    sizes = {k: v for k, v in data.items() if k in known}
+    return Profile(model=Fitted(tuple(float(c) for c in data["coefficients"])), **sizes)  # type: ignore[arg-type]
+
+
+def describe(profile: Profile) -> dict[str, Any]:
+    """The profile in a JSON-friendly form, for logs and benchmark reports."""
+    model = profile.model
+    kind = "fitted" if isinstance(model, Fitted) else "roofline"
+    sizes = {f.name: getattr(profile, f.name) for f in fields(profile) if f.name != "model"}
+    return {**sizes, "kind": kind, "model": asdict(model)}

@@ -1,0 +1,73 @@
+"""A tokenizer for the simulated engine from a checkpoint's tokenizer.json and chat template, with
+the Hugging Face `tokenizers` library and jinja2 alone: transformers imports torch, the simulator
+must not (64 replicas share one process and one tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from corral_engine.errors import ModelLoadError
+
+
+class LightTokenizer:
+    """The part of a transformers tokenizer the server and the output processor call: `encode`,
+    `decode`, `apply_chat_template`, and `backend_tokenizer` for their fast paths."""
+
+    clean_up_tokenization_spaces = False  # lets the detokenizer call the Rust decode directly
+    split_special_tokens = False
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        path = Path(model_dir)
+        if not (path / "tokenizer.json").is_file():
+            raise ModelLoadError(f"{path} has no tokenizer.json (the simulator reads only that format)")
+        self.backend_tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template: str | None = config.get("chat_template")
+        self.eos_token_id = self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self.backend_tokenizer.get_vocab_size()
+        self._template: Any = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        text = str(
+            self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _token_text(token: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(token, dict):
+        return str(token.get("content"))
+    return token if isinstance(token, str) else None
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)

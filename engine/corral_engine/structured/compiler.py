@@ -1,0 +1,128 @@
+"""Grammars compiled once per distinct spec (llguidance), and a fresh matcher per sequence.
+
+A compiled grammar is kept as a matcher in its initial state; each constrained sequence gets a
+`deep_copy` of it, which costs microseconds where compiling a schema costs milliseconds. The cache
+is shared by the server's threads (requests are validated on the event loop), hence the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from corral_engine.core.scheduler import ScheduledSeq
+from corral_engine.core.sequence import Request
+from corral_engine.errors import InvalidRequestError
+from corral_engine.structured.masks import MaskBuilder, MaskStats, PendingMasks
+from corral_engine.structured.spec import GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 512
+_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        """`vocab_size`: the model's logits width (may exceed the tokenizer's vocabulary)."""
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._masks: MaskBuilder | None = None
+        self.num_compiled = 0
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary, built on first use (a large vocabulary takes ~1 s)."""
+        if self._ll_tokenizer is None:
+            import llguidance
+
+            backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                raise InvalidRequestError(
+                    "structured outputs need a fast (tokenizer.json) tokenizer", "structured_outputs"
+                )
+            size = max(self._vocab_size, backend.get_vocab_size(with_added_tokens=True))
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=size, eos_token=self._eos_token_ids
+            )
+        return self._ll_tokenizer
+
+    @property
+    def mask_width(self) -> int:
+        """int32 words in one sequence's token bitmask."""
+        return (int(self.ll_tokenizer.vocab_size) + 31) // 32
+
+    def attach(self, request: Request) -> None:
+        """Give each of a constrained request's sequences its own grammar state (raises
+        InvalidRequestError when the grammar does not compile)."""
+        spec = request.params.grammar
+        if spec is not None:
+            for seq in request.seqs:
+                seq.grammar = self.matcher(spec)
+
+    def start_masks(self, scheduled: list[ScheduledSeq]) -> PendingMasks:
+        """Start filling the token masks of a step's constrained sequences. The rows are those of
+        the sequences that sample without drafts (constrained ones never draft), in step order."""
+        if self._ll_tokenizer is None:
+            return PendingMasks.NONE  # no request was ever constrained
+        if self._masks is None:
+            self._masks = MaskBuilder(self.mask_width)
+        return self._masks.start([s.seq for s in scheduled if s.samples and not s.num_spec])
+
+    @property
+    def mask_stats(self) -> MaskStats:
+        return self._masks.stats if self._masks is not None else MaskStats()
+
+    def matcher(self, spec: GrammarSpec) -> Any:
+        """A fresh llguidance.LLMatcher for one sequence; InvalidRequestError when `spec` does not
+        compile, with llguidance's reason."""
+        with self._lock:
+            proto = self._cache.get(spec)
+            if proto is None:
+                proto = self._compile(spec)
+                self._cache[spec] = proto
+                if len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(spec)
+            return proto.deep_copy()
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        import llguidance
+
+        what = _WHAT[spec.kind]
+        try:
+            grammar = _grammar_text(spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"Invalid {what}: {e}", spec.param) from e
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"Invalid {what}: {matcher.get_error()}", spec.param)
+        self.num_compiled += 1
+        return matcher
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar for `spec`; ValueError when it cannot even be translated."""
+    import llguidance
+
+    if spec.kind == "json":
+        # Bounded whitespace: none between tokens unless the request gives a pattern, so a model
+        # that favours spaces or newlines cannot pad a document past max_tokens.
+        options: dict[str, Any] = (
+            {"whitespace_flexible": False}
+            if spec.whitespace_pattern is None
+            else {"whitespace_pattern": spec.whitespace_pattern}
+        )
+        return str(llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=options))  # type: ignore[arg-type]
+    if spec.kind == "regex":
+        return str(llguidance.LLMatcher.grammar_from_regex(spec.text))
+    if spec.kind == "choice":
+        return str(llguidance.grammar_from("choice", spec.text))
+    return str(llguidance.grammar_from("grammar", spec.text))

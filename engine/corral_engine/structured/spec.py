@@ -1,0 +1,38 @@
+"""What a request asks its output to match: one grammar, as plain hashable data (no llguidance).
+
+`GrammarSpec` is the cache key of a compiled grammar; `param` names the request field it came
+from, so a grammar that does not compile is a 400 naming that field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+GrammarKind = Literal["json", "regex", "choice", "grammar"]
+GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
+# Any JSON object, for `response_format: {"type": "json_object"}` and `structured_outputs.json_object`.
+ANY_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    kind: GrammarKind
+    # json: the schema as compact JSON text; regex, grammar: the source; choice: a JSON list.
+    text: str
+    # JSON only: the whitespace allowed between tokens, as a regex (None: none at all, compact JSON).
+    whitespace_pattern: str | None = None
+    param: str = field(default="structured_outputs", compare=False)
+
+    @staticmethod
+    def json_schema(
+        schema: dict[str, Any] | str, param: str, whitespace_pattern: str | None = None
+    ) -> GrammarSpec:
+        value = json.loads(schema) if isinstance(schema, str) else schema
+        text = json.dumps(value, separators=(",", ":"))  # key order kept: it orders the output
+        return GrammarSpec("json", text, whitespace_pattern, param)
+
+    @staticmethod
+    def choice(options: list[str], param: str) -> GrammarSpec:
+        return GrammarSpec("choice", json.dumps(list(options)), param=param)

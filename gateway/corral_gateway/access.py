@@ -1,0 +1,70 @@
+"""What the gateway records when a request ends: one access log line (on by default) and the
+per-API-key token counters. Keys appear by their name from the keys file (or a short hash of the
+key); prompts, completions and the keys themselves never do."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry.trace import Span
+
+from corral_gateway import tracing
+from corral_gateway.metrics import GatewayMetrics
+from corral_gateway.quota import ReportedUsage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Which request a response answers: for metrics and logs."""
+
+    model: str
+    request_id: str
+    start_s: float  # time.monotonic() at arrival
+    key_name: str = ""  # the API key's name; "" when the gateway checks no keys
+    span: Span | None = None  # the request's server span, while tracing
+
+
+class AccessLog:
+    def __init__(self, metrics: GatewayMetrics, is_enabled: bool = True) -> None:
+        self.metrics = metrics
+        self.is_enabled = is_enabled
+
+    def finished(self, origin: Origin, replica: str, status: str, usage: ReportedUsage | None) -> None:
+        """Record a request that has ended, however it ended (`replica` is "" when none served it):
+        its span ends, the key's tokens are counted, and its access line is written."""
+        prompt = usage.prompt_tokens if usage is not None else None
+        completion = usage.completion_tokens if usage is not None else None
+        if origin.span is not None:
+            tracing.end_request_span(origin.span, origin.model, replica, status, prompt, completion)
+        if usage is not None and origin.key_name:
+            tokens = self.metrics.key_tokens
+            tokens.labels(origin.key_name, origin.model, "prompt").inc(usage.prompt_tokens)
+            tokens.labels(origin.key_name, origin.model, "completion").inc(usage.completion_tokens)
+        if not self.is_enabled:
+            return
+        duration_s = time.monotonic() - origin.start_s
+        fields = {
+            "request_id": origin.request_id,
+            "model": origin.model,
+            "replica": replica,
+            "status": status,
+            "key": origin.key_name,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "latency_s": round(duration_s, 6),
+        }
+        logger.info(
+            "request %s: model %s, replica %s, status %s, %s prompt + %s completion tokens, %.3f s",
+            origin.request_id,
+            origin.model,
+            replica or "-",
+            status,
+            "?" if prompt is None else prompt,
+            "?" if completion is None else completion,
+            duration_s,
+            extra=fields,
+        )

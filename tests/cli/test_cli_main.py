@@ -1,0 +1,111 @@
+"""The `corral` command's own surface: --version, global options before or after the subcommand,
+defaults in every --help, a missing extra named in one line, and bench's API key and headers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import pytest
+from corral_cli import logs
+from corral_cli.cmd_bench import request_headers
+from corral_cli.main import SUBCOMMANDS, build_parser, has_shown_default, main, version
+
+from tests.bench.fake_openai import MODEL, serve_fake
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"corral {version()}"
+    assert version()[0].isdigit()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--log-level", "debug", "--log-format", "json", "gateway", "--backend", "m=http://h:1"],
+        ["gateway", "--backend", "m=http://h:1", "--log-level", "debug", "--log-format", "json"],
+        ["--log-level", "debug", "gateway", "--log-format", "json", "--backend", "m=http://h:1"],
+    ],
+)
+def test_global_options_before_or_after_the_subcommand(argv: list[str]) -> None:
+    args = build_parser(only="gateway").parse_args(argv)
+    assert (args.log_level, args.log_format, args.command) == ("debug", "json", "gateway")
+
+
+def test_global_options_default_when_not_given() -> None:
+    args = build_parser(only="gateway").parse_args(["gateway", "--backend", "m=http://h:1"])
+    assert (args.log_level, args.log_format) == ("INFO", "text")
+
+
+def test_bad_log_format_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        build_parser(only="gateway").parse_args(["gateway", "--log-format", "xml"])
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_default_is_shown_in_help(command: str) -> None:
+    parser = build_parser(only=command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    text = " ".join(sub.format_help().split())
+    for action in sub._actions:
+        if has_shown_default(action):
+            help_text = " ".join(sub._get_formatter()._expand_help(action).split()) if action.help else ""
+            assert "default" in help_text, f"{command} {action.option_strings}: {help_text!r}"
+    assert "(default: INFO)" in text
+
+
+def test_missing_extra_is_one_line_naming_the_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    # Simulate an install without the engine extra: importing torch fails as it would.
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert main(["engine", "--model", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "corral: error: corral engine needs the Python package 'torch', which is not installed: "
+        "pip install 'corral[engine]'"
+    ]
+
+
+def test_json_log_lines_carry_the_extra_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    logger = logging.getLogger("corral-test-json")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logs.json_formatter())
+    logger.addHandler(handler)
+    try:
+        logger.warning("request %s done", "r1", extra={"request_id": "r1", "status": 200, "latency_s": 0.5})
+    finally:
+        logger.removeHandler(handler)
+    line = json.loads(capsys.readouterr().out)
+    assert line["message"] == "request r1 done" and line["level"] == "WARNING"
+    assert (line["request_id"], line["status"], line["latency_s"]) == ("r1", 200, 0.5)
+    assert line["logger"] == "corral-test-json" and line["time"].startswith("20")
+
+
+def test_bench_request_headers() -> None:
+    assert request_headers("sk-1", ["x-corral-priority: 5", "X-Team:a:b"]) == {
+        "Authorization": "Bearer sk-1",
+        "x-corral-priority": "5",
+        "X-Team": "a:b",
+    }
+    assert request_headers(None, []) == {}
+    with pytest.raises(ValueError, match="NAME:VALUE"):
+        request_headers(None, ["no-colon"])
+
+
+def test_bench_sends_the_api_key_and_headers_with_every_request() -> None:
+    with serve_fake() as (url, state):
+        argv = ["bench", "--base-url", url, "--num-prompts", "2", "--random-input-len", "4"]
+        argv += ["--random-output-len", "2", "--no-progress", "--no-metrics", "--api-key", "sk-bench"]
+        argv += ["--header", "x-corral-priority: 7"]
+        assert main(argv) == 0
+    assert len(state.headers) == 3  # the models list, then two requests
+    for headers in state.headers:
+        assert headers["authorization"] == "Bearer sk-bench"
+        assert headers["x-corral-priority"] == "7"
+    assert state.bodies[0]["model"] == MODEL

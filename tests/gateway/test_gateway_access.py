@@ -1,0 +1,99 @@
+"""The gateway's request id, access log line and per-API-key token counters (fake replicas on
+127.0.0.1): one line per request however it ends, keys by name, never the key or the prompt."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from corral_engine import wire
+from corral_gateway.quota import ReportedUsage, UsageTail
+
+from tests.gateway.conftest import FakeEngine
+from tests.gateway.test_gateway_proxy import fleet
+
+ACCESS_LOGGER = "corral_gateway.access"
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    return [r.__dict__ for r in caplog.records if r.name == ACCESS_LOGGER]
+
+
+async def test_one_access_line_per_request_with_the_id_sent_upstream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    engine = FakeEngine()
+    async with fleet([engine]) as (client, urls):
+        body = {"model": "m", "prompt": "a private prompt"}
+        ok = await client.post("/v1/completions", json=body, headers={"x-request-id": "client-7"})
+        missing = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert ok.headers[wire.HEADER_REQUEST_ID] == "client-7"
+    assert engine.headers_seen[0][wire.HEADER_REQUEST_ID] == "client-7"
+    first, second = access_lines(caplog)
+    assert {k: first[k] for k in ("request_id", "model", "replica", "status")} == {
+        "request_id": "client-7",
+        "model": "m",
+        "replica": urls[0],
+        "status": "200",
+    }
+    assert (first["prompt_tokens"], first["completion_tokens"]) == (3, 5)
+    assert isinstance(first["latency_s"], float) and first["latency_s"] >= 0
+    assert second["request_id"] == missing.headers[wire.HEADER_REQUEST_ID]
+    assert (second["status"], second["replica"]) == ("404", "")
+    assert "a private prompt" not in caplog.text
+
+
+async def test_invalid_incoming_id_is_replaced_before_it_reaches_engine_or_logs() -> None:
+    engine = FakeEngine()
+    async with fleet([engine]) as (client, _):
+        r = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": "x"}, headers={"x-request-id": "a b"}
+        )
+    sent = engine.headers_seen[0][wire.HEADER_REQUEST_ID]
+    assert sent != "a b" and wire.valid_request_id(sent) == sent
+    assert r.headers[wire.HEADER_REQUEST_ID] == sent
+
+
+async def test_access_log_can_be_turned_off(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    async with fleet([FakeEngine()], access_log=False) as (client, _):
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status_code == 200
+    assert access_lines(caplog) == []
+
+
+async def test_tokens_are_counted_per_key_name_never_the_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: sk-team-secret\n    name: team-a\n")
+    async with fleet([FakeEngine()], api_keys_file=keys) as (client, _):
+        auth = {"authorization": "Bearer sk-team-secret"}
+        for _ in range(2):
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=auth)
+            assert r.status_code == 200
+        metrics = (await client.get("/metrics", headers=auth)).text
+    assert 'corral_gateway_key_tokens_total{key="team-a",kind="prompt",model="m"} 6.0' in metrics
+    assert 'corral_gateway_key_tokens_total{key="team-a",kind="completion",model="m"} 10.0' in metrics
+    assert [line["key"] for line in access_lines(caplog)] == ["team-a", "team-a"]
+    assert "sk-team-secret" not in metrics and "sk-team-secret" not in caplog.text
+
+
+def test_usage_tail_reads_the_last_usage_of_a_stream() -> None:
+    tail = UsageTail()
+    assert tail.reported() is None
+    tail.feed(b'data: {"usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}\n\n')
+    tail.feed(b"x" * 10_000)  # only the end is kept
+    tail.feed(b'data: {"usage": {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}}\n\n')
+    tail.feed(b"data: [DONE]\n\n")
+    assert tail.reported() == ReportedUsage(4, 9, 13)
+
+
+async def test_version_route() -> None:
+    from corral_cli.main import version
+
+    async with fleet([FakeEngine()]) as (client, _):
+        r = await client.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": version()}

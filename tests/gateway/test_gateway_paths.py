@@ -1,0 +1,47 @@
+"""Every POST a backend serves goes through the gateway to the body's model, with the same routing,
+retries and auth: /v1/embeddings, /v1/responses, multipart /v1/audio/*, vLLM's /tokenize."""
+
+from __future__ import annotations
+
+from tests.gateway.conftest import FakeEngine
+from tests.gateway.test_gateway_proxy import dead_url, fleet
+
+
+async def test_other_openai_and_vllm_paths_reach_the_models_replicas() -> None:
+    engine = FakeEngine(name="a")
+    async with fleet([engine]) as (client, _):
+        for path, body in [
+            ("/v1/embeddings", {"model": "m", "input": "hello"}),
+            ("/v1/responses", {"model": "m", "input": "hello"}),
+            ("/tokenize", {"model": "m", "prompt": "hello"}),
+            ("/tokenize", {"prompt": "no model: the only model's replicas"}),
+        ]:
+            r = await client.post(path, json=body)
+            assert r.status_code == 200, (path, r.text)
+            assert r.json()["path"] == path and r.json()["replica"] == "a"
+        form = {"model": "m", "language": "en"}
+        audio = bytes(range(256)) * 64
+        r = await client.post(
+            "/v1/audio/transcriptions", data=form, files={"file": ("a.wav", audio, "audio/wav")}
+        )
+        assert r.status_code == 200 and r.json()["path"] == "/v1/audio/transcriptions"
+        assert r.json()["content_type"].startswith("multipart/form-data; boundary=")
+        assert audio in engine.bodies[-1]  # the bytes as sent
+        r = await client.post("/v1/embeddings", json={"model": "other", "input": "x"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        form_other = await client.post(
+            "/v1/audio/translations", data={"model": "other"}, files={"file": ("a", b"x")}
+        )
+        assert form_other.status_code == 404
+        assert (await client.get("/v1/embeddings")).status_code == 404  # only POSTs are forwarded
+        assert (await client.get("/v1/completions")).status_code == 405
+        models = await client.get("/v1/models")
+        assert [m["id"] for m in models.json()["data"]] == ["m"]
+
+
+async def test_other_paths_fail_over_like_completions() -> None:
+    engine = FakeEngine(name="good")
+    async with fleet([engine], extra_urls=[dead_url()], max_attempts=3) as (client, _):
+        for _ in range(4):
+            r = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+            assert r.status_code == 200 and r.json()["replica"] == "good"

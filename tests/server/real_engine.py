@@ -1,0 +1,29 @@
+"""An engine server over a real AsyncEngine on a tiny random-weight demo model, reached in-process
+by the official `openai` client (ASGI transport, no socket)."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+from corral_engine import AsyncEngine, EngineArgs
+from corral_engine.server import create_app
+
+
+@contextlib.asynccontextmanager
+async def openai_client(
+    model_dir: pathlib.Path, tool_call_parser: str | None = None, **args: Any
+) -> AsyncIterator[openai.AsyncOpenAI]:
+    args.setdefault("num_kv_blocks", 256)
+    engine = AsyncEngine(EngineArgs(model=str(model_dir), dtype="float32", **args))
+    app = create_app(engine, tool_call_parser=tool_call_parser)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            yield openai.AsyncOpenAI(
+                base_url="http://127.0.0.1/v1", api_key="unused", http_client=http, max_retries=0
+            )

@@ -1,0 +1,172 @@
+"""The engine's per-request phase histograms, tokens per step and speculative-decoding counters:
+names, types, and values after a known workload (hand-made timestamps, then the tiny real model)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import httpx
+import pytest
+from corral_engine import wire
+from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from corral_engine.server import create_app
+from corral_engine.server.metrics import ITERATION_TOKENS_BUCKETS, ServerMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "m"
+HISTOGRAMS = (
+    wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+    wire.REQUEST_PREFILL_TIME_SECONDS,
+    wire.REQUEST_DECODE_TIME_SECONDS,
+    wire.REQUEST_INFERENCE_TIME_SECONDS,
+    wire.ITERATION_TOKENS_TOTAL,
+)
+COUNTERS = (wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL)
+
+
+def families(text: str) -> dict[str, tuple[str, dict[str, float]]]:
+    """family name -> (type, sample name -> value) for the single model's series."""
+    out: dict[str, tuple[str, dict[str, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        values = {
+            s.name + (f"[{s.labels['le']}]" if "le" in s.labels else ""): s.value for s in family.samples
+        }
+        # The parser names a counter's family without `_total`; key every family by its full name.
+        name = family.name + "_total" if family.type == "counter" else family.name
+        out[name] = (family.type, values)
+    return out
+
+
+def finished(num_tokens: int, scheduled: float, first: float, last: float) -> RequestOutput:
+    tokens = list(range(num_tokens))
+    output = CompletionOutput(0, "x", tokens, delta_text="", delta_token_ids=[], finish_reason="length")
+    metrics = RequestMetrics(
+        arrival_time=0.0,
+        first_scheduled_time=scheduled,
+        first_token_time=first,
+        last_token_time=last,
+        finished_time=last,
+    )
+    return RequestOutput("r", [1, 2, 3], [output], finished=True, metrics=metrics)
+
+
+def test_phase_histograms_after_known_requests() -> None:
+    stats = EngineStats(num_spec_proposed_total=12, num_spec_accepted_total=7)
+    metrics = ServerMetrics(lambda: stats, MODEL, 64)
+    metrics.observe_finished(finished(5, scheduled=1.0, first=1.5, last=3.5))
+    metrics.observe_finished(finished(1, scheduled=2.0, first=2.25, last=2.25))  # no decode gaps
+    metrics.observe_step(0.01, 40)
+    metrics.observe_step(0.01, 3)
+    metrics.observe_step(0.01, 0)  # an idle step: not an iteration
+    got = families(metrics.render().decode())
+
+    for name in HISTOGRAMS:
+        assert got[name][0] == "histogram", name
+    for name in COUNTERS:
+        assert got[name][0] == "counter", name
+
+    _, prefill = got[wire.REQUEST_PREFILL_TIME_SECONDS]
+    assert (
+        prefill[wire.REQUEST_PREFILL_TIME_SECONDS + "_count"],
+        prefill[wire.REQUEST_PREFILL_TIME_SECONDS + "_sum"],
+    ) == (2, 0.75)
+    _, decode = got[wire.REQUEST_DECODE_TIME_SECONDS]
+    assert decode[wire.REQUEST_DECODE_TIME_SECONDS + "_sum"] == 2.0
+    _, inference = got[wire.REQUEST_INFERENCE_TIME_SECONDS]
+    assert inference[wire.REQUEST_INFERENCE_TIME_SECONDS + "_sum"] == 2.75
+    _, tpot = got[wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS]
+    # 2 s of decode over 4 tokens after the first; the one-token request has no time per token.
+    assert tpot[wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS + "_count"] == 1
+    assert tpot[wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS + "_sum"] == 0.5
+    assert tpot[wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS + "_bucket[0.5]"] == 1
+    assert tpot[wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS + "_bucket[0.4]"] == 0
+
+    _, iteration = got[wire.ITERATION_TOKENS_TOTAL]
+    base = wire.ITERATION_TOKENS_TOTAL
+    assert iteration[base + "_count"] == 2 and iteration[base + "_sum"] == 43
+    assert iteration[base + "_bucket[8.0]"] == 1 and iteration[base + "_bucket[64.0]"] == 2
+    assert ITERATION_TOKENS_BUCKETS[0] == 1 and ITERATION_TOKENS_BUCKETS[-1] == 16384
+
+    assert got[wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL][1] == {wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL: 12}
+    assert got[wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL][1] == {
+        wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL: 7
+    }
+
+
+def test_aborted_requests_are_not_observed() -> None:
+    metrics = ServerMetrics(EngineStats, MODEL, 64)
+    out = finished(5, scheduled=1.0, first=1.5, last=3.5)
+    out.outputs[0].finish_reason = "abort"
+    metrics.observe_finished(out)
+    got = families(metrics.render().decode())
+    assert got[wire.REQUEST_DECODE_TIME_SECONDS][1][wire.REQUEST_DECODE_TIME_SECONDS + "_count"] == 0
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+async def test_served_tiny_model_metrics(
+    tiny_model_dir: pathlib.Path, speculative: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from corral_engine import AsyncEngine, EngineArgs, llm_engine
+
+    # A random-weight model rarely repeats itself: propose 4 drafts every step (accepted only
+    # where the model happens to agree), so the draft count is known.
+    monkeypatch.setattr(llm_engine.ngram, "propose", lambda ids, k, **_: [(ids[-1] + 1) % 500] * k)
+
+    args = EngineArgs(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        speculative=speculative,
+        served_model_name="tiny",
+    )
+    engine = AsyncEngine(args)
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            # A repetitive prompt, so n-gram drafts find matches.
+            body = {
+                "model": "tiny",
+                "prompt": [5, 6, 7, 8] * 8,
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            got = families((await client.get("/metrics")).text)
+            stats = engine.stats()
+
+    for name in (
+        wire.REQUEST_PREFILL_TIME_SECONDS,
+        wire.REQUEST_DECODE_TIME_SECONDS,
+        wire.REQUEST_INFERENCE_TIME_SECONDS,
+        wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+    ):
+        assert got[name][1][name + "_count"] == 1, name
+    phases = {
+        n: got[n][1][n + "_sum"]
+        for n in (wire.REQUEST_PREFILL_TIME_SECONDS, wire.REQUEST_DECODE_TIME_SECONDS)
+    }
+    inference = got[wire.REQUEST_INFERENCE_TIME_SECONDS][1][wire.REQUEST_INFERENCE_TIME_SECONDS + "_sum"]
+    assert inference == pytest.approx(sum(phases.values()))
+    tpot = got[wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS][1][
+        wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS + "_sum"
+    ]
+    assert tpot == pytest.approx(phases[wire.REQUEST_DECODE_TIME_SECONDS] / 23)
+
+    base = wire.ITERATION_TOKENS_TOTAL
+    iteration = got[base][1]
+    assert 1 <= iteration[base + "_count"] <= stats.num_steps_total
+    drafts = got[wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL][1][wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL]
+    accepted = got[wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL][1][wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL]
+    assert (drafts, accepted) == (stats.num_spec_proposed_total, stats.num_spec_accepted_total)
+    if speculative is None:
+        assert drafts == accepted == 0
+        # The prompt's 32 tokens, then one fed-back token per decode step for the 23 after the first.
+        assert iteration[base + "_sum"] == 32 + 23
+        assert iteration[base + "_count"] == 24
+    else:
+        assert drafts > 0 and 0 <= accepted <= drafts
+        # Each step verifies 4 drafts and yields at least one token: at most 24 steps.
+        assert iteration[base + "_count"] <= 24

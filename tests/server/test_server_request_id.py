@@ -1,0 +1,113 @@
+"""The engine's request id: a valid incoming x-request-id is adopted for the response id, the
+response header and the access log line; anything else is replaced by a minted one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+from corral_cli.main import version
+from corral_engine import wire
+
+from tests.server.fake_engine import FakeEngine
+
+MODEL = FakeEngine.served_model_name
+ACCESS_LOGGER = "corral_engine.server.access"
+
+
+def access_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == ACCESS_LOGGER]
+
+
+async def test_incoming_id_names_the_response_and_the_log_line(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "secret prompt"}], "max_tokens": 4}
+    r = await client.post("/v1/chat/completions", json=body, headers={"x-request-id": "gw-0042.a:b"})
+    assert r.status_code == 200, r.text
+    assert r.headers[wire.HEADER_REQUEST_ID] == "gw-0042.a:b"
+    assert r.json()["id"] == "chatcmpl-gw-0042.a:b"
+    [record] = access_records(caplog)
+    assert record.__dict__["request_id"] == "gw-0042.a:b"
+    assert record.__dict__["status"] == 200
+    assert record.__dict__["model"] == MODEL
+    assert record.__dict__["completion_tokens"] == 4
+    assert record.__dict__["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert record.__dict__["latency_s"] >= 0
+    assert "secret prompt" not in caplog.text
+
+
+async def test_streamed_chunks_carry_the_incoming_id(client: httpx.AsyncClient) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}
+    r = await client.post("/v1/completions", json=body, headers={"x-request-id": "abc123"})
+    assert r.headers[wire.HEADER_REQUEST_ID] == "abc123"
+    events = [json.loads(b[6:]) for b in r.text.split("\n\n") if b.startswith("data: {")]
+    assert events and {e["id"] for e in events} == {"cmpl-abc123"}
+
+
+@pytest.mark.parametrize("incoming", [None, "", "has space", "x" * 129, "a/b", "{bad}"])
+async def test_missing_or_invalid_id_is_replaced_by_a_minted_one(
+    client: httpx.AsyncClient, incoming: str | None
+) -> None:
+    headers = {} if incoming is None else {"x-request-id": incoming}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    r = await client.post("/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    minted = r.headers[wire.HEADER_REQUEST_ID]
+    assert minted != incoming and wire.valid_request_id(minted) == minted
+    assert r.json()["id"] == f"cmpl-{minted}"
+
+
+async def test_refused_request_is_logged_with_its_status_and_id(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    r = await client.post(
+        "/v1/completions", json={"model": "nope", "prompt": "hi"}, headers={"x-request-id": "r1"}
+    )
+    assert r.status_code == 404
+    assert r.headers[wire.HEADER_REQUEST_ID] == "r1"
+    [record] = access_records(caplog)
+    assert (record.__dict__["request_id"], record.__dict__["status"]) == ("r1", 404)
+
+
+async def test_probes_are_not_access_logged(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    await client.get("/health")
+    await client.get("/metrics")
+    assert access_records(caplog) == []
+
+
+def test_request_id_rule() -> None:
+    assert wire.valid_request_id("A-z_0.9:x") == "A-z_0.9:x"
+    assert wire.valid_request_id("x" * wire.MAX_REQUEST_ID_CHARS) is not None
+    for bad in (None, "", "a b", "x" * (wire.MAX_REQUEST_ID_CHARS + 1), "a/b", "a\r\nb"):
+        assert wire.valid_request_id(bad) is None
+
+
+async def test_version_route(client: httpx.AsyncClient) -> None:
+    r = await client.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": version()}
+
+
+async def test_a_reused_id_of_a_running_request_is_still_served(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    engine.gate.clear()  # the first request waits in the queue, its id in use
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    first = asyncio.create_task(client.post("/v1/completions", json=body, headers={"x-request-id": "same"}))
+    while "cmpl-same" not in engine.requests:
+        await asyncio.sleep(0.01)
+    second = asyncio.create_task(client.post("/v1/completions", json=body, headers={"x-request-id": "same"}))
+    while len(engine.requests) < 2:
+        await asyncio.sleep(0.01)
+    engine.gate.set()
+    for response in await asyncio.gather(first, second):
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == "cmpl-same" and response.headers["x-request-id"] == "same"
