@@ -166,7 +166,7 @@ def _with_local_model(args: argparse.Namespace, engine_args: EngineArgs) -> Engi
     return dataclasses.replace(engine_args, model=str(resolved.path), served_model_name=name)
 
 
-def _set_torch_threads(num_threads: int | None) -> None:
+def _set_torch_threads(num_threads: int | None, num_ranks: int = 1) -> None:
     for name, value in OPENMP_DEFAULTS.items():  # unless the user set them
         os.environ.setdefault(name, value)
     # Weights, KV cache and large activations on 2 MiB pages (corral_cli.malloc); read by PyTorch
@@ -174,7 +174,8 @@ def _set_torch_threads(num_threads: int | None) -> None:
     os.environ.setdefault(malloc.THP_ENV, "1")
     import torch
 
-    torch.set_num_threads(num_threads or max(1, len(os.sched_getaffinity(0))))
+    # Tensor-parallel ranks on one machine share its cores.
+    torch.set_num_threads(num_threads or max(1, len(os.sched_getaffinity(0)) // num_ranks))
     # The step loop is the only caller, so extra inter-op pools just contend; setting it fails
     # (RuntimeError) once parallel work has started, which is harmless.
     with contextlib.suppress(RuntimeError):
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     except tracing.TracingUnavailable as e:
         log.error("%s", e)
         return 2
-    _set_torch_threads(engine_args.num_threads)
+    _set_torch_threads(engine_args.num_threads, engine_args.tensor_parallel_size)
     _log_memory_setup(engine_args.device)
 
     from corral_engine.async_engine import AsyncEngine
@@ -240,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         log.error("cannot load the model: %s", e)
         return 1
+    if hasattr(engine.engine.runner, "on_failure"):  # tensor parallel: a dead rank ends the engine
+        engine.engine.runner.on_failure = _exit_on_rank_failure
     app = create_app(
         engine,
         api_key=args.api_key,
@@ -248,3 +251,11 @@ def run(args: argparse.Namespace) -> int:
     )
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
     return 0
+
+
+def _exit_on_rank_failure(message: str) -> None:
+    """A tensor-parallel rank died (the others are stopped already): the replica cannot serve, so
+    it exits at once with an error, for its supervisor (Kubernetes, `corral up`) to restart."""
+    log.error("%s; exiting", message)
+    logging.shutdown()
+    os._exit(1)

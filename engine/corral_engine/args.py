@@ -9,7 +9,6 @@ for both engine kinds and the docs' flag table are all derived from these declar
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from corral_engine.options import (
     Vllm,
     broken_rule,
     parse_bytes,
+    scalar_type,
 )
 
 __all__ = [
@@ -62,8 +62,8 @@ RULES: tuple[Exclusive | AtMost, ...] = (
     AtMost("prompt_lookup_min", "prompt_lookup_max"),
 )
 
-
 _MODEL_HELP = "a local checkpoint directory, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or pvc://CLAIM/PATH"
+_TP_HELP = "ranks (processes) the model is split across: a GPU each on CUDA, a share of the cores on CPU"
 
 
 def _option(default: object, **declared: Any) -> Any:
@@ -90,6 +90,9 @@ class EngineArgs:
         vllm=Vllm("--dtype"),
     )
     device: str = _option("auto", help="cpu, cuda, cuda:N", metavar="DEVICE")
+    tensor_parallel_size: int = _option(
+        1, help=_TP_HELP, metavar="N", ge=1, le=64, vllm=Vllm("--tensor-parallel-size")
+    )
     attention_backend: AttentionBackend = _option(
         "auto",
         help="attention kernels: triton (paged, one launch a step; on CPU only under TRITON_INTERPRET=1), "
@@ -292,9 +295,4 @@ def default_text(name: str) -> str:
 def value_type(name: str) -> type:
     """The Python type of option `name`'s values: bool, int, float or str (a Literal's values are
     str)."""
-    hint = _TYPE_HINTS[name]
-    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    (kind,) = [a for a in (typing.get_args(hint) if is_union else (hint,)) if a is not type(None)]
-    if typing.get_origin(kind) is Literal:
-        return type(typing.get_args(kind)[0])
-    return kind  # type: ignore[no-any-return]
+    return scalar_type(_TYPE_HINTS[name])

@@ -98,6 +98,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
             self._thread = None
+        await asyncio.to_thread(self.engine.runner.close)  # tensor-parallel workers, if any
         for queue in self._streams.values():
             queue.put_nowait(EngineDeadError("the engine is shutting down"))
 

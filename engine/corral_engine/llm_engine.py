@@ -21,8 +21,8 @@ from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
-from corral_engine.model.runner import ModelRunner
 from corral_engine.model.sampler import Sampler, token_logprob
+from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from corral_engine.request_checks import check_request
@@ -57,9 +57,7 @@ class LLMEngine:
         )
         self.served_model_name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
         self.eos_token_ids = self.model_config.eos_token_ids
-        self.runner = ModelRunner(
-            self.model_config, args, self.max_model_len, self.settings, graph_capture=graph_capture
-        )
+        self.runner = make_runner(self.model_config, args, self.max_model_len, self.settings, graph_capture)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, args.block_size, args.enable_prefix_caching
         )

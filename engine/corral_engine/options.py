@@ -5,9 +5,11 @@ equivalent), the two-option rules, and the one byte-size grammar (light; no torc
 from __future__ import annotations
 
 import re
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 # Byte sizes everywhere (flags, CRD fields): a number with an optional Kubernetes-style suffix and
 # an optional trailing B: 1073741824, 512Mi, 512MiB, 4Gi, 2G, 1.5Gi.
@@ -112,3 +114,13 @@ def broken_rule(values: dict[str, Any], rules: tuple[Exclusive | AtMost, ...]) -
             if low is not None and high is not None and low > high:
                 return rule
     return None
+
+
+def scalar_type(hint: Any) -> type:
+    """bool, int, float or str from an option's annotation (`X | None` is X; a Literal is its
+    values' type)."""
+    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    (kind,) = [a for a in (typing.get_args(hint) if is_union else (hint,)) if a is not type(None)]
+    if typing.get_origin(kind) is Literal:
+        return type(typing.get_args(kind)[0])
+    return kind  # type: ignore[no-any-return]

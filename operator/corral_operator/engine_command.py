@@ -65,9 +65,6 @@ def vllm_args(spec: LLMDeploymentSpec, model_path: str, port: int) -> list[str]:
     options the spec sets, so vLLM's own defaults hold for the rest."""
     engine_args(spec, model_path)  # the engine's own checks hold for either engine kind
     flags = vllm_flags(_given(spec, model_path))
-    gpus = spec.resources.gpu
-    if gpus > 1 and not any(a.startswith("--tensor-parallel-size") for a in spec.engine.extra_args):
-        flags += ["--tensor-parallel-size", str(gpus)]  # one replica spans its GPUs
     return [*flags, "--host", "0.0.0.0", "--port", str(port), *spec.engine.extra_args]
 
 
@@ -91,4 +88,8 @@ def vllm_flags(given: dict[str, object]) -> list[str]:
 
 
 def _given(spec: LLMDeploymentSpec, model_path: str) -> dict[str, object]:
-    return {"model": model_path, "served_model_name": spec.model.name, **given_options(spec.engine.args)}
+    given = {"model": model_path, "served_model_name": spec.model.name, **given_options(spec.engine.args)}
+    gpus = spec.resources.gpu
+    if gpus > 1 and not any(a.startswith("--tensor-parallel-size") for a in spec.engine.extra_args):
+        given["tensor_parallel_size"] = gpus  # one replica spans its GPUs, with either engine kind
+    return given

@@ -224,7 +224,7 @@ def test_defaults_leave_the_pod_as_before_and_run_as_the_images_user() -> None:
 
 
 @pytest.mark.parametrize("kind", ["corral", "vllm"])
-def test_gpu_pods_get_shared_memory_and_vllm_spans_its_gpus(kind: str) -> None:
+def test_gpu_pods_get_shared_memory_and_span_their_gpus(kind: str) -> None:
     raw = valid_spec()
     raw["engine"] = {"kind": kind, "image": "engine:test"}
     raw["resources"] = {"gpu": 4}
@@ -234,10 +234,7 @@ def test_gpu_pods_get_shared_memory_and_vllm_spans_its_gpus(kind: str) -> None:
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
     argv = pod["containers"][0].get("args", []) + pod["containers"][0].get("command", [])
-    if kind == "vllm":
-        assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
-    else:  # the bundled engine has no tensor parallelism yet (issue 27): one GPU is used
-        assert "--tensor-parallel-size" not in argv
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"  # vLLM's flag, and the bundled engine's
     raw["engine"]["extraArgs"] = ["--tensor-parallel-size=2", "--pipeline-parallel-size=2"]
     args = render.engine_container(parse_spec(raw)).get("args", [])
     assert "--tensor-parallel-size" not in args  # the user's own split wins

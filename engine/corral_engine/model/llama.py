@@ -2,7 +2,8 @@
 
 All sequences of a step are one [T, hidden] batch for every matmul; only attention is per sequence.
 q/k/v and gate/up projections are fused at load time (fewer, larger matmuls); each fused parameter
-knows how to load its shards from the checkpoint's separate tensors.
+knows how to load its shards from the checkpoint's separate tensors. Under tensor parallelism
+(`tp`, model/parallel.py) every size below is this rank's share.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from corral_engine.model.attention import AttentionContext, paged_attention
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.native import FusedOps
+from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -131,17 +133,20 @@ class FusedLinear(Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = config.num_heads if tp is None else tp.plan.num_heads
+        self.num_kv_heads = config.num_kv_heads if tp is None else tp.plan.num_kv_heads
         self.head_dim = config.head_dim
         self.window = config.sliding_windows[layer_idx]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(
             config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, config.qkv_bias
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        # Row-parallel: each rank's partial sum is all-reduced; rank 0 alone adds the bias.
+        has_bias = config.o_bias and (tp is None or tp.rank == 0)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=has_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -166,34 +171,39 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         o = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], ctx, self.scale, self.window)
-        return self.o_proj(o.reshape(num_tokens, q_size))
+        out = self.o_proj(o.reshape(num_tokens, q_size))  # [T, hidden]
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
     fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        self.tp = tp
+        size = config.intermediate_size if tp is None else tp.plan.intermediate_size
         self.gate_up_proj = FusedLinear(
             config.hidden_size, {"gate_proj": size, "up_proj": size}, config.mlp_bias
         )
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        has_bias = config.mlp_bias and (tp is None or tp.rank == 0)
+        self.down_proj = Linear(size, config.hidden_size, bias=has_bias)
         self.size = size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         ops = self.fused_ops
         if ops is not None and ops.supports(gate_up):  # bf16 on the CPU: one pass, not three
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        return self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size :])
+            out = self.down_proj(ops.silu_and_mul(gate_up))
+        else:
+            out = self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size :])
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -203,20 +213,26 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if tp is None
+            else VocabParallelEmbedding(tp, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
+        self.tp = tp
+        self.model = Decoder(config, tp)
         self.rotary = Rotary(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab = config.vocab_size if tp is None else tp.plan.vocab_size
+        self.lm_head = Linear(config.hidden_size, vocab, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -234,4 +250,6 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32
+        if self.tp is not None:  # each rank's vocabulary rows, gathered on rank 0 (empty elsewhere)
+            return self.tp.gather_logits(self.lm_head(hidden).float())
         return self.lm_head(hidden).float()

@@ -1,10 +1,11 @@
-"""Load a Hugging Face safetensors checkpoint (sharded or not) into the engine's model."""
+"""Load a Hugging Face safetensors checkpoint (sharded or not) into the engine's model; under
+tensor parallelism each rank reads only its own slices (safetensors' get_slice)."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM, FusedLinear
+from corral_engine.model.parallel import ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +41,26 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+Slicer = Callable[[str], tuple[int, int, int] | bool | None]
+
+
+def iter_tensors(files: list[Path], slicer: Slicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, or with `slicer` only the part it names for each: (dim,
+    start, length) reads those rows (dim 0) or columns (dim 1) from the file; None the whole
+    tensor; False skips it."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    yield name, f.get_tensor(name)
+                    cut = None if slicer is None else slicer(name)
+                    if cut is False:
+                        continue
+                    if cut is None or cut is True:
+                        yield name, f.get_tensor(name)
+                        continue
+                    dim, start, length = cut
+                    part = f.get_slice(name)
+                    yield name, part[start : start + length] if dim == 0 else part[:, start : start + length]
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from e
 
@@ -62,13 +78,15 @@ def _fused_target(name: str) -> tuple[str, str] | None:
     return None
 
 
-def load_weights(model: CausalLM, config: ModelConfig) -> None:
+def load_weights(model: CausalLM, config: ModelConfig, plan: ShardPlan | None = None) -> None:
+    """Fill `model`'s parameters from the checkpoint: all of them, or this rank's shards (`plan`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     expected = {n for n in params if not (config.tie_word_embeddings and n == "lm_head.weight")}
     loaded: set[str] = set()
+    slicer = None if plan is None else plan.checkpoint_slice
     with torch.no_grad():
-        for name, tensor in iter_tensors(checkpoint_files(config.path)):
+        for name, tensor in iter_tensors(checkpoint_files(config.path), slicer):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if config.tie_word_embeddings and name == "lm_head.weight":
@@ -90,6 +108,9 @@ def load_weights(model: CausalLM, config: ModelConfig) -> None:
                         f"unexpected tensor {name!r} in checkpoint for {config.architecture}"
                     )
                 dest, key = found, name
+                if plan is not None and _is_vocab(name) and tensor.shape[0] < dest.shape[0]:
+                    dest.zero_()  # the last rank's padding rows: zero embeddings, never-read logits
+                    dest = dest[: tensor.shape[0]]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
@@ -99,6 +120,10 @@ def load_weights(model: CausalLM, config: ModelConfig) -> None:
     missing = sorted(_missing(expected, loaded, modules))
     if missing:
         raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
+
+
+def _is_vocab(name: str) -> bool:
+    return name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _missing(expected: set[str], loaded: set[str], modules: dict[str, torch.nn.Module]) -> set[str]:

@@ -1,6 +1,8 @@
 """The model runner: builds the model on its device with its matmul plan, chooses the attention
 backend, sizes and owns the KV cache, captures decode graphs on CUDA and executes a step (batch
-building: model/batch.py; device and CPU features: model/device.py; graphs: model/cuda_graphs.py)."""
+building: model/batch.py; device and CPU features: model/device.py; graphs: model/cuda_graphs.py).
+Under tensor parallelism (`tp`) it is one rank's runner: its shard of the model and of the KV cache
+(its KV heads, the same blocks as every rank); model/tp_workers.py drives the other ranks."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from corral_engine.model.llama import MLP, CausalLM, Linear, RMSNorm, rope_param
 from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_fused_ops, load_paged_decode
+from corral_engine.model.parallel import TensorParallel
 from corral_engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -50,14 +53,20 @@ class ModelRunner:
         settings: EngineSettings,
         cpu: CpuFeatures | None = None,  # this machine's (probe_cpu) unless a test fakes them
         graph_capture: GraphCapture | None = None,  # CUDA graphs on CUDA; tests pass EagerCapture
+        tp: TensorParallel | None = None,  # this rank's place when the model is split across ranks
     ) -> None:
         self.config = config
+        self.tp = tp
+        num_ranks = 1 if tp is None else tp.size
+        self.num_kv_heads = config.num_kv_heads if tp is None else tp.plan.num_kv_heads
         self.args = args
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.settings = settings
         self.cpu = cpu or probe_cpu()
         self.device = select_device(args.device)
+        if tp is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
         self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype, self.cpu)
         is_cpu = self.device.type == "cpu"
         # The native paged decode kernel when it builds here (CPU, bf16/fp32); else PyTorch SDPA.
@@ -76,13 +85,18 @@ class ModelRunner:
             unified=self.attention_backend == "triton",
         )
         if is_cpu:
-            torch.set_num_threads(args.num_threads or max(1, len(os.sched_getaffinity(0))))
+            # The cores are shared between the ranks on this machine.
+            num_cores = len(os.sched_getaffinity(0))
+            torch.set_num_threads(args.num_threads or max(1, num_cores // num_ranks))
         self.model, self.matmul_plan = self._build_model()
         self.graphs: DecodeGraphs | None = None
-        bytes_per_block = args.block_size * config.kv_bytes_per_token * self.dtype.itemsize
+        kv_per_token = 2 * config.num_layers * self.num_kv_heads * config.head_dim
+        bytes_per_block = args.block_size * kv_per_token * self.dtype.itemsize
         measured = self._gpu_kv_bytes if self.device.type == "cuda" else None
         self.num_kv_blocks = num_kv_blocks(args, bytes_per_block, max_model_len, measured)
-        shape = (self.num_kv_blocks, self.block_size, config.num_kv_heads, config.head_dim)
+        if tp is not None:  # one block table for all ranks: the smallest cache sets the count
+            self.num_kv_blocks = tp.all_reduce_min(self.num_kv_blocks)
+        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, config.head_dim)
         self.kv_caches = allocate_kv_caches(config.num_layers, shape, self.dtype, self.device)
         logger.info(
             "model %s on %s/%s: %d KV blocks of %d tokens, %s attention",
@@ -93,7 +107,7 @@ class ModelRunner:
             self.block_size,
             self.attention_backend,
         )
-        if self.attention_backend == "triton" and not args.enforce_eager:
+        if self.attention_backend == "triton" and not args.enforce_eager and tp is None:
             if graph_capture is None and self.device.type == "cuda":
                 graph_capture = CudaGraphCapture()
             if graph_capture is not None:
@@ -109,11 +123,11 @@ class ModelRunner:
 
     def _build_model(self) -> tuple[CausalLM, MatmulPlan]:
         with torch.device("meta"):
-            model = CausalLM(self.config)
+            model = CausalLM(self.config, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         if self.config.tie_word_embeddings:  # moving off the meta device unties shared parameters
             model.lm_head.weight = model.model.embed_tokens.weight
-        load_weights(model, self.config)
+        load_weights(model, self.config, None if self.tp is None else self.tp.plan)
         plan = self._apply_matmul_plan(model)
         fused_ops = load_fused_ops(self.settings) if self.device.type == "cpu" else None
         for module in model.modules():
@@ -173,6 +187,9 @@ class ModelRunner:
         """A sequence finished: drop what the runner keeps for it across steps."""
         self.batches.release(seq_id)
 
+    def close(self) -> None:
+        """Nothing to stop on one rank (model/tp_workers.py:ParallelRunner stops its workers)."""
+
     def _gpu_kv_bytes(self) -> int:
         """What the card has left for the KV cache once a maximal step has run (logged)."""
         profile = profile_gpu_memory(TorchCudaMemory(self.device), self._run_maximal_step)
@@ -200,7 +217,7 @@ class ModelRunner:
             next_block += len(blocks)
             seq = Sequence(-1 - i, cast(Request, None), 0, [0] * n, n, block_table=blocks)
             scheduled.append(ScheduledSeq(seq, 0, n))
-        shape = (next_block, bs, self.config.num_kv_heads, self.config.head_dim)
+        shape = (next_block, bs, self.num_kv_heads, self.config.head_dim)
         self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.dtype, self.device)
         try:
             self.execute(scheduled)
