@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from e2e.k8s.cluster import Cluster
-from e2e.operator.harness import OperatorProcess, llmdeployment
+from e2e.operator.harness import OperatorProcess, get_llmd, llmdeployment
 
 pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
 
@@ -44,3 +44,10 @@ def test_two_gpus_render_tensor_parallel_size_two_and_shared_memory(
     (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    # status says how the replica is split; `kubectl get llmd -o wide` shows it as TP
+    cluster.wait_until(
+        "status.tensorParallelSize",
+        lambda: ((get_llmd(cluster, ns, name) or {}).get("status") or {}).get("tensorParallelSize") == 2,
+    )
+    header = cluster.kubectl("get", "llmd", name, "-n", ns, "-o", "wide").stdout.splitlines()[0]
+    assert "TP" in header.split()

@@ -34,6 +34,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "KV%", "type": "integer", "jsonPath": ".status.load.kvUsagePercent"},
     {"name": "Waiting", "type": "integer", "jsonPath": ".status.load.numRequestsWaiting"},
     {"name": "URL", "type": "string", "jsonPath": ".status.endpoint"},
+    {"name": "TP", "type": "integer", "jsonPath": ".status.tensorParallelSize", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -90,6 +90,25 @@ def vllm_flags(given: dict[str, object]) -> list[str]:
 def _given(spec: LLMDeploymentSpec, model_path: str) -> dict[str, object]:
     given = {"model": model_path, "served_model_name": spec.model.name, **given_options(spec.engine.args)}
     gpus = spec.resources.gpu
-    if gpus > 1 and not any(a.startswith("--tensor-parallel-size") for a in spec.engine.extra_args):
+    if gpus > 1 and _extra_tensor_parallel_size(spec) is None:
         given["tensor_parallel_size"] = gpus  # one replica spans its GPUs, with either engine kind
     return given
+
+
+def tensor_parallel_size(spec: LLMDeploymentSpec) -> int:
+    """The ranks one replica runs: an extraArgs split wins, else its GPUs, else 1 (for status)."""
+    explicit = _extra_tensor_parallel_size(spec)
+    if explicit is not None:
+        return explicit
+    return max(1, spec.resources.gpu)
+
+
+def _extra_tensor_parallel_size(spec: LLMDeploymentSpec) -> int | None:
+    """`--tensor-parallel-size N`, `--tensor-parallel-size=N` or `-tp N` in extraArgs, if any."""
+    args = spec.engine.extra_args
+    for i, arg in enumerate(args):
+        flag, has_value, value = arg.partition("=")
+        if flag in ("--tensor-parallel-size", "-tp"):
+            text = value if has_value else (args[i + 1] if i + 1 < len(args) else "")
+            return int(text) if text.isdigit() else 1
+    return None

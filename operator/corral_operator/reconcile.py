@@ -16,6 +16,7 @@ from corral_operator import status as status_mod
 from corral_operator.autoscaler import Load
 from corral_operator.autoscalers import SCALED_OBJECT_CRD
 from corral_operator.context import Context
+from corral_operator.engine_command import tensor_parallel_size
 from corral_operator.kube import Forbidden, Invalid, Kube
 from corral_operator.render import SERVICE_MONITOR_CRD, Owner
 from corral_operator.spec import LLMDeploymentSpec, SpecError, parse_spec
@@ -140,6 +141,7 @@ def _observe(ctx: Context, owner: Owner, spec: LLMDeploymentSpec, base: Observed
         base,
         desired_replicas=spec.replicas,
         endpoint=render.endpoint_url(owner, spec),
+        tensor_parallel_size=tensor_parallel_size(spec),
         is_autoscaled=spec.autoscaling is not None,
         deployment=ctx.kube.get("Deployment", owner.namespace, owner.name),
         pods=ctx.kube.list("Pod", owner.namespace, labels.selector_string(owner.name)),

@@ -34,6 +34,7 @@ class Observed:
     is_autoscaled: bool = False
     deployment: Obj | None = None
     pods: Sequence[Obj] = ()
+    tensor_parallel_size: int | None = None
     missing_pvc: str | None = None
     spec_error: str | None = None
     apply_error: str | None = None
@@ -216,6 +217,7 @@ def compute(obs: Observed, now: str) -> Obj:
         "updatedReplicas": int(st.get("updatedReplicas", 0) or 0),
         "selector": obs.selector,
         "endpoint": obs.endpoint,
+        "tensorParallelSize": obs.tensor_parallel_size,
         "conditions": _keep_transition_times(
             conditions, obs.previous.get("conditions") or (), now, obs.generation
         ),

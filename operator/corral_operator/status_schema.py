@@ -34,6 +34,9 @@ class LLMDeploymentStatus(SpecModel):
     updated_replicas: int | None = None
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
     endpoint: str | None = Field(default=None, description="In-cluster URL of the Service.")
+    tensor_parallel_size: int | None = Field(
+        default=None, description="Ranks (GPUs) one replica spans: --tensor-parallel-size."
+    )
     conditions: list[Condition] = Field(default_factory=list)
     load: LoadStatus | None = None
     last_scale_time: str | None = None

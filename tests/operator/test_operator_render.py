@@ -340,3 +340,15 @@ def test_pvc_uri_is_read_in_place_without_an_init_container() -> None:
         mount = {"name": "model", "mountPath": "/mnt/pvc/weights", "readOnly": True}
         assert mount in pod["containers"][0]["volumeMounts"]
         assert spec.model.claims == ["weights"]
+
+
+def test_status_reports_the_tensor_parallel_size_the_pods_run() -> None:
+    from corral_operator.engine_command import tensor_parallel_size
+
+    raw = valid_spec()
+    assert tensor_parallel_size(parse_spec(raw)) == 1
+    raw["resources"] = {"gpu": 4}
+    assert tensor_parallel_size(parse_spec(raw)) == 4
+    for extra in (["--tensor-parallel-size=2"], ["--tensor-parallel-size", "2"], ["-tp", "2"]):
+        raw["engine"] = {"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0", "extraArgs": extra}
+        assert tensor_parallel_size(parse_spec(raw)) == 2

@@ -60,7 +60,7 @@ def test_crd_has_scale_status_and_printer_columns() -> None:
     }
     assert "status" in version["subresources"]
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Model", "Engine", "Ready", "Up", "Replicas", "KV%", "Waiting", "URL", "Age"]
+    assert names == ["Model", "Engine", "Ready", "Up", "Replicas", "KV%", "Waiting", "URL", "TP", "Age"]
 
 
 def _walk(node: object):
