@@ -140,7 +140,7 @@ def test_switch_turns_the_fused_ops_off(monkeypatch: pytest.MonkeyPatch) -> None
 def test_mlp_output_is_the_same_through_both_paths(ops: native.FusedOps) -> None:
     config = SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=False)  # what MLP reads
     torch.manual_seed(0)
-    mlp = MLP(config).bfloat16()  # type: ignore[arg-type]
+    mlp = MLP(config, None).bfloat16()  # type: ignore[arg-type]
     x = torch.randn(9, 64).bfloat16()
     with torch.inference_mode():
         plain = mlp(x)
