@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 from corral_gateway import tracing
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from tests.gateway.conftest import FakeEngine
 from tests.gateway.test_gateway_proxy import fleet
+from tests.tracing_capture import capture_spans
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -21,12 +21,7 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 @pytest.fixture
 def spans(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
     """The module's tracer on a private SDK provider (the process-wide one stays the no-op)."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
-    monkeypatch.setattr(tracing, "is_enabled", lambda: True)
-    return exporter
+    return capture_spans(monkeypatch, tracing)
 
 
 def named(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
