@@ -2,6 +2,7 @@
 where the grammar's time goes, and W2's throughput when a quarter of its requests use a JSON schema.
 
     .venv/bin/python bench/engine/structured_cost.py [--model DIR] [--out FILE] [--w2-prompts N]
+    .venv/bin/python bench/engine/structured_cost.py --served [--no-offline-w2]   # + W2 served
 
 The model is the engine benchmarks' reference (`corral demo-model ~/.cache/corral-bench/model-small
 --preset small`: ~107M-parameter Llama, 32,000-token vocabulary, random weights, bf16). The grammar
@@ -9,6 +10,10 @@ is a JSON schema whose documents are longer than any output here (an array of at
 so a constrained sequence stays inside the grammar for all of its tokens and its output length is
 the workload's (the same tokens are generated with and without it). Offline (LLMEngine), one
 process: the two sides of each comparison alternate A B A B and the best of each is reported.
+With --served, W2 is also replayed through `corral engine` by `corral bench` (streamed completions,
+all at once, fresh prompts each run): plain, then with every fourth request carrying the schema as
+vLLM's `structured_outputs` field, in A B B A order per pair of rounds so a steady drift favours
+neither side.
 """
 
 from __future__ import annotations
@@ -31,26 +36,27 @@ from corral_engine.structured.masks import MaskBuilder, TokenMasks, apply_token_
 from corral_engine.structured.spec import GrammarSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import workloads  # the engine benchmarks' workload definitions, next to this file
+import runner  # the engine benchmarks' server runner and workloads, next to this file
+import workloads
+from systems import Settings
+from systems import build as build_system
 
 log = logging.getLogger("structured_cost")
-LONG_JSON = GrammarSpec.json_schema(
-    {
-        "type": "array",
-        "minItems": 64,
-        "items": {
-            "type": "object",
-            "properties": {
-                "id": {"type": "integer"},
-                "name": {"type": "string", "maxLength": 16},
-                "ok": {"type": "boolean"},
-            },
-            "required": ["id", "name", "ok"],
-            "additionalProperties": False,
+LONG_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 16},
+            "ok": {"type": "boolean"},
         },
+        "required": ["id", "name", "ok"],
+        "additionalProperties": False,
     },
-    "bench",
-)
+}
+LONG_JSON = GrammarSpec.json_schema(LONG_SCHEMA, "bench")
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,6 +69,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--w2-repeats", type=int, default=2, help="A B rounds of W2")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--micro-only", action="store_true", help="only the grammar's own work (no model runs)")
+    p.add_argument(
+        "--served", action="store_true", help="also W2 served through corral engine + corral bench"
+    )
+    p.add_argument("--served-rounds", type=int, default=2, help="A B B A pairs of served W2 runs")
+    p.add_argument("--no-offline-w2", action="store_true", help="skip the offline W2 comparison")
     return p.parse_args()
 
 
@@ -161,6 +172,36 @@ def w2(engine: LLMEngine, records: list[dict[str, Any]], share: float) -> dict[s
     return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
 
 
+def served_w2(args: argparse.Namespace) -> dict[str, Any]:
+    """W2 through `corral engine`: output tok/s, TTFT and TPOT, plain against 25% constrained."""
+    out_dir = args.out.parent / "structured_cost_served"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for k in range(args.served_rounds):
+        for j, share in enumerate((0.0, 0.25) if k % 2 == 0 else (0.25, 0.0)):
+            records = workloads.build("W2", args.model, variant=2 * k + j + 1)[: args.w2_prompts]
+            if share:
+                for i in range(0, len(records), round(1 / share)):
+                    records[i]["extra_body"] = {"structured_outputs": {"json": LONG_SCHEMA}}
+            key = f"{'json25' if share else 'off'}#{k}"
+            path = workloads.write(records, out_dir / f"w2-{key.replace('#', '-')}.jsonl")
+            runs.append(runner.ServedRun(key, path, len(records), "inf"))
+    settings = Settings(threads=args.threads or 2)
+    result = runner.run_served(build_system("corral", settings), args.model, runs, out_dir, settings, 1800.0)
+    by_side: dict[str, list[dict[str, Any]]] = {"off": [], "json25": []}
+    for key, summary in result["runs"].items():
+        if "error" not in summary:
+            by_side[key.split("#")[0]].append(summary)
+    fields = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "failed")
+    return {
+        "runs": {k: {f: v.get(f) for f in fields} for k, v in result["runs"].items() if "error" not in v},
+        "errors": {k: v for k, v in result["runs"].items() if "error" in v},
+        "median_tok_s": {
+            k: statistics.median(s["output_throughput"] for s in v) for k, v in by_side.items() if v
+        },
+    }
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args()
@@ -182,13 +223,18 @@ def main() -> int:
         results["apply_ms"][batch] = apply_cost(batch, engine.model_config.vocab_size, width)
         log.info("batch %d: %s, apply %.2f ms", batch, best, results["apply_ms"][batch])
     records = workloads.build("W2", args.model)[: args.w2_prompts]
-    w2_runs: dict[str, list[dict[str, float]]] = {"off": [], "json25": []}
-    for _ in range(args.w2_repeats):
-        w2_runs["off"].append(w2(engine, records, 0.0))
-        w2_runs["json25"].append(w2(engine, records, 0.25))
-        log.info("W2: %s", {k: v[-1] for k, v in w2_runs.items()})
-    results["w2"] = {k: max(v, key=lambda r: r["tok_s"]) for k, v in w2_runs.items()}
     results["w2_prompts"] = len(records)
+    if not args.no_offline_w2:
+        w2_runs: dict[str, list[dict[str, float]]] = {"off": [], "json25": []}
+        for _ in range(args.w2_repeats):
+            w2_runs["off"].append(w2(engine, records, 0.0))
+            w2_runs["json25"].append(w2(engine, records, 0.25))
+            log.info("W2: %s", {k: v[-1] for k, v in w2_runs.items()})
+        results["w2"] = {k: max(v, key=lambda r: r["tok_s"]) for k, v in w2_runs.items()}
+    if args.served:
+        del engine  # the server gets the machine to itself
+        results["w2_served"] = served_w2(args)
+        log.info("W2 served: %s", results["w2_served"]["median_tok_s"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     log.info("wrote %s", args.out)

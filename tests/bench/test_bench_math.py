@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from corral_cli.bench import prom, report, workload
 from corral_cli.bench.arrivals import arrival_offsets_s, parse_rates
+from corral_cli.bench.client import RequestSettings, build_body
 from corral_cli.bench.stats import RequestResult, aggregate, summarize
 from corral_cli.bench.workload import BenchRequest
 from corral_cli.bench.workload import LengthSpec as Spec
@@ -147,7 +148,10 @@ def test_jsonl_records():
     parse = workload.parse_jsonl_record
     assert parse({"prompt": "abc", "output_len": 5}, tok, 1) == BenchRequest("abc", 3, 5)
     assert parse({"prompt_token_ids": [5, 6], "max_tokens": 2}, None, 1) == BenchRequest([5, 6], 2, 2)
-    for bad in ({"prompt": "", "output_len": 1}, {"prompt": "a", "output_len": 0}, {"prompt": [-1]}, [1]):
+    fmt = {"response_format": {"type": "json_object"}}
+    assert parse({"prompt": [1], "output_len": 2, "extra_body": fmt}, None, 1) == BenchRequest([1], 1, 2, fmt)
+    bad_records = ({"prompt": "", "output_len": 1}, {"prompt": "a", "output_len": 0}, {"prompt": [-1]}, [1])
+    for bad in (*bad_records, {"prompt": "a", "output_len": 1, "extra_body": [1]}):
         with pytest.raises(ValueError, match="line 7"):
             workload.parse_jsonl_record(bad, tok, 7)
 
@@ -227,3 +231,11 @@ def test_result_file_is_strict_json(tmp_path):
     doc = json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     (run,) = doc["runs"]
     assert run["request_rate"] == "inf" and run["mean_ttft_ms"] is None and run["failed"] == 1
+
+
+def test_request_fields_win_over_the_runs_extra_body():
+    settings = RequestSettings("http://127.0.0.1:1", "m", extra_body={"top_p": 0.5, "seed": 1})
+    schema = {"response_format": {"type": "json_object"}, "seed": 7}
+    body = build_body(settings, BenchRequest([1, 2], 2, 3, schema))
+    assert body["response_format"] == {"type": "json_object"} and body["seed"] == 7 and body["top_p"] == 0.5
+    assert "response_format" not in build_body(settings, BenchRequest([1, 2], 2, 3))

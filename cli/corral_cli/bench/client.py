@@ -59,6 +59,7 @@ def build_body(settings: RequestSettings, request: BenchRequest) -> dict[str, An
     if settings.ignore_eos:
         body["ignore_eos"] = True  # a vLLM extension Corral's engine shares
     body.update(settings.extra_body or {})
+    body.update(request.extra_body or {})  # the request's own fields win over the run's
     return body
 
 

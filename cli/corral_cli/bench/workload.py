@@ -37,11 +37,14 @@ class BenchTokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    """One request to send: a text or token-id prompt, its length in tokens, and tokens to generate."""
+    """One request to send: a text or token-id prompt, its length in tokens, tokens to generate, and
+    fields of its own merged into the request body (a JSONL record's `extra_body`, e.g. a
+    `response_format` for some requests of a workload)."""
 
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    extra_body: dict[str, Any] | None = None
 
 
 class HFTokenizer:
@@ -206,7 +209,8 @@ def parse_sharegpt(
 
 
 def parse_jsonl_record(record: Any, tokenizer: BenchTokenizer | None, line_no: int) -> BenchRequest:
-    """{"prompt": "text" | [ids], "output_len": N} (also accepts prompt_token_ids / max_tokens)."""
+    """{"prompt": "text" | [ids], "output_len": N[, "extra_body": {...}]} (also accepts
+    prompt_token_ids / max_tokens)."""
     if not isinstance(record, dict):
         raise ValueError(f"line {line_no}: expected a JSON object")
     prompt = record.get("prompt", record.get("prompt_token_ids"))
@@ -219,7 +223,10 @@ def parse_jsonl_record(record: Any, tokenizer: BenchTokenizer | None, line_no: i
         raise ValueError(f"line {line_no}: 'prompt' must be non-empty text or a list of token ids")
     if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
         raise ValueError(f"line {line_no}: 'output_len' must be an integer >= 1")
-    return BenchRequest(prompt, prompt_len, output_len)
+    extra_body = record.get("extra_body")
+    if extra_body is not None and not isinstance(extra_body, dict):
+        raise ValueError(f"line {line_no}: 'extra_body' must be a JSON object")
+    return BenchRequest(prompt, prompt_len, output_len, extra_body)
 
 
 def load_dataset(
