@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+from corral_engine.sources.uri import parse_model_uri
 from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
@@ -136,7 +137,8 @@ class EngineProcess(ManagedProcess):
         argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", str(model_dir)]
         argv += ["--host", HOST, "--port", str(port), *flags_to_argv(flags)]
         super().__init__(argv, port, name="engine", **kwargs)
-        self.served_model_name = str(flags.get("served_model_name") or Path(model_dir).name)
+        default_name = parse_model_uri(str(model_dir)).default_served_name  # as `corral engine` names it
+        self.served_model_name = str(flags.get("served_model_name") or default_name)
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -12,6 +12,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.errors import ModelLoadError
 from corral_engine.sim.host import PROFILE_OPTIONS, ReplicaSpec, build_engines, serve_fleet, with_overrides
 from corral_engine.sim.perf_model import describe, load_profile
+from corral_engine.sources.uri import parse_model_uri
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
     return ReplicaSpec(
         profile,
         model_dir,
-        engine_args.served_model_name or model_dir.name,
+        engine_args.served_model_name or parse_model_uri(engine_args.model).default_served_name,
         enable_prefix_caching=engine_args.enable_prefix_caching,
         kv_policy=engine_args.kv_policy,
         max_waiting=engine_args.max_waiting,

@@ -28,6 +28,7 @@ from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
+from corral_engine.sources.uri import parse_model_uri
 from corral_engine.structured.compiler import GrammarCompiler
 from corral_engine.structured.masks import advance
 from corral_engine.tokenizer import load_tokenizer
@@ -55,7 +56,7 @@ class LLMEngine:
             args.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        self.served_model_name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+        self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
         self.eos_token_ids = self.model_config.eos_token_ids
         self.runner = make_runner(self.model_config, args, self.max_model_len, self.settings, graph_capture)
         self.block_manager = BlockManager(
