@@ -146,7 +146,7 @@ def test_required_list_and_named_replies() -> None:
     assert all(d["index"] == 0 for d in deltas) and "id" not in deltas[1]
 
 
-def test_cli_lists_every_parser() -> None:
-    from corral_cli.cmd_engine import TOOL_CALL_PARSERS
+def test_the_option_lists_every_parser() -> None:
+    from corral_engine.args import TOOL_CALL_PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
