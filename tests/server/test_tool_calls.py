@@ -124,15 +124,18 @@ async def test_auto_parses_hermes_calls_out_of_the_reply(client: openai.AsyncOpe
     stream = await client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=90, seed=1, extra_body=body, stream=True
     )
-    content, streamed = "", []
+    content, names, arguments = "", [], ""
     async for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
-            streamed += c.delta.tool_calls or []
-    assert content == "I will check." and len(streamed) == 1
-    assert (
-        streamed[0].function and streamed[0].function.arguments == ch.message.tool_calls[0].function.arguments
-    )
+            for call in c.delta.tool_calls or []:
+                assert call.index == 0 and call.function is not None
+                if call.function.name:  # the first delta: the name, before any arguments
+                    assert not arguments and call.function.arguments == ""
+                    names.append(call.function.name)
+                arguments += call.function.arguments or ""
+    assert content == "I will check." and names == ["get_weather"]
+    assert arguments == ch.message.tool_calls[0].function.arguments
     plain = await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8, seed=1)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason != "tool_calls"
     none = await client.chat.completions.create(
