@@ -97,12 +97,24 @@ async def test_required_returns_at_least_one_valid_call(client: openai.AsyncOpen
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=90, seed=4, stream=True
     )
     calls: dict[int, tuple[str, str]] = {}
+    finishes = []
     async for chunk in stream:
         for ch in chunk.choices:
+            finishes += [ch.finish_reason] if ch.finish_reason else []
             for call in ch.delta.tool_calls or []:
-                assert call.function is not None and call.function.name
-                calls[call.index] = (call.function.name, call.function.arguments or "")
+                assert call.function is not None
+                if call.index not in calls:  # the first delta names the call, arguments follow
+                    assert call.function.name and call.function.arguments == ""
+                    calls[call.index] = (call.function.name, "")
+                else:
+                    name, arguments = calls[call.index]
+                    calls[call.index] = (name, arguments + (call.function.arguments or ""))
     assert calls and sorted(calls) == list(range(len(calls)))
+    if finishes == ["length"]:  # max_tokens cut the array: its last call is cut off too
+        calls.pop(len(calls) - 1)
+    else:
+        assert finishes == ["tool_calls"]
+    assert calls
     for name, arguments in calls.values():
         _check_call(name, arguments)
 

@@ -91,6 +91,12 @@ RECORDED: list[tuple[str, str, Parsed]] = [
         '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
         Parsed("", [WEATHER]),
     ),
+    (  # cut off right after the names: calls with no arguments yet (nothing made up)
+        "llama3_json",
+        '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}; {"name": "get_weather", "param',
+        Parsed("", [TIME, ParsedCall("get_weather", "")]),
+    ),
+    ("hermes", 'Hm. <tool_call>{"name": "get_time"', Parsed("Hm. ", [ParsedCall("get_time", "")])),
     (
         "llama3_json",
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '

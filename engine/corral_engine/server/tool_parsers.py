@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from corral_engine.server.call_scanner import NO_ARGUMENTS, CallScanner
+from corral_engine.server.call_scanner import CallScanner
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +113,6 @@ class _Call:
             out.append(ArgumentsDelta(self.index, arguments))
         return end
 
-    def close(self, out: list[ToolEvent]) -> None:
-        """The call's text ended before its object did: a named call without arguments gets {}."""
-        if self.is_started and not self.scanner.has_arguments:
-            out.append(ArgumentsDelta(self.index, NO_ARGUMENTS))
-
 
 class _CallSequence:
     """Call objects one after another with `separators` between them. Anything else, or an
@@ -151,10 +146,6 @@ class _CallSequence:
                 self.is_over = not self._call.is_started
                 self._num_done += self._call.is_started
                 self._call = None
-
-    def finish(self, out: list[ToolEvent]) -> None:
-        if self._call is not None:
-            self._call.close(out)
 
 
 class HermesParser:
@@ -198,7 +189,7 @@ class HermesParser:
         self._feed_call(call, max(safe, self._num_fed), out)
         if end == -1:
             return False
-        self._close_block(call, out)
+        self._close_block(call)
         self._buffer = self._buffer[end + len(self.END) :]
         return True
 
@@ -206,10 +197,8 @@ class HermesParser:
         call.feed(self._buffer[self._num_fed : upto], 0, out)
         self._num_fed = upto
 
-    def _close_block(self, call: _Call, out: list[ToolEvent]) -> None:
-        if call.is_started:
-            call.close(out)
-            self._num_calls += 1
+    def _close_block(self, call: _Call) -> None:
+        self._num_calls += call.is_started
         self._call = None
 
     def finish(self) -> list[ToolEvent]:
@@ -222,7 +211,7 @@ class HermesParser:
             self._feed_call(call, len(self._buffer), out)
             if not call.is_started:
                 out.append(Content(self.START + self._buffer))
-            self._close_block(call, out)
+            self._close_block(call)
         self._buffer = ""
         return out
 
@@ -278,8 +267,6 @@ class Llama3JsonParser:
 
     def finish(self) -> list[ToolEvent]:
         out: list[ToolEvent] = []
-        if self._mode == "calls":
-            self._calls.finish(out)
         if self._mode != "content" and self._calls.num_calls == 0 and self._reply:
             out.append(Content(self._reply))
         self._mode, self._reply = "content", ""
@@ -306,9 +293,7 @@ class RequiredListParser:
         return out
 
     def finish(self) -> list[ToolEvent]:
-        out: list[ToolEvent] = []
-        self._calls.finish(out)
-        return out
+        return []  # a call cut off is sent as far as it was written
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
