@@ -177,6 +177,7 @@ def test_vllm_command_carries_every_option_with_a_vllm_equivalent() -> None:
             assert (vllm.flag if value else "--no-" + vllm.flag[2:]) in argv, name
         else:
             assert argv[argv.index(vllm.flag) + 1] == str(value), name
+            assert all(flag in argv for flag in vllm.also), name
 
 
 @pytest.mark.parametrize("name", [n for n, o in OPTIONS.items() if o.crd is not None and o.vllm is None])

@@ -43,9 +43,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 20.0
 # get the cores between steps (a spinning team whose other thread is descheduled stalls every op).
 # PASSIVE alone (sleep at once) cost batch-1 decode 25 -> 16 ms a token and batched W2 12-16%
 # (docs/engine-speed.md, item 13); other OpenMP runtimes ignore GOMP_SPINCOUNT and sleep.
-# corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated so --help needs no server import
-# (tests/server/test_tool_calls.py checks they agree).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
@@ -118,14 +115,6 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
         "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
-        default=None,
-        help="parse tool calls out of replies in this format, which enables tool_choice 'auto' "
-        "(hermes: <tool_call> blocks, Qwen 2.5/3 and Hermes; llama3_json: Llama 3.1+ JSON calls) "
-        "(default: none; 'required' and named tool choices work without it)",
     )
     parser.add_argument(
         "--simulate",
@@ -247,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         engine,
         api_key=args.api_key,
         log_interval_s=args.log_interval,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=engine_args.tool_call_parser,
     )
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
     return 0

@@ -127,6 +127,52 @@ def test_tool_calls(client: openai.OpenAI) -> None:
     assert r.choices[0].message.role == "assistant"
 
 
+def _accumulate(stream: Any) -> tuple[str, dict[int, dict[str, str]], list[str]]:
+    """What an openai client user builds from streamed deltas: content, calls by index, finishes."""
+    content, calls, finishes = "", {}, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                if delta.function and delta.function.name:  # a call's first delta: before its arguments
+                    assert not call["arguments"] and delta.function.arguments == "" and delta.id
+                call["id"] += delta.id or ""
+                call["name"] += (delta.function.name or "") if delta.function else ""
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    return content, calls, finishes
+
+
+def test_auto_tool_calls_stream_name_first_then_the_arguments(client: openai.OpenAI) -> None:
+    # A random model writes no <tool_call> on its own; a regex makes it write two (hermes parser).
+    call = (
+        r'<tool_call>\{"name": "get_weather", '
+        r'"arguments": \{"city": "[a-z]{2,8}", "unit": "c"\}\}</tool_call>'
+    )
+    body = {"structured_outputs": {"regex": r"Checking\. " + call + call}}
+    request: Any = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 200,
+        "seed": 3,
+        "extra_body": body,
+    }
+    whole = client.chat.completions.create(**request)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content == "Checking. "
+    expected = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert len(expected) == 2
+    for _, arguments in expected:
+        jsonschema.validate(json.loads(arguments), WEATHER)
+    content, calls, finishes = _accumulate(client.chat.completions.create(**request, stream=True))
+    assert content == "Checking. " and finishes == ["tool_calls"]
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
+    assert sorted(calls) == [0, 1] and all(c["id"] for c in calls.values())
+
+
 def test_an_invalid_schema_is_a_400(client: openai.OpenAI) -> None:
     bad: Any = {
         "type": "json_schema",

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULTS",
     "OPTIONS",
     "RULES",
+    "TOOL_CALL_PARSERS",
     "ArgumentError",
     "AtMost",
     "EngineArgs",
@@ -49,6 +50,10 @@ AttentionBackend = Literal["auto", "triton", "native", "sdpa"]
 KV_POLICIES: tuple[str, ...] = ("preempt", "reserve")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "native", "sdpa")
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
+# corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated here so this module needs no
+# server import (tests/server/test_tool_parsers.py checks they agree).
+ToolCallParser = Literal["hermes", "llama3_json"]
+TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json")
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
@@ -194,6 +199,15 @@ class EngineArgs:
         metavar="N",
         ge=0,
         crd="maxWaiting",
+    )
+    tool_call_parser: ToolCallParser | None = _option(
+        None,
+        help="read tool calls out of replies in this format, which turns on tool_choice auto "
+        "(hermes: tool_call tags, Hermes and Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls)",
+        default_text="none: auto is refused; required and named tool choices work without it",
+        choices=TOOL_CALL_PARSERS,
+        crd="toolCallParser",
+        vllm=Vllm("--tool-call-parser", also=("--enable-auto-tool-choice",)),
     )
     seed: int = _option(0, help="engine seed for unseeded sampling", metavar="N", vllm=Vllm("--seed"))
     num_threads: int | None = _option(

@@ -33,10 +33,12 @@ def parse_bytes(text: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Vllm:
-    """vLLM's equivalent of an option: its own flag, or a key of a JSON-valued flag."""
+    """vLLM's equivalent of an option: its own flag, or a key of a JSON-valued flag; `also`: flags
+    vLLM needs beside it (vLLM wants --enable-auto-tool-choice with --tool-call-parser)."""
 
     flag: str
     json_key: str | None = None
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

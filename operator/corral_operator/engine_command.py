@@ -81,7 +81,7 @@ def vllm_flags(given: dict[str, object]) -> list[str]:
         elif isinstance(value, bool):  # vLLM's boolean flags take a --no- form
             out.append(vllm.flag if value else "--no-" + vllm.flag.removeprefix("--"))
         else:
-            out += [vllm.flag, str(value)]
+            out += [*vllm.also, vllm.flag, str(value)]
     for flag, obj in json_flags.items():
         out += [flag, json.dumps(obj)]
     return out

@@ -144,6 +144,25 @@ def test_speculative_decoding_reaches_both_engines() -> None:
     assert config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 
 
+def test_the_tool_call_parser_reaches_both_engines() -> None:
+    raw = valid_spec()
+    raw["engine"]["args"] = {"toolCallParser": "hermes"}
+    command = render.engine_container(parse_spec(raw))["command"]
+    assert command[command.index("--tool-call-parser") + 1] == "hermes"
+    assert "--enable-auto-tool-choice" not in command  # the bundled engine: the parser turns auto on
+    raw["engine"] = {
+        "kind": "vllm",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "args": {"toolCallParser": "llama3_json"},
+    }
+    args = render.engine_container(parse_spec(raw))["args"]
+    at = args.index("--tool-call-parser")
+    assert args[at - 1 : at + 2] == ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    raw["engine"]["args"] = {}  # unset: neither flag, so vLLM refuses "auto" as the engine does
+    args = render.engine_container(parse_spec(raw))["args"]
+    assert "--tool-call-parser" not in args and "--enable-auto-tool-choice" not in args
+
+
 def test_a_speculative_setting_the_engine_refuses_is_a_spec_error() -> None:
     raw = valid_spec()
     raw["engine"]["args"] = {"speculative": {"promptLookupMin": 5}}  # above the default max of 3

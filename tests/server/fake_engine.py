@@ -26,11 +26,16 @@ class FakeTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, tokenize: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if any(m["role"] == "tool" for m in messages):
             raise ValueError("this template has no tool role")
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        text = "".join(f"<tools>{t['function']['name']}\n" for t in tools or [])
+        text += "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

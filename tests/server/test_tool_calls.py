@@ -97,12 +97,24 @@ async def test_required_returns_at_least_one_valid_call(client: openai.AsyncOpen
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=90, seed=4, stream=True
     )
     calls: dict[int, tuple[str, str]] = {}
+    finishes = []
     async for chunk in stream:
         for ch in chunk.choices:
+            finishes += [ch.finish_reason] if ch.finish_reason else []
             for call in ch.delta.tool_calls or []:
-                assert call.function is not None and call.function.name
-                calls[call.index] = (call.function.name, call.function.arguments or "")
+                assert call.function is not None
+                if call.index not in calls:  # the first delta names the call, arguments follow
+                    assert call.function.name and call.function.arguments == ""
+                    calls[call.index] = (call.function.name, "")
+                else:
+                    name, arguments = calls[call.index]
+                    calls[call.index] = (name, arguments + (call.function.arguments or ""))
     assert calls and sorted(calls) == list(range(len(calls)))
+    if finishes == ["length"]:  # max_tokens cut the array: its last call is cut off too
+        calls.pop(len(calls) - 1)
+    else:
+        assert finishes == ["tool_calls"]
+    assert calls
     for name, arguments in calls.values():
         _check_call(name, arguments)
 
@@ -124,15 +136,18 @@ async def test_auto_parses_hermes_calls_out_of_the_reply(client: openai.AsyncOpe
     stream = await client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=90, seed=1, extra_body=body, stream=True
     )
-    content, streamed = "", []
+    content, names, arguments = "", [], ""
     async for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
-            streamed += c.delta.tool_calls or []
-    assert content == "I will check." and len(streamed) == 1
-    assert (
-        streamed[0].function and streamed[0].function.arguments == ch.message.tool_calls[0].function.arguments
-    )
+            for call in c.delta.tool_calls or []:
+                assert call.index == 0 and call.function is not None
+                if call.function.name:  # the first delta: the name, before any arguments
+                    assert not arguments and call.function.arguments == ""
+                    names.append(call.function.name)
+                arguments += call.function.arguments or ""
+    assert content == "I will check." and names == ["get_weather"]
+    assert arguments == ch.message.tool_calls[0].function.arguments
     plain = await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8, seed=1)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason != "tool_calls"
     none = await client.chat.completions.create(

@@ -1,128 +1,247 @@
-"""Tool-call parsers on recorded replies, whole and streamed in arbitrary chunkings: a stream's
-content and calls always equal the whole text's, and content is never taken back."""
+"""Tool-call parsers on recorded replies, whole and streamed in every chunking: a stream's content
+and calls add up to the whole text's, each call is named before its arguments arrive, arguments
+arrive while they are written (not in one piece once complete), and content is never taken back
+nor holds a call's text."""
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+from corral_engine.args import TOOL_CALL_PARSERS
 from corral_engine.server.api_tools import ToolPlan
 from corral_engine.server.tool_calls import ReplyStream, reply_message
 from corral_engine.server.tool_parsers import (
     TOOL_PARSERS,
+    ArgumentsDelta,
+    CallStart,
+    Content,
     HermesParser,
     Llama3JsonParser,
+    Parsed,
+    ParsedCall,
     RequiredListParser,
+    ToolEvent,
     ToolParser,
+    collect,
+    parse_whole,
 )
 
-WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
-TIME = ("get_time", {"tz": "Europe/Paris"})
+WEATHER = ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
+TIME = ParsedCall("get_time", '{"tz": "Europe/Paris"}')
 
-# (parser, recorded reply, expected content, expected calls)
-RECORDED: list[tuple[str, str, str, list[tuple[str, dict[str, object]]]]] = [
+# (parser, recorded reply, what it parses to)
+RECORDED: list[tuple[str, str, Parsed]] = [
     (
         "hermes",
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
         "\n</tool_call>",
-        "",
-        [WEATHER],
+        Parsed("", [WEATHER]),
     ),
     (
         "hermes",
         "Let me check both.\n<tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>',
-        "Let me check both.\n",
-        [WEATHER, TIME],
+        Parsed("Let me check both.\n", [WEATHER, TIME]),
     ),
     (
         "hermes",
         "No tools needed: 2 < 3 and <tool is not a tag.",
-        "No tools needed: 2 < 3 and <tool is not a tag.",
-        [],
+        Parsed("No tools needed: 2 < 3 and <tool is not a tag.", []),
     ),
     (  # unclosed at the end (the model stopped at EOS): still a call
         "hermes",
         '<tool_call>{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}',
-        "",
-        [TIME],
+        Parsed("", [TIME]),
     ),
-    ("hermes", "Hi <tool_call>{not json", "Hi <tool_call>{not json", []),
+    ("hermes", "Hi <tool_call>{not json", Parsed("Hi <tool_call>{not json", [])),
+    (  # braces, brackets, quotes and escapes inside strings; the name after the arguments
+        "hermes",
+        '<tool_call>{"arguments": {"q": "a}\\"]{[", "n": [1, {"x": null}], "ok": true}, "name": "search"}'
+        "</tool_call>",
+        Parsed("", [ParsedCall("search", '{"q": "a}\\"]{[", "n": [1, {"x": null}], "ok": true}')]),
+    ),
+    (  # arguments written as a JSON string are decoded; a call without arguments gets {}
+        "hermes",
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"Europe/Paris\\"}"}</tool_call>'
+        '<tool_call>{"name": "now"}</tool_call>',
+        Parsed("", [TIME, ParsedCall("now", "{}")]),
+    ),
+    (  # a block that is not a call is dropped, and so is text between blocks
+        "hermes",
+        'Sure. <tool_call>{"nam": "x"}</tool_call> and <tool_call>{"name": "now", "arguments": {}}'
+        "</tool_call> done",
+        Parsed("Sure. ", [ParsedCall("now", "{}")]),
+    ),
+    (  # the block closes inside the arguments: they end there, whatever the chunking
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>',
+        Parsed("", [ParsedCall("f", '{"a": 1')]),
+    ),
+    (  # cut off by max_tokens inside the arguments: a call, cut off
+        "hermes",
+        'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Pa',
+        Parsed("Checking. ", [ParsedCall("get_weather", '{"city": "Pa')]),
+    ),
     (
         "llama3_json",
         '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
-        "",
-        [WEATHER],
+        Parsed("", [WEATHER]),
     ),
+    (  # cut off right after the names: calls with no arguments yet (nothing made up)
+        "llama3_json",
+        '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}; {"name": "get_weather", "param',
+        Parsed("", [TIME, ParsedCall("get_weather", "")]),
+    ),
+    ("hermes", 'Hm. <tool_call>{"name": "get_time"', Parsed("Hm. ", [ParsedCall("get_time", "")])),
     (
         "llama3_json",
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
         '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}',
-        "",
-        [WEATHER, TIME],
+        Parsed("", [WEATHER, TIME]),
     ),
-    ("llama3_json", "The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
-    ("llama3_json", "{ this is not json", "{ this is not json", []),
+    ("llama3_json", "The weather in Paris is sunny.", Parsed("The weather in Paris is sunny.", [])),
+    ("llama3_json", "{ this is not json", Parsed("{ this is not json", [])),
+    ("llama3_json", '  {"answer": 42} is the JSON', Parsed('  {"answer": 42} is the JSON', [])),
+    (
+        "llama3_json",
+        '\n{"name": "get_time", "parameters": {"tz": "Europe/Paris"}} and then some text',
+        Parsed("", [TIME]),
+    ),
+    ("llama3_json", "<|python_tag|>print(1)", Parsed("<|python_tag|>print(1)", [])),
 ]
 
 
-def _calls(parsed_calls: list) -> list[tuple[str, dict[str, object]]]:  # type: ignore[type-arg]
-    return [(c.name, json.loads(c.arguments)) for c in parsed_calls]
-
-
-def _stream(plan: ToolPlan, pieces: list[str]) -> tuple[str, list[dict]]:  # type: ignore[type-arg]
-    reply = ReplyStream(plan)
-    content, calls = "", []
-    for i, piece in enumerate(pieces):
-        text, deltas = reply.feed(piece, is_final=i == len(pieces) - 1)
-        content += text
-        calls += deltas
-    return content, calls
-
-
-def _chunkings(text: str, seed: int) -> list[list[str]]:
+def _chunkings(text: str, seed: int) -> Iterator[list[str]]:
+    """Every split in two, every character alone, and random splits (with empty pieces too)."""
+    for cut in range(len(text) + 1):
+        yield [text[:cut], text[cut:]]
+    yield list(text)
     rng = random.Random(seed)
-    ways = [[text], list(text), [text[:1], text[1:]]]
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
-        ways.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
-    return [[*w, ""] for w in ways] + ways  # with and without an empty final delta
+    for _ in range(30):
+        cuts = sorted(rng.choices(range(len(text) + 1), k=rng.randint(1, 12)))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-@pytest.mark.parametrize(("name", "text", "content", "calls"), RECORDED)
-def test_whole_and_streamed_replies_agree(
-    name: str, text: str, content: str, calls: list[tuple[str, dict[str, object]]]
-) -> None:
-    parser: ToolParser = TOOL_PARSERS[name]()
-    parsed = parser.parse(text, is_final=True)
-    assert parsed.content == content
-    assert _calls(parsed.calls) == calls
-    plan = ToolPlan(None, parser)
-    message = reply_message(plan, text)
-    assert message.get("content") == (content or None if calls else content)
-    assert [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])
-    ] == calls
+def _stream_events(make: Callable[[], ToolParser], pieces: list[str]) -> list[list[ToolEvent]]:
+    parser = make()
+    return [parser.feed(piece) for piece in pieces] + [parser.finish()]
+
+
+def _content(events: list[ToolEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, Content))
+
+
+def _check_event_order(events: list[ToolEvent], expected: Parsed) -> None:
+    """Names before arguments, indexes 0, 1, ... in order, content only outside calls' text."""
+    started: list[int] = []
+    for event in events:
+        if isinstance(event, CallStart):
+            assert event.index == len(started)
+            started.append(event.index)
+        elif isinstance(event, ArgumentsDelta):
+            assert event.index in started and event.text
+        else:
+            assert isinstance(event, Content) and event.text
+    assert len(started) == len(expected.calls)
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), RECORDED)
+def test_streamed_in_any_chunking_equals_the_whole_text(name: str, text: str, expected: Parsed) -> None:
+    make = TOOL_PARSERS[name]
+    assert parse_whole(make, text) == expected
     for pieces in _chunkings(text, seed=len(text)):
-        streamed_content, deltas = _stream(plan, pieces)
-        assert streamed_content == content, pieces
-        assert [d["index"] for d in deltas] == list(range(len(calls)))
-        assert all(d["id"].startswith("chatcmpl-tool-") and d["type"] == "function" for d in deltas)
-        assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == calls
+        per_feed = _stream_events(make, pieces)
+        events = [e for feed in per_feed for e in feed]
+        assert collect(events) == expected, pieces
+        _check_event_order(events, expected)
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), RECORDED)
+def test_content_so_far_is_always_a_prefix_of_the_final_content(
+    name: str, text: str, expected: Parsed
+) -> None:
+    parser = TOOL_PARSERS[name]()
+    content = ""
+    for ch in text:
+        content += _content(parser.feed(ch))
+        assert expected.content.startswith(content)
+    assert content + _content(parser.finish()) == expected.content
+
+
+def test_arguments_stream_while_they_are_written() -> None:
+    parser = HermesParser()
+    events = parser.feed('OK <tool_call>\n{"name": "get_weather"')
+    assert events == [Content("OK "), CallStart(0, "get_weather")]
+    assert parser.feed(', "arguments": {"ci') == [ArgumentsDelta(0, '{"ci')]
+    assert parser.feed('ty": "Paris"') == [ArgumentsDelta(0, 'ty": "Paris"')]
+    assert parser.feed("}}\n</tool") == [ArgumentsDelta(0, "}")]
+    assert parser.feed("_call>") == [] and parser.finish() == []
+    llama = Llama3JsonParser()
+    assert llama.feed('<|python_tag|>{"name": "f", "parameters": {"x": ') == [
+        CallStart(0, "f"),
+        ArgumentsDelta(0, '{"x": '),
+    ]
+    assert llama.feed("1") == [ArgumentsDelta(0, "1")]  # a number may go on; it is sent as written
+    assert llama.feed("2}};") == [ArgumentsDelta(0, "2}")]
+    required = RequiredListParser()
+    assert required.feed('[{"name":"f","parameters":{"a"') == [CallStart(0, "f"), ArgumentsDelta(0, '{"a"')]
 
 
 def test_content_is_held_back_only_while_it_could_start_a_call() -> None:
-    reply = ReplyStream(ToolPlan(None, HermesParser()))
-    assert reply.feed("Checking <tool", is_final=False) == ("Checking ", [])
-    assert reply.feed("box>", is_final=False) == ("<toolbox>", [])
-    llama = ReplyStream(ToolPlan(None, Llama3JsonParser()))
-    assert llama.feed("  ", is_final=False) == ("", [])
-    assert llama.feed("<|python", is_final=False) == ("", [])
-    assert llama.feed("_tag|>", is_final=False) == ("", [])
-    text, calls = llama.feed('{"name": "f", "parameters": {}}', is_final=False)
-    assert text == "" and calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    parser = HermesParser()
+    assert parser.feed("Checking <tool") == [Content("Checking ")]
+    assert parser.feed("box>") == [Content("<toolbox>")]
+    assert parser.feed(" <tool_c") == [Content(" ")]
+    assert parser.finish() == [Content("<tool_c")]
+    llama = Llama3JsonParser()
+    assert llama.feed("  ") == []
+    assert llama.feed("<|python") == []
+    assert llama.feed("_tag|>") == []
+    assert llama.feed(' {"name": "f", "parameters": {}}') == [CallStart(0, "f"), ArgumentsDelta(0, "{}")]
+
+
+def _reply_stream(plan: ToolPlan, pieces: list[str]) -> list[dict[str, Any]]:
+    reply = ReplyStream(plan)
+    return [d for i, piece in enumerate(pieces) for d in reply.feed(piece, is_final=i == len(pieces) - 1)]
+
+
+def _accumulate(deltas: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """What an openai client user builds from the deltas: content, and calls by index."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls", []):
+            entry = calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
+            entry["id"] += call.get("id", "")
+            entry["name"] += call.get("function", {}).get("name", "")
+            entry["arguments"] += call.get("function", {}).get("arguments", "")
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), RECORDED)
+def test_chunk_deltas_add_up_to_the_whole_message(name: str, text: str, expected: Parsed) -> None:
+    plan = ToolPlan(None, TOOL_PARSERS[name])
+    message = reply_message(plan, text)
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert whole == [(c.name, c.arguments) for c in expected.calls]
+    assert message["content"] == (expected.content or None if expected.calls else expected.content)
+    for pieces in [list(text), [text[: len(text) // 2], text[len(text) // 2 :], ""], [text]]:
+        deltas = _reply_stream(plan, pieces)
+        content, calls = _accumulate(deltas)
+        assert content == expected.content
+        assert [(c["name"], c["arguments"]) for c in calls] == whole
+        assert all(c["id"].startswith("chatcmpl-tool-") for c in calls)
+        for delta in deltas:  # a call's first delta names it, with arguments ""; later ones add to them
+            for call in delta.get("tool_calls", []):
+                assert set(delta) == {"tool_calls"} and len(delta["tool_calls"]) == 1
+                if "id" in call:
+                    assert call["type"] == "function" and call["function"]["arguments"] == ""
+                else:
+                    assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
 
 
 def test_required_list_and_named_replies() -> None:
@@ -130,23 +249,34 @@ def test_required_list_and_named_replies() -> None:
         '[{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}},'
         '{"name":"get_time","parameters":{"tz":"Europe/Paris"}}]'
     )
-    plan = ToolPlan(None, RequiredListParser())
-    assert _calls(RequiredListParser().parse(text, True).calls) == [WEATHER, TIME]
+    expected = Parsed(
+        "", [ParsedCall(c.name, c.arguments.replace(": ", ":").replace(", ", ",")) for c in (WEATHER, TIME)]
+    )
+    assert parse_whole(RequiredListParser, text) == expected
     for pieces in _chunkings(text, seed=1):
-        assert [d["function"]["name"] for d in _stream(plan, pieces)[1]] == ["get_weather", "get_time"]
+        assert collect([e for feed in _stream_events(RequiredListParser, pieces) for e in feed]) == expected
     named = ToolPlan(None, None, named="get_time")
     message = reply_message(named, '{"tz":"UTC"}')
     assert message["content"] is None and message["tool_calls"][0]["function"] == {
         "name": "get_time",
         "arguments": '{"tz":"UTC"}',
     }
-    content, deltas = _stream(named, ['{"tz"', ':"UTC"}'])
-    assert content == "" and deltas[0]["function"] == {"name": "get_time", "arguments": ""}
-    assert "".join(d["function"]["arguments"] for d in deltas) == '{"tz":"UTC"}'
-    assert all(d["index"] == 0 for d in deltas) and "id" not in deltas[1]
+    deltas = _reply_stream(named, ['{"tz"', ':"UTC"}'])
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
+    assert _accumulate(deltas) == (
+        "",
+        [{"id": deltas[0]["tool_calls"][0]["id"], "name": "get_time", "arguments": '{"tz":"UTC"}'}],
+    )
 
 
-def test_cli_lists_every_parser() -> None:
-    from corral_cli.cmd_engine import TOOL_CALL_PARSERS
+def test_without_a_parser_the_reply_is_content() -> None:
+    plain = ToolPlan(None, None)
+    assert _reply_stream(plain, ["a", "", "b"]) == [{"content": "a"}, {"content": "b"}]
+    assert reply_message(plain, '<tool_call>{"name": "f"}') == {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "f"}',
+    }
 
+
+def test_the_option_lists_every_parser() -> None:
     assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS)

@@ -34,7 +34,7 @@ def options_table() -> str:
         elif option.vllm.json_key:
             vllm = f"`{option.vllm.flag}` `{option.vllm.json_key}`"
         else:
-            vllm = f"`{option.vllm.flag}`"
+            vllm = " ".join(f"`{flag}`" for flag in (*option.vllm.also, option.vllm.flag))
         meaning = option.help.replace("|", "\\|")
         if value_type(name) is bool:
             meaning = f"turn {'off' if DEFAULTS[name] else 'on'}: {meaning}"

@@ -3,6 +3,7 @@ ask of generation (a grammar for "required" and a named function; a parser for "
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,14 +55,18 @@ class ToolCallItem(_Strict):
 
 
 class ToolPlan:
-    """How a request's reply becomes tool calls: `grammar` (required, named) constrains it, `parser`
-    reads the calls back (None: no tool calls, plain content); `named` is the forced function."""
+    """How a request's reply becomes tool calls: `grammar` (required, named) constrains it,
+    `make_parser` makes the reader of each choice's calls (None: no tool calls, plain content);
+    `named` is the forced function."""
 
     def __init__(
-        self, grammar: GrammarSpec | None, parser: ToolParser | None, named: str | None = None
+        self,
+        grammar: GrammarSpec | None,
+        make_parser: Callable[[], ToolParser] | None,
+        named: str | None = None,
     ) -> None:
         self.grammar = grammar
-        self.parser = parser
+        self.make_parser = make_parser
         self.named = named
 
 
@@ -101,9 +106,9 @@ def plan_tools(
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel:
             schema["maxItems"] = 1
-        return ToolPlan(GrammarSpec.json_schema(schema, "tools"), RequiredListParser())
+        return ToolPlan(GrammarSpec.json_schema(schema, "tools"), RequiredListParser)
     if parser_name is None:  # "auto", given or by default
         raise InvalidRequestError(
             '"auto" tool choice needs the server to be started with --tool-call-parser', "tool_choice"
         )
-    return ToolPlan(None, TOOL_PARSERS[parser_name]())
+    return ToolPlan(None, TOOL_PARSERS[parser_name])

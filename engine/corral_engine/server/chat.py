@@ -144,15 +144,16 @@ async def _stream(
                     continue
                 pending[o.index] = pending.get(o.index, 0) + len(o.delta_token_ids)
                 reply = replies[o.index]
-                text, calls = reply.feed(o.delta_text, o.finish_reason is not None)
-                if text or calls or o.delta_logprobs:
+                deltas = reply.feed(o.delta_text, o.finish_reason is not None)
+                if not deltas and o.delta_logprobs:
+                    deltas = [{"content": ""}]
+                for i, delta in enumerate(deltas):
+                    # A step's logprobs and token count ride on its first chunk.
                     logprobs = None
-                    if req.num_logprobs is not None:
+                    if i == 0 and req.num_logprobs is not None:
                         logprobs = chat_logprobs(o.delta_logprobs or [], req.num_logprobs, ctx.token_text)
-                    delta: dict[str, Any] = {"content": text} if text or not calls else {}
-                    if calls:
-                        delta["tool_calls"] = calls
-                    yield chunk(o.index, delta, logprobs=logprobs, num_tokens=pending.pop(o.index))
+                    num_tokens = pending.pop(o.index, 0) if i == 0 else 0
+                    yield chunk(o.index, delta, logprobs=logprobs, num_tokens=num_tokens)
                 if o.finish_reason is not None:
                     sent_finish.add(o.index)
                     finish = finish_reason(o.finish_reason, reply.has_calls)

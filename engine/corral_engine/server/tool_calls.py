@@ -1,5 +1,6 @@
 """A chat reply as OpenAI returns it when tools are in play: content plus `tool_calls`, whole or
-as stream deltas (a call's first delta carries its id and name, later ones pieces of arguments)."""
+as stream deltas. A call's first delta carries its index, id, type and name (arguments ""); later
+ones carry its index and the next piece of its arguments, as the model writes them."""
 
 from __future__ import annotations
 
@@ -7,19 +8,21 @@ import uuid
 from typing import Any
 
 from corral_engine.server.api_tools import ToolPlan
-from corral_engine.server.tool_parsers import ParsedCall
+from corral_engine.server.tool_parsers import (
+    CallStart,
+    Content,
+    ToolEvent,
+    ToolParser,
+    parse_whole,
+)
 
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _call_dict(call: ParsedCall) -> dict[str, Any]:
-    return {
-        "id": new_call_id(),
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
+def _call_dict(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
@@ -30,51 +33,71 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
 def reply_message(plan: ToolPlan, text: str) -> dict[str, Any]:
     """The whole reply as a chat message."""
     if plan.named is not None:
-        call = {"id": new_call_id(), "type": "function", "function": {"name": plan.named, "arguments": text}}
-        return {"role": "assistant", "content": None, "tool_calls": [call]}
-    if plan.parser is None:
+        return {"role": "assistant", "content": None, "tool_calls": [_call_dict(plan.named, text)]}
+    if plan.make_parser is None:
         return {"role": "assistant", "content": text}
-    parsed = plan.parser.parse(text, is_final=True)
+    parsed = parse_whole(plan.make_parser, text)
     if not parsed.calls:
         return {"role": "assistant", "content": parsed.content}
-    calls = [_call_dict(c) for c in parsed.calls]
+    calls = [_call_dict(c.name, c.arguments) for c in parsed.calls]
     return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
 
 
+def _header(index: int, name: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, **_call_dict(name, "")}]}
+
+
+def _arguments(index: int, text: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+
+def event_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
+    """Chunk deltas for a feed's events: a run of content is one delta, a call's start one, and a
+    run of one call's argument pieces one."""
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        last = deltas[-1] if deltas else {}
+        if isinstance(event, Content):
+            if "content" in last:
+                last["content"] += event.text
+            else:
+                deltas.append({"content": event.text})
+        elif isinstance(event, CallStart):
+            deltas.append(_header(event.index, event.name))
+        else:
+            pending = last.get("tool_calls", [{}])[0]
+            if pending.get("index") == event.index and "id" not in pending:
+                pending["function"]["arguments"] += event.text
+            else:
+                deltas.append(_arguments(event.index, event.text))
+    return deltas
+
+
 class ReplyStream:
-    """One choice's reply, fed text deltas; each feed gives the content delta and tool-call deltas
-    to send. Parsed from the whole text so far each time, so chunking never changes the result."""
+    """One choice's reply, fed text deltas; each feed gives the chunk deltas to send, in order."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.text = ""
-        self.num_content_chars = 0
+        self.parser: ToolParser | None = plan.make_parser() if plan.make_parser is not None else None
         self.num_calls = 0
 
     @property
     def has_calls(self) -> bool:
         return self.num_calls > 0
 
-    def feed(self, delta: str, is_final: bool) -> tuple[str, list[dict[str, Any]]]:
-        plan, parser = self.plan, self.plan.parser
-        if parser is None and plan.named is None:
-            return delta, []
-        self.text += delta
-        if plan.named is not None:
-            deltas: list[dict[str, Any]] = []
+    def feed(self, delta: str, is_final: bool) -> list[dict[str, Any]]:
+        if self.plan.named is not None:
+            deltas = []
             if self.num_calls == 0:
                 self.num_calls = 1
-                function = {"name": plan.named, "arguments": ""}
-                deltas.append({"index": 0, "id": new_call_id(), "type": "function", "function": function})
+                deltas.append(_header(0, self.plan.named))
             if delta:
-                deltas.append({"index": 0, "function": {"arguments": delta}})
-            return "", deltas
-        if parser is None:
-            return delta, []
-        parsed = parser.parse(self.text, is_final)
-        content = parsed.content[self.num_content_chars :]
-        self.num_content_chars = len(parsed.content)
-        new = parsed.calls[self.num_calls :]
-        deltas = [{"index": self.num_calls + i, **_call_dict(c)} for i, c in enumerate(new)]
-        self.num_calls = len(parsed.calls)
-        return content, deltas
+                deltas.append(_arguments(0, delta))
+            return deltas
+        if self.parser is None:
+            return [{"content": delta}] if delta else []
+        events = self.parser.feed(delta)
+        if is_final:
+            events += self.parser.finish()
+        self.num_calls += sum(isinstance(e, CallStart) for e in events)
+        return event_deltas(events)

@@ -1,48 +1,80 @@
-"""Tool calls parsed out of generated text (`--tool-call-parser`), whole or as it streams.
+"""Tool calls parsed out of generated text (`--tool-call-parser`), as the text streams.
 
-A parser reads the text so far and says which leading part is certainly content and which calls
-are complete. Streaming feeds the growing text and sends only what is new, so a stream's content
-and calls are the same as parsing the whole text at once, however the text was chunked. Content
-that could still be the start of a call's marker is held back until it cannot.
+A parser is fed a reply's text in pieces and answers with events: content, the start of a call
+(its name, as soon as the name's string closes), and pieces of that call's arguments (the model's
+own text of them, as it is written). A whole reply is one feed, so a stream's events add up to the
+whole reply's, however the text was split. Content that could still start a call's marker is held
+back until it cannot; text inside a call is never content. A call is a call once it is named,
+whatever follows (a reply cut off by max_tokens ends with a call whose arguments are cut off too).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-_DECODER = json.JSONDecoder()
+from corral_engine.server.call_scanner import CallScanner
+
+
+@dataclass(frozen=True, slots=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    index: int  # 0, 1, ... in the order the reply names them
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArgumentsDelta:
+    index: int
+    text: str
+
+
+ToolEvent = Content | CallStart | ArgumentsDelta
+
+
+class ToolParser(Protocol):
+    def feed(self, text: str) -> list[ToolEvent]: ...
+
+    def finish(self) -> list[ToolEvent]: ...  # the reply ended: whatever was held back
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedCall:
     name: str
-    arguments: str  # a JSON object's text
+    arguments: str
 
 
 @dataclass(frozen=True, slots=True)
 class Parsed:
-    content: str  # only ever grows as the text does (a stream sends the difference)
+    content: str
     calls: list[ParsedCall]
 
 
-class ToolParser(Protocol):
-    def parse(self, text: str, is_final: bool) -> Parsed: ...
+def collect(events: list[ToolEvent]) -> Parsed:
+    """What a list of events adds up to (as a client accumulating the deltas sees it)."""
+    content: list[str] = []
+    names: list[str] = []
+    arguments: list[list[str]] = []
+    for event in events:
+        if isinstance(event, Content):
+            content.append(event.text)
+        elif isinstance(event, CallStart):
+            names.append(event.name)
+            arguments.append([])
+        else:
+            arguments[event.index].append(event.text)
+    calls = [ParsedCall(name, "".join(args)) for name, args in zip(names, arguments, strict=True)]
+    return Parsed("".join(content), calls)
 
 
-def _call(value: Any, args_key: str) -> ParsedCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get(args_key, value.get("arguments", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+def parse_whole(make_parser: Callable[[], ToolParser], text: str) -> Parsed:
+    parser = make_parser()
+    return collect(parser.feed(text) + parser.finish())
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -53,95 +85,215 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
+class _Call:
+    """One call object being read. Its events begin once its name is known; arguments read
+    before that (a model may write them first) wait for it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.scanner = CallScanner()
+        self.is_started = False
+        self._early = ""
+
+    @property
+    def is_over(self) -> bool:
+        return self.scanner.is_done or self.scanner.is_failed
+
+    def feed(self, text: str, start: int, out: list[ToolEvent]) -> int:
+        end = self.scanner.feed(text, start)
+        arguments = self.scanner.take_arguments()
+        if not self.is_started:
+            if self.scanner.name is None:
+                self._early += arguments
+                return end
+            self.is_started = True
+            out.append(CallStart(self.index, self.scanner.name))
+            arguments, self._early = self._early + arguments, ""
+        if arguments:
+            out.append(ArgumentsDelta(self.index, arguments))
+        return end
+
+
+class _CallSequence:
+    """Call objects one after another with `separators` between them. Anything else, or an
+    object that is not a call, ends the sequence (`is_over`)."""
+
+    def __init__(self, separators: str) -> None:
+        self.separators = separators
+        self.is_over = False
+        self._num_done = 0  # calls read to their end
+        self._call: _Call | None = None
+
+    @property
+    def num_calls(self) -> int:
+        """Calls started so far."""
+        return self._num_done + (self._call is not None and self._call.is_started)
+
+    def feed(self, text: str, start: int, out: list[ToolEvent]) -> None:
+        i, n = start, len(text)
+        while i < n and not self.is_over:
+            if self._call is None:
+                while i < n and text[i] in self.separators:
+                    i += 1
+                if i == n:
+                    return
+                if text[i] != "{":
+                    self.is_over = True
+                    return
+                self._call = _Call(self._num_done)
+            i = self._call.feed(text, i, out)
+            if self._call.is_over:
+                self.is_over = not self._call.is_started
+                self._num_done += self._call.is_started
+                self._call = None
+
+
 class HermesParser:
     """Hermes / Qwen 2.5 and 3: content, then `<tool_call>{"name", "arguments"}</tool_call>` blocks.
-    Content is what precedes the first block. A block whose JSON is not a call is dropped; an
-    unclosed block at the end is parsed if it holds a whole call and is content otherwise."""
+    Content is what precedes the first block. A block without a named call is dropped; an unclosed
+    one at the end of the reply is a call if named, else content."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str, is_final: bool) -> Parsed:
-        first = text.find(self.START)
-        if first == -1:
-            cut = len(text) if is_final else len(text) - _held_back(text, self.START)
-            return Parsed(text[:cut], [])
-        content, calls = text[:first], []
-        pos = first
-        while pos != -1:
-            body_start = pos + len(self.START)
-            end = text.find(self.END, body_start)
-            body = text[body_start:] if end == -1 else text[body_start:end]
-            if end == -1 and not is_final:
-                break
-            try:
-                call = _call(json.loads(body), "arguments")
-            except json.JSONDecodeError:
-                call = None
-            if call is not None:
-                calls.append(call)
-            elif end == -1:
-                content += text[pos:]
-            if end == -1:
-                break
-            pos = text.find(self.START, end + len(self.END))
-        return Parsed(content, calls)
+    def __init__(self) -> None:
+        self._buffer = ""  # outside a block: held-back text; inside: the block's text after START
+        self._call: _Call | None = None  # inside a block
+        self._num_fed = 0  # of the block's text, what its call has read
+        self._num_calls = 0
+        self._has_block = False  # content ends where the first block starts
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
+        self._buffer += text
+        while self._advance(out):
+            pass
+        return out
+
+    def _advance(self, out: list[ToolEvent]) -> bool:
+        """Consume what can be decided; True when the mode changed and there may be more."""
+        if self._call is None:
+            start = self._buffer.find(self.START)
+            cut = start if start != -1 else len(self._buffer) - _held_back(self._buffer, self.START)
+            if cut and not self._has_block:
+                out.append(Content(self._buffer[:cut]))
+            if start == -1:
+                self._buffer = self._buffer[cut:]
+                return False
+            self._buffer = self._buffer[start + len(self.START) :]
+            self._call, self._num_fed, self._has_block = _Call(self._num_calls), 0, True
+            return True
+        call = self._call
+        end = self._buffer.find(self.END, self._num_fed)
+        # Text that may be the start of END is not fed to the call until it is known not to be.
+        safe = end if end != -1 else len(self._buffer) - _held_back(self._buffer, self.END)
+        self._feed_call(call, max(safe, self._num_fed), out)
+        if end == -1:
+            return False
+        self._close_block(call)
+        self._buffer = self._buffer[end + len(self.END) :]
+        return True
+
+    def _feed_call(self, call: _Call, upto: int, out: list[ToolEvent]) -> None:
+        call.feed(self._buffer[self._num_fed : upto], 0, out)
+        self._num_fed = upto
+
+    def _close_block(self, call: _Call) -> None:
+        self._num_calls += call.is_started
+        self._call = None
+
+    def finish(self) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
+        call = self._call
+        if call is None:
+            if self._buffer and not self._has_block:
+                out.append(Content(self._buffer))
+        else:
+            self._feed_call(call, len(self._buffer), out)
+            if not call.is_started:
+                out.append(Content(self.START + self._buffer))
+            self._close_block(call)
+        self._buffer = ""
+        return out
 
 
 class Llama3JsonParser:
     """Llama 3.1/3.2 JSON tool calls: the reply is one or more `{"name", "parameters"}` objects
     (separated by `;`), optionally after `<|python_tag|>`. A reply that does not start with `{` is
-    content; one that does but holds no call is content at the end."""
+    content; so is one whose first object is not a call. Text after the calls is dropped."""
 
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str, is_final: bool) -> Parsed:
-        body = text.lstrip()
+    def __init__(self) -> None:
+        self._reply = ""  # the reply so far, while it may still be content
+        self._mode = "undecided"  # then "content" or "calls"
+        self._calls = _CallSequence(" \t\r\n;")
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
+        if self._mode == "content":
+            return [Content(text)] if text else out
+        if self._mode == "calls":
+            if self._calls.num_calls == 0:
+                self._reply += text
+            self._calls.feed(text, 0, out)
+        else:
+            self._reply += text
+            body = self._calls_start()
+            if body is None:
+                return [Content(self._reply)] if self._mode == "content" else out
+            self._mode = "calls"
+            self._calls.feed(self._reply, len(self._reply) - len(body), out)
+        if self._calls.num_calls == 0 and self._calls.is_over:  # the first object is not a call
+            self._mode = "content"
+            out.append(Content(self._reply))
+        if self._calls.num_calls:
+            self._reply = ""
+        return out
+
+    def _calls_start(self) -> str | None:
+        """The reply from its first `{` if it is a call list; None while undecided. Decides
+        "content" when it cannot be one."""
+        body = self._reply.lstrip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG) :].lstrip()
-        elif not is_final and (not body or self.TAG.startswith(body)):
-            return Parsed("", [])  # could still become a call
-        if not body.startswith("{"):
-            return Parsed(text if is_final or body else "", [])
-        calls, pos = [], 0
-        while pos < len(body):
-            try:
-                value, end = _DECODER.raw_decode(body, pos)
-            except json.JSONDecodeError:
-                break  # an object still being written (or garbage)
-            call = _call(value, "parameters")
-            if call is None:
-                break
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in " \t\r\n;":
-                pos += 1
-        if is_final and not calls:
-            return Parsed(text, [])
-        return Parsed("", calls)
+            if not body:
+                return None
+        elif not body or self.TAG.startswith(body):
+            return None
+        if body.startswith("{"):
+            return body
+        self._mode = "content"
+        return None
+
+    def finish(self) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
+        if self._mode != "content" and self._calls.num_calls == 0 and self._reply:
+            out.append(Content(self._reply))
+        self._mode, self._reply = "content", ""
+        return out
 
 
 class RequiredListParser:
     """What `tool_choice: "required"` makes the model write: a JSON array of
-    `{"name", "parameters"}` objects (the grammar guarantees the shape)."""
+    `{"name", "parameters"}` objects (the grammar guarantees the shape). Never content."""
 
-    def parse(self, text: str, is_final: bool) -> Parsed:
-        calls: list[ParsedCall] = []
-        pos = text.find("[")
-        if pos == -1:
-            return Parsed("", calls)
-        pos += 1
-        while True:
-            while pos < len(text) and text[pos] in " \t\r\n,":
-                pos += 1
-            try:
-                value, pos = _DECODER.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                break
-            call = _call(value, "parameters")
-            if call is None:
-                break
-            calls.append(call)
-        return Parsed("", calls)
+    def __init__(self) -> None:
+        self._is_open = False  # the array's `[` was read
+        self._calls = _CallSequence(" \t\r\n,")
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
+        start = 0
+        if not self._is_open:
+            start = text.find("[") + 1
+            if start == 0:
+                return out
+            self._is_open = True
+        self._calls.feed(text, start, out)
+        return out
+
+    def finish(self) -> list[ToolEvent]:
+        return []  # a call cut off is sent as far as it was written
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
