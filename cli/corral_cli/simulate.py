@@ -29,6 +29,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         enable_prefix_caching=engine_args.enable_prefix_caching,
         kv_policy=engine_args.kv_policy,
         max_waiting=engine_args.max_waiting,
+        tool_call_parser=engine_args.tool_call_parser,
     )
 
 
@@ -48,7 +49,12 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             from corral_engine.server.lifecycle import serve
 
             [engine] = build_engines(spec, 1)
-            app = create_app(engine, api_key=args.api_key, log_interval_s=args.log_interval)
+            app = create_app(
+                engine,
+                api_key=args.api_key,
+                log_interval_s=args.log_interval,
+                tool_call_parser=spec.tool_call_parser,
+            )
             serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
             return 0
         ports = list(range(args.port, args.port + args.replicas))

@@ -88,3 +88,24 @@ heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
 assert not heavy, heavy
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+async def test_tool_choice_auto_needs_the_parser_the_cli_passes_on(tiny_model_dir: pathlib.Path) -> None:
+    import argparse
+
+    from corral_cli.simulate import replica_spec
+    from corral_engine.args import EngineArgs
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": tools}
+    for parser, status in ((None, 400), ("hermes", 200)):
+        args = argparse.Namespace(simulate="h100-llama3-8b")
+        spec = replica_spec(args, EngineArgs(model=str(tiny_model_dir), tool_call_parser=parser))
+        assert spec.tool_call_parser == parser and spec.served_model_name == tiny_model_dir.name
+        [engine] = build_engines(spec, 1)
+        app = create_app(engine, tool_call_parser=spec.tool_call_parser)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+                r = await c.post("/v1/chat/completions", json={**body, "model": spec.served_model_name})
+        assert r.status_code == status, r.text

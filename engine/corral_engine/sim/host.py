@@ -53,6 +53,7 @@ class ReplicaSpec:
     enable_prefix_caching: bool = True
     kv_policy: str = "preempt"
     max_waiting: int | None = None
+    tool_call_parser: str | None = None  # as --tool-call-parser: tool_choice "auto" is read with it
 
 
 def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
@@ -95,7 +96,7 @@ async def serve_fleet(
     engines = build_engines(spec, len(ports))
     servers = []
     for engine, port in zip(engines, ports, strict=True):
-        app = create_app(engine, api_key=api_key, log_interval_s=60.0)
+        app = create_app(engine, api_key=api_key, log_interval_s=60.0, tool_call_parser=spec.tool_call_parser)
         config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=2
         )

@@ -41,22 +41,41 @@ class LightTokenizer:
         return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str | list[int]:
+        """As transformers renders it: `tools` and any other keyword (chat_template_kwargs) reach
+        the template as variables."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
+            from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # The environment transformers renders chat templates in: loop controls, a `tojson` that
+            # returns plain text (jinja's own returns HTML-escaped markup, which turns the quotes of
+            # any string it is joined with into entities), raise_exception and strftime_now.
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            )
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
         text = str(
             self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                {
+                    "bos_token": self.bos_token or "",
+                    "eos_token": self.eos_token or "",
+                    **template_kwargs,
+                    "messages": messages,
+                    "tools": tools,
+                    "add_generation_prompt": add_generation_prompt,
+                }
             )
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -71,3 +90,21 @@ def _token_text(token: Any) -> str | None:
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(date_format: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(date_format)
