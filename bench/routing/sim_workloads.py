@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from corral_cli.bench.arrivals import arrival_offsets_s
@@ -97,36 +98,57 @@ def _chat(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
     would have ended at `REPLY_S_PER_TOKEN`. Sessions start before the window too, so the window
     holds a steady population and its arrival rate is `rate`: their turns in the `warmup_s` before
     the window are sent (so the replies a counted turn carries can be cached) but not counted,
-    earlier ones are not sent (their KV is cached nowhere)."""
+    earlier ones are not sent (their KV is cached nowhere). At an infinite rate (capacity runs),
+    one turn of each session, anywhere in it, all at 0, with its history cached nowhere: the mix of
+    prompt lengths a steady population sends, as round-robin mostly meets it."""
     systems = [_ids(rng, 400) for _ in range(4)]
-    if not math.isfinite(spec.rate):  # everything at once: one turn per session, all at 0
-        return [
-            SimRequest(f"c{s}-0", 0.0, rng.choice(systems) + _ids(rng, _lognormal(rng, 60, 0.8, 4, 600)),
-                       _lognormal(rng, 150, 0.8, 4, 800))
-            for s in range(spec.num_requests)
-        ]  # fmt: skip
+    out: list[SimRequest] = []
+    if not math.isfinite(spec.rate):
+        while len(out) < spec.num_requests:
+            chosen = rng.randint(0, 7)  # sessions shorter than that send nothing
+            system = rng.choice(systems)
+            out += _session(spec, rng, f"c{len(out)}", system, 0.0, lambda turn, _, c=chosen: turn == c)
+        return out
     window_s = spec.num_requests / spec.rate
     num_sessions = max(1, round(spec.rate * (window_s + CHAT_LEAD_S) / CHAT_MEAN_TURNS))
     starts = arrival_offsets_s(
         num_sessions, num_sessions / (window_s + CHAT_LEAD_S), spec.burstiness, spec.seed
     )
-    out: list[SimRequest] = []
+
+    def is_sent(_: int, at: float) -> bool:
+        return -spec.warmup_s <= at < window_s
+
     for s, start in enumerate(starts):
-        history = list(rng.choice(systems))
-        num_unsent = 0  # tokens of turns before the warm-up: random ids once a later turn is sent
-        at = start - CHAT_LEAD_S
-        for turn in range(rng.randint(3, 8)):
-            num_new, output_len = _lognormal(rng, 60, 0.8, 4, 600), _lognormal(rng, 150, 0.8, 4, 800)
-            if len(history) + num_unsent + num_new + output_len > spec.max_model_len or at >= window_s:
-                break
-            if at < -spec.warmup_s:
-                num_unsent += num_new + output_len
-            else:
-                history += _ids(rng, num_unsent)
-                num_unsent = 0
-                prompt = history + _ids(rng, num_new)
-                out.append(SimRequest(f"c{s}-{turn}", at + spec.warmup_s, prompt, output_len, at >= 0.0))
-                history = prompt + reply_of(prompt, output_len)
+        out += _session(spec, rng, f"c{s}", rng.choice(systems), start - CHAT_LEAD_S, is_sent)
+    return out
+
+
+def _session(
+    spec: WorkloadSpec,
+    rng: random.Random,
+    name: str,
+    system: list[int],
+    start_s: float,
+    is_sent: Callable[[int, float], bool],
+) -> list[SimRequest]:
+    """One chat session's turns that `is_sent(turn, at)`, timed from `start_s` (warm-up shifted)."""
+    out: list[SimRequest] = []
+    history = list(system)
+    num_unsent = 0  # tokens of turns not sent: random ids once a later turn is sent
+    at = start_s
+    for turn in range(rng.randint(3, 8)):
+        num_new, output_len = _lognormal(rng, 60, 0.8, 4, 600), _lognormal(rng, 150, 0.8, 4, 800)
+        if len(history) + num_unsent + num_new + output_len > spec.max_model_len:
+            break
+        if not is_sent(turn, at):
+            num_unsent += num_new + output_len
+        else:
+            history += _ids(rng, num_unsent)
+            num_unsent = 0
+            prompt = history + _ids(rng, num_new)
+            out.append(SimRequest(f"{name}-{turn}", at + spec.warmup_s, prompt, output_len, at >= 0.0))
+            history = prompt + reply_of(prompt, output_len)
+        if math.isfinite(spec.rate):
             at += output_len * REPLY_S_PER_TOKEN + rng.uniform(2.0, 6.0)
     return out
 
