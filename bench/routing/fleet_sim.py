@@ -126,19 +126,21 @@ def _replica_capacity(args: argparse.Namespace, profile: Any, num_replicas: int,
     return (hi - lo) / max(1e-9, finishes[hi] - finishes[lo])
 
 
+def _is_in_slo(o: Outcome) -> bool:
+    if o.first_token_s is None or o.finish_s is None:
+        return False
+    is_tpot_ok = o.output_len <= 1 or (o.finish_s - o.first_token_s) / (o.output_len - 1) < TPOT_SLO_S
+    return o.first_token_s - o.arrival_s < TTFT_SLO_S and is_tpot_ok
+
+
 def summarize(outcomes: dict[str, Outcome], sim: FleetSim) -> dict[str, Any]:
     """The counted requests' figures (a warm-up's are left out, its engine counters too)."""
     counted = [o for o in outcomes.values() if o.is_counted]
     done = [o for o in counted if o.finish_s is not None and o.first_token_s is not None]
     ttft = np.array([o.first_token_s - o.arrival_s for o in done])  # type: ignore[operator]
     tpot = np.array([(o.finish_s - o.first_token_s) / (o.output_len - 1) for o in done if o.output_len > 1])  # type: ignore[operator]
-    span_s = max(o.finish_s for o in done) - min(o.arrival_s for o in done)  # type: ignore[type-var]
-    good = sum(
-        1
-        for o in done
-        if o.first_token_s - o.arrival_s < TTFT_SLO_S  # type: ignore[operator]
-        and (o.output_len <= 1 or (o.finish_s - o.first_token_s) / (o.output_len - 1) < TPOT_SLO_S)  # type: ignore[operator]
-    )
+    span_s = max(o.finish_s for o in done) - min(o.arrival_s for o in done)  # type: ignore[type-var,operator]
+    good = sum(_is_in_slo(o) for o in done)
     stats = [e.stats() for e in sim.engines]
     before = sim.stats_at_mark or [EngineStats() for _ in sim.engines]
     hits = sum(

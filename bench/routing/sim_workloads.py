@@ -10,6 +10,7 @@ KV of a reply is reused as it would be on a real engine.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -107,7 +108,7 @@ def _chat(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
         while len(out) < spec.num_requests:
             chosen = rng.randint(0, 7)  # sessions shorter than that send nothing
             system = rng.choice(systems)
-            out += _session(spec, rng, f"c{len(out)}", system, 0.0, lambda turn, _, c=chosen: turn == c)
+            out += _session(spec, rng, f"c{len(out)}", system, 0.0, functools.partial(_is_turn, chosen))
         return out
     window_s = spec.num_requests / spec.rate
     num_sessions = max(1, round(spec.rate * (window_s + CHAT_LEAD_S) / CHAT_MEAN_TURNS))
@@ -121,6 +122,10 @@ def _chat(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
     for s, start in enumerate(starts):
         out += _session(spec, rng, f"c{s}", rng.choice(systems), start - CHAT_LEAD_S, is_sent)
     return out
+
+
+def _is_turn(chosen: int, turn: int, _: float) -> bool:
+    return turn == chosen
 
 
 def _session(
