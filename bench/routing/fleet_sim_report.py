@@ -70,6 +70,9 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
                         ax.plot(
                             *zip(*pts, strict=True), style, color=colors[policy], label=label, markersize=7
                         )
+            floors = sorted((c["load"], c["floor"]["ttft_p99_ms"]) for c in mine if "floor" in c)
+            if key == "ttft_p99_ms" and floors:  # no policy's p99 can go below it
+                ax.plot(*zip(*floors, strict=True), "_", color="black", markersize=18, label="TTFT floor")
             ax.set_title(f"{workload}, {mine[0]['replicas']} replicas: {title}")
             ax.set_xlabel("offered load (x capacity; x = bursty)")
             if log:
