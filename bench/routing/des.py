@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from corral_engine.outputs import EngineStats
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import NullTokenizer, SimEngine, SimStep
 from corral_engine.sim.perf_model import Profile
@@ -35,6 +36,7 @@ class Outcome:
     request_id: str
     arrival_s: float
     output_len: int
+    is_counted: bool = True
     replica: int = -1
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -77,6 +79,7 @@ class FleetSim:
         self._rng = random.Random(seed)
         self.outcomes: dict[str, Outcome] = {}
         self.max_queue_len = 0
+        self.stats_at_mark: list[EngineStats] | None = None  # the engines' counters at `mark_s`
         self.on_finish: Callable[[Outcome], None] | None = None  # may `submit` more requests
 
     # -- events ---------------------------------------------------------------------------------
@@ -88,10 +91,14 @@ class FleetSim:
         self._pending += 1
         self._at(max(self.clock.now, request.arrival_s), "arrive", request)
 
-    def run(self, requests: list[SimRequest]) -> dict[str, Outcome]:
+    def run(self, requests: list[SimRequest], mark_s: float | None = None) -> dict[str, Outcome]:
+        """Every request to its end. `mark_s`: copy the engines' counters then (`stats_at_mark`),
+        so a warm-up's prefix hits and preemptions can be told from the rest's."""
         self._pending = 0
         for r in requests:
             self.submit(r)
+        if mark_s is not None:
+            self._at(mark_s, "mark", None)
         for i in range(len(self.engines)):
             self._at(self._rng.uniform(0, self.gateway.poll_interval_s), "poll", i)
         while self._events and self._pending:
@@ -99,6 +106,8 @@ class FleetSim:
             self.clock.now = when_s
             if kind == "arrive":
                 self._arrive(payload)  # type: ignore[arg-type]
+            elif kind == "mark":
+                self.stats_at_mark = [e.stats() for e in self.engines]  # snapshots
             elif kind == "step":
                 num_finished = self._step_done(payload)  # type: ignore[arg-type]  # may submit more
                 self._pending -= num_finished
@@ -107,7 +116,9 @@ class FleetSim:
         return self.outcomes
 
     def _arrive(self, request: SimRequest) -> None:
-        self.outcomes[request.request_id] = Outcome(request.request_id, request.arrival_s, request.output_len)
+        self.outcomes[request.request_id] = Outcome(
+            request.request_id, request.arrival_s, request.output_len, request.is_counted
+        )
         if self._queue:
             self._enqueue(request)
             return

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from corral_engine.sim.perf_model import BUILTIN, describe, load_profile
+from corral_engine.outputs import EngineStats
+from corral_engine.sim.perf_model import BUILTIN, Profile, describe, load_profile
 
 from bench.routing.des import FleetSim, GatewayModel, Outcome
 from bench.routing.fleet_sim_report import plot, summary, table
-from bench.routing.sim_workloads import WORKLOADS, WorkloadSpec, build
+from bench.routing.sim_workloads import WORKLOADS, SimRequest, WorkloadSpec, build
+from bench.routing.ttft_floor import ttft_floors
 
 logger = logging.getLogger("fleet_sim")
 POLICIES = ("round-robin", "least-requests", "kv-aware", "prefix-affinity", "llm-d")
@@ -45,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=60.0, help="virtual seconds of arrivals per run")
     p.add_argument("--min-requests", type=int, default=2000)
     p.add_argument("--max-requests", type=int, default=4000, help="per run, per 16 replicas")
+    p.add_argument(
+        "--warmup-s", type=float, default=0.0, help="chat: seconds of turns sent before the counted window"
+    )
     p.add_argument("--heterogeneous", action="store_true", help="every other replica has half the KV cache")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/fleet-sim"))
@@ -121,22 +126,36 @@ def _replica_capacity(args: argparse.Namespace, profile: Any, num_replicas: int,
     return (hi - lo) / max(1e-9, finishes[hi] - finishes[lo])
 
 
+def _is_in_slo(o: Outcome) -> bool:
+    if o.first_token_s is None or o.finish_s is None:
+        return False
+    is_tpot_ok = o.output_len <= 1 or (o.finish_s - o.first_token_s) / (o.output_len - 1) < TPOT_SLO_S
+    return o.first_token_s - o.arrival_s < TTFT_SLO_S and is_tpot_ok
+
+
 def summarize(outcomes: dict[str, Outcome], sim: FleetSim) -> dict[str, Any]:
-    done = [o for o in outcomes.values() if o.finish_s is not None and o.first_token_s is not None]
+    """The counted requests' figures (a warm-up's are left out, its engine counters too)."""
+    counted = [o for o in outcomes.values() if o.is_counted]
+    done = [o for o in counted if o.finish_s is not None and o.first_token_s is not None]
     ttft = np.array([o.first_token_s - o.arrival_s for o in done])  # type: ignore[operator]
     tpot = np.array([(o.finish_s - o.first_token_s) / (o.output_len - 1) for o in done if o.output_len > 1])  # type: ignore[operator]
-    span_s = max(o.finish_s for o in done) - min(o.arrival_s for o in done)  # type: ignore[type-var]
-    good = sum(
-        1
-        for o in done
-        if o.first_token_s - o.arrival_s < TTFT_SLO_S  # type: ignore[operator]
-        and (o.output_len <= 1 or (o.finish_s - o.first_token_s) / (o.output_len - 1) < TPOT_SLO_S)  # type: ignore[operator]
-    )
+    span_s = max(o.finish_s for o in done) - min(o.arrival_s for o in done)  # type: ignore[type-var,operator]
+    good = sum(_is_in_slo(o) for o in done)
     stats = [e.stats() for e in sim.engines]
-    queries = sum(s.num_prefix_cache_queries_total for s in stats)
-    offered_req_s = len(outcomes) / max(1e-9, max(o.arrival_s for o in outcomes.values()))
+    before = sim.stats_at_mark or [EngineStats() for _ in sim.engines]
+    hits = sum(
+        s.num_prefix_cache_hits_total - b.num_prefix_cache_hits_total
+        for s, b in zip(stats, before, strict=True)
+    )
+    queries = sum(
+        s.num_prefix_cache_queries_total - b.num_prefix_cache_queries_total
+        for s, b in zip(stats, before, strict=True)
+    )
+    arrivals = [o.arrival_s for o in counted]
+    offered_req_s = len(counted) / max(1e-9, max(arrivals) - min(arrivals))
     return {
-        "num_requests": len(outcomes),
+        "num_requests": len(counted),
+        "num_warmup_requests": len(outcomes) - len(counted),
         "num_done": len(done),
         "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
         "ttft_p99_ms": 1000 * float(np.percentile(ttft, 99)),
@@ -144,15 +163,33 @@ def summarize(outcomes: dict[str, Outcome], sim: FleetSim) -> dict[str, Any]:
         "tpot_p99_ms": 1000 * float(np.percentile(tpot, 99)),
         # Requests in SLO per second of arrivals: a run is a fixed set of requests, and the time
         # its longest replies take to drain after the last arrival says nothing about routing.
-        "goodput_req_s": offered_req_s * good / len(outcomes),
+        "goodput_req_s": offered_req_s * good / len(counted),
         "slo_share": good / len(done),
         "req_s": len(done) / span_s,
         "output_tok_s": sum(o.output_len for o in done) / span_s,
-        "prefix_hit_rate": sum(s.num_prefix_cache_hits_total for s in stats) / queries if queries else 0.0,
-        "preemptions": sum(s.num_preemptions_total for s in stats),
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "preemptions": sum(
+            s.num_preemptions_total - b.num_preemptions_total for s, b in zip(stats, before, strict=True)
+        ),
         "max_gateway_queue": sim.max_queue_len,
         "span_s": span_s,
         "offered_req_s": offered_req_s,
+    }
+
+
+def floor_figures(requests: list[SimRequest], profile: Profile) -> dict[str, float]:
+    """p50/p99 of the counted requests' TTFT floors (`ttft_floor`), warm and cold."""
+    floors = ttft_floors(requests, profile)
+    mine = [floors[r.request_id] for r in requests if r.is_counted]
+    warm = np.array([f.warm_s for f in mine])
+    cold = np.array([f.cold_s for f in mine])
+    return {
+        "ttft_p50_ms": 1000 * float(np.percentile(warm, 50)),
+        "ttft_p99_ms": 1000 * float(np.percentile(warm, 99)),
+        "cold_ttft_p50_ms": 1000 * float(np.percentile(cold, 50)),
+        "cold_ttft_p99_ms": 1000 * float(np.percentile(cold, 99)),
+        "cached_share": sum(f.num_cached_tokens for f in mine)
+        / sum(len(r.prompt) for r in requests if r.is_counted),
     }
 
 
@@ -162,14 +199,23 @@ def run_cell(
     rate = load * capacity
     cap = args.max_requests * max(1, n // 16)
     num_requests = min(cap, max(args.min_requests, int(rate * args.duration_s)))
-    requests = build(WorkloadSpec(workload, num_requests, rate, shape, n, seed=args.seed))
+    warmup_s = args.warmup_s if workload == "chat" else 0.0
+    requests = build(WorkloadSpec(workload, num_requests, rate, shape, n, seed=args.seed, warmup_s=warmup_s))
     arrivals = "poisson" if shape == 1.0 else "bursty"
     cell: dict[str, Any] = {"replicas": n, "workload": workload, "load": load, "arrivals": arrivals}
-    cell |= {"rate_req_s": rate, "capacity_req_s": capacity, "policies": {}}
+    cell |= {"rate_req_s": rate, "capacity_req_s": capacity, "warmup_s": warmup_s}
+    cell |= {"floor": floor_figures(requests, fleet_profiles(args, n)[0]), "policies": {}}
+    logger.info(
+        "%3d replicas %-8s load %.2f %-7s TTFT floor p50 %.0f p99 %.0f ms (cold %.0f / %.0f), "
+        "%d requests + %d warm-up",
+        n, workload, load, arrivals, cell["floor"]["ttft_p50_ms"], cell["floor"]["ttft_p99_ms"],
+        cell["floor"]["cold_ttft_p50_ms"], cell["floor"]["cold_ttft_p99_ms"],
+        sum(r.is_counted for r in requests), sum(not r.is_counted for r in requests),
+    )  # fmt: skip
     for policy in args.policies:
         started = time.perf_counter()
         sim = FleetSim(fleet_profiles(args, n), GatewayModel(policy), args.seed)
-        row = summarize(sim.run(requests), sim)
+        row = summarize(sim.run(requests, mark_s=warmup_s if warmup_s else None), sim)
         cell["policies"][policy] = row
         logger.info(
             "%3d replicas %-8s load %.2f %-7s %-15s TTFT p50 %6.0f p99 %7.0f ms, "
@@ -196,7 +242,7 @@ def main() -> int:
             for load, shape in runs:
                 cells.append(run_cell(args, n, workload, capacity, load, shape))
         plot([c for c in cells if c["replicas"] == n], args.out / f"fleet_sim_{n}.png")
-    text = table(cells)
+    text = summary(cells) + "\n\n" + table(cells)
     report = {
         "args": vars(args) | {"out": str(args.out)},
         "profile": describe(load_profile(args.profile)),

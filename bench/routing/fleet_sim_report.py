@@ -70,6 +70,9 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
                         ax.plot(
                             *zip(*pts, strict=True), style, color=colors[policy], label=label, markersize=7
                         )
+            floors = sorted((c["load"], c["floor"]["ttft_p99_ms"]) for c in mine if "floor" in c)
+            if key == "ttft_p99_ms" and floors:  # no policy's p99 can go below it
+                ax.plot(*zip(*floors, strict=True), "_", color="black", markersize=18, label="TTFT floor")
             ax.set_title(f"{workload}, {mine[0]['replicas']} replicas: {title}")
             ax.set_xlabel("offered load (x capacity; x = bursty)")
             if log:
@@ -81,8 +84,10 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
 
 
 def summary(cells: list[dict[str, Any]]) -> str:
-    """One line per (replicas, workload, arrivals, load): p99 TTFT per policy, then the default's
-    p99 and goodput against round-robin's and llm-d's, and prefix-cache hit rates."""
+    """One line per (replicas, workload, arrivals, load): the p99 of the TTFT floor (`ttft_floor`,
+    which no policy's p99 can go below), p99 TTFT per policy, round-robin's p99 against the floor
+    (under 2x, no policy can reach half of round-robin's p99), then the default's p99 and goodput
+    against round-robin's and llm-d's, and prefix-cache hit rates."""
     names = ("round-robin", "least-requests", "kv-aware", "prefix-affinity", "llm-d")
     short = {
         "round-robin": "RR",
@@ -93,13 +98,18 @@ def summary(cells: list[dict[str, Any]]) -> str:
     }
     head = " | ".join(f"p99 {short[n]}" for n in names)
     lines = [
-        f"| fleet | workload | arrivals | load | {head} | PA p99 / RR | PA p99 / llm-d | PA goodput / RR "
-        "| PA goodput / llm-d | in SLO RR / PA / llm-d | hits RR / PA / llm-d |",
-        "|---|---|---|---:|" + "---:|" * (len(names) + 6),
+        f"| fleet | workload | arrivals | load | p99 floor | {head} | RR / floor | PA p99 / RR "
+        "| PA p99 / llm-d | PA goodput / RR | PA goodput / llm-d | in SLO RR / PA / llm-d "
+        "| hits RR / PA / llm-d |",
+        "|---|---|---|---:|" + "---:|" * (len(names) + 8),
     ]
     for c in cells:
         rows = c["policies"]
         p99 = " | ".join(f"{rows[n]['ttft_p99_ms']:.0f}" if n in rows else "-" for n in names)
+        floor = c.get("floor", {}).get("ttft_p99_ms")
+        rr = rows.get("round-robin", {}).get("ttft_p99_ms")
+        floor_text = "-" if floor is None else f"{floor:.0f}"
+        rr_floor = "-" if floor is None or rr is None else f"{rr / floor:.2f}x"
 
         def ratio(key: str, peer: str, rows: dict[str, Any] = rows) -> str:
             if DEFAULT not in rows or peer not in rows or not rows[peer][key]:
@@ -112,8 +122,8 @@ def summary(cells: list[dict[str, Any]]) -> str:
             )
 
         lines.append(
-            f"| {c['replicas']} | {c['workload']} | {c['arrivals']} | {c['load']:.2f} | {p99} | "
-            f"{ratio('ttft_p99_ms', 'round-robin')} | {ratio('ttft_p99_ms', 'llm-d')} | "
+            f"| {c['replicas']} | {c['workload']} | {c['arrivals']} | {c['load']:.2f} | {floor_text} | "
+            f"{p99} | {rr_floor} | {ratio('ttft_p99_ms', 'round-robin')} | {ratio('ttft_p99_ms', 'llm-d')} | "
             f"{ratio('goodput_req_s', 'round-robin')} | {ratio('goodput_req_s', 'llm-d')} | "
             f"{trio('slo_share', '.0%')} | {trio('prefix_hit_rate', '.2f')} |"
         )

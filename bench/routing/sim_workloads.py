@@ -10,8 +10,10 @@ KV of a reply is reused as it would be on a real engine.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from corral_cli.bench.arrivals import arrival_offsets_s
@@ -20,6 +22,9 @@ from corral_gateway.peek import block_hash_chain, block_prefix_hash, prompt_pref
 WORKLOADS = ("sharegpt", "chat", "rag")
 VOCAB = 32_000
 BLOCK_CHARS, NUM_BLOCKS, CHAIN_BLOCKS = 64, 4, 256  # the gateway's defaults
+# Chat sessions: a reply takes about this long a token (TPOT near capacity is 15-25 ms), and
+# sessions start up to CHAT_LEAD_S before the window (8 long turns), 5.5 turns each on average.
+REPLY_S_PER_TOKEN, CHAT_LEAD_S, CHAT_MEAN_TURNS = 0.025, 120.0, 5.5
 
 
 @dataclass(slots=True)
@@ -28,6 +33,7 @@ class SimRequest:
     arrival_s: float
     prompt: list[int]
     output_len: int
+    is_counted: bool = True  # False: sent during the warm-up, left out of the figures
     prefix_hash: int | None = None
     block_hashes: tuple[int, ...] = field(default_factory=tuple)
 
@@ -49,6 +55,7 @@ class WorkloadSpec:
     num_replicas: int = 16  # sizes the RAG corpus and the chat population
     max_model_len: int = 8192
     seed: int = 0
+    warmup_s: float = 0.0  # chat: arrivals sent before the `num_requests / rate` window, not counted
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
@@ -88,33 +95,67 @@ def _sharegpt(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
 
 def _chat(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
     """Sessions of 3-8 turns under one of 4 system prompts (400 tokens); each turn's prompt is the
-    whole conversation so far plus a new user message; turns 2-6 s apart. Sessions start before
-    the window too (their earlier turns are not sent: their KV is not cached anywhere), so the
-    window holds a steady population and its arrival rate is `rate`."""
+    whole conversation so far plus a new user message; the next turn comes 2-6 s after the reply
+    would have ended at `REPLY_S_PER_TOKEN`. Sessions start before the window too, so the window
+    holds a steady population and its arrival rate is `rate`: their turns in the `warmup_s` before
+    the window are sent (so the replies a counted turn carries can be cached) but not counted,
+    earlier ones are not sent (their KV is cached nowhere). At an infinite rate (capacity runs),
+    one turn of each session, anywhere in it, all at 0, with its history cached nowhere: the mix of
+    prompt lengths a steady population sends, as round-robin mostly meets it."""
     systems = [_ids(rng, 400) for _ in range(4)]
-    mean_turns, lead_s = 5.5, 8 * 6.0
-    window_s = spec.num_requests / spec.rate if math.isfinite(spec.rate) else 0.0
-    num_sessions = max(1, round(spec.num_requests * (window_s + lead_s) / max(window_s, 1e-9) / mean_turns))
-    if not math.isfinite(spec.rate):  # everything at once: one turn per session, all at 0
-        num_sessions = spec.num_requests
-    starts = arrival_offsets_s(
-        num_sessions, num_sessions / max(window_s + lead_s, 1e-9), spec.burstiness, spec.seed
-    )
     out: list[SimRequest] = []
+    if not math.isfinite(spec.rate):
+        while len(out) < spec.num_requests:
+            chosen = rng.randint(0, 7)  # sessions shorter than that send nothing
+            system = rng.choice(systems)
+            out += _session(spec, rng, f"c{len(out)}", system, 0.0, functools.partial(_is_turn, chosen))
+        return out
+    window_s = spec.num_requests / spec.rate
+    num_sessions = max(1, round(spec.rate * (window_s + CHAT_LEAD_S) / CHAT_MEAN_TURNS))
+    starts = arrival_offsets_s(
+        num_sessions, num_sessions / (window_s + CHAT_LEAD_S), spec.burstiness, spec.seed
+    )
+
+    def is_sent(_: int, at: float) -> bool:
+        return -spec.warmup_s <= at < window_s
+
     for s, start in enumerate(starts):
-        history = list(rng.choice(systems))
-        at = start - lead_s if math.isfinite(spec.rate) else 0.0
-        for turn in range(rng.randint(3, 8)):
-            prompt = history + _ids(rng, _lognormal(rng, 60, 0.8, 4, 600))
-            output_len = _lognormal(rng, 150, 0.8, 4, 800)
-            if len(prompt) + output_len > spec.max_model_len:
-                break
-            if at >= 0.0:
-                out.append(SimRequest(f"c{s}-{turn}", at, prompt, output_len))
+        out += _session(spec, rng, f"c{s}", rng.choice(systems), start - CHAT_LEAD_S, is_sent)
+    return out
+
+
+def _is_turn(chosen: int, turn: int, _: float) -> bool:
+    return turn == chosen
+
+
+def _session(
+    spec: WorkloadSpec,
+    rng: random.Random,
+    name: str,
+    system: list[int],
+    start_s: float,
+    is_sent: Callable[[int, float], bool],
+) -> list[SimRequest]:
+    """One chat session's turns that `is_sent(turn, at)`, timed from `start_s` (warm-up shifted)."""
+    out: list[SimRequest] = []
+    history = list(system)
+    num_unsent = 0  # tokens of turns not sent: random ids once a later turn is sent
+    at = start_s
+    for turn in range(rng.randint(3, 8)):
+        num_new, output_len = _lognormal(rng, 60, 0.8, 4, 600), _lognormal(rng, 150, 0.8, 4, 800)
+        if len(history) + num_unsent + num_new + output_len > spec.max_model_len:
+            break
+        if not is_sent(turn, at):
+            num_unsent += num_new + output_len
+        else:
+            history += _ids(rng, num_unsent)
+            num_unsent = 0
+            prompt = history + _ids(rng, num_new)
+            out.append(SimRequest(f"{name}-{turn}", at + spec.warmup_s, prompt, output_len, at >= 0.0))
             history = prompt + reply_of(prompt, output_len)
-            at += rng.uniform(2.0, 6.0) if math.isfinite(spec.rate) else 0.0
-    out.sort(key=lambda r: r.arrival_s)
-    return out[: spec.num_requests]
+        if math.isfinite(spec.rate):
+            at += output_len * REPLY_S_PER_TOKEN + rng.uniform(2.0, 6.0)
+    return out
 
 
 def _rag(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:

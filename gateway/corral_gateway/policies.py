@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from corral_gateway.prefill_ledger import PrefillLedger
 from corral_gateway.prefix_index import PrefixIndex
 from corral_gateway.registry import Replica, ReplicaLoad, Saturation
 
@@ -98,17 +99,21 @@ class KvAware:
 
 
 class PrefixAffinity:
-    """Longest cached prefix first, else the least loaded replica; kv-aware when saturated.
+    """The replica where the prompt's first token comes soonest, as far as this gateway can tell.
 
-    With the prompt's chained block hashes, the replicas this gateway sent more of the prompt's
-    leading blocks than it sent every replica (`PrefixIndex`; a system prompt all of them hold is
-    no reason to pick one) come first, longest match first, unless above `load_factor` x the mean
-    load (bounded loads) or queueing while another replica runs without a queue: a cached prefix
-    saves one prefill, a queue costs a whole request's wait. A prompt no replica holds more of goes
-    to kv-aware's pick. Without a chain (a caller that computed only the hash of the first blocks),
-    consistent hashing with the same bounds: every gateway builds the same ring from the replica
-    URLs, so gateways agree on a prompt's home without sharing state; a saturated home hands the
-    request to kv-aware.
+    With the prompt's chained block hashes: the fewest blocks to prefill before it, counting the
+    prompt's own blocks the replica has not cached (`PrefixIndex`: those this gateway did not send
+    it) and the prefill already heading there (`PrefillLedger`: uncached blocks sent since its last
+    load sample, and its reported queue at the mean request's blocks). So a cached document is worth
+    exactly the prefill it saves, and a replica holding it loses the request once the prefill piled
+    on it outweighs that. Ties (nothing cached anywhere, nothing pending) go to kv-aware's order.
+    Saturated replicas are left out, and so are those above `load_factor` x the mean load (bounded
+    loads), unless that leaves none: affinity may not pile sessions onto one replica.
+
+    Without a chain (a caller that computed only the hash of the first blocks): consistent hashing
+    with the same bounds, a home queueing while another replica runs without a queue passing the
+    request on: every gateway builds the same ring from the replica URLs, so gateways agree on a
+    prompt's home without sharing state; a saturated home hands the request to kv-aware.
     """
 
     name = "prefix-affinity"
@@ -119,8 +124,10 @@ class PrefixAffinity:
         self._vnodes = vnodes
         self._fallback = KvAware(saturation)
         self.index = PrefixIndex()
+        self.ledger = PrefillLedger()
         self._ring_urls: tuple[str, ...] = ()
         self._ring: list[tuple[int, str]] = []
+        self._next = 0
 
     def ring_order(self, urls: Sequence[str], prefix_hash: int) -> list[str]:
         """Distinct replica URLs in ring order, starting at the prefix's point."""
@@ -146,44 +153,54 @@ class PrefixAffinity:
     def pick(
         self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
     ) -> Candidate:
-        chosen = self._pick(candidates, prefix_hash, block_hashes)
         if block_hashes:
-            self.index.remember(chosen.replica.url, block_hashes)
+            return self._pick_by_prefill(candidates, block_hashes)
+        return self._pick_on_ring(candidates, prefix_hash)
+
+    def blocks_to_prefill(self, candidates: Sequence[Candidate], block_hashes: Sequence[int]) -> list[float]:
+        """Per candidate: the prompt's blocks it lacks plus the prefill already heading there."""
+        matched = self.index.matched_blocks([c.replica.url for c in candidates], block_hashes)
+        return [
+            len(block_hashes) - matched[c.replica.url] + self.ledger.pending_blocks(c.replica, c.load)
+            for c in candidates
+        ]
+
+    def _pick_by_prefill(self, candidates: Sequence[Candidate], block_hashes: Sequence[int]) -> Candidate:
+        pool = [c for c in candidates if not c.load.is_saturated(self._saturation)] or list(candidates)
+        bound = self._load_bound(candidates)
+        pool = [c for c in pool if c.load.num_outstanding + 1 <= bound] or pool
+        blocks = self.blocks_to_prefill(pool, block_hashes)
+        costs = self._fallback.costs(pool)
+        self._next += 1
+        keys = {id(c): (b, k) for c, b, k in zip(pool, blocks, costs, strict=True)}
+        best = min(keys.values())
+        ties = sorted((c for c in pool if keys[id(c)] <= best), key=lambda c: c.replica.url)
+        chosen = ties[self._next % len(ties)]
+        matched = self.index.matched_blocks([chosen.replica.url], block_hashes)[chosen.replica.url]
+        # At least one block: a fully cached prompt still computes its last tokens.
+        self.ledger.record(chosen.replica, max(1, len(block_hashes) - matched))
+        self.index.remember(chosen.replica.url, block_hashes)
         return chosen
 
-    def _pick(
-        self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int]
-    ) -> Candidate:
-        key = block_hashes[-1] if block_hashes else prefix_hash
-        if key is None or len(candidates) == 1:
+    def _load_bound(self, candidates: Sequence[Candidate]) -> int:
+        """Bounded loads: the most requests a replica may hold, this one included."""
+        total = sum(c.load.num_outstanding for c in candidates)
+        return math.ceil(self._load_factor * (total + 1) / len(candidates))
+
+    def _pick_on_ring(self, candidates: Sequence[Candidate], prefix_hash: int | None) -> Candidate:
+        if prefix_hash is None or len(candidates) == 1:
             return self._fallback.pick(candidates, prefix_hash)
         by_url = {c.replica.url: c for c in candidates}
-        order = self.ring_order(list(by_url), key)
-        total = sum(c.load.num_outstanding for c in candidates)
-        capacity = math.ceil(self._load_factor * (total + 1) / len(candidates))
-        someone_has_a_seat = any(_runs_at_once(c.load) for c in candidates)
-
-        def fits(load: ReplicaLoad) -> bool:
-            if load.is_saturated(self._saturation) or load.num_outstanding + 1 > capacity:
-                return False
-            return not someone_has_a_seat or _runs_at_once(load)
-
-        if block_hashes:
-            matched = self.index.matched_blocks(order, block_hashes)
-            floor = min(matched.values())
-            rank = {url: i for i, url in enumerate(order)}
-            holders = sorted((u for u in order if matched[u] > floor), key=lambda u: (-matched[u], rank[u]))
-            for url in holders:
-                if fits(by_url[url].load):
-                    return by_url[url]
-            # Nobody holds more of it than anyone else: no cache to aim for, so the least loaded
-            # replica (a random home on the ring spread ShareGPT-like traffic less evenly: p99 TTFT
-            # 1.2x round-robin's against kv-aware's 0.9x on the simulated 16-replica fleet).
-            return self._fallback.pick(candidates, prefix_hash)
+        order = self.ring_order(list(by_url), prefix_hash)
         if by_url[order[0]].load.is_saturated(self._saturation):
             return self._fallback.pick(candidates, prefix_hash)
+        someone_has_a_seat = any(_runs_at_once(c.load) for c in candidates)
+        bound = self._load_bound(candidates)
         for url in order:
-            if fits(by_url[url].load):
+            load = by_url[url].load
+            if load.is_saturated(self._saturation) or load.num_outstanding + 1 > bound:
+                continue
+            if not someone_has_a_seat or _runs_at_once(load):
                 return by_url[url]
         return self._fallback.pick(candidates, prefix_hash)
 

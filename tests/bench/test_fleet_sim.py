@@ -9,13 +9,14 @@ import itertools
 from corral_engine.sim.perf_model import BUILTIN
 
 from bench.routing.des import FleetSim, GatewayModel
-from bench.routing.sim_workloads import WorkloadSpec, build, reply_of
+from bench.routing.sim_workloads import SimRequest, WorkloadSpec, build, reply_of
+from bench.routing.ttft_floor import prefill_time_s, ttft_floors
 
 PROFILE = dataclasses.replace(BUILTIN["h100-llama3-8b"], num_kv_blocks=2000)
 
 
 def test_chat_turns_carry_the_whole_conversation_and_the_engines_replies() -> None:
-    requests = build(WorkloadSpec("chat", 400, 50.0, num_replicas=4))
+    requests = build(WorkloadSpec("chat", 400, 50.0, num_replicas=4, warmup_s=10.0))
     by_session: dict[str, list] = {}
     for r in requests:
         by_session.setdefault(r.request_id.split("-")[0], []).append(r)
@@ -28,7 +29,8 @@ def test_chat_turns_carry_the_whole_conversation_and_the_engines_replies() -> No
                 assert b.prompt[: len(head)] == head and b.arrival_s > a.arrival_s
                 checked += 1
     assert checked > 50
-    rate = len(requests) / requests[-1].arrival_s
+    counted = [r for r in requests if r.is_counted]
+    rate = len(counted) / (requests[-1].arrival_s - 10.0)
     assert 35 < rate < 65  # sessions that began before the window keep the rate steady
 
 
@@ -64,3 +66,45 @@ def test_prefix_aware_routing_finds_more_cached_prefixes_than_round_robin() -> N
 
     rr = hit_rate(_run("round-robin")[0])
     assert hit_rate(_run("llm-d")[0]) > rr + 0.05
+
+
+def test_chat_warmup_turns_are_sent_but_not_counted() -> None:
+    requests = build(WorkloadSpec("chat", 300, 50.0, num_replicas=4, warmup_s=8.0))
+    warm = [r for r in requests if not r.is_counted]
+    counted = [r for r in requests if r.is_counted]
+    assert warm and counted
+    assert max(r.arrival_s for r in warm) < 8.0 <= min(r.arrival_s for r in counted)
+    assert 200 < len(counted) < 400  # the window still holds about `num_requests` turns
+    sessions_warm = {r.request_id.split("-")[0] for r in warm}
+    returning = [r for r in counted if r.request_id.split("-")[0] in sessions_warm]
+    assert len(returning) > len(counted) / 3  # the warm-up's turns are what these turns carry
+
+
+def test_the_ttft_floor_is_below_every_simulated_ttft() -> None:
+    requests = build(WorkloadSpec("chat", 120, 40.0, num_replicas=3, seed=5, warmup_s=4.0))
+    floors = ttft_floors(requests, PROFILE)
+    cached = [f for f in floors.values() if f.num_cached_tokens]
+    assert cached and all(f.warm_s < f.cold_s for f in cached)
+    for policy in ("round-robin", "prefix-affinity"):
+        outcomes = FleetSim([PROFILE] * 3, GatewayModel(policy)).run(requests)
+        for o in outcomes.values():
+            assert o.first_token_s is not None
+            assert o.first_token_s - o.arrival_s >= floors[o.request_id].warm_s - 1e-9
+
+
+def test_the_floor_reuses_an_earlier_prompt_and_reply_and_computes_at_least_one_token() -> None:
+    first = SimRequest("a", 0.0, list(range(3, 103)), 20)  # 100 prompt tokens, 20 reply tokens
+    again = SimRequest("b", 1.0, list(range(3, 103)), 5)  # the same prompt
+    follow = SimRequest("c", 2.0, first.prompt + reply_of(first.prompt, 20) + [7] * 30, 5)
+    floors = ttft_floors([follow, again, first], PROFILE)
+    assert floors["a"].num_cached_tokens == 0
+    assert floors["b"].num_cached_tokens == 96  # (100 - 1) // 16 blocks: one token left to compute
+    assert floors["c"].num_cached_tokens == 112  # prompt + 19 computed reply tokens = 119 -> 7 blocks
+    assert floors["a"].warm_s == floors["a"].cold_s == prefill_time_s(PROFILE, 100, 0)
+
+
+def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks() -> None:
+    small = dataclasses.replace(PROFILE, max_num_batched_tokens=512)
+    one = prefill_time_s(small, 512, 0)
+    assert prefill_time_s(small, 1024, 0) > 2 * one  # the second chunk also reads the first's KV
+    assert prefill_time_s(small, 1024, 512) < prefill_time_s(small, 1024, 0)

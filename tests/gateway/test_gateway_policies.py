@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 from corral_gateway.load import LoadSample
 from corral_gateway.policies import POLICIES, Candidate, KvAware, PrefixAffinity, make_policy
+from corral_gateway.prefill_ledger import PrefillLedger
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
 from corral_gateway.settings import PolicyName
@@ -16,11 +17,13 @@ from corral_gateway.settings import PolicyName
 SAT = Saturation(max_waiting=5, max_kv_usage_ratio=0.8)
 
 
-def cand(url: str, running: float = 0, waiting: float = 0, kv: float = 0.0, inflight: int = 0) -> Candidate:
+def cand(
+    url: str, running: float = 0, waiting: float = 0, kv: float = 0.0, inflight: int = 0, at_s: float = 100.0
+) -> Candidate:
     replica = Replica(model="m", url=url, num_inflight=inflight)
-    replica.observe(LoadSample(running, waiting, kv, at_s=100.0))
+    replica.observe(LoadSample(running, waiting, kv, at_s=at_s))
     replica.num_dispatched_since_sample = 0
-    return Candidate(replica, replica.load(100.0, 2.0))
+    return Candidate(replica, replica.load(at_s, 2.0))
 
 
 def test_round_robin_cycles_through_every_replica() -> None:
@@ -212,13 +215,70 @@ def test_prefix_affinity_follows_the_longest_prefix_a_replica_was_sent() -> None
     system = (1, 2, 3)
     for i, url in enumerate(urls):  # every replica has served the shared system prompt
         policy.index.remember(url, (*system, 100 + i))
-    doc = (*system, 7, 8, 9)
+    doc = (*system, *range(1000, 1040))  # a 40-block document after it
     first = policy.pick([cand(u) for u in urls], 5, (*doc, 40))
     for question in range(41, 46):  # the document's later questions follow it, not the system prompt
-        assert policy.pick([cand(u) for u in urls], 5, (*doc, question)).replica.url == first.replica.url
-    # ... unless its replica queues while another has a free seat.
-    busy = [cand(u, waiting=2) if u == first.replica.url else cand(u) for u in urls]
+        fresh = [cand(u, at_s=100.0 + question) for u in urls]  # each after a new load sample
+        assert policy.pick(fresh, 5, (*doc, question)).replica.url == first.replica.url
+    # ... unless the queue its replica reports holds more prefill than the document saves.
+    busy = [cand(u, waiting=2, at_s=200.0) if u == first.replica.url else cand(u, at_s=200.0) for u in urls]
     assert policy.pick(busy, 5, (*doc, 50)).replica.url != first.replica.url
+
+
+def test_prefix_affinity_weighs_the_prefill_a_prefix_saves_against_prefill_sent_to_its_replica() -> None:
+    policy = PrefixAffinity(SAT)
+    urls = ["http://a", "http://b", "http://c"]
+    short, long = tuple(range(10)), tuple(range(100, 200))  # cached on a: 10 and 100 blocks
+    other = tuple(range(300, 310))  # and another 10 blocks
+    for prefix in (short, long, other):
+        policy.index.remember("http://a", prefix)
+    loads = [cand(u) for u in urls]
+    a = loads[0]
+    for _ in range(3):  # three 8-block prompts nothing caches, sent to a since its last sample
+        policy.ledger.record(a.replica, 8)
+    # a: 1 + 24 blocks to prefill before the first token, b and c: 11 -> elsewhere.
+    assert policy.pick(loads, None, (*short, 7777)).replica.url != "http://a"
+    # a: 1 + 24 (+ 1 just sent) against 101 -> the 100-block prefix is worth the wait.
+    assert policy.pick(loads, None, (*long, 8888)).replica.url == "http://a"
+    # A newer load sample already counts what was sent before it: a is back to 1 block.
+    assert policy.pick([cand(u, at_s=101.0) for u in urls], None, (*other, 9999)).replica.url == "http://a"
+
+
+def test_prefix_affinity_spreads_prompts_nothing_caches_by_the_prefill_sent_between_samples() -> None:
+    policy = PrefixAffinity(SAT)
+    urls = [f"http://r{i}" for i in range(4)]
+    loads = [cand(u) for u in urls]  # one load sample for the whole burst
+    rng = random.Random(1)
+    long_prompt = tuple(rng.getrandbits(64) for _ in range(60))
+    first = policy.pick(loads, None, long_prompt).replica.url
+    picks = Counter(
+        policy.pick(loads, None, tuple(rng.getrandbits(64) for _ in range(5))).replica.url for _ in range(12)
+    )
+    # The 60-block prompt's replica gets none of the short ones (5 blocks each, 4 per replica
+    # balance out at 20 < 60), the others share them evenly.
+    assert first not in picks and sorted(picks.values()) == [4, 4, 4]
+
+
+def test_prefix_affinity_leaves_saturated_and_overloaded_holders() -> None:
+    policy = PrefixAffinity(SAT, load_factor=1.25)
+    doc = tuple(range(50))
+    policy.index.remember("http://a", doc)
+    assert policy.pick([cand("http://a"), cand("http://b")], None, (*doc, 1)).replica.url == "http://a"
+    saturated = [cand("http://a", kv=0.9, at_s=101.0), cand("http://b", at_s=101.0)]
+    assert policy.pick(saturated, None, (*doc, 2)).replica.url == "http://b"
+    # Running 20 against 0: above ceil(1.25 x 21 / 2) = 14, so bounded loads move it.
+    overloaded = [cand("http://a", running=20, at_s=102.0), cand("http://b", at_s=102.0)]
+    assert policy.pick(overloaded, None, (*doc, 3)).replica.url == "http://b"
+
+
+def test_prefill_ledger_prices_a_reported_queue_at_the_mean_request() -> None:
+    ledger = PrefillLedger(smoothing=0.5)
+    idle, queued = cand("http://a"), cand("http://b", waiting=3)
+    assert ledger.pending_blocks(queued.replica, queued.load) == 0.0  # no request seen yet
+    ledger.record(idle.replica, 10)
+    ledger.record(idle.replica, 20)  # mean 10 -> 15
+    assert ledger.pending_blocks(idle.replica, idle.load) == 30.0
+    assert ledger.pending_blocks(queued.replica, queued.load) == 45.0
 
 
 def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:
