@@ -123,6 +123,10 @@ class Ejection:
 class Registry:
     ejection: Ejection = field(default_factory=Ejection)
     _by_model: dict[str, dict[str, Replica]] = field(default_factory=dict)
+    # url -> its replicas (one per model it serves), rebuilt when the replica sets change: every
+    # response's load headers and success look a replica up by URL, which a scan of the whole
+    # fleet made O(replicas) per request.
+    _by_url: dict[str, list[Replica]] = field(default_factory=dict)
 
     def models(self) -> list[str]:
         return sorted(self._by_model)
@@ -140,7 +144,12 @@ class Registry:
         return {r.url for r in self.all_replicas()}
 
     def by_url(self, url: str) -> list[Replica]:
-        return [r for r in self.all_replicas() if r.url == url]
+        return self._by_url.get(url, [])
+
+    def _index_urls(self) -> None:
+        self._by_url = {}
+        for replica in self.all_replicas():
+            self._by_url.setdefault(replica.url, []).append(replica)
 
     def candidates(self, model: str) -> list[Replica]:
         return [r for r in self._by_model.get(model, {}).values() if not r.is_ejected]
@@ -154,9 +163,11 @@ class Registry:
             self._by_model[model] = updated
         else:
             self._by_model.pop(model, None)
+        self._index_urls()
 
     def remove_model(self, model: str) -> None:
         self._by_model.pop(model, None)
+        self._index_urls()
 
     def observe(self, url: str, sample: LoadSample) -> None:
         for replica in self.by_url(url):
