@@ -177,10 +177,20 @@ class Fleet:
             if any(r.is_ejected for r in self._registry.by_url(url)):
                 if self._registry.is_due_for_probe(url, self.clock()):
                     await self._probe(upstream, url)
-            else:
+            elif self.is_due_for_load_poll(url):
                 await self._poll_load(upstream, url)
             self._admission.pump_all()
             await asyncio.sleep(self.settings.poll_interval_s)
+
+    def is_due_for_load_poll(self, url: str) -> bool:
+        """Whether the replica's load is older than a poll interval. Every response brings its
+        load headers, so a replica answering requests needs no poll; one poll costs the gateway
+        ~0.4 ms of CPU, which at 13 polls a second per replica took 0.1 cores for 16 replicas
+        whether or not they had traffic."""
+        now_s, interval_s = self.clock(), self.settings.poll_interval_s
+        return not any(
+            r.sample is not None and now_s - r.sample.at_s < interval_s for r in self._registry.by_url(url)
+        )
 
     async def _poll_load(self, upstream: Upstream, url: str) -> None:
         """One load sample: from the load headers on a GET /health where the engine sends them
