@@ -56,6 +56,7 @@ from e2e.procs import HOST, ManagedProcess, free_port
 logger = logging.getLogger("overhead_sim")
 _SHARED_TEXT = "You are a careful assistant who answers questions about the attached notes. "
 _IDLE_WINDOW_S = 3.0
+_BLOCK_SIZE = 16
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -92,20 +93,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def sim_profile(step_s: float, max_num_seqs: int) -> dict[str, Any]:
-    """A fitted-profile file's content: every step takes `step_s`, whatever the batch; room for
-    every stream on one replica (KV, sequences, a step's tokens), so nothing queues in the replica
-    for lack of space."""
+def sim_profile(step_s: float, max_num_seqs: int, num_kv_blocks: int) -> dict[str, Any]:
+    """A fitted-profile file's content: every step takes `step_s`, whatever the batch, and a step
+    may hold every stream (sequences, tokens), so nothing waits in a replica for room."""
     return {
         "kind": "fitted",
         "name": f"fixed-{1000 * step_s:.0f}ms",
         "coefficients": [step_s, 0.0, 0.0, 0.0, 0.0],
-        "num_kv_blocks": 200_000,
+        "num_kv_blocks": num_kv_blocks,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": 1 << 20,
         "max_model_len": 8192,
-        "block_size": 16,
+        "block_size": _BLOCK_SIZE,
     }
+
+
+def kv_blocks_per_replica(concurrency: int, num_replicas: int, prompt_chars: int, output_tokens: int) -> int:
+    """Four times a replica's even share of the streams' KV (the demo tokenizer makes ~1.9
+    characters a token), so usage stays far below the gateway's saturation threshold even where
+    routing piles streams up; a simulated block is a Python object, so no more than that."""
+    blocks_per_stream = (prompt_chars // 2 + output_tokens) // _BLOCK_SIZE + 2
+    return max(1024, 4 * concurrency * blocks_per_stream // num_replicas)
 
 
 def prompts(
@@ -199,20 +207,12 @@ async def closed_loop(
 
 
 class PySpy:
-    """py-spy recording a process until stopped (SIGINT makes it write its flame graph)."""
+    """py-spy recording a process until stopped (SIGINT makes it write its samples: collapsed stacks,
+    one line each, the input of flamegraph tools and easy to total by function)."""
 
     def __init__(self, binary: Path, pid: int, out: Path) -> None:
-        argv = [
-            str(binary),
-            "record",
-            "--pid",
-            str(pid),
-            "--rate",
-            "250",
-            "--nonblocking",
-            "--output",
-            str(out),
-        ]
+        argv = [str(binary), "record", "--pid", str(pid), "--rate", "250", "--nonblocking"]
+        argv += ["--format", "raw", "--output", str(out)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
@@ -262,7 +262,10 @@ def run_level(args: argparse.Namespace, level: int, model_dir: Path, cores: Plac
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-overhead-sim-")))
         profile_path = work_dir / "profile.json"
-        profile_path.write_text(json.dumps(sim_profile(step_s, concurrency)))
+        num_blocks = kv_blocks_per_replica(
+            concurrency, num_replicas, args.prompt_chars, args.output_tokens[level]
+        )
+        profile_path.write_text(json.dumps(sim_profile(step_s, concurrency, num_blocks)))
         os.sched_setaffinity(0, cores.engine)  # children inherit this process's affinity
         fleet = stack.enter_context(start_sim_fleet(model_dir, work_dir, profile_path, num_replicas))
         urls = replica_urls(fleet, num_replicas)
@@ -280,7 +283,7 @@ def run_level(args: argparse.Namespace, level: int, model_dir: Path, cores: Plac
             run_async(closed_loop(urls_of, requests[:concurrency], concurrency))
         if args.py_spy is not None:  # an extra loop per gateway under the profiler, not counted
             for name, g in gateways.items():
-                spy = (args.py_spy, args.out / f"{name}-{concurrency}.svg")
+                spy = (args.py_spy, args.out / f"py-spy-{name}-{concurrency}.txt")
                 run_arm(targets[name], requests, concurrency, {"gateway": g.proc.pid}, spy)
         names = list(targets)
         for round_index in range(args.rounds[level]):

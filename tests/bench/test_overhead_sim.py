@@ -18,9 +18,11 @@ def result(ttft_s: float, e2el_s: float, output_len: int = 10) -> RequestResult:
 
 def test_the_profile_takes_the_same_time_for_any_batch(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(overhead_sim.sim_profile(0.05, 1000)))
+    num_blocks = overhead_sim.kv_blocks_per_replica(1000, 64, prompt_chars=1024, output_tokens=16)
+    assert 4 * 1000 * 1024 / 2 / 16 / 64 <= num_blocks <= 5 * 1000 * 1024 / 2 / 16 / 64
+    path.write_text(json.dumps(overhead_sim.sim_profile(0.05, 1000, num_blocks)))
     profile = load_profile(str(path))
-    assert profile.max_num_seqs == 1000
+    assert profile.max_num_seqs == 1000 and profile.num_kv_blocks == num_blocks
     for shape in (StepShape(1, 1, 10, 1.0), StepShape(900, 300, 90_000, 5e5)):
         assert profile.step_time_s(shape) == pytest.approx(0.05)
 
