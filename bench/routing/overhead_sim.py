@@ -231,8 +231,10 @@ def run_arm(
     pids: dict[str, int],
     spy: tuple[Path, Path] | None = None,
 ) -> dict[str, Any]:
-    """One closed loop, with the CPU each process used during it."""
+    """One closed loop, with the CPU each process used during it and how long its threads waited
+    for a core (a shared machine's other work shows there)."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    waited = {name: runqueue_wait_s(pid) for name, pid in pids.items()}
     client_before = time.process_time()
     recorder = PySpy(spy[0], pids["gateway"], spy[1]) if spy is not None else None
     try:
@@ -242,7 +244,18 @@ def run_arm(
             recorder.stop()
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     used["client"] = time.process_time() - client_before
-    return report.arm_summary(results, duration_s, used)
+    summary = report.arm_summary(results, duration_s, used)
+    for name, pid in pids.items():
+        # Seconds spent runnable but not running, per CPU second used (the main thread's).
+        summary[f"{name}_runqueue_wait_per_cpu_s"] = (runqueue_wait_s(pid) - waited[name]) / max(
+            1e-9, used[name]
+        )
+    return summary
+
+
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds a process's main thread has waited on a run queue (Linux /proc schedstat)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
 
 
 def idle_cores(pid: int, window_s: float = _IDLE_WINDOW_S) -> float:

@@ -82,6 +82,9 @@ def paired(
     out["gateway_busy_cpu_ms_per_request"] = statistics.median(
         1000 * (g["gateway_cpu_s"] - idle_cores * g["duration_s"]) / max(1, g["num_ok"]) for g in via
     )
+    out["gateway_runqueue_wait_per_cpu_s"] = statistics.median(
+        g.get("gateway_runqueue_wait_per_cpu_s", 0.0) for g in via
+    )
     for name in ("sim", "client"):
         out[f"{name}_cores_direct"] = statistics.median(r["direct"][f"{name}_cores"] for r in rounds)
         out[f"{name}_cores_via"] = statistics.median(g[f"{name}_cores"] for g in via)
