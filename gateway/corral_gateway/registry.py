@@ -30,6 +30,10 @@ class Replica:
     num_ejections: int = 0  # in a row; ejection time doubles with each
     ejected_until_s: float | None = None
     last_score: float = 0.0
+    # The last `load` and what it was computed from: every request ranks every replica, and between
+    # two requests most replicas' inputs have not changed (64 replicas: 6% of the gateway's CPU).
+    _load_inputs: tuple[object, ...] = field(default=(), repr=False, compare=False)
+    _load: ReplicaLoad | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_ejected(self) -> bool:
@@ -52,7 +56,21 @@ class Replica:
     def load(self, now_s: float, max_age_s: float) -> ReplicaLoad:
         """The last fresh sample, moved forward by what this gateway sent and saw finish since."""
         sample = self.sample
-        if sample is None or now_s - sample.at_s > max_age_s:
+        is_fresh = sample is not None and now_s - sample.at_s <= max_age_s
+        inputs = (  # the sample itself, not its id: a freed sample's id may come back
+            sample,
+            is_fresh,
+            self.num_inflight,
+            self.num_dispatched_since_sample,
+            self.num_finished_since_sample,
+        )
+        if self._load is None or inputs != self._load_inputs:
+            self._load, self._load_inputs = self._compute_load(is_fresh), inputs
+        return self._load
+
+    def _compute_load(self, is_fresh: bool) -> ReplicaLoad:
+        sample = self.sample
+        if sample is None or not is_fresh:
             inflight = float(self.num_inflight)
             return ReplicaLoad(False, inflight, 0.0, 0.0, self.num_inflight, 0.0, 0.0)
         kv_per_request = sample.kv_usage_ratio / sample.num_running if sample.num_running >= 1 else 0.0
