@@ -10,7 +10,7 @@ import bisect
 import hashlib
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -157,7 +157,7 @@ class PrefixAffinity:
                 self._build_ring(self._window_urls)
             self._window_urls = set()
 
-    def _build_ring(self, urls: set[str]) -> None:
+    def _build_ring(self, urls: Collection[str]) -> None:
         self._ring_urls = frozenset(urls)
         self._ring = sorted((_hash64(f"{url}#{i}"), url) for url in urls for i in range(self._vnodes))
 
