@@ -271,7 +271,6 @@ def run_level(args: argparse.Namespace, level: int, model_dir: Path, cores: Plac
     num_requests = args.requests_per_stream * concurrency
     requests = prompts(num_requests, args.prompt_chars, args.shared_chars, args.output_tokens[level])
     extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.gateway_setting)}
-    rounds: list[dict[str, dict[str, Any]]] = []
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-overhead-sim-")))
         profile_path = work_dir / "profile.json"
@@ -298,18 +297,9 @@ def run_level(args: argparse.Namespace, level: int, model_dir: Path, cores: Plac
             for name, g in gateways.items():
                 spy = (args.py_spy, args.out / f"py-spy-{name}-{concurrency}.txt")
                 run_arm(targets[name], requests, concurrency, {"gateway": g.proc.pid}, spy)
-        names = list(targets)
-        for round_index in range(args.rounds[level]):
-            # Rotate the order, so a steady drift favours no arm.
-            order = names[round_index % len(names) :] + names[: round_index % len(names)]
-            arms: dict[str, dict[str, Any]] = {}
-            for name in order:
-                gateway = gateways.get(name, gateways["gateway"])  # direct: any gateway's idle CPU
-                pids = {"gateway": gateway.proc.pid, "sim": fleet.proc.pid}
-                arms[name] = run_arm(targets[name], requests, concurrency, pids)
-                logger.info("%d streams, round %d, %s: %s", concurrency, round_index, name,
-                            {k: v for k, v in arms[name].items() if not k.endswith("_s")})  # fmt: skip
-            rounds.append(arms)
+        pids = {name: {"gateway": gateways.get(name, gateways["gateway"]).proc.pid, "sim": fleet.proc.pid}
+                for name in targets}  # fmt: skip
+        rounds = run_rounds(args.rounds[level], targets, requests, concurrency, pids)
         queue_wait_s = {
             name: g.metric("corral_gateway_queue_wait_seconds_sum") for name, g in gateways.items()
         }
@@ -324,6 +314,28 @@ def run_level(args: argparse.Namespace, level: int, model_dir: Path, cores: Plac
         "summary": summary,
         "rounds": rounds,
     }
+
+
+def run_rounds(
+    num_rounds: int,
+    targets: dict[str, list[str]],
+    requests: Sequence[BenchRequest],
+    concurrency: int,
+    pids: dict[str, dict[str, int]],
+) -> list[dict[str, dict[str, Any]]]:
+    """Every arm once a round, in an order that rotates, so a steady drift favours no arm (an
+    arm's `pids`: the processes whose CPU it reports; direct: the gateway idling meanwhile)."""
+    names = list(targets)
+    rounds = []
+    for round_index in range(num_rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        arms: dict[str, dict[str, Any]] = {}
+        for name in order:
+            arms[name] = run_arm(targets[name], requests, concurrency, pids[name])
+            logger.info("%d streams, round %d, %s: %s", concurrency, round_index, name,
+                        {k: v for k, v in arms[name].items() if not k.endswith("_s")})  # fmt: skip
+        rounds.append(arms)
+    return rounds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
