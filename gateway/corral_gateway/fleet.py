@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from corral_gateway.admission import Admission
 from corral_gateway.errors import AmbiguousModel
+from corral_gateway.health_probe import HealthProbe
 from corral_gateway.k8s_discovery import Discovery
 from corral_gateway.k8s_names import Naming, Route
 from corral_gateway.k8s_wake import Waker
@@ -173,22 +174,37 @@ class Fleet:
             self._pollers.clear()
 
     async def _poll_loop(self, upstream: Upstream, url: str) -> None:
-        while True:
-            if any(r.is_ejected for r in self._registry.by_url(url)):
-                if self._registry.is_due_for_probe(url, self.clock()):
-                    await self._probe(upstream, url)
-            else:
-                await self._poll_load(upstream, url)
-            self._admission.pump_all()
-            await asyncio.sleep(self.settings.poll_interval_s)
+        probe = HealthProbe(url) if url.startswith("http://") else None
+        try:
+            while True:
+                if any(r.is_ejected for r in self._registry.by_url(url)):
+                    if self._registry.is_due_for_probe(url, self.clock()):
+                        await self._probe(upstream, url)
+                elif self.is_due_for_load_poll(url):
+                    await self._poll_load(upstream, url, probe)
+                self._admission.pump_all()
+                await asyncio.sleep(self.settings.poll_interval_s)
+        finally:
+            if probe is not None:
+                probe.close()
 
-    async def _poll_load(self, upstream: Upstream, url: str) -> None:
+    def is_due_for_load_poll(self, url: str) -> bool:
+        """Whether the replica's load is older than a poll interval. Every response brings its
+        load headers, so a replica answering requests needs no poll; one poll costs the gateway
+        ~0.4 ms of CPU, which at 13 polls a second per replica took 0.1 cores for 16 replicas
+        whether or not they had traffic."""
+        now_s, interval_s = self.clock(), self.settings.poll_interval_s
+        return not any(
+            r.sample is not None and now_s - r.sample.at_s < interval_s for r in self._registry.by_url(url)
+        )
+
+    async def _poll_load(self, upstream: Upstream, url: str, probe: HealthProbe | None = None) -> None:
         """One load sample: from the load headers on a GET /health where the engine sends them
         (Corral's engine does, on every response), else from /metrics (vLLM's names; vLLM itself).
         Rendering and parsing a /metrics page, histograms and all, ten times a second costs the
         engine and the gateway CPU that on a shared node comes out of serving."""
         if url not in self._metrics_only:
-            fetched = await self._poll_get(upstream, url, "/health")
+            fetched = await self._poll_get(upstream, url, "/health", probe)
             if fetched is None:
                 return
             sample = parse_load_headers(fetched.headers, self.clock())
@@ -203,8 +219,12 @@ class Fleet:
             if sample is not None:
                 self._registry.observe(url, sample)
 
-    async def _poll_get(self, upstream: Upstream, url: str, path: str) -> Fetched | None:
+    async def _poll_get(
+        self, upstream: Upstream, url: str, path: str, probe: HealthProbe | None = None
+    ) -> Fetched | None:
         try:
+            if probe is not None:
+                return await probe.get(_POLL_READ_TIMEOUT_S, self.settings.connect_timeout_s)
             return await upstream.get(url + path, _POLL_READ_TIMEOUT_S)
         except (ConnectFailed, ConnectTimedOut) as e:
             self.record_failure(url, f"load poll: {e}")

@@ -18,23 +18,36 @@ class PrefixIndex:
         self._lru: dict[str, OrderedDict[int, None]] = {}  # replica -> its blocks, oldest first
 
     def matched_blocks(self, urls: Sequence[str], block_hashes: Sequence[int]) -> dict[str, int]:
-        """Per replica, how many of the prompt's leading blocks it was sent."""
+        """Per replica, how many of the prompt's leading blocks it was sent. A replica's count is
+        written once, when it drops out of the walk (or at its end), not at every block it holds:
+        a system prompt every replica holds costs a subset test per block, not a write per
+        replica per block (88 us for 16 blocks x 64 replicas before)."""
         matched = dict.fromkeys(urls, 0)
-        alive = set(urls)
-        for i, h in enumerate(block_hashes):
-            alive &= self._where.get(h, set())
-            if not alive:
+        alive = set(matched)
+        num_held = 0
+        for h in block_hashes:
+            holders = self._where.get(h)
+            if holders is None:
                 break
-            for url in alive:
-                matched[url] = i + 1
+            if not alive <= holders:
+                for url in alive - holders:
+                    matched[url] = num_held
+                alive &= holders
+                if not alive:
+                    break
+            num_held += 1
+        for url in alive:
+            matched[url] = num_held
         return matched
 
     def remember(self, url: str, block_hashes: Sequence[int]) -> None:
         lru = self._lru.setdefault(url, OrderedDict())
         for h in block_hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-            self._where.setdefault(h, set()).add(url)
+            if h in lru:  # `url` is already among its holders
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                self._where.setdefault(h, set()).add(url)
         while len(lru) > self.max_blocks_per_replica:
             old, _ = lru.popitem(last=False)
             holders = self._where.get(old)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from corral_gateway.peek import block_prefix_hash, peek_request
+from corral_gateway.peek import block_hash_chain, block_prefix_hash, peek_request
 from corral_gateway.settings import load_settings, parse_backend_flag
 from pydantic import ValidationError
 
@@ -35,6 +35,35 @@ def test_shared_head_shares_hash_and_different_heads_differ() -> None:
     c = peek_request(json.dumps({"model": "m", "prompt": "Something else entirely. " * 20}).encode())
     assert a.prefix_hash == b.prefix_hash != c.prefix_hash
     assert block_prefix_hash("short", 64, 4) != block_prefix_hash("shorter", 64, 4)
+
+
+@pytest.mark.parametrize("alphabet", ["ab", "aé", "a\u4e2d\U0001f600"], ids=["ascii", "latin", "wide"])
+def test_chains_share_the_first_k_hashes_exactly_when_prompts_share_the_first_k_blocks(alphabet: str) -> None:
+    import random
+
+    rng = random.Random(0)
+    block = 8
+    for _ in range(300):
+        # Prompts over a two- or three-letter alphabet often share a few blocks, then differ.
+        one = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12 * block)))
+        keep = rng.randrange(0, len(one) + 1)
+        two = one[:keep] + "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 6 * block)))
+        h1, h2 = block_hash_chain(one, block, 10), block_hash_chain(two, block, 10)
+        assert len(h1) == min(10, len(one) // block)
+        for k in range(min(len(h1), len(h2))):
+            same_blocks = one[: (k + 1) * block] == two[: (k + 1) * block]
+            assert (h1[k] == h2[k]) == same_blocks, (one, two, k)
+
+
+def test_chain_hashes_do_not_depend_on_what_follows_and_mix_ascii_with_other_text() -> None:
+    ascii_head = "x" * 64 * 3
+    # Block k's hash depends only on blocks 0..k: the ASCII path (one encode) and the per-block
+    # path (any non-ASCII character anywhere in the window) agree on the blocks both have.
+    assert block_hash_chain(ascii_head, 64, 256) == block_hash_chain(ascii_head + "é" * 64, 64, 256)[:3]
+    assert block_hash_chain(ascii_head + "é" * 70, 64, 2) == block_hash_chain(ascii_head, 64, 2)
+    assert block_hash_chain("short", 64, 256) == ()
+    # 64-bit values, fixed across processes (no PYTHONHASHSEED): pinned, so a change is deliberate.
+    assert block_hash_chain("a" * 4, 4, 1) == ((0xAD98E545 << 32) | 0x03CE0185,)
 
 
 def test_token_id_prompts_hash() -> None:

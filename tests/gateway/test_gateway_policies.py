@@ -294,3 +294,28 @@ def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -
         for _ in range(200)
     )
     assert len(homes) == 4 and max(homes.values()) < 100
+
+
+def test_ring_order_of_changing_candidate_sets_matches_a_ring_built_for_each_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from corral_gateway import policies
+
+    rng = random.Random(3)
+    urls = [f"http://r{i}" for i in range(12)]
+    policy = PrefixAffinity(SAT, vnodes=8)
+    builds = []
+    build = policy._build_ring
+    monkeypatch.setattr(policy, "_build_ring", lambda u: (builds.append(set(u)), build(u)))
+    for _ in range(300):  # under load the candidates are whichever replicas have room
+        subset = rng.sample(urls, rng.randrange(1, len(urls) + 1))
+        key = rng.getrandbits(64)
+        assert policy.ring_order(subset, key) == PrefixAffinity(SAT, vnodes=8).ring_order(subset, key)
+    assert len(builds) < 10  # grown a few times, not rebuilt for every set
+    # A fleet that shrank for good leaves the ring after a window of calls that never ask for the rest.
+    monkeypatch.setattr(policies, "_RING_WINDOW", 50)
+    for _ in range(120):
+        policy.ring_order(urls[:3], rng.getrandbits(64))
+    assert builds[-1] == set(urls[:3]) and policy.ring_order(urls[:3], 5) == PrefixAffinity(
+        SAT, vnodes=8
+    ).ring_order(urls[:3], 5)

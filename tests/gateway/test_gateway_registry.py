@@ -86,3 +86,20 @@ def test_last_replica_in_rotation_is_never_ejected() -> None:
     assert registry.record_failure("http://a", 0.0)
     assert not registry.record_failure("http://b", 0.0)
     assert [r.url for r in registry.candidates("m")] == ["http://b"]
+
+
+def test_load_is_recomputed_whenever_an_input_changes_and_reused_otherwise() -> None:
+    replica = Replica("m", "http://a")
+    replica.observe(LoadSample(num_running=4, num_waiting=2, kv_usage_ratio=0.4, at_s=10.0))
+    first = replica.load(10.5, 2.0)
+    assert replica.load(10.6, 2.0) is first  # nothing changed
+    replica.on_dispatch()
+    sent = replica.load(10.6, 2.0)
+    assert sent.num_waiting == 3 and sent.num_inflight == 1
+    replica.on_done()
+    assert replica.load(10.6, 2.0).num_waiting_reported == 1  # a finished request left the queue
+    assert not replica.load(12.5, 2.0).is_fresh  # the sample aged out
+    replica.observe(LoadSample(num_running=1, num_waiting=0, kv_usage_ratio=0.1, at_s=12.5))
+    assert replica.load(12.5, 2.0).num_running == 1
+    replica.sample = None  # as an ejection does
+    assert not replica.load(12.5, 2.0).is_fresh

@@ -1,0 +1,147 @@
+"""The simulated-replica overhead benchmark's figures (pure): one arm's summary, the paired per-round
+differences between the arms, the Markdown table and the plot."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from corral_cli.bench.stats import RequestResult
+
+# Latency figures compared between the arms: (key, result attribute, percentile).
+LATENCY_KEYS = (
+    ("ttft_p50_ms", "ttft_s", 50),
+    ("ttft_p99_ms", "ttft_s", 99),
+    ("e2el_p50_ms", "e2el_s", 50),
+    ("e2el_p99_ms", "e2el_s", 99),
+)
+_MAX_ERRORS_KEPT = 3
+
+
+def arm_summary(
+    results: Sequence[RequestResult], duration_s: float, cpu_s: dict[str, float]
+) -> dict[str, Any]:
+    """One closed loop's figures: throughput, latency percentiles, errors, and the CPU seconds each
+    process used (`cpu_s`: gateway, sim, client) per request and per output token."""
+    ok = [r for r in results if r.is_success]
+    num_tokens = sum(r.output_len for r in ok)
+    out: dict[str, Any] = {
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "num_errors": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.is_success})[:_MAX_ERRORS_KEPT],
+        "duration_s": duration_s,
+        "output_tok_s": num_tokens / duration_s if duration_s > 0 else 0.0,
+        "requests_s": len(ok) / duration_s if duration_s > 0 else 0.0,
+    }
+    for key, attr, pct in LATENCY_KEYS:
+        values = [getattr(r, attr) for r in ok]
+        out[key] = float(np.percentile(values, pct)) * 1000 if values else float("nan")
+    for name, used_s in cpu_s.items():
+        out[f"{name}_cpu_s"] = used_s
+        out[f"{name}_cores"] = used_s / duration_s if duration_s > 0 else 0.0
+        out[f"{name}_cpu_ms_per_request"] = 1000 * used_s / max(1, len(ok))
+        out[f"{name}_cpu_us_per_token"] = 1e6 * used_s / max(1, num_tokens)
+    return out
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def paired(
+    rounds: Sequence[dict[str, dict[str, Any]]], arm: str = "gateway", idle_cores: float = 0.0
+) -> dict[str, Any]:
+    """Per round, `arm` minus direct for every latency figure and `arm` / direct for throughput;
+    the medians over rounds with their interquartile ranges. The gateway's CPU per request is the
+    median over its arms, as measured and less what it spends idle (`idle_cores`: load polls and
+    gauges, which a fleet pays with or without traffic)."""
+    out: dict[str, Any] = {"num_rounds": len(rounds)}
+    for key, _, _ in LATENCY_KEYS:
+        q1, median, q3 = _quartiles([r[arm][key] - r["direct"][key] for r in rounds])
+        out.update({f"added_{key}": median, f"added_{key}_q1": q1, f"added_{key}_q3": q3})
+        out[f"direct_{key}"] = statistics.median(r["direct"][key] for r in rounds)
+        out[f"via_{key}"] = statistics.median(r[arm][key] for r in rounds)
+    q1, median, q3 = _quartiles([r[arm]["output_tok_s"] / r["direct"]["output_tok_s"] for r in rounds])
+    out.update(throughput_ratio=median, throughput_ratio_q1=q1, throughput_ratio_q3=q3)
+    for name, key in (("direct", "direct"), ("via", arm)):
+        out[f"{name}_output_tok_s"] = statistics.median(r[key]["output_tok_s"] for r in rounds)
+        out[f"{name}_num_errors"] = sum(r[key]["num_errors"] for r in rounds)
+        out[f"{name}_num_ok"] = sum(r[key]["num_ok"] for r in rounds)
+    via = [r[arm] for r in rounds]
+    out["gateway_cores"] = statistics.median(g["gateway_cores"] for g in via)
+    out["gateway_cpu_ms_per_request"] = statistics.median(g["gateway_cpu_ms_per_request"] for g in via)
+    out["gateway_cpu_us_per_token"] = statistics.median(g["gateway_cpu_us_per_token"] for g in via)
+    out["gateway_idle_cores"] = idle_cores
+    out["gateway_busy_cpu_ms_per_request"] = statistics.median(
+        1000 * (g["gateway_cpu_s"] - idle_cores * g["duration_s"]) / max(1, g["num_ok"]) for g in via
+    )
+    out["gateway_runqueue_wait_per_cpu_s"] = statistics.median(
+        g.get("gateway_runqueue_wait_per_cpu_s", 0.0) for g in via
+    )
+    for name in ("sim", "client"):
+        out[f"{name}_cores_direct"] = statistics.median(r["direct"][f"{name}_cores"] for r in rounds)
+        out[f"{name}_cores_via"] = statistics.median(g[f"{name}_cores"] for g in via)
+    return out
+
+
+def table(levels: Sequence[dict[str, Any]]) -> str:
+    """One row per concurrency level and gateway (the one measured, and a baseline if any)."""
+    lines = [
+        "| streams | replicas | step (ms) | gateway | rounds | direct tok/s | throughput ratio (IQR) "
+        "| added TTFT p50 / p99 (ms) | added E2E p50 / p99 (ms) | direct TTFT p50 / E2E p50 (ms) "
+        "| errors direct / via | gateway cores | CPU / request (ms) | of it busy (ms) |",
+        "|---:|---:|---:|---|---:|---:|---|---|---|---|---|---:|---:|---:|",
+    ]
+    for level in levels:
+        for arm, s in level["summary"].items():
+            lines.append(
+                f"| {level['concurrency']} | {level['num_replicas']} | {level['step_ms']:.0f} | {arm} "
+                f"| {s['num_rounds']} | {s['direct_output_tok_s']:.0f} "
+                f"| {s['throughput_ratio']:.3f}x "
+                f"({s['throughput_ratio_q1']:.3f}-{s['throughput_ratio_q3']:.3f}) "
+                f"| {s['added_ttft_p50_ms']:+.2f} / {s['added_ttft_p99_ms']:+.1f} "
+                f"| {s['added_e2el_p50_ms']:+.2f} / {s['added_e2el_p99_ms']:+.1f} "
+                f"| {s['direct_ttft_p50_ms']:.0f} / {s['direct_e2el_p50_ms']:.0f} "
+                f"| {s['direct_num_errors']} / {s['via_num_errors']} | {s['gateway_cores']:.2f} "
+                f"| {s['gateway_cpu_ms_per_request']:.2f} | {s['gateway_busy_cpu_ms_per_request']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(levels: Sequence[dict[str, Any]], path: Path) -> None:
+    """Per level, each round's added median and p99 TTFT and E2E (gateway minus direct)."""
+    if not levels:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(levels), figsize=(6 * len(levels), 4), squeeze=False)
+    for ax, level in zip(axes[0], levels, strict=True):
+        arms = list(level["summary"])
+        for j, arm in enumerate(arms):
+            for i, (key, _, _) in enumerate(LATENCY_KEYS):
+                x = i + 0.3 * (j - (len(arms) - 1) / 2)
+                diffs = [r[arm][key] - r["direct"][key] for r in level["rounds"]]
+                ax.scatter([x] * len(diffs), diffs, color=f"C{j}", alpha=0.6, label=arm if i == 0 else None)
+                ax.hlines(statistics.median(diffs), x - 0.12, x + 0.12, color=f"C{j}")
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.axhline(2.0, color="red", linewidth=0.8, linestyle="--", label="2 ms target")
+        ax.set_xticks(range(len(LATENCY_KEYS)), [key.removesuffix("_ms") for key, _, _ in LATENCY_KEYS])
+        ax.set_ylabel("through the gateway minus direct (ms), per round")
+        ratios = ", ".join(f"{arm} {s['throughput_ratio']:.3f}x" for arm, s in level["summary"].items())
+        ax.set_title(
+            f"{level['concurrency']} streams, {level['num_replicas']} replicas: {ratios}", fontsize=9
+        )
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,86 @@
+"""The simulated-replica overhead benchmark's pure parts: its profile, prompts and figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from corral_cli.bench.stats import RequestResult
+from corral_engine.sim.perf_model import StepShape, load_profile
+
+from bench.routing import overhead_sim, overhead_sim_report
+
+
+def result(ttft_s: float, e2el_s: float, output_len: int = 10) -> RequestResult:
+    return RequestResult(is_success=True, output_len=output_len, ttft_s=ttft_s, e2el_s=e2el_s)
+
+
+def test_the_profile_takes_the_same_time_for_any_batch(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    num_blocks = overhead_sim.kv_blocks_per_replica(1000, 64, prompt_chars=1024, output_tokens=16)
+    assert 4 * 1000 * 1024 / 2 / 16 / 64 <= num_blocks <= 5 * 1000 * 1024 / 2 / 16 / 64
+    path.write_text(json.dumps(overhead_sim.sim_profile(0.05, 1000, num_blocks)))
+    profile = load_profile(str(path))
+    assert profile.max_num_seqs == 1000 and profile.num_kv_blocks == num_blocks
+    for shape in (StepShape(1, 1, 10, 1.0), StepShape(900, 300, 90_000, 5e5)):
+        assert profile.step_time_s(shape) == pytest.approx(0.05)
+
+
+def test_prompts_share_the_head_and_nothing_after_it() -> None:
+    one, two = overhead_sim.prompts(2, prompt_chars=300, shared_chars=100, output_tokens=7)
+    assert isinstance(one.prompt, str) and isinstance(two.prompt, str)
+    assert len(one.prompt) == len(two.prompt) == 300 and one.output_len == 7
+    assert one.prompt[:100] == two.prompt[:100] and one.prompt[100:110] != two.prompt[100:110]
+
+
+def test_levels_need_one_value_each() -> None:
+    args = overhead_sim.parse_args(
+        ["--concurrency", "10", "--replicas", "2", "--rounds", "1", "--output-tokens", "4"]
+    )
+    assert args.concurrency == [10] and args.replicas == [2]
+    with pytest.raises(SystemExit):
+        overhead_sim.parse_args(["--concurrency", "10", "20", "30"])
+
+
+def test_an_arm_reports_percentiles_errors_and_cpu_per_request() -> None:
+    results = [result(0.1, 1.0), result(0.2, 2.0), result(0.3, 3.0), RequestResult(error="HTTP 429: busy")]
+    arm = overhead_sim_report.arm_summary(results, duration_s=10.0, cpu_s={"gateway": 0.03})
+    assert arm["num_ok"] == 3 and arm["num_errors"] == 1 and arm["errors"] == ["HTTP 429: busy"]
+    assert arm["ttft_p50_ms"] == pytest.approx(200.0) and arm["e2el_p50_ms"] == pytest.approx(2000.0)
+    assert arm["output_tok_s"] == pytest.approx(3.0)
+    assert arm["gateway_cpu_ms_per_request"] == pytest.approx(10.0)
+    assert arm["gateway_cpu_us_per_token"] == pytest.approx(1000.0)
+    assert arm["gateway_cores"] == pytest.approx(0.003)
+
+
+def test_rounds_pair_each_arm_with_the_direct_one() -> None:
+    def arm(ttft_ms: float, tok_s: float, gateway_cpu_s: float = 0.0) -> dict[str, float]:
+        figures = {key: ttft_ms for key, _, _ in overhead_sim_report.LATENCY_KEYS}
+        return {
+            **figures,
+            "output_tok_s": tok_s,
+            "num_errors": 0,
+            "num_ok": 100,
+            "duration_s": 10.0,
+            "gateway_cpu_s": gateway_cpu_s,
+            "gateway_cores": gateway_cpu_s / 10,
+            "gateway_cpu_ms_per_request": 10 * gateway_cpu_s,
+            "gateway_cpu_us_per_token": 0.0,
+            "sim_cores": 0.5,
+            "client_cores": 0.1,
+        }
+
+    rounds = [
+        {"direct": arm(100.0, 1000.0), "gateway": arm(101.0, 990.0, 0.2)},
+        {"direct": arm(120.0, 1000.0), "gateway": arm(125.0, 950.0, 0.2)},
+        {"direct": arm(90.0, 1000.0), "gateway": arm(89.0, 1000.0, 0.2)},
+    ]
+    summary = overhead_sim_report.paired(rounds, "gateway", idle_cores=0.01)
+    assert summary["added_ttft_p50_ms"] == pytest.approx(1.0)  # the median of +1, +5, -1
+    assert summary["throughput_ratio"] == pytest.approx(0.99)
+    assert summary["gateway_cpu_ms_per_request"] == pytest.approx(2.0)
+    assert summary["gateway_busy_cpu_ms_per_request"] == pytest.approx(1.0)  # 0.1 s of the 0.2 idle
+    assert "| 100 | 4 | 50 | gateway | 3 |" in overhead_sim_report.table(
+        [{"concurrency": 100, "num_replicas": 4, "step_ms": 50.0, "summary": {"gateway": summary}}]
+    )

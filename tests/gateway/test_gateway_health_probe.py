@@ -1,0 +1,77 @@
+"""The load poll's own HTTP/1.1 client, against a fake replica and raw sockets that misbehave."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from corral_engine import wire
+from corral_gateway.health_probe import HealthProbe
+from corral_gateway.upstream import ConnectFailed, ReadTimedOut
+
+from tests.gateway.conftest import FakeEngine, serve
+
+
+async def test_reads_the_load_headers_over_one_kept_alive_connection() -> None:
+    engine = FakeEngine(num_running=3, num_waiting=2, kv_usage=0.5, health_has_load=True)
+    async with serve(engine.app()) as (url, server):
+        probe = HealthProbe(url)
+        try:
+            for _ in range(3):
+                fetched = await probe.get(1.0, 1.0)
+                assert fetched.status == 200 and fetched.body == b'{"ok":true}'
+                assert fetched.headers[wire.HEADER_NUM_WAITING] == "2"
+            assert len(server.server_state.connections) == 1
+            engine.is_healthy = False
+            assert (await probe.get(1.0, 1.0)).status == 503
+        finally:
+            probe.close()
+
+
+async def test_a_connection_the_replica_closed_is_replaced_once() -> None:
+    num_connections = 0
+
+    async def one_answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_connections
+        num_connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-corral-num-running: 1\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # keep-alive ends here, unannounced (as an idle timeout would)
+
+    server = await asyncio.start_server(one_answer_each, "127.0.0.1", 0)
+    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        for _ in range(3):
+            assert (await probe.get(1.0, 1.0)).headers["x-corral-num-running"] == "1"
+            await asyncio.sleep(0.05)
+        assert num_connections == 3
+    finally:
+        probe.close()
+        server.close()
+
+
+async def test_refused_and_silent_replicas_raise_the_upstream_errors() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(ConnectFailed):
+        await HealthProbe(f"http://127.0.0.1:{closed}").get(1.0, 1.0)
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        with pytest.raises(ReadTimedOut):
+            await probe.get(0.2, 1.0)
+    finally:
+        probe.close()
+        server.close()
+
+
+def test_only_plain_http() -> None:
+    with pytest.raises(ValueError, match="plain HTTP"):
+        HealthProbe("https://replica:8443")
