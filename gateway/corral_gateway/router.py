@@ -33,21 +33,14 @@ class Router:
         self.saturation = saturation
         self.max_age_s = max_age_s
         self.clock = clock
-        self._candidates: dict[tuple[str, str], Candidate] = {}
 
     def candidates(self, model: str, exclude: Collection[str] = ()) -> list[Candidate]:
         now_s = self.clock()
-        out = []
-        for r in self.registry.candidates(model):
-            if r.url in exclude:
-                continue
-            load = r.load(now_s, self.max_age_s)
-            # The same load object as last time (Replica.load caches it): the same candidate.
-            cached = self._candidates.get((model, r.url))
-            if cached is None or cached.load is not load or cached.replica is not r:
-                cached = self._candidates[(model, r.url)] = Candidate(r, load)
-            out.append(cached)
-        return out
+        return [
+            Candidate(r, r.load(now_s, self.max_age_s))
+            for r in self.registry.candidates(model)
+            if r.url not in exclude
+        ]
 
     def route(
         self,
