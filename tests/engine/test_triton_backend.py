@@ -180,3 +180,28 @@ def test_the_kv_cache_gets_what_a_maximal_step_leaves_of_the_card() -> None:
         ModelLoadError, match=r"no GPU memory left for the KV cache.*gpu-memory-utilization 0\.25"
     ):
         gpu_kv_cache_bytes(profile, 0.25)
+
+
+def test_the_maximal_step_that_sizes_the_gpu_kv_cache_runs(tiny_model_dir: pathlib.Path) -> None:
+    """On CUDA the KV cache is sized by running one step as large as the scheduler allows
+    (runner._run_maximal_step, under profile_gpu_memory); the step itself is device-free, so it
+    runs here: every sequence it makes up goes through batch building and sampling as a real one
+    (a made-up sequence without a request once broke every GPU engine start)."""
+    engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=70)
+    runner = engine.runner
+    kv_caches = runner.kv_caches
+    calls: list[int] = []
+    execute = runner.execute
+
+    def counting_execute(scheduled):  # type: ignore[no-untyped-def]
+        calls.append(sum(s.num_new_tokens for s in scheduled))
+        return execute(scheduled)
+
+    runner.execute = counting_execute  # type: ignore[method-assign]
+    runner._run_maximal_step()
+    assert calls == [70]
+    assert not hasattr(runner, "kv_caches")  # the step's own small cache is dropped
+    runner.kv_caches = kv_caches
+    runner.execute = execute  # type: ignore[method-assign]
+    engine.add_request("after", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(run_checked(engine)["after"]) == 3

@@ -39,6 +39,8 @@ from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
+from corral_engine.outputs import RequestMetrics
+from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -215,7 +217,9 @@ class ModelRunner:
         for i, n in enumerate(lengths):
             blocks = list(range(next_block, next_block + -(-n // bs)))
             next_block += len(blocks)
-            seq = Sequence(-1 - i, cast(Request, None), 0, [0] * n, n, block_table=blocks)
+            request = Request(f"memory-profile-{i}", [0] * n, SamplingParams(max_tokens=1), i, RequestMetrics(0.0))
+            seq = Sequence(-1 - i, request, 0, [0] * n, n, block_table=blocks)
+            request.seqs.append(seq)
             scheduled.append(ScheduledSeq(seq, 0, n))
         shape = (next_block, bs, self.num_kv_heads, self.config.head_dim)
         self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.dtype, self.device)
