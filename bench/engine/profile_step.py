@@ -38,6 +38,7 @@ def parse_args() -> argparse.Namespace:
         help="take the batch's prompts from this token-id JSONL (e.g. W2's mixed lengths)",
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="engine device (cuda: the GPU path, CUDA graphs on)")
     p.add_argument(
         "--dtype", default="bfloat16", help="float32 shows the non-matmul costs on CPUs without bf16"
     )
@@ -67,6 +68,7 @@ def main() -> int:
             model=str(args.model),
             dtype=args.dtype,
             num_threads=args.threads,
+            device=args.device,
             max_num_seqs=args.batch,
             max_num_batched_tokens=2048,
         )
@@ -81,9 +83,12 @@ def main() -> int:
     lens = sorted(len(p) for p in prompts)
     batch = len(engine.live_sequences())
 
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
+    sync()
     plain_ms = 1000 * (time.perf_counter() - t0) / args.steps
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -100,6 +105,8 @@ def main() -> int:
     profiler.disable()
     buf = io.StringIO()
     pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(30)
+    own = io.StringIO()
+    pstats.Stats(profiler, stream=own).sort_stats("tottime").print_stats(25)
 
     text = (
         f"# Corral decode step profile: batch {batch}, prompt lengths {lens[0]}..{lens[-1]} "
@@ -108,7 +115,8 @@ def main() -> int:
         f"Mean step time without a profiler: {plain_ms:.1f} ms "
         f"({1000 * batch / plain_ms:.0f} output tok/s at this batch)\n\n"
         f"## torch.profiler, ops by self CPU time ({args.steps} steps)\n\n```\n{ops}\n```\n\n"
-        f"## cProfile, by cumulative time ({args.steps} steps)\n\n```\n{buf.getvalue()}\n```\n"
+        f"## cProfile, by cumulative time ({args.steps} steps)\n\n```\n{buf.getvalue()}\n```\n\n"
+        f"## cProfile, by own time ({args.steps} steps)\n\n```\n{own.getvalue()}\n```\n"
     )
     (args.out_dir / "profile.md").write_text(text)
     log.info("mean decode step %.1f ms at batch %d; wrote %s", plain_ms, batch, args.out_dir / "profile.md")

@@ -54,6 +54,17 @@ def test_builtin_profiles_size_the_kv_cache_from_memory() -> None:
     assert a100 > BUILTIN["h100-llama3-8b"].step_time_s(StepShape(1, 1, 10, 10.0))
 
 
+def test_the_measured_h100_profile_agrees_with_the_gpu_acceptance_run() -> None:
+    """`h100-llama3-8b-corral` was fitted to Corral's own steps on an H100; bench/gpu's batch-1
+    phase on the same card, a separate run, measured 8.19 ms a token at a mean context of 273."""
+    measured = BUILTIN["h100-llama3-8b-corral"]
+    assert isinstance(measured.model, Fitted)
+    assert measured.step_time_s(StepShape(1, 1, 273, 273.0)) == pytest.approx(0.00819, rel=0.05)
+    # The engine it measured is slower at batch 1 than the vLLM-class roofline (MBU 0.61, not 0.85).
+    roofline = BUILTIN["h100-llama3-8b"].step_time_s(StepShape(1, 1, 273, 273.0))
+    assert measured.step_time_s(StepShape(1, 1, 273, 273.0)) > roofline
+
+
 def test_fit_recovers_step_time_coefficients() -> None:
     truth = Fitted((0.004, 2e-5, 3e-4, 1e-7, 0.0))
     rng = random.Random(0)

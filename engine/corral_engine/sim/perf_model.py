@@ -184,6 +184,12 @@ def _roofline_profile(name: str, gpu: Gpu, model: ModelShape, num_gpus: int) -> 
     return Profile(name, roofline, roofline.num_kv_blocks(16))
 
 
+# Corral's own engine on one H100 80GB HBM3 with a Llama-3-8B-shaped checkpoint (bf16, CUDA
+# graphs): `corral calibrate --device cuda` on 2026-11-25, engine d6fd68e, 408 steps, median fit
+# error 2.2 % (docs/simulator.md). The KV size is what --gpu-memory-utilization 0.9 gave on that
+# card with the scheduler sizes below.
+H100_LLAMA3_8B_CORRAL = Fitted((8.406e-3, 1.138e-5, 2.504e-5, 1.932e-7, 0.0))
+
 BUILTIN = {
     p.name: p
     for p in (
@@ -191,6 +197,7 @@ BUILTIN = {
         _roofline_profile("h100-llama3-70b", H100, LLAMA3_70B, 4),
         _roofline_profile("a100-llama3-8b", A100, LLAMA3_8B, 1),
         _roofline_profile("a100-llama3-70b", A100, LLAMA3_70B, 4),
+        Profile("h100-llama3-8b-corral", H100_LLAMA3_8B_CORRAL, num_kv_blocks=26855),
     )
 }
 
