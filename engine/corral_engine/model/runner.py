@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import cast
 
 import torch
 
@@ -217,7 +216,8 @@ class ModelRunner:
         for i, n in enumerate(lengths):
             blocks = list(range(next_block, next_block + -(-n // bs)))
             next_block += len(blocks)
-            request = Request(f"memory-profile-{i}", [0] * n, SamplingParams(max_tokens=1), i, RequestMetrics(0.0))
+            params = SamplingParams(max_tokens=1)
+            request = Request(f"memory-profile-{i}", [0] * n, params, i, RequestMetrics(0.0))
             seq = Sequence(-1 - i, request, 0, [0] * n, n, block_table=blocks)
             request.seqs.append(seq)
             scheduled.append(ScheduledSeq(seq, 0, n))
