@@ -47,6 +47,8 @@ from corral_cli.bench.client import RequestSettings, send_request
 from corral_cli.bench.runner import make_client, run_async
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
+from corral_engine import wire
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.routing import overhead_sim_report as report
 from bench.routing.fleet import MODEL, REQUEST_TIMEOUT_S, cpu_seconds, ensure_model, start_gateway
@@ -224,15 +226,46 @@ class PySpy:
             self.proc.wait()
 
 
+_REPLICA_HISTOGRAMS = {"ttft": wire.TIME_TO_FIRST_TOKEN_SECONDS, "e2el": wire.E2E_REQUEST_LATENCY_SECONDS}
+
+
+def replica_latency_totals(urls: Sequence[str]) -> dict[str, float]:
+    """The replicas' own TTFT and E2E histograms (`/metrics`: sum and count, all replicas together).
+    Their difference over an arm gives the mean latency the replicas saw, from the request's
+    arrival in the replica's server, whoever sent it."""
+    totals = dict.fromkeys((f"{k}_{part}" for k in _REPLICA_HISTOGRAMS for part in ("sum", "count")), 0.0)
+    with httpx.Client(timeout=30.0) as client:
+        for url in urls:
+            for key, value in latency_totals(client.get(f"{url}/metrics").raise_for_status().text).items():
+                totals[key] += value
+    return totals
+
+
+def latency_totals(metrics_text: str) -> dict[str, float]:
+    """One exposition's TTFT and E2E histogram sums and counts, over all label sets."""
+    totals = dict.fromkeys((f"{k}_{part}" for k in _REPLICA_HISTOGRAMS for part in ("sum", "count")), 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for key, name in _REPLICA_HISTOGRAMS.items():
+            if family.name == name:
+                for sample in family.samples:
+                    part = sample.name.removeprefix(name).lstrip("_")
+                    if part in ("sum", "count"):
+                        totals[f"{key}_{part}"] += sample.value
+    return totals
+
+
 def run_arm(
     urls: Sequence[str],
     requests: Sequence[BenchRequest],
     concurrency: int,
     pids: dict[str, int],
     spy: tuple[Path, Path] | None = None,
+    replicas: Sequence[str] = (),
 ) -> dict[str, Any]:
     """One closed loop, with the CPU each process used during it and how long its threads waited
-    for a core (a shared machine's other work shows there)."""
+    for a core (a shared machine's other work shows there); with `replicas`, also the mean latency
+    the replicas themselves saw (their histograms' change over the loop)."""
+    replica_before = replica_latency_totals(replicas) if replicas else None
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     waited = {name: runqueue_wait_s(pid) for name, pid in pids.items()}
     client_before = time.process_time()
@@ -245,6 +278,9 @@ def run_arm(
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     used["client"] = time.process_time() - client_before
     summary = report.arm_summary(results, duration_s, used)
+    if replica_before is not None:
+        after = replica_latency_totals(replicas)
+        summary.update(report.hop_summary(results, {k: after[k] - replica_before[k] for k in after}))
     for name, pid in pids.items():
         # Seconds spent runnable but not running, per CPU second used (the main thread's).
         summary[f"{name}_runqueue_wait_per_cpu_s"] = (runqueue_wait_s(pid) - waited[name]) / max(
@@ -331,7 +367,7 @@ def run_rounds(
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         arms: dict[str, dict[str, Any]] = {}
         for name in order:
-            arms[name] = run_arm(targets[name], requests, concurrency, pids[name])
+            arms[name] = run_arm(targets[name], requests, concurrency, pids[name], replicas=targets["direct"])
             logger.info("%d streams, round %d, %s: %s", concurrency, round_index, name,
                         {k: v for k, v in arms[name].items() if not k.endswith("_s")})  # fmt: skip
         rounds.append(arms)

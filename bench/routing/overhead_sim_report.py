@@ -48,6 +48,24 @@ def arm_summary(
     return out
 
 
+def hop_summary(results: Sequence[RequestResult], replica: dict[str, float]) -> dict[str, Any]:
+    """Mean TTFT and E2E as the client saw them and as the replicas saw them (`replica`: the change
+    of their histograms' sums and counts over the arm); the difference is the hop's own share
+    (client, network, and the gateway where there is one), free of the replicas' step timing:
+    a fixed-step replica turns a few milliseconds of hop into a whole step whenever a request
+    misses the step it would have joined, which moves the percentiles by tens of milliseconds."""
+    ok = [r for r in results if r.is_success]
+    out: dict[str, Any] = {"replica_num_requests": replica["ttft_count"]}
+    for key, attr in (("ttft", "ttft_s"), ("e2el", "e2el_s")):
+        client_mean = statistics.fmean(getattr(r, attr) for r in ok) if ok else float("nan")
+        count = replica[f"{key}_count"]
+        replica_mean = replica[f"{key}_sum"] / count if count else float("nan")
+        out[f"{key}_mean_ms"] = 1000 * client_mean
+        out[f"replica_{key}_mean_ms"] = 1000 * replica_mean
+        out[f"hop_{key}_mean_ms"] = 1000 * (client_mean - replica_mean)
+    return out
+
+
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
     if len(values) == 1:
         return values[0], values[0], values[0]
@@ -68,6 +86,11 @@ def paired(
         out.update({f"added_{key}": median, f"added_{key}_q1": q1, f"added_{key}_q3": q3})
         out[f"direct_{key}"] = statistics.median(r["direct"][key] for r in rounds)
         out[f"via_{key}"] = statistics.median(r[arm][key] for r in rounds)
+    for key in ("hop_ttft_mean_ms", "hop_e2el_mean_ms"):
+        if all(key in r[arm] and key in r["direct"] for r in rounds):
+            q1, median, q3 = _quartiles([r[arm][key] - r["direct"][key] for r in rounds])
+            out.update({f"added_{key}": median, f"added_{key}_q1": q1, f"added_{key}_q3": q3})
+            out[f"direct_{key}"] = statistics.median(r["direct"][key] for r in rounds)
     q1, median, q3 = _quartiles([r[arm]["output_tok_s"] / r["direct"]["output_tok_s"] for r in rounds])
     out.update(throughput_ratio=median, throughput_ratio_q1=q1, throughput_ratio_q3=q3)
     for name, key in (("direct", "direct"), ("via", arm)):
@@ -96,8 +119,9 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| streams | replicas | step (ms) | gateway | rounds | direct tok/s | throughput ratio (IQR) "
         "| added TTFT p50 / p99 (ms) | added E2E p50 / p99 (ms) | direct TTFT p50 / E2E p50 (ms) "
-        "| errors direct / via | gateway cores | CPU / request (ms) | of it busy (ms) |",
-        "|---:|---:|---:|---|---:|---:|---|---|---|---|---|---:|---:|---:|",
+        "| added hop TTFT / E2E, mean (ms) | errors direct / via | gateway cores | CPU / request (ms) "
+        "| of it busy (ms) |",
+        "|---:|---:|---:|---|---:|---:|---|---|---|---|---|---|---:|---:|---:|",
     ]
     for level in levels:
         for arm, s in level["summary"].items():
@@ -109,10 +133,15 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
                 f"| {s['added_ttft_p50_ms']:+.2f} / {s['added_ttft_p99_ms']:+.1f} "
                 f"| {s['added_e2el_p50_ms']:+.2f} / {s['added_e2el_p99_ms']:+.1f} "
                 f"| {s['direct_ttft_p50_ms']:.0f} / {s['direct_e2el_p50_ms']:.0f} "
+                f"| {_signed(s.get('added_hop_ttft_mean_ms'))} / {_signed(s.get('added_hop_e2el_mean_ms'))} "
                 f"| {s['direct_num_errors']} / {s['via_num_errors']} | {s['gateway_cores']:.2f} "
                 f"| {s['gateway_cpu_ms_per_request']:.2f} | {s['gateway_busy_cpu_ms_per_request']:.2f} |"
             )
     return "\n".join(lines)
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f}"
 
 
 def plot(levels: Sequence[dict[str, Any]], path: Path) -> None:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 from corral_cli.bench.stats import RequestResult
+from corral_engine import wire
 from corral_engine.sim.perf_model import StepShape, load_profile
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from bench.routing import overhead_sim, overhead_sim_report
 
@@ -69,6 +71,8 @@ def test_rounds_pair_each_arm_with_the_direct_one() -> None:
             "gateway_cpu_us_per_token": 0.0,
             "sim_cores": 0.5,
             "client_cores": 0.1,
+            "hop_ttft_mean_ms": ttft_ms / 100,  # 1 ms a request direct
+            "hop_e2el_mean_ms": ttft_ms / 50,
         }
 
     rounds = [
@@ -78,9 +82,29 @@ def test_rounds_pair_each_arm_with_the_direct_one() -> None:
     ]
     summary = overhead_sim_report.paired(rounds, "gateway", idle_cores=0.01)
     assert summary["added_ttft_p50_ms"] == pytest.approx(1.0)  # the median of +1, +5, -1
+    assert summary["added_hop_ttft_mean_ms"] == pytest.approx(0.01)  # the median of +.01, +.05, -.01
+    assert summary["added_hop_e2el_mean_ms"] == pytest.approx(0.02)
     assert summary["throughput_ratio"] == pytest.approx(0.99)
     assert summary["gateway_cpu_ms_per_request"] == pytest.approx(2.0)
     assert summary["gateway_busy_cpu_ms_per_request"] == pytest.approx(1.0)  # 0.1 s of the 0.2 idle
-    assert "| 100 | 4 | 50 | gateway | 3 |" in overhead_sim_report.table(
+    row = overhead_sim_report.table(
         [{"concurrency": 100, "num_replicas": 4, "step_ms": 50.0, "summary": {"gateway": summary}}]
     )
+    assert "| 100 | 4 | 50 | gateway | 3 |" in row and "| +0.01 / +0.02 |" in row
+
+
+def test_the_hop_is_what_the_client_saw_less_what_the_replicas_saw() -> None:
+    """The replicas' histograms (as their /metrics expose them, two models' label sets) give the
+    mean latency inside the replicas; the client's mean less that is the hop's own share."""
+    registry = CollectorRegistry()
+    ttft = Histogram(wire.TIME_TO_FIRST_TOKEN_SECONDS, "ttft", ["model_name"], registry=registry)
+    e2e = Histogram(wire.E2E_REQUEST_LATENCY_SECONDS, "e2e", ["model_name"], registry=registry)
+    for model, first_s, whole_s in (("a", 0.09, 0.9), ("a", 0.19, 1.9), ("b", 0.29, 2.9)):
+        ttft.labels(model).observe(first_s)
+        e2e.labels(model).observe(whole_s)
+    totals = overhead_sim.latency_totals(generate_latest(registry).decode())
+    assert totals["ttft_count"] == totals["e2el_count"] == 3
+    assert totals["ttft_sum"] == pytest.approx(0.57) and totals["e2el_sum"] == pytest.approx(5.7)
+    hop = overhead_sim_report.hop_summary([result(0.1, 1.0), result(0.2, 2.0), result(0.3, 3.0)], totals)
+    assert hop["replica_ttft_mean_ms"] == pytest.approx(190.0)
+    assert hop["hop_ttft_mean_ms"] == pytest.approx(10.0) and hop["hop_e2el_mean_ms"] == pytest.approx(100.0)
