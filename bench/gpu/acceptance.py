@@ -29,7 +29,7 @@ import torch
 
 from bench.gpu import phases, plots, report
 from bench.gpu.context import GPU, SMOKE, Profile, Run
-from bench.gpu.throughput import SYSTEMS, throughput
+from bench.gpu.throughput import SYSTEMS, ratios, throughput
 
 log = logging.getLogger("gpu")
 
@@ -139,13 +139,20 @@ def run_phases(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def merge(paths: list[Path]) -> dict[str, Any]:
-    """Runs split across calls, joined: later runs' phases replace earlier ones of the same name."""
+    """Runs split across calls, joined: later runs' phases replace earlier ones of the same name,
+    except throughput, whose systems join (calls B and C of the README measure different systems
+    on the same workloads) and whose ratios are taken again over all of them."""
     loaded = [json.loads(p.read_text()) for p in paths]
     merged = dict(loaded[0])
     merged["runs"] = [r for one in loaded for r in one.get("runs", [])]
     merged["phases"] = {}
     for one in loaded:
-        merged["phases"].update(one.get("phases", {}))
+        for name, figures in one.get("phases", {}).items():
+            earlier = merged["phases"].get(name)
+            if name == "throughput" and earlier is not None and "systems" in earlier and "systems" in figures:
+                systems = {**earlier["systems"], **figures["systems"]}
+                figures = {**earlier, **figures, "systems": systems, "ratios": ratios(systems)}
+            merged["phases"][name] = figures
     return merged
 
 

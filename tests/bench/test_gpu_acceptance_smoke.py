@@ -78,11 +78,17 @@ def test_plots_table_and_merge(smoke: tuple[dict, Path], tmp_path: Path) -> None
     for name in ("equality", "batch1", "throughput", "overhead"):
         assert (out / f"gpu-{name}.png").stat().st_size > 10_000
     assert "| W2 output throughput vs transformers static |" in (out / "table.md").read_text()
-    # A run split across two calls: the second's phases join the first's.
+    # A run split across two calls: the second's phases join the first's; a second throughput
+    # phase (another system) joins the first one's systems.
+    corral = results["phases"]["throughput"]["systems"]["corral"]["workloads"]["W2"]["output_throughput"]
+    other = {"status": "ok", "workloads": {"W2": {"output_throughput": corral / 4}}}
     second = {
         **results,
-        "runs": [{"phases": ["bandwidth"]}],
-        "phases": {"bandwidth": {"read_gb_s_median": 1.0, "copy_gb_s_median": 2.0}},
+        "runs": [{"phases": ["bandwidth", "throughput"]}],
+        "phases": {
+            "bandwidth": {"read_gb_s_median": 1.0, "copy_gb_s_median": 2.0},
+            "throughput": {**results["phases"]["throughput"], "systems": {"hf-cb": other}, "ratios": {}},
+        },
     }
     (tmp_path / "b.json").write_text(json.dumps(second))
     merged_dir = tmp_path / "merged"
@@ -100,6 +106,10 @@ def test_plots_table_and_merge(smoke: tuple[dict, Path], tmp_path: Path) -> None
     merged = json.loads((merged_dir / RESULT_FILE).read_text())
     assert merged["phases"]["bandwidth"]["read_gb_s_median"] == 1.0
     assert merged["phases"]["equality"]["passed"] and len(merged["runs"]) == 2
+    throughput = merged["phases"]["throughput"]
+    assert set(throughput["systems"]) >= {"corral", "hf-static", "hf-cb"}
+    assert throughput["ratios"]["W2_corral_over_hf-cb"] == pytest.approx(4.0)
+    assert "W2_corral_over_hf-static" in throughput["ratios"]
 
 
 def test_bytes_read_per_token_of_the_8b_shape() -> None:
