@@ -1,7 +1,11 @@
 """The synchronous engine: add requests, step, read outputs (tests and benchmarks drive it directly).
 
-One step: schedule -> run the model -> sample -> append tokens -> detokenize and check stops ->
-free what finished -> hand back an output per request that progressed.
+One step: schedule -> run the model -> sample -> append tokens and check stop tokens -> detokenize
+and check stop strings -> free what finished -> hand back an output per request that progressed.
+
+With the output overlap on (`CORRAL_OVERLAP_OUTPUT`, by default on CUDA) the text half of a step
+(detokenize, stop strings, outputs) runs in the next step, between queuing that step's device work
+and waiting for its tokens, so the host works while the device computes; outputs come a step later.
 """
 
 from __future__ import annotations
@@ -70,6 +74,13 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        # On CPU the forward pass runs inside runner.execute: no idle device to overlap with.
+        overlap = self.settings.overlap_output
+        self.overlaps_output = overlap == "1" or (overlap == "auto" and self.runner.device.type == "cuda")
+        logger.info("output overlap: %s", "on" if self.overlaps_output else "off")
+        # The last step's text half, when it waits for this step (request id -> seq id -> new tokens).
+        # Its requests stay in `requests` until their outputs are out.
+        self._deferred: dict[str, dict[int, int]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
@@ -120,12 +131,15 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        counts = self._deferred.pop(request_id, {})
+        self._detokenize(request, counts)  # the tokens it has: a stop string may have ended it
         self.scheduler.abort(request)
         return self._finish_request(
-            request, self.output_processor.build_output(request, {}, request.is_finished)
+            request, self.output_processor.build_output(request, counts, request.is_finished)
         )
 
     def has_unfinished_requests(self) -> bool:
+        """True until every request's final output is out (a deferred one included)."""
         return bool(self.requests)
 
     # -- one step -------------------------------------------------------------------------------
@@ -134,7 +148,7 @@ class LLMEngine:
         self.last_step_num_tokens = sched.num_batched_tokens
         self.last_schedule = sched.scheduled
         if sched.is_empty:
-            return []
+            return self._emit(self._take_deferred())
         now = time.monotonic()
         for s in sched.scheduled:
             metrics = s.seq.request.metrics
@@ -166,25 +180,61 @@ class LLMEngine:
         if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
             self._record_prompt_logprobs(scored, logits[row:])
         sampled = logits[:row] if len(plain_rows) == row else logits[plain_rows]
-        result = self.sampler.sample(sampled, plain, masks.wait())
+        pending = self.sampler.queue(sampled, plain, masks.wait())
+        # The device is busy with this step: the last step's text half runs meanwhile. It only
+        # detokenizes, frees blocks and builds outputs; nothing takes a block before the next
+        # schedule, and the device's reads of freed blocks are ordered before any later step's.
+        outputs = self._emit(self._take_deferred())
+        result = pending.wait()
         now = time.monotonic()
         touched: dict[str, dict[int, int]] = {}
         for seq, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
+            if seq.is_finished:
+                continue  # a stop string in the last step's text ended it: this token is dropped
             if logprob is not None:
                 seq.logprobs.append(logprob)
             self._append_tokens(seq, [token_id], now, touched)
         for s, first_row in drafts:
-            self._append_tokens(
-                s.seq, self._verify(s, logits[first_row : first_row + 1 + s.num_spec]), now, touched
-            )
+            if not s.seq.is_finished:
+                tokens = self._verify(s, logits[first_row : first_row + 1 + s.num_spec])
+                self._append_tokens(s.seq, tokens, now, touched)
         self._stats.num_steps_total += 1
+        if self.overlaps_output:
+            self._deferred = touched
+            return outputs
+        return self._emit(touched)
+
+    def _take_deferred(self) -> dict[str, dict[int, int]]:
+        deferred, self._deferred = self._deferred, {}
+        return deferred
+
+    def _emit(self, touched: dict[str, dict[int, int]]) -> list[RequestOutput]:
+        """A step's text half: `touched` (request id -> seq id -> its new tokens) detokenized,
+        stop strings applied, and an output per request (finished ones released)."""
         outputs = []
         for request_id, counts in touched.items():
             request = self.requests[request_id]
+            self._detokenize(request, counts)
             is_finished = request.is_finished
             output = self.output_processor.build_output(request, counts, is_finished)
             outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
+
+    def _detokenize(self, request: Request, counts: dict[int, int]) -> None:
+        """Detokenize the request's new tokens; a stop string ends its sequence there, and any
+        tokens after it (accepted drafts) are dropped, as if they had never been appended."""
+        for seq in request.seqs:
+            num_new = counts.get(seq.seq_id, 0)
+            num_dropped = self.output_processor.detokenize(seq, num_new) if num_new else None
+            if num_dropped is None:
+                continue
+            if num_dropped:
+                del seq.token_ids[-num_dropped:]
+                del seq.logprobs[seq.num_output_tokens :]
+                counts[seq.seq_id] = num_new - num_dropped
+                self._stats.num_generation_tokens_total -= num_dropped
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
 
     def _record_prompt_logprobs(self, scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
         raw = torch.log_softmax(logits, dim=-1).cpu()  # [rows, V]
@@ -228,7 +278,7 @@ class LLMEngine:
             if seq.grammar is not None:
                 advance(seq, token_id)
             self._stats.num_generation_tokens_total += 1
-            if self.output_processor.append_token(seq, token_id):
+            if self.output_processor.check_stop_token(seq, token_id):  # stop strings: _detokenize
                 self.scheduler.finish(seq)
             if seq.is_finished:
                 return

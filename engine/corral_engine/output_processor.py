@@ -28,14 +28,16 @@ class OutputProcessor:
         self._detokenizers.pop(seq_id, None)
 
     def append_token(self, seq: Sequence, token_id: int) -> bool:
-        """Detokenize `seq`'s newest token (already in seq.token_ids) and check every stop rule;
-        True when the sequence is now finished (its finish and stop reasons are set)."""
+        """Both halves below for `seq`'s newest token (already in seq.token_ids); True when the
+        sequence is now finished (its finish and stop reasons are set)."""
+        is_finished = self.check_stop_token(seq, token_id)
+        return self.detokenize(seq, 1) is not None or is_finished
+
+    def check_stop_token(self, seq: Sequence, token_id: int) -> bool:
+        """The stop rules the next schedule needs at once (EOS, stop_token_ids, max_tokens, the
+        context length) for `seq`'s newest token; True when one ended it (reasons set)."""
         params = seq.request.params
-        detok = self._detokenizers[seq.seq_id]
-        stop_str = detok.add_token(token_id)
-        if stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
+        if not params.ignore_eos and token_id in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
@@ -43,9 +45,22 @@ class OutputProcessor:
             seq.finish_reason = "length"
         else:
             return False
-        if stop_str is None:
-            detok.flush()
         return True
+
+    def detokenize(self, seq: Sequence, num_new: int) -> int | None:
+        """The text half: detokenize `seq`'s newest `num_new` tokens, in order, and look for stop
+        strings. When one matched it ends the sequence (reasons set, over any a stop token set) and
+        the return value is how many of those tokens came after it (to drop); else None, and a
+        sequence the stop tokens ended has its pending text flushed."""
+        detok = self._detokenizers[seq.seq_id]
+        for i, token_id in enumerate(seq.token_ids[len(seq.token_ids) - num_new :]):
+            stop_str = detok.add_token(token_id)
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                return num_new - 1 - i
+        if seq.finish_reason is not None:
+            detok.flush()
+        return None
 
     def build_output(self, request: Request, touched: dict[int, int], is_finished: bool) -> RequestOutput:
         """The request's output after a step; `touched`: seq_id -> tokens it gained this step."""

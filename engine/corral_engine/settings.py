@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# "auto": the engine decides from the CPU it runs on; "1" forces the behaviour on; "0" off.
+# "auto": the engine decides from the machine it runs on; "1" forces the behaviour on; "0" off.
 Switch = Literal["auto", "1", "0"]
 
 
@@ -32,6 +32,9 @@ class EngineSettings(BaseSettings):
     prepack: Switch = Field(default="auto", validation_alias="CORRAL_PREPACK")
     # CORRAL_BF16_UPCAST: bf16 matmuls of 8+ rows run in float32 where the CPU has no native bf16.
     bf16_upcast: Switch = Field(default="auto", validation_alias="CORRAL_BF16_UPCAST")
+    # CORRAL_OVERLAP_OUTPUT: a step's text work (detokenization, stop strings, the outputs) runs
+    # in the next step while the device computes, so outputs come one step later; auto: on CUDA.
+    overlap_output: Switch = Field(default="auto", validation_alias="CORRAL_OVERLAP_OUTPUT")
     # TRITON_INTERPRET=1: Triton's interpreter runs Triton kernels on CPU tensors (slowly), so the
     # triton attention backend can run, and be tested, without a GPU.
     triton_interpret: bool = Field(default=False, validation_alias="TRITON_INTERPRET")

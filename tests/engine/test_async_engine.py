@@ -8,6 +8,7 @@ import pathlib
 import pytest
 from corral_engine import AsyncEngine, EngineArgs, SamplingParams
 from corral_engine.errors import EngineDeadError, QueueFullError
+from corral_engine.settings import EngineSettings, Switch
 
 
 async def _wait_for(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -18,8 +19,14 @@ async def _wait_for(predicate, timeout_s: float = 10.0) -> None:  # type: ignore
     raise AssertionError("condition not reached")
 
 
-async def test_streams_and_aborts(tiny_model_dir: pathlib.Path) -> None:
-    engine = AsyncEngine(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128))
+@pytest.mark.parametrize("overlap", ["0", "1"])
+async def test_streams_and_aborts(tiny_model_dir: pathlib.Path, overlap: Switch) -> None:
+    """Also with the output overlap on (each step's outputs come with the next step's)."""
+    engine = AsyncEngine(
+        EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128),
+        settings=EngineSettings(overlap_output=overlap),
+    )
+    assert engine.engine.overlaps_output is (overlap == "1")
     await engine.start()
     try:
         greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -12,14 +12,18 @@ import httpx
 import openai
 from corral_engine import AsyncEngine, EngineArgs
 from corral_engine.server import create_app
+from corral_engine.settings import EngineSettings
 
 
 @contextlib.asynccontextmanager
 async def openai_client(
-    model_dir: pathlib.Path, tool_call_parser: str | None = None, **args: Any
+    model_dir: pathlib.Path,
+    tool_call_parser: str | None = None,
+    settings: EngineSettings | None = None,
+    **args: Any,
 ) -> AsyncIterator[openai.AsyncOpenAI]:
     args.setdefault("num_kv_blocks", 256)
-    engine = AsyncEngine(EngineArgs(model=str(model_dir), dtype="float32", **args))
+    engine = AsyncEngine(EngineArgs(model=str(model_dir), dtype="float32", **args), settings=settings)
     app = create_app(engine, tool_call_parser=tool_call_parser)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

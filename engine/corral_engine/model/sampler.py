@@ -3,7 +3,8 @@
 Rows that need nothing beyond greedy take one argmax; the rest are processed together. Seeded
 sequences draw from their own torch.Generator (kept across steps), so their output does not depend
 on what else shares the batch. Everything runs where the logits are: on a GPU the step waits for
-the device once, when the chosen token ids come back, not once per sequence.
+the device once, when the chosen token ids come back, not once per sequence. `queue` and
+`PendingSample.wait` are the two halves, so the engine can work on the host in between.
 """
 
 from __future__ import annotations
@@ -21,6 +22,27 @@ from corral_engine.structured.masks import TokenMasks, apply_token_masks
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass(slots=True)
+class PendingSample:
+    """A batch's sampling, queued on the device: `wait` brings the token ids back."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [S] token ids, on the logits' device
+    logprob_rows: list[int]  # the rows of `seqs` that asked for logprobs
+    raw_logprobs: torch.Tensor | None  # [len(logprob_rows), V] log-probabilities, on the device
+
+    def wait(self) -> SampleResult:
+        token_ids = self.tokens.tolist()  # the step's one wait for the device
+        logprobs: list[TokenLogprob | None] = [None] * len(self.seqs)
+        if self.raw_logprobs is not None:
+            raw = self.raw_logprobs.cpu()
+            for i, row in enumerate(self.logprob_rows):
+                k = self.seqs[row].request.params.logprobs
+                assert k is not None
+                logprobs[row] = token_logprob(raw[i], token_ids[row], k)
+        return SampleResult(token_ids, logprobs)
 
 
 class Sampler:
@@ -50,12 +72,19 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None
     ) -> SampleResult:
-        """logits: [S, V] float32, one row per sequence in `seqs` order, on any device. `masks`:
-        the allowed tokens of the constrained rows (structured outputs)."""
+        return self.queue(logits, seqs, masks).wait()
+
+    def queue(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None
+    ) -> PendingSample:
+        """Queue the batch's sampling on the logits' device without waiting for it (the engine
+        works on the host meanwhile). logits: [S, V] float32, one row per sequence in `seqs`
+        order, on any device. `masks`: the allowed tokens of the constrained rows (structured
+        outputs)."""
         raw_logprobs = None
         logprob_rows = [row for row, s in enumerate(seqs) if s.request.params.logprobs is not None]
         if logprob_rows:
-            raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1).cpu()
+            raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)  # [L, V], copied in wait()
         adjusted = [
             row
             for row, s in enumerate(seqs)
@@ -76,14 +105,7 @@ class Sampler:
             params = seq.request.params
             if not params.is_greedy:
                 tokens[row] = _sample_row(logits[row], seq, self._generator_for(seq, logits.device))
-        token_ids = tokens.tolist()  # the step's one wait for the device
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            for i, row in enumerate(logprob_rows):
-                k = seqs[row].request.params.logprobs
-                assert k is not None
-                logprobs[row] = token_logprob(raw_logprobs[i], token_ids[row], k)
-        return SampleResult(token_ids, logprobs)
+        return PendingSample(seqs, tokens, logprob_rows, raw_logprobs)
 
     def _apply_token_rules(self, row: torch.Tensor, seq: Sequence) -> None:  # row: [V], in place
         params = seq.request.params

@@ -183,6 +183,7 @@ class ParallelRunner:
             self.close()
             raise
         self.num_kv_blocks = self.local.num_kv_blocks
+        self.device = self.local.device
         self.batches = self.local.batches
         self.model = self.local.model
         logger.info("tensor parallel: %d ranks (worker pids %s)", size, [w.pid for w in self.workers])

@@ -1,0 +1,47 @@
+"""The engine server with the output overlap on (CORRAL_OVERLAP_OUTPUT=1, the default on CUDA):
+completions, streamed or not, with stop strings, n > 1 and logprobs, are the same as without it."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Any
+
+import openai
+from corral_engine.settings import EngineSettings
+
+from tests.server.real_engine import openai_client
+
+MODEL = "tiny-llama"
+PROMPT = "The quick brown fox"
+
+
+async def _completions(client: openai.AsyncOpenAI, stop: str) -> list[Any]:
+    """Greedy with a stop string, streamed and not; sampled n=2 with logprobs."""
+    greedy: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    whole = await client.completions.create(**greedy, stop=[stop])
+    stream = await client.completions.create(**greedy, stop=[stop], stream=True)
+    pieces, reasons = [], []
+    async for chunk in stream:
+        pieces += [c.text for c in chunk.choices]
+        reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+    assert "".join(pieces) == whole.choices[0].text and reasons == [whole.choices[0].finish_reason]
+    sampled = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, n=2, seed=3, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    lp = [c.logprobs.tokens if c.logprobs else None for c in sampled.choices]
+    return [whole.choices[0].text, whole.choices[0].finish_reason, [c.text for c in sampled.choices], lp]
+
+
+async def test_completions_match_without_the_overlap(tiny_model_dir: pathlib.Path) -> None:
+    async with openai_client(tiny_model_dir, settings=EngineSettings(overlap_output="0")) as client:
+        free = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        match = re.search(r"[A-Za-z]{3}", free.choices[0].text[8:])
+        assert match is not None
+        stop = match.group()
+        plain = await _completions(client, stop)
+    async with openai_client(tiny_model_dir, settings=EngineSettings(overlap_output="1")) as client:
+        assert await _completions(client, stop) == plain
+    assert plain[1] == "stop" and stop not in plain[0]
