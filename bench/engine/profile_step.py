@@ -1,6 +1,9 @@
 """Where one Corral decode step's time goes at batch 64: torch.profiler top ops and cProfile's Python view.
 
-    .venv/bin/python bench/engine/profile_step.py [--batch 64] [--prompt-len 128] [--steps 10]
+    .venv/bin/python bench/engine/profile_step.py [--batch 64] [--prompt-len 128] [--steps 10] \
+        [--device cuda] [--overlap auto|1|0]
+
+`--overlap 0` and `--overlap 1` (two runs, two --out-dir) A/B the output overlap.
 
 Fills the batch (64 x 128-token prompts), steps until every sequence is decoding, then profiles
 `--steps` decode steps. Writes profile.md (tables) and a Chrome trace to --out-dir.
@@ -21,6 +24,7 @@ import torch
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 
 log = logging.getLogger("profile_step")
 MODEL_DIR = Path.home() / ".cache" / "corral-bench" / "model-small"
@@ -39,6 +43,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="engine device (cuda: the GPU path, CUDA graphs on)")
+    p.add_argument(
+        "--overlap",
+        choices=["auto", "1", "0"],
+        default="auto",
+        help="CORRAL_OVERLAP_OUTPUT: a step's text work during the next step's device work (auto: on CUDA)",
+    )
     p.add_argument(
         "--dtype", default="bfloat16", help="float32 shows the non-matmul costs on CPUs without bf16"
     )
@@ -71,7 +81,8 @@ def main() -> int:
             device=args.device,
             max_num_seqs=args.batch,
             max_num_batched_tokens=2048,
-        )
+        ),
+        EngineSettings(overlap_output=args.overlap),
     )
     if args.workload is not None:
         lines = args.workload.read_text().splitlines()[: args.batch]
@@ -111,15 +122,16 @@ def main() -> int:
     text = (
         f"# Corral decode step profile: batch {batch}, prompt lengths {lens[0]}..{lens[-1]} "
         f"(median {lens[len(lens) // 2]}), "
-        f"{args.steps} steps, {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
-        f"Mean step time without a profiler: {plain_ms:.1f} ms "
+        f"{args.steps} steps, {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.device}, output overlap {'on' if engine.overlaps_output else 'off'}\n\n"
+        f"Mean step time without a profiler: {plain_ms:.2f} ms "
         f"({1000 * batch / plain_ms:.0f} output tok/s at this batch)\n\n"
         f"## torch.profiler, ops by self CPU time ({args.steps} steps)\n\n```\n{ops}\n```\n\n"
         f"## cProfile, by cumulative time ({args.steps} steps)\n\n```\n{buf.getvalue()}\n```\n\n"
         f"## cProfile, by own time ({args.steps} steps)\n\n```\n{own.getvalue()}\n```\n"
     )
     (args.out_dir / "profile.md").write_text(text)
-    log.info("mean decode step %.1f ms at batch %d; wrote %s", plain_ms, batch, args.out_dir / "profile.md")
+    log.info("mean decode step %.2f ms at batch %d; wrote %s", plain_ms, batch, args.out_dir / "profile.md")
     return 0
 
 

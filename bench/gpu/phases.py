@@ -124,7 +124,8 @@ def _decode_step_times(run: Run, engine: Any, request_id: str) -> list[float]:
         t0 = time.perf_counter()
         engine.step()
         measure.sync(run.device)
-        times.append(time.perf_counter() - t0)
+        if engine.last_schedule:  # not the step that only hands back the last output (overlap on)
+            times.append(time.perf_counter() - t0)
     # The first step computes the prompt and samples the first token; each later one decodes one.
     return times[1 + p.batch1_warmup_tokens :]
 
