@@ -25,7 +25,7 @@ from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
-from corral_engine.model.sampler import Sampler, token_logprob
+from corral_engine.model.sampler import Sampler, SampleResult, token_logprob
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -177,8 +177,6 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(row)
             row += 1 + s.num_spec
-        if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
-            self._record_prompt_logprobs(scored, logits[row:])
         sampled = logits[:row] if len(plain_rows) == row else logits[plain_rows]
         pending = self.sampler.queue(sampled, plain, masks.wait())
         # The device is busy with this step: the last step's text half runs meanwhile. It only
@@ -186,6 +184,23 @@ class LLMEngine:
         # schedule, and the device's reads of freed blocks are ordered before any later step's.
         outputs = self._emit(self._take_deferred())
         result = pending.wait()
+        if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
+            self._record_prompt_logprobs(scored, logits[row:])
+        touched = self._append_sampled(plain, result, drafts, logits)
+        self._stats.num_steps_total += 1
+        if self.overlaps_output:
+            self._deferred = touched
+            return outputs
+        return self._emit(touched)
+
+    def _append_sampled(
+        self,
+        plain: list[Sequence],
+        result: SampleResult,
+        drafts: list[tuple[ScheduledSeq, int]],
+        logits: torch.Tensor,
+    ) -> dict[str, dict[int, int]]:
+        """Append the step's new tokens; request id -> seq id -> how many each sequence gained."""
         now = time.monotonic()
         touched: dict[str, dict[int, int]] = {}
         for seq, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
@@ -198,11 +213,7 @@ class LLMEngine:
             if not s.seq.is_finished:
                 tokens = self._verify(s, logits[first_row : first_row + 1 + s.num_spec])
                 self._append_tokens(s.seq, tokens, now, touched)
-        self._stats.num_steps_total += 1
-        if self.overlaps_output:
-            self._deferred = touched
-            return outputs
-        return self._emit(touched)
+        return touched
 
     def _take_deferred(self) -> dict[str, dict[int, int]]:
         deferred, self._deferred = self._deferred, {}
