@@ -220,6 +220,7 @@ def test_stop_strings_inside_accepted_drafts(
 
 
 def test_the_switch(tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not make_engine(tiny_model_dir).overlaps_output  # auto: off on CPU (no device to overlap)
+    engine = make_engine(tiny_model_dir)  # auto: on CUDA only (on CPU there is no device to overlap)
+    assert engine.overlaps_output is (engine.runner.device.type == "cuda")
     monkeypatch.setenv("CORRAL_OVERLAP_OUTPUT", "1")
     assert EngineSettings().overlap_output == "1"
