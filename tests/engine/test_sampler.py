@@ -16,6 +16,8 @@ from corral_engine.sampling_params import SamplingParams
 
 PROMPT = [1, 2]
 VOCAB = 8
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
 def _seq(params: SamplingParams, output: list[int], seq_id: int = 0) -> Sequence:
@@ -98,12 +100,13 @@ CASES = [
 ]
 
 
-def test_each_row_draws_from_its_own_truncated_distribution() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_row_draws_from_its_own_truncated_distribution(device: str) -> None:
     """One batch holds every case's rows, interleaved; each case's empirical frequencies match its
     renormalised distribution (within 5 standard errors), and what it truncates is never drawn."""
     per_case = 3000
     seqs = [_seq(CASES[i % len(CASES)], [], i) for i in range(per_case * len(CASES))]
-    drawn = Sampler(seed=3).sample(torch.tensor([ROW] * len(seqs)), seqs).token_ids
+    drawn = Sampler(seed=3).sample(torch.tensor([ROW] * len(seqs), device=device), seqs).token_ids
     for c, params in enumerate(CASES):
         tokens = drawn[c :: len(CASES)]
         for token, p in enumerate(_expected(ROW, params)):
@@ -171,12 +174,15 @@ def test_seeded_rows_draw_what_the_row_at_a_time_sampler_drew(batch: list[Sampli
     ],
     ids=["top_p sorts", "top_k", "plain"],
 )
-def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(others: list[SamplingParams]) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(
+    others: list[SamplingParams], device: str
+) -> None:
     """The same seeded sequence, alone and among greedy, unseeded and other seeded rows whose
     top_p and top_k change how the batch is processed: the same tokens, step after step."""
     ours = SAMPLED.replace(temperature=0.9, min_p=0.02, seed=99)
     logits_gen = torch.Generator().manual_seed(8)
-    steps = [4 * torch.randn(len(others) + 1, 300, generator=logits_gen) for _ in range(8)]
+    steps = [4 * torch.randn(len(others) + 1, 300, generator=logits_gen).to(device) for _ in range(8)]
     alone = Sampler(seed=1)
     seq = _seq(ours, [], 7)
     drawn_alone = [alone.sample(logits[2:3], [seq]).token_ids[0] for logits in steps]
@@ -188,3 +194,23 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(others: list[Samplin
     for tokens, logits in zip(drawn, steps, strict=True):
         assert all(tokens[i] == logits[i].argmax() for i, s in enumerate(seqs) if s.request.params.is_greedy)
     assert len(set(drawn_alone)) > 1  # it does sample
+
+
+@needs_cuda
+def test_sampling_queues_on_the_gpu_without_waiting_for_it() -> None:
+    """Everything up to the token ids' copy to the host is queued: no step waits for the device
+    (the engine works on the host meanwhile), greedy, seeded and unseeded rows mixed."""
+    batch = [GREEDY, *MIXED, SAMPLED, SAMPLED.replace(top_p=0.5)]
+    seqs = [_seq(params, [], i) for i, params in enumerate(batch)]
+    logits = torch.randn(len(batch), 1000, device="cuda")
+    sampler = Sampler()
+    greedy = torch.max(logits, dim=-1).indices
+    sampler.sample(logits, seqs)  # the generators are made (and seeded) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampled = [row for row, s in enumerate(seqs) if not s.request.params.is_greedy]
+        tokens = sampler._sample_rows(logits, greedy, seqs, sampled)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens[0] == greedy[0]
