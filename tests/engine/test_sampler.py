@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from corral_engine.core.sequence import Request, Sequence
+from corral_engine.model import sampler as sampler_module
 from corral_engine.model.sampler import Sampler, sample_rows
 from corral_engine.outputs import RequestMetrics
 from corral_engine.sampling_params import SamplingParams
@@ -101,9 +102,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_each_row_draws_from_its_own_truncated_distribution(device: str) -> None:
+@pytest.mark.parametrize("rows_per_pass", [None, 1000], ids=["one pass", "passes of 1000 rows"])
+def test_each_row_draws_from_its_own_truncated_distribution(
+    device: str, rows_per_pass: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One batch holds every case's rows, interleaved; each case's empirical frequencies match its
     renormalised distribution (within 5 standard errors), and what it truncates is never drawn."""
+    if rows_per_pass is not None:
+        monkeypatch.setattr(sampler_module, "MAX_SAMPLED_LOGITS", rows_per_pass * len(ROW))
     per_case = 3000
     seqs = [_seq(CASES[i % len(CASES)], [], i) for i in range(per_case * len(CASES))]
     drawn = Sampler(seed=3).sample(torch.tensor([ROW] * len(seqs), device=device), seqs).token_ids
@@ -154,7 +160,12 @@ MIXED = [
     [MIXED, [p for p in MIXED if p.top_p == 1.0], [p.replace(top_k=0) for p in MIXED if p.top_p == 1.0]],
     ids=["top_p sorts", "top_k alone", "temperature and min_p"],
 )
-def test_seeded_rows_draw_what_the_row_at_a_time_sampler_drew(batch: list[SamplingParams]) -> None:
+@pytest.mark.parametrize("rows_per_pass", [None, 2], ids=["one pass", "passes of 2 rows"])
+def test_seeded_rows_draw_what_the_row_at_a_time_sampler_drew(
+    batch: list[SamplingParams], rows_per_pass: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if rows_per_pass is not None:
+        monkeypatch.setattr(sampler_module, "MAX_SAMPLED_LOGITS", rows_per_pass * 1000)
     seqs = [_seq(params, [], i) for i, params in enumerate(batch)]
     gens = [torch.Generator().manual_seed(params.seed or 0) for params in batch]  # seed + index 0
     sampler = Sampler()

@@ -144,6 +144,11 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:  # row: [V], mod
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
+# A pass samples at most this many logits (rows x vocabulary) at once: its temporaries, some
+# tens of bytes per logit, stay bounded however large max_num_seqs is (about 0.6 GiB here).
+MAX_SAMPLED_LOGITS = 1 << 24
+
+
 def sample_rows(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -151,9 +156,26 @@ def sample_rows(
     seeded: dict[int, torch.Generator],
 ) -> torch.Tensor:
     """The drawn token ids, [R] int64 on the logits' device, of R rows sampled together (a fixed
-    number of kernels, however many rows, and no wait for the device). logits: [R, V] float32, one
-    row per `params`. Row i draws its noise from `seeded[i]` (a [V] draw of its own, as a row alone
-    would) or else from `shared` (one draw for all such rows).
+    number of kernels per MAX_SAMPLED_LOGITS, however many rows, and no wait for the device).
+    logits: [R, V] float32, one row per `params`. Row i draws its noise from `seeded[i]` (a [V]
+    draw of its own, as a row alone would) or else from `shared`."""
+    step = max(1, MAX_SAMPLED_LOGITS // logits.shape[1])
+    if len(params) <= step:
+        return _sample_pass(logits, params, shared, seeded)
+    passes = []
+    for first in range(0, len(params), step):
+        own = {row - first: gen for row, gen in seeded.items() if first <= row < first + step}
+        passes.append(_sample_pass(logits[first : first + step], params[first : first + step], shared, own))
+    return torch.cat(passes)
+
+
+def _sample_pass(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    shared: torch.Generator | None,
+    seeded: dict[int, torch.Generator],
+) -> torch.Tensor:
+    """sample_rows for one pass: `shared` draws all the rows' noise at once.
 
     Per row, in this order: logits / temperature; top_k keeps the logits >= the k-th largest;
     softmax; top_p keeps the smallest most-probable set reaching top_p; min_p drops probabilities
