@@ -6,7 +6,9 @@
 `--overlap 0` and `--overlap 1` (two runs, two --out-dir) A/B the output overlap.
 
 Fills the batch (64 x 128-token prompts), steps until every sequence is decoding, then profiles
-`--steps` decode steps. Writes profile.md (tables) and a Chrome trace to --out-dir.
+`--steps` decode steps. Writes profile.md (tables) and a Chrome trace to --out-dir. The requests
+are greedy unless `--temperature` (and `--top-p`) say otherwise: `--temperature 1.0 --top-p 0.9`
+profiles a sampled batch, as OpenAI traffic is (temperature 1.0 is its default).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's (0: greedy; OpenAI's default is 1)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (with --temperature > 0)")
+    p.add_argument(
         "--workload",
         type=Path,
         help="take the batch's prompts from this token-id JSONL (e.g. W2's mixed lengths)",
@@ -56,11 +62,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def fill_batch(engine: LLMEngine, prompts: list[list[int]], steps: int) -> None:
+def fill_batch(engine: LLMEngine, prompts: list[list[int]], steps: int, sampling: SamplingParams) -> None:
     """Add the requests and step until none is prefilling (all are in single-token decode)."""
     # Long enough that no sequence finishes before the profiled steps (filling W2's 200 prompts
     # alone takes ~25 steps, and each profiled step runs three times: plain, torch, cProfile).
-    params = SamplingParams(max_tokens=4 * steps + 256, temperature=0.0, ignore_eos=True)
+    params = sampling.replace(max_tokens=4 * steps + 256, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)
     while any(s.num_computed_tokens < len(s.token_ids) - 1 for s in engine.live_sequences()):
@@ -90,7 +96,8 @@ def main() -> int:
     else:
         vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
         prompts = [[1 + (i * 7 + j) % (vocab - 1) for j in range(args.prompt_len)] for i in range(args.batch)]
-    fill_batch(engine, prompts, args.steps)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    fill_batch(engine, prompts, args.steps, sampling)
     lens = sorted(len(p) for p in prompts)
     batch = len(engine.live_sequences())
 
@@ -119,8 +126,9 @@ def main() -> int:
     own = io.StringIO()
     pstats.Stats(profiler, stream=own).sort_stats("tottime").print_stats(25)
 
+    how = "greedy" if sampling.is_greedy else f"temperature {args.temperature}, top_p {args.top_p}"
     text = (
-        f"# Corral decode step profile: batch {batch}, prompt lengths {lens[0]}..{lens[-1]} "
+        f"# Corral decode step profile: batch {batch} ({how}), prompt lengths {lens[0]}..{lens[-1]} "
         f"(median {lens[len(lens) // 2]}), "
         f"{args.steps} steps, {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{args.device}, output overlap {'on' if engine.overlaps_output else 'off'}\n\n"

@@ -15,9 +15,11 @@ from collections.abc import Mapping
 
 import pytest
 from corral_engine.errors import ModelLoadError
+from corral_engine.model import runner as runner_module
 from corral_engine.model.cuda_graphs import EagerCapture, capture_sizes
 from corral_engine.model.kv_cache import GpuMemoryProfile, gpu_kv_cache_bytes, profile_gpu_memory
 from corral_engine.model.runner import choose_attention_backend
+from corral_engine.model.sampler import sample_rows
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 
@@ -182,24 +184,34 @@ def test_the_kv_cache_gets_what_a_maximal_step_leaves_of_the_card() -> None:
         gpu_kv_cache_bytes(profile, 0.25)
 
 
-def test_the_maximal_step_that_sizes_the_gpu_kv_cache_runs(tiny_model_dir: pathlib.Path) -> None:
+def test_the_maximal_step_that_sizes_the_gpu_kv_cache_runs(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On CUDA the KV cache is sized by running one step as large as the scheduler allows
     (runner._run_maximal_step, under profile_gpu_memory); the step itself is device-free, so it
     runs here: every sequence it makes up goes through batch building and sampling as a real one
-    (a made-up sequence without a request once broke every GPU engine start)."""
+    (a made-up sequence without a request once broke every GPU engine start), its logits through
+    the batched sampler with top_p on (whose temporaries the KV cache must leave room for)."""
     engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=70)
     runner = engine.runner
     kv_caches = runner.kv_caches
     calls: list[int] = []
+    sampled: list[tuple[int, float]] = []
     execute = runner.execute
 
     def counting_execute(scheduled):  # type: ignore[no-untyped-def]
         calls.append(sum(s.num_new_tokens for s in scheduled))
         return execute(scheduled)
 
+    def counting_sample_rows(logits, params, shared, seeded):  # type: ignore[no-untyped-def]
+        sampled.append((len(logits), min(p.top_p for p in params)))
+        return sample_rows(logits, params, shared, seeded)
+
     runner.execute = counting_execute  # type: ignore[method-assign]
+    monkeypatch.setattr(runner_module, "sample_rows", counting_sample_rows)
     runner._run_maximal_step()
     assert calls == [70]
+    assert sampled == [(4, 0.9)]
     assert not hasattr(runner, "kv_caches")  # the step's own small cache is dropped
     runner.kv_caches = kv_caches
     runner.execute = execute  # type: ignore[method-assign]

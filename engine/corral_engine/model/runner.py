@@ -38,11 +38,14 @@ from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
+from corral_engine.model.sampler import sample_rows
 from corral_engine.outputs import RequestMetrics
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+# What the memory profile samples with: every filter on, so its peak is sampling's largest.
+PROFILED_SAMPLING = SamplingParams(max_tokens=1, top_k=50, top_p=0.9, min_p=0.05)
 
 
 class ModelRunner:
@@ -205,8 +208,8 @@ class ModelRunner:
 
     def _run_maximal_step(self) -> None:
         """One step as large as the scheduler allows (max_num_batched_tokens tokens over up to
-        max_num_seqs sequences, each sampling), over a KV cache just big enough: the peak
-        activation memory the KV cache must leave room for."""
+        max_num_seqs sequences, each sampling with top_k, top_p and min_p), over a KV cache just
+        big enough: the peak activation memory the KV cache must leave room for."""
         args, bs = self.args, self.block_size
         num_seqs = max(1, min(args.max_num_seqs, args.max_num_batched_tokens))
         num_tokens = min(args.max_num_batched_tokens, num_seqs * self.max_model_len)
@@ -224,7 +227,9 @@ class ModelRunner:
         shape = (next_block, bs, self.num_kv_heads, self.config.head_dim)
         self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.dtype, self.device)
         try:
-            self.execute(scheduled)
+            logits = self.execute(scheduled)  # [num_seqs, V]; [0, V] on tensor-parallel ranks > 0
+            if len(logits):  # sampling's temporaries too (top_p sorts: its costliest pass)
+                sample_rows(logits, [PROFILED_SAMPLING] * len(logits), torch.Generator(logits.device), {})
         finally:
             for s in scheduled:
                 self.release(s.seq.seq_id)

@@ -9,12 +9,15 @@ the device once, when the chosen token ids come back, not once per sequence. `qu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from corral_engine.core.sequence import Sequence
 from corral_engine.outputs import TokenLogprob
+from corral_engine.sampling_params import SamplingParams
 from corral_engine.structured.masks import TokenMasks, apply_token_masks
 
 
@@ -56,13 +59,17 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
 
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of the rows whose request has no seed."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
+
     def _generator_for(self, seq: Sequence, device: torch.device) -> torch.Generator:
         seed = seq.request.params.seed
         if seed is None:
-            gen = self._generators.get(device)
-            if gen is None:
-                gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
-            return gen
+            return self._shared_generator(device)
         gen = self._seq_generators.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator(device).manual_seed((seed + seq.index) % (2**64))
@@ -101,11 +108,27 @@ class Sampler:
             if seq.request.params.has_token_rules:
                 self._apply_token_rules(logits[row], seq)
         tokens = torch.max(logits, dim=-1).indices  # [S]; greedy rows are done (max beats argmax on CPU)
-        for row, seq in enumerate(seqs):
-            params = seq.request.params
-            if not params.is_greedy:
-                tokens[row] = _sample_row(logits[row], seq, self._generator_for(seq, logits.device))
+        sampled = [row for row, s in enumerate(seqs) if not s.request.params.is_greedy]
+        if sampled:
+            tokens = self._sample_rows(logits, tokens, seqs, sampled)
         return PendingSample(seqs, tokens, logprob_rows, raw_logprobs)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> torch.Tensor:
+        """`tokens` ([S], the greedy picks) with the non-greedy `rows` sampled instead."""
+        device = logits.device
+        params = [seqs[row].request.params for row in rows]
+        seeded = {
+            i: self._generator_for(seqs[row], device)
+            for i, row in enumerate(rows)
+            if params[i].seed is not None
+        }
+        shared = self._shared_generator(device) if len(seeded) < len(rows) else None
+        if len(rows) == len(seqs):
+            return sample_rows(logits, params, shared, seeded)
+        index = _to_device(rows, torch.long, device)
+        return tokens.index_copy(0, index, sample_rows(logits.index_select(0, index), params, shared, seeded))
 
     def _apply_token_rules(self, row: torch.Tensor, seq: Sequence) -> None:  # row: [V], in place
         params = seq.request.params
@@ -143,25 +166,85 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:  # row: [V], mod
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _sample_row(row: torch.Tensor, seq: Sequence, generator: torch.Generator) -> torch.Tensor:
-    """The drawn token id as a 0-d tensor on the row's device (no wait for the device here)."""
-    params = seq.request.params
-    row = row / params.temperature
-    if params.top_k > 0 and params.top_k < row.shape[0]:
-        kth = torch.topk(row, params.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+# A pass samples at most this many logits (rows x vocabulary) at once: its temporaries, some
+# tens of bytes per logit, stay bounded however large max_num_seqs is (about 0.6 GiB here).
+MAX_SAMPLED_LOGITS = 1 << 24
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    shared: torch.Generator | None,
+    seeded: dict[int, torch.Generator],
+) -> torch.Tensor:
+    """The drawn token ids, [R] int64 on the logits' device, of R rows sampled together (a fixed
+    number of kernels per MAX_SAMPLED_LOGITS, however many rows, and no wait for the device).
+    logits: [R, V] float32, one row per `params`. Row i draws its noise from `seeded[i]` (a [V]
+    draw of its own, as a row alone would) or else from `shared`."""
+    step = max(1, MAX_SAMPLED_LOGITS // logits.shape[1])
+    if len(params) <= step:
+        return _sample_pass(logits, params, shared, seeded)
+    passes = []
+    for first in range(0, len(params), step):
+        own = {row - first: gen for row, gen in seeded.items() if first <= row < first + step}
+        passes.append(_sample_pass(logits[first : first + step], params[first : first + step], shared, own))
+    return torch.cat(passes)
+
+
+def _sample_pass(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    shared: torch.Generator | None,
+    seeded: dict[int, torch.Generator],
+) -> torch.Tensor:
+    """sample_rows for one pass: `shared` draws all the rows' noise at once.
+
+    Per row, in this order: logits / temperature; top_k keeps the logits >= the k-th largest;
+    softmax; top_p keeps the smallest most-probable set reaching top_p; min_p drops probabilities
+    below min_p x the largest; then the exponential race. Every step is row-wise with a result
+    that does not depend on R, so a seeded row's token does not depend on what shares the batch."""
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    kmax = max(top_k)
+    table = _to_device(  # [R, 4]: temperature, top_p (inf: none), min_p, k-th column of topk(kmax)
+        [
+            [p.temperature, p.top_p if p.top_p < 1.0 else math.inf, p.min_p, k - 1 if k else kmax]
+            for p, k in zip(params, top_k, strict=True)
+        ],
+        torch.float32,
+        logits.device,
+    )
+    x = logits / table[:, 0:1]  # [R, V]
+    if kmax:
+        # Column kmax is -inf, the "k-th largest" of rows without top_k: it masks nothing.
+        ranked = F.pad(torch.topk(x, kmax, dim=-1).values, (0, 1), value=-math.inf)  # [R, kmax + 1]
+        x = x.masked_fill(x < ranked.gather(1, table[:, 3:4].long()), -math.inf)
+    probs = torch.softmax(x, dim=-1)  # [R, V]
+    if any(p.top_p < 1.0 for p in params):
+        # Probabilities, not logits, are sorted: top_k's zeros make the sort cheap on a CPU.
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [R, V] each
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop_sorted = cumulative - sorted_probs >= params.top_p  # keep the smallest set reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop_sorted = cumulative - sorted_probs >= table[:, 1:2]  # keep the smallest set reaching top_p
+        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if any(p.min_p > 0.0 for p in params):
+        floor = table[:, 2:3] * probs.max(dim=-1, keepdim=True).values  # [R, 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised p is fine).
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return torch.argmax(probs / noise)
+    noise = torch.empty_like(probs)
+    if shared is not None:
+        noise.exponential_(1.0, generator=shared)  # seeded rows' share is overwritten below
+    for row, gen in seeded.items():
+        noise[row].exponential_(1.0, generator=gen)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def _to_device(
+    values: list[list[float]] | list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    # From pageable memory a non-blocking copy is staged at once and does not wait for the device.
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
