@@ -189,7 +189,7 @@ def overhead(run: Run, results: Results) -> dict[str, Any]:
 def _overhead_at(run: Run, engine: Any, batch: int) -> dict[str, Any]:
     p = run.profile
     prompts = [[100 + (7 * i + j) % 900 for j in range(p.overhead_prompt_len)] for i in range(batch)]
-    fill_batch(engine, prompts, p.overhead_steps)
+    fill_batch(engine, prompts, p.overhead_steps, SamplingParams(temperature=0.0))
     measure.sync(run.device)
     t0 = time.perf_counter()
     for _ in range(p.overhead_steps):
