@@ -35,6 +35,9 @@ class EngineSettings(BaseSettings):
     # CORRAL_OVERLAP_OUTPUT: a step's text work (detokenization, stop strings, the outputs) runs
     # in the next step while the device computes, so outputs come one step later; auto: on CUDA.
     overlap_output: Switch = Field(default="auto", validation_alias="CORRAL_OVERLAP_OUTPUT")
+    # CORRAL_TRITON_OPS: the model's elementwise work (residual add + RMSNorm, rotary, SiLU-and-
+    # multiply) as fused Triton kernels; auto: on CUDA; 1 also on CPU (interpreted, slow: tests).
+    triton_ops: Switch = Field(default="auto", validation_alias="CORRAL_TRITON_OPS")
     # TRITON_INTERPRET=1: Triton's interpreter runs Triton kernels on CPU tensors (slowly), so the
     # triton attention backend can run, and be tested, without a GPU.
     triton_interpret: bool = Field(default=False, validation_alias="TRITON_INTERPRET")

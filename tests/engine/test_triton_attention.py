@@ -181,7 +181,7 @@ class GridRecorder:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.grids: list[tuple[int, ...]] = []
-        launcher = triton_attention._launcher
+        launcher = triton_attention.launcher
 
         def recording(fn: Any, device: torch.device) -> Any:
             kernel = launcher(fn, device)
@@ -194,7 +194,7 @@ class GridRecorder:
 
             return Indexer()
 
-        monkeypatch.setattr(triton_attention, "_launcher", recording)
+        monkeypatch.setattr(triton_attention, "launcher", recording)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -105,6 +105,30 @@ def test_eager_triton_matches_transformers(arch: str, tiny_model_dirs: Mapping[s
     assert engine.stats().num_prefix_cache_hits_total > 0
 
 
+@pytest.mark.parametrize(("arch", "backend"), [("llama", "triton"), ("qwen3", "triton"), ("llama", "sdpa")])
+def test_fused_elementwise_kernels_keep_transformers_output(
+    arch: str, backend: str, tiny_model_dirs: Mapping[str, pathlib.Path]
+) -> None:
+    """CORRAL_TRITON_OPS=1 (auto turns it on for CUDA): residual add + RMSNorm, rotary (in place on
+    the QKV rows; qwen3's per-head q/k norms first) and SiLU-and-multiply as Triton kernels, with
+    the triton attention backend and with SDPA, through chunked prompts and decodes."""
+    model_dir = tiny_model_dirs[arch]
+    prompts = random_prompts(4, 500, seed=31, min_len=3, max_len=30)
+    expected = transformers_greedy(model_dir, prompts, MAX_NEW)
+    settings = EngineSettings(triton_interpret=True, triton_ops="1")
+    engine = make_engine(
+        model_dir, settings, attention_backend=backend, enforce_eager=True, max_num_batched_tokens=16
+    )
+    layer = engine.runner.model.model.layers[0]
+    assert layer.mlp.triton_ops is not None and layer.self_attn.triton_ops is not None
+    assert _generate(engine, prompts) == expected
+
+
+def test_fused_elementwise_kernels_are_off_on_cpu_by_default(tiny_model_dir: pathlib.Path) -> None:
+    engine = make_engine(tiny_model_dir, INTERPRET, attention_backend="triton", enforce_eager=True)
+    assert engine.runner.model.model.norm.triton_ops is None
+
+
 def test_decode_graphs_replay_padded_batches_with_transformers_output(
     tiny_model_dirs: Mapping[str, pathlib.Path],
 ) -> None:

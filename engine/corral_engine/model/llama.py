@@ -8,6 +8,8 @@ knows how to load its shards from the checkpoint's separate tensors. Under tenso
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,9 +19,13 @@ from corral_engine.model.config import ModelConfig
 from corral_engine.model.native import FusedOps
 from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
 
+if TYPE_CHECKING:
+    from corral_engine.model.triton_ops import TritonOps  # imports triton: only where it is used
+
 
 class RMSNorm(nn.Module):
     fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
+    triton_ops: TritonOps | None = None  # the GPU's fused elementwise kernels, set by the runner
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -27,12 +33,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        triton_ops = self._triton(x)
+        if triton_ops is not None:
+            return triton_ops.rms_norm(x, self.weight, self.eps)  # one launch, not four
         ops = self.fused_ops
         if ops is not None and ops.supports(x) and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps)  # bf16 on the CPU: one pass over memory
         # Normalise in float32, scale in the model dtype: transformers' order, in one fused kernel.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual): the residual add and the norm after it."""
+        ops = self._triton(x)
+        if ops is not None:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self(summed), summed
+
+    def _triton(self, x: torch.Tensor) -> TritonOps | None:
+        ops = self.triton_ops
+        return ops if ops is not None and ops.supports(x) and self.weight.dtype == x.dtype else None
 
 
 class Rotary(nn.Module):
@@ -133,6 +154,8 @@ class FusedLinear(Linear):
 
 
 class Attention(nn.Module):
+    triton_ops: TritonOps | None = None  # the GPU's fused elementwise kernels, set by the runner
+
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None) -> None:
         super().__init__()
         self.tp = tp
@@ -168,15 +191,22 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        o = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], ctx, self.scale, self.window)
+        ops = self.triton_ops
+        if ops is not None and ops.supports(q) and ops.supports(k):
+            ops.rotary(q, k, cos, sin)  # in place, one launch for both
+        else:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if ctx.unified is None:  # the triton backend reads any row stride
+            v = v.contiguous()
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale, self.window)
         out = self.o_proj(o.reshape(num_tokens, q_size))  # [T, hidden]
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
     fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
+    triton_ops: TritonOps | None = None  # the GPU's fused elementwise kernels, set by the runner
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None) -> None:
         super().__init__()
@@ -191,8 +221,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        ops = self.fused_ops
-        if ops is not None and ops.supports(gate_up):  # bf16 on the CPU: one pass, not three
+        ops: FusedOps | TritonOps | None = self.fused_ops
+        if self.triton_ops is not None:
+            ops = self.triton_ops
+        if ops is not None and ops.supports(gate_up):  # one pass, not three
             out = self.down_proj(ops.silu_and_mul(gate_up))
         else:
             out = self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size :])
@@ -207,9 +239,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, ctx):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, ctx):  # type: ignore[no-untyped-def]
+        """(this layer's MLP output, the residual stream before it); the residual add after a
+        sublayer is done by the next norm (`RMSNorm.add_forward`: one kernel on GPUs)."""
+        if residual is None:  # the first layer
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, ctx)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -245,9 +285,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, ctx)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32
         if self.tp is not None:  # each rank's vocabulary rows, gathered on rank 0 (empty elsewhere)

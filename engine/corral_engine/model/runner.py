@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,7 +34,7 @@ from corral_engine.model.kv_cache import (
     num_kv_blocks,
     profile_gpu_memory,
 )
-from corral_engine.model.llama import MLP, CausalLM, Linear, RMSNorm, rope_parameters
+from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, rope_parameters
 from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_fused_ops, load_paged_decode
@@ -42,6 +43,9 @@ from corral_engine.model.sampler import sample_rows
 from corral_engine.outputs import RequestMetrics
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from corral_engine.model.triton_ops import TritonOps
 
 logger = logging.getLogger(__name__)
 # What the memory profile samples with: every filter on, so its peak is sampling's largest.
@@ -134,12 +138,23 @@ class ModelRunner:
         load_weights(model, self.config, None if self.tp is None else self.tp.plan)
         plan = self._apply_matmul_plan(model)
         fused_ops = load_fused_ops(self.settings) if self.device.type == "cpu" else None
+        triton_ops = self._triton_ops()
         for module in model.modules():
             if isinstance(module, RMSNorm | MLP):
                 module.fused_ops = fused_ops
+            if isinstance(module, RMSNorm | MLP | Attention):
+                module.triton_ops = triton_ops
         inv_freq, _ = rope_parameters(self.config)
         model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval(), plan
+
+    def _triton_ops(self) -> TritonOps | None:
+        mode = self.settings.triton_ops
+        if mode == "0" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        from corral_engine.model.triton_ops import TritonOps  # imports triton: only where used
+
+        return TritonOps()
 
     def _apply_matmul_plan(self, model: CausalLM) -> MatmulPlan:
         linears = [m for m in model.modules() if isinstance(m, Linear)]

@@ -59,7 +59,7 @@ def write_kv(
     _check_unit_stride(k, v, slot_mapping)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("write_kv needs contiguous K/V caches")
-    _launcher(_write_kv_kernel, k.device)[(num_tokens,)](
+    launcher(_write_kv_kernel, k.device)[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         KV_HEADS=num_kv_heads,
@@ -153,7 +153,7 @@ def _attention(
         part_m = part_l = part_acc = out  # unused
     interpret = q.device.type == "cpu"
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)  # shapes and host ints only
-    _launcher(_attention_kernel, q.device)[grid](
+    launcher(_attention_kernel, q.device)[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, query_start_loc, seq_lens, block_tables,
         scale * 1.4426950408889634,  # x log2(e): the kernel exponentiates with exp2
         num_seqs,
@@ -173,7 +173,7 @@ def _attention(
         num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
-        _launcher(_merge_kernel, q.device)[(num_tokens, num_heads)](
+        launcher(_merge_kernel, q.device)[(num_tokens, num_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, num_warps=4,
         )  # fmt: skip
@@ -194,7 +194,7 @@ def _compiled(fn: Callable[..., None], interpret: bool) -> Any:
     return InterpretedFunction(fn) if interpret else JITFunction(fn)
 
 
-def _launcher(fn: Callable[..., None], device: torch.device) -> Any:
+def launcher(fn: Callable[..., None], device: torch.device) -> Any:
     """The launchable kernel for `device`: interpreted on CPU tensors, compiled on GPU tensors."""
     return _compiled(fn, device.type == "cpu")
 
