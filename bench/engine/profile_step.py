@@ -1,9 +1,10 @@
 """Where one Corral decode step's time goes at batch 64: torch.profiler top ops and cProfile's Python view.
 
     .venv/bin/python bench/engine/profile_step.py [--batch 64] [--prompt-len 128] [--steps 10] \
-        [--device cuda] [--overlap auto|1|0]
+        [--device cuda] [--overlap auto|1|0] [--async-scheduling auto|1|0]
 
-`--overlap 0` and `--overlap 1` (two runs, two --out-dir) A/B the output overlap.
+`--overlap 0` and `--overlap 1` (two runs, two --out-dir) A/B the output overlap;
+`--async-scheduling` the same for async scheduling.
 
 Fills the batch (64 x 128-token prompts), steps until every sequence is decoding, then profiles
 `--steps` decode steps. Writes profile.md (tables) and a Chrome trace to --out-dir. The requests
@@ -56,6 +57,12 @@ def parse_args() -> argparse.Namespace:
         help="CORRAL_OVERLAP_OUTPUT: a step's text work during the next step's device work (auto: on CUDA)",
     )
     p.add_argument(
+        "--async-scheduling",
+        choices=["auto", "1", "0"],
+        default="0",
+        help="CORRAL_ASYNC_SCHEDULING: the next step launched before this one's tokens are back",
+    )
+    p.add_argument(
         "--dtype", default="bfloat16", help="float32 shows the non-matmul costs on CPUs without bf16"
     )
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/profile"))
@@ -88,7 +95,7 @@ def main() -> int:
             max_num_seqs=args.batch,
             max_num_batched_tokens=2048,
         ),
-        EngineSettings(overlap_output=args.overlap),
+        EngineSettings(overlap_output=args.overlap, async_scheduling=args.async_scheduling),
     )
     if args.workload is not None:
         lines = args.workload.read_text().splitlines()[: args.batch]
@@ -131,7 +138,8 @@ def main() -> int:
         f"# Corral decode step profile: batch {batch} ({how}), prompt lengths {lens[0]}..{lens[-1]} "
         f"(median {lens[len(lens) // 2]}), "
         f"{args.steps} steps, {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{args.device}, output overlap {'on' if engine.overlaps_output else 'off'}\n\n"
+        f"{args.device}, output overlap {'on' if engine.overlaps_output else 'off'}, "
+        f"async scheduling {'on' if engine.schedules_ahead else 'off'}\n\n"
         f"Mean step time without a profiler: {plain_ms:.2f} ms "
         f"({1000 * batch / plain_ms:.0f} output tok/s at this batch)\n\n"
         f"## torch.profiler, ops by self CPU time ({args.steps} steps)\n\n```\n{ops}\n```\n\n"

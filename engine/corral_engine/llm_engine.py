@@ -23,9 +23,10 @@ from corral_engine.core.block_manager import BlockManager
 from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
+from corral_engine.model.batch import PENDING_TOKEN, TokenFill
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
-from corral_engine.model.sampler import Sampler, SampleResult, token_logprob
+from corral_engine.model.sampler import PendingSample, Sampler, SampleResult, token_logprob
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -78,6 +79,16 @@ class LLMEngine:
         overlap = self.settings.overlap_output
         self.overlaps_output = overlap == "1" or (overlap == "auto" and self.runner.device.type == "cuda")
         logger.info("output overlap: %s", "on" if self.overlaps_output else "off")
+        mode = self.settings.async_scheduling
+        self.schedules_ahead = (
+            (mode == "1" or (mode == "auto" and self.runner.device.type == "cuda"))
+            and self.runner.fills_inputs_on_device
+            and not args.speculative
+        )
+        logger.info("async scheduling: %s", "on" if self.schedules_ahead else "off")
+        # Async scheduling: the last step's sampling, not waited for yet; its sequences hold
+        # PENDING_TOKEN as their newest token until this step has launched.
+        self._inflight: PendingSample | None = None
         # The last step's text half, when it waits for this step (request id -> seq id -> new tokens).
         # Its requests stay in `requests` until their outputs are out.
         self._deferred: dict[str, dict[int, int]] = {}
@@ -132,6 +143,9 @@ class LLMEngine:
         if request is None:
             return None
         counts = self._deferred.pop(request_id, {})
+        for seq in request.seqs:  # a token still on the device is dropped with the request
+            if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+                seq.token_ids.pop()
         self._detokenize(request, counts)  # the tokens it has: a stop string may have ended it
         self.scheduler.abort(request)
         return self._finish_request(
@@ -147,8 +161,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_batched_tokens
         self.last_schedule = sched.scheduled
+        inflight, self._inflight = self._inflight, None
         if sched.is_empty:
-            return self._emit(self._take_deferred())
+            outputs = self._emit(self._take_deferred())
+            return outputs + self._emit(self._settle(inflight))
         now = time.monotonic()
         for s in sched.scheduled:
             metrics = s.seq.request.metrics
@@ -160,7 +176,11 @@ class LLMEngine:
             for s in sched.scheduled
             if s.seq.request.params.prompt_logprobs is not None
         ]
-        logits = self.runner.execute(sched.scheduled)
+        if inflight is None:
+            logits = self.runner.execute(sched.scheduled)
+        else:  # this step's inputs take the last step's tokens on the device
+            rows = {seq.seq_id: row for row, seq in enumerate(inflight.seqs)}
+            logits = self.runner.execute(sched.scheduled, TokenFill(inflight.tokens, rows))
         plain: list[Sequence] = []
         plain_rows: list[int] = []
         drafts: list[tuple[ScheduledSeq, int]] = []  # (scheduled, first logits row)
@@ -168,7 +188,6 @@ class LLMEngine:
         for s in sched.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens - s.num_spec  # drafts count once verified
-            self.block_manager.register_computed(seq)
             if not s.samples:
                 continue
             if s.num_spec:
@@ -177,12 +196,27 @@ class LLMEngine:
                 plain.append(seq)
                 plain_rows.append(row)
             row += 1 + s.num_spec
+        # The last step's tokens (async scheduling), now that this step is queued behind them;
+        # full blocks join the prefix cache only once their tokens are known.
+        settled = self._settle(inflight)
+        for s in sched.scheduled:
+            self.block_manager.register_computed(s.seq)
         sampled = logits[:row] if len(plain_rows) == row else logits[plain_rows]
         pending = self.sampler.queue(sampled, plain, masks.wait())
         # The device is busy with this step: the last step's text half runs meanwhile. It only
         # detokenizes, frees blocks and builds outputs; nothing takes a block before the next
         # schedule, and the device's reads of freed blocks are ordered before any later step's.
         outputs = self._emit(self._take_deferred())
+        outputs += self._emit(settled)
+        if self._can_schedule_ahead(plain, drafts, scored):
+            # The next step is scheduled before these tokens reach the host: each sequence holds
+            # a placeholder, which the next step's inputs replace on the device.
+            for seq in plain:
+                if not seq.is_finished:
+                    seq.token_ids.append(PENDING_TOKEN)
+            self._inflight = pending
+            self._stats.num_steps_total += 1
+            return outputs
         result = pending.wait()
         if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
             self._record_prompt_logprobs(scored, logits[row:])
@@ -191,14 +225,14 @@ class LLMEngine:
         if self.overlaps_output:
             self._deferred = touched
             return outputs
-        return self._emit(touched)
+        return outputs + self._emit(touched)
 
     def _append_sampled(
         self,
         plain: list[Sequence],
         result: SampleResult,
         drafts: list[tuple[ScheduledSeq, int]],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
     ) -> dict[str, dict[int, int]]:
         """Append the step's new tokens; request id -> seq id -> how many each sequence gained."""
         now = time.monotonic()
@@ -210,10 +244,41 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             self._append_tokens(seq, [token_id], now, touched)
         for s, first_row in drafts:
+            assert logits is not None
             if not s.seq.is_finished:
                 tokens = self._verify(s, logits[first_row : first_row + 1 + s.num_spec])
                 self._append_tokens(s.seq, tokens, now, touched)
         return touched
+
+    def _settle(self, inflight: PendingSample | None) -> dict[str, dict[int, int]]:
+        """Wait for the last step's tokens (`inflight`: async scheduling) and append them in
+        place of their placeholders; what `_append_sampled` returns."""
+        if inflight is None:
+            return {}
+        result = inflight.wait()
+        for seq in inflight.seqs:
+            if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+                seq.token_ids.pop()
+        return self._append_sampled(inflight.seqs, result, [], None)
+
+    def _can_schedule_ahead(
+        self,
+        plain: list[Sequence],
+        drafts: list[tuple[ScheduledSeq, int]],
+        scored: list[tuple[Sequence, range]],
+    ) -> bool:
+        """Whether the next step may be scheduled before this step's tokens are known: only when
+        nothing the next schedule or batch reads depends on them (grammars, drafts, logprobs) and
+        no sequence ends by length with this token (it would be scheduled once more for nothing)."""
+        if not self.schedules_ahead or not plain or drafts or scored:
+            return False
+        for seq in plain:
+            params = seq.request.params
+            if seq.grammar is not None or params.logprobs is not None or seq.request.pending_forks:
+                return False
+            if seq.num_output_tokens + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                return False
+        return True
 
     def _take_deferred(self) -> dict[str, dict[int, int]]:
         deferred, self._deferred = self._deferred, {}

@@ -35,6 +35,10 @@ class EngineSettings(BaseSettings):
     # CORRAL_OVERLAP_OUTPUT: a step's text work (detokenization, stop strings, the outputs) runs
     # in the next step while the device computes, so outputs come one step later; auto: on CUDA.
     overlap_output: Switch = Field(default="auto", validation_alias="CORRAL_OVERLAP_OUTPUT")
+    # CORRAL_ASYNC_SCHEDULING: the next step is scheduled and launched before this step's tokens
+    # reach the host (its inputs take them on the device), so the device never waits for the
+    # host between decode steps; auto: on CUDA. Off by default until measured on a GPU.
+    async_scheduling: Switch = Field(default="0", validation_alias="CORRAL_ASYNC_SCHEDULING")
     # CORRAL_TRITON_OPS: the model's elementwise work (residual add + RMSNorm, rotary, SiLU-and-
     # multiply) as fused Triton kernels; auto: on CUDA; 1 also on CPU (interpreted, slow: tests).
     triton_ops: Switch = Field(default="auto", validation_alias="CORRAL_TRITON_OPS")

@@ -45,3 +45,17 @@ async def test_completions_match_without_the_overlap(tiny_model_dir: pathlib.Pat
     async with openai_client(tiny_model_dir, settings=EngineSettings(overlap_output="1")) as client:
         assert await _completions(client, stop) == plain
     assert plain[1] == "stop" and stop not in plain[0]
+
+
+async def test_completions_match_with_async_scheduling(tiny_model_dir: pathlib.Path) -> None:
+    """CORRAL_ASYNC_SCHEDULING=1: the greedy requests run ahead, the sampled one with logprobs
+    waits each step; both as without it."""
+    async with openai_client(tiny_model_dir, settings=EngineSettings(async_scheduling="0")) as client:
+        free = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        match = re.search(r"[A-Za-z]{3}", free.choices[0].text[8:])
+        assert match is not None
+        plain = await _completions(client, match.group())
+    async with openai_client(tiny_model_dir, settings=EngineSettings(async_scheduling="1")) as client:
+        assert await _completions(client, match.group()) == plain

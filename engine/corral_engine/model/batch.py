@@ -20,6 +20,42 @@ class StepBatch:
     logits_indices: torch.Tensor  # [S] rows of the batch whose next token is sampled
 
 
+PENDING_TOKEN = -1  # a sequence's newest token while it is still on the device (async scheduling)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFill:
+    """Input tokens not on the host yet: the last step's sampled ids (`tokens`, [S] on the
+    device) and which of them is each waiting sequence's newest token (`rows`: seq id -> index).
+    Those sequences hold PENDING_TOKEN in its place; the step's inputs take the id on the device."""
+
+    tokens: torch.Tensor
+    rows: dict[int, int]
+
+    def targets(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int]]:
+        """(input rows, indices into `tokens`) of the chunks that end with a pending token (rows
+        count the step's tokens in `scheduled` order, as every batch lays them out)."""
+        dst: list[int] = []
+        src: list[int] = []
+        row = 0
+        for s in scheduled:
+            row += s.num_new_tokens
+            index = self.rows.get(s.seq.seq_id)
+            if index is not None and s.start + s.num_new_tokens == len(s.seq.token_ids):
+                dst.append(row - 1 - s.num_spec)
+                src.append(index)
+        return dst, src
+
+    def apply(self, input_ids: torch.Tensor, scheduled: list[ScheduledSeq]) -> None:
+        """Write the pending ids into an eager step's input ids (on the device, in stream order)."""
+        dst, src = self.targets(scheduled)
+        if dst:
+            device = input_ids.device
+            picked = self.tokens.index_select(0, torch.tensor(src, dtype=torch.long, device=device))
+            rows = torch.tensor(dst, dtype=torch.long, device=device)
+            input_ids.index_copy_(0, rows, picked.to(input_ids.dtype))
+
+
 @dataclass(slots=True)
 class UnifiedHostBatch:
     """A step for the triton backend as host lists, before it becomes tensors: either the eager

@@ -109,12 +109,17 @@ class DecodeGraphs:
         self._n = n
         pinned = device.type == "cuda"
         # One int32 vector for the per-row and per-sequence inputs (one copy a step):
-        # [input_ids n | positions n | slots n | query starts n + 1 | context lengths n]
-        self._host_meta = torch.zeros(5 * n + 1, dtype=torch.int32, pin_memory=pinned)
+        # [input_ids n | positions n | slots n | query starts n + 1 | context lengths n | pending n]
+        # (pending: which of the last step's sampled ids is the row's input, -1 none; not read by
+        # the graphs, see `run`)
+        self._host_meta = torch.zeros(6 * n + 1, dtype=torch.int32, pin_memory=pinned)
         self._host_tables = torch.zeros((n, max(1, max_blocks_per_seq)), dtype=torch.int32, pin_memory=pinned)
-        self._meta = torch.zeros(5 * n + 1, dtype=torch.int32, device=device)
+        self._meta = torch.zeros(6 * n + 1, dtype=torch.int32, device=device)
         self._tables = torch.zeros((n, max(1, max_blocks_per_seq)), dtype=torch.int32, device=device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        # Recorded after each step's copies out of the pinned buffers: the next step rewrites them
+        # only once the device has read them (with async scheduling the host runs a step ahead).
+        self._copied: torch.cuda.Event | None = None
         self._fill_padding(0)
         self._meta.copy_(self._host_meta)
         started = time.monotonic()
@@ -134,13 +139,22 @@ class DecodeGraphs:
         """The smallest captured size holding `num_seqs` sequences, or None (too many)."""
         return next((size for size in self.sizes if size >= num_seqs), None)
 
-    def run(self, host: UnifiedHostBatch, block_tables: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        host: UnifiedHostBatch,
+        block_tables: torch.Tensor,
+        pending: tuple[torch.Tensor, list[int], list[int]] | None = None,
+    ) -> torch.Tensor:
         """Hidden states [S, hidden] of a plain decode step of S <= max_num_seqs sequences;
-        `block_tables`: [S, host.max_blocks] int32 on the host."""
+        `block_tables`: [S, host.max_blocks] int32 on the host. `pending`: (the last step's
+        sampled ids on the device, rows, indices): those rows' input ids are taken from those
+        ids on the device, after the inputs' copy and before the replay, with no host wait."""
         num_seqs = len(host.seq_lens)
         size = self.padded_size(num_seqs)
         if size is None or not host.is_plain_decode:
             raise ValueError(f"not a capturable decode step: {num_seqs} sequences")
+        if self._copied is not None:
+            self._copied.synchronize()  # done long ago, unless the device is far behind
         ids, positions, slots, starts, lens = self._views(self._host_meta, self._n)
         ids[:num_seqs] = torch.tensor(host.input_ids, dtype=torch.int32)
         positions[:num_seqs] = torch.tensor(host.positions, dtype=torch.int32)
@@ -149,8 +163,22 @@ class DecodeGraphs:
         lens[:num_seqs] = torch.tensor(host.seq_lens, dtype=torch.int32)
         self._fill_padding(num_seqs)
         self._host_tables[:num_seqs, : host.max_blocks] = block_tables
+        n = self._n
+        host_src = self._host_meta[5 * n + 1 : 5 * n + 1 + size]
+        if pending is not None:
+            host_src.fill_(-1)
+            tokens, rows, indices = pending
+            host_src[rows] = torch.tensor(indices, dtype=torch.int32)
         self._meta.copy_(self._host_meta, non_blocking=True)
         self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+        if self._meta.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if pending is not None:
+            src = self._meta[5 * n + 1 : 5 * n + 1 + size]
+            ids = self._meta[:size]
+            picked = tokens.index_select(0, src.clamp(min=0).long()).to(torch.int32)
+            ids.copy_(torch.where(src >= 0, picked, ids))
         return self._replays[size]()[:num_seqs]
 
     def _fill_padding(self, num_seqs: int) -> None:

@@ -17,7 +17,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import ModelLoadError
-from corral_engine.model.batch import BatchBuilder
+from corral_engine.model.batch import BatchBuilder, TokenFill
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from corral_engine.model.device import (
@@ -53,6 +53,8 @@ PROFILED_SAMPLING = SamplingParams(max_tokens=1, top_k=50, top_p=0.9, min_p=0.05
 
 
 class ModelRunner:
+    fills_inputs_on_device = True  # execute takes a TokenFill (async scheduling)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -186,17 +188,24 @@ class ModelRunner:
         return dataclasses.replace(plan, prepack=is_packed)  # what was done, not what was asked
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], fill: TokenFill | None = None) -> torch.Tensor:
         """Run one step; return float32 logits for the sequences that sample, in order: one row
-        each, plus one per draft token of speculating sequences."""
+        each, plus one per draft token of speculating sequences. `fill`: input tokens the last
+        step sampled that are still on the device (their sequences hold PENDING_TOKEN)."""
         if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1]:
             host = self.batches.prepare_unified(scheduled)
             if host.is_plain_decode:
-                hidden = self.graphs.run(host, self.batches.block_tables(host))
+                pending = None
+                if fill is not None:
+                    dst, src = fill.targets(scheduled)  # a decode's row is its sequence's index
+                    pending = (fill.tokens, dst, src)
+                hidden = self.graphs.run(host, self.batches.block_tables(host), pending)
                 return self.model.compute_logits(hidden)
             batch = self.batches.to_step_batch(host)
         else:
             batch = self.batches.prepare(scheduled)
+        if fill is not None:
+            fill.apply(batch.input_ids, scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx)
         if batch.logits_indices.numel() == 0:
             return torch.empty((0, self.config.vocab_size))

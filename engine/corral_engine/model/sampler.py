@@ -35,9 +35,17 @@ class PendingSample:
     tokens: torch.Tensor  # [S] token ids, on the logits' device
     logprob_rows: list[int]  # the rows of `seqs` that asked for logprobs
     raw_logprobs: torch.Tensor | None  # [len(logprob_rows), V] log-probabilities, on the device
+    # On a GPU: the ids' copy into pinned host memory, queued behind the sampling, and an event
+    # after it, so `wait` waits for this step only, not for a next step queued since.
+    host_tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
     def wait(self) -> SampleResult:
-        token_ids = self.tokens.tolist()  # the step's one wait for the device
+        if self.ready is not None and self.host_tokens is not None:
+            self.ready.synchronize()  # the step's one wait for the device
+            token_ids = self.host_tokens.tolist()
+        else:
+            token_ids = self.tokens.tolist()  # the step's one wait for the device
         logprobs: list[TokenLogprob | None] = [None] * len(self.seqs)
         if self.raw_logprobs is not None:
             raw = self.raw_logprobs.cpu()
@@ -111,7 +119,13 @@ class Sampler:
         sampled = [row for row, s in enumerate(seqs) if not s.request.params.is_greedy]
         if sampled:
             tokens = self._sample_rows(logits, tokens, seqs, sampled)
-        return PendingSample(seqs, tokens, logprob_rows, raw_logprobs)
+        pending = PendingSample(seqs, tokens, logprob_rows, raw_logprobs)
+        if tokens.device.type == "cuda":
+            pending.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            pending.host_tokens.copy_(tokens, non_blocking=True)
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        return pending
 
     def _sample_rows(
         self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]

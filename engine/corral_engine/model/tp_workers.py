@@ -27,6 +27,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import EngineDeadError, ModelLoadError
+from corral_engine.model.batch import TokenFill
 from corral_engine.model.config import ModelConfig, load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.device import select_device
@@ -132,6 +133,8 @@ def make_runner(
 class ParallelRunner:
     """Rank 0's runner plus the processes of ranks 1..N-1; used by LLMEngine like a ModelRunner."""
 
+    fills_inputs_on_device = False  # the other ranks build their inputs from the host lists
+
     def __init__(
         self,
         config: ModelConfig,
@@ -188,7 +191,9 @@ class ParallelRunner:
         self.model = self.local.model
         logger.info("tensor parallel: %d ranks (worker pids %s)", size, [w.pid for w in self.workers])
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], fill: TokenFill | None = None) -> torch.Tensor:
+        if fill is not None:
+            raise ValueError("tensor parallelism builds every rank's inputs on the host: no TokenFill")
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         message = pickle.dumps((self._released, encode_step(scheduled)))

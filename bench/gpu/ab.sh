@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A/B of engine switches on a GPU, in one device call: for each setting (environment assignments,
+# e.g. "CORRAL_ASYNC_SCHEDULING=0" "CORRAL_ASYNC_SCHEDULING=1"), the acceptance's batch1 and
+# overhead phases, then Corral's W1/W2 throughput, alternating A B B A; everything packed into
+# $OUT/ab.tgz after each run (one file comes back however many runs finished).
+#   bash bench/gpu/ab.sh SHA SETTING_A SETTING_B [PHASES]
+# Run from the repository root on the device (see README.md for the install line before it).
+set -u
+sha=$1 a=$2 b=$3 phases=${4:-env,bandwidth,batch1,overhead}
+out=/tmp/ab
+mkdir -p "$out"
+nvidia-smi -L > "$out/gpu.txt" 2>&1
+lscpu > "$out/lscpu.txt" 2>&1
+pack() { (cd "$out" && tar czf "$OUT/ab.tgz" .); }
+run() {  # name, setting, phases, extra args...
+    local name=$1 setting=$2 ph=$3
+    shift 3
+    echo "=== $name ($setting) $ph $(date +%T)"
+    env $setting timeout 240 python3 -m bench.gpu.acceptance --out "$out/$name" --commit "$sha" \
+        --phases "$ph" "$@" > "$out/$name.log" 2>&1
+    echo "rc $?"
+    grep -E "overhead at|corral W|\| batch1|Error" "$out/$name.log" | tail -5
+    pack
+}
+run A-speed "$a" "$phases"
+run B-speed "$b" "$phases"
+run B-tp1 "$b" env,throughput --systems corral
+run A-tp1 "$a" env,throughput --systems corral
+run A-tp2 "$a" env,throughput --systems corral
+run B-tp2 "$b" env,throughput --systems corral
+echo "=== done $(date +%T)"
