@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
 from corral_engine import wire
 from corral_gateway.health_probe import HealthProbe
-from corral_gateway.upstream import ConnectFailed, ReadTimedOut
+from corral_gateway.upstream import ConnectFailed, Dropped, ReadTimedOut
 
 from tests.gateway.conftest import FakeEngine, serve
 
@@ -75,3 +76,70 @@ async def test_refused_and_silent_replicas_raise_the_upstream_errors() -> None:
 def test_only_plain_http() -> None:
     with pytest.raises(ValueError, match="plain HTTP"):
         HealthProbe("https://replica:8443")
+
+
+async def _raw_replica(answer: bytes, *, close: bool) -> tuple[asyncio.Server, list[int]]:
+    """A replica that sends `answer` to every request (closing after it if `close`); the list
+    counts connections."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(answer)
+                await writer.drain()
+                if close:
+                    break
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), connections
+
+
+@pytest.mark.parametrize(
+    ("answer", "close", "body", "reused"),
+    [
+        # chunked, split mid-chunk: read whole, and the connection stays open
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nload\r\n3\r\n ok\r\n0\r\n\r\n",
+            False,
+            b"load ok",
+            True,
+        ),
+        # neither length nor chunks: the close ends the body
+        (b"HTTP/1.1 200 OK\r\nx-corral-num-running: 1\r\n\r\nclosed here", True, b"closed here", False),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", False, b"", True),
+    ],
+    ids=["chunked", "close-delimited", "no-content"],
+)
+async def test_bodies_end_where_http_says(answer: bytes, close: bool, body: bytes, reused: bool) -> None:
+    server, connections = await _raw_replica(answer, close=close)
+    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        for _ in range(2):
+            fetched = await probe.get(1.0, 1.0)
+            assert fetched.body == body
+        assert len(connections) == (1 if reused else 2)
+    finally:
+        probe.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",  # then closed: cut short
+    ],
+    ids=["garbage", "truncated"],
+)
+async def test_malformed_or_truncated_responses_are_dropped(answer: bytes) -> None:
+    server, _ = await _raw_replica(answer, close=True)
+    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        with pytest.raises(Dropped):
+            await probe.get(1.0, 1.0)
+    finally:
+        probe.close()
+        server.close()
