@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A/B of engine switches on a GPU, in one device call: for each setting (environment assignments,
 # e.g. "CORRAL_ASYNC_SCHEDULING=0" "CORRAL_ASYNC_SCHEDULING=1"), the acceptance's batch1 and
-# overhead phases, then Corral's W1/W2 throughput, alternating A B B A; everything packed into
-# $OUT/ab.tgz after each run (one file comes back however many runs finished).
+# overhead phases, then Corral's W1/W2 throughput and the served phase (B then A), then the
+# throughput once more (A then B); everything packed into $OUT/ab.tgz after each run (one file
+# comes back however many runs finished).
 #   bash bench/gpu/ab.sh SHA SETTING_A SETTING_B [PHASES]
 # Run from the repository root on the device (see README.md for the install line before it).
 set -u
@@ -19,13 +20,13 @@ run() {  # name, setting, phases, extra args...
     env $setting timeout 240 python3 -m bench.gpu.acceptance --out "$out/$name" --commit "$sha" \
         --phases "$ph" "$@" > "$out/$name.log" 2>&1
     echo "rc $?"
-    grep -E "overhead at|corral W|\| batch1|Error" "$out/$name.log" | tail -5
+    grep -E "overhead at|corral W|served W2|\| batch1|Error" "$out/$name.log" | tail -6
     pack
 }
 run A-speed "$a" "$phases"
 run B-speed "$b" "$phases"
-run B-tp1 "$b" env,throughput --systems corral
-run A-tp1 "$a" env,throughput --systems corral
+run B-tp1 "$b" env,throughput,served --systems corral
+run A-tp1 "$a" env,throughput,served --systems corral
 run A-tp2 "$a" env,throughput --systems corral
 run B-tp2 "$b" env,throughput --systems corral
 echo "=== done $(date +%T)"

@@ -29,6 +29,7 @@ import torch
 
 from bench.gpu import phases, plots, report
 from bench.gpu.context import GPU, SMOKE, Profile, Run
+from bench.gpu.served import served
 from bench.gpu.throughput import SYSTEMS, ratios, throughput
 
 log = logging.getLogger("gpu")
@@ -41,6 +42,7 @@ PHASES: dict[str, Callable[..., dict[str, Any]]] = {
     "batch1": phases.batch1,
     "overhead": phases.overhead,
     "throughput": throughput,
+    "served": served,
 }
 
 

@@ -58,6 +58,8 @@ class Profile:
     # KV cache for the speed phases where the engine has no gpu_memory_utilization (else: its default)
     kv_cache_bytes: int | None
     num_threads: int | None  # torch CPU threads (smoke: one, so a busy second core does not stall it)
+    served_rates: tuple[float, ...]  # the served phase's Poisson arrival rates, requests a second
+    served_requests: int  # how many of W2's requests it sends at each rate
 
 
 GPU = Profile(
@@ -84,6 +86,8 @@ GPU = Profile(
     max_num_batched_tokens=8192,
     kv_cache_bytes=24 * _GIB,
     num_threads=None,
+    served_rates=(10.0, 20.0),  # W2 offline on an H200: ~4,700 tok/s, ~30 of its requests a second
+    served_requests=200,
 )
 SMOKE = Profile(
     device="cpu",
@@ -109,6 +113,8 @@ SMOKE = Profile(
     max_num_batched_tokens=2048,
     kv_cache_bytes=None,
     num_threads=1,
+    served_rates=(50.0,),
+    served_requests=6,
 )
 
 

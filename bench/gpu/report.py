@@ -135,4 +135,13 @@ def _summary(name: str, f: dict[str, Any]) -> str:
             parts.append(f"{system}: {tps} tok/s")
         parts += [f"{k} {v:.2f}x" for k, v in f.get("ratios", {}).items()]
         return "; ".join(parts)
+    if name == "served":
+        return "; ".join(
+            f"{rate} req/s: TTFT p50 {v['ttft_ms']['p50']:.1f} / p99 {v['ttft_ms']['p99']:.1f} ms, "
+            f"TPOT p50 {v['tpot_ms']['p50']:.2f} / p99 {v['tpot_ms']['p99']:.2f} ms, "
+            f"{v['output_throughput']:.0f} tok/s, mixed steps {v['steps']['mixed']['count']} x "
+            f"{v['steps']['mixed']['mean_ms']:.2f} ms, decode steps {v['steps']['decode']['count']} x "
+            f"{v['steps']['decode']['mean_ms']:.2f} ms"
+            for rate, v in f["rates"].items()
+        )
     return ", ".join(f"{k} {_fmt(v)}" for k, v in f.items() if not isinstance(v, dict | list))

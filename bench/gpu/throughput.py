@@ -38,7 +38,7 @@ def throughput(run: Run, results: dict[str, Any], systems: tuple[str, ...] = SYS
     out: dict[str, Any] = {"preset": p.throughput_preset, "dtype": p.dtype, "workloads": {}, "systems": {}}
     loads: dict[str, list[Request]] = {}
     for name in WORKLOADS:
-        loads[name], num_cut = _requests(name, model_dir, max_len, p.quick_workloads)
+        loads[name], num_cut = workload_requests(name, model_dir, max_len, p.quick_workloads)
         records = [{"prompt": prompt, "output_len": n} for prompt, n in loads[name]]
         out["workloads"][name] = {**workloads.summary(records), "num_prompts_cut": num_cut}
     if "corral" in systems:
@@ -58,7 +58,7 @@ def throughput(run: Run, results: dict[str, Any], systems: tuple[str, ...] = SYS
     return out
 
 
-def _requests(name: str, model_dir: Any, max_len: int, quick: bool) -> tuple[list[Request], int]:
+def workload_requests(name: str, model_dir: Any, max_len: int, quick: bool) -> tuple[list[Request], int]:
     """The workload's requests, and how many prompts were cut to fit prompt + output into the
     model's context (only the small smoke models need it)."""
     out, num_cut = [], 0

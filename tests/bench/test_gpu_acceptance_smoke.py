@@ -61,6 +61,10 @@ def test_every_phase_has_its_figures(smoke: tuple[dict, Path]) -> None:
     assert throughput["systems"]["hf-static"]["status"] == "ok"
     assert throughput["systems"]["hf-cb"]["status"] in ("ok", "absent")
     assert throughput["ratios"]["W2_corral_over_hf-static"] > 0
+    served = phases["served"]["rates"]["50"]
+    assert served["num_requests"] == 6 and served["output_tokens"] > 0
+    assert 0 < served["ttft_ms"]["p50"] <= served["ttft_ms"]["p99"] < served["e2e_ms"]["p99"] + 1e-6
+    assert served["steps"]["mixed"]["count"] > 0 and served["steps"]["decode"]["count"] > 0
     assert {row["target"] for row in results["targets"]} >= {"time outside kernels at batch 64"}
     assert results["commit"] == "test" and results["mode"] == "smoke"
 
@@ -143,3 +147,43 @@ def test_targets_are_judged_only_where_there_are_figures() -> None:
         "W2 output throughput vs transformers static": None,
         "time outside kernels at batch 64": None,
     }
+
+
+def test_served_phase_times_what_the_engine_hands_back() -> None:
+    """run_at_rate against a scripted engine: one step per call, each request's tokens arriving a
+    step at a time, prompt steps classed as mixed; latencies from the handed-back outputs."""
+    from types import SimpleNamespace
+
+    from bench.gpu.served import run_at_rate
+
+    class Engine:
+        def __init__(self) -> None:
+            self.live: dict[str, list[int]] = {}  # request id -> [tokens so far, tokens asked]
+            self.last_schedule: list[SimpleNamespace] = []
+
+        def add_request(self, request_id: str, prompt: list[int], params: object) -> None:
+            self.live[request_id] = [0, params.max_tokens]  # type: ignore[attr-defined]
+
+        def has_unfinished_requests(self) -> bool:
+            return bool(self.live)
+
+        def step(self) -> list[SimpleNamespace]:
+            self.last_schedule = [
+                SimpleNamespace(num_new_tokens=5 if done == 0 else 1, num_spec=0)
+                for done, _ in self.live.values()
+            ]
+            outputs = []
+            for rid, state in list(self.live.items()):
+                state[0] += 1
+                outputs.append(
+                    SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=[0] * state[0])])
+                )
+                if state[0] == state[1]:
+                    del self.live[rid]
+            return outputs
+
+    figures = run_at_rate(Engine(), [([1, 2, 3], 4), ([4, 5], 3), ([6], 1)], rate=1000.0, seed=1)
+    assert figures["output_tokens"] == 8
+    assert figures["steps"]["mixed"]["count"] >= 1 and figures["steps"]["decode"]["count"] >= 1
+    assert figures["ttft_ms"]["p50"] >= 0 and figures["tpot_ms"]["p50"] >= 0
+    assert abs(sum(k["share_of_step_time"] for k in figures["steps"].values()) - 1) < 1e-9
