@@ -15,7 +15,10 @@ routes them (its default policy unless `--gateway-setting policy=...`). Prompts 
 system prompt every replica soon holds) and then differ, so the prefix index and the block-hash
 chain do their usual work. Per round: added median and p99 TTFT and E2E (gateway minus direct),
 throughput gateway / direct, errors, and CPU seconds from /proc for the gateway, the replicas'
-process and the client; the gateway's CPU per request also less its idle use (load polls).
+process and the client; the gateway's CPU per request also less its idle use (load polls). Beside
+those client-side figures, the gateway's own: its corral_gateway_overhead_seconds histogram's change
+over each arm (from its /metrics), pooled over the rounds, as a median (bucket-interpolated) and a
+mean per part.
 
     .venv/bin/python -m bench.routing.overhead_sim --concurrency 100 1000 --replicas 16 64 --rounds 8 3
 
@@ -261,11 +264,14 @@ def run_arm(
     pids: dict[str, int],
     spy: tuple[Path, Path] | None = None,
     replicas: Sequence[str] = (),
+    gateway: str | None = None,
 ) -> dict[str, Any]:
     """One closed loop, with the CPU each process used during it and how long its threads waited
     for a core (a shared machine's other work shows there); with `replicas`, also the mean latency
-    the replicas themselves saw (their histograms' change over the loop)."""
+    the replicas themselves saw (their histograms' change over the loop); with `gateway` (its URL),
+    the gateway's own overhead histogram's change over the loop."""
     replica_before = replica_latency_totals(replicas) if replicas else None
+    gateway_before = gateway_overhead(gateway) if gateway is not None else None
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     waited = {name: runqueue_wait_s(pid) for name, pid in pids.items()}
     client_before = time.process_time()
@@ -281,12 +287,22 @@ def run_arm(
     if replica_before is not None:
         after = replica_latency_totals(replicas)
         summary.update(report.hop_summary(results, {k: after[k] - replica_before[k] for k in after}))
+    if gateway is not None and gateway_before is not None:
+        change = report.overhead_change(gateway_overhead(gateway), gateway_before)
+        summary["gateway_overhead"] = change
+        summary.update(report.overhead_figures(change))
     for name, pid in pids.items():
         # Seconds spent runnable but not running, per CPU second used (the main thread's).
         summary[f"{name}_runqueue_wait_per_cpu_s"] = (runqueue_wait_s(pid) - waited[name]) / max(
             1e-9, used[name]
         )
     return summary
+
+
+def gateway_overhead(url: str) -> dict[str, dict[str, Any]]:
+    """The gateway's own overhead histogram, per part, from its /metrics."""
+    with httpx.Client(timeout=30.0) as client:
+        return report.overhead_histograms(client.get(f"{url}/metrics").raise_for_status().text)
 
 
 def runqueue_wait_s(pid: int) -> float:
@@ -367,9 +383,13 @@ def run_rounds(
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         arms: dict[str, dict[str, Any]] = {}
         for name in order:
-            arms[name] = run_arm(targets[name], requests, concurrency, pids[name], replicas=targets["direct"])
+            gateway = targets[name][0] if name != "direct" else None
+            arms[name] = run_arm(
+                targets[name], requests, concurrency, pids[name], replicas=targets["direct"], gateway=gateway
+            )
             logger.info("%d streams, round %d, %s: %s", concurrency, round_index, name,
-                        {k: v for k, v in arms[name].items() if not k.endswith("_s")})  # fmt: skip
+                        {k: v for k, v in arms[name].items()
+                         if not k.endswith("_s") and k != "gateway_overhead"})  # fmt: skip
         rounds.append(arms)
     return rounds
 

@@ -1,8 +1,10 @@
 """The simulated-replica overhead benchmark's figures (pure): one arm's summary, the paired per-round
-differences between the arms, the Markdown table and the plot."""
+differences between the arms, the gateway's own overhead histogram (read from its /metrics), the
+Markdown table and the plot."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +12,8 @@ from typing import Any
 
 import numpy as np
 from corral_cli.bench.stats import RequestResult
+from corral_gateway.metrics import OVERHEAD_PARTS, OVERHEAD_SECONDS
+from prometheus_client.parser import text_string_to_metric_families
 
 # Latency figures compared between the arms: (key, result attribute, percentile).
 LATENCY_KEYS = (
@@ -66,6 +70,91 @@ def hop_summary(results: Sequence[RequestResult], replica: dict[str, float]) -> 
     return out
 
 
+def overhead_histograms(metrics_text: str) -> dict[str, dict[str, Any]]:
+    """The gateway's own overhead histogram (corral_gateway_overhead_seconds) per part, all models
+    together: `bounds` (the finite bucket bounds, s), `counts` (cumulative, one per bound), `count`
+    and `sum_s`. A gateway without the histogram gives empty ones."""
+    out: dict[str, dict[str, Any]] = {}
+    buckets: dict[str, dict[float, float]] = {part: {} for part in OVERHEAD_PARTS}
+    totals = {part: {"count": 0.0, "sum_s": 0.0} for part in OVERHEAD_PARTS}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != OVERHEAD_SECONDS:
+            continue
+        for sample in family.samples:
+            part = sample.labels.get("part", "")
+            if part not in totals:
+                continue
+            suffix = sample.name.removeprefix(OVERHEAD_SECONDS)
+            if suffix == "_bucket" and sample.labels["le"] != "+Inf":
+                le = float(sample.labels["le"])
+                buckets[part][le] = buckets[part].get(le, 0.0) + sample.value
+            elif suffix == "_count":
+                totals[part]["count"] += sample.value
+            elif suffix == "_sum":
+                totals[part]["sum_s"] += sample.value
+    for part in OVERHEAD_PARTS:
+        bounds = sorted(buckets[part])
+        counts = [buckets[part][b] for b in bounds]
+        out[part] = {"bounds": bounds, "counts": counts, **totals[part]}
+    return out
+
+
+def overhead_change(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the histograms gained between two scrapes: over one arm."""
+    return _combine(after, before, -1.0)
+
+
+def overhead_total(arms: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Several arms' gains in one histogram per part."""
+    total: dict[str, Any] = {}
+    for histograms in arms:
+        total = _combine(histograms, total, 1.0)
+    return total
+
+
+def _combine(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], sign: float) -> dict[str, Any]:
+    """a + sign * b, part by part (a part missing from `b` counts as empty)."""
+    out = {}
+    for part, h in a.items():
+        other = b.get(part) or {"counts": [0.0] * len(h["counts"]), "count": 0.0, "sum_s": 0.0}
+        out[part] = {
+            "bounds": h["bounds"],
+            "counts": [x + sign * y for x, y in zip(h["counts"], other["counts"], strict=True)],
+            "count": h["count"] + sign * other["count"],
+            "sum_s": h["sum_s"] + sign * other["sum_s"],
+        }
+    return out
+
+
+def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float], count: float) -> float:
+    """Prometheus' histogram_quantile on one histogram: linear within the bucket the rank falls in
+    (the first bucket from 0); past the last finite bound, that bound. NaN when empty."""
+    if count <= 0:
+        return float("nan")
+    rank = q * count
+    lower, below = 0.0, 0.0
+    for upper, cumulative in zip(bounds, counts, strict=True):
+        if cumulative >= rank:
+            inside = cumulative - below
+            return upper if inside <= 0 else lower + (upper - lower) * (rank - below) / inside
+        lower, below = upper, cumulative
+    return lower
+
+
+def overhead_figures(histograms: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per part: requests observed, the median (bucket-interpolated, so good to its bucket's width)
+    and the mean (exact: the histogram's sum over its count), in milliseconds."""
+    out: dict[str, float] = {}
+    for part in OVERHEAD_PARTS:
+        h = histograms.get(part)
+        count = h["count"] if h is not None else 0.0
+        out[f"overhead_{part}_count"] = count
+        median = histogram_quantile(0.5, h["bounds"], h["counts"], count) if h is not None else math.nan
+        out[f"overhead_{part}_p50_ms"] = 1000 * median
+        out[f"overhead_{part}_mean_ms"] = 1000 * h["sum_s"] / count if h is not None and count else math.nan
+    return out
+
+
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
     if len(values) == 1:
         return values[0], values[0], values[0]
@@ -111,6 +200,8 @@ def paired(
     for name in ("sim", "client"):
         out[f"{name}_cores_direct"] = statistics.median(r["direct"][f"{name}_cores"] for r in rounds)
         out[f"{name}_cores_via"] = statistics.median(g[f"{name}_cores"] for g in via)
+    if all("gateway_overhead" in g for g in via):  # every round's requests in one histogram
+        out.update(overhead_figures(overhead_total([g["gateway_overhead"] for g in via])))
     return out
 
 
@@ -120,8 +211,8 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
         "| streams | replicas | step (ms) | gateway | rounds | direct tok/s | throughput ratio (IQR) "
         "| added TTFT p50 / p99 (ms) | added E2E p50 / p99 (ms) | direct TTFT p50 / E2E p50 (ms) "
         "| added hop TTFT / E2E, mean (ms) | errors direct / via | gateway cores | CPU / request (ms) "
-        "| of it busy (ms) |",
-        "|---:|---:|---:|---|---:|---:|---|---|---|---|---|---|---:|---:|---:|",
+        "| of it busy (ms) | in-process p50 / mean (ms): request; first byte; stream |",
+        "|---:|---:|---:|---|---:|---:|---|---|---|---|---|---|---:|---:|---:|---|",
     ]
     for level in levels:
         for arm, s in level["summary"].items():
@@ -135,9 +226,22 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
                 f"| {s['direct_ttft_p50_ms']:.0f} / {s['direct_e2el_p50_ms']:.0f} "
                 f"| {_signed(s.get('added_hop_ttft_mean_ms'))} / {_signed(s.get('added_hop_e2el_mean_ms'))} "
                 f"| {s['direct_num_errors']} / {s['via_num_errors']} | {s['gateway_cores']:.2f} "
-                f"| {s['gateway_cpu_ms_per_request']:.2f} | {s['gateway_busy_cpu_ms_per_request']:.2f} |"
+                f"| {s['gateway_cpu_ms_per_request']:.2f} | {s['gateway_busy_cpu_ms_per_request']:.2f} "
+                f"| {_overhead_cell(s)} |"
             )
     return "\n".join(lines)
+
+
+def _overhead_cell(summary: dict[str, Any]) -> str:
+    """The gateway's own median (bucket-interpolated) and mean per part; "-" where it reported none."""
+    cells = []
+    for part in OVERHEAD_PARTS:
+        if not summary.get(f"overhead_{part}_count"):
+            cells.append("-")
+            continue
+        median, mean = summary[f"overhead_{part}_p50_ms"], summary[f"overhead_{part}_mean_ms"]
+        cells.append(f"{median:.3f} / {mean:.3f}")
+    return "; ".join(cells)
 
 
 def _signed(value: float | None) -> str:

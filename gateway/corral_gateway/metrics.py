@@ -2,6 +2,8 @@
 
 Labels never carry API keys or prompts; replicas are labelled by URL. Every known label set gets a
 zero series as soon as its model or replica is known, so a fresh fleet's dashboards show zeros.
+`overhead_seconds` is the gateway's own share of a request's latency, timed inside the process
+(`OverheadPart` says which stretches).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 PREFIX = "corral_gateway_"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The gateway's own time per request is tens of microseconds to a few milliseconds.
+_OVERHEAD_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1)
 
 REQUESTS_TOTAL = PREFIX + "requests_total"
 REQUEST_DURATION_SECONDS = PREFIX + "request_duration_seconds"
@@ -27,12 +31,22 @@ REPLICA_INFLIGHT = PREFIX + "replica_inflight"
 REJECTED_TOTAL = PREFIX + "rejected_total"
 STREAMS_BROKEN_TOTAL = PREFIX + "streams_broken_total"
 KEY_TOKENS_TOTAL = PREFIX + "key_tokens_total"
+OVERHEAD_SECONDS = PREFIX + "overhead_seconds"
 
 # Why a request left a replica before its first byte without an answer (label `reason` of
 # retries_total). A retried HTTP answer is labelled `http_<status>` instead: open-ended, so its
 # series start with the first such retry.
 RetryReason = Literal["connect_error", "connect_timeout", "transport_error"]
 RETRY_REASONS: tuple[RetryReason, ...] = get_args(RetryReason)
+# The stretches of overhead_seconds (label `part`), each timed with time.perf_counter():
+# - request: the proxy's handler starting on a request to its bytes all written to the replica's
+#   connection, less the waits for a replica (queue_wait) and any failed earlier attempts;
+# - first_byte: the replica's first body bytes in the gateway's hands (a whole body: all of it) to
+#   their send to the client's connection returning;
+# - stream: the same for each later chunk of a streamed body, one observation per request (the
+#   mean over its chunks).
+OverheadPart = Literal["request", "first_byte", "stream"]
+OVERHEAD_PARTS: tuple[OverheadPart, ...] = get_args(OverheadPart)
 # The status a replica's zero series of requests_total carries (the "Requests/s" panels sum it).
 _OK_STATUS = "200"
 
@@ -95,6 +109,16 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.overhead = Histogram(
+            OVERHEAD_SECONDS,
+            "The gateway's own time on a request, by part: request (arrival to sent upstream, less "
+            "queueing and failed attempts), first_byte and stream (a replica's bytes in hand to sent "
+            "to the client; stream: the mean over a stream's later chunks).",
+            ["model", "part"],
+            buckets=_OVERHEAD_BUCKETS_S,
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -106,6 +130,8 @@ class GatewayMetrics:
         self.streams_broken.labels(model)
         for reason in RETRY_REASONS:
             self.retries.labels(model, reason)
+        for part in OVERHEAD_PARTS:
+            self.overhead.labels(model, part)
 
     def add_replica(self, model: str, url: str) -> None:
         """Zero series for a replica's counters. Its gauges are set by Fleet.update_gauges, since

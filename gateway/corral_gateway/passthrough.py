@@ -53,6 +53,7 @@ class Exchange:
         self.is_complete = False
         self.is_client_gone = False
         self.is_finished = False
+        self.body_in_hand_s: float | None = None  # time.perf_counter() once a whole body was read
 
     async def respond(self, disconnect: asyncio.Future[None]) -> Response:
         """SSE and bodies of unknown or large size are streamed through as they arrive; a small
@@ -73,6 +74,7 @@ class Exchange:
         content = b""
         try:
             content = await upstream.read()
+            self.body_in_hand_s = time.perf_counter()
             self.is_complete = True
         except UpstreamError as e:
             self._broken(e, "body")
@@ -86,17 +88,33 @@ class Exchange:
         self.metrics.ttfb.labels(origin.model).observe(time.monotonic() - origin.start_s)
         return Response(content, status_code=upstream.status_code, headers=headers)
 
+    def delivered(self) -> None:
+        """The response has been sent (a stream: to its end): a whole body's relay is timed."""
+        if self.body_in_hand_s is not None:
+            relay_s = time.perf_counter() - self.body_in_hand_s
+            self.metrics.overhead.labels(self.origin.model, "first_byte").observe(relay_s)
+
     async def _body(self, is_sse: bool) -> AsyncGenerator[bytes, None]:
+        """The stream's chunks; each one's relay (in hand to its send to the client returning, which
+        is when the response asks for the next) is timed: the first alone, the others' mean."""
         is_first = True
+        num_later, later_s = 0, 0.0
         try:
             async for chunk in self.upstream.chunks():
+                in_hand_s = time.perf_counter()
                 if is_first:
                     self.metrics.ttfb.labels(self.origin.model).observe(
                         time.monotonic() - self.origin.start_s
                     )
-                    is_first = False
                 self.tail.feed(chunk)
                 yield chunk
+                if is_first:
+                    relay_s = time.perf_counter() - in_hand_s
+                    self.metrics.overhead.labels(self.origin.model, "first_byte").observe(relay_s)
+                    is_first = False
+                else:
+                    num_later += 1
+                    later_s += time.perf_counter() - in_hand_s
             self.is_complete = True
         except UpstreamError as e:
             if self.is_client_gone:
@@ -105,6 +123,8 @@ class Exchange:
             if is_sse:
                 yield sse_error_event("The model replica failed while streaming the response.")
         finally:
+            if num_later:
+                self.metrics.overhead.labels(self.origin.model, "stream").observe(later_s / num_later)
             self.finish()
 
     def _on_disconnect(self, disconnect: asyncio.Future[None]) -> None:

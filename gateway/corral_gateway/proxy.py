@@ -81,12 +81,14 @@ class _Ticket:
     priority: int
     fairness_key: str
     quota: TokenUsage | None
+    arrived_s: float  # time.perf_counter() as the handler started: the overhead histogram's origin
     block_hashes: tuple[int, ...] = ()
 
 
 async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) -> None:
     """Answer one proxied request through `deliver`; every error the gateway knows is answered in
     OpenAI's shape (an unexpected one propagates, for the app's last resort)."""
+    arrived_s = time.perf_counter()
     start_s = time.monotonic()
     request_id = wire.valid_request_id(request.headers.get(wire.HEADER_REQUEST_ID)) or _new_request_id()
     model, key_name = "unknown", ""
@@ -117,6 +119,7 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
             priority,
             api_key.key_id if api_key is not None else "",
             TokenUsage.track(keystore, api_key, info.estimated_tokens),
+            arrived_s,
             info.block_hashes,
         )
         async with _watch_disconnect(request) as disconnect:
@@ -136,12 +139,16 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
 async def _forward(
     deps: ProxyDeps, ticket: _Ticket, disconnect: asyncio.Future[None], deliver: Deliver
 ) -> None:
-    """Lease a replica and send; on a `Retry`, give it back and try another until attempts run out."""
+    """Lease a replica and send; on a `Retry`, give it back and try another until attempts run out.
+
+    The overhead histogram's `request` part leaves out the waits for a replica and whole failed
+    attempts (`excluded_s`): those are the fleet's time, not the gateway's."""
     fleet, metrics, model = deps.fleet, deps.metrics, ticket.origin.model
     tried: list[str] = []
     wake_timeout_s = fleet.wake_timeout_s(model)
+    excluded_s = 0.0
     for attempt in range(deps.settings.max_attempts):
-        queued_s = time.monotonic()
+        leasing_s = time.perf_counter()
         ask = Ask(
             model,
             ticket.prefix_hash,
@@ -152,11 +159,13 @@ async def _forward(
             ticket.block_hashes,
         )
         async with fleet.lease(ask, disconnect) as replica:
-            metrics.queue_wait.labels(model).observe(time.monotonic() - queued_s)
+            waited_s = time.perf_counter() - leasing_s
+            metrics.queue_wait.labels(model).observe(waited_s)
             can_retry = attempt + 1 < deps.settings.max_attempts
             outgoing, upstream_span = ticket.outgoing, None
             if ticket.origin.span is not None:
                 policy, scores = deps.settings.policy, fleet.scores(model)
+                queued_s = time.monotonic() - waited_s
                 tracing.record_pick(ticket.origin.span, queued_s, policy, replica.url, scores, attempt + 1)
                 upstream_span, carrier = tracing.start_upstream_span(
                     ticket.origin.span, replica.url, attempt + 1
@@ -164,14 +173,19 @@ async def _forward(
                 outgoing = replace(outgoing, headers={**outgoing.headers, **carrier})
             outcome = await _attempt(deps, replica, outgoing, disconnect, tried, can_retry, upstream_span)
             if isinstance(outcome, Retry):
+                excluded_s += time.perf_counter() - leasing_s
                 tried.append(replica.url)
                 metrics.retries.labels(model, outcome.label).inc()
                 logger.warning("request %s: replica %s failed (%s); attempt %d", ticket.origin.request_id,
                                replica.url, outcome.label, attempt + 1)  # fmt: skip
                 continue
+            if outcome.sent_s is not None:
+                request_s = outcome.sent_s - ticket.arrived_s - excluded_s - waited_s
+                metrics.overhead.labels(model, "request").observe(max(0.0, request_s))
             exchange = Exchange(fleet, metrics, outcome, replica, ticket.origin, ticket.quota, deps.access)
             try:
                 await deliver(await exchange.respond(disconnect))
+                exchange.delivered()
             finally:
                 exchange.finish()  # a no-op unless the response was cancelled before it started
             return

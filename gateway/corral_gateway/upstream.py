@@ -12,10 +12,13 @@ broke before a response: safe to retry) and `ReadTimedOut` (no first byte in tim
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
+from aiohttp.connector import Connection
 
 # Waiting for a free pooled connection, on top of the connect timeout itself.
 _POOL_WAIT_S = 30.0
@@ -52,6 +55,35 @@ def _translate(e: BaseException) -> UpstreamError:
     return Dropped(type(e).__name__)
 
 
+class _StampedResponse(aiohttp.ClientResponse):
+    # time.perf_counter() once the request's bytes had all been handed to the connection: what the
+    # gateway's overhead histogram times its `request` part to.
+    sent_s: float | None = None
+
+
+class _StampedRequest(aiohttp.ClientRequest):
+    """aiohttp's request, stamping its response with the time the body was written. The body goes
+    out in a task of its own, which ends after `send` returns (Python < 3.12) or within it (an
+    eagerly started task, before the response exists)."""
+
+    _written_s: float | None = None
+
+    async def write_bytes(self, *args: Any, **kwargs: Any) -> None:
+        await super().write_bytes(*args, **kwargs)
+        now = time.perf_counter()
+        if isinstance(self.response, _StampedResponse):
+            self.response.sent_s = now
+        else:
+            self._written_s = now
+
+    async def send(self, conn: Connection) -> aiohttp.ClientResponse:
+        response = await super().send(conn)
+        if isinstance(response, _StampedResponse) and response.sent_s is None:
+            # Written already, or the head is out and a pending write moves the stamp on.
+            response.sent_s = self._written_s if self._written_s is not None else time.perf_counter()
+        return response
+
+
 class UpstreamResponse:
     """A response whose body is read as it arrives; `close` must be called exactly once."""
 
@@ -59,6 +91,8 @@ class UpstreamResponse:
         self._response = response
         self.status_code = response.status
         self.headers: dict[str, str] = {k.lower(): v for k, v in response.headers.items()}
+        # time.perf_counter() once the request was all written to the replica (None: unknown).
+        self.sent_s = response.sent_s if isinstance(response, _StampedResponse) else None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes in the pieces they arrive in; raises UpstreamError if it breaks off."""
@@ -130,6 +164,8 @@ class Upstream:
             trust_env=False,
             cookie_jar=aiohttp.DummyCookieJar(),
             read_bufsize=_CHUNK_LIMIT,
+            request_class=_StampedRequest,
+            response_class=_StampedResponse,
         )
         return self
 

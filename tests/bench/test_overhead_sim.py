@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 from corral_cli.bench.stats import RequestResult
 from corral_engine import wire
 from corral_engine.sim.perf_model import StepShape, load_profile
+from corral_gateway.metrics import GatewayMetrics
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from bench.routing import overhead_sim, overhead_sim_report
@@ -108,3 +110,47 @@ def test_the_hop_is_what_the_client_saw_less_what_the_replicas_saw() -> None:
     hop = overhead_sim_report.hop_summary([result(0.1, 1.0), result(0.2, 2.0), result(0.3, 3.0)], totals)
     assert hop["replica_ttft_mean_ms"] == pytest.approx(190.0)
     assert hop["hop_ttft_mean_ms"] == pytest.approx(10.0) and hop["hop_e2el_mean_ms"] == pytest.approx(100.0)
+
+
+def test_the_gateways_own_overhead_comes_from_its_histogram_over_each_arm() -> None:
+    """The gateway's /metrics (two models), scraped before and after an arm: the arm's requests per
+    part, their mean, and a median interpolated within its bucket as histogram_quantile does."""
+    metrics = GatewayMetrics()
+    for model in ("a", "b"):
+        metrics.add_model(model)
+    before = overhead_sim_report.overhead_histograms(metrics.render().decode())
+    assert before["request"]["count"] == 0 and len(before["request"]["bounds"]) == 10
+    for model, request_s in (("a", 0.0003), ("a", 0.0004), ("b", 0.0009), ("b", 0.0004)):
+        metrics.overhead.labels(model, "request").observe(request_s)
+        metrics.overhead.labels(model, "first_byte").observe(0.00002)
+    metrics.overhead.labels("a", "stream").observe(0.2)  # past the last bound
+    after = overhead_sim_report.overhead_histograms(metrics.render().decode())
+    arm = overhead_sim_report.overhead_change(after, before)
+    figures = overhead_sim_report.overhead_figures(arm)
+    assert figures["overhead_request_count"] == 4
+    assert figures["overhead_request_mean_ms"] == pytest.approx(0.5)
+    # Three of four in (0.25, 0.5] ms, none below: the rank 2 lies two thirds up that bucket.
+    assert figures["overhead_request_p50_ms"] == pytest.approx(0.25 + 0.25 * 2 / 3)
+    # Four in [0, 0.05] ms: the rank 2 lies halfway up the first bucket.
+    assert figures["overhead_first_byte_p50_ms"] == pytest.approx(0.025)
+    assert figures["overhead_stream_p50_ms"] == pytest.approx(100.0)  # the last finite bound
+    assert figures["overhead_stream_mean_ms"] == pytest.approx(200.0)
+    empty = overhead_sim_report.overhead_figures(overhead_sim_report.overhead_change(after, after))
+    assert empty["overhead_request_count"] == 0 and math.isnan(empty["overhead_request_p50_ms"])
+
+
+def test_the_rounds_pool_the_gateways_own_overhead_into_the_table() -> None:
+    metrics = GatewayMetrics()
+    metrics.add_model("m")
+    empty = overhead_sim_report.overhead_histograms(metrics.render().decode())
+    arms = []
+    for request_s in (0.0003, 0.0007):  # one request a round
+        metrics.overhead.labels("m", "request").observe(request_s)
+        now = overhead_sim_report.overhead_histograms(metrics.render().decode())
+        arms.append(overhead_sim_report.overhead_change(now, empty))
+        empty = now
+    pooled = overhead_sim_report.overhead_figures(overhead_sim_report.overhead_total(arms))
+    assert pooled["overhead_request_count"] == 2
+    assert pooled["overhead_request_mean_ms"] == pytest.approx(0.5)
+    summary = {"overhead_first_byte_count": 0.0, "overhead_stream_count": 0.0, **pooled}
+    assert overhead_sim_report._overhead_cell(summary) == "0.500 / 0.500; -; -"

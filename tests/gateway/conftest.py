@@ -29,6 +29,7 @@ class FakeEngine:
     kv_usage: float = 0.0
     num_chunks: int = 3
     chunk_delay_s: float = 0.0
+    answer_delay_s: float = 0.0  # before answering a completion request at all
     bodies: list[bytes] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     num_active: int = 0  # requests being served right now
@@ -90,6 +91,7 @@ class FakeEngine:
         raw = await request.body()
         self.bodies.append(raw)
         self.headers_seen.append(dict(request.headers))
+        await asyncio.sleep(self.answer_delay_s)
         if self.mode == "error500":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "reject429":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import Discovery
-from corral_gateway.metrics import RETRY_REASONS, GatewayMetrics
+from corral_gateway.metrics import OVERHEAD_PARTS, RETRY_REASONS, GatewayMetrics
 from corral_gateway.settings import GatewaySettings
 
 
@@ -21,6 +21,8 @@ def assert_zero_series(metrics: GatewayMetrics, model: str, url: str) -> None:
     assert value(metrics, "corral_gateway_streams_broken_total", model=model) == 0.0
     for histogram in ("request_duration_seconds", "time_to_first_byte_seconds", "queue_wait_seconds"):
         assert value(metrics, f"corral_gateway_{histogram}_count", model=model) == 0.0
+    for part in OVERHEAD_PARTS:
+        assert value(metrics, "corral_gateway_overhead_seconds_count", model=model, part=part) == 0.0
 
 
 def test_configured_replicas_have_zero_series_at_start() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -93,3 +94,26 @@ async def test_body_passes_through_untouched_and_a_cut_stream_raises() -> None:
         response.close(complete=False)
     # Not decompressed although it claims gzip, and de-chunked: the bytes the replica sent.
     assert received == body
+
+
+@pytest.mark.parametrize("num_bytes", [2, 1 << 20])
+async def test_a_response_knows_when_its_request_was_sent(num_bytes: int) -> None:
+    """`sent_s`: once the request's bytes were all written, before the replica answered (the
+    gateway's overhead histogram times its `request` part to it)."""
+    answering_s: list[float] = []
+
+    async def answer_later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        await asyncio.sleep(0.05)
+        answering_s.append(time.perf_counter())
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    body = b"x" * num_bytes
+    async with tcp_server(answer_later) as url, Upstream(CONFIG) as upstream:
+        posting_s = time.perf_counter()
+        response = await upstream.post(url + "/v1/completions", body, {"content-type": "text/plain"})
+        assert response.sent_s is not None and posting_s < response.sent_s < answering_s[0]
+        assert await response.read() == b"ok"
+        response.close(complete=True)

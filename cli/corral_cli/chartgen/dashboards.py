@@ -406,12 +406,23 @@ def deployment_drilldown() -> Dashboard:
                         "{{reason}}",
                     ),
                 ),
+                width=8,
             ),
             Panel(
                 "Gateway latency",
                 "Arrival at the gateway to the last response byte (p50, p99).",
                 _quantiles(gw.REQUEST_DURATION_SECONDS, GATEWAY_MODEL, "{{model}}", is_gateway=True),
                 unit="s",
+                width=8,
+            ),
+            Panel(
+                "Gateway overhead (p50/p99 by part)",
+                "The gateway's own time on a request, timed inside it: request (arrival to sent to the "
+                "replica, less queueing and failed attempts), first_byte and stream (a replica's bytes "
+                "in hand to sent to the client; stream: the mean over a stream's later chunks).",
+                _quantiles(gw.OVERHEAD_SECONDS, f"{GATEWAY_MODEL}, part", "{{part}}", is_gateway=True),
+                unit="s",
+                width=8,
             ),
         ),
     )
