@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -28,22 +28,45 @@ async def wait_disconnect(request: Request) -> None:
 
 async def race(aw: Awaitable[T], disconnect: asyncio.Future[None], on_late: Callable[[T], None]) -> T:
     """Await `aw` unless the client hangs up first; then cancel it and raise ClientGone. A result
-    nobody will use (it arrived just as the cancel landed) goes to `on_late`, to give back what it holds."""
-    task = asyncio.ensure_future(aw)
-    waitables: set[asyncio.Future[Any]] = {task, disconnect}
+    nobody will use (it arrived just as the cancel landed) goes to `on_late`, to give back what it
+    holds.
+
+    `aw` runs in the calling task, not a task of its own: a new task starts only on the event
+    loop's next turn, which under load is milliseconds (the gateway's `request` overhead). The
+    hang-up cancels the calling task instead, and the cancellation is told apart from any other
+    by Task.uncancel. A coroutine cancelled so cleans up after itself, as the upstream client and
+    the admission queue do."""
+    if disconnect.done():
+        if asyncio.iscoroutine(aw):
+            aw.close()
+        raise ClientGone()
+    task = asyncio.current_task()
+    assert task is not None, "race runs inside a task"
+    waiting, hung_up = True, False
+
+    def on_hang_up(_: asyncio.Future[None]) -> None:
+        nonlocal hung_up
+        if waiting:  # a callback scheduled just as `aw` finished must not cancel what follows
+            hung_up = True
+            task.cancel()
+
+    disconnect.add_done_callback(on_hang_up)
     try:
-        done, _ = await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
+        result = await aw
     except asyncio.CancelledError:
-        if task.done() and not task.cancelled() and task.exception() is None:
-            on_late(task.result())
-        task.cancel()
+        if isinstance(aw, asyncio.Future) and aw.done() and not aw.cancelled() and aw.exception() is None:
+            on_late(aw.result())  # it arrived in the same step as the cancellation
+        if hung_up and task.uncancel() == 0:
+            raise ClientGone() from None
         raise
-    if task in done:
-        return task.result()
-    task.cancel()
-    try:
-        result = await task
-    except (asyncio.CancelledError, UpstreamError, GatewayError):
-        raise ClientGone() from None
-    on_late(result)
-    raise ClientGone()
+    except (UpstreamError, GatewayError):
+        if hung_up and task.uncancel() == 0:
+            raise ClientGone() from None
+        raise
+    finally:
+        waiting = False
+        disconnect.remove_done_callback(on_hang_up)
+    if hung_up and task.uncancel() == 0:  # finished although cancelled: nobody will use it
+        on_late(result)
+        raise ClientGone()
+    return result
