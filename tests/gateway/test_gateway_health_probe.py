@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from corral_engine import wire
@@ -12,6 +13,20 @@ from corral_gateway.health_probe import HealthProbe
 from corral_gateway.upstream import ConnectFailed, Dropped, ReadTimedOut
 
 from tests.gateway.conftest import FakeEngine, serve
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _probing(handle: Handler) -> AsyncIterator[HealthProbe]:
+    """A probe of a raw replica answering with `handle`; both closed at the end."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        yield probe
+    finally:
+        probe.close()
+        server.close()
 
 
 async def test_reads_the_load_headers_over_one_kept_alive_connection() -> None:
@@ -41,16 +56,11 @@ async def test_a_connection_the_replica_closed_is_replaced_once() -> None:
         await writer.drain()
         writer.close()  # keep-alive ends here, unannounced (as an idle timeout would)
 
-    server = await asyncio.start_server(one_answer_each, "127.0.0.1", 0)
-    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-    try:
+    async with _probing(one_answer_each) as probe:
         for _ in range(3):
             assert (await probe.get(1.0, 1.0)).headers["x-corral-num-running"] == "1"
             await asyncio.sleep(0.05)
         assert num_connections == 3
-    finally:
-        probe.close()
-        server.close()
 
 
 async def test_refused_and_silent_replicas_raise_the_upstream_errors() -> None:
@@ -63,14 +73,9 @@ async def test_refused_and_silent_replicas_raise_the_upstream_errors() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(5)
 
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-    try:
+    async with _probing(silent) as probe:
         with pytest.raises(ReadTimedOut):
             await probe.get(0.2, 1.0)
-    finally:
-        probe.close()
-        server.close()
 
 
 def test_only_plain_http() -> None:
@@ -78,7 +83,7 @@ def test_only_plain_http() -> None:
         HealthProbe("https://replica:8443")
 
 
-async def _raw_replica(answer: bytes, *, close: bool) -> tuple[asyncio.Server, list[int]]:
+def _raw_replica(answer: bytes, *, close: bool) -> tuple[Handler, list[int]]:
     """A replica that sends `answer` to every request (closing after it if `close`); the list
     counts connections."""
     connections: list[int] = []
@@ -94,13 +99,13 @@ async def _raw_replica(answer: bytes, *, close: bool) -> tuple[asyncio.Server, l
                     break
         writer.close()
 
-    return await asyncio.start_server(handle, "127.0.0.1", 0), connections
+    return handle, connections
 
 
 @pytest.mark.parametrize(
     ("answer", "close", "body", "reused"),
     [
-        # chunked, split mid-chunk: read whole, and the connection stays open
+        # chunked: read whole, and the connection stays open
         (
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nload\r\n3\r\n ok\r\n0\r\n\r\n",
             False,
@@ -114,16 +119,12 @@ async def _raw_replica(answer: bytes, *, close: bool) -> tuple[asyncio.Server, l
     ids=["chunked", "close-delimited", "no-content"],
 )
 async def test_bodies_end_where_http_says(answer: bytes, close: bool, body: bytes, reused: bool) -> None:
-    server, connections = await _raw_replica(answer, close=close)
-    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-    try:
+    handle, connections = _raw_replica(answer, close=close)
+    async with _probing(handle) as probe:
         for _ in range(2):
             fetched = await probe.get(1.0, 1.0)
             assert fetched.body == body
         assert len(connections) == (1 if reused else 2)
-    finally:
-        probe.close()
-        server.close()
 
 
 @pytest.mark.parametrize(
@@ -135,11 +136,6 @@ async def test_bodies_end_where_http_says(answer: bytes, close: bool, body: byte
     ids=["garbage", "truncated"],
 )
 async def test_malformed_or_truncated_responses_are_dropped(answer: bytes) -> None:
-    server, _ = await _raw_replica(answer, close=True)
-    probe = HealthProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-    try:
+    async with _probing(_raw_replica(answer, close=True)[0]) as probe:
         with pytest.raises(Dropped):
             await probe.get(1.0, 1.0)
-    finally:
-        probe.close()
-        server.close()
