@@ -12,6 +12,8 @@ broke before a response: safe to retry) and `ReadTimedOut` (no first byte in tim
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,6 +21,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp.connector import Connection
+
+from corral_gateway import eager_start
 
 # Waiting for a free pooled connection, on top of the connect timeout itself.
 _POOL_WAIT_S = 30.0
@@ -63,8 +67,9 @@ class _StampedResponse(aiohttp.ClientResponse):
 
 class _StampedRequest(aiohttp.ClientRequest):
     """aiohttp's request, stamping its response with the time the body was written. The body goes
-    out in a task of its own, which ends after `send` returns (Python < 3.12) or within it (an
-    eagerly started task, before the response exists)."""
+    out in a task of its own, started eagerly (aiohttp on Python 3.12+, `eager_start` below that
+    while an `Upstream` is open): written within `send`, before the response exists, unless the
+    connection pushes back, in which case the write ends after `send` returns."""
 
     _written_s: float | None = None
 
@@ -145,9 +150,13 @@ class Upstream:
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
+        self._eager: eager_start.EagerStart | None = None
 
     async def __aenter__(self) -> Upstream:
         config = self.config
+        if sys.version_info < (3, 12):
+            # aiohttp writes a body in a task that would first run a loop turn later.
+            self._eager = eager_start.install(asyncio.get_running_loop(), [_StampedRequest.write_bytes.__code__])
         connector = aiohttp.TCPConnector(
             limit=config.max_connections, limit_per_host=0, keepalive_timeout=config.keepalive_s
         )
@@ -173,6 +182,8 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        eager_start.uninstall(asyncio.get_running_loop(), self._eager)
+        self._eager = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
