@@ -20,7 +20,10 @@ import asyncio
 import contextvars
 from collections.abc import Coroutine, Generator, Iterable
 from types import CodeType
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+_Steppable = Generator[Any, None, Any] | Coroutine[Any, Any, Any]
 
 
 class _Resumed:
@@ -29,7 +32,7 @@ class _Resumed:
 
     __slots__ = ("_coro", "_yielded")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any) -> None:
+    def __init__(self, coro: _Steppable, yielded: Any) -> None:
         self._coro = coro
         self._yielded = yielded
 
@@ -47,7 +50,7 @@ class _Resumed:
                 return stop.value
 
 
-async def _resume(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
+async def _resume(coro: _Steppable, yielded: Any) -> Any:
     return await _Resumed(coro, yielded)
 
 
@@ -60,9 +63,10 @@ class EagerStart:
     def __call__(
         self,
         loop: asyncio.AbstractEventLoop,
-        coro: Coroutine[Any, Any, Any],
+        coro: Generator[Any, None, _T] | Coroutine[Any, Any, _T],
+        /,
         context: contextvars.Context | None = None,
-    ) -> asyncio.Future[Any]:
+    ) -> asyncio.Future[_T]:
         if getattr(coro, "cr_code", None) not in self._codes:
             return asyncio.Task(coro, loop=loop, context=context)
         try:

@@ -156,7 +156,9 @@ class Upstream:
         config = self.config
         if sys.version_info < (3, 12):
             # aiohttp writes a body in a task that would first run a loop turn later.
-            self._eager = eager_start.install(asyncio.get_running_loop(), [_StampedRequest.write_bytes.__code__])
+            self._eager = eager_start.install(
+                asyncio.get_running_loop(), [_StampedRequest.write_bytes.__code__]
+            )
         connector = aiohttp.TCPConnector(
             limit=config.max_connections, limit_per_host=0, keepalive_timeout=config.keepalive_s
         )

@@ -45,7 +45,9 @@ async def eager_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
     assert loop.get_task_factory() is None
 
 
-async def test_a_chosen_coroutine_runs_its_first_step_inside_create_task(eager_loop: asyncio.AbstractEventLoop) -> None:
+async def test_a_chosen_coroutine_runs_its_first_step_inside_create_task(
+    eager_loop: asyncio.AbstractEventLoop,
+) -> None:
     log: list[str] = []
     gate: asyncio.Future[str] = eager_loop.create_future()
     task = asyncio.create_task(_steps(log, gate))
@@ -79,7 +81,9 @@ async def test_cancelling_a_resumed_task_reaches_the_coroutine(eager_loop: async
     assert gate.cancelled()
 
 
-async def test_a_coroutine_done_in_its_first_step_gives_a_finished_future(eager_loop: asyncio.AbstractEventLoop) -> None:
+async def test_a_coroutine_done_in_its_first_step_gives_a_finished_future(
+    eager_loop: asyncio.AbstractEventLoop,
+) -> None:
     log: list[str] = []
     done = asyncio.create_task(_at_once(log))
     assert done.done() and done.result() == 7 and log == ["ran"]
@@ -133,7 +137,9 @@ async def test_the_posting_task_writes_the_request_itself(
 
     async with tcp_server(answer) as url, Upstream(CONFIG) as upstream:
         poster = asyncio.current_task()
-        response = await upstream.post(url + "/v1/completions", b"x" * num_bytes, {"content-type": "text/plain"})
+        response = await upstream.post(
+            url + "/v1/completions", b"x" * num_bytes, {"content-type": "text/plain"}
+        )
         assert await response.read() == b"ok"
         response.close(complete=True)
     assert writers and all(task is poster for task in writers)
