@@ -1,7 +1,10 @@
-"""Session fixtures shared by tests/ and e2e/: generated tiny checkpoints (built once per session)."""
+"""Fixtures shared by tests/ and e2e/: generated tiny checkpoints (built once per session), and the
+garbage collector given back its whole heap after a test that ran a serving command (which freezes
+its startup heap: corral_cli.heap)."""
 
 from __future__ import annotations
 
+import gc
 import pathlib
 from collections.abc import Iterator, Mapping
 
@@ -41,3 +44,10 @@ def tiny_model_dirs(
 ) -> Mapping[str, pathlib.Path]:
     """arch -> tiny checkpoint dir for llama, mistral, qwen2, qwen3 (each built when first used)."""
     return _LazyModelDirs(tmp_path_factory.mktemp("models-by-arch"), {"llama": tiny_model_dir})
+
+
+@pytest.fixture(autouse=True)
+def _heap_unfrozen() -> Iterator[None]:
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()

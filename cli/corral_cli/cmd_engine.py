@@ -31,6 +31,7 @@ from corral_engine.sources import FetchError
 from pydantic import ValidationError
 
 from corral_cli import cmd_fetch_model, malloc, tracing
+from corral_cli.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         log_interval_s=args.log_interval,
         tool_call_parser=engine_args.tool_call_parser,
     )
+    freeze_startup_heap()
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
     return 0
 

@@ -11,6 +11,7 @@ from typing import Any
 from corral_gateway.settings import PolicyName
 
 from corral_cli import tracing
+from corral_cli.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         settings.policy,
         ", ".join(settings.backends) or "(from Kubernetes)",
     )
+    freeze_startup_heap()
     # log_config=None: uvicorn's own lines go through the process's logging (--log-format); the
     # gateway writes its own access lines.
     uvicorn.run(

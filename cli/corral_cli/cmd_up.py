@@ -26,6 +26,7 @@ from corral_engine.sources import FetchError
 
 from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
+from corral_cli.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -316,8 +317,10 @@ def run(args: argparse.Namespace) -> int:
         # Traces only from the OTEL_* variables here; the engines, its children, read the same ones.
         tracing.configure("corral-gateway", None)
         base_url = f"http://{args.host}:{args.port}"
+        app = create_app(settings)
+        freeze_startup_heap()
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
-        asyncio.run(_serve_gateway(create_app(settings), args.host, args.port, usage_text(base_url, name)))
+        asyncio.run(_serve_gateway(app, args.host, args.port, usage_text(base_url, name)))
         return 0
     except (KeyboardInterrupt, _Stop):
         return 0

@@ -14,6 +14,8 @@ from corral_engine.sim.host import PROFILE_OPTIONS, ReplicaSpec, build_engines, 
 from corral_engine.sim.perf_model import describe, load_profile
 from corral_engine.sources.uri import parse_model_uri
 
+from corral_cli.heap import freeze_startup_heap
+
 log = logging.getLogger(__name__)
 
 
@@ -55,11 +57,12 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                 log_interval_s=args.log_interval,
                 tool_call_parser=spec.tool_call_parser,
             )
+            freeze_startup_heap()
             serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
             return 0
         ports = list(range(args.port, args.port + args.replicas))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(serve_fleet(spec, args.host, ports, args.api_key))
+            runner.run(serve_fleet(spec, args.host, ports, args.api_key, on_ready=freeze_startup_heap))
     except ModelLoadError as e:
         log.error("cannot load the tokenizer: %s", e)
         return 1
