@@ -17,7 +17,7 @@ PREFIX = "corral_gateway_"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The gateway's own time per request is tens of microseconds to a few milliseconds; the top
 # buckets resolve a loop stalled by a burst of new connections (1,000 streams at once).
-_OVERHEAD_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.25, 1.0, 2.5)
+_OVERHEAD_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.25, 1, 2.5)
 
 REQUESTS_TOTAL = PREFIX + "requests_total"
 REQUEST_DURATION_SECONDS = PREFIX + "request_duration_seconds"
