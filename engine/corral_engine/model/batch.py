@@ -12,6 +12,17 @@ from corral_engine.model.attention import AttentionContext, DecodeBatch, SeqAtte
 from corral_engine.model.native import PagedDecode
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory, without a wait: a copy from
+    pageable memory first waits for every kernel already queued (PyTorch synchronizes the stream),
+    which holds the host back behind the step in flight instead of preparing the next one (async
+    scheduling), and costs a round trip per tensor otherwise. torch's pinned-memory cache takes
+    the block back only once the copy has run."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, slots=True)
 class StepBatch:
     input_ids: torch.Tensor  # [T]
@@ -51,8 +62,8 @@ class TokenFill:
         dst, src = self.targets(scheduled)
         if dst:
             device = input_ids.device
-            picked = self.tokens.index_select(0, torch.tensor(src, dtype=torch.long, device=device))
-            rows = torch.tensor(dst, dtype=torch.long, device=device)
+            picked = self.tokens.index_select(0, upload(torch.tensor(src, dtype=torch.long), device))
+            rows = upload(torch.tensor(dst, dtype=torch.long), device)
             input_ids.index_copy_(0, rows, picked.to(input_ids.dtype))
 
 
@@ -139,7 +150,7 @@ class BatchBuilder:
                     decode_lens.append(start + j + 1)
             else:
                 num_blocks = -(-end // bs)
-                block_ids = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
+                block_ids = self._tensor(seq.block_table[:num_blocks])
                 seqs.append(SeqAttention(row, row + s.num_new_tokens, end, block_ids))
             prompt_rows.extend(row + q - start for q in s.prompt_positions())
             row += s.num_new_tokens
@@ -150,7 +161,7 @@ class BatchBuilder:
         def tables(group: list[int]) -> torch.Tensor:
             width = max(decode_num_blocks[i] for i in group)
             rows = torch.tensor([decode_table_rows[i] for i in group], dtype=torch.long)
-            return self.block_rows.table[rows, :width].to(self.device)
+            return upload(self.block_rows.table[rows, :width], self.device)
 
         decodes = [
             DecodeBatch(
@@ -193,7 +204,7 @@ class BatchBuilder:
         unified = UnifiedBatch(
             self._tensor(host.query_starts, torch.int32),
             self._tensor(host.seq_lens, torch.int32),
-            self.block_tables(host).to(self.device),
+            upload(self.block_tables(host), self.device),
             host.max_query_len,
         )
         ctx = AttentionContext(self._tensor(host.slots), [], self.block_size, unified=unified)
@@ -202,7 +213,7 @@ class BatchBuilder:
         )
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return upload(torch.tensor(values, dtype=dtype), self.device)
 
     def _decode_groups(self, num_blocks: list[int]) -> list[list[int]]:
         if not num_blocks:
