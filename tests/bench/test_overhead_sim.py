@@ -119,11 +119,11 @@ def test_the_gateways_own_overhead_comes_from_its_histogram_over_each_arm() -> N
     for model in ("a", "b"):
         metrics.add_model(model)
     before = overhead_sim_report.overhead_histograms(metrics.render().decode())
-    assert before["request"]["count"] == 0 and len(before["request"]["bounds"]) == 10
+    assert before["request"]["count"] == 0 and len(before["request"]["bounds"]) == 13
     for model, request_s in (("a", 0.0003), ("a", 0.0004), ("b", 0.0009), ("b", 0.0004)):
         metrics.overhead.labels(model, "request").observe(request_s)
         metrics.overhead.labels(model, "first_byte").observe(0.00002)
-    metrics.overhead.labels("a", "stream").observe(0.2)  # past the last bound
+    metrics.overhead.labels("a", "stream").observe(3.0)  # past the last bound
     after = overhead_sim_report.overhead_histograms(metrics.render().decode())
     arm = overhead_sim_report.overhead_change(after, before)
     figures = overhead_sim_report.overhead_figures(arm)
@@ -133,8 +133,8 @@ def test_the_gateways_own_overhead_comes_from_its_histogram_over_each_arm() -> N
     assert figures["overhead_request_p50_ms"] == pytest.approx(0.25 + 0.25 * 2 / 3)
     # Four in [0, 0.05] ms: the rank 2 lies halfway up the first bucket.
     assert figures["overhead_first_byte_p50_ms"] == pytest.approx(0.025)
-    assert figures["overhead_stream_p50_ms"] == pytest.approx(100.0)  # the last finite bound
-    assert figures["overhead_stream_mean_ms"] == pytest.approx(200.0)
+    assert figures["overhead_stream_p50_ms"] == pytest.approx(2500.0)  # the last finite bound
+    assert figures["overhead_stream_mean_ms"] == pytest.approx(3000.0)
     empty = overhead_sim_report.overhead_figures(overhead_sim_report.overhead_change(after, after))
     assert empty["overhead_request_count"] == 0 and math.isnan(empty["overhead_request_p50_ms"])
 
