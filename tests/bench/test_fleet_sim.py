@@ -10,6 +10,7 @@ from corral_engine.sim.perf_model import BUILTIN
 
 from bench.routing.des import FleetSim, GatewayModel
 from bench.routing.sim_workloads import SimRequest, WorkloadSpec, build, reply_of
+from bench.routing.ttft_breakdown import breakdown, components
 from bench.routing.ttft_floor import prefill_time_s, ttft_floors
 
 PROFILE = dataclasses.replace(BUILTIN["h100-llama3-8b"], num_kv_blocks=2000)
@@ -108,3 +109,27 @@ def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks() -> None:
     one = prefill_time_s(small, 512, 0)
     assert prefill_time_s(small, 1024, 0) > 2 * one  # the second chunk also reads the first's KV
     assert prefill_time_s(small, 1024, 512) < prefill_time_s(small, 1024, 0)
+
+
+def test_the_ttft_breakdown_adds_up_and_tracing_changes_nothing() -> None:
+    requests = build(WorkloadSpec("rag", 200, 40.0, num_replicas=3, seed=4))
+    floors = ttft_floors(requests, PROFILE)
+    plain = FleetSim([PROFILE] * 3, GatewayModel("prefix-affinity")).run(requests)
+    sim = FleetSim([PROFILE] * 3, GatewayModel("prefix-affinity"), trace=True)
+    traced = sim.run(requests)
+    assert sim.tracer is not None and len(sim.tracer.traces) == len(requests)
+    assert {k: o.first_token_s for k, o in traced.items()} == {k: o.first_token_s for k, o in plain.items()}
+    num_waited = num_batched = 0
+    for o in traced.values():
+        assert o.first_token_s is not None
+        parts = components(
+            o.arrival_s, o.first_token_s, sim.tracer.traces[o.request_id], floors[o.request_id]
+        )
+        assert abs(parts["other"]) < 1e-9  # nothing preempted: its steps cover its whole TTFT
+        assert min(parts[k] for k in ("gateway_queue", "step_in_flight", "engine_queue", "decodes")) > -1e-9
+        assert parts["cache_loss"] > -1e-9  # no replica holds more than the floor's one cache
+        num_waited += parts["step_in_flight"] > 0
+        num_batched += parts["decodes"] > 0
+    assert num_waited > 100 and num_batched > 100
+    summary = breakdown(traced, sim.tracer.traces, floors)
+    assert summary["tail"]["ttft_ms"] >= summary["p99_ttft_ms"] >= summary["all"]["ttft_ms"]
