@@ -154,8 +154,9 @@ class FleetSim:
         i = self._index[replica.url]
         self.outcomes[request.request_id].replica = i
         if self.tracer is not None:
-            step_end_s = self._step_ends_s[i] if self._steps[i] is not None else self.clock.now
-            self.tracer.on_dispatch(request.request_id, request.prompt, i, self.clock.now, step_end_s)
+            step, now = self._steps[i], self.clock.now
+            step_end_s = now if step is None else self._step_ends_s[i]
+            self.tracer.on_dispatch(request.request_id, request.prompt, i, now, step, step_end_s)
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         self.engines[i].add_request(request.request_id, request.prompt, params)
         if self._steps[i] is None:

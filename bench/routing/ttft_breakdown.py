@@ -36,6 +36,7 @@ class RequestTrace:
     context_tokens: int  # its replica's running sequences' tokens at dispatch: KV each step reads
     fleet_context_tokens: float  # the mean replica's, from each replica's last poll
     num_waiting_at_dispatch: int  # its replica's engine queue then
+    num_inflight_prefill_tokens: int  # prompt tokens the step in flight computes (tokens - sequences)
     first_scheduled_s: float | None = None
     num_cached_tokens: int = 0  # what its first scheduling found
     own_s: float = 0.0  # its chunks as steps of their own
@@ -55,9 +56,15 @@ class Tracer:
         self._context[i] = float(_context_tokens(self.engines[i]))
 
     def on_dispatch(
-        self, request_id: str, prompt: list[int], i: int, now_s: float, step_end_s: float
+        self,
+        request_id: str,
+        prompt: list[int],
+        i: int,
+        now_s: float,
+        step: SimStep | None,
+        step_end_s: float,
     ) -> None:
-        """Before the request is added to engine `i` (whose step in flight ends at `step_end_s`)."""
+        """Before the request is added to engine `i` (`step`: in flight, ending at `step_end_s`)."""
         probe = self.engines[i].make_request(request_id, prompt, SamplingParams(max_tokens=1)).seqs[0]
         block = self.engines[i].block_manager.block_size
         held = [len(e.block_manager.match_prefix(probe)) * block for e in self.engines]
@@ -71,6 +78,7 @@ class Tracer:
             context_tokens=_context_tokens(self.engines[i]),
             fleet_context_tokens=sum(self._context) / len(self._context),
             num_waiting_at_dispatch=self.engines[i].scheduler.num_waiting,
+            num_inflight_prefill_tokens=0 if step is None else step.shape.num_tokens - step.shape.num_seqs,
         )
         self.traces[request_id] = trace
         self._prefilling[i][request_id] = trace
@@ -164,6 +172,7 @@ def breakdown(
                 "context_tokens": trace.context_tokens,
                 "fleet_context_tokens": trace.fleet_context_tokens,
                 "engine_waiting": trace.num_waiting_at_dispatch,
+                "inflight_prefill_tokens": trace.num_inflight_prefill_tokens,
                 "steps": trace.num_steps,
                 "is_routed_off_cache": trace.num_best_cached > trace.num_cached_at_dispatch,
                 "is_evicted": trace.num_cached_tokens < trace.num_cached_at_dispatch,
@@ -197,6 +206,7 @@ def format_breakdown(b: Mapping[str, Any]) -> str:
             f"{m['dispatch_cached_tokens']:.0f}/{m['cached_tokens']:.0f}, off cache "
             f"{100 * m['is_routed_off_cache']:.0f}%, evicted {100 * m['is_evicted']:.0f}%, running context "
             f"{m['context_tokens'] / 1000:.0f}k tok (fleet mean {m['fleet_context_tokens'] / 1000:.0f}k), "
-            f"engine queue {m['engine_waiting']:.2f}, steps {m['steps']:.2f}"
+            f"engine queue {m['engine_waiting']:.2f}, prompt tokens in the step in flight "
+            f"{m['inflight_prefill_tokens']:.0f}, steps {m['steps']:.2f}"
         )
     return "\n".join(lines)
