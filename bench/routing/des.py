@@ -3,9 +3,10 @@ simulated engines (the engine's real scheduler, block manager and prefix cache),
 
 What the gateway does, restated without I/O: route on arrival (queue FIFO while every replica is
 saturated), poll each replica's load every `poll_interval_s` (each on its own phase), read the load
-headers of a response as its first token arrives, and hand queued requests out after each poll
-and each finished request. Network and gateway latency are not modelled (the gateway bench
-measures them). A run of minutes of fleet time takes seconds to a minute of CPU.
+headers of a response and count its first byte as its first token arrives, and hand queued
+requests out after each poll and each finished request. Network and gateway latency are not
+modelled (the gateway bench measures them). A run of minutes of fleet time takes seconds to a
+minute of CPU.
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class FleetSim:
             outcome = self.outcomes[out.request_id]
             if outcome.first_token_s is None:
                 outcome.first_token_s = now
+                self._replicas[self.urls[i]].on_first_byte()
                 if self.tracer is not None:
                     self.tracer.on_first_token(i, out.request_id)
                 self._observe(i)  # a streamed response's load headers

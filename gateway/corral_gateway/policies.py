@@ -104,8 +104,9 @@ class PrefixAffinity:
 
     With the prompt's chained block hashes: the fewest blocks to prefill before it, counting the
     prompt's own blocks the replica has not cached (`PrefixIndex`: those this gateway did not send
-    it) and the prefill already heading there (`PrefillLedger`: uncached blocks sent since its last
-    load sample, and its reported queue at the mean request's blocks). So a cached document is worth
+    it) and the prefill already heading there (`PrefillLedger`: uncached blocks sent to it whose
+    first token has not come back, and a reported queue beyond them at the mean request's blocks;
+    the caller counts first bytes with `Replica.on_first_byte`). So a cached document is worth
     exactly the prefill it saves, and a replica holding it loses the request once the prefill piled
     on it outweighs that. Ties (nothing cached anywhere, nothing pending) go to kv-aware's order.
     Saturated replicas are left out, and so are those above `load_factor` x the mean load (bounded

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 
 from corral_engine.sim.perf_model import BUILTIN
 
@@ -56,6 +57,9 @@ def test_every_request_finishes_with_its_timings_in_order() -> None:
         assert o.arrival_s <= o.first_token_s <= o.finish_s
     assert {o.replica for o in outcomes.values()} == {0, 1, 2, 3}
     assert all(not e.has_unfinished_requests() for e in sim.engines)
+    # Each first token counts as its response's first bytes, which settle prefix affinity's ledger.
+    counts = Counter(o.replica for o in outcomes.values())
+    assert [r.num_first_bytes for r in sim.registry.replicas("sim")] == [counts[i] for i in range(4)]
 
 
 def test_prefix_aware_routing_finds_more_cached_prefixes_than_round_robin() -> None:
