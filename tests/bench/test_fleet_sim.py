@@ -123,17 +123,20 @@ def test_the_ttft_breakdown_adds_up_and_tracing_changes_nothing() -> None:
     traced = sim.run(requests)
     assert sim.tracer is not None and len(sim.tracer.traces) == len(requests)
     assert {k: o.first_token_s for k, o in traced.items()} == {k: o.first_token_s for k, o in plain.items()}
-    num_waited = num_batched = 0
+    num_waited = num_batched = num_other = 0
     for o in traced.values():
         assert o.first_token_s is not None
         parts = components(
             o.arrival_s, o.first_token_s, sim.tracer.traces[o.request_id], floors[o.request_id]
         )
-        assert abs(parts["other"]) < 1e-9  # nothing preempted: its steps cover its whole TTFT
+        # Its steps cover its whole TTFT, unless it was preempted before its first token (this
+        # small cache preempts a few): then the wait to be computed again is `other`.
+        assert parts["other"] > -1e-9
+        num_other += parts["other"] > 1e-9
         assert min(parts[k] for k in ("gateway_queue", "step_in_flight", "engine_queue", "decodes")) > -1e-9
         assert parts["cache_loss"] > -1e-9  # no replica holds more than the floor's one cache
         num_waited += parts["step_in_flight"] > 0
         num_batched += parts["decodes"] > 0
-    assert num_waited > 100 and num_batched > 100
+    assert num_waited > 100 and num_batched > 100 and num_other < len(requests) / 20
     summary = breakdown(traced, sim.tracer.traces, floors)
     assert summary["tail"]["ttft_ms"] >= summary["p99_ttft_ms"] >= summary["all"]["ttft_ms"]

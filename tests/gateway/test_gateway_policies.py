@@ -265,6 +265,23 @@ def test_prefix_affinity_weighs_the_prefill_a_prefix_saves_against_prefill_sent_
     assert send(policy, replicas, (*again, 1111), 101.0) == "http://a"
 
 
+def test_prefix_affinity_counts_a_prompts_own_blocks_twice_against_prefill_already_pending() -> None:
+    """Blocks a replica lacks are new work for the fleet (they delay everything behind them there);
+    prefill already pending is not. So a holder with work queued keeps its document longer."""
+    doc = tuple(range(100))  # a holds a 100-block document and has 120 blocks pending
+    for policy, expected in (
+        (PrefixAffinity(SAT), "http://a"),
+        (PrefixAffinity(SAT, own_block_weight=1.0), "http://b"),
+    ):
+        replicas = [replica("http://a", running=4), replica("http://b", running=4)]
+        policy.index.remember("http://a", doc)
+        for _ in range(3):
+            policy.ledger.record(replicas[0], 40)
+            replicas[0].on_dispatch()
+        # x2 (default): a 2 x 1 + 120 = 122 against b 2 x 101 = 202; x1: a 121 against b 101.
+        assert send(policy, replicas, (*doc, 7), 100.0) == expected
+
+
 def test_prefix_affinity_spreads_prompts_nothing_caches_by_the_prefill_sent_between_samples() -> None:
     policy = PrefixAffinity(SAT)
     replicas = [replica(f"http://r{i}") for i in range(4)]  # one load sample for the whole burst
