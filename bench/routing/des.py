@@ -3,9 +3,10 @@ simulated engines (the engine's real scheduler, block manager and prefix cache),
 
 What the gateway does, restated without I/O: route on arrival (queue FIFO while every replica is
 saturated), poll each replica's load every `poll_interval_s` (each on its own phase), read the load
-headers of a response as its first token arrives, and hand queued requests out after each poll
-and each finished request. Network and gateway latency are not modelled (the gateway bench
-measures them). A run of minutes of fleet time takes seconds to a minute of CPU.
+headers of a response and count its first byte as its first token arrives, and hand queued
+requests out after each poll and each finished request. Network and gateway latency are not
+modelled (the gateway bench measures them). A run of minutes of fleet time takes seconds to a
+minute of CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
 
 from bench.routing.sim_workloads import SimRequest
+from bench.routing.ttft_breakdown import Tracer
 
 MODEL = "sim"
 
@@ -59,7 +61,10 @@ class _Clock:
 
 
 class FleetSim:
-    def __init__(self, profiles: list[Profile], gateway: GatewayModel, seed: int = 0) -> None:
+    def __init__(
+        self, profiles: list[Profile], gateway: GatewayModel, seed: int = 0, trace: bool = False
+    ) -> None:
+        """`trace`: keep where each request's time to first token went (`tracer`), at some CPU."""
         self.clock = _Clock()
         tokenizer = NullTokenizer()
         self.engines = [SimEngine(p, tokenizer, MODEL, clock=self.clock, is_lean=True) for p in profiles]
@@ -72,6 +77,7 @@ class FleetSim:
         self.gateway = gateway
         self._replicas = {r.url: r for r in self.registry.replicas(MODEL)}
         self._steps: list[SimStep | None] = [None] * len(profiles)
+        self._step_ends_s = [0.0] * len(profiles)
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._queue: deque[SimRequest] = deque()
@@ -81,6 +87,7 @@ class FleetSim:
         self.max_queue_len = 0
         self.stats_at_mark: list[EngineStats] | None = None  # the engines' counters at `mark_s`
         self.on_finish: Callable[[Outcome], None] | None = None  # may `submit` more requests
+        self.tracer = Tracer(self.engines) if trace else None
 
     # -- events ---------------------------------------------------------------------------------
     def _at(self, when_s: float, kind: str, payload: object) -> None:
@@ -147,6 +154,10 @@ class FleetSim:
         replica.on_dispatch()
         i = self._index[replica.url]
         self.outcomes[request.request_id].replica = i
+        if self.tracer is not None:
+            step, now = self._steps[i], self.clock.now
+            step_end_s = now if step is None else self._step_ends_s[i]
+            self.tracer.on_dispatch(request.request_id, request.prompt, i, now, step, step_end_s)
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         self.engines[i].add_request(request.request_id, request.prompt, params)
         if self._steps[i] is None:
@@ -156,7 +167,10 @@ class FleetSim:
         step = self.engines[i].begin_step()
         self._steps[i] = step
         if step is not None:
-            self._at(self.clock.now + step.duration_s, "step", i)
+            self._step_ends_s[i] = self.clock.now + step.duration_s
+            self._at(self._step_ends_s[i], "step", i)
+            if self.tracer is not None:
+                self.tracer.on_step(i, step, self.clock.now)
 
     def _step_done(self, i: int) -> int:
         step = self._steps[i]
@@ -167,6 +181,9 @@ class FleetSim:
             outcome = self.outcomes[out.request_id]
             if outcome.first_token_s is None:
                 outcome.first_token_s = now
+                self._replicas[self.urls[i]].on_first_byte()
+                if self.tracer is not None:
+                    self.tracer.on_first_token(i, out.request_id)
                 self._observe(i)  # a streamed response's load headers
             if out.finished:
                 outcome.finish_s = now
@@ -186,5 +203,7 @@ class FleetSim:
 
     def _poll(self, i: int) -> None:
         self._observe(i)
+        if self.tracer is not None:
+            self.tracer.on_poll(i)
         self._pump()
         self._at(self.clock.now + self.gateway.poll_interval_s, "poll", i)

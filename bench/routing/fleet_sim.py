@@ -23,12 +23,13 @@ from typing import Any
 
 import numpy as np
 from corral_engine.outputs import EngineStats
-from corral_engine.sim.perf_model import BUILTIN, Profile, describe, load_profile
+from corral_engine.sim.perf_model import BUILTIN, describe, load_profile
 
 from bench.routing.des import FleetSim, GatewayModel, Outcome
 from bench.routing.fleet_sim_report import plot, summary, table
 from bench.routing.sim_workloads import WORKLOADS, SimRequest, WorkloadSpec, build
-from bench.routing.ttft_floor import ttft_floors
+from bench.routing.ttft_breakdown import breakdown, format_breakdown
+from bench.routing.ttft_floor import Floor, ttft_floors
 
 logger = logging.getLogger("fleet_sim")
 POLICIES = ("round-robin", "least-requests", "kv-aware", "prefix-affinity", "llm-d")
@@ -52,6 +53,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--heterogeneous", action="store_true", help="every other replica has half the KV cache")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--breakdown", action="store_true", help="split each request's TTFT into where it went (more CPU)"
+    )
+    p.add_argument("--poll-interval-s", type=float, default=0.075, help="load polls of each replica")
     p.add_argument("--out", type=Path, default=Path("bench/results/fleet-sim"))
     p.add_argument("--from-json", type=Path, nargs="+", help="only redo the table and plots of these runs")
     return p.parse_args()
@@ -177,9 +182,8 @@ def summarize(outcomes: dict[str, Outcome], sim: FleetSim) -> dict[str, Any]:
     }
 
 
-def floor_figures(requests: list[SimRequest], profile: Profile) -> dict[str, float]:
+def floor_figures(requests: list[SimRequest], floors: dict[str, Floor]) -> dict[str, float]:
     """p50/p99 of the counted requests' TTFT floors (`ttft_floor`), warm and cold."""
-    floors = ttft_floors(requests, profile)
     mine = [floors[r.request_id] for r in requests if r.is_counted]
     warm = np.array([f.warm_s for f in mine])
     cold = np.array([f.cold_s for f in mine])
@@ -204,7 +208,8 @@ def run_cell(
     arrivals = "poisson" if shape == 1.0 else "bursty"
     cell: dict[str, Any] = {"replicas": n, "workload": workload, "load": load, "arrivals": arrivals}
     cell |= {"rate_req_s": rate, "capacity_req_s": capacity, "warmup_s": warmup_s}
-    cell |= {"floor": floor_figures(requests, fleet_profiles(args, n)[0]), "policies": {}}
+    floors = ttft_floors(requests, fleet_profiles(args, n)[0])
+    cell |= {"floor": floor_figures(requests, floors), "policies": {}}
     logger.info(
         "%3d replicas %-8s load %.2f %-7s TTFT floor p50 %.0f p99 %.0f ms (cold %.0f / %.0f), "
         "%d requests + %d warm-up",
@@ -214,9 +219,14 @@ def run_cell(
     )  # fmt: skip
     for policy in args.policies:
         started = time.perf_counter()
-        sim = FleetSim(fleet_profiles(args, n), GatewayModel(policy), args.seed)
-        row = summarize(sim.run(requests, mark_s=warmup_s if warmup_s else None), sim)
+        gateway = GatewayModel(policy, poll_interval_s=args.poll_interval_s)
+        sim = FleetSim(fleet_profiles(args, n), gateway, args.seed, trace=args.breakdown)
+        outcomes = sim.run(requests, mark_s=warmup_s if warmup_s else None)
+        row = summarize(outcomes, sim)
         cell["policies"][policy] = row
+        if sim.tracer is not None:
+            row["breakdown"] = breakdown(outcomes, sim.tracer.traces, floors)
+            logger.info("%s TTFT breakdown, mean ms:\n%s", policy, format_breakdown(row["breakdown"]))
         logger.info(
             "%3d replicas %-8s load %.2f %-7s %-15s TTFT p50 %6.0f p99 %7.0f ms, "
             "TPOT p50 %4.1f p99 %5.1f ms, goodput %6.1f req/s (%.0f%%), hits %.2f, preemptions %d (%.0f s)",

@@ -286,6 +286,7 @@ class Fleet:
                         "num_waiting": load.num_waiting,
                         "kv_usage_ratio": load.kv_usage_ratio,
                         "num_inflight": r.num_inflight,
+                        "num_first_bytes": r.num_first_bytes,
                         "score": r.last_score,
                     }
                 )

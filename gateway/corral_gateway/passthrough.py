@@ -75,6 +75,7 @@ class Exchange:
         try:
             content = await upstream.read()
             self.body_in_hand_s = time.perf_counter()
+            self.replica.on_first_byte()
             self.is_complete = True
         except UpstreamError as e:
             self._broken(e, "body")
@@ -103,6 +104,7 @@ class Exchange:
             async for chunk in self.upstream.chunks():
                 in_hand_s = time.perf_counter()
                 if is_first:
+                    self.replica.on_first_byte()  # its prompt is computed: prefix affinity's ledger
                     self.metrics.ttfb.labels(self.origin.model).observe(
                         time.monotonic() - self.origin.start_s
                     )

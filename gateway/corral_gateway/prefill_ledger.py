@@ -1,44 +1,66 @@
-"""Prefill this gateway sent each replica that the replica's last load sample cannot show (pure).
+"""Prefill this gateway sent each replica whose first token has not come back yet (pure).
 
-A load sample counts requests, not the prompt tokens still to compute, and it is up to a poll
-interval old. A replica just sent three long prompts that its cache lacks computes them in its next
-steps, and every request sent there meanwhile waits behind them: its time to first token grows
-with that work, not with the count of requests. The ledger keeps, per replica, the prompt blocks
-sent to it since its last sample that it had not cached (the prefix index's view), and prices the
-queue the sample reports at the mean of those blocks per request.
+A load sample counts requests, not the prompt tokens still to compute, and a request it shows as
+running may be in the middle of its prompt: a 4,000-token document is one step of 100 ms or more
+on an H100, and every request sent there meanwhile waits for that step to end. The ledger keeps,
+per replica and in the order sent, the prompt blocks it was sent that it had not cached (the prefix
+index's view), and settles the oldest as the replica's responses' first bytes come back
+(`Replica.num_first_bytes`): an engine admits its queue first come, first served, so first tokens
+come back in about that order. A request that ended without a first byte (a failure) no longer
+counts once fewer requests are in flight than records are kept. A queue the replica reports beyond
+these (other gateways' requests) is priced at the mean request's blocks.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
+
 from corral_gateway.registry import Replica, ReplicaLoad
+
+
+@dataclass(slots=True)
+class _Pending:
+    num_first_bytes: int  # the replica's count when last settled
+    blocks: deque[float] = field(default_factory=deque)  # per request, oldest first
+    num_blocks: float = 0.0  # their sum
 
 
 class PrefillLedger:
     def __init__(self, smoothing: float = 0.01) -> None:
         self._smoothing = smoothing  # weight of each new request in the mean blocks per request
-        self._sent: dict[str, tuple[float | None, float]] = {}  # url -> (its sample's time, blocks since)
+        self._pending: dict[tuple[str, str], _Pending] = {}
         self.mean_blocks_per_request: float | None = None
 
     def pending_blocks(self, replica: Replica, load: ReplicaLoad) -> float:
-        """Blocks to prefill before a request sent now starts: sent since the sample, plus the
-        queue the sample reports at the mean request's blocks."""
-        return self._sent_since_sample(replica) + load.num_waiting_reported * (
-            self.mean_blocks_per_request or 0.0
-        )
+        """Blocks to prefill before a request sent now starts: those sent and not yet answered,
+        plus any reported queue beyond them at the mean request's blocks."""
+        pending = self._settle(replica)
+        queued_elsewhere = max(0.0, load.num_waiting_reported - len(pending.blocks))
+        return pending.num_blocks + queued_elsewhere * (self.mean_blocks_per_request or 0.0)
 
     def record(self, replica: Replica, num_blocks: float) -> None:
-        """`num_blocks` of prompt the replica must compute were just sent to it."""
-        self._sent[replica.url] = (_sample_at(replica), self._sent_since_sample(replica) + num_blocks)
+        """`num_blocks` of prompt the replica must compute were just sent to it (before the
+        caller's `on_dispatch`)."""
+        pending = self._settle(replica)
+        pending.blocks.append(num_blocks)
+        pending.num_blocks += num_blocks
         mean = self.mean_blocks_per_request
         self.mean_blocks_per_request = (
             num_blocks if mean is None else mean + self._smoothing * (num_blocks - mean)
         )
 
-    def _sent_since_sample(self, replica: Replica) -> float:
-        at_s, num_blocks = self._sent.get(replica.url, (None, 0.0))
-        # A newer sample already counts what was sent before it (as running or waiting).
-        return num_blocks if at_s == _sample_at(replica) else 0.0
-
-
-def _sample_at(replica: Replica) -> float | None:
-    return None if replica.sample is None else replica.sample.at_s
+    def _settle(self, replica: Replica) -> _Pending:
+        key = (replica.model, replica.url)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending(replica.num_first_bytes)
+        num_answered = replica.num_first_bytes - pending.num_first_bytes
+        pending.num_first_bytes = replica.num_first_bytes
+        blocks = pending.blocks
+        while blocks and (num_answered > 0 or len(blocks) > replica.num_inflight):
+            pending.num_blocks -= blocks.popleft()
+            num_answered -= 1
+        if not blocks:
+            pending.num_blocks = 0.0  # no float drift once nothing is pending
+        return pending

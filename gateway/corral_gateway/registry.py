@@ -26,6 +26,7 @@ class Replica:
     num_inflight: int = 0  # requests this gateway is proxying to the replica now
     num_dispatched_since_sample: int = 0  # sent after the last sample was taken, so not in it
     num_finished_since_sample: int = 0  # finished after the last sample, so still counted in it
+    num_first_bytes: int = 0  # responses whose first bytes came back: their prompts are computed
     num_consecutive_failures: int = 0
     num_ejections: int = 0  # in a row; ejection time doubles with each
     ejected_until_s: float | None = None
@@ -48,6 +49,9 @@ class Replica:
     def on_dispatch(self) -> None:
         self.num_inflight += 1
         self.num_dispatched_since_sample += 1
+
+    def on_first_byte(self) -> None:
+        self.num_first_bytes += 1
 
     def on_done(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)

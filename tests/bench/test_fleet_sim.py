@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 
 from corral_engine.sim.perf_model import BUILTIN
 
 from bench.routing.des import FleetSim, GatewayModel
 from bench.routing.sim_workloads import SimRequest, WorkloadSpec, build, reply_of
+from bench.routing.ttft_breakdown import breakdown, components
 from bench.routing.ttft_floor import prefill_time_s, ttft_floors
 
 PROFILE = dataclasses.replace(BUILTIN["h100-llama3-8b"], num_kv_blocks=2000)
@@ -55,6 +57,9 @@ def test_every_request_finishes_with_its_timings_in_order() -> None:
         assert o.arrival_s <= o.first_token_s <= o.finish_s
     assert {o.replica for o in outcomes.values()} == {0, 1, 2, 3}
     assert all(not e.has_unfinished_requests() for e in sim.engines)
+    # Each first token counts as its response's first bytes, which settle prefix affinity's ledger.
+    counts = Counter(o.replica for o in outcomes.values())
+    assert [r.num_first_bytes for r in sim.registry.replicas("sim")] == [counts[i] for i in range(4)]
 
 
 def test_prefix_aware_routing_finds_more_cached_prefixes_than_round_robin() -> None:
@@ -108,3 +113,30 @@ def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks() -> None:
     one = prefill_time_s(small, 512, 0)
     assert prefill_time_s(small, 1024, 0) > 2 * one  # the second chunk also reads the first's KV
     assert prefill_time_s(small, 1024, 512) < prefill_time_s(small, 1024, 0)
+
+
+def test_the_ttft_breakdown_adds_up_and_tracing_changes_nothing() -> None:
+    requests = build(WorkloadSpec("rag", 200, 40.0, num_replicas=3, seed=4))
+    floors = ttft_floors(requests, PROFILE)
+    plain = FleetSim([PROFILE] * 3, GatewayModel("prefix-affinity")).run(requests)
+    sim = FleetSim([PROFILE] * 3, GatewayModel("prefix-affinity"), trace=True)
+    traced = sim.run(requests)
+    assert sim.tracer is not None and len(sim.tracer.traces) == len(requests)
+    assert {k: o.first_token_s for k, o in traced.items()} == {k: o.first_token_s for k, o in plain.items()}
+    num_waited = num_batched = num_other = 0
+    for o in traced.values():
+        assert o.first_token_s is not None
+        parts = components(
+            o.arrival_s, o.first_token_s, sim.tracer.traces[o.request_id], floors[o.request_id]
+        )
+        # Its steps cover its whole TTFT, unless it was preempted before its first token (this
+        # small cache preempts a few): then the wait to be computed again is `other`.
+        assert parts["other"] > -1e-9
+        num_other += parts["other"] > 1e-9
+        assert min(parts[k] for k in ("gateway_queue", "step_in_flight", "engine_queue", "decodes")) > -1e-9
+        assert parts["cache_loss"] > -1e-9  # no replica holds more than the floor's one cache
+        num_waited += parts["step_in_flight"] > 0
+        num_batched += parts["decodes"] > 0
+    assert num_waited > 100 and num_batched > 100 and num_other < len(requests) / 20
+    summary = breakdown(traced, sim.tracer.traces, floors)
+    assert summary["tail"]["ttft_ms"] >= summary["p99_ttft_ms"] >= summary["all"]["ttft_ms"]

@@ -26,6 +26,21 @@ def cand(
     return Candidate(replica, replica.load(at_s, 2.0))
 
 
+def replica(
+    url: str, running: float = 0, waiting: float = 0, kv: float = 0.0, at_s: float = 100.0
+) -> Replica:
+    r = Replica(model="m", url=url)
+    r.observe(LoadSample(running, waiting, kv, at_s=at_s))
+    return r
+
+
+def send(policy: PrefixAffinity, replicas: list[Replica], block_hashes: tuple[int, ...], now_s: float) -> str:
+    """Pick as the router does, then dispatch to the pick as the router's callers do."""
+    chosen = policy.pick([Candidate(r, r.load(now_s, 2.0)) for r in replicas], None, block_hashes).replica
+    chosen.on_dispatch()
+    return chosen.url
+
+
 def test_round_robin_cycles_through_every_replica() -> None:
     policy = make_policy("round-robin", SAT)
     cands = [cand("http://a"), cand("http://b"), cand("http://c")]
@@ -227,32 +242,54 @@ def test_prefix_affinity_follows_the_longest_prefix_a_replica_was_sent() -> None
 
 def test_prefix_affinity_weighs_the_prefill_a_prefix_saves_against_prefill_sent_to_its_replica() -> None:
     policy = PrefixAffinity(SAT)
-    urls = ["http://a", "http://b", "http://c"]
+    replicas = [replica(u, running=8) for u in ("http://a", "http://b", "http://c")]
+    a = replicas[0]
     short, long = tuple(range(10)), tuple(range(100, 200))  # cached on a: 10 and 100 blocks
-    other = tuple(range(300, 310))  # and another 10 blocks
-    for prefix in (short, long, other):
+    other, again = tuple(range(300, 310)), tuple(range(400, 410))  # and two more of 10 blocks
+    for prefix in (short, long, other, again):
         policy.index.remember("http://a", prefix)
-    loads = [cand(u) for u in urls]
-    a = loads[0]
-    for _ in range(3):  # three 8-block prompts nothing caches, sent to a since its last sample
-        policy.ledger.record(a.replica, 8)
+    for _ in range(3):  # three 8-block prompts nothing caches, sent to a, no first byte back yet
+        policy.ledger.record(a, 8)
+        a.on_dispatch()
     # a: 1 + 24 blocks to prefill before the first token, b and c: 11 -> elsewhere.
-    assert policy.pick(loads, None, (*short, 7777)).replica.url != "http://a"
-    # a: 1 + 24 (+ 1 just sent) against 101 -> the 100-block prefix is worth the wait.
-    assert policy.pick(loads, None, (*long, 8888)).replica.url == "http://a"
-    # A newer load sample already counts what was sent before it: a is back to 1 block.
-    assert policy.pick([cand(u, at_s=101.0) for u in urls], None, (*other, 9999)).replica.url == "http://a"
+    assert send(policy, replicas, (*short, 7777), 100.0) != "http://a"
+    # a: 1 + 24 against 101 -> the 100-block prefix is worth the wait.
+    assert send(policy, replicas, (*long, 8888), 100.0) == "http://a"
+    # A newer load sample shows them running, which does not say their prompts are computed:
+    # a: 1 + 25 against 11.
+    a.observe(LoadSample(12, 0, 0.0, at_s=101.0))
+    assert send(policy, replicas, (*other, 9999), 101.0) != "http://a"
+    # Their first bytes came back: a is back to 1 block.
+    for _ in range(4):
+        a.on_first_byte()
+    assert send(policy, replicas, (*again, 1111), 101.0) == "http://a"
+
+
+def test_prefix_affinity_counts_a_prompts_own_blocks_twice_against_prefill_already_pending() -> None:
+    """Blocks a replica lacks are new work for the fleet (they delay everything behind them there);
+    prefill already pending is not. So a holder with work queued keeps its document longer."""
+    doc = tuple(range(100))  # a holds a 100-block document and has 120 blocks pending
+    for policy, expected in (
+        (PrefixAffinity(SAT), "http://a"),
+        (PrefixAffinity(SAT, own_block_weight=1.0), "http://b"),
+    ):
+        replicas = [replica("http://a", running=4), replica("http://b", running=4)]
+        policy.index.remember("http://a", doc)
+        for _ in range(3):
+            policy.ledger.record(replicas[0], 40)
+            replicas[0].on_dispatch()
+        # x2 (default): a 2 x 1 + 120 = 122 against b 2 x 101 = 202; x1: a 121 against b 101.
+        assert send(policy, replicas, (*doc, 7), 100.0) == expected
 
 
 def test_prefix_affinity_spreads_prompts_nothing_caches_by_the_prefill_sent_between_samples() -> None:
     policy = PrefixAffinity(SAT)
-    urls = [f"http://r{i}" for i in range(4)]
-    loads = [cand(u) for u in urls]  # one load sample for the whole burst
+    replicas = [replica(f"http://r{i}") for i in range(4)]  # one load sample for the whole burst
     rng = random.Random(1)
     long_prompt = tuple(rng.getrandbits(64) for _ in range(60))
-    first = policy.pick(loads, None, long_prompt).replica.url
+    first = send(policy, replicas, long_prompt, 100.0)
     picks = Counter(
-        policy.pick(loads, None, tuple(rng.getrandbits(64) for _ in range(5))).replica.url for _ in range(12)
+        send(policy, replicas, tuple(rng.getrandbits(64) for _ in range(5)), 100.0) for _ in range(12)
     )
     # The 60-block prompt's replica gets none of the short ones (5 blocks each, 4 per replica
     # balance out at 20 < 60), the others share them evenly.
@@ -273,12 +310,32 @@ def test_prefix_affinity_leaves_saturated_and_overloaded_holders() -> None:
 
 def test_prefill_ledger_prices_a_reported_queue_at_the_mean_request() -> None:
     ledger = PrefillLedger(smoothing=0.5)
-    idle, queued = cand("http://a"), cand("http://b", waiting=3)
-    assert ledger.pending_blocks(queued.replica, queued.load) == 0.0  # no request seen yet
-    ledger.record(idle.replica, 10)
-    ledger.record(idle.replica, 20)  # mean 10 -> 15
-    assert ledger.pending_blocks(idle.replica, idle.load) == 30.0
-    assert ledger.pending_blocks(queued.replica, queued.load) == 45.0
+    a, b = replica("http://a"), replica("http://b", waiting=3)
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 0.0  # no request seen yet
+    for num_blocks in (10, 20):  # mean 10 -> 15
+        ledger.record(a, num_blocks)
+        a.on_dispatch()
+    assert ledger.pending_blocks(a, a.load(100.0, 2.0)) == 30.0
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 45.0  # another gateway's queue
+    ledger.record(b, 5)  # mean 15 -> 10; one of b's queued requests is now this gateway's
+    b.on_dispatch()
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 5.0 + 2 * 10.0
+
+
+def test_prefill_ledger_counts_a_prompt_until_its_first_byte_comes_back() -> None:
+    ledger = PrefillLedger()
+    a = replica("http://a")
+    for num_blocks in (40, 10, 10):
+        ledger.record(a, num_blocks)
+        a.on_dispatch()
+    a.observe(LoadSample(3, 0, 0.1, at_s=101.0))  # all three running, the first maybe mid-prompt
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 60.0
+    a.on_first_byte()  # the oldest prompt is computed
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 20.0
+    a.on_done()  # it ends
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 20.0
+    a.on_done()  # another ends without a first byte (a failure): one fewer in flight than kept
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 10.0
 
 
 def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:

@@ -96,6 +96,11 @@ async def test_streams_sse_bytes_untouched() -> None:
             body = b"".join([chunk async for chunk in r.aiter_raw()])
         expected = b"".join(f'data: {{"i": {i}, "served_by": "fake"}}\n\n'.encode() for i in range(4))
         assert body == expected + b"data: [DONE]\n\n"
+        # Its first bytes told the replica's record that its prompt is computed, once; so does a
+        # whole body (prefix affinity's prefill ledger counts them).
+        assert (await replicas(client)).popitem()[1]["num_first_bytes"] == 1
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert (await replicas(client)).popitem()[1]["num_first_bytes"] == 2
 
 
 async def test_5xx_before_first_byte_is_retried_on_another_replica() -> None:

@@ -206,3 +206,54 @@ async def test_finished_requests_leave_nothing_in_the_engine(
     )
     assert engine.requests == {}
     assert engine.aborted == []
+
+
+async def test_a_chat_stream_sends_nothing_before_its_prompt_is_computed() -> None:
+    """The role chunk goes out with the first tokens: a gateway takes a response's first bytes for
+    the moment its prompt was computed (prefix affinity's prefill ledger)."""
+    import asyncio
+
+    from corral_engine.server import create_app
+
+    engine = FakeEngine()
+    engine.gate.clear()  # the request waits in the engine's queue
+    app = create_app(engine)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hey"}], "stream": True})
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    sent: list[dict[str, Any]] = []
+    hang_up = asyncio.Event()
+    requests = iter([{"type": "http.request", "body": body.encode(), "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        message = next(requests, None)
+        if message is None:
+            await hang_up.wait()
+            return {"type": "http.disconnect"}
+        return message
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    def body_bytes() -> bytes:
+        return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    async with app.router.lifespan_context(app):
+        task = asyncio.create_task(app(scope, receive, send))
+        for _ in range(200):  # the response has started and the request waits in the engine
+            if any(m["type"] == "http.response.start" for m in sent) and engine.requests:
+                break
+            await asyncio.sleep(0)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert engine.requests and body_bytes() == b""
+        engine.gate.set()
+        await asyncio.wait_for(task, 10)
+        events = sse_events(body_bytes().decode())
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert events[-1] == "[DONE]"
+        hang_up.set()

@@ -135,10 +135,13 @@ async def _stream(
     sent_finish: set[int] = set()
     pending: dict[int, int] = {}  # tokens not yet sent in a chunk (no text yet), per choice
     replies = [ReplyStream(plan) for _ in range(req.n)]
+    is_first = True
     try:
-        for index in range(req.n):
-            yield chunk(index, {"role": "assistant", "content": ""})
         async for _, out in run.outputs():
+            if is_first:  # the role goes with the first tokens, not before the prompt is computed:
+                is_first = False  # the gateway takes a response's first bytes for that moment
+                for index in range(req.n):
+                    yield chunk(index, {"role": "assistant", "content": ""})
             for o in out.outputs:
                 if o.index in sent_finish:
                     continue
