@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 from corral_engine import wire
 
+from tests.server.asgi_call import AsgiCall
 from tests.server.fake_engine import FakeEngine
 
 MODEL = FakeEngine.served_model_name
@@ -218,34 +219,15 @@ async def test_a_chat_stream_sends_nothing_before_its_prompt_is_computed() -> No
     engine = FakeEngine()
     engine.gate.clear()  # the request waits in the engine's queue
     app = create_app(engine)
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hey"}], "stream": True})
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
-    sent: list[dict[str, Any]] = []
-    hang_up = asyncio.Event()
-    requests = iter([{"type": "http.request", "body": body.encode(), "more_body": False}])
-
-    async def receive() -> dict[str, Any]:
-        message = next(requests, None)
-        if message is None:
-            await hang_up.wait()
-            return {"type": "http.disconnect"}
-        return message
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
+    call = AsgiCall(app, {"model": MODEL, "messages": [{"role": "user", "content": "hey"}], "stream": True})
 
     def body_bytes() -> bytes:
-        return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return b"".join(m.get("body", b"") for m in call.sent if m["type"] == "http.response.body")
 
     async with app.router.lifespan_context(app):
-        task = asyncio.create_task(app(scope, receive, send))
+        task = asyncio.create_task(call.run("/v1/chat/completions"))
         for _ in range(200):  # the response has started and the request waits in the engine
-            if any(m["type"] == "http.response.start" for m in sent) and engine.requests:
+            if any(m["type"] == "http.response.start" for m in call.sent) and engine.requests:
                 break
             await asyncio.sleep(0)
         for _ in range(50):
@@ -256,4 +238,3 @@ async def test_a_chat_stream_sends_nothing_before_its_prompt_is_computed() -> No
         events = sse_events(body_bytes().decode())
         assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert events[-1] == "[DONE]"
-        hang_up.set()

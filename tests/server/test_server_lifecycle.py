@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from typing import Any
 
@@ -15,6 +14,7 @@ from corral_engine.server import create_app, lifecycle
 from corral_engine.server.lifecycle import DrainingServer, missing_fast_http, throughput_line
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.server.asgi_call import AsgiCall
 from tests.server.fake_engine import FakeEngine
 
 MODEL = FakeEngine.served_model_name
@@ -77,44 +77,6 @@ async def test_waiting_gauge_moves_on_enqueue(client: httpx.AsyncClient, engine:
     assert got[(wire.NUM_REQUESTS_WAITING, ((wire.MODEL_NAME_LABEL, MODEL),))] == 1
     engine.gate.set()
     assert (await task).status_code == 200
-
-
-class AsgiCall:
-    """Drive the ASGI app by hand so a test decides when the client hangs up."""
-
-    def __init__(self, app: Any, body: dict[str, Any]) -> None:
-        self.app = app
-        self.body = json.dumps(body).encode()
-        self.hang_up = asyncio.Event()
-        self.sent: list[dict[str, Any]] = []
-        self._body_sent = False
-
-    async def receive(self) -> dict[str, Any]:
-        if not self._body_sent:
-            self._body_sent = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        await self.hang_up.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        self.sent.append(message)
-
-    async def run(self, path: str) -> None:
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-        }
-        await self.app(scope, self.receive, self.send)
 
 
 async def test_non_streaming_hang_up_aborts_the_request() -> None:
