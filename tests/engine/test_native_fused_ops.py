@@ -1,6 +1,7 @@
-"""bf16 on the CPU: the native fused ops (SiLU-and-multiply, RMSNorm) against references that do not
-depend on the CPU, and the Linear layer's upcast and prepacked paths. Which path the runner picks on
-which CPU is tested in test_matmul_plan.py."""
+"""bf16 on the CPU: the native fused ops (SiLU-and-multiply, RMSNorm, the residual add before it,
+rotary embedding) against references that do not depend on the CPU, or against PyTorch's own bf16
+expressions where those round the same on every CPU, and the Linear layer's upcast and prepacked
+paths. Which path the runner picks on which CPU is tested in test_matmul_plan.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from corral_engine.model import native
-from corral_engine.model.llama import MLP, Linear, RMSNorm
+from corral_engine.model.llama import MLP, Linear, RMSNorm, _rotate_half
 from corral_engine.settings import EngineSettings
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernels")
@@ -87,6 +88,95 @@ def test_rms_norm_meets_its_contract(ops: native.FusedOps, shape: tuple[int, ...
     _assert_meets_contract(
         ops.rms_norm(x, weight, eps), weight.double() * _bf16(normed), weight.double() * normed, slack
     )
+
+
+@pytest.mark.parametrize(("rows", "size"), [(1, 768), (16, 768), (40, 96)])
+def test_add_rms_norm_is_the_add_then_the_norm(ops: native.FusedOps, rows: int, size: int) -> None:
+    """The sum is PyTorch's bf16 add to the bit (one rounding of an exact float32 sum), and the
+    norm is the kernel's own norm of that sum: identical bits, on any CPU."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, size, generator=gen) * 3).bfloat16()
+    residual = (torch.randn(rows, size, generator=gen) * 30).bfloat16()
+    weight = (1 + torch.randn(size, generator=gen) / 4).bfloat16()
+    normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, ops.rms_norm(x + residual, weight, 1e-6))
+
+
+def _rotary_case(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused QKV output [T, (12 + 2 * 4) * 64] and cos/sin [T, 1, 64] as Rotary.cos_sin makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, 20 * 64, generator=gen) * 8).bfloat16()
+    angles = torch.rand(tokens, 32, generator=gen) * 1000
+    emb = torch.cat((angles, angles), dim=-1)
+    return qkv, emb.cos().bfloat16().unsqueeze(1), emb.sin().bfloat16().unsqueeze(1)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 200])
+def test_rotary_is_torchs_expression_to_the_bit(ops: native.FusedOps, tokens: int) -> None:
+    """In place on the q and k heads of the fused QKV rows (v untouched), with exactly the bits of
+    `x * cos + rotate_half(x) * sin` in bf16: a product of two bf16 values is exact in float32, so
+    every rounding is the same on every CPU."""
+    qkv, cos, sin = _rotary_case(tokens, tokens)
+    q = qkv[:, :768].view(tokens, 12, 64)
+    k = qkv[:, 768:1024].view(tokens, 4, 64)
+    want_q, want_k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    v_before = qkv[:, 1024:].clone()
+    assert ops.supports_rotary(q, k, cos, sin)
+    ops.rotary(q, k, cos, sin)
+    assert torch.equal(q, want_q)
+    assert torch.equal(k, want_k)
+    assert torch.equal(qkv[:, 1024:], v_before)
+
+
+def test_rotary_refuses_layouts_it_cannot_read(ops: native.FusedOps) -> None:
+    qkv, cos, sin = _rotary_case(4, 0)
+    q = qkv[:, :768].view(4, 12, 64)
+    k = qkv[:, 768:1024].view(4, 4, 64)
+    assert not ops.supports_rotary(q.float(), k, cos, sin)  # float32: PyTorch's path
+    assert not ops.supports_rotary(q.transpose(0, 1), k, cos, sin)  # heads not contiguous
+    assert not ops.supports_rotary(q, k, cos.float(), sin)
+    assert not ops.supports_rotary(q, k, cos, sin[..., :32])  # another head size
+
+
+@needs_cc
+def test_attention_rotates_through_the_kernel_with_the_same_bits(
+    ops: native.FusedOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's rotary step through the native kernel gives PyTorch's bits: its output, and the
+    K/V it writes to the cache, are the same through both paths."""
+    from corral_engine.model.attention import AttentionContext, SeqAttention
+    from corral_engine.model.llama import Attention
+
+    config = SimpleNamespace(
+        num_heads=12, num_kv_heads=4, head_dim=64, sliding_windows=[None], hidden_size=256,
+        qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = Attention(config, 0, None).bfloat16()  # type: ignore[arg-type]
+    tokens = 5
+    _, cos, sin = _rotary_case(tokens, 1)
+    x = torch.randn(tokens, 256).bfloat16()
+    calls: list[int] = []
+    kernel = ops.rotary
+
+    def counted(*args: torch.Tensor) -> None:
+        calls.append(1)
+        kernel(*args)
+
+    monkeypatch.setattr(ops, "rotary", counted)
+    results = []
+    for fused in (None, ops):
+        layer.fused_ops = fused
+        cache = (torch.zeros(4, 16, 4, 64).bfloat16(), torch.zeros(4, 16, 4, 64).bfloat16())
+        prompt = SeqAttention(q_start=0, q_end=tokens, ctx_len=tokens, block_ids=torch.tensor([0]))
+        ctx = AttentionContext(slot_mapping=torch.arange(tokens), seqs=[prompt], block_size=16)
+        with torch.inference_mode():
+            out = layer(x, cos, sin, cache, ctx)
+        results.append((out, cache[0].clone()))
+    assert calls == [1]  # the second pass went through the kernel
+    assert torch.equal(results[0][1], results[1][1])  # rotated K written to the cache
+    assert torch.equal(results[0][0], results[1][0])
 
 
 def test_torchs_own_expressions_meet_the_same_contract() -> None:

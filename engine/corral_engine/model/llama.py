@@ -36,8 +36,8 @@ class RMSNorm(nn.Module):
         triton_ops = self._triton(x)
         if triton_ops is not None:
             return triton_ops.rms_norm(x, self.weight, self.eps)  # one launch, not four
-        ops = self.fused_ops
-        if ops is not None and ops.supports(x) and self.weight.dtype == x.dtype:
+        ops = self._native(x)
+        if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps)  # bf16 on the CPU: one pass over memory
         # Normalise in float32, scale in the model dtype: transformers' order, in one fused kernel.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -48,8 +48,16 @@ class RMSNorm(nn.Module):
         ops = self._triton(x)
         if ops is not None:
             return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        native = self._native(x, residual)
+        if native is not None:
+            return native.add_rms_norm(x, residual, self.weight, self.eps)  # one call, not two
         summed = x + residual
         return self(summed), summed
+
+    def _native(self, *xs: torch.Tensor) -> FusedOps | None:
+        ops = self.fused_ops
+        usable = ops is not None and self.weight.dtype == xs[0].dtype and all(ops.supports(x) for x in xs)
+        return ops if usable else None
 
     def _triton(self, x: torch.Tensor) -> TritonOps | None:
         ops = self.triton_ops
@@ -154,6 +162,7 @@ class FusedLinear(Linear):
 
 
 class Attention(nn.Module):
+    fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
     triton_ops: TritonOps | None = None  # the GPU's fused elementwise kernels, set by the runner
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None) -> None:
@@ -192,8 +201,11 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         ops = self.triton_ops
+        fused = self.fused_ops
         if ops is not None and ops.supports(q) and ops.supports(k):
             ops.rotary(q, k, cos, sin)  # in place, one launch for both
+        elif fused is not None and fused.supports_rotary(q, k, cos, sin):
+            fused.rotary(q, k, cos, sin)  # bf16 on the CPU: in place, one call instead of twelve ops
         else:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin

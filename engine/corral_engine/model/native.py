@@ -1,7 +1,8 @@
 """Optional native CPU kernels: compiled on first use with the system C compiler, cached per machine.
 
 `load_paged_decode()` returns the paged decode attention kernel (kernels/paged_decode.c) and
-`load_fused_ops()` the fused bf16 elementwise ops (kernels/fused_ops.c: SiLU-and-multiply, RMSNorm);
+`load_fused_ops()` the fused bf16 elementwise ops (kernels/fused_ops.c: SiLU-and-multiply, RMSNorm
+with or without the residual add before it, rotary embedding);
 each is None when it cannot be had (no compiler, a failed build, `native_kernels` off in the
 EngineSettings, i.e. `CORRAL_NATIVE_ATTENTION=0`), and
 callers then use the pure-PyTorch path, which computes the same thing. The libraries are built with
@@ -94,6 +95,12 @@ class FusedOps:
         self._rms_norm.restype = ctypes.c_int
         sizes = [ctypes.c_int64] * 2
         self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + sizes + [ctypes.c_float, ctypes.c_int]
+        self._add_rms_norm = lib.add_rms_norm_bf16
+        self._add_rms_norm.restype = ctypes.c_int
+        self._add_rms_norm.argtypes = [ctypes.c_void_p] * 5 + sizes + [ctypes.c_float, ctypes.c_int]
+        self._rotary = lib.rotary_bf16
+        self._rotary.restype = ctypes.c_int
+        self._rotary.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -115,6 +122,42 @@ class FusedOps:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual), the sum rounded to bf16 before the norm reads it."""
+        size = x.shape[-1]
+        out, summed = torch.empty_like(x), torch.empty_like(x)
+        self._add_rms_norm(
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), summed.data_ptr(),
+            x.numel() // size, size, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out, summed
+
+    @staticmethod
+    def supports_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """q [T, H, D] and k [T, KVH, D] with contiguous heads (rows of the fused QKV output are
+        fine), cos and sin [T, 1, D] alike with a unit last stride, all bf16 on the CPU."""
+        head_dim = q.shape[-1]
+        return (
+            all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k, cos, sin))
+            and q.stride()[1:] == (head_dim, 1)
+            and k.stride()[1:] == (head_dim, 1)
+            and cos.shape == sin.shape == (q.shape[0], 1, head_dim)
+            and cos.stride(-1) == 1
+            and sin.stride() == cos.stride()
+        )
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """In place: x * cos + rotate_half(x) * sin for q and k, rounded as those three ops round
+        it (see supports_rotary for the layouts)."""
+        num_tokens, num_heads, head_dim = q.shape
+        self._rotary(
+            q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            num_tokens, num_heads, k.shape[1], head_dim, q.stride(0), k.stride(0), cos.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
 
 
 @cache

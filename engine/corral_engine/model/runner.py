@@ -142,7 +142,7 @@ class ModelRunner:
         fused_ops = load_fused_ops(self.settings) if self.device.type == "cpu" else None
         triton_ops = self._triton_ops()
         for module in model.modules():
-            if isinstance(module, RMSNorm | MLP):
+            if isinstance(module, RMSNorm | MLP | Attention):
                 module.fused_ops = fused_ops
             if isinstance(module, RMSNorm | MLP | Attention):
                 module.triton_ops = triton_ops

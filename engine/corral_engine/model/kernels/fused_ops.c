@@ -4,16 +4,23 @@
  * Each reproduces the rounding of the PyTorch expression it replaces, step by step:
  *   silu_and_mul:  bf16(bf16(silu(gate)) * up)                       x = [T, 2I] -> out [T, I]
  *   rms_norm:      bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))         x, out [T, H]; w [H]
+ *   add_rms_norm:  s = bf16(x + residual), then rms_norm(s)           also writes s
+ *   rotary:        bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))   q and k heads, in place
  * where every intermediate is computed in float32, as PyTorch does for bf16 tensors. Rows run in
- * parallel (OpenMP, torch's thread count). Built with -O3 -march=native -ffast-math.
+ * parallel (OpenMP, torch's thread count) when there are enough of them to pay for waking the
+ * workers. Built with -O3 -march=native -ffast-math.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "bf16.h"
 
+/* Below this many rows a loop runs on the calling thread: a decode step at batch 1 does a few
+ * hundred of these calls, and waking OpenMP's workers costs more than a row's work. */
+#define PARALLEL_MIN_ROWS 16
+
 int silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t num_rows, int64_t size, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= PARALLEL_MIN_ROWS)
     for (int64_t r = 0; r < num_rows; r++) {
         const uint16_t *gate = x + r * 2 * size, *up = gate + size;
         uint16_t *o = out + r * size;
@@ -26,22 +33,64 @@ int silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t num_rows, int64_
     return 0;
 }
 
+static inline void rms_norm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t size,
+                                float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < size; i++) {
+        const float v = bf16_to_f32(x[i]);
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)size + eps);
+    for (int64_t i = 0; i < size; i++) {
+        const float normed = round_bf16(bf16_to_f32(x[i]) * inv);
+        out[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+    }
+}
+
 int rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t num_rows, int64_t size,
                   float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= PARALLEL_MIN_ROWS)
     for (int64_t r = 0; r < num_rows; r++) {
-        const uint16_t *xr = x + r * size;
-        uint16_t *o = out + r * size;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < size; i++) {
-            const float v = bf16_to_f32(xr[i]);
-            sum += v * v;
-        }
-        const float inv = 1.0f / sqrtf(sum / (float)size + eps);
-        for (int64_t i = 0; i < size; i++) {
-            const float normed = round_bf16(bf16_to_f32(xr[i]) * inv);
-            o[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
-        }
+        rms_norm_row(x + r * size, weight, out + r * size, size, eps);
+    }
+    return 0;
+}
+
+int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                      uint16_t *summed, int64_t num_rows, int64_t size, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= PARALLEL_MIN_ROWS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const uint16_t *xr = x + r * size, *rr = residual + r * size;
+        uint16_t *sr = summed + r * size;
+        for (int64_t i = 0; i < size; i++) sr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+        rms_norm_row(sr, weight, out + r * size, size, eps);
+    }
+    return 0;
+}
+
+/* x[0:half] and x[half:D] of one head: (a, b) -> (a cos - b sin, b cos + a sin), each product and
+ * the sum rounded as `x * cos + cat(-x[half:], x[:half]) * sin` rounds them (negation is exact). */
+static inline void rotate_head(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
+        const float lo = round_bf16(a * bf16_to_f32(cos[i])) - round_bf16(b * bf16_to_f32(sin[i]));
+        const float hi = round_bf16(b * bf16_to_f32(cos[i + half])) + round_bf16(a * bf16_to_f32(sin[i + half]));
+        x[i] = f32_to_bf16(lo);
+        x[i + half] = f32_to_bf16(hi);
+    }
+}
+
+/* q [T, H, D] and k [T, KVH, D], heads contiguous within a token (rows of the fused QKV output
+ * are fine: any token stride); cos and sin [T, D] with a token stride of their own. */
+int rotary_bf16(uint16_t *q, uint16_t *k, const uint16_t *cos, const uint16_t *sin, int64_t num_tokens,
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride,
+                int64_t cs_stride, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const uint16_t *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+        for (int64_t h = 0; h < num_heads; h++) rotate_head(q + t * q_stride + h * head_dim, c, s, half);
+        for (int64_t h = 0; h < num_kv_heads; h++) rotate_head(k + t * k_stride + h * head_dim, c, s, half);
     }
     return 0;
 }
