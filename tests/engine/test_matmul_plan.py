@@ -17,6 +17,7 @@ from corral_engine.model.config import load_model_config
 from corral_engine.model.device import CpuFeatures, probe_cpu, select_dtype
 from corral_engine.model.llama import Linear
 from corral_engine.model.matmul_plan import UPCAST_MIN_ROWS, MatmulPlan, plan_matmuls
+from corral_engine.model.native import load_fused_ops
 from corral_engine.settings import EngineSettings, Switch
 
 NATIVE = CpuFeatures(has_native_bf16=True, has_onednn=True)  # AVX512-BF16 or AMX
@@ -122,6 +123,9 @@ def _assert_applies(runner: runner_mod.ModelRunner, asked: MatmulPlan) -> None:
     assert len(linears) == 4 * runner.config.num_layers + 1  # qkv, o, gate_up, down per layer; head
     assert {m.upcast_min_rows for m in linears} == {asked.upcast_min_rows}
     assert {m.upcast_packed is not None for m in linears} == {asked.keep_upcast_copies}
+    # Where bf16 batches are upcast, fewer rows go through the native kernel (if it built).
+    has_kernel = asked.upcast_min_rows > 0 and load_fused_ops(runner.settings) is not None
+    assert {m.fused_ops is not None for m in linears} == {has_kernel}
     assert {m.packed is not None for m in linears} == {done.prepack}
     assert done.prepack == asked.prepack or (asked.prepack and runner.dtype == BF16)
     if runner.dtype == F32 or probe_cpu().has_native_bf16:

@@ -239,6 +239,55 @@ def test_mlp_output_is_the_same_through_both_paths(ops: native.FusedOps) -> None
     torch.testing.assert_close(fused, plain, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "size", "out"), [(1, 768, 1280), (3, 100, 40), (7, 2304, 768), (8, 64, 1000)]
+)
+def test_linear_rows_meets_its_contract(
+    ops: native.FusedOps, rows: int, size: int, out: int, bias: bool
+) -> None:
+    """One rounding of a float32 sum: within bf16's rounding of the exact product, plus what
+    summing `size` float32 terms in any order can add (size * 2^-24 of the sum of |terms|)."""
+    gen = torch.Generator().manual_seed(rows * size)
+    x = torch.randn(rows, size, generator=gen).bfloat16()
+    weight = (torch.randn(out, size, generator=gen) / 8).bfloat16()
+    b = (torch.randn(out, generator=gen) / 4).bfloat16() if bias else None
+    got = ops.linear_rows(x, weight, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
+    bound = UNIT_ROUNDOFF * exact.abs() + (size + 1) * 2.0**-24 * magnitude * (1 + UNIT_ROUNDOFF)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=2e-2, rtol=2e-2)  # PyTorch's own
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 64])
+def test_linear_takes_the_kernel_below_the_upcast_threshold(
+    ops: native.FusedOps, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    calls: list[int] = []
+    kernel = ops.linear_rows
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, weight, bias)
+
+    monkeypatch.setattr(ops, "linear_rows", counted)
+    torch.manual_seed(rows)
+    layer = Linear(48, 40, bias=True).bfloat16()
+    layer.upcast_min_rows = 8
+    x = torch.randn(rows, 48).bfloat16()
+    without = layer(x)  # no kernel given: F.linear below the threshold, float32 from it on
+    layer.fused_ops = ops
+    got = layer(x)
+    assert calls == ([rows] if rows < 8 else [])
+    if rows >= 8:
+        assert torch.equal(got, without)  # the upcast path, untouched
+    layer.upcast_min_rows = 0  # a CPU with native bf16: PyTorch's matmul whatever the rows
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert len(calls) == (1 if rows < 8 else 0)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 8, 64])
 def test_linear_upcasts_bf16_batches_from_the_threshold_on(rows: int) -> None:
     torch.manual_seed(rows)

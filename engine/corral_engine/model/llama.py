@@ -109,23 +109,30 @@ class Linear(nn.Linear):
     """nn.Linear that can multiply bfloat16 batches in float32: on CPUs without native bf16 matmuls
     (no AVX512-BF16 / AMX) PyTorch emulates them at a fraction of float32 speed, and upcasting the
     weight on every call is still 4-6x faster from about 8 rows on. The result is rounded back to
-    bf16, so only float32 accumulation order differs. Fewer rows stay in bf16 (memory-bound)."""
+    bf16, so only float32 accumulation order differs. Fewer rows stay in bf16, through the native
+    kernel where it built (`fused_ops`: 1.3-2x PyTorch's bf16 matmul there)."""
 
     upcast_min_rows = 0  # 0: never; set per model by the runner (ModelRunner.upcast_rows)
+    fused_ops: FusedOps | None = None  # where batches are upcast: the native kernel for fewer rows
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (see prepack)
     packed_dtype: torch.dtype | None = None
     upcast_packed: torch.Tensor | None = None  # a float32 copy for upcast batches (see prepack_upcast)
     upcast_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.upcast_min_rows and x.dtype == torch.bfloat16 and x.shape[0] >= self.upcast_min_rows:
-            if self.upcast_packed is not None and x.dim() == 2:
-                out = torch.ops.mkldnn._linear_pointwise(
-                    x.float(), self.upcast_packed, self.upcast_bias, "none", [], ""
-                )
-                return out.to(x.dtype)
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if self.upcast_min_rows and x.dtype == torch.bfloat16:  # a CPU without native bf16
+            if x.shape[0] >= self.upcast_min_rows:
+                if self.upcast_packed is not None and x.dim() == 2:
+                    out = torch.ops.mkldnn._linear_pointwise(
+                        x.float(), self.upcast_packed, self.upcast_bias, "none", [], ""
+                    )
+                    return out.to(x.dtype)
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+            ops = self.fused_ops
+            rows_fit = x.dim() == 2 and x.shape[0] > 0
+            if ops is not None and rows_fit and ops.supports(x) and ops.supports(self.weight):
+                return ops.linear_rows(x, self.weight, self.bias)
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed_dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

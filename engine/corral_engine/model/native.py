@@ -101,6 +101,9 @@ class FusedOps:
         self._rotary = lib.rotary_bf16
         self._rotary.restype = ctypes.c_int
         self._rotary.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]
+        self._linear_rows = lib.linear_rows_bf16
+        self._linear_rows.restype = ctypes.c_int
+        self._linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -158,6 +161,19 @@ class FusedOps:
             num_tokens, num_heads, k.shape[1], head_dim, q.stride(0), k.stride(0), cos.stride(0),
             torch.get_num_threads(),
         )  # fmt: skip
+
+    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, weight, bias) for a few contiguous bf16 rows [R, K] and a contiguous weight
+        [N, K]: float32 sums rounded once (see kernels/fused_ops.c for when this beats PyTorch)."""
+        rows, size = x.shape
+        out = x.new_empty((rows, weight.shape[0]))
+        failed = self._linear_rows(
+            x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+            rows, weight.shape[0], size, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise NativeKernelError("linear_rows could not allocate its scratch buffer")
+        return out
 
 
 @cache

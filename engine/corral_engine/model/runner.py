@@ -144,8 +144,9 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, RMSNorm | MLP | Attention):
                 module.fused_ops = fused_ops
-            if isinstance(module, RMSNorm | MLP | Attention):
                 module.triton_ops = triton_ops
+            if isinstance(module, Linear) and plan.upcast_min_rows:  # no native bf16 on this CPU
+                module.fused_ops = fused_ops
         inv_freq, _ = rope_parameters(self.config)
         model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval(), plan
