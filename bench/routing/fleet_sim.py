@@ -62,28 +62,46 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def rerender(paths: list[Path], out: Path) -> int:
-    """Merge earlier runs' fleet_sim.json into one table and plots (goodput as requests in SLO per
-    second of arrivals, also for runs that wrote it per second of the whole run)."""
-    merged: dict[tuple[Any, ...], dict[str, Any]] = {}  # later files' policies override earlier ones'
-    for path in paths:
-        for c in json.loads(path.read_text())["cells"]:
-            key = (c["replicas"], c["workload"], c["load"], c["arrivals"])
+def merge_cells(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells of several runs' fleet_sim.json, one per (profile, replicas, workload, load,
+    arrivals); a later run's policies override an earlier one's in the same cell. A run keeps its
+    profile in its arguments, a merged file in each cell (None where neither says)."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for run in runs:
+        run_profile = run.get("args", {}).get("profile")
+        for c in run["cells"]:
+            c.setdefault("profile", run_profile)
+            key = (c["profile"], c["replicas"], c["workload"], c["load"], c["arrivals"])
             if key in merged:
                 merged[key]["policies"] |= c["policies"]
             else:
                 merged[key] = c
     order = ["round-robin", "least-requests", "kv-aware", "prefix-affinity", "llm-d"]
-    cells = sorted(merged.values(), key=lambda c: (c["replicas"], c["workload"], c["arrivals"], c["load"]))
+    cells = sorted(
+        merged.values(),
+        key=lambda c: (c["profile"] or "", c["replicas"], c["workload"], c["arrivals"], c["load"]),
+    )
     for cell in cells:
         cell["policies"] = {p: cell["policies"][p] for p in order if p in cell["policies"]}
+    return cells
+
+
+def rerender(paths: list[Path], out: Path) -> int:
+    """Merge earlier runs' fleet_sim.json into one table and plots (goodput as requests in SLO per
+    second of arrivals, also for runs that wrote it per second of the whole run)."""
+    cells = merge_cells([json.loads(path.read_text()) for path in paths])
+    for cell in cells:
         for row in cell["policies"].values():
             row["goodput_req_s"] = (
                 row["offered_req_s"] * row["slo_share"] * row["num_done"] / row["num_requests"]
             )
     out.mkdir(parents=True, exist_ok=True)
-    for n in sorted({c["replicas"] for c in cells}):
-        plot([c for c in cells if c["replicas"] == n], out / f"fleet_sim_{n}.png")
+    profiles = sorted({c["profile"] or "" for c in cells})
+    for profile in profiles:
+        mine = [c for c in cells if (c["profile"] or "") == profile]
+        suffix = f"_{Path(profile).stem or 'unknown'}" if len(profiles) > 1 else ""
+        for n in sorted({c["replicas"] for c in mine}):
+            plot([c for c in mine if c["replicas"] == n], out / f"fleet_sim_{n}{suffix}.png")
     text = summary(cells) + "\n\n" + table(cells)
     (out / "fleet_sim.md").write_text(text + "\n")
     (out / "fleet_sim.json").write_text(
@@ -206,7 +224,8 @@ def run_cell(
     warmup_s = args.warmup_s if workload == "chat" else 0.0
     requests = build(WorkloadSpec(workload, num_requests, rate, shape, n, seed=args.seed, warmup_s=warmup_s))
     arrivals = "poisson" if shape == 1.0 else "bursty"
-    cell: dict[str, Any] = {"replicas": n, "workload": workload, "load": load, "arrivals": arrivals}
+    cell: dict[str, Any] = {"profile": args.profile, "replicas": n, "workload": workload, "load": load}
+    cell["arrivals"] = arrivals
     cell |= {"rate_req_s": rate, "capacity_req_s": capacity, "warmup_s": warmup_s}
     floors = ttft_floors(requests, fleet_profiles(args, n)[0])
     cell |= {"floor": floor_figures(requests, floors), "policies": {}}
