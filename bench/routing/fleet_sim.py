@@ -57,6 +57,12 @@ def parse_args() -> argparse.Namespace:
         "--breakdown", action="store_true", help="split each request's TTFT into where it went (more CPU)"
     )
     p.add_argument("--poll-interval-s", type=float, default=0.075, help="load polls of each replica")
+    p.add_argument(
+        "--step-blocks-per-s",
+        type=float,
+        default=2500.0,
+        help="prefix affinity's price of a replica's step in flight, in blocks a second (0: off)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/fleet-sim"))
     p.add_argument("--from-json", type=Path, nargs="+", help="only redo the table and plots of these runs")
     return p.parse_args()
@@ -238,7 +244,9 @@ def run_cell(
     )  # fmt: skip
     for policy in args.policies:
         started = time.perf_counter()
-        gateway = GatewayModel(policy, poll_interval_s=args.poll_interval_s)
+        gateway = GatewayModel(
+            policy, poll_interval_s=args.poll_interval_s, step_blocks_per_s=args.step_blocks_per_s
+        )
         sim = FleetSim(fleet_profiles(args, n), gateway, args.seed, trace=args.breakdown)
         outcomes = sim.run(requests, mark_s=warmup_s if warmup_s else None)
         row = summarize(outcomes, sim)
