@@ -24,7 +24,7 @@ from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import NullTokenizer, SimEngine, SimStep
 from corral_engine.sim.perf_model import Profile
 from corral_gateway.load import LoadSample
-from corral_gateway.policies import make_policy
+from corral_gateway.policies import STEP_WAIT_BLOCKS_PER_S, make_policy
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
 
@@ -51,7 +51,7 @@ class GatewayModel:
     poll_interval_s: float = 0.075
     load_max_age_s: float = 2.0
     saturation: Saturation = field(default_factory=Saturation)
-    step_blocks_per_s: float = 2500.0  # prefix affinity's price of a step in flight (0: off)
+    step_blocks_per_s: float = STEP_WAIT_BLOCKS_PER_S  # prefix affinity's price of a step (0: off)
 
 
 class _Clock:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from corral_engine.outputs import EngineStats
 from corral_engine.sim.perf_model import BUILTIN, describe, load_profile
+from corral_gateway.policies import STEP_WAIT_BLOCKS_PER_S
 
 from bench.routing.des import FleetSim, GatewayModel, Outcome
 from bench.routing.fleet_sim_report import plot, summary, table
@@ -60,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--step-blocks-per-s",
         type=float,
-        default=2500.0,
+        default=STEP_WAIT_BLOCKS_PER_S,
         help="prefix affinity's price of a replica's step in flight, in blocks a second (0: off)",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/fleet-sim"))

@@ -24,6 +24,11 @@ QUEUE_WEIGHT = 2.0
 KV_WEIGHT = 2.0
 RUNNING_WEIGHT = 1.0
 PREFIX_WEIGHT = 3.0  # the llm-d scorer's prefix-cache weight
+# Prefix affinity's price of waiting for a replica's steps, in prompt blocks a second: below the
+# ~2,500 an H100 prefills for Llama-3-8B (25 us a token, ~15 tokens a block of 64 characters), so
+# it leans on the cache and the load (simulated, 16-replica RAG bursty: 2,000-4,000 put 1-13 of
+# 4,000 requests over the TPOT SLO, 1,500 none).
+STEP_WAIT_BLOCKS_PER_S = 1500.0
 _RING_WINDOW = 4096  # ring_order calls between drops of replicas no call asked for
 
 
@@ -125,14 +130,13 @@ class PrefixAffinity:
     once the prefill piled on it outweighs that, instead of the fleet computing the document again
     whenever its holder is busy (simulated 16-replica RAG, roofline profile, bursty at 0.85 x: 67 %
     of requests in the SLO with 1 x, 99.9 % with 2 x). The wait for the replica's step in flight
-    to end (`StepPhase`, from the times its streams' chunks were relayed; the caller feeds it on
-    `clock`) counts too, at `step_wait_blocks_per_s` blocks a second (the prefill a replica
-    computes in that time: ~25 us a token, ~15 tokens a block on an H100 serving Llama-3-8B; 0
-    leaves it out): a cold prompt goes to a replica about to start its next step rather than one
-    that just began a 30 ms step. Ties (nothing cached anywhere, nothing pending, phases unknown)
-    go to kv-aware's order. Saturated replicas are left out, and so are those above
-    `load_factor` x the mean load (bounded loads), unless that leaves none: affinity may not pile
-    sessions onto one replica.
+    to end and for one step more (`StepPhase`, from the times its streams' chunks were relayed;
+    the caller feeds it on `clock`) counts too, at `step_wait_blocks_per_s` blocks a second (0
+    leaves it out): a cold prompt goes to a replica about to start its next step, and with a light
+    batch, rather than one that just began a 30 ms step. Ties (nothing cached anywhere, nothing
+    pending, phases unknown) go to kv-aware's order. Saturated replicas are left out, and so are
+    those above `load_factor` x the mean load (bounded loads), unless that leaves none: affinity
+    may not pile sessions onto one replica.
 
     Without a chain (a caller that computed only the hash of the first blocks): consistent hashing
     with the same bounds, a home queueing while another replica runs without a queue passing the
@@ -148,7 +152,7 @@ class PrefixAffinity:
         load_factor: float = 1.25,
         vnodes: int = 64,
         own_block_weight: float = 2.0,
-        step_wait_blocks_per_s: float = 2500.0,
+        step_wait_blocks_per_s: float = STEP_WAIT_BLOCKS_PER_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._saturation = saturation
@@ -225,12 +229,19 @@ class PrefixAffinity:
             self.index.forget(replica.url)
 
     def step_waits_s(self, candidates: Sequence[Candidate]) -> list[float]:
-        """Per candidate: the time left in its step in flight (`StepPhase`), 0 for one running
-        nothing, and the known ones' mean where its phase is unknown."""
+        """Per candidate: how long its steps hold a prompt sent now from its first token, its own
+        prefill left out: the rest of the step in flight (`StepPhase`) and one step more, since the
+        prompt's step also carries the replica's batch (a heavier batch, longer steps). 0 for a
+        replica running nothing; where the phase is unknown, the known ones' mean."""
         now_s = self._clock()
-        waits = [
-            c.replica.step_phase.time_left_s(now_s) if c.load.num_running >= 1 else 0.0 for c in candidates
-        ]
+        waits: list[float | None] = []
+        for c in candidates:
+            if c.load.num_running < 1:
+                waits.append(0.0)
+                continue
+            phase = c.replica.step_phase
+            left_s = phase.time_left_s(now_s)
+            waits.append(None if left_s is None else left_s + phase.step_s)
         known = [w for w in waits if w is not None]
         unknown_s = sum(known) / len(known) if known else 0.0
         return [unknown_s if w is None else w for w in waits]
@@ -354,7 +365,7 @@ def make_policy(
     load_factor: float = 1.25,
     vnodes: int = 64,
     clock: Callable[[], float] = time.monotonic,
-    step_wait_blocks_per_s: float = 2500.0,
+    step_wait_blocks_per_s: float = STEP_WAIT_BLOCKS_PER_S,
 ) -> Policy:
     """`clock`: the one the caller passes `StepPhase.on_chunk` its times on."""
     if name not in POLICIES:

@@ -404,13 +404,21 @@ def test_a_replica_that_leaves_takes_its_ledger_records_and_the_blocks_sent_to_i
 
 
 @pytest.mark.parametrize("ending", ["http://a", "http://b"])
-def test_prefix_affinity_sends_a_prompt_to_the_replica_whose_step_in_flight_ends_first(ending: str) -> None:
+def test_prefix_affinity_sends_a_prompt_to_the_replica_whose_steps_let_it_start_first(ending: str) -> None:
     policy = PrefixAffinity(SAT, step_wait_blocks_per_s=2500.0, clock=lambda: 100.0)
     replicas = [replica(u, running=8) for u in ("http://a", "http://b")]
     for r in replicas:  # steps of 20 ms; the one ending has 1 ms left at 100.0, the other 16
         left_s = 0.001 if r.url == ending else 0.016
         for k in reversed(range(10)):
             r.step_phase.on_chunk(100.0 - 0.020 + left_s - 0.020 * k)
+    assert send(policy, replicas, (1, 2, 3), 100.0) == ending
+    # The same phase, but the other replica's steps take half as long (a lighter batch).
+    policy = PrefixAffinity(SAT, step_wait_blocks_per_s=2500.0, clock=lambda: 100.0)
+    replicas = [replica(u, running=8) for u in ("http://a", "http://b")]
+    for r in replicas:
+        step_s = 0.010 if r.url == ending else 0.020
+        for k in reversed(range(10)):
+            r.step_phase.on_chunk(100.0 - step_s + 0.005 - step_s * k)
     assert send(policy, replicas, (1, 2, 3), 100.0) == ending
     # Unknown phases (no streams seen) leave the choice to the other costs.
     quiet = [replica(u, running=8) for u in ("http://a", "http://b")]
