@@ -3,8 +3,9 @@ simulated engines (the engine's real scheduler, block manager and prefix cache),
 
 What the gateway does, restated without I/O: route on arrival (queue FIFO while every replica is
 saturated), poll each replica's load every `poll_interval_s` (each on its own phase), read the load
-headers of a response and count its first byte as its first token arrives, and hand queued
-requests out after each poll and each finished request. Network and gateway latency are not
+headers of a response and count its first byte as its first token arrives, see a replica's
+streams' chunks at each of its step ends that gives any request a token (`Replica.step_phase`),
+and hand queued requests out after each poll and each finished request. Network and gateway latency are not
 modelled (the gateway bench measures them). A run of minutes of fleet time takes seconds to a
 minute of CPU.
 """
@@ -23,7 +24,7 @@ from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import NullTokenizer, SimEngine, SimStep
 from corral_engine.sim.perf_model import Profile
 from corral_gateway.load import LoadSample
-from corral_gateway.policies import make_policy
+from corral_gateway.policies import STEP_WAIT_BLOCKS_PER_S, make_policy
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
 
@@ -50,6 +51,7 @@ class GatewayModel:
     poll_interval_s: float = 0.075
     load_max_age_s: float = 2.0
     saturation: Saturation = field(default_factory=Saturation)
+    step_blocks_per_s: float = STEP_WAIT_BLOCKS_PER_S  # prefix affinity's price of a step (0: off)
 
 
 class _Clock:
@@ -72,7 +74,12 @@ class FleetSim:
         self._index = {url: i for i, url in enumerate(self.urls)}
         self.registry = Registry()
         self.registry.set_replicas(MODEL, self.urls)
-        policy = make_policy(gateway.policy, gateway.saturation)
+        policy = make_policy(
+            gateway.policy,
+            gateway.saturation,
+            clock=self.clock,
+            step_wait_blocks_per_s=gateway.step_blocks_per_s,
+        )
         self.router = Router(self.registry, policy, gateway.saturation, gateway.load_max_age_s, self.clock)
         self.gateway = gateway
         self._replicas = {r.url: r for r in self.registry.replicas(MODEL)}
@@ -177,6 +184,9 @@ class FleetSim:
         assert step is not None
         now = self.clock.now
         num_finished = 0
+        if any(s.samples for s in step.scheduled.scheduled):
+            # Every stream that got a token gets a chunk now: one call stands for them all.
+            self._replicas[self.urls[i]].step_phase.on_chunk(now)
         for out in self.engines[i].finish_step(step):
             outcome = self.outcomes[out.request_id]
             if outcome.first_token_s is None:

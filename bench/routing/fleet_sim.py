@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from corral_engine.outputs import EngineStats
 from corral_engine.sim.perf_model import BUILTIN, describe, load_profile
+from corral_gateway.policies import STEP_WAIT_BLOCKS_PER_S
 
 from bench.routing.des import FleetSim, GatewayModel, Outcome
 from bench.routing.fleet_sim_report import plot, summary, table
@@ -57,33 +58,57 @@ def parse_args() -> argparse.Namespace:
         "--breakdown", action="store_true", help="split each request's TTFT into where it went (more CPU)"
     )
     p.add_argument("--poll-interval-s", type=float, default=0.075, help="load polls of each replica")
+    p.add_argument(
+        "--step-blocks-per-s",
+        type=float,
+        default=STEP_WAIT_BLOCKS_PER_S,
+        help="prefix affinity's price of a replica's step in flight, in blocks a second (0: off)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/fleet-sim"))
     p.add_argument("--from-json", type=Path, nargs="+", help="only redo the table and plots of these runs")
     return p.parse_args()
 
 
-def rerender(paths: list[Path], out: Path) -> int:
-    """Merge earlier runs' fleet_sim.json into one table and plots (goodput as requests in SLO per
-    second of arrivals, also for runs that wrote it per second of the whole run)."""
-    merged: dict[tuple[Any, ...], dict[str, Any]] = {}  # later files' policies override earlier ones'
-    for path in paths:
-        for c in json.loads(path.read_text())["cells"]:
-            key = (c["replicas"], c["workload"], c["load"], c["arrivals"])
+def merge_cells(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells of several runs' fleet_sim.json, one per (profile, replicas, workload, load,
+    arrivals); a later run's policies override an earlier one's in the same cell. A run keeps its
+    profile in its arguments, a merged file in each cell (None where neither says)."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for run in runs:
+        run_profile = run.get("args", {}).get("profile")
+        for c in run["cells"]:
+            c.setdefault("profile", run_profile)
+            key = (c["profile"], c["replicas"], c["workload"], c["load"], c["arrivals"])
             if key in merged:
                 merged[key]["policies"] |= c["policies"]
             else:
                 merged[key] = c
     order = ["round-robin", "least-requests", "kv-aware", "prefix-affinity", "llm-d"]
-    cells = sorted(merged.values(), key=lambda c: (c["replicas"], c["workload"], c["arrivals"], c["load"]))
+    cells = sorted(
+        merged.values(),
+        key=lambda c: (c["profile"] or "", c["replicas"], c["workload"], c["arrivals"], c["load"]),
+    )
     for cell in cells:
         cell["policies"] = {p: cell["policies"][p] for p in order if p in cell["policies"]}
+    return cells
+
+
+def rerender(paths: list[Path], out: Path) -> int:
+    """Merge earlier runs' fleet_sim.json into one table and plots (goodput as requests in SLO per
+    second of arrivals, also for runs that wrote it per second of the whole run)."""
+    cells = merge_cells([json.loads(path.read_text()) for path in paths])
+    for cell in cells:
         for row in cell["policies"].values():
             row["goodput_req_s"] = (
                 row["offered_req_s"] * row["slo_share"] * row["num_done"] / row["num_requests"]
             )
     out.mkdir(parents=True, exist_ok=True)
-    for n in sorted({c["replicas"] for c in cells}):
-        plot([c for c in cells if c["replicas"] == n], out / f"fleet_sim_{n}.png")
+    profiles = sorted({c["profile"] or "" for c in cells})
+    for profile in profiles:
+        mine = [c for c in cells if (c["profile"] or "") == profile]
+        suffix = f"_{Path(profile).stem or 'unknown'}" if len(profiles) > 1 else ""
+        for n in sorted({c["replicas"] for c in mine}):
+            plot([c for c in mine if c["replicas"] == n], out / f"fleet_sim_{n}{suffix}.png")
     text = summary(cells) + "\n\n" + table(cells)
     (out / "fleet_sim.md").write_text(text + "\n")
     (out / "fleet_sim.json").write_text(
@@ -206,7 +231,8 @@ def run_cell(
     warmup_s = args.warmup_s if workload == "chat" else 0.0
     requests = build(WorkloadSpec(workload, num_requests, rate, shape, n, seed=args.seed, warmup_s=warmup_s))
     arrivals = "poisson" if shape == 1.0 else "bursty"
-    cell: dict[str, Any] = {"replicas": n, "workload": workload, "load": load, "arrivals": arrivals}
+    cell: dict[str, Any] = {"profile": args.profile, "replicas": n, "workload": workload, "load": load}
+    cell["arrivals"] = arrivals
     cell |= {"rate_req_s": rate, "capacity_req_s": capacity, "warmup_s": warmup_s}
     floors = ttft_floors(requests, fleet_profiles(args, n)[0])
     cell |= {"floor": floor_figures(requests, floors), "policies": {}}
@@ -219,7 +245,9 @@ def run_cell(
     )  # fmt: skip
     for policy in args.policies:
         started = time.perf_counter()
-        gateway = GatewayModel(policy, poll_interval_s=args.poll_interval_s)
+        gateway = GatewayModel(
+            policy, poll_interval_s=args.poll_interval_s, step_blocks_per_s=args.step_blocks_per_s
+        )
         sim = FleetSim(fleet_profiles(args, n), gateway, args.seed, trace=args.breakdown)
         outcomes = sim.run(requests, mark_s=warmup_s if warmup_s else None)
         row = summarize(outcomes, sim)

@@ -15,6 +15,13 @@ def _ratio(cell: dict[str, Any], policy: str, baseline: str, key: str) -> str:
     return f"{rows[policy][key] / rows[baseline][key]:.2f}x"
 
 
+def _fleet(cell: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+    """The fleet column: the replica count, and the profile where the cells mix profiles."""
+    if len({c.get("profile") for c in cells}) > 1:
+        return f"{cell['replicas']} ({cell.get('profile') or 'profile unknown'})"
+    return str(cell["replicas"])
+
+
 def table(cells: list[dict[str, Any]]) -> str:
     lines = [
         "| replicas | workload | load | arrivals | policy | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) "
@@ -25,7 +32,7 @@ def table(cells: list[dict[str, Any]]) -> str:
     for cell in cells:
         for policy, r in cell["policies"].items():
             lines.append(
-                f"| {cell['replicas']} | {cell['workload']} | {cell['load']:.2f} | {cell['arrivals']} | "
+                f"| {_fleet(cell, cells)} | {cell['workload']} | {cell['load']:.2f} | {cell['arrivals']} | "
                 f"{policy} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | "
                 f"{r['tpot_p99_ms']:.1f} | {r['goodput_req_s']:.1f} | {100 * r['slo_share']:.1f}% | "
                 f"{r['output_tok_s']:.0f} | {r['prefix_hit_rate']:.2f} | {r['preemptions']} | "
@@ -122,7 +129,7 @@ def summary(cells: list[dict[str, Any]]) -> str:
             )
 
         lines.append(
-            f"| {c['replicas']} | {c['workload']} | {c['arrivals']} | {c['load']:.2f} | {floor_text} | "
+            f"| {_fleet(c, cells)} | {c['workload']} | {c['arrivals']} | {c['load']:.2f} | {floor_text} | "
             f"{p99} | {rr_floor} | {ratio('ttft_p99_ms', 'round-robin')} | {ratio('ttft_p99_ms', 'llm-d')} | "
             f"{ratio('goodput_req_s', 'round-robin')} | {ratio('goodput_req_s', 'llm-d')} | "
             f"{trio('slo_share', '.0%')} | {trio('prefix_hit_rate', '.2f')} |"

@@ -48,7 +48,12 @@ class Fleet:
         self.is_synced = not settings.kubernetes.enabled
         saturation = Saturation(settings.saturation_max_waiting, settings.saturation_max_kv_usage_ratio)
         policy = make_policy(
-            settings.policy, saturation, settings.affinity_load_factor, settings.affinity_vnodes
+            settings.policy,
+            saturation,
+            settings.affinity_load_factor,
+            settings.affinity_vnodes,
+            clock,
+            settings.affinity_step_blocks_per_s,
         )
         self._router = Router(self._registry, policy, saturation, settings.load_max_age_s, clock)
         self._admission = Admission(self._router, settings.max_queue_len, settings.queue_timeout_s)
@@ -287,6 +292,9 @@ class Fleet:
                         "kv_usage_ratio": load.kv_usage_ratio,
                         "num_inflight": r.num_inflight,
                         "num_first_bytes": r.num_first_bytes,
+                        # From its streams' chunk times; None until seen, or when quiet.
+                        "step_interval_s": r.step_phase.step_s or None,
+                        "step_time_left_s": r.step_phase.time_left_s(now_s),
                         "score": r.last_score,
                     }
                 )

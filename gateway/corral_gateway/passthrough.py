@@ -97,12 +97,18 @@ class Exchange:
 
     async def _body(self, is_sse: bool) -> AsyncGenerator[bytes, None]:
         """The stream's chunks; each one's relay (in hand to its send to the client returning, which
-        is when the response asks for the next) is timed: the first alone, the others' mean."""
+        is when the response asks for the next) is timed: the first alone, the others' mean. An
+        event stream's chunk times also tell when the replica's steps end (`StepPhase`), on the
+        fleet's clock, which routing reads: that one reading per chunk times the relay too."""
         is_first = True
         num_later, later_s = 0, 0.0
+        clock = self.fleet.clock
+        phase = self.replica.step_phase if is_sse else None  # other bodies' chunks are not steps
         try:
             async for chunk in self.upstream.chunks():
-                in_hand_s = time.perf_counter()
+                in_hand_s = clock()
+                if phase is not None:
+                    phase.on_chunk(in_hand_s)
                 if is_first:
                     self.replica.on_first_byte()  # its prompt is computed: prefix affinity's ledger
                     self.metrics.ttfb.labels(self.origin.model).observe(
@@ -111,12 +117,12 @@ class Exchange:
                 self.tail.feed(chunk)
                 yield chunk
                 if is_first:
-                    relay_s = time.perf_counter() - in_hand_s
+                    relay_s = clock() - in_hand_s
                     self.metrics.overhead.labels(self.origin.model, "first_byte").observe(relay_s)
                     is_first = False
                 else:
                     num_later += 1
-                    later_s += time.perf_counter() - in_hand_s
+                    later_s += clock() - in_hand_s
             self.is_complete = True
         except UpstreamError as e:
             if self.is_client_gone:

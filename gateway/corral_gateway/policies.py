@@ -10,6 +10,7 @@ import bisect
 import hashlib
 import math
 import random
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,11 @@ QUEUE_WEIGHT = 2.0
 KV_WEIGHT = 2.0
 RUNNING_WEIGHT = 1.0
 PREFIX_WEIGHT = 3.0  # the llm-d scorer's prefix-cache weight
+# Prefix affinity's price of waiting for a replica's steps, in prompt blocks a second: below the
+# ~2,500 an H100 prefills for Llama-3-8B (25 us a token, ~15 tokens a block of 64 characters), so
+# it leans on the cache and the load (simulated, 16-replica RAG bursty: 2,000-4,000 put 1-13 of
+# 4,000 requests over the TPOT SLO, 1,500 none).
+STEP_WAIT_BLOCKS_PER_S = 1500.0
 _RING_WINDOW = 4096  # ring_order calls between drops of replicas no call asked for
 
 
@@ -39,8 +45,19 @@ class Policy(Protocol):
         self, candidates: Sequence[Candidate], prefix_hash: int | None, block_hashes: Sequence[int] = ()
     ) -> Candidate: ...
 
+    def forget(self, replica: Replica, is_url_gone: bool) -> None:
+        """`replica` left the registry (`is_url_gone`: no model is served at its URL any more)."""
+        ...
 
-class RoundRobin:
+
+class _Stateless:
+    """Policies that keep nothing per replica."""
+
+    def forget(self, replica: Replica, is_url_gone: bool) -> None:
+        return None
+
+
+class RoundRobin(_Stateless):
     name = "round-robin"
 
     def __init__(self, saturation: Saturation) -> None:
@@ -55,7 +72,7 @@ class RoundRobin:
         return chosen
 
 
-class LeastRequests:
+class LeastRequests(_Stateless):
     """Fewest requests in flight from this gateway; ties rotate."""
 
     name = "least-requests"
@@ -70,7 +87,7 @@ class LeastRequests:
         return _argmin_rotating(candidates, lambda c: float(c.load.num_inflight), self._next)
 
 
-class KvAware:
+class KvAware(_Stateless):
     """Lowest cost from queue depth, KV usage and running count; saturated replicas only if all are."""
 
     name = "kv-aware"
@@ -112,10 +129,14 @@ class PrefixAffinity:
     document is worth twice the prefill it saves, and a replica holding it loses the request only
     once the prefill piled on it outweighs that, instead of the fleet computing the document again
     whenever its holder is busy (simulated 16-replica RAG, roofline profile, bursty at 0.85 x: 67 %
-    of requests in the SLO with 1 x, 99.9 % with 2 x). Ties (nothing cached anywhere, nothing
-    pending) go to kv-aware's order. Saturated replicas are left out, and so are those above
-    `load_factor` x the mean load (bounded loads), unless that leaves none: affinity may not pile
-    sessions onto one replica.
+    of requests in the SLO with 1 x, 99.9 % with 2 x). The wait for the replica's step in flight
+    to end and for one step more (`StepPhase`, from the times its streams' chunks were relayed;
+    the caller feeds it on `clock`) counts too, at `step_wait_blocks_per_s` blocks a second (0
+    leaves it out): a cold prompt goes to a replica about to start its next step, and with a light
+    batch, rather than one that just began a 30 ms step. Ties (nothing cached anywhere, nothing
+    pending, phases unknown) go to kv-aware's order. Saturated replicas are left out, and so are
+    those above `load_factor` x the mean load (bounded loads), unless that leaves none: affinity
+    may not pile sessions onto one replica.
 
     Without a chain (a caller that computed only the hash of the first blocks): consistent hashing
     with the same bounds, a home queueing while another replica runs without a queue passing the
@@ -131,10 +152,14 @@ class PrefixAffinity:
         load_factor: float = 1.25,
         vnodes: int = 64,
         own_block_weight: float = 2.0,
+        step_wait_blocks_per_s: float = STEP_WAIT_BLOCKS_PER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._saturation = saturation
         self._load_factor = load_factor
         self._own_block_weight = own_block_weight
+        self._step_wait_blocks_per_s = step_wait_blocks_per_s
+        self._clock = clock
         self._vnodes = vnodes
         self._fallback = KvAware(saturation)
         self.index = PrefixIndex()
@@ -198,6 +223,29 @@ class PrefixAffinity:
             for c in candidates
         ]
 
+    def forget(self, replica: Replica, is_url_gone: bool) -> None:
+        self.ledger.forget(replica)
+        if is_url_gone:
+            self.index.forget(replica.url)
+
+    def step_waits_s(self, candidates: Sequence[Candidate]) -> list[float]:
+        """Per candidate: how long its steps hold a prompt sent now from its first token, its own
+        prefill left out: the rest of the step in flight (`StepPhase`) and one step more, since the
+        prompt's step also carries the replica's batch (a heavier batch, longer steps). 0 for a
+        replica running nothing; where the phase is unknown, the known ones' mean."""
+        now_s = self._clock()
+        waits: list[float | None] = []
+        for c in candidates:
+            if c.load.num_running < 1:
+                waits.append(0.0)
+                continue
+            phase = c.replica.step_phase
+            left_s = phase.time_left_s(now_s)
+            waits.append(None if left_s is None else left_s + phase.step_s)
+        known = [w for w in waits if w is not None]
+        unknown_s = sum(known) / len(known) if known else 0.0
+        return [unknown_s if w is None else w for w in waits]
+
     def _pick_by_prefill(self, candidates: Sequence[Candidate], block_hashes: Sequence[int]) -> Candidate:
         pool = [c for c in candidates if not c.load.is_saturated(self._saturation)] or list(candidates)
         bound = self._load_bound(candidates)
@@ -205,6 +253,9 @@ class PrefixAffinity:
         blocks = self.blocks_to_prefill(pool, block_hashes)
         costs = self._fallback.costs(pool)
         self._next += 1
+        if self._step_wait_blocks_per_s > 0.0:
+            rate = self._step_wait_blocks_per_s
+            blocks = [b + rate * w for b, w in zip(blocks, self.step_waits_s(pool), strict=True)]
         keys = {id(c): (b, k) for c, b, k in zip(pool, blocks, costs, strict=True)}
         best = min(keys.values())
         ties = sorted((c for c in pool if keys[id(c)] <= best), key=lambda c: c.replica.url)
@@ -251,6 +302,10 @@ class LlmdScorer:
         self._saturation = saturation
         self.index = PrefixIndex(lru_blocks)
         self._rng = random.Random(seed)
+
+    def forget(self, replica: Replica, is_url_gone: bool) -> None:
+        if is_url_gone:
+            self.index.forget(replica.url)
 
     def prefix_scores(self, urls: Sequence[str], block_hashes: Sequence[int]) -> dict[str, float]:
         matched = self.index.matched_blocks(urls, block_hashes)
@@ -304,9 +359,23 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def make_policy(name: str, saturation: Saturation, load_factor: float = 1.25, vnodes: int = 64) -> Policy:
+def make_policy(
+    name: str,
+    saturation: Saturation,
+    load_factor: float = 1.25,
+    vnodes: int = 64,
+    clock: Callable[[], float] = time.monotonic,
+    step_wait_blocks_per_s: float = STEP_WAIT_BLOCKS_PER_S,
+) -> Policy:
+    """`clock`: the one the caller passes `StepPhase.on_chunk` its times on."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
     if name == PrefixAffinity.name:
-        return PrefixAffinity(saturation, load_factor=load_factor, vnodes=vnodes)
+        return PrefixAffinity(
+            saturation,
+            load_factor=load_factor,
+            vnodes=vnodes,
+            step_wait_blocks_per_s=step_wait_blocks_per_s,
+            clock=clock,
+        )
     return POLICIES[name](saturation)

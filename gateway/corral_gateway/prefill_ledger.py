@@ -50,6 +50,16 @@ class PrefillLedger:
             num_blocks if mean is None else mean + self._smoothing * (num_blocks - mean)
         )
 
+    @property
+    def num_replicas(self) -> int:
+        """Replicas with records kept."""
+        return len(self._pending)
+
+    def forget(self, replica: Replica) -> None:
+        """The replica left the registry: its records go with it (a replica that comes back at the
+        same address starts afresh)."""
+        self._pending.pop((replica.model, replica.url), None)
+
     def _settle(self, replica: Replica) -> _Pending:
         key = (replica.model, replica.url)
         pending = self._pending.get(key)

@@ -55,3 +55,12 @@ class PrefixIndex:
                 holders.discard(url)
                 if not holders:
                     del self._where[old]
+
+    def forget(self, url: str) -> None:
+        """The replica at `url` left: drop the blocks it was sent."""
+        for h in self._lru.pop(url, ()):
+            holders = self._where.get(h)
+            if holders is not None:
+                holders.discard(url)
+                if not holders:
+                    del self._where[h]

@@ -6,10 +6,11 @@ in-flight and recently dispatched counts; a sample older than `max_age_s` is not
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from corral_gateway.load import LoadSample
+from corral_gateway.step_phase import StepPhase
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class Replica:
     num_dispatched_since_sample: int = 0  # sent after the last sample was taken, so not in it
     num_finished_since_sample: int = 0  # finished after the last sample, so still counted in it
     num_first_bytes: int = 0  # responses whose first bytes came back: their prompts are computed
+    step_phase: StepPhase = field(default_factory=StepPhase)  # fed with its streams' chunk times
     num_consecutive_failures: int = 0
     num_ejections: int = 0  # in a row; ejection time doubles with each
     ejected_until_s: float | None = None
@@ -149,6 +151,8 @@ class Registry:
     # response's load headers and success look a replica up by URL, which a scan of the whole
     # fleet made O(replicas) per request.
     _by_url: dict[str, list[Replica]] = field(default_factory=dict)
+    # Called with each replica that leaves (the policies' per-replica state goes with it).
+    on_removed: list[Callable[[Replica], None]] = field(default_factory=list)
 
     def models(self) -> list[str]:
         return sorted(self._by_model)
@@ -186,10 +190,17 @@ class Registry:
         else:
             self._by_model.pop(model, None)
         self._index_urls()
+        self._removed([r for url, r in current.items() if url not in updated])
 
     def remove_model(self, model: str) -> None:
-        self._by_model.pop(model, None)
+        gone = self._by_model.pop(model, {})
         self._index_urls()
+        self._removed(list(gone.values()))
+
+    def _removed(self, replicas: list[Replica]) -> None:
+        for replica in replicas:
+            for hook in self.on_removed:
+                hook(replica)
 
     def observe(self, url: str, sample: LoadSample) -> None:
         for replica in self.by_url(url):

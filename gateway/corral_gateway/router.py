@@ -33,6 +33,12 @@ class Router:
         self.saturation = saturation
         self.max_age_s = max_age_s
         self.clock = clock
+        registry.on_removed.append(self._forget)
+
+    def _forget(self, replica: Replica) -> None:
+        """A replica left: the policy drops what it kept about it (its URL's too, unless another
+        model is still served there)."""
+        self.policy.forget(replica, is_url_gone=not self.registry.by_url(replica.url))
 
     def candidates(self, model: str, exclude: Collection[str] = ()) -> list[Candidate]:
         now_s = self.clock()

@@ -70,6 +70,9 @@ class GatewaySettings(BaseSettings):
     affinity_num_blocks: int = Field(default=4, ge=1)
     affinity_load_factor: float = Field(default=1.25, ge=1.0)  # bounded-load consistent hashing c
     affinity_vnodes: int = Field(default=64, ge=1)
+    # Prefix affinity prices the wait for a replica's steps (the rest of the step in flight and one
+    # more, seen from its streams' chunk times) at this many prompt blocks a second; 0: left out.
+    affinity_step_blocks_per_s: float = Field(default=1500.0, ge=0.0)  # policies.STEP_WAIT_BLOCKS_PER_S
     # Prefix index (prefix-affinity, llm-d): up to this many chained blocks of `affinity_block_chars`.
     affinity_chain_blocks: int = Field(default=256, ge=1)
 

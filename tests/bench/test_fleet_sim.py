@@ -10,6 +10,7 @@ from collections import Counter
 from corral_engine.sim.perf_model import BUILTIN
 
 from bench.routing.des import FleetSim, GatewayModel
+from bench.routing.fleet_sim import merge_cells
 from bench.routing.sim_workloads import SimRequest, WorkloadSpec, build, reply_of
 from bench.routing.ttft_breakdown import breakdown, components
 from bench.routing.ttft_floor import prefill_time_s, ttft_floors
@@ -140,3 +141,20 @@ def test_the_ttft_breakdown_adds_up_and_tracing_changes_nothing() -> None:
     assert num_waited > 100 and num_batched > 100 and num_other < len(requests) / 20
     summary = breakdown(traced, sim.tracer.traces, floors)
     assert summary["tail"]["ttft_ms"] >= summary["p99_ttft_ms"] >= summary["all"]["ttft_ms"]
+
+
+def test_merged_runs_keep_a_cell_per_profile() -> None:
+    def run(profile: str, p99_ms: float) -> dict:
+        cell = {"replicas": 16, "workload": "rag", "load": 0.85, "arrivals": "poisson"}
+        return {"args": {"profile": profile}, "cells": [cell | {"policies": {"round-robin": p99_ms}}]}
+
+    later = run("h100-llama3-8b", 3.0)
+    later["cells"][0]["policies"] = {"prefix-affinity": 4.0}
+    cells = merge_cells([run("h100-llama3-8b", 1.0), run("h100-llama3-8b-corral", 2.0), later])
+    assert [(c["profile"], c["policies"]) for c in cells] == [
+        ("h100-llama3-8b", {"round-robin": 1.0, "prefix-affinity": 4.0}),
+        ("h100-llama3-8b-corral", {"round-robin": 2.0}),
+    ]
+    # A merged file keeps each cell's profile.
+    again = merge_cells([{"cells": cells}])
+    assert [c["profile"] for c in again] == ["h100-llama3-8b", "h100-llama3-8b-corral"]

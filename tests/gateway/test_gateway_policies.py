@@ -376,3 +376,51 @@ def test_ring_order_of_changing_candidate_sets_matches_a_ring_built_for_each_set
     assert builds[-1] == set(urls[:3]) and policy.ring_order(urls[:3], 5) == PrefixAffinity(
         SAT, vnodes=8
     ).ring_order(urls[:3], 5)
+
+
+def test_a_replica_that_leaves_takes_its_ledger_records_and_the_blocks_sent_to_it_along() -> None:
+    registry = Registry()
+    registry.set_replicas("m", ["http://a", "http://b"])
+    registry.set_replicas("n", ["http://b"])  # another model served at b
+    policy = PrefixAffinity(SAT)
+    Router(registry, policy, SAT, 2.0, clock=lambda: 100.0)
+    doc = tuple(range(20))
+    for r in registry.all_replicas():
+        policy.ledger.record(r, 20)
+        r.on_dispatch()
+        policy.index.remember(r.url, doc)
+    assert policy.ledger.num_replicas == 3
+    registry.set_replicas("m", ["http://b"])
+    assert policy.ledger.num_replicas == 2
+    # A new replica at a's address holds nothing this gateway sent the old one.
+    registry.set_replicas("m", ["http://a", "http://b"])
+    assert policy.index.matched_blocks(["http://a", "http://b"], doc) == {"http://a": 0, "http://b": 20}
+    registry.remove_model("m")
+    assert policy.ledger.num_replicas == 1  # n's replica at b
+    assert policy.index.matched_blocks(["http://b"], doc) == {"http://b": 20}  # n still served there
+    registry.remove_model("n")
+    assert policy.ledger.num_replicas == 0
+    assert policy.index.matched_blocks(["http://b"], doc) == {"http://b": 0}
+
+
+@pytest.mark.parametrize("ending", ["http://a", "http://b"])
+def test_prefix_affinity_sends_a_prompt_to_the_replica_whose_steps_let_it_start_first(ending: str) -> None:
+    policy = PrefixAffinity(SAT, step_wait_blocks_per_s=2500.0, clock=lambda: 100.0)
+    replicas = [replica(u, running=8) for u in ("http://a", "http://b")]
+    for r in replicas:  # steps of 20 ms; the one ending has 1 ms left at 100.0, the other 16
+        left_s = 0.001 if r.url == ending else 0.016
+        for k in reversed(range(10)):
+            r.step_phase.on_chunk(100.0 - 0.020 + left_s - 0.020 * k)
+    assert send(policy, replicas, (1, 2, 3), 100.0) == ending
+    # The same phase, but the other replica's steps take half as long (a lighter batch).
+    policy = PrefixAffinity(SAT, step_wait_blocks_per_s=2500.0, clock=lambda: 100.0)
+    replicas = [replica(u, running=8) for u in ("http://a", "http://b")]
+    for r in replicas:
+        step_s = 0.010 if r.url == ending else 0.020
+        for k in reversed(range(10)):
+            r.step_phase.on_chunk(100.0 - step_s + 0.005 - step_s * k)
+    assert send(policy, replicas, (1, 2, 3), 100.0) == ending
+    # Unknown phases (no streams seen) leave the choice to the other costs.
+    quiet = [replica(u, running=8) for u in ("http://a", "http://b")]
+    picks = {send(PrefixAffinity(SAT, step_wait_blocks_per_s=2500.0), quiet, (k, 9), 100.0) for k in range(2)}
+    assert picks == {"http://a", "http://b"}

@@ -103,6 +103,19 @@ async def test_streams_sse_bytes_untouched() -> None:
         assert (await replicas(client)).popitem()[1]["num_first_bytes"] == 2
 
 
+async def test_a_streams_chunk_times_give_its_replicas_step_interval_and_a_whole_body_does_not() -> None:
+    engine = FakeEngine(num_chunks=6, chunk_delay_s=0.02)  # a step every 20 ms or so
+    async with fleet([engine]) as (client, _):
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        seen = (await replicas(client)).popitem()[1]
+        assert seen["step_interval_s"] is None and seen["step_time_left_s"] is None
+        async with client.stream(
+            "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r:
+            _ = [chunk async for chunk in r.aiter_raw()]
+        assert (await replicas(client)).popitem()[1]["step_interval_s"] > 0.0
+
+
 async def test_5xx_before_first_byte_is_retried_on_another_replica() -> None:
     bad, good = FakeEngine(name="bad", mode="error500"), FakeEngine(name="good")
     async with fleet([bad, good], policy="round-robin") as (client, _):
