@@ -114,6 +114,7 @@ class Linear(nn.Linear):
 
     upcast_min_rows = 0  # 0: never; set per model by the runner (ModelRunner.upcast_rows)
     fused_ops: FusedOps | None = None  # where batches are upcast: the native kernel for fewer rows
+    # (the runner sets it once per layer, only for a contiguous bf16 weight the kernel can read)
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (see prepack)
     packed_dtype: torch.dtype | None = None
     upcast_packed: torch.Tensor | None = None  # a float32 copy for upcast batches (see prepack_upcast)
@@ -129,9 +130,8 @@ class Linear(nn.Linear):
                     return out.to(x.dtype)
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-            ops = self.fused_ops
-            rows_fit = x.dim() == 2 and x.shape[0] > 0
-            if ops is not None and rows_fit and ops.supports(x) and ops.supports(self.weight):
+            ops = self.fused_ops  # set only where it can read this layer's weight
+            if ops is not None and x.dim() == 2 and x.shape[0] > 0 and ops.supports(x):
                 return ops.linear_rows(x, self.weight, self.bias)
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed_dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -2,7 +2,8 @@
 
 `load_paged_decode()` returns the paged decode attention kernel (kernels/paged_decode.c) and
 `load_fused_ops()` the fused bf16 elementwise ops (kernels/fused_ops.c: SiLU-and-multiply, RMSNorm
-with or without the residual add before it, rotary embedding);
+with or without the residual add before it, rotary embedding) and the small-batch bf16 matmul of
+CPUs without native bf16;
 each is None when it cannot be had (no compiler, a failed build, `native_kernels` off in the
 EngineSettings, i.e. `CORRAL_NATIVE_ATTENTION=0`), and
 callers then use the pure-PyTorch path, which computes the same thing. The libraries are built with

@@ -146,7 +146,9 @@ class ModelRunner:
                 module.fused_ops = fused_ops
                 module.triton_ops = triton_ops
             if isinstance(module, Linear) and plan.upcast_min_rows:  # no native bf16 on this CPU
-                module.fused_ops = fused_ops
+                # Checked once here, not on every call: the weight's layout does not change.
+                readable = fused_ops is not None and fused_ops.supports(module.weight)
+                module.fused_ops = fused_ops if readable else None
         inv_freq, _ = rope_parameters(self.config)
         model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval(), plan
