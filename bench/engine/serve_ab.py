@@ -49,10 +49,33 @@ ARMS = ("base", "tree")
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
+    p.add_argument(
+        "--base-env", action="append", default=[], metavar="NAME=VALUE", help="set for the base's engine"
+    )
+    p.add_argument(
+        "--tree-env", action="append", default=[], metavar="NAME=VALUE", help="set for the tree's engine"
+    )
+    p.add_argument(
+        "--engine-cpus",
+        choices=["half", "all"],
+        default="half",
+        help="the engines on the upper half of the cores (the client on the rest), or on all of them",
+    )
+    p.add_argument("--threads", type=int, help="model threads per engine (default: one per engine core)")
     add_closed_loop_args(p)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("bench/results/serve-ab"))
     return p.parse_args()
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"not NAME=VALUE: {pair!r}")
+        env[name] = value
+    return env
 
 
 def round_summary(
@@ -71,6 +94,8 @@ def round_summary(
         "event_loop_us_per_token": cpu_s["event_loop"] / num_tokens * 1e6,
         "other_us_per_token": cpu_s["other"] / num_tokens * 1e6,
         "event_loop_cores": cpu_s["event_loop"] / duration_s,
+        # An engine core in a process of its own (CORRAL_ENGINE_PROCESS=1): the step loop and model.
+        "core_process_us_per_token": cpu_s["children"] / num_tokens * 1e6,
     }
 
 
@@ -78,7 +103,10 @@ def summarize(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, fl
     """Per measure: each arm's median, and the median, q1 and q3 of the per-round ratios tree/base."""
     summary: dict[str, dict[str, float]] = {}
     for key in runs["base"][0]:
-        ratios = [t[key] / b[key] for b, t in zip(runs["base"], runs["tree"], strict=True)]
+        ratios = [
+            t[key] / b[key] if b[key] else float("nan")
+            for b, t in zip(runs["base"], runs["tree"], strict=True)
+        ]
         q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         summary[key] = {
             "base": statistics.median(r[key] for r in runs["base"]),
@@ -128,13 +156,24 @@ def main() -> int:
     cpus = sorted(os.sched_getaffinity(0))
     half = max(1, len(cpus) // 2)
     engine_cpus, client_cpus = set(cpus[-half:]), set(cpus[:-half] or cpus)
+    if args.engine_cpus == "all":
+        engine_cpus = set(cpus)
+    envs = {"base": _env_pairs(args.base_env), "tree": _env_pairs(args.tree_env)}
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-serve-ab-")))
         sources = {"base": source.from_revision(args.base, work_dir), "tree": source.working_tree()}
         engines = {
             arm: stack.enter_context(
-                start_loop_engine(model_dir, work_dir, MODEL, args.concurrency, engine_cpus, sources[arm].env)
+                start_loop_engine(
+                    model_dir,
+                    work_dir,
+                    MODEL,
+                    args.concurrency,
+                    engine_cpus,
+                    {**sources[arm].env, **envs[arm]},
+                    num_threads=args.threads,
+                )
             )
             for arm in ARMS
         }
@@ -155,6 +194,8 @@ def main() -> int:
     report: dict[str, Any] = {
         "base": sources["base"].description,
         "tree": sources["tree"].description,
+        "base_env": envs["base"],
+        "tree_env": envs["tree"],
         "engine_cpus": sorted(engine_cpus),
         "client_cpus": sorted(client_cpus),
         "args": {k: str(v) for k, v in vars(args).items()},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -57,9 +58,11 @@ def start_loop_engine(
     concurrency: int,
     cpus: set[int],
     env: dict[str, str] | None = None,
+    num_threads: int | None = None,
 ) -> EngineProcess:
-    """An engine for a closed loop of `concurrency` streams, on `cpus` with a thread per CPU (the
-    process inherits this one's CPU affinity when it starts; the caller sets it back)."""
+    """An engine for a closed loop of `concurrency` streams, on `cpus` with `num_threads` model
+    threads (default a thread per CPU; the process inherits this one's CPU affinity when it starts;
+    the caller sets it back)."""
     os.sched_setaffinity(0, cpus)
     return start_engine(
         model_dir,
@@ -67,7 +70,7 @@ def start_loop_engine(
         env=env,
         served_model_name=name,
         max_num_seqs=2 * concurrency,
-        num_threads=len(cpus),
+        num_threads=num_threads or len(cpus),
     )
 
 
@@ -83,14 +86,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds so far of a process's main thread (the event loop) and of all its others."""
-    out = {"event_loop": 0.0, "other": 0.0}
+    """CPU seconds so far of a process's main thread (the event loop), of all its others, and of
+    its child processes (an engine core in a process of its own)."""
+    out = {"event_loop": 0.0, "other": 0.0, "children": 0.0}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             used = _stat_cpu_s(Path(f"/proc/{pid}/task/{tid}/stat"))
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
         except OSError:  # the thread ended between listing and reading
             continue
         out["event_loop" if int(tid) == pid else "other"] += used
+        for child in children:
+            with contextlib.suppress(OSError):  # gone since
+                out["children"] += cpu_seconds(int(child))
     return out
 
 

@@ -221,17 +221,28 @@ def run(args: argparse.Namespace) -> int:
     _log_memory_setup(engine_args.device)
 
     from corral_engine.async_engine import AsyncEngine
+    from corral_engine.engine_core import EngineCoreClient
     from corral_engine.errors import ModelLoadError
     from corral_engine.server import create_app
     from corral_engine.server.lifecycle import serve
 
-    log.info("loading %s", engine_args.model)
+    in_own_process = _engine_in_own_process(settings, engine_args.device)
+    where = "a process of its own" if in_own_process else "this process"
+    log.info("loading %s (engine core in %s)", engine_args.model, where)
+    engine: AsyncEngine | EngineCoreClient
     try:
-        engine = AsyncEngine(engine_args, settings=settings)
+        if in_own_process:
+            engine = EngineCoreClient(engine_args, settings=settings)
+        else:
+            engine = AsyncEngine(engine_args, settings=settings)
     except ModelLoadError as e:
         log.error("cannot load the model: %s", e)
         return 1
-    if hasattr(engine.engine.runner, "on_failure"):  # tensor parallel: a dead rank ends the engine
+    except RuntimeError as e:  # the engine core's process failed to start
+        log.error("%s", e)
+        return 1
+    # Tensor parallel: a dead rank ends the engine (the core's own process handles it there).
+    if isinstance(engine, AsyncEngine) and hasattr(engine.engine.runner, "on_failure"):
         engine.engine.runner.on_failure = _exit_on_rank_failure
     app = create_app(
         engine,
@@ -242,6 +253,19 @@ def run(args: argparse.Namespace) -> int:
     freeze_startup_heap()
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)
     return 0
+
+
+def _engine_in_own_process(settings: EngineSettings, device: str) -> bool:
+    """CORRAL_ENGINE_PROCESS: 1 or 0 as set; auto: on CUDA."""
+    if settings.engine_process != "auto":
+        return settings.engine_process == "1"
+    from corral_engine.errors import ModelLoadError
+    from corral_engine.model.device import select_device
+
+    try:
+        return select_device(device).type == "cuda"
+    except ModelLoadError:
+        return False  # the engine reports the bad device when it loads
 
 
 def _exit_on_rank_failure(message: str) -> None:

@@ -43,10 +43,35 @@ async def test_small_waiting_queue_sheds_load_with_429(
         assert engine.metric(wire.NUM_REQUESTS_REJECTED_TOTAL, reason="queue_full") == len(refused)
 
 
+def _children(pid: int) -> list[int]:
+    path = pathlib.Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status  # exited, not yet reaped
+
+
+@pytest.mark.parametrize("engine_process", ["0", "1"], ids=["one-process", "engine-core-process"])
 async def test_sigterm_drains_running_requests_then_exits(
-    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, engine_process: str
 ) -> None:
-    engine = start_engine(tiny_model_dir, log_dir=tmp_path, max_num_seqs=1, drain_timeout=60)
+    """Also with the engine core in a process of its own (CORRAL_ENGINE_PROCESS=1): the server
+    drains, then stops the core, and no process is left behind."""
+    engine = start_engine(
+        tiny_model_dir,
+        log_dir=tmp_path,
+        env={"CORRAL_ENGINE_PROCESS": engine_process},
+        max_num_seqs=1,
+        drain_timeout=60,
+    )
+    children = _children(engine.proc.pid)
+    # The core (and multiprocessing's resource tracker) with CORRAL_ENGINE_PROCESS=1, none without.
+    assert bool(children) == (engine_process == "1"), children
     body = {
         "model": engine.served_model_name,
         "prompt": "drain",
@@ -83,5 +108,10 @@ async def test_sigterm_drains_running_requests_then_exits(
         assert results == [("length", True)] * 3
         assert await asyncio.to_thread(engine.proc.wait, 60) == 0
         assert "drained; shutting down" in engine.log_tail()
+        for _ in range(100):
+            if all(_is_gone(pid) for pid in children):
+                break
+            await asyncio.sleep(0.1)
+        assert all(_is_gone(pid) for pid in children), "the engine core outlived the server"
     finally:
         engine.stop()

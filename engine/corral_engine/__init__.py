@@ -15,14 +15,20 @@ from corral_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from corral_engine.async_engine import AsyncEngine
+    from corral_engine.engine_core import EngineCoreClient
     from corral_engine.llm_engine import LLMEngine
 
-_LAZY = {"LLMEngine": "corral_engine.llm_engine", "AsyncEngine": "corral_engine.async_engine"}
+_LAZY = {
+    "LLMEngine": "corral_engine.llm_engine",
+    "AsyncEngine": "corral_engine.async_engine",
+    "EngineCoreClient": "corral_engine.engine_core",
+}
 
 __all__ = [
     "AsyncEngine",
     "CompletionOutput",
     "EngineArgs",
+    "EngineCoreClient",
     "EngineStats",
     "LLMEngine",
     "RequestOutput",

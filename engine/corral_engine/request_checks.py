@@ -3,13 +3,35 @@ cache, and token ids (prompt, logit_bias, allowed_token_ids) inside the vocabula
 
 from __future__ import annotations
 
-from corral_engine.core.block_manager import BlockManager
+from dataclasses import dataclass
+from typing import Protocol
+
 from corral_engine.errors import InvalidRequestError
 from corral_engine.sampling_params import SamplingParams
 
 
+class KvCapacity(Protocol):
+    """What the check needs of the KV cache (the engine's BlockManager, or a `KvShape`)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def blocks_for_tokens(self, num_tokens: int) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KvShape:
+    """A KV cache's size alone, for checking requests away from the engine (its own process)."""
+
+    num_blocks: int
+    block_size: int
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
 def check_request(
-    token_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int, bm: BlockManager
+    token_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int, bm: KvCapacity
 ) -> None:
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", "prompt")

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import openai
-from corral_engine import AsyncEngine, EngineArgs
+from corral_engine import AsyncEngine, EngineArgs, EngineCoreClient
 from corral_engine.server import create_app
 from corral_engine.settings import EngineSettings
 
@@ -23,7 +23,12 @@ async def openai_client(
     **args: Any,
 ) -> AsyncIterator[openai.AsyncOpenAI]:
     args.setdefault("num_kv_blocks", 256)
-    engine = AsyncEngine(EngineArgs(model=str(model_dir), dtype="float32", **args), settings=settings)
+    engine_args = EngineArgs(model=str(model_dir), dtype="float32", **args)
+    engine: AsyncEngine | EngineCoreClient
+    if settings is not None and settings.engine_process == "1":  # the engine core in its own process
+        engine = EngineCoreClient(engine_args, settings=settings)
+    else:
+        engine = AsyncEngine(engine_args, settings=settings)
     app = create_app(engine, tool_call_parser=tool_call_parser)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

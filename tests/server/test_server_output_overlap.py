@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import openai
+import pytest
 from corral_engine.settings import EngineSettings
 
 from tests.server.real_engine import openai_client
@@ -59,3 +60,34 @@ async def test_completions_match_with_async_scheduling(tiny_model_dir: pathlib.P
         plain = await _completions(client, match.group())
     async with openai_client(tiny_model_dir, settings=EngineSettings(async_scheduling="1")) as client:
         assert await _completions(client, match.group()) == plain
+
+
+async def test_completions_match_with_the_engine_core_apart(tiny_model_dir: pathlib.Path) -> None:
+    """CORRAL_ENGINE_PROCESS=1: the same completions, a 400 for a prompt over the context and for a
+    schema that does not compile, constrained output, and the engine's gauges on /metrics."""
+    async with openai_client(tiny_model_dir, settings=EngineSettings(engine_process="0")) as client:
+        free = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        match = re.search(r"[A-Za-z]{3}", free.choices[0].text[8:])
+        assert match is not None
+        plain = await _completions(client, match.group())
+    async with openai_client(tiny_model_dir, settings=EngineSettings(engine_process="1")) as client:
+        assert await _completions(client, match.group()) == plain
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=MODEL, prompt=[1] * 4096, max_tokens=4)
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {"regex": "(x"}}
+            )
+        choice = await client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=8,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )
+        assert choice.choices[0].text in ("yes", "no")
+        metrics = (await client._client.get("http://127.0.0.1/metrics")).text
+        assert 'vllm:num_requests_running{model_name="tiny-llama"} 0.0' in metrics
+        assert re.search(r'vllm:generation_tokens_total\{model_name="tiny-llama"\} [1-9]', metrics)
+        assert re.search(r"corral_engine_step_duration_seconds_count\{[^}]*\} [1-9]", metrics)

@@ -1,0 +1,362 @@
+"""The engine core in a process of its own (`CORRAL_ENGINE_PROCESS=1`), vLLM v1's layout.
+
+In one process (`AsyncEngine`) the step thread and the server's event loop share the GIL: every
+token a stream sends (JSON, SSE, a socket write, ~40 us of the event loop's CPU) is time the step
+thread cannot run Python, and where a step is short (a GPU's few milliseconds) that is a large
+share of it. Here the scheduler and the model run on the main thread of a child process (spawned,
+so it starts clean of the parent's threads and OpenMP team), stepping whenever a request is
+unfinished; the server's process keeps HTTP, tokenizing, request checks and streaming.
+
+Between them, two one-way pipes of pickled tuples (`multiprocessing.connection`: length-prefixed
+messages, no extra dependency):
+- to the core: ("add", id, prompt token ids, params, arrival time), ("abort", id), ("stop",);
+- from the core: ("ready", `CoreInfo`) or ("failed", kind, message) once at start, then per step
+  ("step", outputs, duration_s, batched tokens, stats), and ("out", outputs) for an aborted
+  request's last output, ("stats", stats) when idle, ("error", id, message, param) for a request
+  the core refused, ("dropped", id), ("dead", message), ("stopped",).
+Outputs travel without their prompt token ids (the server's side has them), so a step's message
+grows with the tokens it produced, not with the prompts.
+
+The server checks each request itself before it is sent (prompt length, the KV cache's size, token
+ids in the vocabulary, a grammar that compiles), so a bad one is still refused with its 400 at
+once; the core checks again when it builds the request. Timestamps are `time.monotonic()`, one
+clock for both processes on Linux. The core ignores SIGINT and SIGTERM (the server drains, then
+stops it) and stops when its input pipe closes (the server died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from corral_engine.args import EngineArgs
+from corral_engine.async_engine import StreamFront
+from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
+from corral_engine.request_checks import KvShape, check_request
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine core] %(message)s"
+# An output on the wire: (request id, completions, finished, metrics, prompt logprobs).
+_Packed = tuple[str, list[CompletionOutput], bool, RequestMetrics, "list[TokenLogprob | None] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the server's side needs of the loaded engine."""
+
+    served_model_name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    stats: EngineStats
+
+
+def _pack(outputs: list[RequestOutput]) -> list[_Packed]:
+    return [(o.request_id, o.outputs, o.finished, o.metrics, o.prompt_logprobs) for o in outputs]
+
+
+# -- the core's process ----------------------------------------------------------------------------
+class _PipeSink:
+    """The step loop's results, pickled onto the pipe to the server (from the step thread and the
+    input thread, hence the lock)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._last_stats: EngineStats | None = None
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=_PROTOCOL)
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        self.send(("out", _pack(outputs)))
+
+    def stepped(
+        self, outputs: list[RequestOutput], duration_s: float, num_tokens: int, stats: EngineStats
+    ) -> None:
+        self._last_stats = stats
+        self.send(("step", _pack(outputs), duration_s, num_tokens, stats))
+
+    def stats(self, stats: EngineStats) -> None:
+        if stats != self._last_stats:
+            self._last_stats = stats
+            self.send(("stats", stats))
+
+    def error(self, request_id: str, error: InvalidRequestError) -> None:
+        self.send(("error", request_id, str(error), error.param))
+
+    def dropped(self, request_id: str) -> None:
+        self.send(("dropped", request_id))
+
+    def died(self, error: BaseException) -> None:
+        self.send(("dead", f"{type(error).__name__}: {error}"))
+
+
+def _set_threads(args: EngineArgs) -> None:
+    import torch
+
+    # As `corral engine` does in one process: tensor-parallel ranks on one machine share its cores.
+    torch.set_num_threads(
+        args.num_threads or max(1, len(os.sched_getaffinity(0)) // args.tensor_parallel_size)
+    )
+    with contextlib.suppress(RuntimeError):  # parallel work already started: harmless
+        torch.set_num_interop_threads(1)
+
+
+def run_core(
+    args: EngineArgs, settings: EngineSettings | None, inbox: Connection, outbox: Connection, log_level: int
+) -> None:
+    """The child's main: load, say hello, then step until told to stop or the server is gone."""
+    from corral_engine.llm_engine import LLMEngine
+    from corral_engine.step_loop import StepLoop
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    sink = _PipeSink(outbox)
+    _set_threads(args)
+    try:
+        engine = LLMEngine(args, settings)
+    except ModelLoadError as e:
+        sink.send(("failed", "model", str(e)))
+        return
+    except BaseException as e:
+        logger.exception("the engine core failed to start")
+        sink.send(("failed", "other", f"{type(e).__name__}: {e}"))
+        return
+    if hasattr(engine.runner, "on_failure"):  # tensor parallel: a dead rank ends the core
+        engine.runner.on_failure = _exit_on_rank_failure
+    gc.collect()
+    gc.freeze()  # the loaded engine's objects never become garbage: full passes skip them
+    loop = StepLoop(engine, sink)
+    stats = engine.stats()
+    info = CoreInfo(
+        engine.served_model_name,
+        engine.max_model_len,
+        tuple(engine.eos_token_ids),
+        engine.model_config.vocab_size,
+        engine.block_manager.num_blocks,
+        engine.block_manager.block_size,
+        stats,
+    )
+    sink.send(("ready", info))
+
+    def take_inputs() -> None:
+        while True:
+            try:
+                message = pickle.loads(inbox.recv_bytes())
+            except (EOFError, OSError):  # the server is gone
+                loop.stop()
+                return
+            kind = message[0]
+            if kind == "add":
+                _, request_id, token_ids, params, arrival_time = message
+                try:
+                    loop.add(engine.make_request(request_id, token_ids, params, arrival_time))
+                except InvalidRequestError as e:
+                    sink.error(request_id, e)
+            elif kind == "abort":
+                loop.abort(message[1])
+            elif kind == "stop":
+                loop.stop()
+                return
+
+    threading.Thread(target=take_inputs, name="corral-core-inputs", daemon=True).start()
+    loop.run()
+    engine.runner.close()
+    sink.send(("stopped",))
+
+
+def _exit_on_rank_failure(message: str) -> None:
+    logger.error("%s; the engine core exits", message)
+    logging.shutdown()
+    os._exit(1)
+
+
+# -- the server's side -----------------------------------------------------------------------------
+class EngineCoreClient(StreamFront):
+    """`AsyncEngine`'s interface with the engine core in a child process."""
+
+    def __init__(self, args: EngineArgs, settings: EngineSettings | None = None) -> None:
+        from corral_engine.tokenizer import load_tokenizer
+
+        super().__init__()
+        self.args = args
+        context = multiprocessing.get_context("spawn")
+        core_inbox, self._to_core = context.Pipe(duplex=False)
+        self._from_core, core_outbox = context.Pipe(duplex=False)
+        # Not a daemon: a tensor-parallel core starts rank processes of its own.
+        self._process = context.Process(
+            target=run_core,
+            args=(args, settings, core_inbox, core_outbox, logging.getLogger().getEffectiveLevel()),
+            name="corral-engine-core",
+        )
+        self._process.start()
+        core_inbox.close()
+        core_outbox.close()
+        info = self._wait_ready()
+        self.tokenizer: Any = load_tokenizer(args.model)
+        self.served_model_name = info.served_model_name
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = info.eos_token_ids
+        self._vocab_size = info.vocab_size
+        self._kv = KvShape(info.num_kv_blocks, info.block_size)
+        self._stats = info.stats
+        self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
+        self._prompts: dict[str, list[int]] = {}  # request id -> prompt ids, until its final output
+        self._send_lock = threading.Lock()
+        self._num_sent = 0  # requests sent since the core last reported its queue
+        self._reader: threading.Thread | None = None
+        self._running = False
+        self._dead: str | None = None
+
+    def _wait_ready(self) -> CoreInfo:
+        while not self._from_core.poll(0.5):
+            if not self._process.is_alive():
+                code = self._process.exitcode
+                raise RuntimeError(f"the engine core exited with code {code} while starting")
+        message = pickle.loads(self._from_core.recv_bytes())
+        if message[0] == "ready":
+            info: CoreInfo = message[1]
+            return info
+        self._process.join(30.0)
+        if message[1] == "model":
+            raise ModelLoadError(message[2])
+        raise RuntimeError(f"the engine core failed to start: {message[2]}")
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._reader is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._running = True
+        self._reader = threading.Thread(target=self._read, name="corral-core-outputs", daemon=True)
+        self._reader.start()
+
+    async def shutdown(self) -> None:
+        self._running = False
+        with contextlib.suppress(EngineDeadError):
+            self._send(("stop",))
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, 30.0)
+            self._reader = None
+        await asyncio.to_thread(self._process.join, 30.0)
+        if self._process.is_alive():
+            logger.warning("the engine core did not stop in 30 s; terminating it")
+            self._process.terminate()
+            await asyncio.to_thread(self._process.join, 10.0)
+        self._end_all_now(EngineDeadError("the engine is shutting down"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self._dead is None
+
+    def _num_queued(self) -> int:
+        return self._num_sent
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """As `AsyncEngine.add_request`: checked here, at once, then sent to the core."""
+        if self._dead is not None or not self._running:
+            raise EngineDeadError("the engine is not running")
+        self._streams.check_new(request_id, self.args.max_waiting, self._stats.num_waiting + self._num_sent)
+        token_ids = self._check(prompt, params)
+        stream = self._streams.open(request_id, self.abort)
+        self._prompts[request_id] = token_ids
+        self._num_sent += 1
+        self._send(("add", request_id, token_ids, params, time.monotonic()))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with contextlib.suppress(EngineDeadError):  # a dead core holds nothing to free
+            self._send(("abort", request_id))
+
+    def _check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """What `LLMEngine.make_request` refuses, refused here (the core builds the request)."""
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        else:
+            token_ids = list(prompt)
+        check_request(token_ids, params, self.max_model_len, self._vocab_size, self._kv)
+        if params.grammar is not None:
+            if self._grammars is None:
+                from corral_engine.structured.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self._vocab_size, self.eos_token_ids)
+            self._grammars.matcher(params.grammar)  # InvalidRequestError where it does not compile
+        return token_ids
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._to_core.send_bytes(data)
+        except OSError as e:
+            raise EngineDeadError("the engine core is gone") from e
+
+    # -- the reader thread ----------------------------------------------------------------------
+    def _unpack(self, packed: list[_Packed]) -> list[RequestOutput]:
+        prompts = self._prompts
+        outputs = []
+        for request_id, completions, finished, metrics, prompt_logprobs in packed:
+            prompt = prompts.pop(request_id, []) if finished else prompts.get(request_id, [])
+            outputs.append(RequestOutput(request_id, prompt, completions, finished, metrics, prompt_logprobs))
+        return outputs
+
+    def _read(self) -> None:
+        conn = self._from_core
+        try:
+            while True:
+                message = pickle.loads(conn.recv_bytes())
+                kind = message[0]
+                if kind == "step":
+                    self._num_sent = 0
+                    self._step_done(self._unpack(message[1]), message[2], message[3], message[4])
+                elif kind == "out":
+                    self._deliver(self._unpack(message[1]))
+                elif kind == "stats":
+                    self._num_sent = 0
+                    self._stats = message[1]
+                elif kind == "error":
+                    _, request_id, text, param = message
+                    self._prompts.pop(request_id, None)
+                    self._deliver_error(request_id, InvalidRequestError(text, param))
+                elif kind == "dropped":
+                    self._prompts.pop(message[1], None)
+                    self._deliver_dropped(message[1])
+                elif kind == "dead":
+                    self._die(f"the engine failed: {message[1]}")
+                    return
+                elif kind == "stopped":
+                    return
+        except (EOFError, OSError):
+            if self._running:
+                self._die(f"the engine core exited (code {self._process.exitcode})")
+
+    def _die(self, reason: str) -> None:
+        logger.error("%s", reason)
+        self._dead = reason
+        self._fail_all(EngineDeadError(reason))

@@ -1,0 +1,111 @@
+"""The engine core in a process of its own (`EngineCoreClient`, CORRAL_ENGINE_PROCESS=1): the same
+outputs as in one process, a hang-up frees its blocks, bad requests refused at once, a dead core
+fails its streams, and shutdown stops the child."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import signal
+
+import pytest
+from corral_engine import AsyncEngine, EngineArgs, EngineCoreClient, SamplingParams
+from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from corral_engine.structured.spec import GrammarSpec
+
+
+def _args(model_dir: pathlib.Path) -> EngineArgs:
+    return EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=128)
+
+
+async def _wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def _run(engine: AsyncEngine | EngineCoreClient, prompts: list[str], params: SamplingParams) -> list:  # type: ignore[type-arg]
+    async def one(i: int, prompt: str) -> tuple[str, list[int], list[int], str | None]:
+        text = ""
+        async for out in engine.add_request(f"r{i}", prompt, params):
+            text += out.outputs[0].delta_text
+        return text, out.outputs[0].token_ids, out.prompt_token_ids, out.outputs[0].finish_reason
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+async def test_same_outputs_as_one_process(tiny_model_dir: pathlib.Path) -> None:
+    prompts = ["hello world", "the quick brown fox", "a", "counting: one two three"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    results = []
+    for engine in (AsyncEngine(_args(tiny_model_dir)), EngineCoreClient(_args(tiny_model_dir))):
+        await engine.start()
+        try:
+            results.append((await _run(engine, prompts, greedy), await _run(engine, prompts, seeded)))
+            stats = engine.stats()
+            assert stats.num_generation_tokens_total == 4 * 24 + sum(len(r[1]) for r in results[-1][1])
+        finally:
+            await engine.shutdown()
+    in_process, own_process = results
+    assert own_process == in_process
+    for _text, ids, prompt_ids, reason in own_process[0]:
+        assert len(ids) == 24 and reason == "length" and prompt_ids  # prompts restored on this side
+
+
+async def test_hang_up_frees_blocks_and_bad_requests_refused_at_once(tiny_model_dir: pathlib.Path) -> None:
+    engine = EngineCoreClient(_args(tiny_model_dir))
+    await engine.start()
+    try:
+        steps: list[int] = []
+        engine.on_step = lambda duration_s, num_tokens: steps.append(num_tokens)
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [engine.add_request(f"a{i}", "abort me", long) for i in range(3)]
+        for stream in streams:
+            await anext(stream)
+            await stream.aclose()  # a client hanging up
+        await _wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage_ratio == 0.0)
+        assert engine.stats().finished_by_reason.get("abort") == 3
+        assert steps and all(n > 0 for n in steps)
+        assert await engine.wait_idle(5.0)
+
+        with pytest.raises(InvalidRequestError) as too_long:
+            engine.add_request("x", [1] * engine.max_model_len, SamplingParams(max_tokens=4))
+        assert too_long.value.param == "prompt"
+        with pytest.raises(InvalidRequestError) as bad_id:
+            engine.add_request("y", [1, 10**9], SamplingParams(max_tokens=4))
+        assert bad_id.value.param == "prompt"
+        bad_grammar = SamplingParams(max_tokens=4, grammar=GrammarSpec("regex", "(unclosed"))
+        with pytest.raises(InvalidRequestError):
+            engine.add_request("z", "hi", bad_grammar)
+        ok = [out async for out in engine.add_request("x", "fine", SamplingParams(max_tokens=2))]
+        assert ok[-1].finished  # the refused ids were never sent: "x" is free
+    finally:
+        await engine.shutdown()
+    assert engine._process.exitcode == 0
+
+
+async def test_a_dead_core_fails_its_streams(tiny_model_dir: pathlib.Path) -> None:
+    engine = EngineCoreClient(_args(tiny_model_dir))
+    await engine.start()
+    try:
+        stream = engine.add_request("s", "keep going", SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        assert engine._process.pid is not None
+        os.kill(engine._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError):
+            engine.add_request("t", "more", SamplingParams(max_tokens=2))
+    finally:
+        await engine.shutdown()
+
+
+def test_a_model_that_cannot_load_is_reported(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ModelLoadError):
+        EngineCoreClient(EngineArgs(model=str(tmp_path), dtype="float32"))
