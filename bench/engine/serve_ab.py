@@ -171,7 +171,7 @@ def main() -> int:
                     MODEL,
                     args.concurrency,
                     engine_cpus,
-                    {**sources[arm].env, **envs[arm]},
+                    {**(sources[arm].env or {}), **envs[arm]},
                     num_threads=args.threads,
                 )
             )

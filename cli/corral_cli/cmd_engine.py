@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -244,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
     # Tensor parallel: a dead rank ends the engine (the core's own process handles it there).
     if isinstance(engine, AsyncEngine) and hasattr(engine.engine.runner, "on_failure"):
         engine.engine.runner.on_failure = _exit_on_rank_failure
+    elif isinstance(engine, EngineCoreClient):
+        engine.on_core_exit = _exit_after_core_exit
     app = create_app(
         engine,
         api_key=args.api_key,
@@ -266,6 +269,14 @@ def _engine_in_own_process(settings: EngineSettings, device: str) -> bool:
         return select_device(device).type == "cuda"
     except ModelLoadError:
         return False  # the engine reports the bad device when it loads
+
+
+def _exit_after_core_exit(reason: str) -> None:
+    """The engine core's process died (a dead tensor-parallel rank ends it, or the kernel killed
+    it): the open streams have their errors; give the event loop a moment to send them, then exit
+    with an error like a one-process engine whose rank died."""
+    time.sleep(0.5)
+    _exit_on_rank_failure(reason)
 
 
 def _exit_on_rank_failure(message: str) -> None:

@@ -54,8 +54,17 @@ def _cmdline(pid: int) -> str:
     return ""
 
 
-def _is_rank(pid: int) -> bool:
+def _is_spawned(pid: int) -> bool:
     return "spawn_main" in _cmdline(pid) and "resource_tracker" not in _cmdline(pid)
+
+
+def _is_rank(pid: int) -> bool:
+    """A worker rank: spawned and spawning nothing (an engine core in its own process spawns the ranks)."""
+    return _is_spawned(pid) and not any(_is_spawned(c) for c in _children(pid))
+
+
+# CORRAL_ENGINE_PROCESS: rank 0 in the server's process, or in an engine core process of its own.
+LAYOUTS = pytest.mark.parametrize("layout", ["0", "1"], ids=["one-process", "engine-core-process"])
 
 
 def test_two_ranks_serve_the_one_rank_text_and_stop_on_sigterm(
@@ -74,10 +83,11 @@ def test_two_ranks_serve_the_one_rank_text_and_stop_on_sigterm(
     assert texts[0] == texts[1]
 
 
+@LAYOUTS
 def test_a_rank_killed_mid_step_ends_the_engine_with_an_error(
-    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, layout: str
 ) -> None:
-    engine = start_engine(tiny_model_dir, log_dir=tmp_path, **FLAGS)
+    engine = start_engine(tiny_model_dir, log_dir=tmp_path, env={"CORRAL_ENGINE_PROCESS": layout}, **FLAGS)
     descendants = _children(engine.proc.pid)
     (rank1,) = [p for p in descendants if _is_rank(p)]
     body = {"model": engine.served_model_name, "prompt": "long", "max_tokens": 400, "ignore_eos": True}
@@ -110,8 +120,11 @@ def test_a_rank_killed_mid_step_ends_the_engine_with_an_error(
     engine.stop()
 
 
-def test_workers_leave_when_rank_zero_is_killed(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    engine = start_engine(tiny_model_dir, log_dir=tmp_path, **FLAGS)
+@LAYOUTS
+def test_workers_leave_when_the_server_is_killed(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, layout: str
+) -> None:
+    engine = start_engine(tiny_model_dir, log_dir=tmp_path, env={"CORRAL_ENGINE_PROCESS": layout}, **FLAGS)
     descendants = _children(engine.proc.pid)
     assert any(_is_rank(p) for p in descendants)
     engine.signal(signal.SIGKILL)  # no drain, no atexit: only the closed pipe tells the workers

@@ -40,9 +40,10 @@ class EngineSettings(BaseSettings):
     # host between decode steps; auto: on CUDA. Off by default until measured on a GPU.
     async_scheduling: Switch = Field(default="0", validation_alias="CORRAL_ASYNC_SCHEDULING")
     # CORRAL_ENGINE_PROCESS: the scheduler and model (the engine core) in a process of their own,
-    # the server's process doing HTTP, tokenizing and streaming (vLLM v1's layout); auto: on CUDA.
-    # Off by default: on CPU one process is measured at least as fast (docs/engine-speed.md).
-    engine_process: Switch = Field(default="0", validation_alias="CORRAL_ENGINE_PROCESS")
+    # the server's process doing HTTP, tokenizing and streaming (vLLM v1's layout); auto: on CUDA,
+    # where a step is short and the server's per-token work would share the GIL with it. On CPU a
+    # model that keeps the cores busy runs as fast in one process (docs/engine-speed.md).
+    engine_process: Switch = Field(default="auto", validation_alias="CORRAL_ENGINE_PROCESS")
     # CORRAL_TRITON_OPS: the model's elementwise work (residual add + RMSNorm, rotary, SiLU-and-
     # multiply) as fused Triton kernels; auto: on CUDA; 1 also on CPU (interpreted, slow: tests).
     triton_ops: Switch = Field(default="auto", validation_alias="CORRAL_TRITON_OPS")

@@ -5,6 +5,7 @@ fails its streams, and shutdown stops the child."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pathlib
 import signal
@@ -109,3 +110,23 @@ async def test_a_dead_core_fails_its_streams(tiny_model_dir: pathlib.Path) -> No
 def test_a_model_that_cannot_load_is_reported(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ModelLoadError):
         EngineCoreClient(EngineArgs(model=str(tmp_path), dtype="float32"))
+
+
+def test_outputs_cross_the_pipe_whole() -> None:
+    """Every field of an output survives the tuples it travels as (a field added to the dataclasses
+    and not to `_pack` fails here), the prompt's ids restored from the server's side."""
+    from corral_engine.engine_core import _pack
+    from corral_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+
+    completion = CompletionOutput(
+        1, "ab", [5, 6], "b", [6], "stop", "</s>", [TokenLogprob(6, -0.5, [(6, -0.5), (7, -1.0)], 1)]
+    )
+    metrics = RequestMetrics(1.0, 2.0, 3.0, 4.0, 5.0, 6, 7)
+    out = RequestOutput("r", [1, 2, 3], [completion], True, metrics, [None, TokenLogprob(2, -1.0, [], None)])
+    client = EngineCoreClient.__new__(EngineCoreClient)
+    client._prompts = {"r": [1, 2, 3]}
+    (packed,) = _pack([out])
+    assert len(packed[1][0]) == len(dataclasses.fields(CompletionOutput))
+    assert len(packed[3]) == len(dataclasses.fields(RequestMetrics))
+    assert client._unpack([packed]) == [out]
+    assert client._prompts == {}  # a final output takes its prompt's record with it

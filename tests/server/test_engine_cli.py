@@ -81,3 +81,18 @@ def test_server_and_flag_parsing_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_engine_core_process_switch() -> None:
+    """CORRAL_ENGINE_PROCESS: as set; auto puts the core in its own process on CUDA only."""
+    from corral_engine.settings import EngineSettings
+
+    def own(value: str, device: str) -> bool:
+        settings = EngineSettings(engine_process=value)  # type: ignore[arg-type]
+        return cmd_engine._engine_in_own_process(settings, device)
+
+    assert own("1", "cpu") and not own("0", "cpu") and not own("auto", "cpu")
+    assert EngineSettings().engine_process == "auto"
+    import torch
+
+    assert own("auto", "auto") is torch.cuda.is_available()
