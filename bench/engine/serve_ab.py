@@ -14,6 +14,12 @@ output token of the engine's event-loop thread (HTTP, SSE, tokenization) and of 
 (the step loop and the model's). With a small model the event loop's share is large, which is
 what a GPU serving thousands of tokens per second meets too. Writes serve_ab.json and
 serve_ab.png to --out.
+
+`--base-env NAME=VALUE` / `--tree-env NAME=VALUE` set a variable for one arm's engine, so one
+revision can run against itself under two settings (`--base HEAD --base-env
+CORRAL_ENGINE_PROCESS=0 --tree-env CORRAL_ENGINE_PROCESS=1`); `--engine-cpus all` lets the engines
+use every core (the client still runs on the lower half), `--threads` sets their model threads.
+The CPU of an engine's child processes (an engine core in its own process) is counted apart.
 """
 
 from __future__ import annotations
