@@ -16,8 +16,9 @@ what a GPU serving thousands of tokens per second meets too. Writes serve_ab.jso
 serve_ab.png to --out.
 
 `--base-env NAME=VALUE` / `--tree-env NAME=VALUE` set a variable for one arm's engine, so one
-revision can run against itself under two settings (`--base HEAD --base-env
-CORRAL_ENGINE_PROCESS=0 --tree-env CORRAL_ENGINE_PROCESS=1`); `--engine-cpus all` lets the engines
+revision can run against itself under two settings (`--base tree --base-env
+CORRAL_ENGINE_PROCESS=0 --tree-env CORRAL_ENGINE_PROCESS=1`: the working tree in both arms, no git
+needed, as on the GPU machine); `--engine-cpus all` lets the engines
 use every core (the client still runs on the lower half), `--threads` sets their model threads.
 The CPU of an engine's child processes (an engine core in its own process) is counted apart.
 """
@@ -54,7 +55,11 @@ ARMS = ("base", "tree")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
+    p.add_argument(
+        "--base",
+        default="HEAD",
+        help="git revision to compare the working tree with (`tree`: the working tree, with --base-env)",
+    )
     p.add_argument(
         "--base-env", action="append", default=[], metavar="NAME=VALUE", help="set for the base's engine"
     )
@@ -168,7 +173,8 @@ def main() -> int:
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-serve-ab-")))
-        sources = {"base": source.from_revision(args.base, work_dir), "tree": source.working_tree()}
+        base = source.working_tree() if args.base == "tree" else source.from_revision(args.base, work_dir)
+        sources = {"base": base, "tree": source.working_tree()}
         engines = {
             arm: stack.enter_context(
                 start_loop_engine(
