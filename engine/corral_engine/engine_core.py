@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -52,7 +53,7 @@ from corral_engine.settings import EngineSettings
 logger = logging.getLogger(__name__)
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine core] %(message)s"
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # An output on the wire: (request id, completions, finished, metrics, prompt logprobs), each
 # completion and the metrics as a tuple of their fields in order.
 _Packed = tuple[str, list[tuple[Any, ...]], bool, tuple[Any, ...], "list[TokenLogprob | None] | None"]
@@ -154,7 +155,12 @@ def _set_threads(args: EngineArgs) -> None:
 
 
 def run_core(
-    args: EngineArgs, settings: EngineSettings | None, inbox: Connection, outbox: Connection, log_level: int
+    args: EngineArgs,
+    settings: EngineSettings | None,
+    inbox: Connection,
+    outbox: Connection,
+    log_level: int,
+    log_formatter: logging.Formatter | None = None,
 ) -> None:
     """The child's main: load, say hello, then step until told to stop or the server is gone."""
     from corral_engine.llm_engine import LLMEngine
@@ -162,7 +168,9 @@ def run_core(
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    handler = logging.StreamHandler(sys.stderr)  # the server's format (`--log-format`), else text
+    handler.setFormatter(log_formatter or logging.Formatter(_LOG_FORMAT))
+    logging.basicConfig(level=log_level, handlers=[handler])
     sink = _PipeSink(outbox)
     _set_threads(args)
     try:
@@ -217,6 +225,19 @@ def run_core(
     sink.send(("stopped",))
 
 
+def _formatter_of(logger: logging.Logger) -> logging.Formatter | None:
+    """The formatter of the logger's first handler, if it travels to another process (JSON lines
+    stay JSON lines in the core's output)."""
+    for handler in logger.handlers:
+        if handler.formatter is not None:
+            try:
+                pickle.dumps(handler.formatter)
+            except Exception:  # a formatter holding something unpicklable: the core logs text
+                return None
+            return handler.formatter
+    return None
+
+
 def _exit_on_rank_failure(message: str) -> None:
     logger.error("%s; the engine core exits", message)
     logging.shutdown()
@@ -233,12 +254,13 @@ class EngineCoreClient(StreamFront):
         super().__init__()
         self.args = args
         context = multiprocessing.get_context("spawn")
+        root = logging.getLogger()
         core_inbox, self._to_core = context.Pipe(duplex=False)
         self._from_core, core_outbox = context.Pipe(duplex=False)
         # Not a daemon: a tensor-parallel core starts rank processes of its own.
         self._process = context.Process(
             target=run_core,
-            args=(args, settings, core_inbox, core_outbox, logging.getLogger().getEffectiveLevel()),
+            args=(args, settings, core_inbox, core_outbox, root.getEffectiveLevel(), _formatter_of(root)),
             name="corral-engine-core",
         )
         self._process.start()
