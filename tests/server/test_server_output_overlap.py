@@ -34,14 +34,19 @@ async def _completions(client: openai.AsyncOpenAI, stop: str) -> list[Any]:
     return [whole.choices[0].text, whole.choices[0].finish_reason, [c.text for c in sampled.choices], lp]
 
 
+async def _stop_string(client: openai.AsyncOpenAI) -> str:
+    """Three letters the greedy completion reaches after its first 8 characters."""
+    free = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    match = re.search(r"[A-Za-z]{3}", free.choices[0].text[8:])
+    assert match is not None
+    return match.group()
+
+
 async def test_completions_match_without_the_overlap(tiny_model_dir: pathlib.Path) -> None:
     async with openai_client(tiny_model_dir, settings=EngineSettings(overlap_output="0")) as client:
-        free = await client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
-        )
-        match = re.search(r"[A-Za-z]{3}", free.choices[0].text[8:])
-        assert match is not None
-        stop = match.group()
+        stop = await _stop_string(client)
         plain = await _completions(client, stop)
     async with openai_client(tiny_model_dir, settings=EngineSettings(overlap_output="1")) as client:
         assert await _completions(client, stop) == plain
@@ -52,28 +57,20 @@ async def test_completions_match_with_async_scheduling(tiny_model_dir: pathlib.P
     """CORRAL_ASYNC_SCHEDULING=1: the greedy requests run ahead, the sampled one with logprobs
     waits each step; both as without it."""
     async with openai_client(tiny_model_dir, settings=EngineSettings(async_scheduling="0")) as client:
-        free = await client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
-        )
-        match = re.search(r"[A-Za-z]{3}", free.choices[0].text[8:])
-        assert match is not None
-        plain = await _completions(client, match.group())
+        stop = await _stop_string(client)
+        plain = await _completions(client, stop)
     async with openai_client(tiny_model_dir, settings=EngineSettings(async_scheduling="1")) as client:
-        assert await _completions(client, match.group()) == plain
+        assert await _completions(client, stop) == plain
 
 
 async def test_completions_match_with_the_engine_core_apart(tiny_model_dir: pathlib.Path) -> None:
     """CORRAL_ENGINE_PROCESS=1: the same completions, a 400 for a prompt over the context and for a
     schema that does not compile, constrained output, and the engine's gauges on /metrics."""
     async with openai_client(tiny_model_dir, settings=EngineSettings(engine_process="0")) as client:
-        free = await client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
-        )
-        match = re.search(r"[A-Za-z]{3}", free.choices[0].text[8:])
-        assert match is not None
-        plain = await _completions(client, match.group())
+        stop = await _stop_string(client)
+        plain = await _completions(client, stop)
     async with openai_client(tiny_model_dir, settings=EngineSettings(engine_process="1")) as client:
-        assert await _completions(client, match.group()) == plain
+        assert await _completions(client, stop) == plain
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model=MODEL, prompt=[1] * 4096, max_tokens=4)
         with pytest.raises(openai.BadRequestError):
