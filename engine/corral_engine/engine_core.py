@@ -339,11 +339,15 @@ class EngineCoreClient(StreamFront):
             raise EngineDeadError("the engine is not running")
         self._streams.check_new(request_id, self.args.max_waiting, self._stats.num_waiting + self._num_sent)
         token_ids = self._check(prompt, params)
-        stream = self._streams.open(request_id, self.abort)
-        self._prompts[request_id] = token_ids
+        self._prompts[request_id] = token_ids  # before the core can answer
+        try:
+            self._send(("add", request_id, token_ids, params, time.monotonic()))
+        except EngineDeadError:
+            del self._prompts[request_id]
+            raise
         self._num_sent += 1
-        self._send(("add", request_id, token_ids, params, time.monotonic()))
-        return stream
+        # Its outputs reach the streams through this event loop, so after this returns.
+        return self._streams.open(request_id, self.abort)
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead core holds nothing to free
