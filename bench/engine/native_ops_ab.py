@@ -1,6 +1,7 @@
 """Native bf16 CPU kernels on and off, in one process: rotary embedding and the residual add with
-RMSNorm (`--kernels elementwise`), the small-batch matmul of CPUs without native bf16 (`linear`),
-or both (`all`, the default).
+RMSNorm (`--kernels elementwise`), the small-batch matmul of CPUs without native bf16 (`linear`;
+on a CPU with native bf16, run with CORRAL_SMALL_BATCH_KERNEL=1 to set it against oneDNN's packed
+bf16 matmul), or both (`all`, the default).
 
     .venv/bin/python bench/engine/native_ops_ab.py [--batch 1] [--rounds 20] [--output-len 48]
 
@@ -76,7 +77,10 @@ def main() -> int:
     if kernels is None:
         raise SystemExit("the native fused ops did not build here (no C compiler?)")
     if linears and linears[0].fused_ops is None:
-        raise SystemExit("this CPU multiplies bf16 natively: Linear layers take no native kernel")
+        raise SystemExit(
+            "the Linear layers take no native kernel here: CORRAL_SMALL_BATCH_KERNEL is 0, or this CPU "
+            "multiplies bf16 natively (CORRAL_SMALL_BATCH_KERNEL=1 sets the kernel against oneDNN's there)"
+        )
 
     def use_kernels(on: bool) -> None:
         for layer in layers:

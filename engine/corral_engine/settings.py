@@ -32,6 +32,10 @@ class EngineSettings(BaseSettings):
     prepack: Switch = Field(default="auto", validation_alias="CORRAL_PREPACK")
     # CORRAL_BF16_UPCAST: bf16 matmuls of 8+ rows run in float32 where the CPU has no native bf16.
     bf16_upcast: Switch = Field(default="auto", validation_alias="CORRAL_BF16_UPCAST")
+    # CORRAL_SMALL_BATCH_KERNEL: bf16 matmuls of fewer than 8 rows (batch-1 decode) through Corral's
+    # native kernel instead of PyTorch/oneDNN; auto: where the CPU has no native bf16 (1.2-1.6x
+    # there); 1: also where it has (keeps each plain bf16 weight beside the packed one: an A/B).
+    small_batch_kernel: Switch = Field(default="auto", validation_alias="CORRAL_SMALL_BATCH_KERNEL")
     # CORRAL_OVERLAP_OUTPUT: a step's text work (detokenization, stop strings, the outputs) runs
     # in the next step while the device computes, so outputs come one step later; auto: on CUDA.
     overlap_output: Switch = Field(default="auto", validation_alias="CORRAL_OVERLAP_OUTPUT")

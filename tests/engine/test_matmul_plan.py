@@ -35,9 +35,17 @@ def _plan(
     upcast: Switch = "auto",
     available: int | None = FITS,
     is_cpu: bool = True,
+    small: Switch = "auto",
 ) -> MatmulPlan:
     return plan_matmuls(
-        dtype, is_cpu, cpu, prepack, upcast, upcast_copy_bytes=2**20, available_bytes=available
+        dtype,
+        is_cpu,
+        cpu,
+        prepack,
+        upcast,
+        upcast_copy_bytes=2**20,
+        available_bytes=available,
+        small_batch_kernel=small,
     )
 
 
@@ -55,6 +63,26 @@ def _plan(
 )
 def test_upcast(dtype: torch.dtype, cpu: CpuFeatures, upcast: Switch, is_cpu: bool, rows: int) -> None:
     assert _plan(dtype, cpu, upcast=upcast, is_cpu=is_cpu).upcast_min_rows == rows
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cpu", "upcast", "small", "is_cpu", "rows"),
+    [
+        (BF16, EMULATED, "auto", "auto", True, UPCAST_MIN_ROWS),  # below the upcast: the kernel
+        (BF16, NATIVE, "auto", "auto", True, 0),  # oneDNN's native bf16 matmul
+        (BF16, NATIVE, "auto", "1", True, UPCAST_MIN_ROWS),  # the A/B against it
+        (BF16, EMULATED, "auto", "0", True, 0),
+        (BF16, EMULATED, "0", "auto", True, 0),  # nothing upcast: PyTorch's bf16 for every size
+        (F32, EMULATED, "auto", "1", True, 0),  # a bf16 kernel
+        (BF16, NATIVE, "auto", "1", False, 0),  # never on a GPU
+    ],
+)
+def test_small_batch_kernel(
+    dtype: torch.dtype, cpu: CpuFeatures, upcast: Switch, small: Switch, is_cpu: bool, rows: int
+) -> None:
+    plan = _plan(dtype, cpu, upcast=upcast, is_cpu=is_cpu, small=small)
+    assert plan.kernel_rows == rows
+    assert any("native kernel" in note for note in plan.notes) == bool(rows and not plan.upcast_min_rows)
 
 
 @pytest.mark.parametrize(
@@ -123,8 +151,9 @@ def _assert_applies(runner: runner_mod.ModelRunner, asked: MatmulPlan) -> None:
     assert len(linears) == 4 * runner.config.num_layers + 1  # qkv, o, gate_up, down per layer; head
     assert {m.upcast_min_rows for m in linears} == {asked.upcast_min_rows}
     assert {m.upcast_packed is not None for m in linears} == {asked.keep_upcast_copies}
-    # Where bf16 batches are upcast, fewer rows go through the native kernel (if it built).
-    has_kernel = asked.upcast_min_rows > 0 and load_fused_ops(runner.settings) is not None
+    # Small bf16 batches go through the native kernel where the plan says (if it built).
+    assert {m.kernel_rows for m in linears} == {asked.kernel_rows}
+    has_kernel = asked.kernel_rows > 0 and load_fused_ops(runner.settings) is not None
     assert {m.fused_ops is not None for m in linears} == {has_kernel}
     assert {m.packed is not None for m in linears} == {done.prepack}
     assert done.prepack == asked.prepack or (asked.prepack and runner.dtype == BF16)
@@ -132,14 +161,23 @@ def _assert_applies(runner: runner_mod.ModelRunner, asked: MatmulPlan) -> None:
         assert done.prepack == asked.prepack  # oneDNN packs these on this CPU
     # The tiny checkpoint's head is untied, so a packed head releases its plain copy.
     assert not runner.config.tie_word_embeddings
-    for m in linears:
-        assert (m.weight.numel() == 0) == (m.packed is not None)
+    for m in linears:  # the kernel reads the plain weight, so a packed layer keeps it then
+        assert (m.weight.numel() == 0) == (m.packed is not None and not asked.kernel_rows)
         assert m.packed is not None or m.weight.dtype == runner.dtype
 
 
 @pytest.mark.parametrize("cpu", CPUS.values(), ids=CPUS.keys())
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize(("prepack", "upcast"), [("auto", "auto"), ("0", "auto"), ("1", "0"), ("auto", "1")])
+@pytest.mark.parametrize(
+    ("prepack", "upcast", "small"),
+    [
+        ("auto", "auto", "auto"),
+        ("0", "auto", "auto"),
+        ("1", "0", "auto"),
+        ("auto", "1", "auto"),
+        ("auto", "auto", "1"),
+    ],
+)
 def test_runner_applies_the_plan_for_faked_cpus(
     tiny_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -147,12 +185,13 @@ def test_runner_applies_the_plan_for_faked_cpus(
     dtype: str,
     prepack: Switch,
     upcast: Switch,
+    small: Switch,
 ) -> None:
     monkeypatch.setattr(runner_mod, "available_memory_bytes", lambda: FITS)
-    settings = EngineSettings(prepack=prepack, bf16_upcast=upcast)
+    settings = EngineSettings(prepack=prepack, bf16_upcast=upcast, small_batch_kernel=small)
     runner = _runner(tiny_model_dir, dtype, settings, cpu)
     assert runner.cpu is cpu
-    _assert_applies(runner, _plan(runner.dtype, cpu, prepack, upcast))
+    _assert_applies(runner, _plan(runner.dtype, cpu, prepack, upcast, small=small))
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])

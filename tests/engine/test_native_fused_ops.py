@@ -275,7 +275,7 @@ def test_linear_takes_the_kernel_below_the_upcast_threshold(
     monkeypatch.setattr(ops, "linear_rows", counted)
     torch.manual_seed(rows)
     layer = Linear(48, 40, bias=True).bfloat16()
-    layer.upcast_min_rows = 8
+    layer.upcast_min_rows = layer.kernel_rows = 8  # a CPU without native bf16 (MatmulPlan)
     x = torch.randn(rows, 48).bfloat16()
     without = layer(x)  # no kernel given: F.linear below the threshold, float32 from it on
     layer.fused_ops = ops
@@ -283,9 +283,14 @@ def test_linear_takes_the_kernel_below_the_upcast_threshold(
     assert calls == ([rows] if rows < 8 else [])
     if rows >= 8:
         assert torch.equal(got, without)  # the upcast path, untouched
-    layer.upcast_min_rows = 0  # a CPU with native bf16: PyTorch's matmul whatever the rows
+    layer.upcast_min_rows = layer.kernel_rows = 0  # native bf16: PyTorch's matmul whatever the rows
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert len(calls) == (1 if rows < 8 else 0)
+    layer.kernel_rows = 8  # native bf16 with CORRAL_SMALL_BATCH_KERNEL=1: the kernel below 8 rows
+    native = layer(x)
+    assert len(calls) == (2 if rows < 8 else 0)
+    if rows >= 8:
+        assert torch.equal(native, F.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 64])

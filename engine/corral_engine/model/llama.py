@@ -113,7 +113,8 @@ class Linear(nn.Linear):
     kernel where it built (`fused_ops`: 1.3-2x PyTorch's bf16 matmul there)."""
 
     upcast_min_rows = 0  # 0: never; set per model by the runner (ModelRunner.upcast_rows)
-    fused_ops: FusedOps | None = None  # where batches are upcast: the native kernel for fewer rows
+    kernel_rows = 0  # bf16 batches of fewer rows through `fused_ops` (MatmulPlan.kernel_rows)
+    fused_ops: FusedOps | None = None  # the native small-batch kernel, where `kernel_rows`
     # (the runner sets it once per layer, only for a contiguous bf16 weight the kernel can read)
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (see prepack)
     packed_dtype: torch.dtype | None = None
@@ -121,8 +122,9 @@ class Linear(nn.Linear):
     upcast_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.upcast_min_rows and x.dtype == torch.bfloat16:  # a CPU without native bf16
-            if x.shape[0] >= self.upcast_min_rows:
+        if (self.kernel_rows or self.upcast_min_rows) and x.dtype == torch.bfloat16:
+            rows = x.shape[0]
+            if self.upcast_min_rows and rows >= self.upcast_min_rows:  # a CPU without native bf16
                 if self.upcast_packed is not None and x.dim() == 2:
                     out = torch.ops.mkldnn._linear_pointwise(
                         x.float(), self.upcast_packed, self.upcast_bias, "none", [], ""
@@ -131,7 +133,7 @@ class Linear(nn.Linear):
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
             ops = self.fused_ops  # set only where it can read this layer's weight
-            if ops is not None and x.dim() == 2 and x.shape[0] > 0 and ops.supports(x):
+            if rows < self.kernel_rows and ops is not None and x.dim() == 2 and rows > 0 and ops.supports(x):
                 return ops.linear_rows(x, self.weight, self.bias)
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed_dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

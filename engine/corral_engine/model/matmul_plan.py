@@ -24,6 +24,9 @@ class MatmulPlan:
     prepack: bool  # reorder weights once into oneDNN's blocked layout (Linear.prepack)
     keep_upcast_copies: bool  # keep a prepacked float32 copy for upcast batches (Linear.prepack_upcast)
     notes: tuple[str, ...] = ()  # why, for the start-up log
+    # bf16 batches of fewer rows go through the native small-batch kernel (Linear.kernel_rows), which
+    # reads the plain weight: a packed layer keeps it too. 0: none.
+    kernel_rows: int = 0
 
 
 def plan_matmuls(
@@ -34,6 +37,7 @@ def plan_matmuls(
     bf16_upcast: Switch,
     upcast_copy_bytes: int,
     available_bytes: int | None,
+    small_batch_kernel: Switch = "auto",
 ) -> MatmulPlan:
     """The plan for a model of `dtype` whose float32 weight copies would take `upcast_copy_bytes`.
 
@@ -46,6 +50,9 @@ def plan_matmuls(
     - Float32 copies: where bf16 batches are upcast, a packed float32 copy of each weight instead
       of a conversion per call (that conversion was 28% of a batch-64 step); "auto" keeps them
       when they take at most a quarter of the memory available now.
+    - Small batches (`small_batch_kernel`): bf16 batches of fewer than 8 rows go through the
+      native kernel where bf16 is upcast ("auto"; PyTorch's emulated bf16 matmul is slow there),
+      also where bf16 is native with "1" (an A/B against oneDNN's packed matmul), never with "0".
     """
     if not is_cpu or not cpu.has_onednn:
         prepack = "0"  # oneDNN packs only CPU weights
@@ -63,7 +70,21 @@ def plan_matmuls(
             if copies
             else f"bf16 weights are converted per batch: a float32 copy ({mib} MiB) would not fit"
         )
-    return MatmulPlan(upcast_rows, _prepacks(dtype, cpu, prepack, upcast_rows), copies, tuple(notes))
+    kernel_rows = _kernel_rows(dtype, is_cpu, small_batch_kernel, upcast_rows)
+    if kernel_rows and not upcast_rows:
+        notes.append(
+            f"bf16 matmuls of fewer than {kernel_rows} rows through the native kernel (plain weights kept)"
+        )
+    plan = MatmulPlan(
+        upcast_rows, _prepacks(dtype, cpu, prepack, upcast_rows), copies, tuple(notes), kernel_rows
+    )
+    return plan
+
+
+def _kernel_rows(dtype: torch.dtype, is_cpu: bool, mode: Switch, upcast_rows: int) -> int:
+    if dtype != torch.bfloat16 or not is_cpu or mode == "0":
+        return 0
+    return UPCAST_MIN_ROWS if mode == "1" else upcast_rows
 
 
 def _upcast_rows(dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch) -> int:

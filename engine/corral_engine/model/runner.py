@@ -145,7 +145,7 @@ class ModelRunner:
             if isinstance(module, RMSNorm | MLP | Attention):
                 module.fused_ops = fused_ops
                 module.triton_ops = triton_ops
-            if isinstance(module, Linear) and plan.upcast_min_rows:  # no native bf16 on this CPU
+            if isinstance(module, Linear) and plan.kernel_rows:  # small bf16 batches: the native kernel
                 # Checked once here, not on every call: the weight's layout does not change.
                 readable = fused_ops is not None and fused_ops.supports(module.weight)
                 module.fused_ops = fused_ops if readable else None
@@ -171,18 +171,20 @@ class ModelRunner:
             self.settings.bf16_upcast,
             upcast_copy_bytes=sum(m.weight.numel() for m in linears) * 4,
             available_bytes=available_memory_bytes(),
+            small_batch_kernel=self.settings.small_batch_kernel,
         )
         for note in plan.notes:
             logger.info("%s", note)
         is_packed = plan.prepack
         for linear in linears:
             linear.upcast_min_rows = plan.upcast_min_rows
+            linear.kernel_rows = plan.kernel_rows
             if plan.keep_upcast_copies:
                 linear.prepack_upcast()
             if is_packed:
                 is_shared = linear is model.lm_head and self.config.tie_word_embeddings
-                try:
-                    linear.prepack(keep_weight=is_shared)
+                try:  # the small-batch kernel reads the plain weight
+                    linear.prepack(keep_weight=is_shared or plan.kernel_rows > 0)
                 except RuntimeError as e:  # e.g. bf16 packing needs AVX512 or AVX-NE-CONVERT
                     logger.info("Linear weights stay unpacked: %s", e)
                     is_packed = False
