@@ -191,7 +191,7 @@ class FleetSim:
             outcome = self.outcomes[out.request_id]
             if outcome.first_token_s is None:
                 outcome.first_token_s = now
-                self._replicas[self.urls[i]].on_first_byte()
+                self._replicas[self.urls[i]].on_first_byte(now)
                 if self.tracer is not None:
                     self.tracer.on_first_token(i, out.request_id)
                 self._observe(i)  # a streamed response's load headers

@@ -164,6 +164,7 @@ class PrefixAffinity:
         self._fallback = KvAware(saturation)
         self.index = PrefixIndex()
         self.ledger = PrefillLedger()
+        self.harm_weight = 0.0
         self._ring_urls: frozenset[str] = frozenset()
         self._ring: list[tuple[int, str]] = []
         self._window_urls: set[str] = set()  # every URL asked for since the window began
@@ -217,9 +218,12 @@ class PrefixAffinity:
         """Per candidate: the prompt's blocks it lacks (x `own_block_weight`) plus the prefill
         already heading there."""
         matched = self.index.matched_blocks([c.replica.url for c in candidates], block_hashes)
-        own = self._own_block_weight
+        own, now_s = self._own_block_weight, self._clock()
+        harm = self.harm_weight
         return [
-            own * (len(block_hashes) - matched[c.replica.url]) + self.ledger.pending_blocks(c.replica, c.load)
+            (own + harm * self.ledger.num_sent_since(c.replica, c.replica.step_phase.last_step_end_s))
+            * (len(block_hashes) - matched[c.replica.url])
+            + self.ledger.pending_blocks(c.replica, c.load, now_s)
             for c in candidates
         ]
 
@@ -262,7 +266,7 @@ class PrefixAffinity:
         chosen = ties[self._next % len(ties)]
         matched = self.index.matched_blocks([chosen.replica.url], block_hashes)[chosen.replica.url]
         # At least one block: a fully cached prompt still computes its last tokens.
-        self.ledger.record(chosen.replica, max(1, len(block_hashes) - matched))
+        self.ledger.record(chosen.replica, max(1, len(block_hashes) - matched), self._clock())
         self.index.remember(chosen.replica.url, block_hashes)
         return chosen
 

@@ -249,7 +249,7 @@ def test_prefix_affinity_weighs_the_prefill_a_prefix_saves_against_prefill_sent_
     for prefix in (short, long, other, again):
         policy.index.remember("http://a", prefix)
     for _ in range(3):  # three 8-block prompts nothing caches, sent to a, no first byte back yet
-        policy.ledger.record(a, 8)
+        policy.ledger.record(a, 8, 100.0)
         a.on_dispatch()
     # a: 1 + 24 blocks to prefill before the first token, b and c: 11 -> elsewhere.
     assert send(policy, replicas, (*short, 7777), 100.0) != "http://a"
@@ -261,7 +261,7 @@ def test_prefix_affinity_weighs_the_prefill_a_prefix_saves_against_prefill_sent_
     assert send(policy, replicas, (*other, 9999), 101.0) != "http://a"
     # Their first bytes came back: a is back to 1 block.
     for _ in range(4):
-        a.on_first_byte()
+        a.on_first_byte(101.0)
     assert send(policy, replicas, (*again, 1111), 101.0) == "http://a"
 
 
@@ -276,7 +276,7 @@ def test_prefix_affinity_counts_a_prompts_own_blocks_twice_against_prefill_alrea
         replicas = [replica("http://a", running=4), replica("http://b", running=4)]
         policy.index.remember("http://a", doc)
         for _ in range(3):
-            policy.ledger.record(replicas[0], 40)
+            policy.ledger.record(replicas[0], 40, 100.0)
             replicas[0].on_dispatch()
         # x2 (default): a 2 x 1 + 120 = 122 against b 2 x 101 = 202; x1: a 121 against b 101.
         assert send(policy, replicas, (*doc, 7), 100.0) == expected
@@ -311,31 +311,31 @@ def test_prefix_affinity_leaves_saturated_and_overloaded_holders() -> None:
 def test_prefill_ledger_prices_a_reported_queue_at_the_mean_request() -> None:
     ledger = PrefillLedger(smoothing=0.5)
     a, b = replica("http://a"), replica("http://b", waiting=3)
-    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 0.0  # no request seen yet
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0), 100.0) == 0.0  # no request seen yet
     for num_blocks in (10, 20):  # mean 10 -> 15
-        ledger.record(a, num_blocks)
+        ledger.record(a, num_blocks, 100.0)
         a.on_dispatch()
-    assert ledger.pending_blocks(a, a.load(100.0, 2.0)) == 30.0
-    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 45.0  # another gateway's queue
-    ledger.record(b, 5)  # mean 15 -> 10; one of b's queued requests is now this gateway's
+    assert ledger.pending_blocks(a, a.load(100.0, 2.0), 100.0) == 30.0
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0), 100.0) == 45.0  # another gateway's queue
+    ledger.record(b, 5, 100.0)  # mean 15 -> 10; one of b's queued requests is now this gateway's
     b.on_dispatch()
-    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 5.0 + 2 * 10.0
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0), 100.0) == 5.0 + 2 * 10.0
 
 
 def test_prefill_ledger_counts_a_prompt_until_its_first_byte_comes_back() -> None:
     ledger = PrefillLedger()
     a = replica("http://a")
     for num_blocks in (40, 10, 10):
-        ledger.record(a, num_blocks)
+        ledger.record(a, num_blocks, 100.0)
         a.on_dispatch()
     a.observe(LoadSample(3, 0, 0.1, at_s=101.0))  # all three running, the first maybe mid-prompt
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 60.0
-    a.on_first_byte()  # the oldest prompt is computed
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 20.0
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 60.0
+    a.on_first_byte(101.0)  # the oldest prompt is computed
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 20.0
     a.on_done()  # it ends
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 20.0
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 20.0
     a.on_done()  # another ends without a first byte (a failure): one fewer in flight than kept
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 10.0
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 10.0
 
 
 def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:
@@ -386,7 +386,7 @@ def test_a_replica_that_leaves_takes_its_ledger_records_and_the_blocks_sent_to_i
     Router(registry, policy, SAT, 2.0, clock=lambda: 100.0)
     doc = tuple(range(20))
     for r in registry.all_replicas():
-        policy.ledger.record(r, 20)
+        policy.ledger.record(r, 20, 100.0)
         r.on_dispatch()
         policy.index.remember(r.url, doc)
     assert policy.ledger.num_replicas == 3
