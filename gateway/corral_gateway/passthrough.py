@@ -75,7 +75,7 @@ class Exchange:
         try:
             content = await upstream.read()
             self.body_in_hand_s = time.perf_counter()
-            self.replica.on_first_byte(self.fleet.clock())
+            self.replica.on_first_byte()
             self.is_complete = True
         except UpstreamError as e:
             self._broken(e, "body")
@@ -110,7 +110,7 @@ class Exchange:
                 if phase is not None:
                     phase.on_chunk(in_hand_s)
                 if is_first:
-                    self.replica.on_first_byte(in_hand_s)  # its prompt is computed: prefix affinity's ledger
+                    self.replica.on_first_byte()  # its prompt is computed: prefix affinity's ledger
                     self.metrics.ttfb.labels(self.origin.model).observe(
                         time.monotonic() - self.origin.start_s
                     )

@@ -6,7 +6,6 @@ in-flight and recently dispatched counts; a sample older than `max_age_s` is not
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -29,7 +28,6 @@ class Replica:
     num_dispatched_since_sample: int = 0  # sent after the last sample was taken, so not in it
     num_finished_since_sample: int = 0  # finished after the last sample, so still counted in it
     num_first_bytes: int = 0  # responses whose first bytes came back: their prompts are computed
-    last_first_byte_s: float = -math.inf  # when the latest came back, on the routing policy's clock
     step_phase: StepPhase = field(default_factory=StepPhase)  # fed with its streams' chunk times
     num_consecutive_failures: int = 0
     num_ejections: int = 0  # in a row; ejection time doubles with each
@@ -54,10 +52,8 @@ class Replica:
         self.num_inflight += 1
         self.num_dispatched_since_sample += 1
 
-    def on_first_byte(self, now_s: float) -> None:
-        """A response's first bytes came back at `now_s` (the clock routing reads)."""
+    def on_first_byte(self) -> None:
         self.num_first_bytes += 1
-        self.last_first_byte_s = now_s
 
     def on_done(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)

@@ -261,7 +261,7 @@ def test_prefix_affinity_weighs_the_prefill_a_prefix_saves_against_prefill_sent_
     assert send(policy, replicas, (*other, 9999), 101.0) != "http://a"
     # Their first bytes came back: a is back to 1 block.
     for _ in range(4):
-        a.on_first_byte(101.0)
+        a.on_first_byte()
     assert send(policy, replicas, (*again, 1111), 101.0) == "http://a"
 
 
@@ -311,15 +311,15 @@ def test_prefix_affinity_leaves_saturated_and_overloaded_holders() -> None:
 def test_prefill_ledger_prices_a_reported_queue_at_the_mean_request() -> None:
     ledger = PrefillLedger(smoothing=0.5)
     a, b = replica("http://a"), replica("http://b", waiting=3)
-    assert ledger.pending_blocks(b, b.load(100.0, 2.0), 100.0) == 0.0  # no request seen yet
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 0.0  # no request seen yet
     for num_blocks in (10, 20):  # mean 10 -> 15
         ledger.record(a, num_blocks, 100.0)
         a.on_dispatch()
-    assert ledger.pending_blocks(a, a.load(100.0, 2.0), 100.0) == 30.0
-    assert ledger.pending_blocks(b, b.load(100.0, 2.0), 100.0) == 45.0  # another gateway's queue
+    assert ledger.pending_blocks(a, a.load(100.0, 2.0)) == 30.0
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 45.0  # another gateway's queue
     ledger.record(b, 5, 100.0)  # mean 15 -> 10; one of b's queued requests is now this gateway's
     b.on_dispatch()
-    assert ledger.pending_blocks(b, b.load(100.0, 2.0), 100.0) == 5.0 + 2 * 10.0
+    assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 5.0 + 2 * 10.0
 
 
 def test_prefill_ledger_counts_a_prompt_until_its_first_byte_comes_back() -> None:
@@ -329,13 +329,48 @@ def test_prefill_ledger_counts_a_prompt_until_its_first_byte_comes_back() -> Non
         ledger.record(a, num_blocks, 100.0)
         a.on_dispatch()
     a.observe(LoadSample(3, 0, 0.1, at_s=101.0))  # all three running, the first maybe mid-prompt
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 60.0
-    a.on_first_byte(101.0)  # the oldest prompt is computed
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 20.0
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 60.0
+    a.on_first_byte()  # the oldest prompt is computed
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 20.0
     a.on_done()  # it ends
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 20.0
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 20.0
     a.on_done()  # another ends without a first byte (a failure): one fewer in flight than kept
-    assert ledger.pending_blocks(a, a.load(101.0, 2.0), 101.0) == 10.0
+    assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 10.0
+
+
+def test_prefill_ledger_tells_the_requests_sent_since_a_time_until_their_first_bytes() -> None:
+    ledger = PrefillLedger()
+    a = replica("http://a")
+    for sent_s in (10.0, 11.0, 12.0):
+        ledger.record(a, 5, sent_s)
+        a.on_dispatch()
+    assert [ledger.num_sent_since(a, t) for t in (9.0, 10.0, 10.5, 12.0)] == [3, 2, 2, 0]
+    a.on_first_byte()  # the oldest, sent at 10.0
+    assert ledger.num_sent_since(a, 9.0) == 2 and ledger.num_sent_since(a, 10.5) == 2
+    a.on_first_byte()
+    assert ledger.num_sent_since(a, 10.5) == 1
+
+
+def test_prefix_affinity_keeps_a_long_prompt_off_a_step_that_others_wait_to_start() -> None:
+    """A request sent after a replica's step in flight began starts with its next step, and so
+    would a prompt sent now: the engine computes both in that step, so the one waiting there
+    also waits for this prompt's blocks."""
+    for weight, expected in ((1.0, "http://b"), (0.0, "http://a")):
+        policy = PrefixAffinity(
+            SAT, step_wait_blocks_per_s=1500.0, clock=lambda: 100.0, queued_block_weight=weight
+        )
+        replicas = [replica(u, running=8) for u in ("http://a", "http://b")]
+        a, b = replicas
+        for r, began_s in ((a, 99.985), (b, 99.990)):  # steps of 20 ms: a's ends 5 ms sooner
+            for k in reversed(range(10)):
+                r.step_phase.on_chunk(began_s - 0.020 * k)
+        policy.ledger.record(a, 1, 99.990)  # after a's step began: not started
+        policy.ledger.record(b, 1, 99.980)  # before b's step began: computing now
+        for r in replicas:
+            r.on_dispatch()
+        # A 30-block prompt: a (2 + 1) x 30 + 1 + 1500 x 0.025 = 128.5, b 2 x 30 + 1 + 1500 x 0.030
+        # = 106; without the weight, a 98.5.
+        assert send(policy, replicas, tuple(range(1000, 1030)), 100.0) == expected
 
 
 def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:
