@@ -8,11 +8,19 @@ from collections import Counter
 
 import pytest
 from corral_gateway.load import LoadSample
-from corral_gateway.policies import POLICIES, Candidate, KvAware, PrefixAffinity, make_policy
+from corral_gateway.policies import (
+    POLICIES,
+    QUEUED_BLOCK_WEIGHT,
+    STEP_WAIT_BLOCKS_PER_S,
+    Candidate,
+    KvAware,
+    PrefixAffinity,
+    make_policy,
+)
 from corral_gateway.prefill_ledger import PrefillLedger
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
-from corral_gateway.settings import PolicyName
+from corral_gateway.settings import GatewaySettings, PolicyName
 
 SAT = Saturation(max_waiting=5, max_kv_usage_ratio=0.8)
 
@@ -371,6 +379,12 @@ def test_prefix_affinity_keeps_a_long_prompt_off_a_step_that_others_wait_to_star
         # A 30-block prompt: a (2 + 1) x 30 + 1 + 1500 x 0.025 = 128.5, b 2 x 30 + 1 + 1500 x 0.030
         # = 106; without the weight, a 98.5.
         assert send(policy, replicas, tuple(range(1000, 1030)), 100.0) == expected
+
+
+def test_the_gateway_settings_default_to_prefix_affinitys_own_prices() -> None:
+    settings = GatewaySettings()
+    assert settings.affinity_step_blocks_per_s == STEP_WAIT_BLOCKS_PER_S
+    assert settings.affinity_queued_block_weight == QUEUED_BLOCK_WEIGHT
 
 
 def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:
