@@ -231,11 +231,12 @@ class PrefixAffinity:
         own, queued = self._own_block_weight, self._queued_block_weight
         costs = []
         for c in candidates:
-            weight, phase = own, c.replica.step_phase
-            if queued > 0.0 and phase.step_s > 0.0:  # steps seen: a long one may still run
-                weight += queued * self.ledger.num_sent_since(c.replica, phase.last_step_end_s)
+            phase = c.replica.step_phase
+            # Steps seen (a long one may still run), or nothing counts as not started.
+            since_s = phase.last_step_end_s if queued > 0.0 and phase.step_s > 0.0 else math.inf
+            pending, num_queued = self.ledger.pending(c.replica, c.load, since_s)
             missing = len(block_hashes) - matched[c.replica.url]
-            costs.append(weight * missing + self.ledger.pending_blocks(c.replica, c.load))
+            costs.append((own + queued * num_queued) * missing + pending)
         return costs
 
     def forget(self, replica: Replica, is_url_gone: bool) -> None:

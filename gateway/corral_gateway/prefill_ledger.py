@@ -15,6 +15,7 @@ not started, and its next step computes them together with whatever is sent now.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,18 +39,18 @@ class PrefillLedger:
     def pending_blocks(self, replica: Replica, load: ReplicaLoad) -> float:
         """Blocks to prefill before a request sent now starts: those sent and not yet answered,
         plus any reported queue beyond them at the mean request's blocks."""
-        pending = self._settle(replica)
-        queued_elsewhere = max(0.0, load.num_waiting_reported - len(pending.blocks))
-        return pending.num_blocks + queued_elsewhere * (self.mean_blocks_per_request or 0.0)
+        return self.pending(replica, load, math.inf)[0]
 
     def num_sent_since(self, replica: Replica, since_s: float) -> int:
         """Requests sent to the replica after `since_s` whose first bytes have not come back."""
-        num = 0
-        for sent_s in reversed(self._settle(replica).sent_s):  # newest first
-            if sent_s <= since_s:
-                break
-            num += 1
-        return num
+        return _num_sent_since(self._settle(replica), since_s)
+
+    def pending(self, replica: Replica, load: ReplicaLoad, since_s: float) -> tuple[float, int]:
+        """`pending_blocks` and `num_sent_since` at once (one settlement: routing asks per candidate)."""
+        pending = self._settle(replica)
+        queued_elsewhere = max(0.0, load.num_waiting_reported - len(pending.blocks))
+        num_blocks = pending.num_blocks + queued_elsewhere * (self.mean_blocks_per_request or 0.0)
+        return num_blocks, _num_sent_since(pending, since_s)
 
     def record(self, replica: Replica, num_blocks: float, now_s: float) -> None:
         """`num_blocks` of prompt the replica must compute were sent to it at `now_s` (before the
@@ -88,3 +89,12 @@ class PrefillLedger:
         if not blocks:
             pending.num_blocks = 0.0  # no float drift once nothing is pending
         return pending
+
+
+def _num_sent_since(pending: _Pending, since_s: float) -> int:
+    num = 0
+    for sent_s in reversed(pending.sent_s):  # newest first
+        if sent_s <= since_s:
+            break
+        num += 1
+    return num
