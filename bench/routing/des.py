@@ -24,7 +24,7 @@ from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import NullTokenizer, SimEngine, SimStep
 from corral_engine.sim.perf_model import Profile
 from corral_gateway.load import LoadSample
-from corral_gateway.policies import STEP_WAIT_BLOCKS_PER_S, make_policy
+from corral_gateway.policies import QUEUED_BLOCK_WEIGHT, STEP_WAIT_BLOCKS_PER_S, make_policy
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
 
@@ -52,6 +52,7 @@ class GatewayModel:
     load_max_age_s: float = 2.0
     saturation: Saturation = field(default_factory=Saturation)
     step_blocks_per_s: float = STEP_WAIT_BLOCKS_PER_S  # prefix affinity's price of a step (0: off)
+    queued_block_weight: float = QUEUED_BLOCK_WEIGHT  # prefix affinity's, per request not started (0: off)
 
 
 class _Clock:
@@ -79,6 +80,7 @@ class FleetSim:
             gateway.saturation,
             clock=self.clock,
             step_wait_blocks_per_s=gateway.step_blocks_per_s,
+            queued_block_weight=gateway.queued_block_weight,
         )
         self.router = Router(self.registry, policy, gateway.saturation, gateway.load_max_age_s, self.clock)
         self.gateway = gateway

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from corral_engine.outputs import EngineStats
 from corral_engine.sim.perf_model import BUILTIN, describe, load_profile
-from corral_gateway.policies import STEP_WAIT_BLOCKS_PER_S
+from corral_gateway.policies import QUEUED_BLOCK_WEIGHT, STEP_WAIT_BLOCKS_PER_S
 
 from bench.routing.des import FleetSim, GatewayModel, Outcome
 from bench.routing.fleet_sim_report import plot, summary, table
@@ -63,6 +63,13 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=STEP_WAIT_BLOCKS_PER_S,
         help="prefix affinity's price of a replica's step in flight, in blocks a second (0: off)",
+    )
+    p.add_argument(
+        "--queued-block-weight",
+        type=float,
+        default=QUEUED_BLOCK_WEIGHT,
+        help="prefix affinity's weight of a prompt's own blocks per request sent to a replica since "
+        "its step in flight began (0: off)",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/fleet-sim"))
     p.add_argument("--from-json", type=Path, nargs="+", help="only redo the table and plots of these runs")
@@ -246,7 +253,10 @@ def run_cell(
     for policy in args.policies:
         started = time.perf_counter()
         gateway = GatewayModel(
-            policy, poll_interval_s=args.poll_interval_s, step_blocks_per_s=args.step_blocks_per_s
+            policy,
+            poll_interval_s=args.poll_interval_s,
+            step_blocks_per_s=args.step_blocks_per_s,
+            queued_block_weight=args.queued_block_weight,
         )
         sim = FleetSim(fleet_profiles(args, n), gateway, args.seed, trace=args.breakdown)
         outcomes = sim.run(requests, mark_s=warmup_s if warmup_s else None)

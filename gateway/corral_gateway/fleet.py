@@ -54,6 +54,7 @@ class Fleet:
             settings.affinity_vnodes,
             clock,
             settings.affinity_step_blocks_per_s,
+            settings.affinity_queued_block_weight,
         )
         self._router = Router(self._registry, policy, saturation, settings.load_max_age_s, clock)
         self._admission = Admission(self._router, settings.max_queue_len, settings.queue_timeout_s)

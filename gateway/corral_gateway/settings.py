@@ -73,6 +73,9 @@ class GatewaySettings(BaseSettings):
     # Prefix affinity prices the wait for a replica's steps (the rest of the step in flight and one
     # more, seen from its streams' chunk times) at this many prompt blocks a second; 0: left out.
     affinity_step_blocks_per_s: float = Field(default=1500.0, ge=0.0)  # policies.STEP_WAIT_BLOCKS_PER_S
+    # ... and counts a prompt's own uncached blocks this many times more for each request sent to a
+    # replica since its step in flight began (they start with the prompt's step); 0: left out.
+    affinity_queued_block_weight: float = Field(default=1.0, ge=0.0)  # policies.QUEUED_BLOCK_WEIGHT
     # Prefix index (prefix-affinity, llm-d): up to this many chained blocks of `affinity_block_chars`.
     affinity_chain_blocks: int = Field(default=256, ge=1)
 

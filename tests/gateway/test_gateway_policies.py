@@ -8,11 +8,19 @@ from collections import Counter
 
 import pytest
 from corral_gateway.load import LoadSample
-from corral_gateway.policies import POLICIES, Candidate, KvAware, PrefixAffinity, make_policy
+from corral_gateway.policies import (
+    POLICIES,
+    QUEUED_BLOCK_WEIGHT,
+    STEP_WAIT_BLOCKS_PER_S,
+    Candidate,
+    KvAware,
+    PrefixAffinity,
+    make_policy,
+)
 from corral_gateway.prefill_ledger import PrefillLedger
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
-from corral_gateway.settings import PolicyName
+from corral_gateway.settings import GatewaySettings, PolicyName
 
 SAT = Saturation(max_waiting=5, max_kv_usage_ratio=0.8)
 
@@ -249,7 +257,7 @@ def test_prefix_affinity_weighs_the_prefill_a_prefix_saves_against_prefill_sent_
     for prefix in (short, long, other, again):
         policy.index.remember("http://a", prefix)
     for _ in range(3):  # three 8-block prompts nothing caches, sent to a, no first byte back yet
-        policy.ledger.record(a, 8)
+        policy.ledger.record(a, 8, 100.0)
         a.on_dispatch()
     # a: 1 + 24 blocks to prefill before the first token, b and c: 11 -> elsewhere.
     assert send(policy, replicas, (*short, 7777), 100.0) != "http://a"
@@ -276,7 +284,7 @@ def test_prefix_affinity_counts_a_prompts_own_blocks_twice_against_prefill_alrea
         replicas = [replica("http://a", running=4), replica("http://b", running=4)]
         policy.index.remember("http://a", doc)
         for _ in range(3):
-            policy.ledger.record(replicas[0], 40)
+            policy.ledger.record(replicas[0], 40, 100.0)
             replicas[0].on_dispatch()
         # x2 (default): a 2 x 1 + 120 = 122 against b 2 x 101 = 202; x1: a 121 against b 101.
         assert send(policy, replicas, (*doc, 7), 100.0) == expected
@@ -313,11 +321,11 @@ def test_prefill_ledger_prices_a_reported_queue_at_the_mean_request() -> None:
     a, b = replica("http://a"), replica("http://b", waiting=3)
     assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 0.0  # no request seen yet
     for num_blocks in (10, 20):  # mean 10 -> 15
-        ledger.record(a, num_blocks)
+        ledger.record(a, num_blocks, 100.0)
         a.on_dispatch()
     assert ledger.pending_blocks(a, a.load(100.0, 2.0)) == 30.0
     assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 45.0  # another gateway's queue
-    ledger.record(b, 5)  # mean 15 -> 10; one of b's queued requests is now this gateway's
+    ledger.record(b, 5, 100.0)  # mean 15 -> 10; one of b's queued requests is now this gateway's
     b.on_dispatch()
     assert ledger.pending_blocks(b, b.load(100.0, 2.0)) == 5.0 + 2 * 10.0
 
@@ -326,7 +334,7 @@ def test_prefill_ledger_counts_a_prompt_until_its_first_byte_comes_back() -> Non
     ledger = PrefillLedger()
     a = replica("http://a")
     for num_blocks in (40, 10, 10):
-        ledger.record(a, num_blocks)
+        ledger.record(a, num_blocks, 100.0)
         a.on_dispatch()
     a.observe(LoadSample(3, 0, 0.1, at_s=101.0))  # all three running, the first maybe mid-prompt
     assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 60.0
@@ -336,6 +344,47 @@ def test_prefill_ledger_counts_a_prompt_until_its_first_byte_comes_back() -> Non
     assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 20.0
     a.on_done()  # another ends without a first byte (a failure): one fewer in flight than kept
     assert ledger.pending_blocks(a, a.load(101.0, 2.0)) == 10.0
+
+
+def test_prefill_ledger_tells_the_requests_sent_since_a_time_until_their_first_bytes() -> None:
+    ledger = PrefillLedger()
+    a = replica("http://a")
+    for sent_s in (10.0, 11.0, 12.0):
+        ledger.record(a, 5, sent_s)
+        a.on_dispatch()
+    assert [ledger.num_sent_since(a, t) for t in (9.0, 10.0, 10.5, 12.0)] == [3, 2, 2, 0]
+    a.on_first_byte()  # the oldest, sent at 10.0
+    assert ledger.num_sent_since(a, 9.0) == 2 and ledger.num_sent_since(a, 10.5) == 2
+    a.on_first_byte()
+    assert ledger.num_sent_since(a, 10.5) == 1
+
+
+def test_prefix_affinity_keeps_a_long_prompt_off_a_step_that_others_wait_to_start() -> None:
+    """A request sent after a replica's step in flight began starts with its next step, and so
+    would a prompt sent now: the engine computes both in that step, so the one waiting there
+    also waits for this prompt's blocks."""
+    for weight, expected in ((1.0, "http://b"), (0.0, "http://a")):
+        policy = PrefixAffinity(
+            SAT, step_wait_blocks_per_s=1500.0, clock=lambda: 100.0, queued_block_weight=weight
+        )
+        replicas = [replica(u, running=8) for u in ("http://a", "http://b")]
+        a, b = replicas
+        for r, began_s in ((a, 99.985), (b, 99.990)):  # steps of 20 ms: a's ends 5 ms sooner
+            for k in reversed(range(10)):
+                r.step_phase.on_chunk(began_s - 0.020 * k)
+        policy.ledger.record(a, 1, 99.990)  # after a's step began: not started
+        policy.ledger.record(b, 1, 99.980)  # before b's step began: computing now
+        for r in replicas:
+            r.on_dispatch()
+        # A 30-block prompt: a (2 + 1) x 30 + 1 + 1500 x 0.025 = 128.5, b 2 x 30 + 1 + 1500 x 0.030
+        # = 106; without the weight, a 98.5.
+        assert send(policy, replicas, tuple(range(1000, 1030)), 100.0) == expected
+
+
+def test_the_gateway_settings_default_to_prefix_affinitys_own_prices() -> None:
+    settings = GatewaySettings()
+    assert settings.affinity_step_blocks_per_s == STEP_WAIT_BLOCKS_PER_S
+    assert settings.affinity_queued_block_weight == QUEUED_BLOCK_WEIGHT
 
 
 def test_prefix_affinity_spreads_new_prompts_that_share_only_a_system_prompt() -> None:
@@ -386,7 +435,7 @@ def test_a_replica_that_leaves_takes_its_ledger_records_and_the_blocks_sent_to_i
     Router(registry, policy, SAT, 2.0, clock=lambda: 100.0)
     doc = tuple(range(20))
     for r in registry.all_replicas():
-        policy.ledger.record(r, 20)
+        policy.ledger.record(r, 20, 100.0)
         r.on_dispatch()
         policy.index.remember(r.url, doc)
     assert policy.ledger.num_replicas == 3
