@@ -75,10 +75,9 @@ def plan_matmuls(
         notes.append(
             f"bf16 matmuls of fewer than {kernel_rows} rows through the native kernel (plain weights kept)"
         )
-    plan = MatmulPlan(
+    return MatmulPlan(
         upcast_rows, _prepacks(dtype, cpu, prepack, upcast_rows), copies, tuple(notes), kernel_rows
     )
-    return plan
 
 
 def _kernel_rows(dtype: torch.dtype, is_cpu: bool, mode: Switch, upcast_rows: int) -> int:
