@@ -66,6 +66,8 @@ class StreamFront:
         self._streams = RequestStreams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats = EngineStats()
+        self._running = False  # between start and shutdown
+        self._dead: BaseException | None = None  # why the step loop stopped on its own
         # Called after every step with (duration_s, num_batched_tokens), on the thread that
         # receives the step; must be thread-safe and quick (a Prometheus histogram observe is).
         self.on_step: Callable[[float, int], None] | None = None
@@ -79,6 +81,16 @@ class StreamFront:
     def _num_queued(self) -> int:
         """Requests handed to the step loop that it has not taken in yet."""
         return 0
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self._dead is None
+
+    def _check_admission(self, request_id: str, max_waiting: int | None) -> None:
+        """EngineDeadError when nothing steps; a duplicate id or a full waiting queue refused."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        self._streams.check_new(request_id, max_waiting, self._stats.num_waiting + self._num_queued())
 
     async def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -178,8 +190,6 @@ class AsyncEngine(StreamFront):
         self.eos_token_ids = self.engine.eos_token_ids
         self._steps = StepLoop(self.engine, _ThreadSink(self))
         self._thread: threading.Thread | None = None
-        self._running = False
-        self._dead: BaseException | None = None
         self._stats = self.engine.stats()
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -203,21 +213,13 @@ class AsyncEngine(StreamFront):
     def _num_queued(self) -> int:
         return self._steps.num_queued
 
-    @property
-    def is_running(self) -> bool:
-        return self._running and self._dead is None
-
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (raising InvalidRequestError / QueueFullError / EngineDeadError) and return
         the request's output stream. Leaving the stream early aborts the request."""
-        if self._dead is not None or not self._running:
-            raise EngineDeadError("the engine is not running")
-        self._streams.check_new(
-            request_id, self.args.max_waiting, self._stats.num_waiting + self._num_queued()
-        )
+        self._check_admission(request_id, self.args.max_waiting)
         request = self.engine.make_request(request_id, prompt, params)
         stream = self._streams.open(request_id, self.abort)
         self._steps.add(request)

@@ -279,8 +279,6 @@ class EngineCoreClient(StreamFront):
         self._send_lock = threading.Lock()
         self._num_sent = 0  # requests sent since the core last reported its queue
         self._reader: threading.Thread | None = None
-        self._running = False
-        self._dead: str | None = None
         # Called (on the reader thread) with the reason when the core's process exits unasked, after
         # the open streams were failed: a replica without its core cannot serve (`corral engine`
         # exits, for its supervisor to restart it, as it does when a tensor-parallel rank dies).
@@ -323,10 +321,6 @@ class EngineCoreClient(StreamFront):
             await asyncio.to_thread(self._process.join, 10.0)
         self._end_all_now(EngineDeadError("the engine is shutting down"))
 
-    @property
-    def is_running(self) -> bool:
-        return self._running and self._dead is None
-
     def _num_queued(self) -> int:
         return self._num_sent
 
@@ -335,9 +329,7 @@ class EngineCoreClient(StreamFront):
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """As `AsyncEngine.add_request`: checked here, at once, then sent to the core."""
-        if self._dead is not None or not self._running:
-            raise EngineDeadError("the engine is not running")
-        self._streams.check_new(request_id, self.args.max_waiting, self._stats.num_waiting + self._num_sent)
+        self._check_admission(request_id, self.args.max_waiting)
         token_ids = self._check(prompt, params)
         self._prompts[request_id] = token_ids  # before the core can answer
         try:
@@ -430,5 +422,5 @@ class EngineCoreClient(StreamFront):
 
     def _die(self, reason: str) -> None:
         logger.error("%s", reason)
-        self._dead = reason
-        self._fail_all(EngineDeadError(reason))
+        self._dead = EngineDeadError(reason)
+        self._fail_all(self._dead)
