@@ -19,7 +19,9 @@ serve_ab.png to --out.
 revision can run against itself under two settings (`--base tree --base-env
 CORRAL_ENGINE_PROCESS=0 --tree-env CORRAL_ENGINE_PROCESS=1`: the working tree in both arms, no git
 needed, as on the GPU machine); `--engine-cpus all` lets the engines
-use every core (the client still runs on the lower half), `--threads` sets their model threads.
+use every core (the client still runs on the lower half), `--threads` sets their model threads,
+`--engine-arg NAME=VALUE` passes an engine flag to both (two engines sharing one GPU each need
+`gpu_memory_utilization=0.4`).
 The CPU of an engine's child processes (an engine core in its own process) is counted apart.
 """
 
@@ -73,6 +75,13 @@ def parse_args() -> argparse.Namespace:
         help="the engines on the upper half of the cores (the client on the rest), or on all of them",
     )
     p.add_argument("--threads", type=int, help="model threads per engine (default: one per engine core)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an engine flag for both arms by its python name (gpu_memory_utilization=0.4: two on one GPU)",
+    )
     add_closed_loop_args(p)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("bench/results/serve-ab"))
@@ -185,6 +194,7 @@ def main() -> int:
                     engine_cpus,
                     {**(sources[arm].env or {}), **envs[arm]},
                     num_threads=args.threads,
+                    **_env_pairs(args.engine_arg),
                 )
             )
             for arm in ARMS
@@ -211,6 +221,7 @@ def main() -> int:
         "engine_cpus": sorted(engine_cpus),
         "client_cpus": sorted(client_cpus),
         "args": {k: str(v) for k, v in vars(args).items()},
+        "engine_args": _env_pairs(args.engine_arg),
         "runs": runs,
         "summary": summary,
     }

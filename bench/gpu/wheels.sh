@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The wheels the GPU machine lacks for Corral's offline engine (python3.12, x86-64, no registry
-# there): pydantic and pydantic-settings (EngineSettings) and what they need. Everything else the
-# engine and bench/gpu import (torch, triton, transformers, tokenizers, safetensors, numpy, jinja2,
-# matplotlib, rich) is in that image. Downloads into .whl/ at the repo root, which git ignores
+# The wheels the GPU machine lacks for Corral's engine (python3.12, x86-64, no registry there):
+# pydantic and pydantic-settings (EngineSettings) and what they need; and for the served engine
+# (`corral engine`, bench/gpu/serve_layout.sh) FastAPI, Starlette, uvicorn, httptools and
+# opentelemetry-api, with anyio and sniffio at the versions Starlette wants. Everything else the
+# engine, bench/gpu and serve_ab's client import (torch, triton, transformers, tokenizers,
+# safetensors, numpy, jinja2, matplotlib, rich, aiohttp, uvloop, httpx, prometheus-client,
+# huggingface_hub, pyyaml) is in that image (its package list: the device tool's KINDS.md). Downloads into .whl/ at the repo root, which git ignores
 # through .git/info/exclude; the device call carries it (carry: [".whl"]) and installs it with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 # Versions: this repo's .venv at the time of writing; pydantic pins pydantic-core exactly, and needs
@@ -18,6 +21,14 @@ WHEELS=(
     annotated-types==0.8.0
     typing-inspection==0.4.5
     typing-extensions==4.16.0
+    fastapi==0.165.0
+    starlette==1.10.0
+    uvicorn==0.54.0
+    httptools==0.9.0
+    opentelemetry-api==1.45.2
+    annotated-doc==0.0.7
+    anyio==4.16.0
+    sniffio==1.3.1
 )
 mkdir -p .git/info
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

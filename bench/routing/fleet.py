@@ -59,10 +59,11 @@ def start_loop_engine(
     cpus: set[int],
     env: dict[str, str] | None = None,
     num_threads: int | None = None,
+    **flags: Any,
 ) -> EngineProcess:
     """An engine for a closed loop of `concurrency` streams, on `cpus` with `num_threads` model
     threads (default a thread per CPU; the process inherits this one's CPU affinity when it starts;
-    the caller sets it back)."""
+    the caller sets it back); `flags` are further `corral engine` flags by python name."""
     os.sched_setaffinity(0, cpus)
     return start_engine(
         model_dir,
@@ -71,6 +72,7 @@ def start_loop_engine(
         served_model_name=name,
         max_num_seqs=2 * concurrency,
         num_threads=num_threads or len(cpus),
+        **flags,
     )
 
 
