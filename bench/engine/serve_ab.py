@@ -84,6 +84,12 @@ def parse_args() -> argparse.Namespace:
     )
     add_closed_loop_args(p)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=0,
+        help="full untimed rounds per arm before the timed ones (beyond the first `--concurrency` requests)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/serve-ab"))
     return p.parse_args()
 
@@ -200,8 +206,10 @@ def main() -> int:
             for arm in ARMS
         }
         os.sched_setaffinity(0, client_cpus)
-        for arm in ARMS:  # warm-up
+        for arm in ARMS:  # warm-up: kernels compiled for the shapes the rounds meet, caches grown
             run_async(closed_loop(engines[arm].url, requests[: args.concurrency], args.concurrency))
+            for _ in range(args.warmup_rounds):
+                run_async(closed_loop(engines[arm].url, requests, args.concurrency))
         for round_index in range(args.rounds):
             for arm in ARMS if round_index % 2 == 0 else ARMS[::-1]:
                 pid = engines[arm].proc.pid

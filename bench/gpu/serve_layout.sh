@@ -16,7 +16,7 @@ mkdir -p "$out"
 echo "=== serve-$name $model $(date +%T)"
 timeout -s INT -k 45 "${SERVE_TIMEOUT:-300}" python3 -m bench.engine.serve_ab --base tree --base-env CORRAL_ENGINE_PROCESS=0 \
     --tree-env CORRAL_ENGINE_PROCESS=1 --engine-cpus all --engine-arg gpu_memory_utilization=0.4 \
-    --model-dir "$model" --out "$out/serve-$name" "$@" > "$out/serve-$name.log" 2>&1
+    --warmup-rounds 2 --model-dir "$model" --out "$out/serve-$name" "$@" > "$out/serve-$name.log" 2>&1
 echo "rc $?"
 pkill -f "corral_cli.main engine" && sleep 3  # none should be left; if some are, they hold the GPU
 tail -14 "$out/serve-$name.log"

@@ -118,10 +118,11 @@ def test_decode_graphs_take_pending_tokens_on_the_device(
 
 
 def test_the_switch(tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not make_engine(tiny_model_dir).schedules_ahead  # off by default (until GPU figures)
+    assert EngineSettings().async_scheduling == "auto"  # on CUDA, measured on an H200
+    default = make_engine(tiny_model_dir)
+    assert default.schedules_ahead is (default.runner.device.type == "cuda")
     assert make_engine(tiny_model_dir, settings=AHEAD).schedules_ahead
-    auto = make_engine(tiny_model_dir, settings=EngineSettings(async_scheduling="auto"))
-    assert auto.schedules_ahead is (auto.runner.device.type == "cuda")
+    assert not make_engine(tiny_model_dir, settings=SYNC).schedules_ahead
     speculating = make_engine(tiny_model_dir, settings=AHEAD, speculative="ngram")
     assert not speculating.schedules_ahead  # drafts come from the newest token
     monkeypatch.setenv("CORRAL_ASYNC_SCHEDULING", "1")
