@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from corral_engine.args import DEFAULT_GPU_MEMORY_UTILIZATION
 from corral_engine.sources import FetchError
 
 from corral_cli import malloc, tracing
@@ -106,6 +107,29 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
 
 def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     """Served model name -> one `corral engine` flag list per replica."""
+    return _share_the_card(_fleet_flags(args))
+
+
+def _share_the_card(fleet: dict[str, list[list[str]]]) -> dict[str, list[list[str]]]:
+    """Engines that share a GPU (a local fleet's all land on the first) each get an even part of
+    the default --gpu-memory-utilization, unless their flags set one: the fraction is per engine,
+    and the second at 0.9 would find the card full. Ignored on CPU."""
+    num_engines = sum(len(replicas) for replicas in fleet.values())
+    if num_engines < 2:
+        return fleet
+    share = max(0.05, int(DEFAULT_GPU_MEMORY_UTILIZATION / num_engines * 1000) / 1000)
+    return {
+        name: [
+            flags
+            if any(f.startswith("--gpu-memory-utilization") for f in flags)
+            else [*flags, "--gpu-memory-utilization", str(share)]
+            for flags in replicas
+        ]
+        for name, replicas in fleet.items()
+    }
+
+
+def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     if args.file is not None and args.simulate is not None:
         raise ValueError("--simulate runs the demo model's fleet; it does not combine with -f")
     if args.file is not None:

@@ -32,6 +32,23 @@ def test_example_becomes_one_flag_list_per_replica() -> None:
     assert engine_args.max_num_seqs == 32 and engine_args.dtype == "float32"
 
 
+def test_engines_of_a_local_fleet_share_the_card() -> None:
+    """--gpu-memory-utilization is each engine's own share (vLLM's meaning), and a local fleet's
+    engines all land on one GPU: each gets an even part of the default, unless its flags set one."""
+    fleet = cmd_up._fleet(_args("-f", str(EXAMPLE), "--model-path", "/models/x"))
+    for flags in fleet["tiny-llama"]:
+        assert flags[-2:] == ["--gpu-memory-utilization", "0.45"]
+    fleet = {"a": [["--model", "x"]], "b": [["--gpu-memory-utilization=0.3"], ["--model", "y"]]}
+    assert cmd_up._share_the_card(fleet) == {
+        "a": [["--model", "x", "--gpu-memory-utilization", "0.3"]],
+        "b": [["--gpu-memory-utilization=0.3"], ["--model", "y", "--gpu-memory-utilization", "0.3"]],
+    }
+    one = {"a": [["--model", "x"]]}
+    assert cmd_up._share_the_card(one) == one
+    many = {"a": [["--model", "x"]] * 30}
+    assert cmd_up._share_the_card(many)["a"][0][-1] == "0.05"  # the flag's floor
+
+
 def test_non_corral_engine_is_refused(tmp_path: Path) -> None:
     text = EXAMPLE.read_text().replace("kind: corral\n", "kind: vllm\n")
     text = text.replace("      kvPolicy: preempt\n", "")  # a corral-only option

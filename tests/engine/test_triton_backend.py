@@ -17,7 +17,12 @@ import pytest
 from corral_engine.errors import ModelLoadError
 from corral_engine.model import runner as runner_module
 from corral_engine.model.cuda_graphs import EagerCapture, capture_sizes
-from corral_engine.model.kv_cache import GpuMemoryProfile, gpu_kv_cache_bytes, profile_gpu_memory
+from corral_engine.model.kv_cache import (
+    GpuMemoryProfile,
+    gpu_kv_cache_bytes,
+    profile_gpu_memory,
+    used_outside_torch,
+)
 from corral_engine.model.runner import choose_attention_backend
 from corral_engine.model.sampler import sample_rows
 from corral_engine.sampling_params import SamplingParams
@@ -160,19 +165,20 @@ def test_decode_graphs_replay_padded_batches_with_transformers_output(
 
 
 class FakeCudaMemory:
-    """The card: 80 GiB, 1 GiB held by the CUDA context; the profiled step allocates 20 GiB of
-    weights and activations at its peak."""
+    """The card: 80 GiB, 1 GiB held by the CUDA context and `others_gib` by other processes; the
+    profiled step allocates 20 GiB of weights and activations at its peak."""
 
     GIB = 1 << 30
 
-    def __init__(self) -> None:
+    def __init__(self, others_gib: int = 0) -> None:
         self.reserved = 0
         self.peak = 0
+        self.others = others_gib * self.GIB
         self.calls: list[str] = []
 
     def mem_get_info(self) -> tuple[int, int]:
         total = 80 * self.GIB
-        return total - self.GIB - self.reserved, total
+        return total - self.GIB - self.others - self.reserved, total
 
     def max_memory_allocated(self) -> int:
         return self.peak
@@ -206,6 +212,25 @@ def test_the_kv_cache_gets_what_a_maximal_step_leaves_of_the_card() -> None:
         ModelLoadError, match=r"no GPU memory left for the KV cache.*gpu-memory-utilization 0\.25"
     ):
         gpu_kv_cache_bytes(profile, 0.25)
+
+
+def test_another_engine_on_the_card_does_not_shrink_this_ones_share() -> None:
+    """--gpu-memory-utilization is each engine's own share (vLLM's meaning): memory in use when the
+    engine starts (another engine's 39 GiB, this one's CUDA context) is not counted as its own, so
+    two engines at 0.45 fit on one card; a share larger than what was free is refused with the
+    largest that fits."""
+    memory = FakeCudaMemory(others_gib=39)
+    at_start = used_outside_torch(memory)
+    gib = FakeCudaMemory.GIB
+    assert at_start == 40 * gib
+    profile = profile_gpu_memory(memory, memory.step, at_start)
+    assert profile == GpuMemoryProfile(80 * gib, 20 * gib, 0, 40 * gib)
+    assert gpu_kv_cache_bytes(profile, 0.45) == int(80 * gib * 0.45) - 20 * gib
+    with pytest.raises(ModelLoadError, match=r"utilization 0\.6 asks for 48\.00 GiB.*at most 0\.50 fits"):
+        gpu_kv_cache_bytes(profile, 0.6)
+    # Without the reading at start, the other engine's memory would have been this one's.
+    unread = FakeCudaMemory(others_gib=39)
+    assert profile_gpu_memory(unread, unread.step).non_torch_bytes == 40 * gib
 
 
 def test_the_maximal_step_that_sizes_the_gpu_kv_cache_runs(

@@ -57,29 +57,42 @@ def allocate_kv_caches(
     ]
 
 
+GIB = 1 << 30
+
+
 @dataclass(frozen=True, slots=True)
 class GpuMemoryProfile:
     total_bytes: int  # the card's memory
     peak_torch_bytes: int  # PyTorch's peak allocation in the profiled step, weights included
-    non_torch_bytes: int  # in use outside PyTorch's allocator: CUDA context, NCCL, other processes
+    non_torch_bytes: int  # what this process added outside PyTorch's allocator since it began (NCCL, ...)
+    others_bytes: int = 0  # in use when this engine began: other processes, this one's CUDA context
 
     def describe(self) -> str:
-        gib = 1 << 30
         return (
-            f"GPU memory {self.total_bytes / gib:.1f} GiB: weights and a maximal step peak at "
-            f"{self.peak_torch_bytes / gib:.2f} GiB, {self.non_torch_bytes / gib:.2f} GiB outside PyTorch"
+            f"GPU memory {self.total_bytes / GIB:.1f} GiB: weights and a maximal step peak at "
+            f"{self.peak_torch_bytes / GIB:.2f} GiB, {self.non_torch_bytes / GIB:.2f} GiB outside PyTorch, "
+            f"{self.others_bytes / GIB:.2f} GiB in use before it started"
         )
 
 
 def gpu_kv_cache_bytes(profile: GpuMemoryProfile, utilization: float) -> int:
-    """KV-cache bytes: the share of the card this engine may use, less the profiled peak and what
-    is used outside PyTorch (counted as ours, so another process on the card shrinks the cache)."""
+    """KV-cache bytes: the share of the card this engine may use (vLLM's meaning: per engine, so
+    two on one card at 0.45 each fit), less the profiled peak and what this process added outside
+    PyTorch. Memory held by other processes does not shrink the share; it must leave room for it."""
     budget = int(profile.total_bytes * utilization)
+    if budget > profile.total_bytes - profile.others_bytes:
+        most = (profile.total_bytes - profile.others_bytes) / profile.total_bytes
+        raise ModelLoadError(
+            f"--gpu-memory-utilization {utilization} asks for {budget / GIB:.2f} GiB of the card's "
+            f"{profile.total_bytes / GIB:.1f} GiB, but {profile.others_bytes / GIB:.2f} GiB were in use "
+            f"when this engine started (other processes, its CUDA context): at most {most:.2f} fits; "
+            "lower it (it is each engine's own share of the card)"
+        )
     kv_bytes = budget - profile.peak_torch_bytes - profile.non_torch_bytes
     if kv_bytes <= 0:
         raise ModelLoadError(
             f"no GPU memory left for the KV cache: {profile.describe()}, and --gpu-memory-utilization "
-            f"{utilization} allows {budget / (1 << 30):.2f} GiB; raise it, lower "
+            f"{utilization} allows {budget / GIB:.2f} GiB; raise it, lower "
             "--max-num-batched-tokens or --max-num-seqs, or use a larger card"
         )
     return kv_bytes
@@ -120,8 +133,17 @@ class TorchCudaMemory:
         torch.cuda.synchronize(self.device)
 
 
-def profile_gpu_memory(memory: CudaMemory, run_step: Callable[[], object]) -> GpuMemoryProfile:
-    """Run one maximal step and read the card's figures."""
+def used_outside_torch(memory: CudaMemory) -> int:
+    """Bytes in use on the card that PyTorch's allocator in this process does not hold."""
+    free, total = memory.mem_get_info()
+    return max(0, total - free - memory.memory_reserved())
+
+
+def profile_gpu_memory(
+    memory: CudaMemory, run_step: Callable[[], object], others_bytes: int = 0
+) -> GpuMemoryProfile:
+    """Run one maximal step and read the card's figures; `others_bytes`: `used_outside_torch` when
+    the engine began, before its weights (other processes, its CUDA context), not counted as its own."""
     memory.empty_cache()
     memory.reset_peak_memory_stats()
     run_step()
@@ -129,4 +151,5 @@ def profile_gpu_memory(memory: CudaMemory, run_step: Callable[[], object]) -> Gp
     peak = memory.max_memory_allocated()
     memory.empty_cache()
     free, total = memory.mem_get_info()
-    return GpuMemoryProfile(total, peak, max(0, total - free - memory.memory_reserved()))
+    added = max(0, total - free - memory.memory_reserved() - others_bytes)
+    return GpuMemoryProfile(total, peak, added, others_bytes)

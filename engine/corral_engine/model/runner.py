@@ -33,6 +33,7 @@ from corral_engine.model.kv_cache import (
     gpu_kv_cache_bytes,
     num_kv_blocks,
     profile_gpu_memory,
+    used_outside_torch,
 )
 from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, rope_parameters
 from corral_engine.model.loader import load_weights
@@ -77,6 +78,11 @@ class ModelRunner:
         self.device = select_device(args.device)
         if tp is not None and self.device.type == "cuda":
             self.device = torch.device("cuda", tp.rank)
+        # What the card already holds (other engines, this process's CUDA context): not this
+        # engine's share of --gpu-memory-utilization.
+        self._memory_at_start = (
+            used_outside_torch(TorchCudaMemory(self.device)) if self.device.type == "cuda" else 0
+        )
         self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype, self.cpu)
         is_cpu = self.device.type == "cpu"
         # The native paged decode kernel when it builds here (CPU, bf16/fp32); else PyTorch SDPA.
@@ -225,7 +231,9 @@ class ModelRunner:
 
     def _gpu_kv_bytes(self) -> int:
         """What the card has left for the KV cache once a maximal step has run (logged)."""
-        profile = profile_gpu_memory(TorchCudaMemory(self.device), self._run_maximal_step)
+        profile = profile_gpu_memory(
+            TorchCudaMemory(self.device), self._run_maximal_step, self._memory_at_start
+        )
         kv_bytes = gpu_kv_cache_bytes(profile, self.args.gpu_memory_utilization)
         logger.info(
             "%s; the KV cache gets %.2f GiB (--gpu-memory-utilization %s)",
