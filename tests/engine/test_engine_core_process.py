@@ -13,6 +13,7 @@ import signal
 import pytest
 from corral_engine import AsyncEngine, EngineArgs, EngineCoreClient, SamplingParams
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from corral_engine.settings import EngineSettings
 from corral_engine.structured.spec import GrammarSpec
 
 
@@ -38,12 +39,27 @@ async def _run(engine: AsyncEngine | EngineCoreClient, prompts: list[str], param
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
-async def test_same_outputs_as_one_process(tiny_model_dir: pathlib.Path) -> None:
+# CUDA's defaults, run here: the next step launched before this one's tokens reach the host, and
+# a step's text work done in the next.
+CUDA_DEFAULTS = EngineSettings(async_scheduling="1", overlap_output="1")
+
+
+@pytest.mark.parametrize("core_settings", [None, CUDA_DEFAULTS], ids=["cpu-defaults", "cuda-defaults"])
+async def test_same_outputs_as_one_process(
+    tiny_model_dir: pathlib.Path, core_settings: EngineSettings | None
+) -> None:
+    """The core process gives one process's outputs, also with the switches CUDA turns on (async
+    scheduling, output overlap) against a plain one-process engine."""
     prompts = ["hello world", "the quick brown fox", "a", "counting: one two three"]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     results = []
-    for engine in (AsyncEngine(_args(tiny_model_dir)), EngineCoreClient(_args(tiny_model_dir))):
+    plain = EngineSettings(async_scheduling="0", overlap_output="0")
+    engines = (
+        AsyncEngine(_args(tiny_model_dir), settings=plain),
+        EngineCoreClient(_args(tiny_model_dir), core_settings),
+    )
+    for engine in engines:
         await engine.start()
         try:
             results.append((await _run(engine, prompts, greedy), await _run(engine, prompts, seeded)))
