@@ -98,7 +98,7 @@ def step_cost(engine: LLMEngine, batch: int, grammar: GrammarSpec | None, steps:
         engine.add_request(f"b{batch}-{grammar is not None}-{time.monotonic_ns()}-{i}", prompt, params)
     engine.step()  # the prefills
     engine.step()
-    stats = engine.grammars.mask_stats
+    stats = engine.grammar_masks.stats
     fill0, wait0, fills0 = stats.fill_s, stats.wait_s, stats.num_fills
     times = []
     for _ in range(steps):
@@ -107,7 +107,7 @@ def step_cost(engine: LLMEngine, batch: int, grammar: GrammarSpec | None, steps:
         times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
-    stats = engine.grammars.mask_stats
+    stats = engine.grammar_masks.stats
     num = max(1, stats.num_fills - fills0)
     return {
         "step_ms": 1e3 * statistics.mean(times),

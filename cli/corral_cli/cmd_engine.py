@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral_engine.args import (
     DEFAULTS,
@@ -33,6 +33,9 @@ from pydantic import ValidationError
 
 from corral_cli import cmd_fetch_model, malloc, tracing
 from corral_cli.heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from corral_engine.server.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +160,16 @@ def _with_local_model(args: argparse.Namespace, engine_args: EngineArgs) -> Engi
     return dataclasses.replace(engine_args, model=str(resolved.path), served_model_name=name)
 
 
-def _set_torch_threads(num_threads: int | None, num_ranks: int = 1) -> None:
+def _set_torch_threads(num_threads: int | None, num_ranks: int = 1, in_this_process: bool = True) -> None:
+    """OpenMP's and the allocator's environment (a core process started later inherits it, and
+    sets its threads itself), then this process's torch threads when the model runs here."""
     for name, value in OPENMP_DEFAULTS.items():  # unless the user set them
         os.environ.setdefault(name, value)
     # Weights, KV cache and large activations on 2 MiB pages (corral_cli.malloc); read by PyTorch
     # at its first allocation, so before the import.
     os.environ.setdefault(malloc.THP_ENV, "1")
+    if not in_this_process:
+        return
     import torch
 
     # Tensor-parallel ranks on one machine share its cores.
@@ -218,35 +225,27 @@ def run(args: argparse.Namespace) -> int:
     except tracing.TracingUnavailable as e:
         log.error("%s", e)
         return 2
-    _set_torch_threads(engine_args.num_threads, engine_args.tensor_parallel_size)
-    _log_memory_setup(engine_args.device)
+    in_own_process = _engine_in_own_process(settings, engine_args.device)
+    # The core's process inherits the environment these set; this one then never imports torch.
+    _set_torch_threads(engine_args.num_threads, engine_args.tensor_parallel_size, not in_own_process)
+    if not in_own_process:
+        _log_memory_setup(engine_args.device)
 
-    from corral_engine.async_engine import AsyncEngine
-    from corral_engine.engine_core import EngineCoreClient
     from corral_engine.errors import ModelLoadError
     from corral_engine.server import create_app
     from corral_engine.server.lifecycle import serve
 
-    in_own_process = _engine_in_own_process(settings, engine_args.device)
     where = "a process of its own" if in_own_process else "this process"
     log.info("loading %s (engine core in %s)", engine_args.model, where)
-    engine: AsyncEngine | EngineCoreClient
+    engine: EngineClient
     try:
-        if in_own_process:
-            engine = EngineCoreClient(engine_args, settings=settings)
-        else:
-            engine = AsyncEngine(engine_args, settings=settings)
+        engine = _start_engine(engine_args, settings, in_own_process)
     except ModelLoadError as e:
         log.error("cannot load the model: %s", e)
         return 1
     except RuntimeError as e:  # the engine core's process failed to start
         log.error("%s", e)
         return 1
-    # Tensor parallel: a dead rank ends the engine (the core's own process handles it there).
-    if isinstance(engine, AsyncEngine) and hasattr(engine.engine.runner, "on_failure"):
-        engine.engine.runner.on_failure = _exit_on_rank_failure
-    elif isinstance(engine, EngineCoreClient):
-        engine.on_core_exit = _exit_after_core_exit
     app = create_app(
         engine,
         api_key=args.api_key,
@@ -258,10 +257,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_engine(args: EngineArgs, settings: EngineSettings, in_own_process: bool) -> EngineClient:
+    """The engine front, its engine loaded: the core in a process of its own, or on a thread of
+    this one. Either way a replica that loses a tensor-parallel rank or its core exits."""
+    if in_own_process:
+        from corral_engine.engine_core import EngineCoreClient
+
+        client = EngineCoreClient(args, settings=settings)
+        client.on_core_exit = _exit_after_core_exit
+        return client
+    from corral_engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(args, settings=settings)
+    if hasattr(engine.engine.runner, "on_failure"):  # tensor parallel
+        engine.engine.runner.on_failure = _exit_on_rank_failure
+    return engine
+
+
 def _engine_in_own_process(settings: EngineSettings, device: str) -> bool:
-    """CORRAL_ENGINE_PROCESS: 1 or 0 as set; auto: on CUDA."""
+    """CORRAL_ENGINE_PROCESS: 1 or 0 as set; auto: on CUDA (a device named outright decides without
+    importing torch; `auto` asks it whether CUDA is there)."""
     if settings.engine_process != "auto":
         return settings.engine_process == "1"
+    if device != "auto":
+        return device.startswith("cuda")
     from corral_engine.errors import ModelLoadError
     from corral_engine.model.device import select_device
 

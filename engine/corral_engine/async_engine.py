@@ -14,18 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from corral_engine.args import EngineArgs
 from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.llm_engine import LLMEngine, Prompt
 from corral_engine.outputs import EngineStats, RequestOutput
-from corral_engine.request_streams import RequestStreams
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.step_loop import StepLoop
+from corral_engine.stream_front import StreamFront
 
 logger = logging.getLogger(__name__)
 
@@ -55,96 +54,6 @@ def _build_off_thread(args: EngineArgs, settings: EngineSettings | None) -> LLME
     if failed:
         raise failed[0]
     return built[0]
-
-
-class StreamFront:
-    """The event loop's side of a step loop, whichever thread or process runs it: one output queue
-    per request, filled through `loop.call_soon_threadsafe` from the thread that receives a step's
-    results, one callback per step for all requests."""
-
-    def __init__(self) -> None:
-        self._streams = RequestStreams()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stats = EngineStats()
-        self._running = False  # between start and shutdown
-        self._dead: BaseException | None = None  # why the step loop stopped on its own
-        # Called after every step with (duration_s, num_batched_tokens), on the thread that
-        # receives the step; must be thread-safe and quick (a Prometheus histogram observe is).
-        self.on_step: Callable[[float, int], None] | None = None
-
-    def stats(self) -> EngineStats:
-        """The state after the last step, as vLLM reports it: `num_waiting` counts requests the
-        scheduler could not start, not ones that arrived since and start at the next step (a
-        router reading that burst as a queue would hold requests the engine has room for)."""
-        return self._stats
-
-    def _num_queued(self) -> int:
-        """Requests handed to the step loop that it has not taken in yet."""
-        return 0
-
-    @property
-    def is_running(self) -> bool:
-        return self._running and self._dead is None
-
-    def _check_admission(self, request_id: str, max_waiting: int | None) -> None:
-        """EngineDeadError when nothing steps; a duplicate id or a full waiting queue refused."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
-        self._streams.check_new(request_id, max_waiting, self._stats.num_waiting + self._num_queued())
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self._streams and not self._num_queued():
-                return True
-            await asyncio.sleep(0.05)
-        return not self._streams
-
-    # -- from the receiving thread --------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put_outputs, outputs)
-
-    def _put_outputs(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            queue = self._streams.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
-                if output.finished:  # the stream keeps its queue; the table must not
-                    del self._streams[output.request_id]
-
-    def _deliver_error(self, request_id: str, error: BaseException) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put_error, request_id, error)
-
-    def _put_error(self, request_id: str, error: BaseException) -> None:
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(error)
-
-    def _deliver_dropped(self, request_id: str) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._streams.pop, request_id, None)
-
-    def _step_done(
-        self, outputs: list[RequestOutput], duration_s: float, num_tokens: int, stats: EngineStats
-    ) -> None:
-        if self.on_step is not None:
-            self.on_step(duration_s, num_tokens)
-        self._stats = stats
-        if outputs:
-            self._deliver(outputs)
-
-    def _fail_all(self, error: BaseException) -> None:
-        if self._loop is None or self._loop.is_closed():
-            return
-        for request_id in list(self._streams):
-            self._deliver_error(request_id, error)
-
-    def _end_all_now(self, error: BaseException) -> None:
-        """On the event loop, at shutdown: every stream still open ends with `error`."""
-        for queue in self._streams.values():
-            queue.put_nowait(error)
 
 
 class _ThreadSink:

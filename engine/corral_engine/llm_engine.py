@@ -35,7 +35,7 @@ from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.sources.uri import parse_model_uri
 from corral_engine.structured.compiler import GrammarCompiler
-from corral_engine.structured.masks import advance
+from corral_engine.structured.masks import StepMasks, advance
 from corral_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(args.seed, self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.grammar_masks = StepMasks(self.grammars)
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         # On CPU the forward pass runs inside runner.execute: no idle device to overlap with.
@@ -170,7 +171,7 @@ class LLMEngine:
             metrics = s.seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        masks = self.grammars.start_masks(sched.scheduled)  # filled while the model runs
+        masks = self.grammar_masks.start(sched.scheduled)  # filled while the model runs
         scored = [
             (s.seq, s.prompt_positions())
             for s in sched.scheduled

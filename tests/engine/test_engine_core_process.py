@@ -130,8 +130,8 @@ def test_a_model_that_cannot_load_is_reported(tmp_path: pathlib.Path) -> None:
 
 def test_outputs_cross_the_pipe_whole() -> None:
     """Every field of an output survives the tuples it travels as (a field added to the dataclasses
-    and not to `_pack` fails here), the prompt's ids restored from the server's side."""
-    from corral_engine.engine_core import _pack
+    and not to `pack_outputs` fails here), the prompt's ids restored from the server's side."""
+    from corral_engine.engine_core import pack_outputs
     from corral_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 
     completion = CompletionOutput(
@@ -141,7 +141,7 @@ def test_outputs_cross_the_pipe_whole() -> None:
     out = RequestOutput("r", [1, 2, 3], [completion], True, metrics, [None, TokenLogprob(2, -1.0, [], None)])
     client = EngineCoreClient.__new__(EngineCoreClient)
     client._prompts = {"r": [1, 2, 3]}
-    (packed,) = _pack([out])
+    (packed,) = pack_outputs([out])
     assert len(packed[1][0]) == len(dataclasses.fields(CompletionOutput))
     assert len(packed[3]) == len(dataclasses.fields(RequestMetrics))
     assert client._unpack([packed]) == [out]

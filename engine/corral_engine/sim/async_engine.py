@@ -12,24 +12,28 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from corral_engine.core.sequence import Request
 from corral_engine.errors import EngineDeadError, InvalidRequestError
-from corral_engine.outputs import EngineStats, RequestOutput
-from corral_engine.request_streams import RequestStreams
+from corral_engine.outputs import RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import Prompt, SimEngine
+from corral_engine.stream_front import StreamFront
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
 
 
-class AsyncSimEngine:
+class AsyncSimEngine(StreamFront):
+    """The streams, admission checks and running state are `StreamFront`'s, as the real engine's
+    fronts have them; only the step loop differs (a task on this loop, outputs put directly)."""
+
     def __init__(self, engine: SimEngine, max_waiting: int | None = None) -> None:
         """`engine` must use the running loop's clock (`loop.time`), which `build` arranges."""
+        super().__init__()
         self.engine = engine
         self.tokenizer: Any = engine.tokenizer
         self.served_model_name = engine.served_model_name
@@ -38,14 +42,10 @@ class AsyncSimEngine:
         self._adds: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._wakeup = asyncio.Event()
-        self._streams = RequestStreams()
         self._task: asyncio.Task[None] | None = None
-        self._running = False
-        self._dead: BaseException | None = None
         self._stats = engine.stats()
         self.timeline_s = 0.0  # when the last step ended, on the loop's clock
         self.max_lag_s = 0.0  # the latest a step was committed after its predicted end (host resets)
-        self.on_step: Callable[[float, int], None] | None = None  # (duration_s, num_batched_tokens)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -61,23 +61,16 @@ class AsyncSimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for queue in self._streams.values():
-            queue.put_nowait(EngineDeadError("the engine is shutting down"))
+        self._end_all_now(EngineDeadError("the engine is shutting down"))
 
-    @property
-    def is_running(self) -> bool:
-        return self._running and self._dead is None
-
-    def stats(self) -> EngineStats:
-        return self._stats
+    def _num_queued(self) -> int:
+        return len(self._adds)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
-        self._streams.check_new(request_id, self.max_waiting, self._stats.num_waiting + len(self._adds))
+        self._check_admission(request_id, self.max_waiting)
         request = self.engine.make_request(request_id, prompt, params)
         stream = self._streams.open(request_id, self.abort)
         self._adds.append(request)
@@ -115,8 +108,7 @@ class AsyncSimEngine:
         except Exception as e:  # the step loop must report, not vanish
             logger.exception("simulated engine step loop died")
             self._dead = e
-            for queue in self._streams.values():
-                queue.put_nowait(EngineDeadError(f"the engine failed: {e}"))
+            self._end_all_now(EngineDeadError(f"the engine failed: {e}"))
 
     def _drain_inputs(self) -> None:
         engine = self.engine
@@ -136,11 +128,3 @@ class AsyncSimEngine:
                 queue = self._streams.get(request.request_id)
                 if queue is not None:
                     queue.put_nowait(e)
-
-    def _put_outputs(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            queue = self._streams.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
-                if output.finished:
-                    del self._streams[output.request_id]

@@ -3,6 +3,8 @@
 A compiled grammar is kept as a matcher in its initial state; each constrained sequence gets a
 `deep_copy` of it, which costs microseconds where compiling a schema costs milliseconds. The cache
 is shared by the server's threads (requests are validated on the event loop), hence the lock.
+Imports no torch (the server's side of the engine-core process compiles to check a request); the
+step's token masks are `structured.masks`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request
 from corral_engine.errors import InvalidRequestError
-from corral_engine.structured.masks import MaskBuilder, MaskStats, PendingMasks
 from corral_engine.structured.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ class GrammarCompiler:
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
-        self._masks: MaskBuilder | None = None
         self.num_compiled = 0
 
     @property
@@ -54,6 +53,11 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
     @property
+    def is_used(self) -> bool:
+        """Whether any request was constrained (the vocabulary was built for it)."""
+        return self._ll_tokenizer is not None
+
+    @property
     def mask_width(self) -> int:
         """int32 words in one sequence's token bitmask."""
         return (int(self.ll_tokenizer.vocab_size) + 31) // 32
@@ -65,19 +69,6 @@ class GrammarCompiler:
         if spec is not None:
             for seq in request.seqs:
                 seq.grammar = self.matcher(spec)
-
-    def start_masks(self, scheduled: list[ScheduledSeq]) -> PendingMasks:
-        """Start filling the token masks of a step's constrained sequences. The rows are those of
-        the sequences that sample without drafts (constrained ones never draft), in step order."""
-        if self._ll_tokenizer is None:
-            return PendingMasks.NONE  # no request was ever constrained
-        if self._masks is None:
-            self._masks = MaskBuilder(self.mask_width)
-        return self._masks.start([s.seq for s in scheduled if s.samples and not s.num_spec])
-
-    @property
-    def mask_stats(self) -> MaskStats:
-        return self._masks.stats if self._masks is not None else MaskStats()
 
     def matcher(self, spec: GrammarSpec) -> Any:
         """A fresh llguidance.LLMatcher for one sequence; InvalidRequestError when `spec` does not

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Sequence
+from corral_engine.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -134,3 +136,25 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
     for j, row in enumerate(masks.rows):
         logits[row, :covered].masked_fill_(disallowed[j], float("-inf"))
         logits[row, covered:] = float("-inf")
+
+
+class StepMasks:
+    """Each step's token masks for its constrained sequences; the builder (and its worker thread)
+    starts with the first constrained request."""
+
+    def __init__(self, grammars: GrammarCompiler) -> None:
+        self._grammars = grammars
+        self._builder: MaskBuilder | None = None
+
+    def start(self, scheduled: list[ScheduledSeq]) -> PendingMasks:
+        """Start filling the masks of a step's constrained sequences. The rows are those of the
+        sequences that sample without drafts (constrained ones never draft), in step order."""
+        if not self._grammars.is_used:
+            return PendingMasks.NONE  # no request was ever constrained
+        if self._builder is None:
+            self._builder = MaskBuilder(self._grammars.mask_width)
+        return self._builder.start([s.seq for s in scheduled if s.samples and not s.num_spec])
+
+    @property
+    def stats(self) -> MaskStats:
+        return self._builder.stats if self._builder is not None else MaskStats()
