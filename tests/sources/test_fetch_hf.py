@@ -144,7 +144,9 @@ def test_corral_up_fetches_once_and_hands_engines_the_directory(
     cmd_up.add_arguments(parser)
     fleet = cmd_up._fleet(parser.parse_args(["--model", "hf://org/tiny", "--replicas", "2"]))
     entry = str(tmp_path / "hf" / "org" / "tiny" / "main")
-    assert fleet == {"org/tiny": [["--model", entry, "--served-model-name", "org/tiny"]] * 2}
+    # Each of the two engines also gets half the card's default share (cmd_up._share_the_card).
+    flags = ["--model", entry, "--served-model-name", "org/tiny", "--gpu-memory-utilization", "0.45"]
+    assert fleet == {"org/tiny": [flags] * 2}
 
 
 @pytest.mark.parametrize(
