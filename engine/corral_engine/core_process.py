@@ -10,7 +10,6 @@ import gc
 import logging
 import os
 import pickle
-import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -84,9 +83,8 @@ def run_core(
     log_level: int,
     log_formatter: logging.Formatter | None = None,
 ) -> None:
-    """The child's main: load, say hello, then step until told to stop or the server is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """The child's main (signals already ignored): load, say hello, then step until told to stop or
+    the server is gone."""
     handler = logging.StreamHandler(sys.stderr)  # the server's format (`--log-format`), else text
     handler.setFormatter(log_formatter or logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=log_level, handlers=[handler])

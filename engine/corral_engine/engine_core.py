@@ -34,6 +34,7 @@ import importlib
 import logging
 import multiprocessing
 import pickle
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -117,7 +118,11 @@ def _formatter_of(logger: logging.Logger) -> logging.Formatter | None:
 
 def _core_main(*args: Any) -> None:
     """The spawned child's entry. Its module is loaded by name, so the server's side never imports
-    it, nor the engine and torch it imports (import-linter holds engine_core to that)."""
+    it, nor the engine and torch it imports (import-linter holds engine_core to that). The core
+    ignores SIGINT and SIGTERM from the start, its imports included: the server drains, then
+    stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     importlib.import_module("corral_engine.core_process").run_core(*args)
 
 
