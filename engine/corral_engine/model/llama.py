@@ -276,8 +276,14 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None) -> None:
         super().__init__()
+        # A weight given, so no random init: built on the meta device, normal_ would run PyTorch's
+        # Python reference and import torch._dynamo and triton (~2 s of every CPU engine's start).
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
+            nn.Embedding(
+                config.vocab_size,
+                config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size),
+            )
             if tp is None
             else VocabParallelEmbedding(tp, config.hidden_size)
         )
