@@ -59,8 +59,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--async-scheduling",
         choices=["auto", "1", "0"],
-        default="0",
-        help="CORRAL_ASYNC_SCHEDULING: the next step launched before this one's tokens are back",
+        default="auto",
+        help="CORRAL_ASYNC_SCHEDULING: the next step launched before this one's tokens return (auto: CUDA)",
     )
     p.add_argument(
         "--dtype", default="bfloat16", help="float32 shows the non-matmul costs on CPUs without bf16"
