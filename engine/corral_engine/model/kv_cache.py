@@ -150,6 +150,6 @@ def profile_gpu_memory(
     memory.synchronize()
     peak = memory.max_memory_allocated()
     memory.empty_cache()
-    free, total = memory.mem_get_info()
-    added = max(0, total - free - memory.memory_reserved() - others_bytes)
+    total = memory.mem_get_info()[1]
+    added = max(0, used_outside_torch(memory) - others_bytes)
     return GpuMemoryProfile(total, peak, added, others_bytes)
