@@ -22,7 +22,10 @@ def references(
 ) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     out = {}
     for arch in ARCHS:
-        prompts = random_prompts(16, 500, seed=hash(arch) % 1000)
+        # A seed fixed per architecture (as the GPU acceptance's), not str hash(), which differs per
+        # process: some prompts of some seeds hold float32 near-ties (seed 67's ninth: a top-2 logit
+        # gap of 2e-6), where any batching's rounding picks the other token, so CI flaked 1 run in many.
+        prompts = random_prompts(16, 500, seed=sum(map(ord, arch)))
         out[arch] = (prompts, transformers_greedy(tiny_model_dirs[arch], prompts, MAX_NEW))
     return out
 
