@@ -3,8 +3,11 @@ LLMEngine stepped in one loop the way the server's step thread steps it (each ou
 `step()` hands it back, a step late where the output overlap or async scheduling is on), without
 HTTP. Per rate: time to first token, time per output token and end-to-end latency as the engine
 delivers them, output tokens/s, and how the step time splits between steps that carry prompt
-chunks ("mixed": they run eagerly) and decode-only steps (CUDA graphs on a GPU). Under arrival
-traffic the mixed steps set every running request's TPOT, which offline throughput hides.
+chunks ("mixed": they run eagerly) and decode-only steps (CUDA graphs on a GPU), each call's time
+counted to the batch whose tokens it waited for (`corral_engine.step_clock`: with async scheduling
+that is the batch launched by the call before; a call that waits for two batches counts once, as
+mixed if either is). Under arrival traffic the mixed steps set every running request's TPOT, which
+offline throughput hides.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from typing import Any
 
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.step_clock import StepClock
 
 from bench.engine.worker_common import warmup_requests
 from bench.gpu.context import Run
@@ -73,6 +77,7 @@ def run_at_rate(engine: Any, requests: list[tuple[list[int], int]], rate: float,
     last: dict[str, float] = {}
     num_tokens: dict[str, int] = {}
     step_ms: dict[str, list[float]] = {"mixed": [], "decode": []}
+    clock = StepClock()
     sent = 0
     start = time.perf_counter()
     while sent < len(requests) or engine.has_unfinished_requests():
@@ -88,10 +93,11 @@ def run_at_rate(engine: Any, requests: list[tuple[list[int], int]], rate: float,
         t0 = time.perf_counter()
         outputs = engine.step()
         t1 = time.perf_counter()
-        scheduled = engine.last_schedule
-        if scheduled:
-            kind = "mixed" if any(s.num_new_tokens - s.num_spec > 1 for s in scheduled) else "decode"
-            step_ms[kind].append(1000 * (t1 - t0))
+        # With async scheduling a call waits for the last call's batch: its time is that batch's.
+        timed = clock.record(engine.last_schedule, t1 - t0, engine.step_in_flight)
+        if timed is not None:
+            mixed = any(s.num_new_tokens - s.num_spec > 1 for batch in timed.schedules for s in batch)
+            step_ms["mixed" if mixed else "decode"].append(1000 * timed.seconds)
         for o in outputs:
             n = len(o.outputs[0].token_ids)
             if n and o.request_id not in first:

@@ -2,7 +2,8 @@
 machine and fit the simulator's step-time model to them (`corral engine --simulate PROFILE.json`).
 
 Batches of 1-32 sequences with prompts of 16-512 tokens run to completion; every step's shape
-(tokens, sequences, KV read, attention pairs) and wall time are recorded, the first steps of each
+(tokens, sequences, KV read, attention pairs) and wall time are recorded (with async scheduling, on
+CUDA, a call's time is the batch it waited for: corral_engine.step_clock), the first steps of each
 batch dropped as warm-up, and a non-negative linear model fitted (corral_engine.sim.perf_model.Fitted).
 """
 
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from corral_engine.llm_engine import LLMEngine
     from corral_engine.sampling_params import SamplingParams
     from corral_engine.sim.perf_model import Fitted, Profile, StepShape
+    from corral_engine.step_clock import StepClock
 
     from corral_cli.cmd_engine import _set_torch_threads
 
@@ -54,13 +56,19 @@ def run(args: argparse.Namespace) -> int:
                 prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
                 engine.add_request(f"cal-{repeat}-{num_seqs}-{prompt_len}-{i}", prompt, params)
             step_index = 0
+            clock = StepClock()
             while engine.has_unfinished_requests():
                 started = time.perf_counter()
                 engine.step()
                 elapsed_s = time.perf_counter() - started
-                if step_index >= 2 and engine.last_schedule:  # the first steps warm caches up
-                    shapes.append(StepShape.of(engine.last_schedule))
-                    times_s.append(elapsed_s)
+                # With async scheduling (CUDA) a call's time is the batch launched the call before.
+                timed = clock.record(engine.last_schedule, elapsed_s, engine.step_in_flight)
+                if timed is None:
+                    continue
+                # The first steps warm caches up; a call that waited for two batches fits neither.
+                if step_index >= 2 and len(timed.schedules) == 1:
+                    shapes.append(StepShape.of(timed.schedules[0]))
+                    times_s.append(timed.seconds)
                 step_index += 1
         log.info("calibration pass %d: %d steps timed", repeat + 1, len(times_s))
     model = Fitted.fit(shapes, times_s)

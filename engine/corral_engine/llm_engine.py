@@ -157,6 +157,12 @@ class LLMEngine:
         """True until every request's final output is out (a deferred one included)."""
         return bool(self.requests)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether the last `step()` returned with its batch still running (async scheduling):
+        the next call waits for its tokens. `step_clock.StepClock` times steps with it."""
+        return self._inflight is not None
+
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

@@ -160,6 +160,7 @@ def test_served_phase_times_what_the_engine_hands_back() -> None:
         def __init__(self) -> None:
             self.live: dict[str, list[int]] = {}  # request id -> [tokens so far, tokens asked]
             self.last_schedule: list[SimpleNamespace] = []
+            self.step_in_flight = False
 
         def add_request(self, request_id: str, prompt: list[int], params: object) -> None:
             self.live[request_id] = [0, params.max_tokens]  # type: ignore[attr-defined]
