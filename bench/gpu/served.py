@@ -46,11 +46,14 @@ def served(run: Run, results: dict[str, Any]) -> dict[str, Any]:
         "rates": {},
     }
     for rate in p.served_rates:
+        compiled = compiled_variants()
         figures = run_at_rate(engine, requests, rate, seed=0)
+        # Kernel variants Triton compiled while requests waited: each one a stalled step.
+        figures["kernel_variants_compiled"] = compiled_variants() - compiled
         out["rates"][f"{rate:g}"] = figures
         log.info(
             "served W2 at %g req/s: TTFT p50 %.1f ms p99 %.1f ms, TPOT p50 %.2f ms p99 %.2f ms, %.0f tok/s; "
-            "%d mixed steps of %.2f ms, %d decode steps of %.2f ms",
+            "%d mixed steps of %.2f ms, %d decode steps of %.2f ms; %d kernel variants compiled",
             rate,
             figures["ttft_ms"]["p50"],
             figures["ttft_ms"]["p99"],
@@ -61,8 +64,19 @@ def served(run: Run, results: dict[str, Any]) -> dict[str, Any]:
             figures["steps"]["mixed"]["mean_ms"],
             figures["steps"]["decode"]["count"],
             figures["steps"]["decode"]["mean_ms"],
+            figures["kernel_variants_compiled"],
         )
     return out
+
+
+def compiled_variants() -> int:
+    """Triton kernel variants the engine has compiled in this process (0 where it cannot say:
+    an engine from before the count, or no Triton)."""
+    try:
+        from corral_engine.model.triton_attention import compiled_variants as count
+    except ImportError:
+        return 0
+    return count()
 
 
 def run_at_rate(engine: Any, requests: list[tuple[list[int], int]], rate: float, seed: int) -> dict[str, Any]:

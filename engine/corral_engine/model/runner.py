@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,6 +105,9 @@ class ModelRunner:
             # The cores are shared between the ranks on this machine.
             num_cores = len(os.sched_getaffinity(0))
             torch.set_num_threads(args.num_threads or max(1, num_cores // num_ranks))
+        # Triton compiles a kernel variant on its first launch; a count that grows after the
+        # warm-up is a step that stalled on a compile (logged: a variant the warm-up missed).
+        self._compiled_variants: int | None = None
         self.model, self.matmul_plan = self._build_model()
         self.graphs: DecodeGraphs | None = None
         kv_per_token = 2 * config.num_layers * self.num_kv_heads * config.head_dim
@@ -136,6 +140,43 @@ class ModelRunner:
                         args.block_size,
                         self.device,
                     )
+        if self.attention_backend == "triton" and self.device.type == "cuda" and tp is None:
+            self._warm_up_attention()
+
+    def _warm_up_attention(self) -> None:
+        """Every attention variant a batch can launch, compiled before the first request."""
+        from corral_engine.model import triton_attention
+
+        started = time.perf_counter()
+        before = triton_attention.compiled_variants()
+        q_like = torch.empty(
+            (1, self.config.num_heads, self.config.head_dim), dtype=self.dtype, device=self.device
+        )
+        k_cache, v_cache = self.kv_caches[0][0], self.kv_caches[0][1]
+        for window in dict.fromkeys(self.config.sliding_windows):  # WINDOW is a constexpr
+            triton_attention.warm_up(q_like, k_cache, v_cache, 1.0, window)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._compiled_variants = triton_attention.compiled_variants()
+        logger.info(
+            "attention warm-up: %d kernel variants compiled or loaded from Triton's cache in %.1f s",
+            self._compiled_variants - before,
+            time.perf_counter() - started,
+        )
+
+    def _watch_compiles(self, num_tokens: int, num_seqs: int) -> None:
+        from corral_engine.model import triton_attention
+
+        count = triton_attention.compiled_variants()
+        if self._compiled_variants is not None and count > self._compiled_variants:
+            logger.warning(
+                "a step of %d tokens over %d sequences compiled %d new Triton kernel variant(s) "
+                "after the warm-up: it stalled for the compile",
+                num_tokens,
+                num_seqs,
+                count - self._compiled_variants,
+            )
+        self._compiled_variants = count
 
     def _build_model(self) -> tuple[CausalLM, MatmulPlan]:
         with torch.device("meta"):
@@ -218,6 +259,8 @@ class ModelRunner:
         if fill is not None:
             fill.apply(batch.input_ids, scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx)
+        if self._compiled_variants is not None:
+            self._watch_compiles(len(batch.input_ids), len(scheduled))
         if batch.logits_indices.numel() == 0:
             return torch.empty((0, self.config.vocab_size))
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -92,12 +92,64 @@ def unified_attention(
     if v_cache.stride() != k_cache.stride():
         raise ValueError("the K and V caches need equal strides")
     row_bytes = _head_dim_pad(q.shape[2]) * q.element_size()
-    block_q, _, _ = _tile_sizes(num_heads // num_kv_heads, max_query_len, row_bytes)
-    num_programs = (num_tokens // block_q + seq_lens.shape[0]) * num_kv_heads
-    # The interpreter runs programs one after another: splitting would only add programs.
-    num_splits = 1 if q.device.type == "cpu" else _num_splits(num_programs)
+    _, num_splits = launch_shape(
+        num_heads // num_kv_heads, num_kv_heads, row_bytes, max_query_len, num_tokens, seq_lens.shape[0],
+        compiled=q.device.type != "cpu",
+    )  # fmt: skip
     args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window)
     _attention(*args, max_query_len, num_splits)
+
+
+def launch_shape(
+    group: int,
+    num_kv_heads: int,
+    row_bytes: int,
+    max_query_len: int,
+    num_tokens: int,
+    num_seqs: int,
+    compiled: bool,
+) -> tuple[int, int]:
+    """(BLOCK_Q, NUM_SPLITS) of a batch: with the head shape, the constexprs that pick the
+    compiled variant. The interpreter (`compiled` False) runs programs one after another:
+    splitting would only add programs."""
+    block_q, _, _ = _tile_sizes(group, max_query_len, row_bytes)
+    num_programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+    return block_q, _num_splits(num_programs) if compiled else 1
+
+
+def warmup_shapes(group: int, num_kv_heads: int, row_bytes: int) -> list[tuple[int, int]]:
+    """Every (BLOCK_Q, NUM_SPLITS) a batch can launch on a GPU: the BLOCK_Q of each power-of-two
+    query length (the tile is capped at what fits, 9 queries for a group of 7), with each split
+    count up to the smallest grid's (one sequence shorter than its tile: one row of programs)."""
+    block_qs = sorted({_tile_sizes(group, 1 << i, row_bytes)[0] for i in range(21)})
+    most_splits = _num_splits(num_kv_heads)
+    splits = [1 << i for i in range(most_splits.bit_length())]
+    return [(b, s) for b in block_qs for s in splits]
+
+
+def warm_up(
+    q_like: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None
+) -> int:
+    """Compile every attention variant a batch can launch (`warmup_shapes`) before serving, with
+    one small launch each that reads block 0 of the cache into a scratch output; `q_like` gives
+    the query heads, head dim and dtype ([*, H, D]). Triton compiles a variant on its first
+    launch: left to serving, that is a stall of a second or more inside some request's first
+    token. Returns how many launches ran."""
+    num_heads, head_dim = q_like.shape[1], q_like.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    row_bytes = _head_dim_pad(head_dim) * q_like.element_size()
+    device = q_like.device
+    shapes = warmup_shapes(group, num_kv_heads, row_bytes)
+    for block_q, num_splits in shapes:
+        q = torch.zeros((block_q, num_heads, head_dim), dtype=q_like.dtype, device=device)
+        out = torch.empty_like(q)
+        query_start_loc = torch.tensor([0, block_q], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([block_q], dtype=torch.int32, device=device)
+        block_tables = torch.zeros((1, -(-block_q // block_size)), dtype=torch.int32, device=device)
+        args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window)
+        _attention(*args, block_q, num_splits)
+    return len(shapes)
 
 
 def _tile_sizes(group: int, max_query_len: int, row_bytes: int) -> tuple[int, int, int]:
@@ -189,9 +241,30 @@ def _check_unit_stride(*tensors: torch.Tensor) -> None:
         raise ValueError("triton attention needs unit stride in the last dimension of each tensor")
 
 
+# Integer arguments that change from step to step. Triton specializes a kernel on each integer
+# argument's value class (1, a multiple of 16, other) unless told not to, and compiles a variant per
+# class combination on its first launch: per-step values would compile new variants while serving.
+_PER_STEP_INTS: dict[str, tuple[str, ...]] = {"_attention_kernel": ("num_seqs", "stride_table")}
+_JIT: list[JITFunction[Any]] = []  # every compiled-mode kernel made so far (compiled_variants)
+
+
 @cache
 def _compiled(fn: Callable[..., None], interpret: bool) -> Any:
-    return InterpretedFunction(fn) if interpret else JITFunction(fn)
+    if interpret:
+        return InterpretedFunction(fn)
+    jit = JITFunction(fn, do_not_specialize=_PER_STEP_INTS.get(fn.__name__, ()))
+    _JIT.append(jit)
+    return jit
+
+
+def compiled_variants() -> int:
+    """How many kernel variants Triton has compiled (or loaded from its cache) in this process
+    for the engine's kernels: a count that grows while serving is a step stalled on a compile."""
+    total = 0
+    for jit in _JIT:
+        for caches in jit.device_caches.values():
+            total += len(caches[0])  # (kernel cache, ...) per device, in Triton 3.x
+    return total
 
 
 def launcher(fn: Callable[..., None], device: torch.device) -> Any:
