@@ -153,3 +153,16 @@ def test_the_runner_warms_up_and_reports_a_later_compile(
     with caplog.at_level("WARNING", logger=runner_module.logger.name):
         engine.generate(random_prompts(2, 500, seed=3, min_len=3, max_len=9), GREEDY.replace(max_tokens=2))
     assert "compiled 1 new Triton kernel variant(s) after the warm-up" in caplog.text
+
+
+def test_compiled_variants_counts_each_device_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's per-device (kernel cache, ...) tuples, summed; a layout it does not know counts 0."""
+    from types import SimpleNamespace
+
+    kernels = [
+        SimpleNamespace(device_caches={0: ({"a": 1, "b": 2}, {}, "target"), 1: ({"c": 3}, {})}),
+        SimpleNamespace(device_caches={0: "another layout"}),
+        SimpleNamespace(),
+    ]
+    monkeypatch.setattr(triton_attention, "_JIT", kernels)
+    assert triton_attention.compiled_variants() == 3

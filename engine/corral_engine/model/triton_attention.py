@@ -262,8 +262,10 @@ def compiled_variants() -> int:
     for the engine's kernels: a count that grows while serving is a step stalled on a compile."""
     total = 0
     for jit in _JIT:
-        for caches in jit.device_caches.values():
-            total += len(caches[0])  # (kernel cache, ...) per device, in Triton 3.x
+        for caches in getattr(jit, "device_caches", {}).values():
+            # (kernel cache, ...) per device since Triton 3.0; a layout it does not know counts 0
+            if isinstance(caches, tuple) and caches and isinstance(caches[0], dict):
+                total += len(caches[0])
     return total
 
 
