@@ -142,6 +142,16 @@ def _summary(name: str, f: dict[str, Any]) -> str:
             f"{v['output_throughput']:.0f} tok/s, mixed steps {v['steps']['mixed']['count']} x "
             f"{v['steps']['mixed']['mean_ms']:.2f} ms, decode steps {v['steps']['decode']['count']} x "
             f"{v['steps']['decode']['mean_ms']:.2f} ms"
+            + (
+                f", double {v['steps']['double']['count']} x {v['steps']['double']['mean_ms']:.2f} ms"
+                if "double" in v["steps"]
+                else ""
+            )
+            + (
+                f", {v['kernel_variants_compiled']} kernel variants compiled"
+                if "kernel_variants_compiled" in v
+                else ""
+            )
             for rate, v in f["rates"].items()
         )
     return ", ".join(f"{k} {_fmt(v)}" for k, v in f.items() if not isinstance(v, dict | list))

@@ -5,9 +5,9 @@ HTTP. Per rate: time to first token, time per output token and end-to-end latenc
 delivers them, output tokens/s, and how the step time splits between steps that carry prompt
 chunks ("mixed": they run eagerly) and decode-only steps (CUDA graphs on a GPU), each call's time
 counted to the batch whose tokens it waited for (`corral_engine.step_clock`: with async scheduling
-that is the batch launched by the call before; a call that waits for two batches counts once, as
-mixed if either is). Under arrival traffic the mixed steps set every running request's TPOT, which
-offline throughput hides.
+that is the batch launched by the call before; a call that waits for two, the step before a
+sequence's last token, is a "double" step of its own). Under arrival traffic the mixed steps set
+every running request's TPOT, which offline throughput hides.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def served(run: Run, results: dict[str, Any]) -> dict[str, Any]:
         out["rates"][f"{rate:g}"] = figures
         log.info(
             "served W2 at %g req/s: TTFT p50 %.1f ms p99 %.1f ms, TPOT p50 %.2f ms p99 %.2f ms, %.0f tok/s; "
-            "%d mixed steps of %.2f ms, %d decode steps of %.2f ms; %d kernel variants compiled",
+            "%d mixed steps of %.2f ms, %d decode steps of %.2f ms, %d double of %.2f ms; "
+            "%d kernel variants compiled",
             rate,
             figures["ttft_ms"]["p50"],
             figures["ttft_ms"]["p99"],
@@ -64,6 +65,8 @@ def served(run: Run, results: dict[str, Any]) -> dict[str, Any]:
             figures["steps"]["mixed"]["mean_ms"],
             figures["steps"]["decode"]["count"],
             figures["steps"]["decode"]["mean_ms"],
+            figures["steps"]["double"]["count"],
+            figures["steps"]["double"]["mean_ms"],
             figures["kernel_variants_compiled"],
         )
     return out
@@ -90,7 +93,7 @@ def run_at_rate(engine: Any, requests: list[tuple[list[int], int]], rate: float,
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     num_tokens: dict[str, int] = {}
-    step_ms: dict[str, list[float]] = {"mixed": [], "decode": []}
+    step_ms: dict[str, list[float]] = {"mixed": [], "decode": [], "double": []}
     clock = StepClock()
     sent = 0
     start = time.perf_counter()
@@ -110,8 +113,13 @@ def run_at_rate(engine: Any, requests: list[tuple[list[int], int]], rate: float,
         # With async scheduling a call waits for the last call's batch: its time is that batch's.
         timed = clock.record(engine.last_schedule, t1 - t0, engine.step_in_flight)
         if timed is not None:
-            mixed = any(s.num_new_tokens - s.num_spec > 1 for batch in timed.schedules for s in batch)
-            step_ms["mixed" if mixed else "decode"].append(1000 * timed.seconds)
+            if len(timed.schedules) > 1:
+                kind = "double"
+            elif any(s.num_new_tokens - s.num_spec > 1 for s in timed.schedules[0]):
+                kind = "mixed"
+            else:
+                kind = "decode"
+            step_ms[kind].append(1000 * timed.seconds)
         for o in outputs:
             n = len(o.outputs[0].token_ids)
             if n and o.request_id not in first:
