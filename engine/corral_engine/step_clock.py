@@ -6,7 +6,8 @@ the previous batch's tokens, so its wall time is mostly the *previous* schedule'
 a call that waits for two (the previous batch's tokens, then its own, when its batch could not run
 ahead) covers both. Tools that time steps from outside (the GPU acceptance's served phase,
 `corral calibrate`) hand each call here and get back each finished step with the schedules it
-covers; pure, no clock of its own.
+covers; pure, no clock of its own. (Async scheduling is for GPUs: on a CPU forced into it, the
+forward pass runs inside the call that launches it, and this attribution is a step off.)
 """
 
 from __future__ import annotations
