@@ -133,7 +133,7 @@ def warm_up(
     """Compile every attention variant a batch can launch (`warmup_shapes`) before serving, with
     one small launch each that reads block 0 of the cache into a scratch output; `q_like` gives
     the query heads, head dim and dtype ([*, H, D]). Triton compiles a variant on its first
-    launch: left to serving, that is a stall of a second or more inside some request's first
+    launch: left to serving, that is a stall of up to seconds inside some request's first
     token. Returns how many launches ran."""
     num_heads, head_dim = q_like.shape[1], q_like.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
