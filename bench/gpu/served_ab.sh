@@ -5,7 +5,8 @@
 # A again on the caches they filled. Each rate's log line says how many kernel variants compiled
 # while requests waited (0 is the goal: a compile is a stalled step); each engine's "engine up in"
 # and "attention warm-up" lines say what the warm-up cost, cold and warm. Packs /tmp/ab into
-# $OUT/ab.tgz after each run.
+# $OUT/ab.tgz after each run; at the end bench/gpu/served_report.py puts the four side by side
+# (served-ab.md, .json, .png).
 #   bash bench/gpu/served_ab.sh SHA SETTING_A SETTING_B      (e.g. CORRAL_ASYNC_SCHEDULING=auto CORRAL_ASYNC_SCHEDULING=0)
 # Run from the repository root on the device, after the install line (README.md); AB_TIMEOUT caps
 # each run (150 s; the first also writes the 8B checkpoint, about a minute, unless one is there);
@@ -28,4 +29,6 @@ run A-cold "$a" A
 run B-cold "$b" B
 run B-warm "$b" B
 run A-warm "$a" A
+python3 -m bench.gpu.served_report "$out"  # served-ab.md / .json / .png beside the runs
+pack
 echo "=== done $(date +%T)"
