@@ -12,6 +12,7 @@ with ratios and writes results.json + PNGs to --out-dir; --publish also writes t
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -63,6 +64,13 @@ def parse_args() -> argparse.Namespace:
         default="bfloat16",
         choices=("bfloat16", "float32"),
         help="transformers' dtype (float32: its faster one on CPUs without native bf16; Corral stays bf16)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the offline and served phases, alternating which goes first; served / offline "
+        "per round and their median (the machine drifts by 5-10%% over a run)",
     )
     p.add_argument("--offline-timeout", type=float, default=1500.0, help="seconds per system")
     p.add_argument("--served-timeout", type=float, default=600.0, help="seconds per corral bench run")
@@ -232,15 +240,28 @@ def main() -> int:
     def served(s: System) -> dict[str, Any]:
         return runner.run_served(s, model, wl["served"], out_dir, settings, args.served_timeout)
 
-    if not args.no_offline:
-        for name, system in systems.items():
-            _phase(results, name, system, "offline", offline)
-            _save(results, out_dir)
-    if not args.no_served and wl["served"]:
-        for name, system in systems.items():
-            if system is not None and system.is_served:
-                _phase(results, name, system, "served", served)
+    def offline_phase() -> None:
+        if not args.no_offline:
+            for name, system in systems.items():
+                _phase(results, name, system, "offline", offline)
                 _save(results, out_dir)
+
+    def served_phase() -> None:
+        if not args.no_served and wl["served"]:
+            for name, system in systems.items():
+                if system is not None and system.is_served:
+                    _phase(results, name, system, "served", served)
+                    _save(results, out_dir)
+
+    for round_index in range(args.rounds):
+        if args.rounds > 1:
+            log.info("round %d of %d", round_index + 1, args.rounds)
+        phases = (offline_phase, served_phase) if round_index % 2 == 0 else (served_phase, offline_phase)
+        for phase in phases:
+            phase()
+        if args.rounds > 1:  # `systems` keeps the last round; each round's figures stay here
+            results.setdefault("rounds", []).append(copy.deepcopy(results["systems"]))
+            _save(results, out_dir)
     results["elapsed_s"] = time.monotonic() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
     finish(results, model, out_dir, args.publish)
@@ -252,11 +273,17 @@ def finish(results: dict[str, Any], model: Path, out_dir: Path, publish: bool) -
     add_mbu(results, model)
     results["ratios"] = report.ratios(results)
     results["targets"] = report.target_checks(results)
+    results["served_over_offline"] = report.served_over_offline(results)
     _save(results, out_dir)
     pngs = plots.plot_all(results, out_dir)
     text = "\n\n".join(
         t
-        for t in (report.markdown_table(results), report.markdown_targets(results), report.failures(results))
+        for t in (
+            report.markdown_table(results),
+            report.markdown_targets(results),
+            report.markdown_served_over_offline(results),
+            report.failures(results),
+        )
         if t
     )
     (out_dir / "table.md").write_text(text + "\n")

@@ -63,4 +63,37 @@ def plot_all(results: Results, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    if results.get("served_over_offline"):
+        written.append(_served_over_offline(results, out_dir / "engine-speed-served-over-offline.png"))
     return written
+
+
+def _served_over_offline(results: Results, path: Path) -> Path:
+    """Served / offline output tok/s per system and workload: the median as a bar, each round as a
+    dot, issue 21's 0.95x as a line."""
+    table = results["served_over_offline"]
+    workloads = sorted({w for per in table.values() for w in per})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(1, len(table))
+    for i, (name, per) in enumerate(table.items()):
+        xs = [j + i * width for j in range(len(workloads))]
+        medians = [per.get(w, {}).get("median", 0.0) for w in workloads]
+        bars = ax.bar(
+            xs, medians, width, label=results["systems"].get(name, {}).get("label", name), alpha=0.7
+        )
+        ax.bar_label(bars, fmt="%.3f", fontsize=8)
+        for x, w in zip(xs, workloads, strict=True):
+            ratios = per.get(w, {}).get("ratios", [])
+            ax.plot([x] * len(ratios), ratios, "k.", markersize=5)
+    ax.axhline(0.95, color="#d62728", linestyle="--", linewidth=1, label="target 0.95x")
+    ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(workloads))], workloads)
+    ax.set_ylabel("served / offline output tok/s")
+    num_rounds = len(results.get("rounds") or [None])
+    ax.set_title(f"Served all at once against offline ({num_rounds} round(s); dots: each)", fontsize=9)
+    values = [r for per in table.values() for w in per.values() for r in w["ratios"]]
+    ax.set_ylim(min(0.9, min(values) - 0.05), max(1.05, max(values) + 0.05))  # the region that matters
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

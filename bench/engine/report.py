@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,60 @@ def target_checks(results: Results) -> list[dict[str, Any]]:
             }
         )
     return checks
+
+
+# Issue 21's target on any CPU: served all at once (streamed) >= 0.95x the same engine offline.
+SERVED_OVER_OFFLINE = (
+    ("W1", "W1_served_tok_s", "W1_offline_tok_s"),
+    ("W2", "W2_served_tok_s", "W2_offline_tok_s"),
+)
+SERVED_OVER_OFFLINE_TARGET = 0.95
+
+
+def served_over_offline(results: Results) -> dict[str, dict[str, Any]]:
+    """system -> workload -> served / offline output tok/s: per round (`rounds`, each a snapshot of
+    `systems`; else the one run), their median and range. Rounds alternate which phase goes
+    first, so a machine that drifts over a run moves both sides."""
+    snapshots = results.get("rounds") or [results.get("systems", {})]
+    out: dict[str, dict[str, Any]] = {}
+    for name in results.get("systems", {}):
+        per: dict[str, Any] = {}
+        for workload, served_key, offline_key in SERVED_OVER_OFFLINE:
+            ratios = []
+            for systems in snapshots:
+                fig = figures({"systems": {name: systems.get(name, {})}})
+                served, offline = fig[served_key][name], fig[offline_key][name]
+                if served is not None and offline:
+                    ratios.append(served / offline)
+            if ratios:
+                per[workload] = {
+                    "ratios": ratios,
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                }
+        if per:
+            out[name] = per
+    return out
+
+
+def markdown_served_over_offline(results: Results) -> str:
+    table = served_over_offline(results)
+    if not table:
+        return ""
+    lines = [
+        f"| served / offline (target >= {SERVED_OVER_OFFLINE_TARGET}x) | workload | median | range | each |",
+        "|---|---|---|---|---|",
+    ]
+    for name, per in table.items():
+        label = results["systems"][name].get("label", name)
+        for workload, r in per.items():
+            met = "yes" if r["median"] >= SERVED_OVER_OFFLINE_TARGET else "no"
+            lines.append(
+                f"| {label} ({met}) | {workload} | {r['median']:.3f}x | {r['min']:.3f}-{r['max']:.3f} "
+                f"| {', '.join(f'{x:.3f}' for x in r['ratios'])} |"
+            )
+    return "\n".join(lines)
 
 
 def _fmt(value: float | None, digits: int) -> str:
