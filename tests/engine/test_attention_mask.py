@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
-from corral_engine.model.attention import AttentionContext, SeqAttention, paged_attention
+from corral_engine.model.attention import (
+    PROMPT_BLOCK_ROWS,
+    AttentionContext,
+    SeqAttention,
+    matmul_prompt_attention,
+    paged_attention,
+    prompt_block_rows,
+)
 
 
 def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
@@ -52,3 +60,75 @@ def test_decodes_are_grouped_so_padding_stays_bounded() -> None:
         widths = [lengths[i] for i in group]
         assert max(widths) <= 1.5 * max(1, min(widths))
     assert len(group_by_length([5] * 100, max_group=64)) == 2
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Float64, K/V repeated per query head, bottom-right causal (and sliding-window) mask."""
+    nq, num_heads, _ = q.shape
+    num_keys, group = k.shape[0], num_heads // k.shape[1]
+    q_pos = (num_keys - nq + torch.arange(nq))[:, None]
+    k_pos = torch.arange(num_keys)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= q_pos - k_pos < window
+    kd, vd = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kd) / math.sqrt(q.shape[-1])
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vd)
+
+
+@pytest.mark.parametrize(
+    ("num_queries", "num_keys", "window", "block_rows"),
+    [
+        (37, 37, None, 8),  # a fresh prompt, the last block partial
+        (37, 37, None, 64),  # one block
+        (5, 29, None, 4),  # a chunk after 24 cached tokens
+        (40, 40, 9, 8),  # sliding window: early keys drop out of later blocks
+        (12, 50, 16, 5),  # window and cached prefix
+        (1, 20, None, 8),  # a single row (a prompt's last token)
+    ],
+)
+def test_matmul_prompt_attention_matches_the_reference(
+    num_queries: int, num_keys: int, window: int | None, block_rows: int
+) -> None:
+    torch.manual_seed(num_queries * 100 + num_keys)
+    heads, kv_heads, dim = 6, 2, 16  # grouped-query: three query heads per KV head
+    q = torch.randn(num_queries, heads, dim)
+    k, v = torch.randn(num_keys, kv_heads, dim), torch.randn(num_keys, kv_heads, dim)
+    want = reference(q, k, v, window)
+    out = matmul_prompt_attention(q, k, v, dim**-0.5, window, block_rows)
+    assert out.shape == (num_queries, heads, dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    # bf16: scores and probabilities rounded to bf16, as transformers' eager attention does.
+    low = matmul_prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), dim**-0.5, window, block_rows)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.double(), want, atol=0.05, rtol=0.05)
+
+
+def test_paged_attention_takes_the_matmul_path_when_asked() -> None:
+    torch.manual_seed(1)
+    heads, dim, bs = 4, 8, 4
+    ctx_len, nq = 14, 6
+    k_all, v_all, q = (
+        torch.randn(ctx_len, heads, dim),
+        torch.randn(ctx_len, heads, dim),
+        torch.randn(nq, heads, dim),
+    )
+    k_cache, v_cache = torch.zeros(6, bs, heads, dim), torch.zeros(6, bs, heads, dim)
+    table = [3, 0, 5, 1]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx_len)])
+    k_cache.view(-1, heads, dim)[slots] = k_all
+    v_cache.view(-1, heads, dim)[slots] = v_all
+    seq = SeqAttention(0, nq, ctx_len, torch.tensor(table))
+    ctx = AttentionContext(slots[ctx_len - nq :], [seq], bs, prompt_block_rows=4)
+    out = paged_attention(q, k_all[-nq:], v_all[-nq:], k_cache, v_cache, ctx, dim**-0.5, None)
+    torch.testing.assert_close(out, naive(q, k_all, v_all, ctx_len - nq), atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_block_rows_is_on_for_bf16_where_the_cpu_multiplies_it_natively() -> None:
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert prompt_block_rows(bf16, True, True, "auto") == PROMPT_BLOCK_ROWS
+    assert prompt_block_rows(bf16, True, False, "auto") == 0  # emulated bf16 matmuls: SDPA
+    assert prompt_block_rows(f32, True, True, "auto") == 0  # level in float32: SDPA
+    assert prompt_block_rows(f32, True, False, "1") == PROMPT_BLOCK_ROWS
+    assert prompt_block_rows(bf16, True, True, "0") == 0
+    assert prompt_block_rows(bf16, False, True, "1") == 0  # not a CPU (the triton backend)

@@ -131,6 +131,29 @@ def test_the_other_decode_paths_match_too(
     assert [final[f"r{i}"] for i in range(len(prompts))] == expected
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompts_through_batched_matmuls_match_too(
+    tiny_model_dirs: Mapping[str, pathlib.Path], references: dict, arch: str
+) -> None:
+    """CORRAL_MATMUL_PROMPT_ATTENTION=1 (auto turns it on only for bf16 on CPUs with native bf16):
+    prompt chunks, fresh and after cached blocks (a small cache preempts and re-prefills), through
+    attention.matmul_prompt_attention, greedy still equal to transformers'."""
+    prompts, expected = references[arch]
+    engine = make_engine(
+        tiny_model_dirs[arch],
+        EngineSettings(matmul_prompt_attention="1"),
+        num_kv_blocks=40,
+        block_size=8,
+        max_num_batched_tokens=48,
+    )
+    assert engine.runner.batches.prompt_block_rows > 0
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    final = run_checked(engine)
+    assert [final[f"r{i}"] for i in range(len(prompts))] == expected
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the native kernel cannot be built")
 @pytest.mark.skipif(
     not EngineSettings().native_kernels, reason="CORRAL_NATIVE_ATTENTION=0: the suite runs the PyTorch path"

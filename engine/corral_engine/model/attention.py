@@ -7,7 +7,9 @@ the one CUDA graphs capture. native and sdpa, below, are the CPU paths and the r
 
 Decodes (one new token per sequence): the native paged kernel (model/native.py) reads K/V through
 the block tables for all of them at once; without it, one padded SDPA call per group of similar
-lengths over gathered blocks. Prompt chunks: one SDPA call per sequence over its gathered blocks.
+lengths over gathered blocks. Prompt chunks: per sequence over its gathered blocks, either one SDPA
+call or, for bf16 on CPUs that multiply bf16 natively, `matmul_prompt_attention` (blocks of query
+rows as two batched matmuls each: 1.7-2.6x faster than PyTorch's CPU flash kernel there).
 When a sequence's queries are fewer than
 its keys (chunked prefill, prefix-cache hits) the causal mask is aligned bottom-right: query i sits
 at absolute position ctx_len - num_queries + i. SDPA's `is_causal=True` aligns top-left, which is
@@ -105,6 +107,8 @@ class AttentionContext:
     decodes: list[DecodeBatch] = field(default_factory=list)  # batched decodes, grouped by length
     decode_kernel: PagedDecode | None = None  # native paged decode (all decodes in one batch)
     unified: UnifiedBatch | None = None  # the triton backend: everything in one launch
+    # Prompt chunks through matmul_prompt_attention in blocks of this many query rows; 0: SDPA.
+    prompt_block_rows: int = 0
 
 
 def paged_attention(
@@ -157,6 +161,11 @@ def paged_attention(
         else:
             ks = k_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
             vs = v_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
+        if ctx.prompt_block_rows:
+            out[s.q_start : s.q_end] = matmul_prompt_attention(
+                q[s.q_start : s.q_end], ks, vs, scale, window, ctx.prompt_block_rows
+            )
+            continue
         mask = s.mask(window)
         use_causal = s.is_fresh and mask is not None and window is None
         o = F.scaled_dot_product_attention(
@@ -170,6 +179,72 @@ def paged_attention(
         )  # [H, nq, D]
         out[s.q_start : s.q_end] = o.transpose(0, 1)
     return out
+
+
+# Query rows per block of matmul_prompt_attention: on a 2 vCPU AMD EPYC with AVX512-BF16, 64 and
+# 128 were within noise of each other (docs/engine-speed.md); 64 keeps a block's scores small.
+PROMPT_BLOCK_ROWS = 64
+
+
+def prompt_block_rows(dtype: torch.dtype, is_cpu: bool, has_native_bf16: bool, mode: str) -> int:
+    """Query rows per block for matmul_prompt_attention, or 0 for SDPA (CORRAL_MATMUL_PROMPT_ATTENTION).
+
+    auto: bf16 on a CPU that multiplies bf16 natively (AVX512-BF16, AMX), where oneDNN's batched
+    bf16 matmuls beat PyTorch's CPU flash-attention kernel 1.7-2.6x for 256-2,048-token prompts
+    (measured with AVX512-BF16; AMX unmeasured). Without native bf16 a bf16 matmul is emulated and
+    slow, and in float32 the two are level, so SDPA stays there. "1": on any CPU; "0": never."""
+    if not is_cpu or mode == "0":
+        return 0
+    if mode == "1":
+        return PROMPT_BLOCK_ROWS
+    return PROMPT_BLOCK_ROWS if dtype == torch.bfloat16 and has_native_bf16 else 0
+
+
+def matmul_prompt_attention(
+    q: torch.Tensor,  # [nq, H, D]: one sequence's new rows
+    k: torch.Tensor,  # [L, KVH, D]: its whole context, the new rows last
+    v: torch.Tensor,  # [L, KVH, D]
+    scale: float,
+    window: int | None,
+    block_rows: int,
+) -> torch.Tensor:  # [nq, H, D]
+    """Causal attention for one sequence, bottom-right aligned (query i at position L - nq + i), as
+    a loop over blocks of `block_rows` query rows: scores = Q_block K^T over the keys the block
+    can see (one batched matmul, a matrix per KV head with its query heads as extra rows: no K/V
+    repeat), the causal/window mask on the columns it hides, softmax, then P V.
+
+    Numerics of transformers' eager attention: scores and probabilities are rounded to the input
+    dtype (the softmax itself runs in float32 inside PyTorch's kernel). q is scaled before the
+    matmul, exactly where the scale is a power of two (head_dim 64, 256)."""
+    nq, num_heads, head_dim = q.shape
+    ctx_len, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    offset = ctx_len - nq
+    # [KVH, nq, G, D]: a block of rows is one contiguous [rows * G, D] matrix per KV head.
+    qh = (q * scale).view(nq, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
+    kh = k.transpose(0, 1).contiguous()  # [KVH, L, D]
+    vh = v.transpose(0, 1).contiguous()
+    out = torch.empty(nq, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+    for a in range(0, nq, block_rows):
+        b = min(a + block_rows, nq)
+        rows = b - a
+        hi = offset + b  # keys [lo, hi): everything this block's last row sees
+        lo = 0 if window is None else max(0, offset + a - window + 1)
+        qb = qh[:, a:b].reshape(num_kv_heads, rows * group, head_dim)
+        scores = torch.bmm(qb, kh[:, lo:hi].transpose(1, 2))  # [KVH, rows * G, hi - lo]
+        by_row = scores.view(num_kv_heads, rows, group, hi - lo)
+        q_pos = torch.arange(offset + a, offset + b, device=q.device).view(rows, 1, 1)
+        if window is None:
+            first = offset + a + 1 - lo  # the first key column a row of this block must not see
+            if first < hi - lo:
+                k_pos = torch.arange(lo + first, hi, device=q.device)
+                by_row[..., first:].masked_fill_(k_pos > q_pos, float("-inf"))
+        else:
+            k_pos = torch.arange(lo, hi, device=q.device)
+            by_row.masked_fill_((k_pos > q_pos) | (q_pos - k_pos >= window), float("-inf"))
+        o = torch.bmm(scores.softmax(-1), vh[:, lo:hi])  # [KVH, rows * G, D]
+        out[a:b] = o.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
+    return out.view(nq, num_heads, head_dim)
 
 
 def _decode_attention(

@@ -99,7 +99,8 @@ class BatchBuilder:
     `unified` (the triton backend): every sequence in one UnifiedBatch. Otherwise prompt chunks go
     one by one and decodes are batched: `batched_decode` False attends them one sequence at a time
     (CORRAL_BATCHED_DECODE=0, for comparison); with a native `decode_kernel` all decodes go in one
-    call at their own lengths, else in padded groups of similar length."""
+    call at their own lengths, else in padded groups of similar length. `prompt_block_rows` > 0:
+    prompt chunks attend through attention.matmul_prompt_attention in blocks of that many rows."""
 
     def __init__(
         self,
@@ -109,8 +110,10 @@ class BatchBuilder:
         batched_decode: bool,
         decode_kernel: PagedDecode | None,
         unified: bool = False,
+        prompt_block_rows: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.prompt_block_rows = prompt_block_rows
         self.device = device
         self.batched_decode = batched_decode
         self.decode_kernel = decode_kernel
@@ -171,7 +174,14 @@ class BatchBuilder:
             )
             for group in self._decode_groups(decode_num_blocks)
         ]
-        ctx = AttentionContext(self._tensor(slots), seqs, bs, decodes, self.decode_kernel)
+        ctx = AttentionContext(
+            self._tensor(slots),
+            seqs,
+            bs,
+            decodes,
+            self.decode_kernel,
+            prompt_block_rows=self.prompt_block_rows,
+        )
         return StepBatch(self._tensor(input_ids), self._tensor(positions), ctx, self._tensor(logits_indices))
 
     def prepare_unified(self, scheduled: list[ScheduledSeq]) -> UnifiedHostBatch:

@@ -18,6 +18,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import ModelLoadError
+from corral_engine.model.attention import prompt_block_rows
 from corral_engine.model.batch import BatchBuilder, TokenFill
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
@@ -100,6 +101,12 @@ class ModelRunner:
             settings.batched_decode,
             kernel if self.attention_backend == "native" else None,
             unified=self.attention_backend == "triton",
+            prompt_block_rows=prompt_block_rows(
+                self.dtype,
+                is_cpu and self.attention_backend != "triton",
+                self.cpu.has_native_bf16,
+                settings.matmul_prompt_attention,
+            ),
         )
         if is_cpu:
             # The cores are shared between the ranks on this machine.
@@ -119,13 +126,14 @@ class ModelRunner:
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, config.head_dim)
         self.kv_caches = allocate_kv_caches(config.num_layers, shape, self.dtype, self.device)
         logger.info(
-            "model %s on %s/%s: %d KV blocks of %d tokens, %s attention",
+            "model %s on %s/%s: %d KV blocks of %d tokens, %s attention%s",
             config.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.num_kv_blocks,
             self.block_size,
             self.attention_backend,
+            " (prompts: batched matmuls)" if self.batches.prompt_block_rows else "",
         )
         if self.attention_backend == "triton" and not args.enforce_eager and tp is None:
             if graph_capture is None and self.device.type == "cuda":
