@@ -26,6 +26,7 @@ from corral_engine.errors import InvalidRequestError
 from corral_engine.model.batch import PENDING_TOKEN, TokenFill
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
+from corral_engine.model.native import load_fused_ops
 from corral_engine.model.sampler import PendingSample, Sampler, SampleResult, token_logprob
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
@@ -71,7 +72,11 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy),
             self.block_manager,
         )
-        self.sampler = Sampler(args.seed, self.eos_token_ids)
+        # On CPU the sampler's noise comes from the native exponential race (CORRAL_NATIVE_ATTENTION=0:
+        # PyTorch's exponential_, 5-10x slower).
+        fused_ops = load_fused_ops(self.settings) if self.runner.device.type == "cpu" else None
+        race = None if fused_ops is None else fused_ops.exponential_race
+        self.sampler = Sampler(args.seed, self.eos_token_ids, race)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.grammar_masks = StepMasks(self.grammars)
         self.requests: dict[str, Request] = {}

@@ -362,3 +362,23 @@ def test_upcast_copy_matches_converting_the_weight_per_call(rows: int) -> None:
         torch.testing.assert_close(got, want, atol=0, rtol=0)  # small batches never use the copy
     else:
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)  # bf16 rounding
+
+
+@needs_cc
+def test_exponential_race_draws_by_seed_alone(ops: native.FusedOps) -> None:
+    """The sampler's native race: a row's token depends on its probabilities and seed only (not on
+    the batch), repeats with the seed, never falls on a zero probability, and follows p (not
+    normalised) over many seeds."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.15, 0.05]]) * 7.0  # scaled: need not sum to 1
+    seeds = torch.arange(40_000, dtype=torch.long) * 7919 + 3
+    drawn = ops.exponential_race(probs.expand(len(seeds), -1), seeds)
+    assert torch.equal(drawn, ops.exponential_race(probs.expand(len(seeds), -1), seeds))
+    for i in (0, 17, 39_999):  # alone, the same draw
+        assert ops.exponential_race(probs, seeds[i : i + 1]).item() == drawn[i].item()
+    freq = torch.bincount(drawn, minlength=5).double() / len(seeds)
+    want = probs[0].double() / probs.sum()
+    assert freq[1] == 0.0
+    assert torch.all((freq - want).abs() <= 5 * (want * (1 - want) / len(seeds)).sqrt())
+    wide = torch.softmax(torch.randn(3, 32_000), dim=-1)  # several chunks of the kernel's loop
+    tokens = ops.exponential_race(wide, torch.tensor([1, 2, 3]))
+    assert tokens.shape == (3,) and tokens.dtype == torch.long and bool((tokens < 32_000).all())

@@ -6,19 +6,34 @@ parameters; a seeded row must draw what it would alone, whatever shares the batc
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 from corral_engine.core.sequence import Request, Sequence
+from corral_engine.model import native
 from corral_engine.model import sampler as sampler_module
 from corral_engine.model.sampler import Sampler, sample_rows
 from corral_engine.outputs import RequestMetrics
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 
 PROMPT = [1, 2]
 VOCAB = 8
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+# How the noise is drawn on the CPU: PyTorch's exponential_, or the native kernel the engine uses.
+RACES = ["torch", "native"]
+
+
+def _race(kind: str) -> sampler_module.ExponentialRace | None:
+    if kind == "torch":
+        return None
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the native exponential race")
+    ops = native.load_fused_ops(EngineSettings(native_kernels=True))
+    assert ops is not None
+    return ops.exponential_race
 
 
 def _seq(params: SamplingParams, output: list[int], seq_id: int = 0) -> Sequence:
@@ -101,10 +116,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("race", RACES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows_per_pass", [None, 1000], ids=["one pass", "passes of 1000 rows"])
 def test_each_row_draws_from_its_own_truncated_distribution(
-    device: str, rows_per_pass: int | None, monkeypatch: pytest.MonkeyPatch
+    device: str, rows_per_pass: int | None, race: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One batch holds every case's rows, interleaved; each case's empirical frequencies match its
     renormalised distribution (within 5 standard errors), and what it truncates is never drawn."""
@@ -112,7 +128,8 @@ def test_each_row_draws_from_its_own_truncated_distribution(
         monkeypatch.setattr(sampler_module, "MAX_SAMPLED_LOGITS", rows_per_pass * len(ROW))
     per_case = 3000
     seqs = [_seq(CASES[i % len(CASES)], [], i) for i in range(per_case * len(CASES))]
-    drawn = Sampler(seed=3).sample(torch.tensor([ROW] * len(seqs), device=device), seqs).token_ids
+    sampler = Sampler(seed=3, race=_race(race))
+    drawn = sampler.sample(torch.tensor([ROW] * len(seqs), device=device), seqs).token_ids
     for c, params in enumerate(CASES):
         tokens = drawn[c :: len(CASES)]
         for token, p in enumerate(_expected(ROW, params)):
@@ -185,19 +202,20 @@ def test_seeded_rows_draw_what_the_row_at_a_time_sampler_drew(
     ],
     ids=["top_p sorts", "top_k", "plain"],
 )
+@pytest.mark.parametrize("race", RACES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(
-    others: list[SamplingParams], device: str
+    others: list[SamplingParams], device: str, race: str
 ) -> None:
     """The same seeded sequence, alone and among greedy, unseeded and other seeded rows whose
     top_p and top_k change how the batch is processed: the same tokens, step after step."""
     ours = SAMPLED.replace(temperature=0.9, min_p=0.02, seed=99)
     logits_gen = torch.Generator().manual_seed(8)
     steps = [4 * torch.randn(len(others) + 1, 300, generator=logits_gen).to(device) for _ in range(8)]
-    alone = Sampler(seed=1)
+    alone = Sampler(seed=1, race=_race(race))
     seq = _seq(ours, [], 7)
     drawn_alone = [alone.sample(logits[2:3], [seq]).token_ids[0] for logits in steps]
-    batched = Sampler(seed=2)
+    batched = Sampler(seed=2, race=_race(race))
     seqs = [_seq(p, [], i) for i, p in enumerate(others)]
     seqs.insert(2, _seq(ours, [], 7))
     drawn = [batched.sample(logits, seqs).token_ids for logits in steps]

@@ -105,6 +105,9 @@ class FusedOps:
         self._linear_rows = lib.linear_rows_bf16
         self._linear_rows.restype = ctypes.c_int
         self._linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._race = lib.exponential_race_f32
+        self._race.restype = ctypes.c_int
+        self._race.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -174,6 +177,19 @@ class FusedOps:
         )  # fmt: skip
         if failed:
             raise NativeKernelError("linear_rows could not allocate its scratch buffer")
+        return out
+
+    def exponential_race(self, probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        """The sampler's draw for each row of `probs` ([R, V] float32 on the CPU, rows not
+        necessarily normalised): argmax of p / E with E ~ Exp(1) from a noise stream that depends
+        only on the row's seed (`seeds`: [R] int64). Returns [R] int64 token ids."""
+        probs = probs.contiguous()
+        seeds = seeds.contiguous()
+        out = torch.empty(probs.shape[0], dtype=torch.long)
+        self._race(
+            probs.data_ptr(), seeds.data_ptr(), out.data_ptr(), probs.shape[0], probs.shape[1],
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
 

@@ -10,6 +10,7 @@ the device once, when the chosen token ids come back, not once per sequence. `qu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,9 @@ from corral_engine.core.sequence import Sequence
 from corral_engine.outputs import TokenLogprob
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.structured.masks import TokenMasks, apply_token_masks
+
+# (probs [R, V] float32 on the CPU, seeds [R] int64) -> [R] token ids: native.FusedOps.exponential_race.
+ExponentialRace = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -57,10 +61,14 @@ class PendingSample:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
-        """`eos_token_ids`: what min_tokens holds back, with each request's stop_token_ids."""
+    def __init__(
+        self, seed: int = 0, eos_token_ids: tuple[int, ...] = (), race: ExponentialRace | None = None
+    ) -> None:
+        """`eos_token_ids`: what min_tokens holds back, with each request's stop_token_ids. `race`:
+        the native exponential race for CPU logits (else PyTorch's exponential_ noise)."""
         self.seed = seed
         self.eos_token_ids = eos_token_ids
+        self.race = race
         self._generators: dict[torch.device, torch.Generator] = {}  # unseeded draws, per device
         self._seq_generators: dict[int, torch.Generator] = {}
 
@@ -139,10 +147,12 @@ class Sampler:
             if params[i].seed is not None
         }
         shared = self._shared_generator(device) if len(seeded) < len(rows) else None
+        race = self.race if device.type == "cpu" else None
         if len(rows) == len(seqs):
-            return sample_rows(logits, params, shared, seeded)
+            return sample_rows(logits, params, shared, seeded, race)
         index = _to_device(rows, torch.long, device)
-        return tokens.index_copy(0, index, sample_rows(logits.index_select(0, index), params, shared, seeded))
+        drawn = sample_rows(logits.index_select(0, index), params, shared, seeded, race)
+        return tokens.index_copy(0, index, drawn)
 
     def _apply_token_rules(self, row: torch.Tensor, seq: Sequence) -> None:  # row: [V], in place
         params = seq.request.params
@@ -190,18 +200,21 @@ def sample_rows(
     params: list[SamplingParams],
     shared: torch.Generator | None,
     seeded: dict[int, torch.Generator],
+    race: ExponentialRace | None = None,
 ) -> torch.Tensor:
     """The drawn token ids, [R] int64 on the logits' device, of R rows sampled together (a fixed
     number of kernels per MAX_SAMPLED_LOGITS, however many rows, and no wait for the device).
     logits: [R, V] float32, one row per `params`. Row i draws its noise from `seeded[i]` (a [V]
-    draw of its own, as a row alone would) or else from `shared`."""
+    draw of its own, as a row alone would) or else from `shared`. `race` (CPU logits): the native
+    exponential race, each row's noise from one seed drawn from its generator."""
     step = max(1, MAX_SAMPLED_LOGITS // logits.shape[1])
     if len(params) <= step:
-        return _sample_pass(logits, params, shared, seeded)
+        return _sample_pass(logits, params, shared, seeded, race)
     passes = []
     for first in range(0, len(params), step):
         own = {row - first: gen for row, gen in seeded.items() if first <= row < first + step}
-        passes.append(_sample_pass(logits[first : first + step], params[first : first + step], shared, own))
+        rows = slice(first, first + step)
+        passes.append(_sample_pass(logits[rows], params[rows], shared, own, race))
     return torch.cat(passes)
 
 
@@ -210,6 +223,7 @@ def _sample_pass(
     params: list[SamplingParams],
     shared: torch.Generator | None,
     seeded: dict[int, torch.Generator],
+    race: ExponentialRace | None = None,
 ) -> torch.Tensor:
     """sample_rows for one pass: `shared` draws all the rows' noise at once.
 
@@ -245,12 +259,27 @@ def _sample_pass(
         floor = table[:, 2:3] * probs.max(dim=-1, keepdim=True).values  # [R, 1]
         probs = probs.masked_fill(probs < floor, 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised p is fine).
+    if race is not None and probs.device.type == "cpu":
+        return race(probs, _row_seeds(len(params), shared, seeded))
     noise = torch.empty_like(probs)
     if shared is not None:
         noise.exponential_(1.0, generator=shared)  # seeded rows' share is overwritten below
     for row, gen in seeded.items():
         noise[row].exponential_(1.0, generator=gen)
     return torch.argmax(probs / noise, dim=-1)
+
+
+def _row_seeds(
+    num_rows: int, shared: torch.Generator | None, seeded: dict[int, torch.Generator]
+) -> torch.Tensor:
+    """One 62-bit seed per row for the native race: from the row's own generator when its request
+    has a seed (so its draws repeat whatever shares the batch), else all from `shared`."""
+    seeds = torch.empty(num_rows, dtype=torch.long)
+    if shared is not None:
+        torch.randint(0, 1 << 62, (num_rows,), generator=shared, out=seeds)
+    for row, gen in seeded.items():
+        seeds[row] = torch.randint(0, 1 << 62, (1,), generator=gen)
+    return seeds
 
 
 def _to_device(
