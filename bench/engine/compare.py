@@ -1,7 +1,7 @@
 """Engine speed, side by side in one run (issue 8): Corral vs vLLM's CPU build vs transformers.
 
     .venv/bin/python bench/engine/compare.py [--only corral,transformers,vllm,corral-t213]
-        [--workloads W1,W2,S1] [--quick] [--publish]
+        [--workloads W1,W2,S1[,P1]] [--quick] [--publish]
 
 Builds the `small` demo model, creates the baselines' venvs (reused when present), writes the
 workloads once as token-id JSONL, then runs every system as a subprocess with a timeout: offline
@@ -273,6 +273,8 @@ def finish(results: dict[str, Any], model: Path, out_dir: Path, publish: bool) -
     add_mbu(results, model)
     results["ratios"] = report.ratios(results)
     results["targets"] = report.target_checks(results)
+    if results.get("rounds"):
+        results["ratio_rounds"] = report.ratio_rounds(results)
     results["served_over_offline"] = report.served_over_offline(results)
     _save(results, out_dir)
     pngs = plots.plot_all(results, out_dir)
@@ -280,6 +282,7 @@ def finish(results: dict[str, Any], model: Path, out_dir: Path, publish: bool) -
         t
         for t in (
             report.markdown_table(results),
+            report.markdown_ratio_rounds(results),
             report.markdown_targets(results),
             report.markdown_served_over_offline(results),
             report.failures(results),

@@ -67,6 +67,7 @@ def time_throughput(generate: GenerateFn, requests: list[Request]) -> dict[str, 
         "output_tokens": asked,
         "generated_tokens": produced,
         "output_throughput": asked / elapsed,
+        "input_throughput": num_in / elapsed,
         "total_throughput": (asked + num_in) / elapsed,
     }
 
