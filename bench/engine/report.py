@@ -98,14 +98,13 @@ def ratio_rounds(results: Results) -> dict[str, dict[str, dict[str, Any]]]:
             pair = f"{a}/{b}"
             values = [r[m.key][pair] for r in per_round if r[m.key][pair] is not None]
             if values:
-                row[pair] = {
-                    "ratios": values,
-                    "median": statistics.median(values),
-                    "min": min(values),
-                    "max": max(values),
-                }
+                row[pair] = _spread(values)
         out[m.key] = row
     return out
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"ratios": values, "median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def target_checks(results: Results) -> list[dict[str, Any]]:
@@ -153,12 +152,7 @@ def served_over_offline(results: Results) -> dict[str, dict[str, Any]]:
                 if served is not None and offline:
                     ratios.append(served / offline)
             if ratios:
-                per[workload] = {
-                    "ratios": ratios,
-                    "median": statistics.median(ratios),
-                    "min": min(ratios),
-                    "max": max(ratios),
-                }
+                per[workload] = _spread(ratios)
         if per:
             out[name] = per
     return out
