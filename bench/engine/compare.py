@@ -66,6 +66,13 @@ def parse_args() -> argparse.Namespace:
         help="transformers' dtype (float32: its faster one on CPUs without native bf16; Corral stays bf16)",
     )
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Corral's and vLLM's sampling temperature, offline and served (default 0: greedy; "
+        "transformers stays greedy)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -202,6 +209,7 @@ def main() -> int:
         args.hf_batch_sizes,
         args.hf_w2_batch_sizes,
         args.hf_dtype,
+        args.temperature,
     )
     results: dict[str, Any] = {
         "command": " ".join(["bench/engine/compare.py", *sys.argv[1:]]),
