@@ -1,7 +1,7 @@
 """Engine speed, side by side in one run (issue 8): Corral vs vLLM's CPU build vs transformers.
 
     .venv/bin/python bench/engine/compare.py [--only corral,transformers,vllm,corral-t213]
-        [--workloads W1,W2,S1] [--quick] [--publish]
+        [--workloads W1,W2,S1[,P1]] [--quick] [--publish]
 
 Builds the `small` demo model, creates the baselines' venvs (reused when present), writes the
 workloads once as token-id JSONL, then runs every system as a subprocess with a timeout: offline
@@ -64,6 +64,13 @@ def parse_args() -> argparse.Namespace:
         default="bfloat16",
         choices=("bfloat16", "float32"),
         help="transformers' dtype (float32: its faster one on CPUs without native bf16; Corral stays bf16)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Corral's and vLLM's sampling temperature, offline and served (default 0: greedy; "
+        "transformers stays greedy)",
     )
     p.add_argument(
         "--rounds",
@@ -202,6 +209,7 @@ def main() -> int:
         args.hf_batch_sizes,
         args.hf_w2_batch_sizes,
         args.hf_dtype,
+        args.temperature,
     )
     results: dict[str, Any] = {
         "command": " ".join(["bench/engine/compare.py", *sys.argv[1:]]),
@@ -273,6 +281,8 @@ def finish(results: dict[str, Any], model: Path, out_dir: Path, publish: bool) -
     add_mbu(results, model)
     results["ratios"] = report.ratios(results)
     results["targets"] = report.target_checks(results)
+    if results.get("rounds"):
+        results["ratio_rounds"] = report.ratio_rounds(results)
     results["served_over_offline"] = report.served_over_offline(results)
     _save(results, out_dir)
     pngs = plots.plot_all(results, out_dir)
@@ -280,6 +290,7 @@ def finish(results: dict[str, Any], model: Path, out_dir: Path, publish: bool) -
         t
         for t in (
             report.markdown_table(results),
+            report.markdown_ratio_rounds(results),
             report.markdown_targets(results),
             report.markdown_served_over_offline(results),
             report.failures(results),

@@ -27,7 +27,9 @@ def main() -> int:
     )
 
     def generate(requests: list[Request]) -> int:
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+        params = [
+            SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True) for _, n in requests
+        ]
         outputs = engine.generate([p for p, _ in requests], params)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 

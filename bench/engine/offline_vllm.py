@@ -26,7 +26,9 @@ def main() -> int:
 
     def generate(requests: list[Request]) -> int:
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+        params = [
+            SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True) for _, n in requests
+        ]
         outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 

@@ -149,7 +149,7 @@ def run_served(
                 log.warning("[%s] %s (log: %s)", system.name, problem, log_path)
                 return result
             log.info("[%s] server ready after %.0f s", system.name, result["startup_s"])
-            _bench(base_url, model, runs, out_dir, system.name, result, timeout_s)
+            _bench(base_url, model, runs, out_dir, system.name, result, timeout_s, settings.temperature)
         finally:
             _stop(proc)
     return result
@@ -163,6 +163,7 @@ def _bench(
     name: str,
     result: dict[str, Any],
     timeout_s: float,
+    temperature: float = 0.0,
 ) -> None:
     # A tiny warm-up request so first-request costs do not land in the first measured run.
     warm = out_dir / "warmup.jsonl"
@@ -174,7 +175,7 @@ def _bench(
             sys.executable, "-m", "corral_cli.main", "bench", "--base-url", base_url,
             "--dataset", str(run.dataset), "--num-prompts", str(run.num_prompts),
             "--tokenizer", str(model), "--ignore-eos", "--request-rate", run.rate,
-            "--seed", "0", "--no-progress", "--result-file", str(out),
+            "--seed", "0", "--no-progress", "--result-file", str(out), "--temperature", str(temperature),
         ]  # fmt: skip
         if run.key != "warmup":
             log.info("[%s] served %s: %d requests at rate %s", name, run.key, run.num_prompts, run.rate)

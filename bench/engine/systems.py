@@ -32,6 +32,8 @@ class Settings:
     hf_batch_sizes: str = "8,16,32"  # transformers static batch sizes tried on W1 (best reported)
     hf_w2_batch_sizes: str = "16"  # ... and on W2 (each size takes 5-10 minutes there)
     hf_dtype: str = "bfloat16"  # transformers' dtype; float32 is its faster one without native bf16
+    # Corral's and vLLM's sampling temperature, offline and served (0: greedy); transformers stays greedy.
+    temperature: float = 0.0
 
     def worker_flags(self) -> list[str]:
         return [
@@ -39,6 +41,7 @@ class Settings:
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--kv-cache-gib", str(self.kv_cache_gib),
+            "--temperature", str(self.temperature),
         ]  # fmt: skip
 
 

@@ -35,6 +35,7 @@ def parse_args(extra: Callable[[argparse.ArgumentParser], None] | None = None) -
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (transformers' worker: always)")
     if extra is not None:
         extra(p)
     return p.parse_args()
@@ -67,6 +68,7 @@ def time_throughput(generate: GenerateFn, requests: list[Request]) -> dict[str, 
         "output_tokens": asked,
         "generated_tokens": produced,
         "output_throughput": asked / elapsed,
+        "input_throughput": num_in / elapsed,
         "total_throughput": (asked + num_in) / elapsed,
     }
 

@@ -4,6 +4,8 @@ W1: 64 requests, 128 in / 128 out, all at once.
 W2: 200 requests, log-normal lengths (input median 150 clipped 8..1024, output median 120 clipped
     8..512), seed 0, all at once, ignore_eos.
 S1: one request, 128 in / 256 out.
+P1: 16 requests, 1,024 in / 1 out, all at once: prompt throughput (what time to first token rests
+    on; offline only, opt-in: --workloads W1,W2,S1,P1).
 Each line is {"prompt": [token ids], "output_len": N}, the JSONL `corral bench --dataset` reads.
 """
 
@@ -34,8 +36,9 @@ WORKLOADS: dict[str, WorkloadDef] = {
         "200 requests, log-normal lengths (in median 150 clip 8..1024, out median 120 clip 8..512)",
     ),
     "S1": WorkloadDef("S1", LengthSpec(128, 256), 1, "1 x 128 in / 256 out"),
+    "P1": WorkloadDef("P1", LengthSpec(1024, 1), 16, "16 x 1,024 in / 1 out, all at once: prompt tok/s"),
 }
-QUICK_NUM_PROMPTS = {"W1": 8, "W2": 12, "S1": 1}
+QUICK_NUM_PROMPTS = {"W1": 8, "W2": 12, "S1": 1, "P1": 2}
 QUICK_MAX_OUTPUT = 32  # --quick caps output lengths so a smoke run takes seconds
 
 

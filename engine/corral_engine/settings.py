@@ -37,7 +37,7 @@ class EngineSettings(BaseSettings):
     # there); 1: also where it has (keeps each plain bf16 weight beside the packed one: an A/B).
     small_batch_kernel: Switch = Field(default="auto", validation_alias="CORRAL_SMALL_BATCH_KERNEL")
     # CORRAL_MATMUL_PROMPT_ATTENTION: prompt chunks attend through batched matmuls in blocks of query
-    # rows instead of PyTorch's SDPA; auto: bf16 on CPUs with native bf16 (1.7-2.6x the attention
+    # rows instead of PyTorch's SDPA; auto: bf16 on CPUs with native bf16 (2.3-2.9x the attention
     # there, AVX512-BF16), 1: on any CPU, 0: never (model/attention.py:prompt_block_rows).
     matmul_prompt_attention: Switch = Field(default="auto", validation_alias="CORRAL_MATMUL_PROMPT_ATTENTION")
     # CORRAL_OVERLAP_OUTPUT: a step's text work (detokenization, stop strings, the outputs) runs

@@ -9,7 +9,7 @@ Decodes (one new token per sequence): the native paged kernel (model/native.py) 
 the block tables for all of them at once; without it, one padded SDPA call per group of similar
 lengths over gathered blocks. Prompt chunks: per sequence over its gathered blocks, either one SDPA
 call or, for bf16 on CPUs that multiply bf16 natively, `matmul_prompt_attention` (blocks of query
-rows as two batched matmuls each: 1.7-2.6x faster than PyTorch's CPU flash kernel there).
+rows as two batched matmuls each: 2.3-2.9x PyTorch's CPU flash kernel there, AVX512-BF16).
 When a sequence's queries are fewer than
 its keys (chunked prefill, prefix-cache hits) the causal mask is aligned bottom-right: query i sits
 at absolute position ctx_len - num_queries + i. SDPA's `is_causal=True` aligns top-left, which is
@@ -190,8 +190,8 @@ def prompt_block_rows(dtype: torch.dtype, is_cpu: bool, has_native_bf16: bool, m
     """Query rows per block for matmul_prompt_attention, or 0 for SDPA (CORRAL_MATMUL_PROMPT_ATTENTION).
 
     auto: bf16 on a CPU that multiplies bf16 natively (AVX512-BF16, AMX), where oneDNN's batched
-    bf16 matmuls beat PyTorch's CPU flash-attention kernel 1.7-2.6x for 256-2,048-token prompts
-    (measured with AVX512-BF16; AMX unmeasured). Without native bf16 a bf16 matmul is emulated and
+    bf16 matmuls beat PyTorch's CPU flash-attention kernel 2.3-2.9x for 128-2,048-token prompts
+    (prompt throughput 1.1-1.8x; measured with AVX512-BF16, AMX unmeasured). Without native bf16 a bf16 matmul is emulated and
     slow, and in float32 the two are level, so SDPA stays there. "1": on any CPU; "0": never."""
     if not is_cpu or mode == "0":
         return 0
