@@ -84,6 +84,4 @@ def test_prompt_throughput_is_a_metric() -> None:
         for name, tps in (("corral", 3900.0), ("vllm", 3900.0 / 0.975))
     }
     assert round(report.ratios({"systems": systems})["P1_prompt_tok_s"]["corral/vllm"], 3) == 0.975
-    assert "| P1 offline prompt tok/s | 3,900 |" in report.markdown_table(
-        {"systems": systems}
-    )
+    assert "| P1 offline prompt tok/s | 3,900 |" in report.markdown_table({"systems": systems})

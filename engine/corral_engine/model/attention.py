@@ -191,8 +191,9 @@ def prompt_block_rows(dtype: torch.dtype, is_cpu: bool, has_native_bf16: bool, m
 
     auto: bf16 on a CPU that multiplies bf16 natively (AVX512-BF16, AMX), where oneDNN's batched
     bf16 matmuls beat PyTorch's CPU flash-attention kernel 2.3-2.9x for 128-2,048-token prompts
-    (prompt throughput 1.1-1.8x; measured with AVX512-BF16, AMX unmeasured). Without native bf16 a bf16 matmul is emulated and
-    slow, and in float32 the two are level, so SDPA stays there. "1": on any CPU; "0": never."""
+    (prompt throughput 1.1-1.8x; measured with AVX512-BF16, AMX unmeasured). Without native bf16
+    a bf16 matmul is emulated and slow, and in float32 the two are level, so SDPA stays there.
+    "1": on any CPU; "0": never."""
     if not is_cpu or mode == "0":
         return 0
     if mode == "1":
