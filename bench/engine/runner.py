@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import engine_metrics
 from systems import Settings, System
 
 log = logging.getLogger("compare")
@@ -179,6 +180,7 @@ def _bench(
         ]  # fmt: skip
         if run.key != "warmup":
             log.info("[%s] served %s: %d requests at rate %s", name, run.key, run.num_prompts, run.rate)
+        before = engine_metrics.scrape(base_url)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
@@ -193,6 +195,7 @@ def _bench(
             log.warning("[%s] %s failed: %s", name, run.key, tail[-1:] if tail else "")
             continue
         summary = json.loads(out.read_text())["runs"][0]
+        summary["engine"] = engine_metrics.delta(before, engine_metrics.scrape(base_url))
         result["runs"][run.key] = summary
         log.info(
             "[%s] %s: %.1f output tok/s, TTFT p99 %.0f ms, TPOT median %.1f ms, %d failed",
@@ -203,3 +206,5 @@ def _bench(
             summary["median_tpot_ms"] or float("nan"),
             summary["failed"],
         )
+        if summary["engine"]:
+            log.info("[%s] %s engine side: %s", name, run.key, engine_metrics.describe(summary["engine"]))

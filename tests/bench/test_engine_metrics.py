@@ -1,0 +1,54 @@
+"""bench/engine/engine_metrics.py: what a served run did on the engine side, from two scrapes of
+its Prometheus text (vLLM's metric names, as both engines export them)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from bench.engine import engine_metrics
+
+
+def _engine() -> tuple[CollectorRegistry, Histogram, Histogram, Counter]:
+    registry = CollectorRegistry()
+    queue = Histogram(
+        "vllm:request_queue_time_seconds", "q", ["model_name"], buckets=(0.1, 0.5, 1.0), registry=registry
+    )
+    steps = Histogram(
+        "vllm:iteration_tokens_total", "t", ["model_name"], buckets=(1, 64, 2048), registry=registry
+    )
+    preempted = Counter("vllm:num_preemptions", "p", ["model_name"], registry=registry)
+    return registry, queue, steps, preempted
+
+
+def test_delta_counts_only_what_happened_between_the_scrapes() -> None:
+    registry, queue, steps, preempted = _engine()
+    queue.labels("m").observe(0.9)  # before the run: must not count
+    before = engine_metrics.parse(generate_latest(registry).decode())
+    for value in (0.05, 0.2, 0.3, 0.4):
+        queue.labels("m").observe(value)
+    for tokens in (1, 1, 1000):
+        steps.labels("m").observe(tokens)
+    preempted.labels("m").inc(2)
+    after = engine_metrics.parse(generate_latest(registry).decode())
+    d = engine_metrics.delta(before, after)
+    assert d is not None
+    assert d["queue_s"]["count"] == 4
+    assert d["queue_s"]["mean"] == pytest.approx(0.2375)
+    # 4 observations: one in (0, 0.1], three in (0.1, 0.5]; the median's rank 2 is a third of the
+    # way into the second bucket, the p99 near its top.
+    assert d["queue_s"]["p50"] == pytest.approx(0.1 + 0.4 / 3)
+    assert 0.45 < d["queue_s"]["p99"] <= 0.5
+    assert d["step_tokens"]["count"] == 3 and d["step_tokens"]["mean"] == pytest.approx(334.0)
+    assert d["preemptions"] == 2
+    assert "prefill_s" not in d  # not exported here: left out, not zero
+    line = engine_metrics.describe(d)
+    assert "queue 238 ms" in line and "3 steps of 334 tokens" in line and "2 preempted" in line
+
+
+def test_a_failed_scrape_gives_no_delta() -> None:
+    registry, *_ = _engine()
+    snap = engine_metrics.parse(generate_latest(registry).decode())
+    assert engine_metrics.delta(None, snap) is None
+    assert engine_metrics.delta(snap, None) is None
+    assert engine_metrics.scrape("http://127.0.0.1:9", timeout_s=0.5) is None  # nothing listens there
