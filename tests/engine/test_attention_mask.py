@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 from corral_engine.model.attention import (
+    NATIVE_SOFTMAX_BLOCK_ROWS,
     PROMPT_BLOCK_ROWS,
     AttentionContext,
     SeqAttention,
@@ -14,6 +16,8 @@ from corral_engine.model.attention import (
     paged_attention,
     prompt_block_rows,
 )
+from corral_engine.model.native import load_fused_ops
+from corral_engine.settings import EngineSettings
 
 
 def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
@@ -102,6 +106,14 @@ def test_matmul_prompt_attention_matches_the_reference(
     low = matmul_prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), dim**-0.5, window, block_rows)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.double(), want, atol=0.05, rtol=0.05)
+    # The native masked softmax (bf16): the same numbers to within a bf16 rounding or two.
+    ops = load_fused_ops(EngineSettings(native_kernels=True)) if shutil.which("cc") else None
+    if ops is not None:
+        fused = matmul_prompt_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), dim**-0.5, window, block_rows, ops.causal_softmax
+        )
+        torch.testing.assert_close(fused.double(), want, atol=0.05, rtol=0.05)
+        torch.testing.assert_close(fused.double(), low.double(), atol=0.02, rtol=0.02)
 
 
 def test_paged_attention_takes_the_matmul_path_when_asked() -> None:
@@ -124,6 +136,33 @@ def test_paged_attention_takes_the_matmul_path_when_asked() -> None:
     torch.testing.assert_close(out, naive(q, k_all, v_all, ctx_len - nq), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernels")
+def test_paged_attention_hands_prompt_blocks_to_the_contexts_softmax() -> None:
+    ops = load_fused_ops(EngineSettings(native_kernels=True))
+    assert ops is not None
+    torch.manual_seed(2)
+    heads, dim, bs, ctx_len, nq = 4, 8, 4, 14, 6
+    k_all, v_all = torch.randn(ctx_len, 2, dim).bfloat16(), torch.randn(ctx_len, 2, dim).bfloat16()
+    q = torch.randn(nq, heads, dim).bfloat16()
+    k_cache, v_cache = torch.zeros(6, bs, 2, dim).bfloat16(), torch.zeros(6, bs, 2, dim).bfloat16()
+    table = [3, 0, 5, 1]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx_len)])
+    k_cache.view(-1, 2, dim)[slots] = k_all
+    v_cache.view(-1, 2, dim)[slots] = v_all
+    calls: list[tuple[int, int]] = []
+
+    def spy(scores: torch.Tensor, rows: int, first: int, window: int | None) -> None:
+        calls.append((rows, first))
+        ops.causal_softmax(scores, rows, first, window)
+
+    seq = SeqAttention(0, nq, ctx_len, torch.tensor(table))
+    ctx = AttentionContext(slots[ctx_len - nq :], [seq], bs, prompt_block_rows=4, prompt_softmax=spy)
+    out = paged_attention(q, k_all[-nq:], v_all[-nq:], k_cache, v_cache, ctx, dim**-0.5, None)
+    assert calls == [(4, 9), (2, 13)]  # two blocks; the first row of each sees keys [0, first)
+    want = reference(q.double(), k_all.double(), v_all.double(), None)
+    torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.05)
+
+
 def test_prompt_block_rows_is_on_for_bf16_where_the_cpu_multiplies_it_natively() -> None:
     bf16, f32 = torch.bfloat16, torch.float32
     assert prompt_block_rows(bf16, True, True, "auto") == PROMPT_BLOCK_ROWS
@@ -132,3 +171,7 @@ def test_prompt_block_rows_is_on_for_bf16_where_the_cpu_multiplies_it_natively()
     assert prompt_block_rows(f32, True, False, "1") == PROMPT_BLOCK_ROWS
     assert prompt_block_rows(bf16, True, True, "0") == 0
     assert prompt_block_rows(bf16, False, True, "1") == 0  # not a CPU (the triton backend)
+    # The native masked softmax takes larger blocks (bf16 only: it is a bf16 kernel).
+    assert prompt_block_rows(bf16, True, True, "auto", native_softmax=True) == NATIVE_SOFTMAX_BLOCK_ROWS
+    assert prompt_block_rows(f32, True, True, "1", native_softmax=True) == PROMPT_BLOCK_ROWS
+    assert prompt_block_rows(bf16, True, False, "auto", native_softmax=True) == 0

@@ -382,3 +382,38 @@ def test_exponential_race_draws_by_seed_alone(ops: native.FusedOps) -> None:
     wide = torch.softmax(torch.randn(3, 32_000), dim=-1)  # several chunks of the kernel's loop
     tokens = ops.exponential_race(wide, torch.tensor([1, 2, 3]))
     assert tokens.shape == (3,) and tokens.dtype == torch.long and bool((tokens < 32_000).all())
+
+
+@pytest.mark.parametrize(
+    ("mats", "rows", "group", "cols", "first", "window"),
+    [
+        (4, 128, 3, 128, 1, None),  # a fresh prompt's first block: the diagonal
+        (4, 128, 3, 384, 257, None),  # its third block: two full tiles, then the diagonal
+        (2, 5, 2, 29, 25, None),  # a chunk after 24 cached tokens
+        (2, 40, 3, 48, 9, 9),  # sliding window: early keys drop out row by row
+        (1, 1, 1, 1, 1, None),  # one row, one key
+        (3, 7, 4, 50, 44, 16),  # window with a cached prefix, rows ending mid-block
+    ],
+)
+def test_causal_softmax_is_the_masked_softmax(
+    ops: native.FusedOps, mats: int, rows: int, group: int, cols: int, first: int, window: int | None
+) -> None:
+    """Row r of every head sees columns [first + r - window, first + r): the softmax of those
+    bf16 scores (float64 here, rounded once), exact zeros everywhere else."""
+    torch.manual_seed(rows * 1000 + cols)
+    scores = (torch.randn(mats, rows * group, cols) * 4).bfloat16()
+    r = torch.arange(rows).repeat_interleave(group)[:, None]
+    c = torch.arange(cols)[None, :]
+    visible = c < first + r
+    if window is not None:
+        visible &= c >= first + r - window
+    exact = scores.double().masked_fill(~visible, float("-inf")).softmax(-1)
+    got = scores.clone()
+    ops.causal_softmax(got, rows, first, window)
+    assert bool((got[:, ~visible] == 0).all())
+    ulps = _ulps_apart(got, exact.float().bfloat16())
+    assert int(ulps.max()) <= 1
+    assert float((ulps == 0).float().mean()) > 0.99
+    # What the PyTorch path computes (masked_fill_ then a bf16 softmax) is within the same bound.
+    torch_path = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    assert int(_ulps_apart(got, torch_path).max()) <= 1

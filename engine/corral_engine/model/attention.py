@@ -18,12 +18,16 @@ only right when queries and keys coincide, so it is used only for fresh prefills
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from corral_engine.model.native import PagedDecode
+
+# In place on a prompt block's [KVH, rows * G, cols] scores: (scores, rows, first, window); native.FusedOps.
+CausalSoftmax = Callable[[torch.Tensor, int, int, "int | None"], None]
 
 
 @dataclass(slots=True)
@@ -109,6 +113,7 @@ class AttentionContext:
     unified: UnifiedBatch | None = None  # the triton backend: everything in one launch
     # Prompt chunks through matmul_prompt_attention in blocks of this many query rows; 0: SDPA.
     prompt_block_rows: int = 0
+    prompt_softmax: CausalSoftmax | None = None  # ... with the native masked softmax (bf16)
 
 
 def paged_attention(
@@ -163,7 +168,7 @@ def paged_attention(
             vs = v_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
         if ctx.prompt_block_rows:
             out[s.q_start : s.q_end] = matmul_prompt_attention(
-                q[s.q_start : s.q_end], ks, vs, scale, window, ctx.prompt_block_rows
+                q[s.q_start : s.q_end], ks, vs, scale, window, ctx.prompt_block_rows, ctx.prompt_softmax
             )
             continue
         mask = s.mask(window)
@@ -182,23 +187,30 @@ def paged_attention(
 
 
 # Query rows per block of matmul_prompt_attention: on a 2 vCPU AMD EPYC with AVX512-BF16, 64 and
-# 128 were within noise of each other (docs/engine-speed.md); 64 keeps a block's scores small.
+# 128 were within noise of each other with PyTorch's masked softmax (docs/engine-speed.md); 64 keeps
+# a block's scores small. With the native masked softmax the mask costs nothing, and fewer, larger
+# blocks win: 128 rows, 1.1x 64 for 250-1,000-token prompts.
 PROMPT_BLOCK_ROWS = 64
+NATIVE_SOFTMAX_BLOCK_ROWS = 128
 
 
-def prompt_block_rows(dtype: torch.dtype, is_cpu: bool, has_native_bf16: bool, mode: str) -> int:
+def prompt_block_rows(
+    dtype: torch.dtype, is_cpu: bool, has_native_bf16: bool, mode: str, native_softmax: bool = False
+) -> int:
     """Query rows per block for matmul_prompt_attention, or 0 for SDPA (CORRAL_MATMUL_PROMPT_ATTENTION).
 
     auto: bf16 on a CPU that multiplies bf16 natively (AVX512-BF16, AMX), where oneDNN's batched
     bf16 matmuls beat PyTorch's CPU flash-attention kernel 2.3-2.9x for 128-2,048-token prompts
     (prompt throughput 1.1-1.8x; measured with AVX512-BF16, AMX unmeasured). Without native bf16
     a bf16 matmul is emulated and slow, and in float32 the two are level, so SDPA stays there.
-    "1": on any CPU; "0": never."""
+    "1": on any CPU; "0": never. `native_softmax`: the blocks' softmax is the native kernel's
+    (bf16 only), which takes larger blocks."""
     if not is_cpu or mode == "0":
         return 0
+    rows = NATIVE_SOFTMAX_BLOCK_ROWS if native_softmax and dtype == torch.bfloat16 else PROMPT_BLOCK_ROWS
     if mode == "1":
-        return PROMPT_BLOCK_ROWS
-    return PROMPT_BLOCK_ROWS if dtype == torch.bfloat16 and has_native_bf16 else 0
+        return rows
+    return rows if dtype == torch.bfloat16 and has_native_bf16 else 0
 
 
 def matmul_prompt_attention(
@@ -208,6 +220,7 @@ def matmul_prompt_attention(
     scale: float,
     window: int | None,
     block_rows: int,
+    softmax: CausalSoftmax | None = None,
 ) -> torch.Tensor:  # [nq, H, D]
     """Causal attention for one sequence, bottom-right aligned (query i at position L - nq + i), as
     a loop over blocks of `block_rows` query rows: scores = Q_block K^T over the keys the block
@@ -216,7 +229,8 @@ def matmul_prompt_attention(
 
     Numerics of transformers' eager attention: scores and probabilities are rounded to the input
     dtype (the softmax itself runs in float32 inside PyTorch's kernel). q is scaled before the
-    matmul, exactly where the scale is a power of two (head_dim 64, 256)."""
+    matmul, exactly where the scale is a power of two (head_dim 64, 256). `softmax` (the native
+    fused op, bf16 only) does the mask and the softmax in one pass per row, by bounds."""
     nq, num_heads, head_dim = q.shape
     ctx_len, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
@@ -233,10 +247,16 @@ def matmul_prompt_attention(
         lo = 0 if window is None else max(0, offset + a - window + 1)
         qb = qh[:, a:b].reshape(num_kv_heads, rows * group, head_dim)
         scores = torch.bmm(qb, kh[:, lo:hi].transpose(1, 2))  # [KVH, rows * G, hi - lo]
+        first = offset + a + 1 - lo  # the first key column the block's first row must not see
+        if softmax is not None:
+            softmax(scores, rows, first, window)
+            out[a:b] = (
+                torch.bmm(scores, vh[:, lo:hi]).view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
+            )
+            continue
         by_row = scores.view(num_kv_heads, rows, group, hi - lo)
         q_pos = torch.arange(offset + a, offset + b, device=q.device).view(rows, 1, 1)
         if window is None:
-            first = offset + a + 1 - lo  # the first key column a row of this block must not see
             if first < hi - lo:
                 k_pos = torch.arange(lo + first, hi, device=q.device)
                 by_row[..., first:].masked_fill_(k_pos > q_pos, float("-inf"))

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from corral_engine.core.scheduler import ScheduledSeq
-from corral_engine.model.attention import AttentionContext, DecodeBatch, SeqAttention, UnifiedBatch
+from corral_engine.model.attention import (
+    AttentionContext,
+    CausalSoftmax,
+    DecodeBatch,
+    SeqAttention,
+    UnifiedBatch,
+)
 from corral_engine.model.native import PagedDecode
 
 
@@ -100,7 +106,8 @@ class BatchBuilder:
     one by one and decodes are batched: `batched_decode` False attends them one sequence at a time
     (CORRAL_BATCHED_DECODE=0, for comparison); with a native `decode_kernel` all decodes go in one
     call at their own lengths, else in padded groups of similar length. `prompt_block_rows` > 0:
-    prompt chunks attend through attention.matmul_prompt_attention in blocks of that many rows."""
+    prompt chunks attend through attention.matmul_prompt_attention in blocks of that many rows, with
+    `prompt_softmax` (the native masked softmax) where given."""
 
     def __init__(
         self,
@@ -111,9 +118,11 @@ class BatchBuilder:
         decode_kernel: PagedDecode | None,
         unified: bool = False,
         prompt_block_rows: int = 0,
+        prompt_softmax: CausalSoftmax | None = None,
     ) -> None:
         self.block_size = block_size
         self.prompt_block_rows = prompt_block_rows
+        self.prompt_softmax = prompt_softmax
         self.device = device
         self.batched_decode = batched_decode
         self.decode_kernel = decode_kernel
@@ -181,6 +190,7 @@ class BatchBuilder:
             decodes,
             self.decode_kernel,
             prompt_block_rows=self.prompt_block_rows,
+            prompt_softmax=self.prompt_softmax,
         )
         return StepBatch(self._tensor(input_ids), self._tensor(positions), ctx, self._tensor(logits_indices))
 

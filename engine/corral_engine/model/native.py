@@ -108,6 +108,9 @@ class FusedOps:
         self._race = lib.exponential_race_f32
         self._race.restype = ctypes.c_int
         self._race.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._causal_softmax = lib.causal_softmax_bf16
+        self._causal_softmax.restype = ctypes.c_int
+        self._causal_softmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_int]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -191,6 +194,17 @@ class FusedOps:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def causal_softmax(self, scores: torch.Tensor, rows: int, first: int, window: int | None) -> None:
+        """In place: softmax over the last dimension of `scores` ([M, rows * G, cols] bf16,
+        contiguous: a prompt block's scores, query heads interleaved per row) with row r of every
+        head seeing columns [first + r - window, first + r) only (from 0 without a window), and
+        zeros elsewhere; as `masked_fill_(hidden, -inf).softmax(-1)` in bf16 computes it."""
+        mats, height, cols = scores.shape
+        if self._causal_softmax(
+            scores.data_ptr(), mats, rows, height // rows, cols, first, window or 0, torch.get_num_threads()
+        ):
+            raise NativeKernelError("causal_softmax_bf16 could not allocate its row buffers")
 
 
 @cache

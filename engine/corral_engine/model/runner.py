@@ -94,6 +94,8 @@ class ModelRunner:
         self.attention_backend = choose_attention_backend(
             args.attention_backend, self.device.type, kernel is not None, settings.triton_interpret
         )
+        # Prompt blocks' masked softmax in one native pass where the fused ops build (bf16).
+        fused = load_fused_ops(settings) if is_cpu and self.dtype == torch.bfloat16 else None
         self.batches = BatchBuilder(
             args.block_size,
             -(-max_model_len // args.block_size),
@@ -106,7 +108,9 @@ class ModelRunner:
                 is_cpu and self.attention_backend != "triton",
                 self.cpu.has_native_bf16,
                 settings.matmul_prompt_attention,
+                native_softmax=fused is not None,
             ),
+            prompt_softmax=fused.causal_softmax if fused is not None else None,
         )
         if is_cpu:
             # The cores are shared between the ranks on this machine.
@@ -133,7 +137,9 @@ class ModelRunner:
             self.num_kv_blocks,
             self.block_size,
             self.attention_backend,
-            " (prompts: batched matmuls)" if self.batches.prompt_block_rows else "",
+            (" (prompts: batched matmuls" + (", native softmax)" if self.batches.prompt_softmax else ")"))
+            if self.batches.prompt_block_rows
+            else "",
         )
         if self.attention_backend == "triton" and not args.enforce_eager and tp is None:
             if graph_capture is None and self.device.type == "cuda":

@@ -180,3 +180,47 @@ int exponential_race_f32(const float *probs, const uint64_t *seeds, int64_t *out
     }
     return 0;
 }
+
+/* Softmax of a prompt block's attention scores in place, with the causal (and sliding-window) mask
+ * applied by bounds instead of a -inf fill: scores [mats][rows][group][cols] in bf16 (one matrix
+ * per KV head, its query heads interleaved per row, as matmul_prompt_attention lays them out);
+ * row r of every head sees columns [max(0, first + r - window), min(cols, first + r)) (window 0:
+ * from 0) and gets zeros elsewhere. Each row as softmax(masked bf16 scores) in float32, rounded to
+ * bf16: what `scores.masked_fill_(hidden, -inf).softmax(-1)` gives, in one pass per row and with
+ * no mask tensors. */
+int causal_softmax_bf16(uint16_t *scores, int64_t mats, int64_t rows, int64_t group, int64_t cols, int64_t first,
+                        int64_t window, int num_threads) {
+    const int64_t num_rows = mats * rows * group;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_rows * cols >= 16384) reduction(| : failed)
+    {
+        float *e = malloc(sizeof(float) * (cols > 0 ? cols : 1));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_rows; i++) {
+            if (e == NULL) {
+                failed = 1;
+                continue;
+            }
+            const int64_t r = (i / group) % rows;
+            int64_t hi = first + r, lo = window > 0 ? first + r - window : 0;
+            hi = hi < cols ? hi : cols;
+            lo = lo > 0 ? lo : 0;
+            uint16_t *s = scores + i * cols;
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t c = lo; c < hi; c++) {
+                const float x = bf16_to_f32(s[c]);
+                m = x > m ? x : m;
+            }
+            for (int64_t c = lo; c < hi; c++) {
+                e[c] = expf(bf16_to_f32(s[c]) - m);
+                sum += e[c];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t c = 0; c < lo; c++) s[c] = 0;
+            for (int64_t c = lo; c < hi; c++) s[c] = f32_to_bf16(e[c] * inv);
+            for (int64_t c = hi; c < cols; c++) s[c] = 0;
+        }
+        free(e);
+    }
+    return failed;
+}
