@@ -9,7 +9,8 @@ Issue 21's time to first token under arrival traffic is set by the steps that ca
 several prompts), so a prompt waits about one and a half of them. This times those steps in each
 engine's own process (its `step()`: schedule, forward, sample, outputs), rounds alternating which
 engine goes first, and replays W2 at the rate with each step's composition and duration, so a
-TTFT gap can be read as step speed or as scheduling. Writes results.json, table.md and a PNG.
+TTFT gap can be read as step speed or as scheduling. Requests sample at `--temperature` (default
+1, both engines' default). Writes results.json, table.md and a PNG.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", default="0,2000,8x250,12x160", help="P or NxP (N prompts of P tokens)")
     p.add_argument("--repeats", type=int, default=4, help="timed steps per composition and round")
     p.add_argument("--replay-rate", type=float, default=16.0, help="0: no replay")
+    p.add_argument("--temperature", type=float, default=1.0, help="every request's (1: the engines' default)")
     p.add_argument("--out-dir", type=Path)
     return p.parse_args()
 
@@ -154,6 +156,7 @@ def main() -> int:
         "replays": [],
     }
     step_args = ["--decodes", args.decodes, "--prompts", args.prompts, "--repeats", str(args.repeats)]
+    step_args += ["--temperature", str(args.temperature)]
     for rnd in range(args.rounds):
         order = ENGINES if rnd % 2 == 0 else ENGINES[::-1]
         steps: dict[str, Any] = {}
@@ -168,6 +171,7 @@ def main() -> int:
                     "round %d/%d: %s, W2 replayed at %g req/s", rnd + 1, args.rounds, name, args.replay_rate
                 )
                 extra = ["--replay", str(workloads["W2"]), "--rate", str(args.replay_rate)]
+                extra += ["--temperature", str(args.temperature)]
                 rep = run_worker(engines[name], model, out_dir / f"replay-{name}-{rnd}.json", extra)
                 if rep:
                     rep["summary"] = replay_summary(rep)

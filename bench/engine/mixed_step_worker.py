@@ -5,6 +5,7 @@ and stepped until all decode; then, for each prompt length P, a request of P pro
 output token joins, and the step that computes its whole prompt beside the D decodes is timed (it
 finishes in that step, so D stays the same); decode-only steps in between are timed as P = 0.
 Each step is the engine's own `step()` call in one process: schedule, forward, sample, outputs.
+Requests sample at `--temperature` (default 1, both engines' default and OpenAI's).
 
     python mixed_step_worker.py --engine corral|vllm --model DIR --out FILE.json \
         --decodes 16,64,128 --prompts 0,128,512,1024 --repeats 5
@@ -43,6 +44,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--replay", help="instead: replay this token-id JSONL at --rate (Poisson, seed 0)")
     p.add_argument("--rate", type=float, default=16.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="every request's (1: both engines' and OpenAI's default)",
+    )
     return p.parse_args()
 
 
@@ -75,9 +82,13 @@ def corral(args: argparse.Namespace) -> Adapter:
         )
     )
     a = Adapter()
-    a.add = lambda rid, ids, n: (
-        engine.add_request(rid, ids, SamplingParams(max_tokens=n, ignore_eos=True)) and None
-    )
+
+    def add(rid: str, ids: list[int], n: int) -> None:
+        engine.add_request(
+            rid, ids, SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True)
+        )
+
+    a.add = add
     a.step = engine.step
     a.abort = lambda rids: [engine.abort_request(r) for r in rids] and None
     a.unfinished = engine.has_unfinished_requests
@@ -113,7 +124,8 @@ def vllm(args: argparse.Namespace) -> Adapter:
     a = Adapter()
 
     def add(rid: str, ids: list[int], n: int) -> None:
-        engine.add_request(rid, {"prompt_token_ids": ids}, SamplingParams(max_tokens=n, ignore_eos=True))
+        params = SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True)
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
 
     a.add = add
     a.step = engine.step
