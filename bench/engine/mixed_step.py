@@ -27,6 +27,7 @@ from typing import Any
 
 import systems
 from compare import ensure_model, machine_info, write_workloads
+from mixed_step_worker import replay_summary
 
 log = logging.getLogger("mixed_step")
 HERE = Path(__file__).resolve().parent
@@ -94,23 +95,6 @@ def summarise(results: dict[str, Any]) -> str:
             if rep:
                 lines.append(f"\nreplay {engine}: {rep['summary']}")
     return "\n".join(lines)
-
-
-def replay_summary(rep: dict[str, Any]) -> str:
-    reqs = rep["requests"].values()
-    ttft = sorted((r["first"] - r["arrival"]) * 1e3 for r in reqs if "first" in r)
-    last_arrival = max(r["arrival"] for r in reqs)
-    busy = [s for s in rep["steps"] if s["start"] <= last_arrival and s["prompt_tokens"] >= 1500]
-
-    def q(f: float) -> float:
-        return ttft[min(len(ttft) - 1, int(f * len(ttft)))]
-
-    return (
-        f"TTFT mean {statistics.mean(ttft):.0f} ms, median {q(0.5):.0f}, p90 {q(0.9):.0f}, "
-        f"p99 {q(0.99):.0f}; "
-        f"{len(busy)} steps of >= 1,500 prompt tokens while requests arrive, median "
-        f"{statistics.median(s['ms'] for s in busy) if busy else float('nan'):.0f} ms"
-    )
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

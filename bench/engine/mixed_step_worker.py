@@ -199,15 +199,27 @@ def replay(eng: Adapter, args: argparse.Namespace) -> dict[str, Any]:
                 "chunks": chunks,
             }
         )
-    ttft = sorted((r["first"] - r["arrival"]) * 1e3 for r in requests.values())
-    q = lambda f: ttft[min(len(ttft) - 1, int(f * len(ttft)))]  # noqa: E731
-    say(
-        f"[{args.engine}] replay at {args.rate}/s: TTFT mean {statistics.mean(ttft):.0f} ms, "
-        f"median {q(0.5):.0f}, p90 {q(0.9):.0f}, p99 {q(0.99):.0f}; {len(steps)} steps; "
-        f"duration {steps[-1]['start'] + steps[-1]['ms'] / 1e3:.1f} s",
-        flush=True,
+    result = {"requests": requests, "steps": steps}
+    say(f"[{args.engine}] replay at {args.rate}/s: {replay_summary(result)}")
+    return result
+
+
+def replay_summary(rep: dict[str, Any]) -> str:
+    """A replay's TTFT (mean and percentiles) and the steps that spent the budget on prompts
+    while requests arrived."""
+    reqs = rep["requests"].values()
+    ttft = sorted((r["first"] - r["arrival"]) * 1e3 for r in reqs if "first" in r)
+    last_arrival = max(r["arrival"] for r in reqs)
+    busy = [s["ms"] for s in rep["steps"] if s["start"] <= last_arrival and s["prompt_tokens"] >= 1500]
+
+    def q(f: float) -> float:
+        return ttft[min(len(ttft) - 1, int(f * len(ttft)))]
+
+    return (
+        f"TTFT mean {statistics.mean(ttft):.0f} ms, median {q(0.5):.0f}, p90 {q(0.9):.0f}, "
+        f"p99 {q(0.99):.0f}; {len(busy)} steps of >= 1,500 prompt tokens while requests arrive, median "
+        f"{statistics.median(busy) if busy else float('nan'):.0f} ms"
     )
-    return {"requests": requests, "steps": steps}
 
 
 def main() -> int:

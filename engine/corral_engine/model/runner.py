@@ -137,9 +137,7 @@ class ModelRunner:
             self.num_kv_blocks,
             self.block_size,
             self.attention_backend,
-            (" (prompts: batched matmuls" + (", native softmax)" if self.batches.prompt_softmax else ")"))
-            if self.batches.prompt_block_rows
-            else "",
+            self._prompt_path(),
         )
         if self.attention_backend == "triton" and not args.enforce_eager and tp is None:
             if graph_capture is None and self.device.type == "cuda":
@@ -252,6 +250,16 @@ class ModelRunner:
         if is_packed:
             logger.info("Linear weights prepacked for oneDNN (%s)", str(self.dtype).removeprefix("torch."))
         return dataclasses.replace(plan, prepack=is_packed)  # what was done, not what was asked
+
+    def _prompt_path(self) -> str:
+        """How prompt chunks attend, for the start-up log line ("" for the default SDPA path)."""
+        if not self.batches.prompt_block_rows:
+            return ""
+        return (
+            " (prompts: batched matmuls, native softmax)"
+            if self.batches.prompt_softmax
+            else " (prompts: batched matmuls)"
+        )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], fill: TokenFill | None = None) -> torch.Tensor:

@@ -147,11 +147,10 @@ class Sampler:
             if params[i].seed is not None
         }
         shared = self._shared_generator(device) if len(seeded) < len(rows) else None
-        race = self.race if device.type == "cpu" else None
-        if len(rows) == len(seqs):
-            return sample_rows(logits, params, shared, seeded, race)
+        if len(rows) == len(seqs):  # the race applies to CPU logits only (_sample_pass)
+            return sample_rows(logits, params, shared, seeded, self.race)
         index = _to_device(rows, torch.long, device)
-        drawn = sample_rows(logits.index_select(0, index), params, shared, seeded, race)
+        drawn = sample_rows(logits.index_select(0, index), params, shared, seeded, self.race)
         return tokens.index_copy(0, index, drawn)
 
     def _apply_token_rules(self, row: torch.Tensor, seq: Sequence) -> None:  # row: [V], in place
