@@ -293,6 +293,7 @@ def finish(results: dict[str, Any], model: Path, out_dir: Path, publish: bool) -
             report.markdown_ratio_rounds(results),
             report.markdown_targets(results),
             report.markdown_served_over_offline(results),
+            report.markdown_served_cpu(results),
             report.failures(results),
         )
         if t

@@ -25,6 +25,9 @@ HISTOGRAMS = {
     "vllm:request_prefill_time_seconds": "prefill_s",
     "vllm:time_to_first_token_seconds": "ttft_s",
     "vllm:iteration_tokens_total": "step_tokens",
+    # Corral's own (vLLM has no step-duration histogram): the steps' summed wall time, against the
+    # run's duration and against the offline run's, says whether served steps ran slower or fewer.
+    "corral_engine_step_duration_seconds": "step_s",
 }
 COUNTERS = {"vllm:num_preemptions": "preemptions"}
 
@@ -116,5 +119,8 @@ def describe(d: dict[str, Any]) -> str:
 
     steps = d.get("step_tokens")
     step_text = f"{steps['count']:.0f} steps of {steps['mean']:.0f} tokens" if steps else "steps -"
+    step_s = d.get("step_s")
+    if step_s:
+        step_text += f" in {step_s['count'] * step_s['mean']:.2f} s"
     preempted = f"{d.get('preemptions', 0):.0f} preempted"
     return f"{ms('queue_s')}, {ms('prefill_s')}, {ms('ttft_s')}; {step_text}; {preempted}"

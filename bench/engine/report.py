@@ -177,6 +177,73 @@ def markdown_served_over_offline(results: Results) -> str:
     return "\n".join(lines)
 
 
+def served_cpu_rows(results: Results) -> list[dict[str, Any]]:
+    """Per round, system and all-at-once run: the served run's duration against the offline run's,
+    the engine's summed step time (Corral exports it), and the CPU that ran beside the steps: the
+    server's main thread (its event loop) and the load generator, per output token, and how long
+    the busiest threads (the steps') waited for a core."""
+    snapshots = results.get("rounds") or [results.get("systems", {})]
+    rows = []
+    for index, systems in enumerate(snapshots, 1):
+        for name, sysres in systems.items():
+            offline = sysres.get("offline", {}).get("workloads", {})
+            for key, summary in sysres.get("served", {}).get("runs", {}).items():
+                workload, _, rate = key.partition("@")
+                if rate != "inf" or "output_throughput" not in summary:
+                    continue
+                tokens = summary.get("total_output_tokens") or 0
+                cpu, engine = summary.get("cpu") or {}, summary.get("engine") or {}
+                step = engine.get("step_s")
+                main = cpu.get("main_thread")
+                client = summary.get("client_cpu_s")
+
+                rows.append(
+                    {
+                        "round": index,
+                        "system": results.get("systems", {}).get(name, {}).get("label", name),
+                        "workload": workload,
+                        "offline_s": offline.get(workload, {}).get("elapsed_s"),
+                        "served_s": summary.get("duration_s"),
+                        "step_s": step["mean"] * step["count"] if step else None,
+                        "main_us_per_token": _per_token_us(main["cpu_s"] if main else None, tokens),
+                        "client_us_per_token": _per_token_us(client, tokens),
+                        "busiest_wait_s": sum(t["runqueue_s"] for t in cpu.get("busiest", []))
+                        if cpu
+                        else None,
+                    }
+                )
+    return rows
+
+
+def _per_token_us(seconds: float | None, tokens: int) -> float | None:
+    return 1e6 * seconds / tokens if seconds is not None and tokens else None
+
+
+def markdown_served_cpu(results: Results) -> str:
+    rows = served_cpu_rows(results)
+    if not rows:
+        return ""
+    lines = [
+        "| round | system | workload | offline s | served s | served steps s | server main thread "
+        "µs/token | client µs/token | step threads waiting for a core, s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            str(r["round"]),
+            r["system"],
+            r["workload"],
+            _fmt(r["offline_s"], 2),
+            _fmt(r["served_s"], 2),
+            _fmt(r["step_s"], 2),
+            _fmt(r["main_us_per_token"], 0),
+            _fmt(r["client_us_per_token"], 0),
+            _fmt(r["busiest_wait_s"], 2),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _fmt(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import engine_metrics
+import proc_cpu
 from systems import Settings, System
 
 log = logging.getLogger("compare")
@@ -150,7 +151,9 @@ def run_served(
                 log.warning("[%s] %s (log: %s)", system.name, problem, log_path)
                 return result
             log.info("[%s] server ready after %.0f s", system.name, result["startup_s"])
-            _bench(base_url, model, runs, out_dir, system.name, result, timeout_s, settings.temperature)
+            _bench(
+                base_url, model, runs, out_dir, system.name, result, timeout_s, settings.temperature, proc.pid
+            )
         finally:
             _stop(proc)
     return result
@@ -165,6 +168,7 @@ def _bench(
     result: dict[str, Any],
     timeout_s: float,
     temperature: float = 0.0,
+    server_pid: int | None = None,
 ) -> None:
     # A tiny warm-up request so first-request costs do not land in the first measured run.
     warm = out_dir / "warmup.jsonl"
@@ -181,12 +185,14 @@ def _bench(
         if run.key != "warmup":
             log.info("[%s] served %s: %d requests at rate %s", name, run.key, run.num_prompts, run.rate)
         before = engine_metrics.scrape(base_url)
+        threads_before = proc_cpu.snapshot(server_pid) if server_pid else {}
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             result["runs"][run.key] = {"error": f"corral bench timed out after {timeout_s:.0f} s"}
             log.warning("[%s] %s timed out", name, run.key)
             continue
+        threads_after = proc_cpu.snapshot(server_pid) if server_pid else {}
         if run.key == "warmup":
             continue
         if proc.returncode != 0 or not out.exists():
@@ -196,6 +202,7 @@ def _bench(
             continue
         summary = json.loads(out.read_text())["runs"][0]
         summary["engine"] = engine_metrics.delta(before, engine_metrics.scrape(base_url))
+        summary["cpu"] = proc_cpu.delta(threads_before, threads_after, server_pid) if server_pid else None
         result["runs"][run.key] = summary
         log.info(
             "[%s] %s: %.1f output tok/s, TTFT p99 %.0f ms, TPOT median %.1f ms, %d failed",
@@ -208,3 +215,8 @@ def _bench(
         )
         if summary["engine"]:
             log.info("[%s] %s engine side: %s", name, run.key, engine_metrics.describe(summary["engine"]))
+        if summary["cpu"]:
+            cpu_text = proc_cpu.describe(
+                summary["cpu"], summary["total_output_tokens"], summary.get("client_cpu_s")
+            )
+            log.info("[%s] %s CPU: %s", name, run.key, cpu_text)

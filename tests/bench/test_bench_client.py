@@ -147,8 +147,11 @@ def test_cli_single_run_plots_latency_distributions(fake, tmp_path):
         "--max-output-len",
         "6",
     ]
+    argv += ["--result-file", str(tmp_path / "run.json")]
     assert corral_main(argv) == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    (summary,) = json.loads((tmp_path / "run.json").read_text())["runs"]
+    assert 0 < summary["client_cpu_s"] < 60  # the load generator's own CPU over the run
     max_tokens = [body["max_tokens"] for body in state.bodies]
     assert min(max_tokens) == 2 and max(max_tokens) == 6  # sigma 2 reaches both clips
 
@@ -175,3 +178,58 @@ def test_cli_rejects_bad_arguments(caplog, tmp_path):
         assert corral_main(["bench", "--request-rate", "fast"]) == 1
         assert corral_main(["bench", "--dataset", str(tmp_path / "nope.json")]) == 1
     assert "'fast'" in caplog.text and "cannot read dataset" in caplog.text
+
+
+async def _raw_sse_server(pieces: list[bytes], gap_s: float):
+    """An HTTP server on 127.0.0.1 answering any request with an SSE body sent as `pieces`, one
+    write each, `gap_s` apart: event boundaries fall wherever the test puts them."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(gap_s)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def test_events_are_parsed_across_and_within_reads():
+    """Several events in one read share its arrival time; an event cut mid-line (and mid-character)
+    is read once whole; CRLF line ends are accepted, as SSE allows."""
+
+    def event(text: str) -> bytes:
+        return b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}, ensure_ascii=False).encode()
+
+    first, second, third = event(" a") + b"\n\n", event(" b") + b"\r\n\r\n", event(" é") + b"\n\n"
+    cut = third.index("é".encode()) + 1  # inside the two bytes of "é"
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    pieces = [first + second, third[:cut], third[cut:] + event(" c") + b"\n\n" + usage, b"data: [DONE]\n\n"]
+    server = await _raw_sse_server(pieces, gap_s=0.02)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        settings = RequestSettings(f"http://127.0.0.1:{port}", MODEL)
+        async with make_client(30) as client:
+            result = await send_request(client, settings, BenchRequest([1, 2, 3], 3, 4))
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert result.is_success, result.error
+    assert (result.prompt_len, result.output_len) == (3, 4)
+    # Four text chunks: " b" came in the read of " a" (no gap); " é" completed two reads later,
+    # in the read that also brought " c".
+    assert len(result.itl_s) == 3
+    assert result.itl_s[0] == 0 and result.itl_s[2] == 0
+    assert result.itl_s[1] >= 0.015

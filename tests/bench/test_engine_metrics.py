@@ -21,6 +21,20 @@ def _engine() -> tuple[CollectorRegistry, Histogram, Histogram, Counter]:
     return registry, queue, steps, preempted
 
 
+def test_corral_step_time_is_summed() -> None:
+    registry = CollectorRegistry()
+    step = Histogram(
+        "corral_engine_step_duration_seconds", "s", ["model_name"], buckets=(0.1, 1.0), registry=registry
+    )
+    before = engine_metrics.parse(generate_latest(registry).decode())
+    for seconds in (0.05, 0.25, 0.5):
+        step.labels("m").observe(seconds)
+    d = engine_metrics.delta(before, engine_metrics.parse(generate_latest(registry).decode()))
+    assert d is not None and d["step_s"]["count"] == 3
+    assert d["step_s"]["mean"] * d["step_s"]["count"] == pytest.approx(0.8)
+    assert "in 0.80 s" in engine_metrics.describe(d)
+
+
 def test_delta_counts_only_what_happened_between_the_scrapes() -> None:
     registry, queue, steps, preempted = _engine()
     queue.labels("m").observe(0.9)  # before the run: must not count

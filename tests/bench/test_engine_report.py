@@ -85,3 +85,29 @@ def test_prompt_throughput_is_a_metric() -> None:
     }
     assert round(report.ratios({"systems": systems})["P1_prompt_tok_s"]["corral/vllm"], 3) == 0.975
     assert "| P1 offline prompt tok/s | 3,900 |" in report.markdown_table({"systems": systems})
+
+
+def test_served_cpu_rows_put_the_served_run_beside_the_offline_one() -> None:
+    system = _system(200.0, 160.0, 190.0, 144.0)
+    system["offline"]["workloads"]["W2"]["elapsed_s"] = 30.0
+    system["served"]["runs"]["W2@inf"].update(
+        duration_s=32.0,
+        total_output_tokens=32_000,
+        client_cpu_s=0.96,
+        engine={"step_s": {"count": 500.0, "mean": 0.0635}},
+        cpu={
+            "main_thread": {"cpu_s": 1.12, "runqueue_s": 0.7},
+            "busiest": [{"runqueue_s": 0.5}, {"runqueue_s": 0.25}],
+        },
+    )
+    system["served"]["runs"]["W2@16"] = {"output_throughput": 100.0}  # arrival traffic: not a row
+    results = {"systems": {"corral": system}}
+    w1, w2 = report.served_cpu_rows(results)
+    assert w1["workload"] == "W1" and w1["main_us_per_token"] is None  # nothing measured: dashes
+    assert w2["offline_s"] == 30.0 and w2["served_s"] == 32.0
+    assert abs(w2["step_s"] - 31.75) < 1e-9
+    assert abs(w2["main_us_per_token"] - 35.0) < 1e-9 and abs(w2["client_us_per_token"] - 30.0) < 1e-9
+    assert w2["busiest_wait_s"] == 0.75
+    text = report.markdown_served_cpu(results)
+    assert "| 1 | Corral | W2 | 30.00 | 32.00 | 31.75 | 35 | 30 | 0.75 |" in text
+    assert "| 1 | Corral | W1 | - | - | - | - | - | - |" in text

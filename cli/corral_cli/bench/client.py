@@ -98,6 +98,57 @@ def error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {str(message)[:_MAX_ERROR_CHARS]}"
 
 
+_MAX_LINE_BYTES = 1 << 20  # an SSE line longer than this is a broken stream, not a big chunk
+
+
+class _StreamError(Exception):
+    """The server reported an error inside the stream."""
+
+
+@dataclass(slots=True)
+class _StreamReading:
+    """One stream's events as they arrive: chunk times, tokens, the usage seen last."""
+
+    result: RequestResult
+    endpoint_type: str
+    start: float
+    last: float
+    stop_after: int | None = None
+    num_chunks: int = 0
+    num_tokens: int = 0
+    usage: Any = None
+    done: bool = False  # [DONE] seen, or the capped length reached
+    end: float | None = None  # when a capped stream was cut
+
+    def line(self, line: bytes, now: float) -> None:
+        """One line of the body, read at `now` (every line of one read shares its time)."""
+        if not line.startswith(b"data:"):
+            return
+        data = line[len(b"data:") :].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise _StreamError(f"stream error: {str(event['error'])[:_MAX_ERROR_CHARS]}")
+        running = event.get("usage")
+        self.usage = running or self.usage
+        if chunk_text(event, self.endpoint_type):
+            if self.num_chunks == 0:
+                self.result.ttft_s = now - self.start
+            else:
+                self.result.itl_s.append(now - self.last)
+            self.last = now
+            self.num_chunks += 1
+        if isinstance(running, dict) and event.get("choices"):
+            self.num_tokens = int(running.get("completion_tokens") or self.num_tokens)  # running usage
+        else:
+            self.num_tokens += carries_token(event, self.endpoint_type)
+        if self.stop_after is not None and self.num_tokens >= self.stop_after:
+            self.done = True
+            self.end = time.perf_counter()
+
+
 async def send_request(
     client: aiohttp.ClientSession, settings: RequestSettings, request: BenchRequest
 ) -> RequestResult:
@@ -107,61 +158,54 @@ async def send_request(
     once `request.output_len` tokens have arrived, and what arrived by then is the output counted:
     the sampled length, or a few more when the last chunk carried several tokens. Tokens are
     counted from the server's running usage where it sends one, else one per chunk with a token.
+
+    The body is read as it arrives, not line by line: one wake-up per network read, however many
+    events it brings (a server streaming to hundreds of clients writes each a step's chunk at
+    once), and every event of one read is timed at that read.
     """
     result = RequestResult(prompt_len=request.prompt_len)
     url = settings.base_url.rstrip("/") + ENDPOINTS[settings.endpoint_type]
     body = build_body(settings, request)
-    stop_after = request.output_len if settings.max_tokens_cap else None
-    num_chunks, num_tokens, usage = 0, 0, None
-    start = last = time.perf_counter()
-    end: float | None = None  # when a capped stream was cut
+    start = time.perf_counter()
+    reading = _StreamReading(
+        result, settings.endpoint_type, start, start, request.output_len if settings.max_tokens_cap else None
+    )
     try:
         async with client.post(url, json=body) as response:
             if response.status != 200:
                 result.error = error_message(response.status, await response.read())
                 return result
-            async for line in response.content:  # one line at a time, b"\n" included
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[len(b"data:") :].strip()
-                if data == b"[DONE]":
-                    result.is_success = True
+            pending = b""
+            async for data in response.content.iter_any():
+                now = time.perf_counter()
+                *lines, pending = (pending + data).split(b"\n")
+                for line in lines:
+                    reading.line(line, now)
+                    if reading.done:
+                        break
+                if reading.done:
+                    if reading.end is not None:
+                        response.close()  # drop the connection: the server aborts (a client-side EOS)
                     break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = f"stream error: {str(event['error'])[:_MAX_ERROR_CHARS]}"
-                    return result
-                running = event.get("usage")
-                usage = running or usage
-                if chunk_text(event, settings.endpoint_type):
-                    now = time.perf_counter()
-                    if num_chunks == 0:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-                    num_chunks += 1
-                if isinstance(running, dict) and event.get("choices"):
-                    num_tokens = int(running.get("completion_tokens") or num_tokens)  # running usage
-                else:
-                    num_tokens += carries_token(event, settings.endpoint_type)
-                if stop_after is not None and num_tokens >= stop_after:
-                    result.is_success = True
-                    end = time.perf_counter()
-                    response.close()  # drop the connection: the server aborts (a client-side EOS)
-                    break
+                if len(pending) > _MAX_LINE_BYTES:
+                    raise ValueError(f"an SSE line over {_MAX_LINE_BYTES} bytes")
+    except _StreamError as e:
+        result.error = str(e)
+        return result
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: bad JSON, huge line
         result.error = f"{type(e).__name__}: {str(e)[:_MAX_ERROR_CHARS]}"
         return result
-    result.e2el_s = (end or time.perf_counter()) - start
-    if num_chunks == 0:
+    result.e2el_s = (reading.end or time.perf_counter()) - start
+    if reading.num_chunks == 0:
         result.ttft_s = result.e2el_s  # nothing streamed before the end
-    if not result.is_success:
+    if not reading.done:
         result.error = "stream ended without [DONE]"
-    elif end is not None:
-        result.output_len = num_tokens  # the server reports no usage for a stream cut short
+    elif reading.end is not None:
+        result.is_success = True
+        result.output_len = reading.num_tokens  # the server reports no usage for a stream cut short
     else:
-        _record_usage(result, usage, num_chunks)
+        result.is_success = True
+        _record_usage(result, reading.usage, reading.num_chunks)
     return result
 
 

@@ -45,10 +45,16 @@ def run_table(summary: dict[str, Any]) -> Table:
         ("output throughput (tok/s)", _fmt(summary["output_throughput"], 1)),
         ("total throughput (tok/s)", _fmt(summary["total_token_throughput"], 1)),
         ("server preemptions", _fmt(summary["num_preemptions"], 0)),
+        ("client CPU per output token (µs)", _fmt(_cpu_per_token_us(summary), 1)),
     )
     for name, value in rows:
         table.add_row(name, value, "", "", "")
     return table
+
+
+def _cpu_per_token_us(summary: dict[str, Any]) -> float | None:
+    cpu_s, tokens = summary.get("client_cpu_s"), summary.get("total_output_tokens")
+    return 1e6 * cpu_s / tokens if cpu_s is not None and tokens else None
 
 
 def sweep_table(summaries: list[dict[str, Any]]) -> Table:

@@ -141,7 +141,7 @@ async def run_once(
         return result
 
     with progress:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         tasks = []
         for offset_s, bench_request in zip(offsets, requests, strict=True):
             delay_s = start + offset_s - time.perf_counter()
@@ -150,6 +150,7 @@ async def run_once(
             tasks.append(asyncio.create_task(one(bench_request)))
         results = list(await asyncio.gather(*tasks))
         duration_s = time.perf_counter() - start
+        client_cpu_s = time.process_time() - cpu_start
     preemptions_after = await scrape_counter(client, run.metrics_url, NUM_PREEMPTIONS_TOTAL)
 
     summary = {
@@ -159,6 +160,9 @@ async def run_once(
         "num_prompts": len(requests),
         **aggregate(results, duration_s),
         "num_preemptions": _as_count(prom.delta(preemptions_before, preemptions_after)),
+        # The load generator's own CPU over the run: on a machine it shares with the server, what
+        # it took from the server's cores (per output token in the report).
+        "client_cpu_s": client_cpu_s,
     }
     return RunOutcome(summary, results)
 
