@@ -32,36 +32,44 @@ class ThreadTimes:
 Snapshot = dict[tuple[int, int], ThreadTimes]  # (pid, tid) -> times
 
 
+def stat_cpu_s(stat_path: Path) -> float:
+    """User + system CPU seconds from a Linux /proc `stat` file (a process's or a thread's)."""
+    return _parse_stat(stat_path.read_text())[1]
+
+
+def _parse_stat(text: str) -> tuple[str, float]:
+    """A `stat` file's command name and user + system CPU seconds."""
+    fields = text[text.rindex(")") + 2 :].split()
+    return text[text.index("(") + 1 : text.rindex(")")], (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
 def _descendants(pid: int) -> list[int]:
-    """`pid` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+    """`pid` and every process below it (each thread's `children` file names the processes it
+    started)."""
     found, todo = [], [pid]
     while todo:
         p = todo.pop()
         found.append(p)
-        todo.extend(children.get(p, []))
+        try:
+            tasks = os.listdir(PROC / str(p) / "task")
+        except OSError:  # gone meanwhile
+            continue
+        for tid in tasks:
+            try:
+                todo.extend(int(c) for c in (PROC / str(p) / "task" / tid / "children").read_text().split())
+            except OSError:
+                continue
     return found
 
 
 def _thread(pid: int, tid: int) -> ThreadTimes | None:
     task = PROC / str(pid) / "task" / str(tid)
     try:
-        stat = (task / "stat").read_text()
+        name, cpu_s = _parse_stat((task / "stat").read_text())
         schedstat = (task / "schedstat").read_text().split()
     except OSError:  # gone meanwhile, or no schedstat in this kernel
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    cpu_s = (int(fields[11]) + int(fields[12])) * _TICK_S
-    return ThreadTimes(pid, stat[stat.index("(") + 1 : stat.rindex(")")], cpu_s, int(schedstat[1]) / 1e9)
+    return ThreadTimes(pid, name, cpu_s, int(schedstat[1]) / 1e9)
 
 
 def snapshot(pid: int) -> Snapshot:

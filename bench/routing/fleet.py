@@ -18,6 +18,7 @@ from corral_cli.bench.runner import make_client
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
 
+from bench.engine.proc_cpu import stat_cpu_s
 from e2e.procs import HOST, EngineProcess, ManagedProcess, free_port, start_engine
 
 MODEL = "bench"
@@ -76,15 +77,9 @@ def start_loop_engine(
     )
 
 
-def _stat_cpu_s(stat_path: Path) -> float:
-    """User + system CPU seconds from a Linux /proc `stat` file (a process's or a thread's)."""
-    fields = stat_path.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> float:
     """CPU seconds a process has used so far."""
-    return _stat_cpu_s(Path(f"/proc/{pid}/stat"))
+    return stat_cpu_s(Path(f"/proc/{pid}/stat"))
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -93,7 +88,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     out = {"event_loop": 0.0, "other": 0.0, "children": 0.0}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            used = _stat_cpu_s(Path(f"/proc/{pid}/task/{tid}/stat"))
+            used = stat_cpu_s(Path(f"/proc/{pid}/task/{tid}/stat"))
             children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
         except OSError:  # the thread ended between listing and reading
             continue
