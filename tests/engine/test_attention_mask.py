@@ -151,9 +151,9 @@ def test_paged_attention_hands_prompt_blocks_to_the_contexts_softmax() -> None:
     v_cache.view(-1, 2, dim)[slots] = v_all
     calls: list[tuple[int, int]] = []
 
-    def spy(scores: torch.Tensor, rows: int, first: int, window: int | None) -> None:
+    def spy(scores: torch.Tensor, rows: int, first: int, window: int | None, scale: float) -> None:
         calls.append((rows, first))
-        ops.causal_softmax(scores, rows, first, window)
+        ops.causal_softmax(scores, rows, first, window, scale)
 
     seq = SeqAttention(0, nq, ctx_len, torch.tensor(table))
     ctx = AttentionContext(slots[ctx_len - nq :], [seq], bs, prompt_block_rows=4, prompt_softmax=spy)

@@ -417,3 +417,93 @@ def test_causal_softmax_is_the_masked_softmax(
     # What the PyTorch path computes (masked_fill_ then a bf16 softmax) is within the same bound.
     torch_path = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     assert int(_ulps_apart(got, torch_path).max()) <= 1
+
+
+@pytest.mark.parametrize("scale", [0.125, 128**-0.5, 1.0])
+def test_causal_softmax_scales_the_scores_as_eager_attention_rounds_them(
+    ops: native.FusedOps, scale: float
+) -> None:
+    """With a scale the kernel takes the unscaled scores: softmax(bf16(scores * scale)), as
+    transformers' eager `(q @ k^T) * scaling` in bf16 rounds it, for any scale (a power of two is
+    exact; 128 ** -0.5 is not)."""
+    torch.manual_seed(5)
+    mats, rows, group, cols, first = 4, 16, 3, 40, 25
+    scores = (torch.randn(mats, rows * group, cols) * 30).bfloat16()
+    r = torch.arange(rows).repeat_interleave(group)[:, None]
+    visible = torch.arange(cols)[None, :] < first + r
+    scaled = scores * scale  # bf16: one rounding per value
+    exact = scaled.double().masked_fill(~visible, float("-inf")).softmax(-1)
+    got = scores.clone()
+    ops.causal_softmax(got, rows, first, None, scale)
+    assert bool((got[:, ~visible] == 0).all())
+    assert int(_ulps_apart(got, exact.float().bfloat16()).max()) <= 1
+    unscaled = scores.clone()
+    ops.causal_softmax(unscaled, rows, first, None)
+    assert (scale == 1.0) == torch.equal(got, unscaled)
+
+
+def _kv_case(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k and v [T, 4, 64] as the model has them: views into one [T, (12 + 8) * 64] QKV output."""
+    qkv = torch.randn(tokens, 20 * 64).bfloat16()
+    k = qkv[:, 12 * 64 : 16 * 64].view(tokens, 4, 64)
+    v = qkv[:, 16 * 64 :].view(tokens, 4, 64)
+    return qkv, k, v
+
+
+@pytest.mark.parametrize("tokens", [3, 300])  # one thread; rows split across threads
+def test_write_kv_is_index_copy_into_the_flat_caches(ops: native.FusedOps, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    _, k, v = _kv_case(tokens)
+    assert not k.is_contiguous() and k.stride()[1:] == (64, 1)
+    num_blocks, block_size = 40, 16
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    slots[1] = -1  # a padding row: skipped
+    want_k, want_v = (torch.randn(num_blocks, block_size, 4, 64).bfloat16() for _ in range(2))
+    got_k, got_v = want_k.clone(), want_v.clone()
+    real = slots >= 0
+    want_k.view(-1, 4, 64).index_copy_(0, slots[real], k[real])
+    want_v.view(-1, 4, 64).index_copy_(0, slots[real], v[real])
+    ops.write_kv(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_write_kv_refuses_slots_past_the_cache_and_falls_back_for_other_dtypes(ops: native.FusedOps) -> None:
+    _, k, v = _kv_case(4)
+    k_cache, v_cache = torch.zeros(2, 16, 4, 64).bfloat16(), torch.zeros(2, 16, 4, 64).bfloat16()
+    with pytest.raises(native.NativeKernelError, match="past the cache"):
+        ops.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 32, 3]))
+    k32, v32 = k.float(), v.float()
+    caches = torch.zeros(2, 16, 4, 64), torch.zeros(2, 16, 4, 64)
+    ops.write_kv(k32, v32, *caches, torch.tensor([5, 0, 31, 7]))  # float32: index_copy_
+    assert torch.equal(caches[0].view(-1, 4, 64)[31], k32[2])
+    assert torch.equal(caches[1].view(-1, 4, 64)[5], v32[0])
+
+
+def test_a_prompt_through_the_native_write_and_softmax_is_the_pytorch_path(ops: native.FusedOps) -> None:
+    """paged_attention for a fresh 40-token prompt (three blocks of rows), the context's native KV
+    write and masked softmax against index_copy_ and PyTorch's softmax: the same cache bits, and
+    an output within a bf16 rounding or two."""
+    from corral_engine.model.attention import AttentionContext, SeqAttention, paged_attention
+
+    torch.manual_seed(3)
+    tokens, block_size = 40, 16
+    qkv, k, v = _kv_case(tokens)
+    q = qkv[:, : 12 * 64].view(tokens, 12, 64)
+    slots = torch.arange(16, 16 + tokens)  # blocks 1, 2, 3
+    results = []
+    for native_ops in (False, True):
+        caches = torch.zeros(6, block_size, 4, 64).bfloat16(), torch.zeros(6, block_size, 4, 64).bfloat16()
+        ctx = AttentionContext(
+            slot_mapping=slots,
+            seqs=[SeqAttention(0, tokens, tokens, torch.tensor([1, 2, 3]))],
+            block_size=block_size,
+            prompt_block_rows=16,
+            prompt_softmax=ops.causal_softmax if native_ops else None,
+            kv_write=ops.write_kv if native_ops else None,
+        )
+        with torch.inference_mode():
+            out = paged_attention(q, k, v, *caches, ctx, 64**-0.5, None)
+        results.append((out, caches))
+    (plain, plain_caches), (fused, fused_caches) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain_caches, fused_caches, strict=True))
+    assert int(_ulps_apart(fused.abs(), plain.abs()).max()) <= 2

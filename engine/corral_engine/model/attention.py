@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from corral_engine.model.native import PagedDecode
 
 # In place on a prompt block's [KVH, rows * G, cols] scores: (scores, rows, first, window); native.FusedOps.
-CausalSoftmax = Callable[[torch.Tensor, int, int, "int | None"], None]
+CausalSoftmax = Callable[[torch.Tensor, int, int, "int | None", float], None]
+# (k, v, k_cache, v_cache, slot_mapping): the step's new K/V rows into their cache slots.
+KVWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -114,6 +116,7 @@ class AttentionContext:
     # Prompt chunks through matmul_prompt_attention in blocks of this many query rows; 0: SDPA.
     prompt_block_rows: int = 0
     prompt_softmax: CausalSoftmax | None = None  # ... with the native masked softmax (bf16)
+    kv_write: KVWrite | None = None  # the native KV cache write (bf16 on the CPU); else index_copy_
 
 
 def paged_attention(
@@ -146,10 +149,11 @@ def paged_attention(
         )
         return out
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, ctx.slot_mapping, k)
-    flat_v.index_copy_(0, ctx.slot_mapping, v)
+    if ctx.kv_write is not None:
+        ctx.kv_write(k, v, k_cache, v_cache, ctx.slot_mapping)
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v)
     out = torch.empty_like(q)
     for batch in ctx.decodes:
         if ctx.decode_kernel is not None:
@@ -167,9 +171,10 @@ def paged_attention(
             ks = k_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
             vs = v_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
         if ctx.prompt_block_rows:
-            out[s.q_start : s.q_end] = matmul_prompt_attention(
-                q[s.q_start : s.q_end], ks, vs, scale, window, ctx.prompt_block_rows, ctx.prompt_softmax
-            )
+            matmul_prompt_attention(
+                q[s.q_start : s.q_end], ks, vs, scale, window, ctx.prompt_block_rows, ctx.prompt_softmax,
+                out=out[s.q_start : s.q_end],
+            )  # fmt: skip
             continue
         mask = s.mask(window)
         use_causal = s.is_fresh and mask is not None and window is None
@@ -221,6 +226,7 @@ def matmul_prompt_attention(
     window: int | None,
     block_rows: int,
     softmax: CausalSoftmax | None = None,
+    out: torch.Tensor | None = None,  # [nq, H, D], contiguous: written in place of a new tensor
 ) -> torch.Tensor:  # [nq, H, D]
     """Causal attention for one sequence, bottom-right aligned (query i at position L - nq + i), as
     a loop over blocks of `block_rows` query rows: scores = Q_block K^T over the keys the block
@@ -230,16 +236,22 @@ def matmul_prompt_attention(
     Numerics of transformers' eager attention: scores and probabilities are rounded to the input
     dtype (the softmax itself runs in float32 inside PyTorch's kernel). q is scaled before the
     matmul, exactly where the scale is a power of two (head_dim 64, 256). `softmax` (the native
-    fused op, bf16 only) does the mask and the softmax in one pass per row, by bounds."""
+    fused op, bf16 only) does the scale, the mask and the softmax in one pass per row, by bounds,
+    so q is only laid out, not scaled: eager's `(q @ k^T) * scaling` rounding for any scale."""
     nq, num_heads, head_dim = q.shape
     ctx_len, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
     offset = ctx_len - nq
     # [KVH, nq, G, D]: a block of rows is one contiguous [rows * G, D] matrix per KV head.
-    qh = (q * scale).view(nq, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
+    if softmax is None:
+        q = q * scale
+    qh = q.view(nq, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
     kh = k.transpose(0, 1).contiguous()  # [KVH, L, D]
     vh = v.transpose(0, 1).contiguous()
-    out = torch.empty(nq, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(nq, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    result = out
+    out = out.view(nq, num_kv_heads, group, head_dim)
     for a in range(0, nq, block_rows):
         b = min(a + block_rows, nq)
         rows = b - a
@@ -249,7 +261,7 @@ def matmul_prompt_attention(
         scores = torch.bmm(qb, kh[:, lo:hi].transpose(1, 2))  # [KVH, rows * G, hi - lo]
         first = offset + a + 1 - lo  # the first key column the block's first row must not see
         if softmax is not None:
-            softmax(scores, rows, first, window)
+            softmax(scores, rows, first, window, scale)
             out[a:b] = (
                 torch.bmm(scores, vh[:, lo:hi]).view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
             )
@@ -265,7 +277,7 @@ def matmul_prompt_attention(
             by_row.masked_fill_((k_pos > q_pos) | (q_pos - k_pos >= window), float("-inf"))
         o = torch.bmm(scores.softmax(-1), vh[:, lo:hi])  # [KVH, rows * G, D]
         out[a:b] = o.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
-    return out.view(nq, num_heads, head_dim)
+    return result
 
 
 def _decode_attention(

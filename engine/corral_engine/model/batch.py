@@ -12,6 +12,7 @@ from corral_engine.model.attention import (
     AttentionContext,
     CausalSoftmax,
     DecodeBatch,
+    KVWrite,
     SeqAttention,
     UnifiedBatch,
 )
@@ -107,7 +108,8 @@ class BatchBuilder:
     (CORRAL_BATCHED_DECODE=0, for comparison); with a native `decode_kernel` all decodes go in one
     call at their own lengths, else in padded groups of similar length. `prompt_block_rows` > 0:
     prompt chunks attend through attention.matmul_prompt_attention in blocks of that many rows, with
-    `prompt_softmax` (the native masked softmax) where given."""
+    `prompt_softmax` (the native masked softmax) where given. `kv_write`: the native KV cache
+    write where given (else index_copy_)."""
 
     def __init__(
         self,
@@ -119,10 +121,12 @@ class BatchBuilder:
         unified: bool = False,
         prompt_block_rows: int = 0,
         prompt_softmax: CausalSoftmax | None = None,
+        kv_write: KVWrite | None = None,
     ) -> None:
         self.block_size = block_size
         self.prompt_block_rows = prompt_block_rows
         self.prompt_softmax = prompt_softmax
+        self.kv_write = kv_write
         self.device = device
         self.batched_decode = batched_decode
         self.decode_kernel = decode_kernel
@@ -191,6 +195,7 @@ class BatchBuilder:
             self.decode_kernel,
             prompt_block_rows=self.prompt_block_rows,
             prompt_softmax=self.prompt_softmax,
+            kv_write=self.kv_write,
         )
         return StepBatch(self._tensor(input_ids), self._tensor(positions), ctx, self._tensor(logits_indices))
 

@@ -218,7 +218,7 @@ class Attention(nn.Module):
         else:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if ctx.unified is None:  # the triton backend reads any row stride
+        if ctx.unified is None and ctx.kv_write is None:  # those two read any row stride
             v = v.contiguous()
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale, self.window)
         out = self.o_proj(o.reshape(num_tokens, q_size))  # [T, hidden]

@@ -110,7 +110,12 @@ class FusedOps:
         self._race.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         self._causal_softmax = lib.causal_softmax_bf16
         self._causal_softmax.restype = ctypes.c_int
-        self._causal_softmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_int]
+        self._causal_softmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6
+        self._causal_softmax.argtypes += [ctypes.c_float, ctypes.c_int]
+        self._write_kv = lib.write_kv_bf16
+        self._write_kv.restype = ctypes.c_int64
+        self._write_kv.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+        self._write_kv.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_int]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -195,16 +200,52 @@ class FusedOps:
         )  # fmt: skip
         return out
 
-    def causal_softmax(self, scores: torch.Tensor, rows: int, first: int, window: int | None) -> None:
-        """In place: softmax over the last dimension of `scores` ([M, rows * G, cols] bf16,
-        contiguous: a prompt block's scores, query heads interleaved per row) with row r of every
-        head seeing columns [first + r - window, first + r) only (from 0 without a window), and
-        zeros elsewhere; as `masked_fill_(hidden, -inf).softmax(-1)` in bf16 computes it."""
+    def causal_softmax(
+        self, scores: torch.Tensor, rows: int, first: int, window: int | None, scale: float = 1.0
+    ) -> None:
+        """In place: softmax over the last dimension of `scores * scale` ([M, rows * G, cols] bf16,
+        contiguous: a prompt block's unscaled scores, query heads interleaved per row) with row r of
+        every head seeing columns [first + r - window, first + r) only (from 0 without a window),
+        and zeros elsewhere; as `(scores * scale).masked_fill_(hidden, -inf).softmax(-1)` in bf16
+        computes it."""
         mats, height, cols = scores.shape
         if self._causal_softmax(
-            scores.data_ptr(), mats, rows, height // rows, cols, first, window or 0, torch.get_num_threads()
-        ):
+            scores.data_ptr(), mats, rows, height // rows, cols, first, window or 0, scale,
+            torch.get_num_threads(),
+        ):  # fmt: skip
             raise NativeKernelError("causal_softmax_bf16 could not allocate its row buffers")
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [T] int64: block * block_size + offset; < 0 skips the row
+    ) -> None:
+        """The step's new K/V rows into their cache slots, as `index_copy_` into the flattened
+        caches: one pass of row copies. Rows may be strided (views into the QKV output); anything
+        else the kernel does not take (another dtype or layout) goes through index_copy_."""
+        row = k.shape[1] * k.shape[2]
+        if not (
+            k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and k.device.type == "cpu"
+            and k.stride()[1:] == v.stride()[1:] == (k.shape[2], 1)
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and slots.dtype == torch.int64
+            and slots.is_contiguous()
+        ):
+            k_cache.view(-1, k.shape[1], k.shape[2]).index_copy_(0, slots, k)
+            v_cache.view(-1, v.shape[1], v.shape[2]).index_copy_(0, slots, v)
+            return
+        num_slots = k_cache.numel() // row
+        bad = self._write_kv(
+            k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), k.shape[0], row, num_slots, torch.get_num_threads(),
+        )  # fmt: skip
+        if bad:
+            raise NativeKernelError(f"write_kv: {bad} slot(s) past the cache's {num_slots}")
 
 
 @cache

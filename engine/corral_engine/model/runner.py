@@ -94,7 +94,8 @@ class ModelRunner:
         self.attention_backend = choose_attention_backend(
             args.attention_backend, self.device.type, kernel is not None, settings.triton_interpret
         )
-        # Prompt blocks' masked softmax in one native pass where the fused ops build (bf16).
+        # Prompt blocks' masked softmax in one native pass, and the KV cache write as row copies,
+        # where the fused ops build (bf16).
         fused = load_fused_ops(settings) if is_cpu and self.dtype == torch.bfloat16 else None
         self.batches = BatchBuilder(
             args.block_size,
@@ -111,6 +112,7 @@ class ModelRunner:
                 native_softmax=fused is not None,
             ),
             prompt_softmax=fused.causal_softmax if fused is not None else None,
+            kv_write=fused.write_kv if fused is not None else None,
         )
         if is_cpu:
             # The cores are shared between the ranks on this machine.

@@ -8,6 +8,7 @@
  *   rms_norm:      bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))         x, out [T, H]; w [H]
  *   add_rms_norm:  s = bf16(x + residual), then rms_norm(s)           also writes s
  *   rotary:        bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))   q and k heads, in place
+ *   causal_softmax: softmax(bf16(scores * scale)) over a row's visible columns, in place
  * where every intermediate is computed in float32, as PyTorch does for bf16 tensors. Rows run in
  * parallel (OpenMP, torch's thread count) when there are enough of them to pay for waking the
  * workers. Built with -O3 -march=native -ffast-math.
@@ -15,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -187,9 +189,11 @@ int exponential_race_f32(const float *probs, const uint64_t *seeds, int64_t *out
  * row r of every head sees columns [max(0, first + r - window), min(cols, first + r)) (window 0:
  * from 0) and gets zeros elsewhere. Each row as softmax(masked bf16 scores) in float32, rounded to
  * bf16: what `scores.masked_fill_(hidden, -inf).softmax(-1)` gives, in one pass per row and with
- * no mask tensors. */
+ * no mask tensors. The scores are scaled first, rounded to bf16 as transformers' eager attention
+ * rounds `(q @ k^T) * scaling` (with a power-of-two scale, as head_dim 64 or 256 give, the multiply
+ * is exact), so the caller's queries need no scaled copy. */
 int causal_softmax_bf16(uint16_t *scores, int64_t mats, int64_t rows, int64_t group, int64_t cols, int64_t first,
-                        int64_t window, int num_threads) {
+                        int64_t window, float scale, int num_threads) {
     const int64_t num_rows = mats * rows * group;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_rows * cols >= 16384) reduction(| : failed)
@@ -208,11 +212,11 @@ int causal_softmax_bf16(uint16_t *scores, int64_t mats, int64_t rows, int64_t gr
             uint16_t *s = scores + i * cols;
             float m = -INFINITY, sum = 0.0f;
             for (int64_t c = lo; c < hi; c++) {
-                const float x = bf16_to_f32(s[c]);
+                const float x = round_bf16(bf16_to_f32(s[c]) * scale);
                 m = x > m ? x : m;
             }
             for (int64_t c = lo; c < hi; c++) {
-                e[c] = expf(bf16_to_f32(s[c]) - m);
+                e[c] = expf(round_bf16(bf16_to_f32(s[c]) * scale) - m);
                 sum += e[c];
             }
             const float inv = 1.0f / sum;
@@ -223,4 +227,30 @@ int causal_softmax_bf16(uint16_t *scores, int64_t mats, int64_t rows, int64_t gr
         free(e);
     }
     return failed;
+}
+
+/* One step's KV cache write, what two index_copy_ calls do, as row copies: token i's k and v rows
+ * (`row` bf16 values each, KVH x D; rows `k_stride` and `v_stride` values apart, as the views into
+ * the QKV projection's output leave them) go to row slots[i] of k_cache and v_cache ([num_slots]
+ * [row], contiguous). A negative slot skips its token (a padding row). Returns the number of slots
+ * at or past num_slots, which are not written (the caller raises). */
+int64_t write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride, uint16_t *k_cache,
+                      uint16_t *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row, int64_t num_slots,
+                      int num_threads) {
+    int64_t bad = 0;
+    const size_t bytes = sizeof(uint16_t) * (size_t)row;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= 256) reduction(+ : bad)
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) {
+            continue;
+        }
+        if (slot >= num_slots) {
+            bad++;
+            continue;
+        }
+        memcpy(k_cache + slot * row, k + i * k_stride, bytes);
+        memcpy(v_cache + slot * row, v + i * v_stride, bytes);
+    }
+    return bad;
 }
