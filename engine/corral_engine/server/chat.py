@@ -69,7 +69,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
     request_id = new_id("chatcmpl")
     run = ctx.start_run(request_id, [prompt], params)
-    logger.info("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)
+    logger.debug("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)  # INFO: the access line
     created = now_s()
     if req.stream:
         return EngineStreamingResponse(_stream(ctx, req, plan, run, created), on_close=run.close)

@@ -88,7 +88,8 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     echo = _echo_texts(ctx, req, prompts)
     request_id = new_id("cmpl")
     run = ctx.start_run(request_id, prompts, params)
-    logger.info("request %s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
+    # DEBUG, as vLLM logs arrivals only when asked: the access line at the end is the INFO one.
+    logger.debug("request %s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
     created = now_s()
     if req.stream:
         return EngineStreamingResponse(_stream(ctx, req, run, created, echo), on_close=run.close)

@@ -133,12 +133,12 @@ class GenerationRun:
         # The stream may end without a finished output (e.g. after an abort).
         self._unfinished.discard(self._ids[index])
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) pairs as they arrive, across all prompts."""
-        if self.num_prompts == 1:
-            async for pair in self._follow(0):
-                yield pair
-            return
+    def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) pairs as they arrive, across all prompts (one prompt, the usual
+        case, is its own stream: no merging layer per token)."""
+        return self._follow(0) if self.num_prompts == 1 else self._merged()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(index: int) -> None:
