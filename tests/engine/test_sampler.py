@@ -243,3 +243,51 @@ def test_sampling_queues_on_the_gpu_without_waiting_for_it() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens[0] == greedy[0]
+
+
+def test_the_race_on_logits_draws_what_the_race_on_their_softmax_draws() -> None:
+    """The native race given logits and temperatures does the softmax itself: with the same seeds,
+    the same token as the race on softmax(logits / t), row for row, and a -inf logit (a masked
+    token) is never drawn."""
+    race = _race("native")
+    assert race is not None
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 2000, 300
+    logits = 3 * torch.randn(rows, vocab, generator=gen)
+    logits[:, 7] = float("-inf")
+    temperatures = torch.tensor([0.3, 1.0, 1.7, 4.0]).repeat(rows // 4)
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen)
+    from_logits = race(logits, seeds, temperatures)
+    from_probs = race(torch.softmax(logits / temperatures[:, None], dim=-1), seeds)
+    assert int((from_logits != from_probs).sum()) <= 2  # a near-tie may round the other way
+    assert not bool((from_logits == 7).any())
+
+
+@pytest.mark.parametrize("race", RACES)
+def test_rows_sampled_at_a_temperature_alone_race_on_the_logits(race: str) -> None:
+    """A pass whose rows have no top-k, top-p or min-p hands the native race the logits and the
+    temperatures (no probability tensor); any truncation in the pass takes the probabilities' path.
+    Either way each temperature's frequencies are its softmax's."""
+    calls: list[bool] = []
+    native_race = _race(race)
+
+    def spy(
+        values: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        calls.append(temperatures is not None)
+        assert native_race is not None
+        return native_race(values, seeds, temperatures)
+
+    plain = [SAMPLED, SAMPLED.replace(temperature=1.7)]
+    per_case = 3000
+    for batch, logits_path in ((plain, True), ([*plain, SAMPLED.replace(top_p=0.8)], False)):
+        calls.clear()
+        seqs = [_seq(batch[i % len(batch)], [], i) for i in range(per_case * len(batch))]
+        sampler = Sampler(seed=3, race=spy if native_race is not None else None)
+        drawn = sampler.sample(torch.tensor([ROW] * len(seqs)), seqs).token_ids
+        assert calls == ([logits_path] if native_race is not None else [])
+        for c, params in enumerate(plain):
+            tokens = drawn[c :: len(batch)]
+            for token, p in enumerate(_expected(ROW, params)):
+                freq = tokens.count(token) / per_case
+                assert abs(freq - p) <= 5 * math.sqrt(p * (1 - p) / per_case), (params, token, freq, p)

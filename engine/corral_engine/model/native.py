@@ -108,6 +108,9 @@ class FusedOps:
         self._race = lib.exponential_race_f32
         self._race.restype = ctypes.c_int
         self._race.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._race_logits = lib.exponential_race_logits_f32
+        self._race_logits.restype = ctypes.c_int
+        self._race_logits.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         self._causal_softmax = lib.causal_softmax_bf16
         self._causal_softmax.restype = ctypes.c_int
         self._causal_softmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6
@@ -187,16 +190,29 @@ class FusedOps:
             raise NativeKernelError("linear_rows could not allocate its scratch buffer")
         return out
 
-    def exponential_race(self, probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    def exponential_race(
+        self, probs: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The sampler's draw for each row of `probs` ([R, V] float32 on the CPU, rows not
         necessarily normalised): argmax of p / E with E ~ Exp(1) from a noise stream that depends
-        only on the row's seed (`seeds`: [R] int64). Returns [R] int64 token ids."""
+        only on the row's seed (`seeds`: [R] int64). Returns [R] int64 token ids.
+
+        With `temperatures` ([R] float32, each > 0) the rows are logits and p is softmax(logits / t)
+        (a -inf logit: p = 0), computed inside the race: the draws of the probability tensor's
+        path, without writing it."""
         probs = probs.contiguous()
         seeds = seeds.contiguous()
         out = torch.empty(probs.shape[0], dtype=torch.long)
-        self._race(
-            probs.data_ptr(), seeds.data_ptr(), out.data_ptr(), probs.shape[0], probs.shape[1],
-            torch.get_num_threads(),
+        if temperatures is None:
+            self._race(
+                probs.data_ptr(), seeds.data_ptr(), out.data_ptr(), probs.shape[0], probs.shape[1],
+                torch.get_num_threads(),
+            )  # fmt: skip
+            return out
+        temperatures = temperatures.to(torch.float32).contiguous()
+        self._race_logits(
+            probs.data_ptr(), temperatures.data_ptr(), seeds.data_ptr(), out.data_ptr(), probs.shape[0],
+            probs.shape[1], torch.get_num_threads(),
         )  # fmt: skip
         return out
 

@@ -21,8 +21,9 @@ from corral_engine.outputs import TokenLogprob
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.structured.masks import TokenMasks, apply_token_masks
 
-# (probs [R, V] float32 on the CPU, seeds [R] int64) -> [R] token ids: native.FusedOps.exponential_race.
-ExponentialRace = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (probs [R, V] float32 on the CPU, seeds [R] int64[, temperatures [R]: the rows are logits]) -> [R]
+# token ids: native.FusedOps.exponential_race.
+ExponentialRace = Callable[..., torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -123,10 +124,13 @@ class Sampler:
                 _apply_penalties(logits[row], seq)
             if seq.request.params.has_token_rules:
                 self._apply_token_rules(logits[row], seq)
-        tokens = torch.max(logits, dim=-1).indices  # [S]; greedy rows are done (max beats argmax on CPU)
         sampled = [row for row, s in enumerate(seqs) if not s.request.params.is_greedy]
-        if sampled:
-            tokens = self._sample_rows(logits, tokens, seqs, sampled)
+        if sampled and len(sampled) == len(seqs):  # no greedy row: no argmax over the vocabulary
+            tokens = self._sample_rows(logits, None, seqs, sampled)
+        else:
+            tokens = torch.max(logits, dim=-1).indices  # [S]: the greedy rows (max beats argmax on CPU)
+            if sampled:
+                tokens = self._sample_rows(logits, tokens, seqs, sampled)
         pending = PendingSample(seqs, tokens, logprob_rows, raw_logprobs)
         if tokens.device.type == "cuda":
             pending.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -136,9 +140,10 @@ class Sampler:
         return pending
 
     def _sample_rows(
-        self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]
+        self, logits: torch.Tensor, tokens: torch.Tensor | None, seqs: list[Sequence], rows: list[int]
     ) -> torch.Tensor:
-        """`tokens` ([S], the greedy picks) with the non-greedy `rows` sampled instead."""
+        """`tokens` ([S], the greedy picks; None when every row is sampled) with the non-greedy
+        `rows` sampled instead."""
         device = logits.device
         params = [seqs[row].request.params for row in rows]
         seeded = {
@@ -149,6 +154,7 @@ class Sampler:
         shared = self._shared_generator(device) if len(seeded) < len(rows) else None
         if len(rows) == len(seqs):  # the race applies to CPU logits only (_sample_pass)
             return sample_rows(logits, params, shared, seeded, self.race)
+        assert tokens is not None
         index = _to_device(rows, torch.long, device)
         drawn = sample_rows(logits.index_select(0, index), params, shared, seeded, self.race)
         return tokens.index_copy(0, index, drawn)
@@ -241,6 +247,12 @@ def _sample_pass(
         torch.float32,
         logits.device,
     )
+    cpu_race = race is not None and logits.device.type == "cpu"
+    if cpu_race and not kmax and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+        # A temperature alone (OpenAI's default): the race reads the logits and does the softmax
+        # itself, the same draws without two [R, V] tensors written and read back.
+        assert race is not None
+        return race(logits, _row_seeds(len(params), shared, seeded), table[:, 0])
     x = logits / table[:, 0:1]  # [R, V]
     if kmax:
         # Column kmax is -inf, the "k-th largest" of rows without top_k: it masks nothing.
@@ -258,7 +270,8 @@ def _sample_pass(
         floor = table[:, 2:3] * probs.max(dim=-1, keepdim=True).values  # [R, 1]
         probs = probs.masked_fill(probs < floor, 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised p is fine).
-    if race is not None and probs.device.type == "cpu":
+    if cpu_race:
+        assert race is not None
         return race(probs, _row_seeds(len(params), shared, seeded))
     noise = torch.empty_like(probs)
     if shared is not None:
