@@ -113,12 +113,14 @@ class FusedOps:
         self._race_logits.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         self._causal_softmax = lib.causal_softmax_bf16
         self._causal_softmax.restype = ctypes.c_int
-        self._causal_softmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6
-        self._causal_softmax.argtypes += [ctypes.c_float, ctypes.c_int]
+        # scores; mats, rows, group, cols, first, window; scale; threads
+        softmax = self._causal_softmax
+        softmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
         self._write_kv = lib.write_kv_bf16
         self._write_kv.restype = ctypes.c_int64
-        self._write_kv.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
-        self._write_kv.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_int]
+        # k, v; their row strides; k_cache, v_cache, slots; tokens, row, slots in the cache; threads
+        write_args = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+        self._write_kv.argtypes = write_args + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
