@@ -156,72 +156,61 @@ static inline float neg_log(float u) {
 
 #define RACE_CHUNK 512
 
+/* One row's race: the argmax over v of w[v] / E_v, E_v = -log(u_v) from the row's noise stream.
+ * w[v] is the (unnormalised) probability, or with `from_logits` a logit x turned into
+ * exp(x / t - m) (m = max(x) / t: softmax(x / t) up to its row constant, which the argmax does not
+ * see), a -inf logit (a masked token) scoring 0, tested on its bits since the build's -ffast-math
+ * assumes finite floats. Inlined with a constant `from_logits`, each caller gets its own loop. */
+static inline int64_t race_row(const float *w, uint64_t seed, int64_t vocab, int from_logits, float t, float m) {
+    const uint64_t base = splitmix64(seed);
+    float score[RACE_CHUNK];
+    float best = -1.0f;
+    int64_t best_v = 0;
+    for (int64_t start = 0; start < vocab; start += RACE_CHUNK) {
+        const int64_t n = vocab - start < RACE_CHUNK ? vocab - start : RACE_CHUNK;
+        for (int64_t i = 0; i < n; i++) {
+            const uint64_t bits = splitmix64(base + (uint64_t)(start + i));
+            const float u = ((float)(bits >> 40) + 0.5f) * (1.0f / 16777216.0f); /* (0, 1), 24 bits */
+            float p = w[start + i];
+            if (from_logits) {
+                uint32_t xb;
+                memcpy(&xb, &w[start + i], sizeof xb);
+                p = xb == 0xff800000u ? 0.0f : expf(p / t - m);
+            }
+            score[i] = p / neg_log(u);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            if (score[i] > best) {
+                best = score[i];
+                best_v = start + i;
+            }
+        }
+    }
+    return best_v;
+}
+
 int exponential_race_f32(const float *probs, const uint64_t *seeds, int64_t *out, int64_t num_rows, int64_t vocab,
                          int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 2)
     for (int64_t r = 0; r < num_rows; r++) {
-        const float *p = probs + r * vocab;
-        const uint64_t base = splitmix64(seeds[r]);
-        float score[RACE_CHUNK];
-        float best = -1.0f;
-        int64_t best_v = 0;
-        for (int64_t start = 0; start < vocab; start += RACE_CHUNK) {
-            const int64_t n = vocab - start < RACE_CHUNK ? vocab - start : RACE_CHUNK;
-            for (int64_t i = 0; i < n; i++) {
-                const uint64_t bits = splitmix64(base + (uint64_t)(start + i));
-                const float u = ((float)(bits >> 40) + 0.5f) * (1.0f / 16777216.0f); /* (0, 1), 24 bits */
-                score[i] = p[start + i] / neg_log(u);
-            }
-            for (int64_t i = 0; i < n; i++) {
-                if (score[i] > best) {
-                    best = score[i];
-                    best_v = start + i;
-                }
-            }
-        }
-        out[r] = best_v;
+        out[r] = race_row(probs + r * vocab, seeds[r], vocab, 0, 1.0f, 0.0f);
     }
     return 0;
 }
 
-/* The same race read straight from logits for rows sampled at a temperature alone (no top-k,
- * top-p or min-p): p = exp(x / t - max(x) / t) is softmax(x / t) up to its row constant, which the
- * argmax does not see, so no probability tensor is written and read back. The noise is the probs
- * version's, draw for draw. A -inf logit (a masked token) scores 0, tested on its bits (the build's
- * -ffast-math assumes finite floats). */
+/* The same race read straight from logits, for rows sampled at a temperature alone (no top-k,
+ * top-p or min-p): no probability tensor is written and read back, and the noise is the probs
+ * version's, draw for draw. */
 int exponential_race_logits_f32(const float *logits, const float *temps, const uint64_t *seeds, int64_t *out,
                                 int64_t num_rows, int64_t vocab, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 2)
     for (int64_t r = 0; r < num_rows; r++) {
         const float *x = logits + r * vocab;
-        const float t = temps[r];
-        const uint64_t base = splitmix64(seeds[r]);
         float top = -FLT_MAX;
         for (int64_t v = 0; v < vocab; v++) {
             top = x[v] > top ? x[v] : top;
         }
-        const float m = top / t;
-        float score[RACE_CHUNK];
-        float best = -1.0f;
-        int64_t best_v = 0;
-        for (int64_t start = 0; start < vocab; start += RACE_CHUNK) {
-            const int64_t n = vocab - start < RACE_CHUNK ? vocab - start : RACE_CHUNK;
-            for (int64_t i = 0; i < n; i++) {
-                const uint64_t bits = splitmix64(base + (uint64_t)(start + i));
-                const float u = ((float)(bits >> 40) + 0.5f) * (1.0f / 16777216.0f); /* (0, 1), 24 bits */
-                uint32_t xb;
-                memcpy(&xb, &x[start + i], sizeof xb);
-                const float p = xb == 0xff800000u ? 0.0f : expf(x[start + i] / t - m);
-                score[i] = p / neg_log(u);
-            }
-            for (int64_t i = 0; i < n; i++) {
-                if (score[i] > best) {
-                    best = score[i];
-                    best_v = start + i;
-                }
-            }
-        }
-        out[r] = best_v;
+        out[r] = race_row(x, seeds[r], vocab, 1, temps[r], top / temps[r]);
     }
     return 0;
 }
