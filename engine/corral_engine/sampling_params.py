@@ -10,6 +10,8 @@ from corral_engine.errors import InvalidRequestError
 from corral_engine.structured.spec import GrammarSpec
 
 MAX_N = 16
+# Temperatures below this sample greedily (vLLM's threshold): a logit over it can pass float32's range.
+GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
 OutputKind = Literal["cumulative", "delta"]
 OUTPUT_KINDS: tuple[str, ...] = get_args(OutputKind)
@@ -109,7 +111,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperature 0 or top_k 1; and, as vLLM, a temperature under GREEDY_BELOW, where
+        logits / temperature overflow float32 and the draw would be noise, not the argmax."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

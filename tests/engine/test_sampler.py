@@ -291,3 +291,15 @@ def test_rows_sampled_at_a_temperature_alone_race_on_the_logits(race: str) -> No
             for token, p in enumerate(_expected(ROW, params)):
                 freq = tokens.count(token) / per_case
                 assert abs(freq - p) <= 5 * math.sqrt(p * (1 - p) / per_case), (params, token, freq, p)
+
+
+@pytest.mark.parametrize("race", RACES)
+@pytest.mark.parametrize("temperature", [1e-39, 1e-8])
+def test_a_vanishing_temperature_is_greedy(race: str, temperature: float) -> None:
+    """logits / 1e-39 overflow float32 (every path then drew noise); below vLLM's 1e-5 the
+    request is greedy, as the temperature's limit is."""
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(9))
+    drawn = Sampler(race=_race(race)).sample(logits, [_seq(params, [], i) for i in range(6)]).token_ids
+    assert drawn == logits.argmax(dim=-1).tolist()
