@@ -1,7 +1,9 @@
 /* Fused elementwise ops for bfloat16 activations on the CPU: one pass over memory instead of the
  * four to six PyTorch makes (float32 round trips, separate multiplies); and a matmul for the few
- * rows of a small decode batch on CPUs without native bf16 (linear_rows_bf16); and the sampler's
- * exponential race (exponential_race_f32, at the end).
+ * rows of a small decode batch on CPUs without native bf16 (linear_rows_bf16); the sampler's
+ * exponential race, on probabilities or on logits (exponential_race_f32, _logits_f32); prompt
+ * attention's masked softmax (causal_softmax_bf16); and the KV cache write (write_kv_bf16, at the
+ * end).
  *
  * Each reproduces the rounding of the PyTorch expression it replaces, step by step:
  *   silu_and_mul:  bf16(bf16(silu(gate)) * up)                       x = [T, 2I] -> out [T, I]
