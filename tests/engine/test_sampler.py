@@ -272,11 +272,11 @@ def test_rows_sampled_at_a_temperature_alone_race_on_the_logits(race: str) -> No
     native_race = _race(race)
 
     def spy(
-        values: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None
+        probs: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None
     ) -> torch.Tensor:
         calls.append(temperatures is not None)
         assert native_race is not None
-        return native_race(values, seeds, temperatures)
+        return native_race(probs, seeds, temperatures)
 
     plain = [SAMPLED, SAMPLED.replace(temperature=1.7)]
     per_case = 3000

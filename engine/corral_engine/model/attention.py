@@ -248,10 +248,8 @@ def matmul_prompt_attention(
     qh = q.view(nq, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
     kh = k.transpose(0, 1).contiguous()  # [KVH, L, D]
     vh = v.transpose(0, 1).contiguous()
-    if out is None:
-        out = torch.empty(nq, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    result = out
-    out = out.view(nq, num_kv_heads, group, head_dim)
+    result = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    out = result.view(nq, num_kv_heads, group, head_dim)  # the blocks' rows land here
     for a in range(0, nq, block_rows):
         b = min(a + block_rows, nq)
         rows = b - a

@@ -10,8 +10,8 @@ the device once, when the chosen token ids come back, not once per sequence. `qu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +21,14 @@ from corral_engine.outputs import TokenLogprob
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.structured.masks import TokenMasks, apply_token_masks
 
-# (probs [R, V] float32 on the CPU, seeds [R] int64[, temperatures [R]: the rows are logits]) -> [R]
-# token ids: native.FusedOps.exponential_race.
-ExponentialRace = Callable[..., torch.Tensor]
+
+class ExponentialRace(Protocol):
+    """native.FusedOps.exponential_race: (probs [R, V] float32 on the CPU, seeds [R] int64[,
+    temperatures [R]: then the rows are logits]) -> [R] token ids."""
+
+    def __call__(
+        self, probs: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -247,12 +252,11 @@ def _sample_pass(
         torch.float32,
         logits.device,
     )
-    cpu_race = race is not None and logits.device.type == "cpu"
-    if cpu_race and not kmax and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+    cpu_race = race if logits.device.type == "cpu" else None
+    if cpu_race is not None and not kmax and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
         # A temperature alone (OpenAI's default): the race reads the logits and does the softmax
         # itself, the same draws without two [R, V] tensors written and read back.
-        assert race is not None
-        return race(logits, _row_seeds(len(params), shared, seeded), table[:, 0])
+        return cpu_race(logits, _row_seeds(len(params), shared, seeded), table[:, 0])
     x = logits / table[:, 0:1]  # [R, V]
     if kmax:
         # Column kmax is -inf, the "k-th largest" of rows without top_k: it masks nothing.
@@ -270,9 +274,8 @@ def _sample_pass(
         floor = table[:, 2:3] * probs.max(dim=-1, keepdim=True).values  # [R, 1]
         probs = probs.masked_fill(probs < floor, 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised p is fine).
-    if cpu_race:
-        assert race is not None
-        return race(probs, _row_seeds(len(params), shared, seeded))
+    if cpu_race is not None:
+        return cpu_race(probs, _row_seeds(len(params), shared, seeded))
     noise = torch.empty_like(probs)
     if shared is not None:
         noise.exponential_(1.0, generator=shared)  # seeded rows' share is overwritten below
