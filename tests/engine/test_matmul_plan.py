@@ -16,7 +16,7 @@ from corral_engine.model import runner as runner_mod
 from corral_engine.model.config import load_model_config
 from corral_engine.model.device import CpuFeatures, probe_cpu, select_dtype
 from corral_engine.model.llama import Linear
-from corral_engine.model.matmul_plan import UPCAST_MIN_ROWS, MatmulPlan, plan_matmuls
+from corral_engine.model.matmul_plan import NATIVE_BF16_KERNEL_ROWS, UPCAST_MIN_ROWS, MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_fused_ops
 from corral_engine.settings import EngineSettings, Switch
 
@@ -69,8 +69,8 @@ def test_upcast(dtype: torch.dtype, cpu: CpuFeatures, upcast: Switch, is_cpu: bo
     ("dtype", "cpu", "upcast", "small", "is_cpu", "rows"),
     [
         (BF16, EMULATED, "auto", "auto", True, UPCAST_MIN_ROWS),  # below the upcast: the kernel
-        (BF16, NATIVE, "auto", "auto", True, 0),  # oneDNN's native bf16 matmul
-        (BF16, NATIVE, "auto", "1", True, UPCAST_MIN_ROWS),  # the A/B against it
+        (BF16, NATIVE, "auto", "auto", True, NATIVE_BF16_KERNEL_ROWS),  # 1-2 rows: vdpbf16ps
+        (BF16, NATIVE, "auto", "1", True, UPCAST_MIN_ROWS),  # the A/B against oneDNN
         (BF16, EMULATED, "auto", "0", True, 0),
         (BF16, EMULATED, "0", "auto", True, 0),  # nothing upcast: PyTorch's bf16 for every size
         (F32, EMULATED, "auto", "1", True, 0),  # a bf16 kernel
@@ -83,6 +83,24 @@ def test_small_batch_kernel(
     plan = _plan(dtype, cpu, upcast=upcast, is_cpu=is_cpu, small=small)
     assert plan.kernel_rows == rows
     assert any("native kernel" in note for note in plan.notes) == bool(rows and not plan.upcast_min_rows)
+
+
+@pytest.mark.parametrize(
+    ("prepack", "small", "available", "rows"),
+    [
+        ("auto", "auto", FITS, NATIVE_BF16_KERNEL_ROWS),
+        ("auto", "auto", TIGHT, 0),  # plain copies beside the packed weights would not fit: oneDNN
+        ("auto", "auto", None, 0),  # memory unknown: nothing extra
+        ("0", "auto", TIGHT, NATIVE_BF16_KERNEL_ROWS),  # nothing packed: the plain weights are all there is
+        ("auto", "1", TIGHT, UPCAST_MIN_ROWS),  # asked for: kept whatever they take
+    ],
+)
+def test_native_bf16_small_batches_keep_plain_weights_only_where_they_fit(
+    prepack: Switch, small: Switch, available: int | None, rows: int
+) -> None:
+    plan = _plan(BF16, NATIVE, prepack=prepack, available=available, small=small)
+    assert plan.kernel_rows == rows
+    assert any("would not fit" in note for note in plan.notes) == (rows == 0)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from corral_engine.model.native import FusedOps
 from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
 
 if TYPE_CHECKING:
+    from corral_engine.model.decode_stack import DecodeStack
     from corral_engine.model.triton_ops import TritonOps  # imports triton: only where it is used
 
 
@@ -207,6 +208,8 @@ class Attention(nn.Module):
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
+            if self.fused_ops is not None and q.dtype == torch.bfloat16:  # the native norm reads whole rows
+                q, k = q.contiguous(), k.contiguous()
             q = self.q_norm(q)
             k = self.k_norm(k)
         ops = self.triton_ops
@@ -292,6 +295,10 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
+    # Small decode batches' whole decoder in one native call, set by the runner where it runs
+    # (model/decode_stack.py); the layers below compute the same bits.
+    decode_stack: DecodeStack | None = None
+
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
@@ -312,6 +319,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        stack = self.decode_stack
+        if stack is not None and stack.takes(x, ctx, kv_caches):
+            return stack(x, cos, sin, ctx)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, ctx)

@@ -16,6 +16,10 @@ from corral_engine.settings import Switch
 # bf16 matmuls of at least this many rows run in float32 where the CPU has no native bf16: PyTorch
 # emulates bf16 there at a fifth of float32's speed, and below 8 rows the conversion costs more.
 UPCAST_MIN_ROWS = 8
+# Where bf16 is native, batches of fewer rows go through the native kernel (vdpbf16ps) and the native
+# decode stack: at 1-2 rows a decode step took 0.51-0.87x oneDNN's layer-by-layer time, at 4 rows
+# 1.06-1.12x (small preset, AMD EPYC Zen 5, docs/engine-speed.md).
+NATIVE_BF16_KERNEL_ROWS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +55,11 @@ def plan_matmuls(
       of a conversion per call (that conversion was 28% of a batch-64 step); "auto" keeps them
       when they take at most a quarter of the memory available now.
     - Small batches (`small_batch_kernel`): bf16 batches of fewer than 8 rows go through the
-      native kernel where bf16 is upcast ("auto"; PyTorch's emulated bf16 matmul is slow there),
-      also where bf16 is native with "1" (an A/B against oneDNN's packed matmul), never with "0".
+      native kernel where bf16 is upcast ("auto"; PyTorch's emulated bf16 matmul is slow there);
+      where bf16 is native, batches of 1-2 rows ("auto", and the model/decode_stack.py runs those
+      decodes in one native call), when the plain bf16 weights the kernel reads, kept beside the
+      packed ones (half of `upcast_copy_bytes`), take at most a quarter of the memory available
+      now; "1": fewer than 8 rows everywhere (an A/B), "0": never.
     """
     if not is_cpu or not cpu.has_onednn:
         prepack = "0"  # oneDNN packs only CPU weights
@@ -70,20 +77,29 @@ def plan_matmuls(
             if copies
             else f"bf16 weights are converted per batch: a float32 copy ({mib} MiB) would not fit"
         )
-    kernel_rows = _kernel_rows(dtype, is_cpu, small_batch_kernel, upcast_rows)
+    packs = _prepacks(dtype, cpu, prepack, upcast_rows)
+    plain_bytes = upcast_copy_bytes // 2  # the bf16 weights the kernel reads, beside packed ones
+    plain_fits = not packs or (available_bytes is not None and plain_bytes <= available_bytes // 4)
+    kernel_rows = _kernel_rows(dtype, is_cpu, cpu, small_batch_kernel, upcast_rows, plain_fits)
     if kernel_rows and not upcast_rows:
-        notes.append(
-            f"bf16 matmuls of fewer than {kernel_rows} rows through the native kernel (plain weights kept)"
-        )
-    return MatmulPlan(
-        upcast_rows, _prepacks(dtype, cpu, prepack, upcast_rows), copies, tuple(notes), kernel_rows
-    )
+        kept = f"plain weights kept, {plain_bytes >> 20} MiB" if packs else "plain weights"
+        notes.append(f"bf16 matmuls of fewer than {kernel_rows} rows through the native kernel ({kept})")
+    elif not plain_fits and _kernel_rows(dtype, is_cpu, cpu, small_batch_kernel, upcast_rows, True):
+        mib = plain_bytes >> 20
+        notes.append(f"bf16 matmuls of every size through oneDNN: plain weights ({mib} MiB) would not fit")
+    return MatmulPlan(upcast_rows, packs, copies, tuple(notes), kernel_rows)
 
 
-def _kernel_rows(dtype: torch.dtype, is_cpu: bool, mode: Switch, upcast_rows: int) -> int:
+def _kernel_rows(
+    dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch, upcast_rows: int, plain_fits: bool
+) -> int:
     if dtype != torch.bfloat16 or not is_cpu or mode == "0":
         return 0
-    return UPCAST_MIN_ROWS if mode == "1" else upcast_rows
+    if mode == "1":
+        return UPCAST_MIN_ROWS
+    if upcast_rows:  # emulated bf16: below the upcast
+        return upcast_rows
+    return NATIVE_BF16_KERNEL_ROWS if cpu.has_native_bf16 and plain_fits else 0
 
 
 def _upcast_rows(dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch) -> int:

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
 FUSED_SOURCE = Path(__file__).parent / "kernels" / "fused_ops.c"
+DECODE_STACK_SOURCE = Path(__file__).parent / "kernels" / "decode_stack.c"  # includes the other two
+MAX_BLOCK_SIZE = 256  # the paged decode kernel's largest block (MAX_BLOCK_SIZE in paged_decode.c)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120
 
@@ -278,6 +280,12 @@ def load_fused_ops(settings: EngineSettings) -> FusedOps | None:
     return FusedOps(lib) if lib is not None else None
 
 
+@cache
+def load_decode_stack_library(settings: EngineSettings) -> ctypes.CDLL | None:
+    """The library of model/decode_stack.py's DecodeStack (it also holds the kernels it calls)."""
+    return _load(DECODE_STACK_SOURCE, "native decode stack", settings)
+
+
 def _load(source: Path, what: str, settings: EngineSettings) -> ctypes.CDLL | None:
     if not settings.native_kernels:
         logger.info("%s off (CORRAL_NATIVE_ATTENTION=0)", what)
@@ -296,7 +304,10 @@ def build(source: Path, compiler: str | None = None, cache_dir: Path | None = No
     compiler = compiler or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeKernelError("no C compiler found (set CC)")
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source includes
+    # What the source may include: the headers, and the other sources (decode_stack.c includes them).
+    headers = [
+        p.read_bytes() for p in sorted(source.parent.iterdir()) if p.suffix in (".h", ".c") and p != source
+    ]
     key = hashlib.sha256(
         b"\0".join(
             [source.read_bytes(), *headers, " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_flags()]

@@ -22,6 +22,7 @@ from corral_engine.model.attention import prompt_block_rows
 from corral_engine.model.batch import BatchBuilder, TokenFill
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from corral_engine.model.decode_stack import DecodeStack, unsupported
 from corral_engine.model.device import (
     CpuFeatures,
     available_memory_bytes,
@@ -40,7 +41,7 @@ from corral_engine.model.kv_cache import (
 from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, rope_parameters
 from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
-from corral_engine.model.native import load_fused_ops, load_paged_decode
+from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
 from corral_engine.model.sampler import sample_rows
 from corral_engine.outputs import RequestMetrics
@@ -141,6 +142,7 @@ class ModelRunner:
             self.attention_backend,
             self._prompt_path(),
         )
+        self.model.decode_stack = self._decode_stack()
         if self.attention_backend == "triton" and not args.enforce_eager and tp is None:
             if graph_capture is None and self.device.type == "cuda":
                 graph_capture = CudaGraphCapture()
@@ -213,6 +215,22 @@ class ModelRunner:
         inv_freq, _ = rope_parameters(self.config)
         model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval(), plan
+
+    def _decode_stack(self) -> DecodeStack | None:
+        """The native decoder for decode batches the small-batch kernel takes (see
+        model/decode_stack.py), where it builds and takes this model."""
+        rows = self.matmul_plan.kernel_rows
+        if not rows or self.attention_backend != "native" or self.batches.kv_write is None:
+            return None
+        lib = load_decode_stack_library(self.settings)
+        if lib is None:
+            return None
+        problem = unsupported(self.model, self.kv_caches)
+        if problem:
+            logger.info("decode batches go layer by layer: the native decode stack does not take %s", problem)
+            return None
+        logger.info("decode batches of fewer than %d rows run the whole decoder natively in one call", rows)
+        return DecodeStack(lib, self.model, self.kv_caches, rows)
 
     def _triton_ops(self) -> TritonOps | None:
         mode = self.settings.triton_ops

@@ -1,5 +1,5 @@
 /* bfloat16 <-> float32 for the native kernels, rounding as torch does. Included by every kernel
- * source; native.build() hashes the headers in this folder into each library's cache key. */
+ * source; native.build() hashes the headers and sources in this folder into each library's cache key. */
 #ifndef CORRAL_BF16_H
 #define CORRAL_BF16_H
 
