@@ -128,7 +128,7 @@ def test_batches_the_stack_does_not_take_go_layer_by_layer(
     # max_rows prompts in 16-token chunks: chunks beside decodes, then max_rows decodes at once,
     # then fewer as they finish (their lengths differ)
     prompts = random_prompts(stack.max_rows, 500, seed=5, min_len=20, max_len=40)
-    _generate(engine, prompts, "wide-", max_tokens=12)
+    _generate(engine, prompts, "wide-", max_tokens=30)
     assert any(prompt for _, prompt, _ in seen)
     assert any(rows == stack.max_rows and not prompt for rows, prompt, _ in seen)
     assert any(taken for _, _, taken in seen)

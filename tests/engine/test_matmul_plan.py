@@ -69,8 +69,9 @@ def test_upcast(dtype: torch.dtype, cpu: CpuFeatures, upcast: Switch, is_cpu: bo
     ("dtype", "cpu", "upcast", "small", "is_cpu", "rows"),
     [
         (BF16, EMULATED, "auto", "auto", True, UPCAST_MIN_ROWS),  # below the upcast: the kernel
-        (BF16, NATIVE, "auto", "auto", True, NATIVE_BF16_KERNEL_ROWS),  # 1-2 rows: vdpbf16ps
-        (BF16, NATIVE, "auto", "1", True, UPCAST_MIN_ROWS),  # the A/B against oneDNN
+        (BF16, NATIVE, "auto", "auto", True, NATIVE_BF16_KERNEL_ROWS),  # vdpbf16ps
+        (BF16, NATIVE, "auto", "1", True, NATIVE_BF16_KERNEL_ROWS),
+        (BF16, NATIVE, "auto", "0", True, 0),  # the A/B: oneDNN for every size
         (BF16, EMULATED, "auto", "0", True, 0),
         (BF16, EMULATED, "0", "auto", True, 0),  # nothing upcast: PyTorch's bf16 for every size
         (F32, EMULATED, "auto", "1", True, 0),  # a bf16 kernel
@@ -92,7 +93,7 @@ def test_small_batch_kernel(
         ("auto", "auto", TIGHT, 0),  # plain copies beside the packed weights would not fit: oneDNN
         ("auto", "auto", None, 0),  # memory unknown: nothing extra
         ("0", "auto", TIGHT, NATIVE_BF16_KERNEL_ROWS),  # nothing packed: the plain weights are all there is
-        ("auto", "1", TIGHT, UPCAST_MIN_ROWS),  # asked for: kept whatever they take
+        ("auto", "1", TIGHT, NATIVE_BF16_KERNEL_ROWS),  # asked for: kept whatever they take
     ],
 )
 def test_native_bf16_small_batches_keep_plain_weights_only_where_they_fit(

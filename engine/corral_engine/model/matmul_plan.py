@@ -16,10 +16,10 @@ from corral_engine.settings import Switch
 # bf16 matmuls of at least this many rows run in float32 where the CPU has no native bf16: PyTorch
 # emulates bf16 there at a fifth of float32's speed, and below 8 rows the conversion costs more.
 UPCAST_MIN_ROWS = 8
-# Where bf16 is native, batches of fewer rows go through the native kernel (vdpbf16ps) and the native
-# decode stack: at 1-2 rows a decode step took 0.51-0.87x oneDNN's layer-by-layer time, at 4 rows
-# 1.06-1.12x (small preset, AMD EPYC Zen 5, docs/engine-speed.md).
-NATIVE_BF16_KERNEL_ROWS = 3
+# Where bf16 is native, batches of fewer rows go through the native kernel (vdpbf16ps) and decode
+# batches through the native decode stack: a decode step of 1-4 rows took 0.66-0.71x the time of
+# oneDNN layer by layer, 7 rows 0.93-1.0x (small preset, AMD EPYC Zen 5, docs/engine-speed.md).
+NATIVE_BF16_KERNEL_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +56,10 @@ def plan_matmuls(
       when they take at most a quarter of the memory available now.
     - Small batches (`small_batch_kernel`): bf16 batches of fewer than 8 rows go through the
       native kernel where bf16 is upcast ("auto"; PyTorch's emulated bf16 matmul is slow there);
-      where bf16 is native, batches of 1-2 rows ("auto", and the model/decode_stack.py runs those
+      where bf16 is native, those batches too ("auto", and model/decode_stack.py runs their
       decodes in one native call), when the plain bf16 weights the kernel reads, kept beside the
       packed ones (half of `upcast_copy_bytes`), take at most a quarter of the memory available
-      now; "1": fewer than 8 rows everywhere (an A/B), "0": never.
+      now; "1": also where they would not fit, "0": never (an A/B against oneDNN or PyTorch).
     """
     if not is_cpu or not cpu.has_onednn:
         prepack = "0"  # oneDNN packs only CPU weights
@@ -95,11 +95,9 @@ def _kernel_rows(
 ) -> int:
     if dtype != torch.bfloat16 or not is_cpu or mode == "0":
         return 0
-    if mode == "1":
-        return UPCAST_MIN_ROWS
     if upcast_rows:  # emulated bf16: below the upcast
         return upcast_rows
-    return NATIVE_BF16_KERNEL_ROWS if cpu.has_native_bf16 and plain_fits else 0
+    return NATIVE_BF16_KERNEL_ROWS if mode == "1" or (cpu.has_native_bf16 and plain_fits) else 0
 
 
 def _upcast_rows(dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch) -> int:
