@@ -1,7 +1,7 @@
 """Native bf16 CPU kernels on and off, in one process: rotary embedding and the residual add with
-RMSNorm (`--kernels elementwise`), the small-batch matmul of CPUs without native bf16 (`linear`;
-on a CPU with native bf16, run with CORRAL_SMALL_BATCH_KERNEL=1 to set it against oneDNN's packed
-bf16 matmul), or both (`all`, the default).
+RMSNorm (`--kernels elementwise`), the small-batch matmul with the native decode stack that runs
+small decode batches' whole decoder in one call (`linear`; against PyTorch's emulated bf16 matmul
+on AVX2, oneDNN's packed bf16 matmul where bf16 is native), or both (`all`, the default).
 
     .venv/bin/python bench/engine/native_ops_ab.py [--batch 1] [--rounds 20] [--output-len 48]
 
@@ -78,11 +78,14 @@ def main() -> int:
         raise SystemExit("the native fused ops did not build here (no C compiler?)")
     if linears and linears[0].fused_ops is None:
         raise SystemExit(
-            "the Linear layers take no native kernel here: CORRAL_SMALL_BATCH_KERNEL is 0, or this CPU "
-            "multiplies bf16 natively (CORRAL_SMALL_BATCH_KERNEL=1 sets the kernel against oneDNN's there)"
+            "the Linear layers take no native kernel here: CORRAL_SMALL_BATCH_KERNEL is 0, or the plain "
+            "weights it reads did not fit beside the packed ones (CORRAL_SMALL_BATCH_KERNEL=1 keeps them)"
         )
+    model = engine.runner.model
+    stack = model.decode_stack if linears else None  # the elementwise A/B runs layer by layer
 
     def use_kernels(on: bool) -> None:
+        model.decode_stack = stack if on else None
         for layer in layers:
             layer.fused_ops = kernels if on else None
         for linear in linears:
