@@ -5,7 +5,9 @@ paths. Which path the runner picks on which CPU is tested in test_matmul_plan.py
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -246,6 +248,40 @@ def test_mlp_output_is_the_same_through_both_paths(ops: native.FusedOps) -> None
 def test_linear_rows_meets_its_contract(
     ops: native.FusedOps, rows: int, size: int, out: int, bias: bool
 ) -> None:
+    _check_linear_rows(ops, rows, size, out, bias)
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
+@needs_cc
+@pytest.mark.parametrize(("march", "needs"), [("x86-64-v3", "avx2"), ("x86-64", "sse2")])
+def test_every_build_of_linear_rows_meets_its_contract(tmp_path: Path, march: str, needs: str) -> None:
+    """The engine builds for this CPU only (-march=native); the AVX2 loop and the plain one are
+    built here explicitly so each is checked on any x86 machine that runs them."""
+    if not _cpu_has(needs):
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS]
+    target = tmp_path / f"fused_ops-{march}.so"
+    subprocess.run(["cc", *flags, "-o", str(target), str(native.FUSED_SOURCE), "-lm"], check=True)
+    ops = native.FusedOps(ctypes.CDLL(str(target)))
+    for rows, size, out in [
+        (1, 768, 1280),
+        (2, 13, 9),
+        (3, 100, 40),
+        (5, 771, 33),
+        (7, 2304, 768),
+        (12, 200, 17),
+    ]:
+        for bias in (False, True):
+            _check_linear_rows(ops, rows, size, out, bias)
+
+
+def _check_linear_rows(ops: native.FusedOps, rows: int, size: int, out: int, bias: bool) -> None:
     """One rounding of a float32 sum: within bf16's rounding of the exact product, plus what
     summing `size` float32 terms in any order can add (size * 2^-24 of the sum of |terms|)."""
     gen = torch.Generator().manual_seed(rows * size)
