@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
+from corral_engine import llm_engine
 from corral_engine.demo_model import write_demo_model
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.attention import AttentionContext
@@ -162,3 +163,40 @@ def test_what_the_stack_does_not_take(tiny_model_dir: pathlib.Path) -> None:
     )
     off = make_engine(tiny_model_dir, EngineSettings(small_batch_kernel="0"), dtype="bfloat16")
     assert off.runner.model.decode_stack is None
+
+
+def test_draft_rows_of_speculative_decoding_match_too(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence verifying drafts is several decode rows over one context (each row sees the keys
+    up to itself): the stack takes them, with the same bits as layer by layer. A random-weight
+    model seldom repeats itself, so the drafts are its own continuation with the last one wrong:
+    some accepted, some rejected."""
+    prompts = random_prompts(1, 500, seed=17, min_len=10, max_len=20)
+    truth = prompts[0] + _generate(_engine(tiny_model_dir), prompts, "plain-", max_tokens=24)[0]
+
+    def half_right(token_ids: list[int], max_proposals: int, **_: int) -> list[int]:
+        drafts = truth[len(token_ids) : len(token_ids) + max_proposals]
+        return [*drafts[:-1], (drafts[-1] + 1) % 500] if drafts else []
+
+    monkeypatch.setattr(llm_engine.ngram, "propose", half_right)
+    engine = make_engine(
+        tiny_model_dir,
+        dtype="bfloat16",
+        block_size=8,
+        enable_prefix_caching=False,
+        speculative="ngram",
+        num_speculative_tokens=3,
+    )
+    stack = _stack(engine)
+    recorder = _Recorder(engine, monkeypatch)
+    with_stack = _generate(engine, prompts, "stack-", max_tokens=24)
+    stacked_logits, recorder.logits = recorder.logits, []
+    assert any(rows > 1 for rows in recorder.stack_rows), "some step verified drafts"
+    assert all(rows < stack.max_rows for rows in recorder.stack_rows)
+    assert engine.stats().num_spec_accepted_total > 0
+    engine.runner.model.decode_stack = None
+    assert _generate(engine, prompts, "layers-", max_tokens=24) == with_stack
+    assert len(recorder.logits) == len(stacked_logits)
+    for got, want in zip(stacked_logits, recorder.logits, strict=True):
+        assert torch.equal(got, want)
