@@ -270,6 +270,7 @@ class EngineCoreClient(StreamFront):
 
     def _read(self) -> None:
         conn = self._from_core
+        failure: str | None = None  # the core reported its loop dead: its process ends next
         try:
             while True:
                 message = pickle.loads(conn.recv_bytes())
@@ -290,17 +291,23 @@ class EngineCoreClient(StreamFront):
                     self._prompts.pop(message[1], None)
                     self._deliver_dropped(message[1])
                 elif kind == "dead":
-                    self._die(f"the engine failed: {message[1]}")
-                    return
+                    failure = f"the engine failed: {message[1]}"
+                    self._die(failure)
                 elif kind == "stopped":
-                    return
+                    if failure is None:
+                        return
+                    break
         except (EOFError, OSError):
-            if self._running:
-                self._process.join(1.0)
-                reason = f"the engine core exited (code {self._process.exitcode})"
-                self._die(reason)
-                if self.on_core_exit is not None:
-                    self.on_core_exit(reason)
+            if not self._running:
+                return
+            self._process.join(1.0)
+            if failure is None:
+                failure = f"the engine core exited (code {self._process.exitcode})"
+                self._die(failure)
+        # The core is gone either way (a dead loop ends its process, and a dead tensor-parallel rank
+        # may end it before or after the loop reports): the same exit whichever came first.
+        if self._running and self.on_core_exit is not None:
+            self.on_core_exit(failure)
 
     def _die(self, reason: str) -> None:
         logger.error("%s", reason)

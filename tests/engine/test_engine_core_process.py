@@ -146,3 +146,49 @@ def test_outputs_cross_the_pipe_whole() -> None:
     assert len(packed[3]) == len(dataclasses.fields(RequestMetrics))
     assert client._unpack([packed]) == [out]
     assert client._prompts == {}  # a final output takes its prompt's record with it
+
+
+class _GoneProcess:
+    exitcode = 1
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _reader_of(*messages: tuple[object, ...], close: bool = False) -> tuple[EngineCoreClient, list[str]]:
+    """A client whose pipe from the core holds `messages` (then closed, with `close`), and the
+    reasons its `on_core_exit` will be called with."""
+    import multiprocessing
+    import pickle
+
+    from corral_engine.engine_core import PROTOCOL
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    client = EngineCoreClient.__new__(EngineCoreClient)
+    client._from_core, client._process, client._loop = reader, _GoneProcess(), None  # type: ignore[assignment]
+    client._running, client._dead, client._prompts = True, None, {}
+    exits: list[str] = []
+    client.on_core_exit = exits.append
+    for message in messages:
+        writer.send_bytes(pickle.dumps(message, protocol=PROTOCOL))
+    if close:
+        writer.close()
+    return client, exits
+
+
+@pytest.mark.parametrize("then", ["stopped", "eof"])
+def test_a_core_whose_loop_died_is_reported_gone_once(then: str) -> None:
+    """The core reports its dead step loop, then its process ends (a clean "stopped", or the pipe
+    closing when a dead tensor-parallel rank ended it first): the replica exits either way, with
+    the loop's reason, once. (It once stayed up when the report came before the exit.)"""
+    dead = ("dead", "EngineDeadError: rank 1 exited")
+    client, exits = _reader_of(dead, ("stopped",)) if then == "stopped" else _reader_of(dead, close=True)
+    client._read()
+    assert exits == ["the engine failed: EngineDeadError: rank 1 exited"]
+    assert not client.is_running
+
+
+def test_a_core_stopped_on_request_is_not_reported_gone() -> None:
+    client, exits = _reader_of(("stopped",))
+    client._read()
+    assert exits == []
