@@ -123,16 +123,17 @@ int rotary_bf16(uint16_t *q, uint16_t *k, const uint16_t *cos, const uint16_t *s
  * accumulator chains fill the out-of-order window and fewer weight loads are in flight: a 3-row
  * batch took twice the time of a 2-row one (AVX512-BF16). 2-8 KB measured alike (Zen 5). */
 #define PREFETCH_BYTES 4096
+#define LR_MAX_ROWS 8 /* rows per pass over a weight row */
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#define DPBF16_MAX_ROWS 8
+typedef uint16_t lr_row_t; /* the dot product reads the rows as given (bf16) */
 
 /* Rows [0, R) of x against weight row wj; R is a compile-time constant in each caller, so the
  * accumulators stay in registers. The tail of K is read through a mask (zeros add nothing). */
-static inline __attribute__((always_inline)) void dot_rows_dpbf16(const uint16_t *x, const uint16_t *wj, int64_t k,
-                                                                  float *sums, const int R) {
-    __m512 acc[DPBF16_MAX_ROWS];
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *x, const uint16_t *wj, int64_t k,
+                                                           float *sums, const int R) {
+    __m512 acc[LR_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) {
@@ -149,37 +150,10 @@ static inline __attribute__((always_inline)) void dot_rows_dpbf16(const uint16_t
     }
     for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
 }
-
-int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t rows,
-                     int64_t n, int64_t k, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *wj = w + j * k;
-        const float b = bias == NULL ? 0.0f : bf16_to_f32(bias[j]);
-        for (int64_t r0 = 0; r0 < rows; r0 += DPBF16_MAX_ROWS) {
-            const int64_t left = rows - r0;
-            const uint16_t *xr = x + r0 * k;
-            float sums[DPBF16_MAX_ROWS];
-            switch (left < DPBF16_MAX_ROWS ? left : DPBF16_MAX_ROWS) {
-                case 1: dot_rows_dpbf16(xr, wj, k, sums, 1); break;
-                case 2: dot_rows_dpbf16(xr, wj, k, sums, 2); break;
-                case 3: dot_rows_dpbf16(xr, wj, k, sums, 3); break;
-                case 4: dot_rows_dpbf16(xr, wj, k, sums, 4); break;
-                case 5: dot_rows_dpbf16(xr, wj, k, sums, 5); break;
-                case 6: dot_rows_dpbf16(xr, wj, k, sums, 6); break;
-                case 7: dot_rows_dpbf16(xr, wj, k, sums, 7); break;
-                default: dot_rows_dpbf16(xr, wj, k, sums, 8); break;
-            }
-            const int64_t count = left < DPBF16_MAX_ROWS ? left : DPBF16_MAX_ROWS;
-            for (int64_t r = 0; r < count; r++) out[(r0 + r) * n + j] = f32_to_bf16(sums[r] + b);
-        }
-    }
-    return 0;
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define F32_MAX_ROWS 8
+typedef float lr_row_t; /* the rows widened to float32 once per call */
 
 /* 8 bf16 values widened to float32 (a bf16 is the top half of a float32). */
 static inline __m256 load_bf16x8(const uint16_t *p) {
@@ -192,13 +166,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-/* Rows [0, R) of x (float32) against weight row wj: each 8 weights widened once for all rows. */
-static inline __attribute__((always_inline)) void dot_rows_f32(const float *x, const uint16_t *wj, int64_t k,
-                                                               float *sums, const int R) {
-    /* Up to 4 rows: two accumulators a row (alternate 8-wide chunks), so one row's FMA chain does
-     * not wait on its own latency; more rows give the core enough independent chains. */
+/* Rows [0, R) of x against weight row wj, each 8 weights widened once for all rows. Up to 4 rows:
+ * two accumulators a row (alternate 8-wide chunks), so one row's FMA chain does not wait on its
+ * own latency; more rows give the core enough independent chains. */
+static inline __attribute__((always_inline)) void dot_rows(const float *x, const uint16_t *wj, int64_t k,
+                                                           float *sums, const int R) {
     const int two = R <= 4;
-    __m256 acc[F32_MAX_ROWS], acc2[4];
+    __m256 acc[LR_MAX_ROWS], acc2[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int r = 0; r < 4; r++) acc2[r] = _mm256_setzero_ps();
     int64_t i = 0;
@@ -223,57 +197,53 @@ static inline __attribute__((always_inline)) void dot_rows_f32(const float *x, c
         sums[r] = s;
     }
 }
+#else
+typedef float lr_row_t;
+
+static inline __attribute__((always_inline)) void dot_rows(const float *x, const uint16_t *wj, int64_t k,
+                                                           float *sums, const int R) {
+    for (int r = 0; r < R; r++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < k; i++) sum += x[r * k + i] * bf16_to_f32(wj[i]);
+        sums[r] = sum;
+    }
+}
+#endif
 
 int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t rows,
                      int64_t n, int64_t k, int num_threads) {
-    float *xf = malloc((size_t)(rows * k) * sizeof(float));
-    if (xf == NULL) return 1;
-    for (int64_t i = 0; i < rows * k; i++) xf[i] = bf16_to_f32(x[i]);
+    lr_row_t *widened = NULL;
+    const lr_row_t *xs = (const lr_row_t *)x;
+    if (sizeof(lr_row_t) != sizeof(uint16_t)) {
+        widened = malloc((size_t)(rows * k) * sizeof(lr_row_t));
+        if (widened == NULL) return 1;
+        for (int64_t i = 0; i < rows * k; i++) widened[i] = (lr_row_t)bf16_to_f32(x[i]);
+        xs = widened;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         const uint16_t *wj = w + j * k;
         const float b = bias == NULL ? 0.0f : bf16_to_f32(bias[j]);
-        for (int64_t r0 = 0; r0 < rows; r0 += F32_MAX_ROWS) {
-            const int64_t left = rows - r0, count = left < F32_MAX_ROWS ? left : F32_MAX_ROWS;
-            const float *xr = xf + r0 * k;
-            float sums[F32_MAX_ROWS];
-            switch (count) {
-                case 1: dot_rows_f32(xr, wj, k, sums, 1); break;
-                case 2: dot_rows_f32(xr, wj, k, sums, 2); break;
-                case 3: dot_rows_f32(xr, wj, k, sums, 3); break;
-                case 4: dot_rows_f32(xr, wj, k, sums, 4); break;
-                case 5: dot_rows_f32(xr, wj, k, sums, 5); break;
-                case 6: dot_rows_f32(xr, wj, k, sums, 6); break;
-                case 7: dot_rows_f32(xr, wj, k, sums, 7); break;
-                default: dot_rows_f32(xr, wj, k, sums, 8); break;
+        for (int64_t r0 = 0; r0 < rows; r0 += LR_MAX_ROWS) {
+            const int64_t left = rows - r0, count = left < LR_MAX_ROWS ? left : LR_MAX_ROWS;
+            const lr_row_t *xr = xs + r0 * k;
+            float sums[LR_MAX_ROWS];
+            switch (count) { /* a constant row count each, so each gets its own register-held loop */
+                case 1: dot_rows(xr, wj, k, sums, 1); break;
+                case 2: dot_rows(xr, wj, k, sums, 2); break;
+                case 3: dot_rows(xr, wj, k, sums, 3); break;
+                case 4: dot_rows(xr, wj, k, sums, 4); break;
+                case 5: dot_rows(xr, wj, k, sums, 5); break;
+                case 6: dot_rows(xr, wj, k, sums, 6); break;
+                case 7: dot_rows(xr, wj, k, sums, 7); break;
+                default: dot_rows(xr, wj, k, sums, 8); break;
             }
             for (int64_t r = 0; r < count; r++) out[(r0 + r) * n + j] = f32_to_bf16(sums[r] + b);
         }
     }
-    free(xf);
+    free(widened);
     return 0;
 }
-#else
-int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t rows,
-                     int64_t n, int64_t k, int num_threads) {
-    float *xf = malloc((size_t)(rows * k) * sizeof(float));
-    if (xf == NULL) return 1;
-    for (int64_t i = 0; i < rows * k; i++) xf[i] = bf16_to_f32(x[i]);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *wj = w + j * k;
-        const float b = bias == NULL ? 0.0f : bf16_to_f32(bias[j]);
-        for (int64_t r = 0; r < rows; r++) {
-            const float *xr = xf + r * k;
-            float sum = 0.0f;
-            for (int64_t i = 0; i < k; i++) sum += xr[i] * bf16_to_f32(wj[i]);
-            out[r * n + j] = f32_to_bf16(sum + b);
-        }
-    }
-    free(xf);
-    return 0;
-}
-#endif
 
 /* The exponential race of the sampler: token = argmax_v p[v] / E[v] with E[v] ~ Exp(1) draws v with
  * probability p[v] / sum(p) (p need not be normalised). PyTorch's exponential_ draws serially from
