@@ -80,24 +80,24 @@ def plan_matmuls(
     packs = _prepacks(dtype, cpu, prepack, upcast_rows)
     plain_bytes = upcast_copy_bytes // 2  # the bf16 weights the kernel reads, beside packed ones
     plain_fits = not packs or (available_bytes is not None and plain_bytes <= available_bytes // 4)
-    kernel_rows = _kernel_rows(dtype, is_cpu, cpu, small_batch_kernel, upcast_rows, plain_fits)
+    wanted = _kernel_rows(dtype, is_cpu, cpu, small_batch_kernel, upcast_rows)
+    kernel_rows = wanted if plain_fits or small_batch_kernel == "1" else 0
     if kernel_rows and not upcast_rows:
         kept = f"plain weights kept, {plain_bytes >> 20} MiB" if packs else "plain weights"
         notes.append(f"bf16 matmuls of fewer than {kernel_rows} rows through the native kernel ({kept})")
-    elif not plain_fits and _kernel_rows(dtype, is_cpu, cpu, small_batch_kernel, upcast_rows, True):
+    elif wanted and not kernel_rows:
         mib = plain_bytes >> 20
         notes.append(f"bf16 matmuls of every size through oneDNN: plain weights ({mib} MiB) would not fit")
     return MatmulPlan(upcast_rows, packs, copies, tuple(notes), kernel_rows)
 
 
-def _kernel_rows(
-    dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch, upcast_rows: int, plain_fits: bool
-) -> int:
+def _kernel_rows(dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch, upcast_rows: int) -> int:
+    """Rows below which bf16 batches would take the native kernel, memory aside."""
     if dtype != torch.bfloat16 or not is_cpu or mode == "0":
         return 0
     if upcast_rows:  # emulated bf16: below the upcast
         return upcast_rows
-    return NATIVE_BF16_KERNEL_ROWS if mode == "1" or (cpu.has_native_bf16 and plain_fits) else 0
+    return NATIVE_BF16_KERNEL_ROWS if mode == "1" or cpu.has_native_bf16 else 0
 
 
 def _upcast_rows(dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch) -> int:

@@ -2,8 +2,9 @@
 
 `load_paged_decode()` returns the paged decode attention kernel (kernels/paged_decode.c) and
 `load_fused_ops()` the fused bf16 elementwise ops (kernels/fused_ops.c: SiLU-and-multiply, RMSNorm
-with or without the residual add before it, rotary embedding) and the small-batch bf16 matmul of
-CPUs without native bf16;
+with or without the residual add before it, rotary embedding) and the small-batch bf16 matmul;
+both come from one library, built from kernels/decode_stack.c, which includes those two sources
+and adds the decode stack (model/decode_stack.py);
 each is None when it cannot be had (no compiler, a failed build, `native_kernels` off in the
 EngineSettings, i.e. `CORRAL_NATIVE_ATTENTION=0`), and
 callers then use the pure-PyTorch path, which computes the same thing. The libraries are built with
@@ -270,20 +271,21 @@ class FusedOps:
 
 @cache
 def load_paged_decode(settings: EngineSettings) -> PagedDecode | None:
-    lib = _load(SOURCE, "native paged attention", settings)
+    lib = load_decode_stack_library(settings)
     return PagedDecode(lib) if lib is not None else None
 
 
 @cache
 def load_fused_ops(settings: EngineSettings) -> FusedOps | None:
-    lib = _load(FUSED_SOURCE, "native fused bf16 ops", settings)
+    lib = load_decode_stack_library(settings)
     return FusedOps(lib) if lib is not None else None
 
 
 @cache
 def load_decode_stack_library(settings: EngineSettings) -> ctypes.CDLL | None:
-    """The library of model/decode_stack.py's DecodeStack (it also holds the kernels it calls)."""
-    return _load(DECODE_STACK_SOURCE, "native decode stack", settings)
+    """The one library of every native kernel: decode_stack.c includes paged_decode.c and
+    fused_ops.c, so one build (not three) serves PagedDecode, FusedOps and model/decode_stack.py."""
+    return _load(DECODE_STACK_SOURCE, "native CPU kernels", settings)
 
 
 def _load(source: Path, what: str, settings: EngineSettings) -> ctypes.CDLL | None:
