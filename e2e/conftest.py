@@ -72,6 +72,18 @@ def k8s_cluster(k8s_toolchain: Toolchain, tmp_path_factory: pytest.TempPathFacto
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def k8s_crds(k8s_cluster: Cluster) -> Cluster:
+    """The cluster with Corral's CRDs (and kopf's) installed and established, as the chart leaves
+    it: the gateway watches LLMDeployments, and its discovery is not ready until it has listed them."""
+    k8s_cluster.apply(Path(__file__).resolve().parents[1] / "crds")
+    k8s_cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s",
+        "crd/llmdeployments.corral.dev", "crd/clusterkopfpeerings.kopf.dev", "crd/kopfpeerings.kopf.dev",
+    )  # fmt: skip
+    return k8s_cluster
+
+
 @pytest.fixture
 def k8s_namespace(k8s_cluster: Cluster) -> Iterator[str]:
     """A fresh namespace per test, deleted (without waiting) afterwards."""

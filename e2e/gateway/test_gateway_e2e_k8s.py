@@ -51,8 +51,9 @@ def gateway_replicas(gateway: ManagedProcess) -> list[str]:
 
 
 def test_gateway_discovers_pods_and_routes_to_the_engine(
-    k8s_cluster: Cluster, k8s_namespace: str, tiny_model_dir: Path, tmp_path: Path
+    k8s_crds: Cluster, k8s_namespace: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    k8s_cluster = k8s_crds
     port = free_port()
     k8s_cluster.kubectl("apply", "-n", k8s_namespace, "-f", "-", stdin=pod_yaml("engine-0", port))
     pod_ip = k8s_cluster.wait_until("pod ready", lambda: ready_pod_ip(k8s_cluster, k8s_namespace, "engine-0"))

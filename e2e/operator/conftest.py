@@ -12,14 +12,10 @@ from e2e.operator.harness import ROOT, OperatorProcess
 
 
 @pytest.fixture(scope="session")
-def operator_installed(k8s_cluster: Cluster) -> Cluster:
+def operator_installed(k8s_crds: Cluster) -> Cluster:
     """What the chart would install before the operator: CRDs, the operator's RBAC, the peering object."""
+    k8s_cluster = k8s_crds
     k8s_cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    k8s_cluster.apply(ROOT / "crds")
-    k8s_cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s",
-        "crd/llmdeployments.corral.dev", "crd/clusterkopfpeerings.kopf.dev", "crd/kopfpeerings.kopf.dev",
-    )  # fmt: skip
     k8s_cluster.apply(ROOT / "deploy" / "rbac" / "operator.yaml")
     k8s_cluster.apply(ROOT / "deploy" / "peering.yaml")
     return k8s_cluster

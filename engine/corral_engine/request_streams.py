@@ -1,6 +1,7 @@
 """One output queue per request for the engine's asyncio fronts (the threaded AsyncEngine and the
 simulator's AsyncSimEngine): admission checks, a stream that merges outputs that piled up, and an
-abort when the consumer leaves early. Light: asyncio only, no torch."""
+abort when the consumer leaves early; or, for a consumer that asks, a listener called with each
+output as it is delivered (no queue, no task woken per output). Light: asyncio only, no torch."""
 
 from __future__ import annotations
 
@@ -11,11 +12,22 @@ from corral_engine.errors import InvalidRequestError, QueueFullError
 from corral_engine.outputs import RequestOutput, merge_outputs
 
 Queue = asyncio.Queue[RequestOutput | BaseException]
+Listener = Callable[[RequestOutput | BaseException], None]
 
 
-class RequestStreams(dict[str, Queue]):
-    """request id -> its output queue; the step loop puts outputs (or an exception) in, the
-    request's consumer reads them through `stream`."""
+class _Listening:
+    """Where a listened-to request's outputs go: straight to its listener (what a queue's
+    `put_nowait` would be given)."""
+
+    __slots__ = ("put_nowait",)
+
+    def __init__(self, listener: Listener) -> None:
+        self.put_nowait = listener
+
+
+class RequestStreams(dict[str, "Queue | _Listening"]):
+    """request id -> its output queue (or listener); the step loop puts outputs (or an exception)
+    in, the request's consumer reads them through `stream`, or is called with them (`listen`)."""
 
     def check_new(self, request_id: str, max_waiting: int | None, num_waiting: int) -> None:
         """Refuse a duplicate id (400) or a full waiting queue (503 with Retry-After)."""
@@ -30,6 +42,21 @@ class RequestStreams(dict[str, Queue]):
         queue: Queue = asyncio.Queue()
         self[request_id] = queue
         return self._stream(request_id, queue, abort)
+
+    def listen(self, request_id: str, listener: Listener) -> bool:
+        """Call `listener` with each of the request's outputs (and an exception that ends it) as it
+        is put, on the event loop, instead of queueing it for the stream; what is queued already
+        goes to the listener first. The stream must not have been iterated, nor be afterwards.
+        False where the request has no queue (finished already, or unknown): read the stream.
+        The listener must not raise; leaving early is the consumer's to abort, as the stream
+        would have."""
+        queue = self.get(request_id)
+        if not isinstance(queue, asyncio.Queue):
+            return False
+        while not queue.empty():
+            listener(queue.get_nowait())
+        self[request_id] = _Listening(listener)
+        return True
 
     async def _stream(
         self, request_id: str, queue: Queue, abort: Callable[[str], None]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from corral_engine.errors import EngineDeadError
 from corral_engine.outputs import EngineStats, RequestOutput
-from corral_engine.request_streams import RequestStreams
+from corral_engine.request_streams import Listener, RequestStreams
 
 
 class StreamFront:
@@ -51,6 +51,12 @@ class StreamFront:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         self._streams.check_new(request_id, max_waiting, self._stats.num_waiting + self._num_queued())
+
+    def listen(self, request_id: str, listener: Listener) -> bool:
+        """On the event loop: call `listener` with the request's outputs as each step delivers
+        them, instead of queueing them for its stream (`RequestStreams.listen`); False where the
+        request has no queue any more (read its stream then)."""
+        return self._streams.listen(request_id, listener)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

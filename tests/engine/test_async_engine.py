@@ -178,3 +178,48 @@ def test_the_engine_is_built_off_the_event_loops_thread(
     assert loader is not threading.current_thread() and not loader.is_alive()
     with pytest.raises(Exception, match="no-such-model"):
         AsyncEngine(EngineArgs(model=str(tiny_model_dir / "no-such-model"), dtype="float32"))
+
+
+async def test_a_listener_gets_what_was_queued_then_each_output_as_it_comes(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    """The server's streaming path: outputs handed to a callback on the event loop, no queue."""
+    engine = AsyncEngine(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = engine.add_request("l", "hello world", params)
+        queue = engine._streams["l"]
+        assert isinstance(queue, asyncio.Queue)
+        while queue.qsize() < 2:  # not the 20 ms polls of _wait_for: it must not finish meanwhile
+            await asyncio.sleep(0.001)
+        got: list[object] = []
+        done = asyncio.Event()
+
+        def listener(item: object) -> None:
+            got.append(item)
+            if getattr(item, "finished", False):
+                done.set()
+
+        assert engine.listen("l", listener)
+        assert len(got) >= 2  # what had been queued, at once
+        await asyncio.wait_for(done.wait(), 20)
+        outs = [o.outputs[0] for o in got]  # type: ignore[attr-defined]
+        assert [t for o in outs for t in o.delta_token_ids] == outs[-1].token_ids
+        assert len(outs[-1].token_ids) == 200 and "".join(o.delta_text for o in outs) == outs[-1].text
+        assert "l" not in engine._streams  # the final output took the listener out
+        assert not engine.listen("l", listener)  # finished: nothing to listen to
+        await stream.aclose()  # never iterated: closing it does nothing
+
+        # Aborting a listened-to request: its final output (abort) comes to the listener too.
+        engine.add_request("m", "hello", SamplingParams(max_tokens=400, ignore_eos=True))
+        got.clear()
+        done.clear()
+        assert engine.listen("m", listener)
+        await _wait_for(lambda: len(got) >= 2)
+        engine.abort("m")
+        await asyncio.wait_for(done.wait(), 20)
+        assert got[-1].outputs[0].finish_reason == "abort"  # type: ignore[attr-defined]
+        await _wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage_ratio == 0.0)
+    finally:
+        await engine.shutdown()

@@ -9,9 +9,11 @@ from corral_engine.server import create_app
 from tests.server.fake_engine import FakeEngine
 
 
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
+@pytest.fixture(params=["stream", "listen"])
+def engine(request: pytest.FixtureRequest) -> FakeEngine:
+    """Each server test runs against both ways outputs reach a streamed response: read from the
+    request's stream, and handed to the response's listener (the real engine's way)."""
+    return FakeEngine(can_listen=request.param == "listen")
 
 
 @pytest.fixture

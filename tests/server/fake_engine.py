@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,11 @@ class FakeEngine:
     eos_token_ids = (257,)
 
     def __init__(
-        self, max_model_len: int = 256, max_waiting: int | None = None, script: str = "hello world! "
+        self,
+        max_model_len: int = 256,
+        max_waiting: int | None = None,
+        script: str = "hello world! ",
+        can_listen: bool = False,
     ):
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
@@ -67,6 +71,10 @@ class FakeEngine:
         self.gate.set()
         self.is_started = False
         self.is_dead = False
+        self.can_listen = can_listen  # offer `listen`, as the real engine's fronts do
+        self._unread: dict[str, AsyncIterator[RequestOutput]] = {}
+        self._pumps: set[asyncio.Task[None]] = set()
+        self.listened = 0  # requests streamed through `listen`
         self._counters = EngineStats(num_kv_blocks=64, block_size=16)
 
     @property
@@ -119,7 +127,29 @@ class FakeEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         req = FakeRequest(request_id, ids, params)
         self.requests[request_id] = req
-        return self._generate(req)
+        stream = self._generate(req)
+        self._unread[request_id] = stream
+        return stream
+
+    def listen(self, request_id: str, listener: Callable[[RequestOutput | BaseException], None]) -> bool:
+        """As StreamFront.listen: the request's outputs go to `listener` as they come (from a task
+        here) instead of through its stream; False when this engine does not offer it."""
+        stream = self._unread.pop(request_id, None)
+        if not self.can_listen or stream is None:
+            return False
+
+        async def pump() -> None:
+            try:
+                async for out in stream:
+                    listener(out)
+            except Exception as e:
+                listener(e)
+
+        self.listened += 1
+        task = asyncio.create_task(pump())
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
+        return True
 
     def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)

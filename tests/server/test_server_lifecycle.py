@@ -95,6 +95,29 @@ async def test_non_streaming_hang_up_aborts_the_request() -> None:
     assert app.state.ctx.in_flight.count == 0
 
 
+async def test_streaming_hang_up_aborts_the_request(engine: FakeEngine) -> None:
+    """One prompt: streamed through the response's listener where the engine offers one."""
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 200, "stream": True}
+        call = AsgiCall(app, body)
+        task = asyncio.create_task(call.run("/v1/completions"))
+        while sum(m["type"] == "http.response.body" for m in call.sent) < 3:
+            await asyncio.sleep(0.001)
+        call.hang_up.set()
+        await asyncio.wait_for(task, 5)
+        sent = len(call.sent)
+        await asyncio.sleep(0.02)  # nothing more is written once the client has gone
+        assert len(call.sent) == sent
+    assert len(engine.aborted) == 1 and engine.requests == {}
+    assert engine.abort_calls == engine.aborted
+    assert app.state.ctx.in_flight.count == 0
+    assert call.sent[-1].get("more_body") is True  # no end of body for a gone client
+    headers = dict(call.sent[0]["headers"])
+    assert b"content-length" not in headers and headers[b"content-type"].startswith(b"text/event-stream")
+    assert engine.listened == int(engine.can_listen)
+
+
 async def test_streaming_hang_up_aborts_every_prompt() -> None:
     engine = FakeEngine()
     app = create_app(engine)

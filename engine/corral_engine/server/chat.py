@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -23,7 +22,7 @@ from corral_engine.server.context import (
 )
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
 from corral_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
-from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
+from corral_engine.server.streaming import ChunkEncoder, EngineStreamingResponse
 from corral_engine.server.tool_calls import ReplyStream, finish_reason, reply_message
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     logger.debug("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)  # INFO: the access line
     created = now_s()
     if req.stream:
-        return EngineStreamingResponse(_stream(ctx, req, plan, run, created), on_close=run.close)
+        return EngineStreamingResponse(run, _ChatChunks(ctx, req, plan, run, created))
     collected = await collect_unless_disconnected(run, request.receive)
     if collected is None:
         return Response(status_code=499)
@@ -106,20 +105,32 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     return JSONResponse(body)
 
 
-async def _stream(
-    ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, run: GenerationRun, created: int
-) -> AsyncIterator[bytes]:
-    base = {
-        "id": run.request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": ctx.model_name,
-    }
-    # With include_usage every chunk carries "usage": null, and a last one the totals.
-    encoder = ChunkEncoder(base, req.include_usage_in_stream)
-    running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
+class _ChatChunks:
+    """A streamed chat reply's chunks: the role with the first tokens, each choice's content (or
+    tool-call deltas, as the reply's parser reads them), its finish reason once, and the totals at
+    the end where asked."""
 
-    def chunk(
+    def __init__(
+        self, ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, run: GenerationRun, created: int
+    ) -> None:
+        base = {
+            "id": run.request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": ctx.model_name,
+        }
+        self.ctx, self.req = ctx, req
+        # With include_usage every chunk carries "usage": null, and a last one the totals.
+        self.encoder = ChunkEncoder(base, req.include_usage_in_stream)
+        self.running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
+        self.final: RequestOutput | None = None
+        self.sent_finish: set[int] = set()
+        self.pending: dict[int, int] = {}  # tokens not yet sent in a chunk (no text yet), per choice
+        self.replies = [ReplyStream(plan) for _ in range(req.n)]
+        self.is_first = True
+
+    def _chunk(
+        self,
         index: int,
         delta: dict[str, Any],
         finish: str | None = None,
@@ -127,44 +138,40 @@ async def _stream(
         num_tokens: int = 0,
     ) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        if running is None:
-            return encoder.chunk([choice])
-        return encoder.chunk([choice], usage=running.add(num_tokens))
+        if self.running is None:
+            return self.encoder.chunk([choice])
+        return self.encoder.chunk([choice], usage=self.running.add(num_tokens))
 
-    final: RequestOutput | None = None
-    sent_finish: set[int] = set()
-    pending: dict[int, int] = {}  # tokens not yet sent in a chunk (no text yet), per choice
-    replies = [ReplyStream(plan) for _ in range(req.n)]
-    is_first = True
-    try:
-        async for _, out in run.outputs():
-            if is_first:  # the role goes with the first tokens, not before the prompt is computed:
-                is_first = False  # the gateway takes a response's first bytes for that moment
-                for index in range(req.n):
-                    yield chunk(index, {"role": "assistant", "content": ""})
-            for o in out.outputs:
-                if o.index in sent_finish:
-                    continue
-                pending[o.index] = pending.get(o.index, 0) + len(o.delta_token_ids)
-                reply = replies[o.index]
-                deltas = reply.feed(o.delta_text, o.finish_reason is not None)
-                if not deltas and o.delta_logprobs:
-                    deltas = [{"content": ""}]
-                for i, delta in enumerate(deltas):
-                    # A step's logprobs and token count ride on its first chunk.
-                    logprobs = None
-                    if i == 0 and req.num_logprobs is not None:
-                        logprobs = chat_logprobs(o.delta_logprobs or [], req.num_logprobs, ctx.token_text)
-                    num_tokens = pending.pop(o.index, 0) if i == 0 else 0
-                    yield chunk(o.index, delta, logprobs=logprobs, num_tokens=num_tokens)
-                if o.finish_reason is not None:
-                    sent_finish.add(o.index)
-                    finish = finish_reason(o.finish_reason, reply.has_calls)
-                    yield chunk(o.index, {}, finish=finish, num_tokens=pending.pop(o.index, 0))
-            if out.finished:
-                final = out
-        if req.include_usage_in_stream:
-            yield encoder.chunk([], usage=usage([final] if final else []))
-    except Exception as e:
-        yield sse(errors.error_payload(e))
-    yield DONE
+    def feed(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
+        req, pending, events = self.req, self.pending, []
+        if self.is_first:  # the role goes with the first tokens, not before the prompt is computed:
+            self.is_first = False  # the gateway takes a response's first bytes for that moment
+            for index in range(req.n):
+                events.append(self._chunk(index, {"role": "assistant", "content": ""}))
+        for o in out.outputs:
+            if o.index in self.sent_finish:
+                continue
+            pending[o.index] = pending.get(o.index, 0) + len(o.delta_token_ids)
+            reply = self.replies[o.index]
+            deltas = reply.feed(o.delta_text, o.finish_reason is not None)
+            if not deltas and o.delta_logprobs:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                # A step's logprobs and token count ride on its first chunk.
+                logprobs = None
+                if i == 0 and req.num_logprobs is not None:
+                    logprobs = chat_logprobs(o.delta_logprobs or [], req.num_logprobs, self.ctx.token_text)
+                num_tokens = pending.pop(o.index, 0) if i == 0 else 0
+                events.append(self._chunk(o.index, delta, logprobs=logprobs, num_tokens=num_tokens))
+            if o.finish_reason is not None:
+                self.sent_finish.add(o.index)
+                finish = finish_reason(o.finish_reason, reply.has_calls)
+                events.append(self._chunk(o.index, {}, finish=finish, num_tokens=pending.pop(o.index, 0)))
+        if out.finished:
+            self.final = out
+        return events
+
+    def end(self) -> list[bytes]:
+        if not self.req.include_usage_in_stream:
+            return []
+        return [self.encoder.chunk([], usage=usage([self.final] if self.final else []))]

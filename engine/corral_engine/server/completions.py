@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -22,7 +21,7 @@ from corral_engine.server.context import (
 )
 from corral_engine.server.generation import Collected, GenerationRun, collect_unless_disconnected
 from corral_engine.server.logprobs import completion_logprobs, prompt_logprobs_json, unscored
-from corral_engine.server.streaming import DONE, ChunkEncoder, EngineStreamingResponse, sse
+from corral_engine.server.streaming import ChunkEncoder, EngineStreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     logger.debug("request %s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
     created = now_s()
     if req.stream:
-        return EngineStreamingResponse(_stream(ctx, req, run, created, echo), on_close=run.close)
+        return EngineStreamingResponse(run, _CompletionChunks(ctx, req, run, created, echo))
     collected = await collect_unless_disconnected(run, request.receive)
     if collected is None:
         return Response(status_code=499)
@@ -154,35 +153,43 @@ def _choice(
     }
 
 
-async def _stream(
-    ctx: ServerContext, req: CompletionRequest, run: GenerationRun, created: int, echo: list[str]
-) -> AsyncIterator[bytes]:
-    base = {"id": run.request_id, "object": "text_completion", "created": created, "model": ctx.model_name}
-    # With include_usage every chunk carries "usage": null, and a last one the totals.
-    encoder = ChunkEncoder(base, req.include_usage_in_stream)
-    running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
-    finals: dict[int, RequestOutput] = {}
-    sent_finish: set[int] = set()
-    offsets: dict[int, int] = {}
-    try:
-        async for prompt_index, out in run.outputs():
-            for o in out.outputs:
-                index = prompt_index * req.n + o.index
-                if index in sent_finish or not (o.delta_text or o.delta_token_ids or o.finish_reason):
-                    continue
-                if o.finish_reason is not None:
-                    sent_finish.add(index)
-                text = o.delta_text if index in offsets else echo[prompt_index] + o.delta_text
-                choice = _choice(ctx, req, index, o, text, o.delta_logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(text)
-                if running is None:
-                    yield encoder.chunk([choice])
-                else:
-                    yield encoder.chunk([choice], usage=running.add(len(o.delta_token_ids)))
-            if out.finished:
-                finals[prompt_index] = out
-        if req.include_usage_in_stream:
-            yield encoder.chunk([], usage=usage(list(finals.values())))
-    except Exception as e:
-        yield sse(errors.error_payload(e))
-    yield DONE
+class _CompletionChunks:
+    """A streamed completion's chunks: each choice's new text (after echo's prompt, on its first
+    chunk), its finish reason once, and the totals at the end where asked."""
+
+    def __init__(
+        self, ctx: ServerContext, req: CompletionRequest, run: GenerationRun, created: int, echo: list[str]
+    ) -> None:
+        base = {"id": run.request_id, "object": "text_completion", "created": created}
+        base["model"] = ctx.model_name
+        self.ctx, self.req, self.echo = ctx, req, echo
+        # With include_usage every chunk carries "usage": null, and a last one the totals.
+        self.encoder = ChunkEncoder(base, req.include_usage_in_stream)
+        self.running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
+        self.finals: dict[int, RequestOutput] = {}
+        self.sent_finish: set[int] = set()
+        self.offsets: dict[int, int] = {}
+
+    def feed(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
+        req, offsets, events = self.req, self.offsets, []
+        for o in out.outputs:
+            index = prompt_index * req.n + o.index
+            if index in self.sent_finish or not (o.delta_text or o.delta_token_ids or o.finish_reason):
+                continue
+            if o.finish_reason is not None:
+                self.sent_finish.add(index)
+            text = o.delta_text if index in offsets else self.echo[prompt_index] + o.delta_text
+            choice = _choice(self.ctx, req, index, o, text, o.delta_logprobs, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(text)
+            if self.running is None:
+                events.append(self.encoder.chunk([choice]))
+            else:
+                events.append(self.encoder.chunk([choice], usage=self.running.add(len(o.delta_token_ids))))
+        if out.finished:
+            self.finals[prompt_index] = out
+        return events
+
+    def end(self) -> list[bytes]:
+        if not self.req.include_usage_in_stream:
+            return []
+        return [self.encoder.chunk([], usage=usage(list(self.finals.values())))]

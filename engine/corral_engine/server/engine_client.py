@@ -1,8 +1,12 @@
-"""The surface of AsyncEngine the server uses; tests satisfy it with a fake engine."""
+"""The surface of AsyncEngine the server uses; tests satisfy it with a fake engine.
+
+An engine may also offer `listen(request_id, listener) -> bool` (`StreamFront.listen`: the
+request's outputs handed to a callback as they arrive, instead of read from its stream); the
+server streams through it where it is there (`GenerationRun.listen`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from corral_engine.outputs import EngineStats, RequestOutput
@@ -28,3 +32,7 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+
+class ListeningEngine(Protocol):
+    def listen(self, request_id: str, listener: Callable[[RequestOutput | BaseException], None]) -> bool: ...

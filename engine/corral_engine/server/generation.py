@@ -10,14 +10,15 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from corral_engine.errors import InvalidRequestError
 from corral_engine.outputs import RequestOutput, TokenLogprob
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import access
-from corral_engine.server.engine_client import EngineClient
+from corral_engine.server.engine_client import EngineClient, ListeningEngine
 from corral_engine.server.metrics import RequestProgress, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -121,17 +122,49 @@ class GenerationRun:
                     await aclose()
         self._in_flight.leave()
 
+    def _account(self, index: int, out: RequestOutput, progress: RequestProgress) -> None:
+        """Metrics and bookkeeping for each output of prompt `index`, however it arrives."""
+        self.metrics.observe_output(out, progress)
+        if out.finished:
+            self._unfinished.discard(self._ids[index])
+            self.metrics.observe_finished(out)
+            access.count_tokens(out)
+
     async def _follow(self, index: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         progress = RequestProgress()
         async for out in self._streams[index]:
-            self.metrics.observe_output(out, progress)
-            if out.finished:
-                self._unfinished.discard(self._ids[index])
-                self.metrics.observe_finished(out)
-                access.count_tokens(out)
+            self._account(index, out, progress)
             yield index, out
         # The stream may end without a finished output (e.g. after an abort).
         self._unfinished.discard(self._ids[index])
+
+    def listen(
+        self,
+        on_output: Callable[[int, RequestOutput], None],
+        on_end: Callable[[BaseException | None], None],
+    ) -> bool:
+        """Instead of `outputs()`: on the event loop, `on_output(0, output)` for each output of a
+        one-prompt run as its step delivers it, then `on_end(None)` after the final one, or
+        `on_end(error)` where the engine ends it with an error. Neither is called once the run is
+        closed. False where the engine cannot call back (or the run has several prompts, or the
+        request finished already): iterate `outputs()` then. Saves a queue, a task wake-up and
+        three async generators per output: ~5 of the event loop's ~30 µs a streamed token."""
+        if self.num_prompts != 1 or not hasattr(self.engine, "listen"):
+            return False
+        progress = RequestProgress()
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            if self._closed:
+                return
+            if isinstance(item, BaseException):
+                on_end(item)
+                return
+            self._account(0, item, progress)
+            on_output(0, item)
+            if item.finished:
+                on_end(None)
+
+        return cast(ListeningEngine, self.engine).listen(self._ids[0], deliver)
 
     def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs as they arrive, across all prompts (one prompt, the usual

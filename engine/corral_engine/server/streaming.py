@@ -1,7 +1,10 @@
 """Server-Sent Events as OpenAI sends them, and a streaming response that always cleans up.
 
-The response watches the client's connection itself (whatever ASGI spec the server speaks), and
-on any exit closes the body iterator and runs `on_close`, which aborts unfinished engine requests.
+The response takes a generation's outputs through its listener where the engine offers one: each
+step's outputs are encoded and written from the engine's one callback per step, no task woken and
+no queue per token; else it reads the run's stream. It watches the client's connection itself
+(whatever ASGI spec the server speaks), and on any exit closes the run, which aborts unfinished
+engine requests.
 """
 
 from __future__ import annotations
@@ -10,11 +13,15 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, Protocol
 
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from corral_engine.outputs import RequestOutput
+from corral_engine.server import errors
+from corral_engine.server.generation import GenerationRun, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -44,30 +51,185 @@ class ChunkEncoder:
         return self._head + _JSON.encode(choices).encode() + tail
 
 
-class EngineStreamingResponse(StreamingResponse):
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._content = content
-        self._on_close = on_close
+class StreamChunks(Protocol):
+    """A streamed response's SSE events, from a generation's outputs (`data: [DONE]` is the
+    response's own). May raise: the stream then ends with an error event."""
+
+    def feed(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
+        """The events one output adds."""
+        ...
+
+    def end(self) -> list[bytes]:
+        """The events after the last output (the usage chunk, where asked)."""
+        ...
+
+
+def _body(data: bytes) -> Message:
+    return {"type": "http.response.body", "body": data, "more_body": True}
+
+
+async def _run_rest(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+    """Run a coroutine started by hand, now waiting on `waiting_on` (what it yielded: a future,
+    or None for a bare yield), to its end, as a task would have."""
+    while True:
+        try:
+            if waiting_on is None:
+                await asyncio.sleep(0)
+            else:  # wait beside it (awaiting it here too would be a second await of one future)
+                await asyncio.wait({waiting_on})
+        except BaseException as e:  # this task was cancelled: pass it on into the coroutine
+            try:
+                waiting_on = coro.throw(e)
+            except StopIteration:
+                return
+            continue
+        try:
+            waiting_on = coro.send(None)  # its own await of the future now returns (or raises)
+        except StopIteration:
+            return
+
+
+class ChunkWriter:
+    """A response body written from plain callbacks, in order. ASGI's `send` is a coroutine, yet
+    neither uvicorn's nor the middleware's waits unless the connection is paused (the client reads
+    slower than the engine writes), so it is run to its end right there, as Python 3.12's eager
+    tasks would: no task per chunk. Where it does wait, it finishes on a task, and what is written
+    meanwhile goes out after it as one write. A send that fails (the client went away) sets
+    `failed`; later writes are dropped."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._queued: list[bytes] = []
+        self._flushing: asyncio.Task[None] | None = None
+        self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def write(self, data: bytes) -> None:
+        if self.failed.done():
+            return
+        if self._flushing is not None:
+            self._queued.append(data)
+            return
+        sent = self._send(_body(data))
+        waiting_on = None
+        if isinstance(sent, Coroutine):
+            try:
+                waiting_on = sent.send(None)
+            except StopIteration:
+                return
+            except Exception as e:
+                self._fail(e)
+                return
+        # The send waits (or is an awaitable of another kind): it finishes on a task.
+        self._flushing = asyncio.ensure_future(self._flush(sent, waiting_on))
+
+    async def _flush(self, sent: Awaitable[None], waiting_on: Any) -> None:
+        try:
+            if isinstance(sent, Coroutine):
+                await _run_rest(sent, waiting_on)
+            else:
+                await sent
+            while self._queued and not self.failed.done():
+                data = b"".join(self._queued)
+                self._queued.clear()
+                await self._send(_body(data))
+        except Exception as e:
+            self._fail(e)
+        finally:
+            self._flushing = None
+
+    def _fail(self, error: Exception) -> None:
+        if isinstance(error, OSError):  # the connection went
+            logger.debug("streamed write failed: %r", error)
+        else:
+            logger.error("streamed write failed", exc_info=error)
+        self._queued.clear()
+        if not self.failed.done():
+            self.failed.set_result(None)
+
+    async def drain(self) -> None:
+        """Until what was written has gone to the server (or the connection failed)."""
+        while self._flushing is not None and not self._flushing.done():
+            await asyncio.wait({self._flushing})
+
+    def close(self) -> None:
+        if self._flushing is not None:
+            self._flushing.cancel()
+
+
+class EngineStreamingResponse(Response):
+    """A generation streamed as SSE events: each output through `chunks`, then `data: [DONE]`."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, run: GenerationRun, chunks: StreamChunks) -> None:
+        # Not Response.__init__, which sets a body and with it a Content-Length of 0.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._run = run
+        self._chunks = chunks
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.create_task(self.stream_response(send))
-        watcher = asyncio.create_task(self.listen_for_disconnect(receive))
+        loop = asyncio.get_running_loop()
+        # The error to report in the stream (None: it ended well), once the last output is in.
+        ended: asyncio.Future[BaseException | None] = loop.create_future()
+        writer = ChunkWriter(send)
+        chunks = self._chunks
+
+        def on_output(prompt_index: int, out: RequestOutput) -> None:
+            if ended.done():
+                return
+            try:
+                for data in chunks.feed(prompt_index, out):
+                    writer.write(data)
+            except Exception as e:
+                on_end(e)
+
+        def on_end(error: BaseException | None) -> None:
+            if not ended.done():
+                ended.set_result(error)
+
+        async def pull() -> None:
+            try:
+                async for prompt_index, out in self._run.outputs():
+                    on_output(prompt_index, out)
+                    await writer.drain()  # a slow client holds the stream here, not in memory
+            except Exception as e:
+                on_end(e)
+            on_end(None)
+
+        watcher = asyncio.create_task(wait_for_disconnect(receive))
+        tasks: set[asyncio.Future[Any]] = {watcher}
         try:
-            done, _ = await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if stream not in done:
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            if not self._run.listen(on_output, on_end):
+                tasks.add(asyncio.create_task(pull()))
+            waits: set[asyncio.Future[Any]] = {ended, watcher, writer.failed}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done():
                 logger.info("client disconnected mid-stream")
+                return
+            error = ended.result()
+            if error is None:
+                try:
+                    for data in chunks.end():
+                        writer.write(data)
+                except Exception as e:
+                    error = e
+            if error is not None:
+                writer.write(sse(errors.error_payload(error)))
+            writer.write(DONE)
+            await writer.drain()
+            if not writer.failed.done():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the connection went while sending the start or the end
+            logger.info("client disconnected mid-stream")
         finally:
-            for task in (stream, watcher):
+            writer.close()
+            for task in tasks:
                 task.cancel()
-            for task in (stream, watcher):
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
-            aclose = getattr(self._content, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            await self._on_close()
+            await self._run.close()
