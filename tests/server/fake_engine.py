@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -146,7 +147,8 @@ class FakeEngine:
                 listener(e)
 
         self.listened += 1
-        task = asyncio.create_task(pump())
+        # As the real engine's step delivery does, call back outside the request's context.
+        task = asyncio.create_task(pump(), context=contextvars.Context())
         self._pumps.add(task)
         task.add_done_callback(self._pumps.discard)
         return True

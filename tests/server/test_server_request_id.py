@@ -41,6 +41,22 @@ async def test_incoming_id_names_the_response_and_the_log_line(
     assert "secret prompt" not in caplog.text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_streamed_request_is_logged_with_its_tokens(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 5, "stream": True}
+    body.update(
+        {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    r = await client.post(path, json=body, headers={"x-request-id": "s1"})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    [record] = access_records(caplog)
+    assert record.__dict__["request_id"] == "s1" and record.__dict__["completion_tokens"] == 5
+    assert record.__dict__["prompt_tokens"] > 0
+
+
 async def test_streamed_chunks_carry_the_incoming_id(client: httpx.AsyncClient) -> None:
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}
     r = await client.post("/v1/completions", json=body, headers={"x-request-id": "abc123"})

@@ -219,8 +219,11 @@ class ServerMetrics:
 
     def observe_output(self, out: RequestOutput, progress: RequestProgress) -> None:
         """Inter-token latency from engine timestamps; several tokens in one output split the gap."""
-        m = out.metrics
-        num_steps = max((len(o.delta_token_ids) for o in out.outputs), default=0)
+        m, seqs = out.metrics, out.outputs
+        if len(seqs) == 1:  # the usual case, without a generator per token
+            num_steps = len(seqs[0].delta_token_ids)
+        else:
+            num_steps = max((len(o.delta_token_ids) for o in seqs), default=0)
         if num_steps == 0 or m.last_token_time is None:
             return
         if not progress.saw_first_token:

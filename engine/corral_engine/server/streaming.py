@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Coroutine
+from types import CoroutineType
 from typing import Any, Protocol
 
 from starlette.responses import Response
@@ -111,7 +112,7 @@ class ChunkWriter:
             return
         sent = self._send(_body(data))
         waiting_on = None
-        if isinstance(sent, Coroutine):
+        if type(sent) is CoroutineType:  # (not the Coroutine ABC's isinstance: a token's cost)
             try:
                 waiting_on = sent.send(None)
             except StopIteration:
@@ -124,7 +125,7 @@ class ChunkWriter:
 
     async def _flush(self, sent: Awaitable[None], waiting_on: Any) -> None:
         try:
-            if isinstance(sent, Coroutine):
+            if isinstance(sent, CoroutineType):
                 await _run_rest(sent, waiting_on)
             else:
                 await sent
