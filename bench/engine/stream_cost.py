@@ -1,0 +1,238 @@
+"""The engine server's own CPU per streamed token, without the model: `corral engine --simulate`
+(the real server, scheduler and streaming; each step a fixed sleep) replayed with `corral bench`.
+
+    .venv/bin/python bench/engine/stream_cost.py [--workloads W1,W2] [--rounds 3] [--ref-dir DIR]
+
+The served engine's event loop shares two cores with its step thread; every µs it spends per token
+is a µs the steps lose (docs/engine-speed.md, "Served against offline on two cores"). With the
+model out of the way, what is left to measure is the HTTP side: request handling, the per-step
+delivery of outputs, chunk encoding, the ASGI send and the socket write, plus the simulator's own
+scheduling (the same in both arms of an A/B). The server's CPU comes from /proc per thread
+(`proc_cpu.py`), the load generator's from its own report. `--ref-dir` runs another checkout's
+packages (its engine/, cli/, gateway/ and operator/ first on PYTHONPATH) in alternate rounds, so
+both arms meet the same machine. Writes JSON and a PNG plot to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import compare
+import proc_cpu
+import workloads
+
+log = logging.getLogger("stream_cost")
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "cli", "gateway", "operator")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="W1,W2", help="from workloads.py (all at once, streamed)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--step-ms", type=float, default=10.0, help="each simulated step's fixed time")
+    p.add_argument("--token-us", type=float, default=50.0, help="and its time per batched token")
+    p.add_argument("--ref-dir", type=Path, help="another checkout to measure in alternate rounds")
+    p.add_argument("--port", type=int, default=18431)
+    p.add_argument("--out-dir", type=Path, help="default: bench/results/stream-cost-<UTC time>")
+    return p.parse_args()
+
+
+def write_profile(path: Path, step_ms: float, token_us: float) -> Path:
+    """A fitted profile whose step takes step_ms plus token_us per batched token, no more."""
+    profile = {
+        "name": "fixed-step",
+        "kind": "fitted",
+        "coefficients": [step_ms / 1e3, 0.0, token_us / 1e6, 0.0, 0.0],
+        "num_kv_blocks": 20000,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 2048,
+        "max_model_len": 4096,
+    }
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def env_for(checkout: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if checkout is not None:
+        env["PYTHONPATH"] = os.pathsep.join(str(checkout / p) for p in PACKAGES)
+    return env
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the simulated engine exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(base_url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f} s")
+
+
+def bench(
+    base_url: str, model: Path, dataset: Path, num: int, out: Path, env: dict[str, str]
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "corral_cli.main", "bench", "--base-url", base_url, "--dataset", str(dataset),
+        "--num-prompts", str(num), "--tokenizer", str(model), "--ignore-eos", "--request-rate", "inf",
+        "--seed", "0", "--no-progress", "--result-file", str(out), "--temperature", "0",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    run: dict[str, Any] = json.loads(out.read_text())["runs"][0]
+    return run
+
+
+def measure(
+    arm: str,
+    checkout: Path | None,
+    profile: Path,
+    model: Path,
+    sets: dict[str, tuple[Path, int]],
+    args: argparse.Namespace,
+    work: Path,
+) -> list[dict[str, Any]]:
+    """One server of this arm, a warm-up, then each workload once: CPU per output token."""
+    env = env_for(checkout)
+    base_url = f"http://127.0.0.1:{args.port}"
+    argv = [
+        sys.executable,
+        "-m",
+        "corral_cli.main",
+        "engine",
+        "--simulate",
+        str(profile),
+        "--model",
+        str(model),
+    ]
+    argv += ["--port", str(args.port), "--max-num-seqs", "256"]
+    with open(work / f"server-{arm}.log", "ab") as server_log:
+        server = subprocess.Popen(argv, env=env, stdout=server_log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(base_url, server)
+            first = next(iter(sets.values()))
+            bench(base_url, model, first[0], 4, work / "warmup.json", env)
+            rows = []
+            for name, (dataset, num) in sets.items():
+                before = proc_cpu.snapshot(server.pid)
+                run = bench(base_url, model, dataset, num, work / f"{arm}-{name}.json", env)
+                used = proc_cpu.delta(before, proc_cpu.snapshot(server.pid), server.pid)
+                tokens = int(run["total_output_tokens"])
+                main = (used or {}).get("main_thread") or {}
+                rows.append(
+                    {
+                        "arm": arm,
+                        "workload": name,
+                        "output_tokens": tokens,
+                        "duration_s": run["duration_s"],
+                        "server_us_per_token": 1e6 * (used or {}).get("cpu_s", float("nan")) / tokens,
+                        "event_loop_us_per_token": 1e6 * main.get("cpu_s", float("nan")) / tokens,
+                        "client_us_per_token": 1e6 * float(run.get("client_cpu_s") or float("nan")) / tokens,
+                    }
+                )
+            return rows
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = sorted({r["arm"] for r in rows})
+    names = sorted({r["workload"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        medians = [
+            statistics.median(
+                r["server_us_per_token"] for r in rows if r["arm"] == arm and r["workload"] == n
+            )
+            for n in names
+        ]
+        ax.bar([j + i * width for j in range(len(names))], medians, width, label=arm)
+    ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(names))], names)
+    ax.set_ylabel("server CPU µs per streamed token (median)")
+    ax.set_title("Engine server's own cost per streamed token (simulated steps)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args()
+    out_dir = (
+        args.out_dir
+        or REPO / "bench" / "results" / f"stream-cost-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = compare.ensure_model()
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    sets = {}
+    for name in names:
+        records = workloads.build(name, model)
+        sets[name] = (workloads.write(records, out_dir / "workloads" / f"{name}.jsonl"), len(records))
+    arms: list[tuple[str, Path | None]] = [("this checkout", None)]
+    if args.ref_dir is not None:
+        arms.insert(0, (f"ref {args.ref_dir.name}", args.ref_dir.resolve()))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = write_profile(Path(tmp) / "fixed-step.json", args.step_ms, args.token_us)
+        for round_ in range(args.rounds):
+            for arm, checkout in arms:
+                for row in measure(arm, checkout, profile, model, sets, args, out_dir):
+                    row["round"] = round_ + 1
+                    rows.append(row)
+                    log.info(
+                        "round %d, %s, %s: server %.1f µs/token (event loop %.1f), client %.1f, %.2f s",
+                        round_ + 1, arm, row["workload"], row["server_us_per_token"],
+                        row["event_loop_us_per_token"], row["client_us_per_token"], row["duration_s"],
+                    )  # fmt: skip
+    lines = [
+        "| arm | workload | server µs/token (median) | event loop | client | each round (server) |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for arm, _ in arms:
+        for name in names:
+            mine = [r for r in rows if r["arm"] == arm and r["workload"] == name]
+            server, loop, client = (
+                statistics.median(r[k] for r in mine)
+                for k in ("server_us_per_token", "event_loop_us_per_token", "client_us_per_token")
+            )
+            each = ", ".join(f"{r['server_us_per_token']:.1f}" for r in mine)
+            lines.append(f"| {arm} | {name} | {server:.1f} | {loop:.1f} | {client:.1f} | {each} |")
+    table = "\n".join(lines)
+    (out_dir / "table.md").write_text(table + "\n")
+    log.info("\n%s", table)
+    result = {
+        "command": " ".join(["bench/engine/stream_cost.py", *sys.argv[1:]]),
+        "machine": compare.machine_info(),
+        "rows": rows,
+    }
+    (out_dir / "stream-cost.json").write_text(json.dumps(result, indent=1))
+    log.info("wrote %s and %s", out_dir / "stream-cost.json", plot(rows, out_dir / "stream-cost.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
