@@ -7,6 +7,7 @@ import signal
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from corral_engine import wire
 from corral_engine.outputs import EngineStats
@@ -95,11 +96,14 @@ async def test_non_streaming_hang_up_aborts_the_request() -> None:
     assert app.state.ctx.in_flight.count == 0
 
 
-async def test_streaming_hang_up_aborts_the_request(engine: FakeEngine) -> None:
-    """One prompt: streamed through the response's listener where the engine offers one."""
+@pytest.mark.parametrize("prompt", ["a", ["a", "b"]], ids=["one prompt", "two prompts"])
+async def test_streaming_hang_up_aborts_every_prompt(engine: FakeEngine, prompt: str | list[str]) -> None:
+    """One prompt streams through the response's listener where the engine offers one; several
+    are read from their merged streams."""
+    num_prompts = 1 if isinstance(prompt, str) else len(prompt)
     app = create_app(engine)
     async with app.router.lifespan_context(app):
-        body = {"model": MODEL, "prompt": "a", "max_tokens": 200, "stream": True}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "stream": True}
         call = AsgiCall(app, body)
         task = asyncio.create_task(call.run("/v1/completions"))
         while sum(m["type"] == "http.response.body" for m in call.sent) < 3:
@@ -109,32 +113,16 @@ async def test_streaming_hang_up_aborts_the_request(engine: FakeEngine) -> None:
         sent = len(call.sent)
         await asyncio.sleep(0.02)  # nothing more is written once the client has gone
         assert len(call.sent) == sent
-    assert len(engine.aborted) == 1 and engine.requests == {}
-    assert engine.abort_calls == engine.aborted
-    assert app.state.ctx.in_flight.count == 0
-    assert call.sent[-1].get("more_body") is True  # no end of body for a gone client
-    headers = dict(call.sent[0]["headers"])
-    assert b"content-length" not in headers and headers[b"content-type"].startswith(b"text/event-stream")
-    assert engine.listened == int(engine.can_listen)
-
-
-async def test_streaming_hang_up_aborts_every_prompt() -> None:
-    engine = FakeEngine()
-    app = create_app(engine)
-    async with app.router.lifespan_context(app):
-        body = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 200, "stream": True}
-        call = AsgiCall(app, body)
-        task = asyncio.create_task(call.run("/v1/completions"))
-        while sum(m["type"] == "http.response.body" for m in call.sent) < 3:
-            await asyncio.sleep(0.001)
-        call.hang_up.set()
-        await asyncio.wait_for(task, 5)
-    assert len(engine.aborted) == 2 and engine.requests == {}
+    assert len(engine.aborted) == num_prompts and engine.requests == {}
     assert sorted(engine.abort_calls) == sorted(engine.aborted)
     assert app.state.ctx.in_flight.count == 0
+    assert engine.listened == int(engine.can_listen and num_prompts == 1)
+    assert call.sent[-1].get("more_body") is True  # no end of body for a gone client
     start = call.sent[0]
     assert start["status"] == 200
-    assert wire.HEADER_NUM_RUNNING.encode() in dict(start["headers"])
+    headers = dict(start["headers"])
+    assert wire.HEADER_NUM_RUNNING.encode() in headers
+    assert b"content-length" not in headers and headers[b"content-type"].startswith(b"text/event-stream")
 
 
 async def test_health_is_503_before_start_and_while_draining(engine: FakeEngine) -> None:
