@@ -108,7 +108,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
     """None when /v1/models answers; otherwise why not."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -143,7 +143,7 @@ def run_served(
             start_new_session=True,
         )
         try:
-            problem = _wait_ready(base_url, proc, SERVER_START_TIMEOUT_S)
+            problem = wait_ready(base_url, proc, SERVER_START_TIMEOUT_S)
             result["startup_s"] = time.monotonic() - t0
             if problem is not None:
                 result["error"] = problem

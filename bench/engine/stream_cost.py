@@ -24,12 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import compare
 import proc_cpu
+import runner
 import workloads
 
 log = logging.getLogger("stream_cost")
@@ -44,7 +44,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-ms", type=float, default=10.0, help="each simulated step's fixed time")
     p.add_argument("--token-us", type=float, default=50.0, help="and its time per batched token")
     p.add_argument("--ref-dir", type=Path, help="another checkout to measure in alternate rounds")
-    p.add_argument("--port", type=int, default=18431)
     p.add_argument("--out-dir", type=Path, help="default: bench/results/stream-cost-<UTC time>")
     return p.parse_args()
 
@@ -71,19 +70,6 @@ def env_for(checkout: Path | None) -> dict[str, str]:
     return env
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the simulated engine exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(base_url + "/health", timeout=1)
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f} s")
-
-
 def bench(
     base_url: str, model: Path, dataset: Path, num: int, out: Path, env: dict[str, str]
 ) -> dict[str, Any]:
@@ -108,7 +94,8 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One server of this arm, a warm-up, then each workload once: CPU per output token."""
     env = env_for(checkout)
-    base_url = f"http://127.0.0.1:{args.port}"
+    port = runner.free_port()
+    base_url = f"http://127.0.0.1:{port}"
     argv = [
         sys.executable,
         "-m",
@@ -119,11 +106,13 @@ def measure(
         "--model",
         str(model),
     ]
-    argv += ["--port", str(args.port), "--max-num-seqs", "256"]
+    argv += ["--port", str(port), "--max-num-seqs", "256"]
     with open(work / f"server-{arm}.log", "ab") as server_log:
         server = subprocess.Popen(argv, env=env, stdout=server_log, stderr=subprocess.STDOUT)
         try:
-            wait_healthy(base_url, server)
+            problem = runner.wait_ready(base_url, server, 120.0)
+            if problem is not None:
+                raise RuntimeError(f"the simulated engine: {problem}")
             first = next(iter(sets.values()))
             bench(base_url, model, first[0], 4, work / "warmup.json", env)
             rows = []

@@ -129,14 +129,15 @@ class FakeEngine:
         req = FakeRequest(request_id, ids, params)
         self.requests[request_id] = req
         stream = self._generate(req)
-        self._unread[request_id] = stream
+        if self.can_listen:
+            self._unread[request_id] = stream
         return stream
 
     def listen(self, request_id: str, listener: Callable[[RequestOutput | BaseException], None]) -> bool:
         """As StreamFront.listen: the request's outputs go to `listener` as they come (from a task
         here) instead of through its stream; False when this engine does not offer it."""
         stream = self._unread.pop(request_id, None)
-        if not self.can_listen or stream is None:
+        if stream is None:  # listening not offered, or asked twice
             return False
 
         async def pump() -> None:
