@@ -41,8 +41,13 @@ def test_random_workload_counts_tokens_and_preemptions(tiny_model_dir: Path, tmp
     assert run["total_output_tokens"] == 16 * 32  # --ignore-eos: exactly what was asked
     assert preempted > 0
     assert run["num_preemptions"] == preempted
-    for kind in ("ttft", "tpot", "itl", "e2el"):
+    for kind in ("ttft", "tpot", "e2el"):
         assert 0 < run[f"median_{kind}_ms"] <= run[f"p99_{kind}_ms"]
+    # Every event of one network read is timed at that read, so a client that falls behind the
+    # engine (a busy CI machine: the tiny model's steps take about a millisecond) reads several
+    # tokens' events at once and most gaps are 0; the long ones between reads remain.
+    assert 0 <= run["median_itl_ms"] <= run["p99_itl_ms"]
+    assert run["p99_itl_ms"] > 0
     assert run["mean_ttft_ms"] < run["mean_e2el_ms"]
     assert "TTFT" in proc.stdout and "server preemptions" in proc.stdout
 
