@@ -2,8 +2,9 @@
 
 The model's forward pass blocks, so the engine steps on a dedicated thread while the event loop
 keeps serving HTTP. Requests and aborts cross to the step thread through queues; outputs come back
-through `loop.call_soon_threadsafe`, one callback per step for all requests. A request's consumer
-that falls behind gets the outputs queued meanwhile merged into one.
+through `loop.call_soon_threadsafe`, one callback per step for all requests, or one for several steps
+where the loop fell behind them (their outputs merged per request: `StreamFront`). A request's
+consumer that falls behind gets the outputs queued meanwhile merged into one.
 
 The engine is built (weights loaded, KV cache allocated) on a thread that then exits, never on
 the event loop's: see `_build_off_thread`.

@@ -123,4 +123,6 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
                 delta_logprobs=logprobs,
             )
         )
-    return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics)
+    return RequestOutput(
+        later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics, later.prompt_logprobs
+    )

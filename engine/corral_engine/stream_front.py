@@ -9,18 +9,27 @@ of the engine-core process needs it.
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
 from collections.abc import Callable
 
 from corral_engine.errors import EngineDeadError
-from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.outputs import EngineStats, RequestOutput, merge_outputs
 from corral_engine.request_streams import Listener, RequestStreams
+
+# What the receiving thread hands the event loop: a step's outputs, or a call to make there.
+_Posted = list[RequestOutput] | Callable[[], object]
 
 
 class StreamFront:
     """The event loop's side of a step loop, whichever thread or process runs it: one output queue
-    per request, filled through `loop.call_soon_threadsafe` from the thread that receives a step's
-    results, one callback per step for all requests."""
+    (or listener) per request, filled on the event loop from what the thread that receives the
+    steps' results posts: one wake-up (`loop.call_soon_threadsafe`) per step for all requests
+    while the loop keeps up, and one for all the steps posted meanwhile when it falls behind, each
+    request's outputs from those merged into one (as vLLM's output collector does): a busy loop
+    then writes one event of several tokens to each stream instead of catching up a token at a
+    time."""
 
     def __init__(self) -> None:
         self._streams = RequestStreams()
@@ -31,6 +40,8 @@ class StreamFront:
         # Called after every step with (duration_s, num_batched_tokens), on the thread that
         # receives the step; must be thread-safe and quick (a Prometheus histogram observe is).
         self.on_step: Callable[[float, int], None] | None = None
+        self._posted: list[_Posted] = []  # from the receiving thread, for the event loop
+        self._posted_lock = threading.Lock()
 
     def stats(self) -> EngineStats:
         """The state after the last step, as vLLM reports it: `num_waiting` counts requests the
@@ -67,9 +78,41 @@ class StreamFront:
         return not self._streams
 
     # -- from the receiving thread --------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _post(self, item: _Posted) -> None:
+        """Hand `item` to the event loop, after what was posted before it; the loop is woken only
+        where nothing posted is waiting for it already (`_take_posted` takes it all)."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put_outputs, outputs)
+        with self._posted_lock:
+            self._posted.append(item)
+            if len(self._posted) > 1:
+                return
+        self._loop.call_soon_threadsafe(self._take_posted)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._post(outputs)
+
+    def _take_posted(self) -> None:
+        """On the event loop: everything posted since the last call, in order; the outputs of
+        steps posted back to back go out merged, one output per request."""
+        with self._posted_lock:
+            posted, self._posted = self._posted, []
+        if len(posted) == 1 and isinstance(posted[0], list):  # the loop kept up with the steps
+            self._put_outputs(posted[0])
+            return
+        pending: dict[str, RequestOutput] = {}
+        for item in posted:
+            if isinstance(item, list):
+                # No output follows a finished one: its id stays taken until that is put here.
+                for output in item:
+                    earlier = pending.get(output.request_id)
+                    pending[output.request_id] = output if earlier is None else merge_outputs(earlier, output)
+                continue
+            if pending:
+                self._put_outputs(list(pending.values()))
+                pending = {}
+            item()
+        if pending:
+            self._put_outputs(list(pending.values()))
 
     def _put_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -80,8 +123,7 @@ class StreamFront:
                     del self._streams[output.request_id]
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put_error, request_id, error)
+        self._post(functools.partial(self._put_error, request_id, error))
 
     def _put_error(self, request_id: str, error: BaseException) -> None:
         queue = self._streams.get(request_id)
@@ -90,7 +132,7 @@ class StreamFront:
 
     def _deliver_dropped(self, request_id: str) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._streams.pop, request_id, None)
+            self._post(functools.partial(self._streams.pop, request_id, None))
 
     def _step_done(
         self, outputs: list[RequestOutput], duration_s: float, num_tokens: int, stats: EngineStats

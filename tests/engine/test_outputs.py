@@ -41,3 +41,14 @@ def test_merge_joins_deltas_per_sequence_and_keeps_the_later_state() -> None:
     assert first.delta_logprobs == lp  # the later output had none: the earlier ones are kept
     assert (second.delta_text, second.delta_token_ids, second.delta_logprobs) == ("b", [6], None)
     assert merged.finished and merged.metrics is metrics and merged.request_id == "r"
+
+
+def test_merge_keeps_the_later_outputs_prompt_logprobs() -> None:
+    # A request's final output carries its prompt's logprobs; a non-streamed request whose reader
+    # fell behind got that output merged with an earlier one, and lost them.
+    metrics = RequestMetrics(arrival_time=0.0)
+    scored = [None, TokenLogprob(2, -1.0, [])]
+    earlier = RequestOutput("r", [1, 2], [_out(0, [5], 1, "a", "a")], False, metrics, scored)
+    final = _out(0, [5, 6], 1, "ab", "b", finish_reason="length")
+    later = RequestOutput("r", [1, 2], [final], True, metrics, scored)
+    assert merge_outputs(earlier, later).prompt_logprobs == scored
