@@ -86,7 +86,12 @@ class StreamFront:
             self._posted.append(item)
             if len(self._posted) > 1:
                 return
-        self._loop.call_soon_threadsafe(self._take_posted)
+        try:
+            self._loop.call_soon_threadsafe(self._take_posted)
+        except RuntimeError:  # the loop is closed: nothing will take the list, nor wake a later loop
+            with self._posted_lock:
+                self._posted.clear()
+            raise
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self._post(outputs)

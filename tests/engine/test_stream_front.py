@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 from corral_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from corral_engine.stream_front import StreamFront
 
@@ -109,3 +110,20 @@ def test_steps_posted_while_the_loop_is_busy_arrive_merged_in_order_with_errors_
     assert isinstance(merged, RequestOutput)
     assert (merged.outputs[0].text, merged.outputs[0].token_ids) == ("ab", [1, 2])
     assert front._streams.keys() == {"b"}  # the error is the stream's to end; c dropped, a finished
+
+
+def test_a_post_to_a_closed_loop_raises_and_leaves_nothing_for_the_next_loop() -> None:
+    front = StreamFront()
+    closed = asyncio.new_event_loop()
+    closed.close()
+    front._loop = closed
+    with pytest.raises(RuntimeError):
+        front._deliver([_step("a", [1])])
+    seen: list[tuple[str, object]] = []
+
+    async def main() -> None:
+        _open(front, "a", seen)
+        await _posted_from_thread(front, lambda: front._deliver([_step("a", [1, 2])]), loop_busy=False)
+
+    asyncio.run(main())
+    assert _summary(seen) == [("a", [2])]
