@@ -100,7 +100,8 @@ class EngineStats:
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output saying what `earlier` then `later` said: `later`'s state with both deltas
     joined. A consumer that falls behind the engine takes its queued outputs as one (one SSE event
-    and one socket write for several tokens) instead of paying per token while behind."""
+    and one socket write for several tokens) instead of paying per token while behind; so does an
+    event loop that falls behind the steps (`StreamFront._take_posted`)."""
     earlier_by_index = {o.index: o for o in earlier.outputs}
     merged = []
     for o in later.outputs:
