@@ -7,6 +7,8 @@ Builds the `small` demo model, creates the baselines' venvs (reused when present
 workloads once as token-id JSONL, then runs every system as a subprocess with a timeout: offline
 (each one's Python API) for all systems, then served (HTTP, streaming, `corral bench`). Prints a table
 with ratios and writes results.json + PNGs to --out-dir; --publish also writes them into docs/.
+With --paired, each workload's offline and served runs go back to back instead (per system, a
+fresh worker and server per workload), so served / offline compares runs seconds apart.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="repeat the offline and served phases, alternating which goes first; served / offline "
         "per round and their median (the machine drifts by 5-10%% over a run)",
+    )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="per workload, each system's offline run and its served runs back to back (a fresh worker "
+        "and server for each), the order flipped every round: served / offline then compares runs "
+        "seconds apart instead of minutes (the machine drifts by 5-15%% over minutes)",
     )
     p.add_argument("--offline-timeout", type=float, default=1500.0, help="seconds per system")
     p.add_argument("--served-timeout", type=float, default=600.0, help="seconds per corral bench run")
@@ -178,15 +187,23 @@ def add_mbu(results: dict[str, Any], model: Path) -> None:
             sysres["achieved_gb_s"] = m["achieved_gb_s"]
 
 
-def _phase(results: dict, name: str, system: System | None, phase: str, fn: Any) -> None:
+def _phase(results: dict, name: str, system: System | None, phase: str, fn: Any, merge: bool = False) -> None:
+    """Run one system's offline or served phase into its entry; with `merge`, its workloads (offline)
+    or runs (served) join those an earlier call of this round put there (`--paired`)."""
     entry = results["systems"].setdefault(name, {"label": system.label if system else name})
     if system is None:
         return
     load = os.getloadavg()[0]
     log.info("== %s %s (load %.2f)", name, phase, load)
-    entry[phase] = fn(system)
-    entry[phase]["loadavg_1m_before"] = load
-    entry[phase]["loadavg_1m_after"] = os.getloadavg()[0]
+    new = fn(system)
+    new["loadavg_1m_before"] = load
+    new["loadavg_1m_after"] = os.getloadavg()[0]
+    earlier = entry.get(phase) if merge else None
+    if earlier is not None:
+        for key in ("workloads", "runs"):  # offline: workloads; served: runs
+            if key in new:
+                new[key] = {**earlier.get(key, {}), **new[key]}
+    entry[phase] = new
 
 
 def main() -> int:
@@ -242,31 +259,56 @@ def main() -> int:
 
     t0 = time.monotonic()
 
-    def offline(s: System) -> dict[str, Any]:
-        return runner.run_offline(s, model, wl["offline"], out_dir, settings, args.offline_timeout)
-
-    def served(s: System) -> dict[str, Any]:
-        return runner.run_served(s, model, wl["served"], out_dir, settings, args.served_timeout)
-
-    def offline_phase() -> None:
-        if not args.no_offline:
-            for name, system in systems.items():
-                _phase(results, name, system, "offline", offline)
-                _save(results, out_dir)
-
-    def served_phase() -> None:
-        if not args.no_served and wl["served"]:
-            for name, system in systems.items():
-                if system is not None and system.is_served:
-                    _phase(results, name, system, "served", served)
-                    _save(results, out_dir)
+    def run_phases(
+        name: str,
+        system: System | None,
+        offline_wl: dict[str, Path],
+        served_wl: list[runner.ServedRun],
+        flip: bool,
+    ) -> None:
+        """One system's offline phase on `offline_wl` and served phase on `served_wl`, in that order
+        or (flip) the other way round."""
+        steps: list[tuple[str, Any]] = []
+        if not args.no_offline and offline_wl:
+            steps.append(
+                (
+                    "offline",
+                    lambda s: runner.run_offline(
+                        s, model, offline_wl, out_dir, settings, args.offline_timeout
+                    ),
+                )
+            )
+        if not args.no_served and served_wl and system is not None and system.is_served:
+            steps.append(
+                (
+                    "served",
+                    lambda s: runner.run_served(s, model, served_wl, out_dir, settings, args.served_timeout),
+                )
+            )
+        for phase, fn in reversed(steps) if flip else steps:
+            _phase(results, name, system, phase, fn, merge=args.paired)
+            _save(results, out_dir)
 
     for round_index in range(args.rounds):
         if args.rounds > 1:
             log.info("round %d of %d", round_index + 1, args.rounds)
-        phases = (offline_phase, served_phase) if round_index % 2 == 0 else (served_phase, offline_phase)
-        for phase in phases:
-            phase()
+        flip = round_index % 2 == 1
+        if args.paired:  # per workload, each system's two phases back to back
+            for entry in results["systems"].values():
+                entry.pop("offline", None)
+                entry.pop("served", None)
+            for w in wl_names:
+                runs = [r for r in wl["served"] if r.key.split("@")[0] == w]
+                for name, system in systems.items():
+                    run_phases(name, system, {w: wl["offline"][w]}, runs, flip)
+        else:  # every system's offline phase, then every system's served phase (or the reverse)
+            phases = ["offline", "served"][:: -1 if flip else 1]
+            for phase in phases:
+                for name, system in systems.items():
+                    if phase == "offline":
+                        run_phases(name, system, wl["offline"], [], False)
+                    else:
+                        run_phases(name, system, {}, wl["served"], False)
         if args.rounds > 1:  # `systems` keeps the last round; each round's figures stay here
             results.setdefault("rounds", []).append(copy.deepcopy(results["systems"]))
             _save(results, out_dir)
