@@ -259,56 +259,42 @@ def main() -> int:
 
     t0 = time.monotonic()
 
-    def run_phases(
+    def run_phase(
+        phase: str,
         name: str,
         system: System | None,
         offline_wl: dict[str, Path],
-        served_wl: list[runner.ServedRun],
-        flip: bool,
+        served_runs: list[runner.ServedRun],
     ) -> None:
-        """One system's offline phase on `offline_wl` and served phase on `served_wl`, in that order
-        or (flip) the other way round."""
-        steps: list[tuple[str, Any]] = []
-        if not args.no_offline and offline_wl:
-            steps.append(
-                (
-                    "offline",
-                    lambda s: runner.run_offline(
-                        s, model, offline_wl, out_dir, settings, args.offline_timeout
-                    ),
-                )
-            )
-        if not args.no_served and served_wl and system is not None and system.is_served:
-            steps.append(
-                (
-                    "served",
-                    lambda s: runner.run_served(s, model, served_wl, out_dir, settings, args.served_timeout),
-                )
-            )
-        for phase, fn in reversed(steps) if flip else steps:
-            _phase(results, name, system, phase, fn, merge=args.paired)
-            _save(results, out_dir)
+        """One system's offline phase on `offline_wl` or served phase on `served_runs`."""
+        if phase == "offline":
+            if args.no_offline or not offline_wl:
+                return
+            fn = lambda s: runner.run_offline(s, model, offline_wl, out_dir, settings, args.offline_timeout)  # noqa: E731
+        else:
+            if args.no_served or not served_runs or system is None or not system.is_served:
+                return
+            fn = lambda s: runner.run_served(s, model, served_runs, out_dir, settings, args.served_timeout)  # noqa: E731
+        _phase(results, name, system, phase, fn, merge=args.paired)
+        _save(results, out_dir)
 
     for round_index in range(args.rounds):
         if args.rounds > 1:
             log.info("round %d of %d", round_index + 1, args.rounds)
-        flip = round_index % 2 == 1
+        order = ("served", "offline") if round_index % 2 else ("offline", "served")
         if args.paired:  # per workload, each system's two phases back to back
-            for entry in results["systems"].values():
+            for entry in results["systems"].values():  # a failed run must not keep last round's figure
                 entry.pop("offline", None)
                 entry.pop("served", None)
             for w in wl_names:
                 runs = [r for r in wl["served"] if r.key.split("@")[0] == w]
                 for name, system in systems.items():
-                    run_phases(name, system, {w: wl["offline"][w]}, runs, flip)
+                    for phase in order:
+                        run_phase(phase, name, system, {w: wl["offline"][w]}, runs)
         else:  # every system's offline phase, then every system's served phase (or the reverse)
-            phases = ["offline", "served"][:: -1 if flip else 1]
-            for phase in phases:
+            for phase in order:
                 for name, system in systems.items():
-                    if phase == "offline":
-                        run_phases(name, system, wl["offline"], [], False)
-                    else:
-                        run_phases(name, system, {}, wl["served"], False)
+                    run_phase(phase, name, system, wl["offline"], wl["served"])
         if args.rounds > 1:  # `systems` keeps the last round; each round's figures stay here
             results.setdefault("rounds", []).append(copy.deepcopy(results["systems"]))
             _save(results, out_dir)
