@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,12 @@ def parse_args() -> argparse.Namespace:
         help="per workload, each system's offline run and its served runs back to back (a fresh worker "
         "and server for each), the order flipped every round: served / offline then compares runs "
         "seconds apart instead of minutes (the machine drifts by 5-15%% over minutes)",
+    )
+    p.add_argument(
+        "--corral-flags",
+        default="",
+        help="more `corral engine` flags for Corral's served runs, one string (e.g. "
+        '"--stream-interval 4"); its offline runs take none',
     )
     p.add_argument("--offline-timeout", type=float, default=1500.0, help="seconds per system")
     p.add_argument("--served-timeout", type=float, default=600.0, help="seconds per corral bench run")
@@ -227,6 +234,7 @@ def main() -> int:
         args.hf_w2_batch_sizes,
         args.hf_dtype,
         args.temperature,
+        tuple(shlex.split(args.corral_flags)),
     )
     results: dict[str, Any] = {
         "command": " ".join(["bench/engine/compare.py", *sys.argv[1:]]),

@@ -34,6 +34,7 @@ class Settings:
     hf_dtype: str = "bfloat16"  # transformers' dtype; float32 is its faster one without native bf16
     # Corral's and vLLM's sampling temperature, offline and served (0: greedy); transformers stays greedy.
     temperature: float = 0.0
+    corral_flags: tuple[str, ...] = ()  # more `corral engine` flags for Corral's served runs
 
     def worker_flags(self) -> list[str]:
         return [
@@ -81,6 +82,7 @@ class System:
             "--max-num-seqs", str(settings.max_num_seqs),
             "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
             "--kv-cache-memory", f"{settings.kv_cache_gib}GiB",
+            *settings.corral_flags,
         ]  # fmt: skip
 
     def full_env(self) -> dict[str, str]:

@@ -32,6 +32,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         kv_policy=engine_args.kv_policy,
         max_waiting=engine_args.max_waiting,
         tool_call_parser=engine_args.tool_call_parser,
+        stream_interval=engine_args.stream_interval,
     )
 
 

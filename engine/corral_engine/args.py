@@ -200,6 +200,17 @@ class EngineArgs:
         ge=0,
         crd="maxWaiting",
     )
+    stream_interval: int = _option(
+        1,
+        help="output tokens a streamed request gathers into one event: 1 sends each token as it is "
+        "sampled; more cut the host's work per token under high concurrency (a request's first "
+        "token and its last are sent at once)",
+        metavar="N",
+        ge=1,
+        le=1024,
+        crd="streamInterval",
+        vllm=Vllm("--stream-interval"),
+    )
     tool_call_parser: ToolCallParser | None = _option(
         None,
         help="read tool calls out of replies in this format, which turns on tool_choice auto "

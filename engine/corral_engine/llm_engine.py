@@ -80,7 +80,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.grammar_masks = StepMasks(self.grammars)
         self.requests: dict[str, Request] = {}
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, self.max_model_len, args.stream_interval
+        )
         # On CPU the forward pass runs inside runner.execute: no idle device to overlap with.
         overlap = self.settings.overlap_output
         self.overlaps_output = overlap == "1" or (overlap == "auto" and self.runner.device.type == "cuda")
@@ -154,6 +156,7 @@ class LLMEngine:
                 seq.token_ids.pop()
         self._detokenize(request, counts)  # the tokens it has: a stop string may have ended it
         self.scheduler.abort(request)
+        counts = self.output_processor.due(request, counts, True) or {}  # with any held back
         return self._finish_request(
             request, self.output_processor.build_output(request, counts, request.is_finished)
         )
@@ -304,7 +307,10 @@ class LLMEngine:
             request = self.requests[request_id]
             self._detokenize(request, counts)
             is_finished = request.is_finished
-            output = self.output_processor.build_output(request, counts, is_finished)
+            due = self.output_processor.due(request, counts, is_finished)
+            if due is None:  # the stream interval holds it for a later step
+                continue
+            output = self.output_processor.build_output(request, due, is_finished)
             outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
 

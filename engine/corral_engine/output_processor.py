@@ -11,10 +11,13 @@ from corral_engine.tokenizer import IncrementalDetokenizer
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int, stream_interval: int = 1
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.stream_interval = stream_interval
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # seq_id -> its detokenizer
 
     def add(self, request: Request) -> None:
@@ -60,6 +63,32 @@ class OutputProcessor:
                 return num_new - 1 - i
         if seq.finish_reason is not None:
             detok.flush()
+        return None
+
+    def due(self, request: Request, counts: dict[int, int], is_finished: bool) -> dict[int, int] | None:
+        """The stream interval (vLLM's `--stream-interval`), after `counts` (seq_id -> tokens
+        gained this step) are detokenized: the counts the request's output carries now, this
+        step's and those held back before, or None when the output waits for a later step. A
+        "delta" request's output goes out with its first token, at its end, and once a sequence
+        gained `stream_interval` tokens since the last one; "cumulative" ones go out every step.
+        Text, token ids and logprobs held back go out in the next output's deltas."""
+        if self.stream_interval == 1:
+            return counts
+        held = request.held_counts
+        if held is not None:
+            request.held_counts = None
+            for seq_id, n in counts.items():
+                held[seq_id] = held.get(seq_id, 0) + n
+            counts = held
+        if (
+            is_finished
+            or not request.has_output
+            or request.params.output_kind != "delta"
+            or max(counts.values(), default=0) >= self.stream_interval
+        ):
+            request.has_output = True
+            return counts
+        request.held_counts = counts
         return None
 
     def build_output(self, request: Request, touched: dict[int, int], is_finished: bool) -> RequestOutput:

@@ -48,6 +48,29 @@ async def test_chat_streams_and_every_response_carries_load_headers(client: http
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+async def test_a_stream_interval_sends_fewer_events_and_the_same_text(tiny_model_dir: pathlib.Path) -> None:
+    body = {"model": "sim", "prompt": "one two three four", "max_tokens": 10, "stream": True}
+    seen = {}
+    for interval in (1, 4):
+        spec = ReplicaSpec(BUILTIN["h100-llama3-8b"], tiny_model_dir, "sim", stream_interval=interval)
+        [engine] = build_engines(spec, 1)
+        app = create_app(engine)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with (
+                httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c,
+                c.stream("POST", "/v1/completions", json=body) as r,
+            ):
+                assert r.status_code == 200
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
+        text = "".join(c["text"] for c in chunks)
+        seen[interval] = (len(chunks), text)
+    assert seen[1][0] == 10 and seen[4][0] == 4  # tokens 1, 5, 9 and 10 (the last)
+    assert seen[4][1] == seen[1][1] and seen[1][1]
+
+
 async def test_metrics_hold_what_the_gateway_and_the_dashboards_read(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/completions", json={"model": "sim", "prompt": "a b c d", "max_tokens": 4})
     assert r.status_code == 200

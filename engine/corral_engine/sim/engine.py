@@ -46,10 +46,12 @@ class SimEngine:
         kv_policy: str = "preempt",
         clock: Callable[[], float] = time.monotonic,
         is_lean: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
         `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
-        context length, no text, and an output only when a request gets its first token or ends."""
+        context length, no text, and an output only when a request gets its first token or ends.
+        `stream_interval`: as the engine's `--stream-interval`."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -64,7 +66,7 @@ class SimEngine:
             self.block_manager,
         )
         self.requests: dict[str, Request] = {}
-        self.output_processor = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len, stream_interval)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
@@ -127,7 +129,8 @@ class SimEngine:
         if request is None:
             return None
         self.scheduler.abort(request)
-        return self._finish(request, self.output_processor.build_output(request, {}, request.is_finished))
+        counts = self.output_processor.due(request, {}, True) or {}  # what the stream interval held
+        return self._finish(request, self.output_processor.build_output(request, counts, request.is_finished))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -167,7 +170,10 @@ class SimEngine:
                     output = RequestOutput(request_id, [], [], False, request.metrics)
                     outputs.append(self._finish(request, output) if request.is_finished else output)
                 continue
-            output = self.output_processor.build_output(request, counts, request.is_finished)
+            due = self.output_processor.due(request, counts, request.is_finished)
+            if due is None:  # the stream interval holds it for a later step
+                continue
+            output = self.output_processor.build_output(request, due, request.is_finished)
             outputs.append(self._finish(request, output) if request.is_finished else output)
         return outputs
 

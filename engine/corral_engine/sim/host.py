@@ -54,6 +54,7 @@ class ReplicaSpec:
     kv_policy: str = "preempt"
     max_waiting: int | None = None
     tool_call_parser: str | None = None  # as --tool-call-parser: tool_choice "auto" is read with it
+    stream_interval: int = 1  # as --stream-interval
 
 
 def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
@@ -69,6 +70,7 @@ def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
             eos,
             enable_prefix_caching=spec.enable_prefix_caching,
             kv_policy=spec.kv_policy,
+            stream_interval=spec.stream_interval,
         )
         engines.append(AsyncSimEngine(core, spec.max_waiting))
     return engines
