@@ -69,9 +69,9 @@ class OutputProcessor:
         """The stream interval (vLLM's `--stream-interval`), after `counts` (seq_id -> tokens
         gained this step) are detokenized: the counts the request's output carries now, this
         step's and those held back before, or None when the output waits for a later step. A
-        "delta" request's output goes out with its first token, at its end, and once a sequence
-        gained `stream_interval` tokens since the last one; "cumulative" ones go out every step.
-        Text, token ids and logprobs held back go out in the next output's deltas."""
+        "delta" request's output goes out with each sequence's first token and its last, and once
+        a sequence gained `stream_interval` tokens since the last output; "cumulative" ones go out
+        every step. Text, token ids and logprobs held back go out in the next output's deltas."""
         if self.stream_interval == 1:
             return counts
         held = request.held_counts
@@ -80,13 +80,17 @@ class OutputProcessor:
             for seq_id, n in counts.items():
                 held[seq_id] = held.get(seq_id, 0) + n
             counts = held
+        started = request.started_seq_ids
+        if started is None:
+            started = request.started_seq_ids = set()
         if (
             is_finished
-            or not request.has_output
             or request.params.output_kind != "delta"
             or max(counts.values(), default=0) >= self.stream_interval
+            or not started.issuperset(counts)
+            or any(seq.is_finished and seq.seq_id in counts for seq in request.seqs)
         ):
-            request.has_output = True
+            started.update(counts)
             return counts
         request.held_counts = counts
         return None

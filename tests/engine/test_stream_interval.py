@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 from corral_engine import SamplingParams
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import RequestMetrics, RequestOutput
+from corral_engine.settings import EngineSettings
 
 from tests.engine.helpers import make_engine, random_prompts
 
@@ -42,8 +44,19 @@ def test_due_lets_cumulative_outputs_and_an_interval_of_one_through() -> None:
     assert every.due(delta, counts, False) is counts and every.due(delta, {7: 1}, False) == {7: 1}
 
 
-def _run(model_dir: pathlib.Path, interval: int, params: SamplingParams) -> list[RequestOutput]:
-    engine = make_engine(model_dir, stream_interval=interval)
+# Each way a step's text half can run: in its step, a step later (output overlap), and with the
+# next step scheduled before the tokens are known (async scheduling, which greedy sampling allows).
+SETTINGS = {
+    "sync": EngineSettings(async_scheduling="0", overlap_output="0"),
+    "overlap": EngineSettings(async_scheduling="0", overlap_output="1"),
+    "ahead": EngineSettings(async_scheduling="1", overlap_output="1"),
+}
+
+
+def _run(
+    model_dir: pathlib.Path, interval: int, params: SamplingParams, settings: EngineSettings | None = None
+) -> list[RequestOutput]:
+    engine = make_engine(model_dir, settings, stream_interval=interval)
     prompt = random_prompts(1, 500, seed=11, min_len=10, max_len=10)[0]
     engine.add_request("r", prompt, params)
     outputs: list[RequestOutput] = []
@@ -64,8 +77,8 @@ def test_an_interval_gathers_tokens_and_loses_nothing(tiny_model_dir: pathlib.Pa
 
     # The second sequence forks from the first once its prompt is in, a step behind it.
     assert counts(every) == [[1, 0], *[[1, 1]] * 12, [0, 1]]
-    # The first token at once, then four at a time; the end at once.
-    assert counts(gathered) == [[1, 0], [4, 4], [4, 4], [4, 4], [0, 1]]
+    # Each sequence's first token and its last at once, four at a time in between.
+    assert counts(gathered) == [[1, 0], [1, 1], [4, 4], [4, 4], [3, 3], [0, 1]]
     assert gathered[-1].finished and gathered[-1].outputs == every[-1].outputs
     for index in range(2):
         for runs in (every, gathered):
@@ -77,6 +90,16 @@ def test_an_interval_gathers_tokens_and_loses_nothing(tiny_model_dir: pathlib.Pa
             for runs in (every, gathered)
         ]
         assert len(logprobs[0]) == 13 and logprobs[0] == logprobs[1]
+
+
+@pytest.mark.parametrize("mode", sorted(SETTINGS))
+def test_every_step_mode_gathers_the_same_greedy_completion(tiny_model_dir: pathlib.Path, mode: str) -> None:
+    params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, output_kind="delta")
+    every = _run(tiny_model_dir, 1, params, SETTINGS["sync"])
+    gathered = _run(tiny_model_dir, 3, params, SETTINGS[mode])
+    assert [len(out.outputs[0].delta_token_ids) for out in gathered] == [1, 3, 3, 3, 1]
+    assert [t for out in gathered for t in out.outputs[0].delta_token_ids] == every[-1].outputs[0].token_ids
+    assert "".join(out.outputs[0].delta_text for out in gathered) == every[-1].outputs[0].text
 
 
 def test_an_abort_sends_the_tokens_held_back(tiny_model_dir: pathlib.Path) -> None:

@@ -84,9 +84,9 @@ class Request:
     # n > 1: siblings wait here until the first sequence has computed its prompt, then fork
     # from it and share its full prompt blocks.
     pending_forks: list[Sequence] = field(default_factory=list)
-    # The output side's stream interval: whether an output went out yet, and the tokens per
-    # sequence (seq_id -> count) gained since the last one, held back for the next.
-    has_output: bool = False
+    # The output side's stream interval: the sequences whose first tokens went out, and the tokens
+    # per sequence (seq_id -> count) gained since the last output, held back for the next.
+    started_seq_ids: set[int] | None = None
     held_counts: dict[int, int] | None = None
 
     @property
