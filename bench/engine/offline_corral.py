@@ -6,6 +6,7 @@ Runs in Corral's own venv or in the vLLM venv (Corral installed there --no-deps:
 from __future__ import annotations
 
 import torch
+from corral_cli.heap import freeze_startup_heap
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.sampling_params import SamplingParams
@@ -25,6 +26,10 @@ def main() -> int:
             kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         )
     )
+
+    # As `corral engine` does after loading (and vLLM's engine core): the collector's full passes
+    # skip the startup heap, so the offline and served runs collect alike.
+    freeze_startup_heap()
 
     def generate(requests: list[Request]) -> int:
         params = [
