@@ -214,14 +214,33 @@ class GenerationRun:
                     await task
 
     async def collect(self) -> Collected:
-        """The last output of every prompt (full text and token ids) and the logprobs seen on the way."""
+        """The last output of every prompt (full text and token ids) and the logprobs seen on the
+        way: through the engine's listener where it offers one (no queue, task wake-up or async
+        generator per output, as a stream's response does), else by reading the streams."""
         last: list[RequestOutput | None] = [None] * self.num_prompts
         logprobs: dict[tuple[int, int], list[TokenLogprob]] = {}
-        async for index, out in self.outputs():
+
+        def keep(index: int, out: RequestOutput) -> None:
             last[index] = out
             for o in out.outputs:
                 if o.delta_logprobs:
                     logprobs.setdefault((index, o.index), []).extend(o.delta_logprobs)
+
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def end(error: BaseException | None) -> None:
+            if ended.done():  # the collector was cancelled (the client left) before this
+                return
+            if error is None:
+                ended.set_result(None)
+            else:
+                ended.set_exception(error)
+
+        if self.listen(keep, end):
+            await ended
+        else:
+            async for index, out in self.outputs():
+                keep(index, out)
         return Collected([out for out in last if out is not None], logprobs)
 
 
