@@ -80,8 +80,8 @@ async def test_waiting_gauge_moves_on_enqueue(client: httpx.AsyncClient, engine:
     assert (await task).status_code == 200
 
 
-async def test_non_streaming_hang_up_aborts_the_request() -> None:
-    engine = FakeEngine()
+async def test_non_streaming_hang_up_aborts_the_request(engine: FakeEngine) -> None:
+    """Collected through the response's listener where the engine offers one, else its stream."""
     engine.gate.clear()  # the request waits in the queue
     app = create_app(engine)
     async with app.router.lifespan_context(app):
@@ -91,9 +91,12 @@ async def test_non_streaming_hang_up_aborts_the_request() -> None:
             await asyncio.sleep(0.001)
         call.hang_up.set()
         await asyncio.wait_for(task, 5)
+        engine.gate.set()  # anything the engine still delivers finds the run closed
+        await asyncio.sleep(0.02)
     assert len(engine.aborted) == 1 and engine.requests == {}
     assert engine.abort_calls == engine.aborted
     assert app.state.ctx.in_flight.count == 0
+    assert engine.listened == int(engine.can_listen)
 
 
 @pytest.mark.parametrize("prompt", ["a", ["a", "b"]], ids=["one prompt", "two prompts"])
