@@ -21,7 +21,7 @@ from typing import Any
 from corral_engine.args import EngineArgs
 from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.llm_engine import LLMEngine, Prompt
-from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.step_loop import StepLoop
@@ -67,9 +67,14 @@ class _ThreadSink:
         self._front._deliver(outputs)
 
     def stepped(
-        self, outputs: list[RequestOutput], duration_s: float, num_tokens: int, stats: EngineStats
+        self,
+        outputs: list[RequestOutput],
+        duration_s: float,
+        num_tokens: int,
+        latencies: StepLatencies,
+        stats: EngineStats,
     ) -> None:
-        self._front._step_done(outputs, duration_s, num_tokens, stats)
+        self._front._step_done(outputs, duration_s, num_tokens, latencies, stats)
 
     def stats(self, stats: EngineStats) -> None:
         self._front._stats = stats

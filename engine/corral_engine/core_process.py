@@ -19,7 +19,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.engine_core import LOG_FORMAT, PROTOCOL, CoreInfo, pack_outputs
 from corral_engine.errors import InvalidRequestError, ModelLoadError
 from corral_engine.llm_engine import LLMEngine
-from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
 from corral_engine.settings import EngineSettings
 from corral_engine.step_loop import StepLoop
 
@@ -44,10 +44,17 @@ class _PipeSink:
         self.send(("out", pack_outputs(outputs)))
 
     def stepped(
-        self, outputs: list[RequestOutput], duration_s: float, num_tokens: int, stats: EngineStats
+        self,
+        outputs: list[RequestOutput],
+        duration_s: float,
+        num_tokens: int,
+        latencies: StepLatencies,
+        stats: EngineStats,
     ) -> None:
         self._last_stats = stats
-        self.send(("step", pack_outputs(outputs), duration_s, num_tokens, stats))
+        self.send(
+            ("step", pack_outputs(outputs), duration_s, num_tokens, latencies.ttft_s, latencies.itl_s, stats)
+        )
 
     def stats(self, stats: EngineStats) -> None:
         if stats != self._last_stats:

@@ -11,9 +11,10 @@ Between them, two one-way pipes of pickled tuples (`multiprocessing.connection`:
 messages, no extra dependency):
 - to the core: ("add", id, prompt token ids, params, arrival time), ("abort", id), ("stop",);
 - from the core: ("ready", `CoreInfo`) or ("failed", kind, message) once at start, then per step
-  ("step", outputs, duration_s, batched tokens, stats), and ("out", outputs) for an aborted
-  request's last output, ("stats", stats) when idle, ("error", id, message, param) for a request
-  the core refused, ("dropped", id), ("dead", message), ("stopped",).
+  ("step", outputs, duration_s, batched tokens, times to first token, inter-token gaps, stats),
+  and ("out", outputs) for an aborted request's last output, ("stats", stats) when idle, ("error",
+  id, message, param) for a request the core refused, ("dropped", id), ("dead", message),
+  ("stopped",).
 Outputs travel as plain tuples without their prompt token ids (the server's side has them), so a
 step's message grows with the tokens it produced, not with the prompts.
 
@@ -43,7 +44,14 @@ from typing import Any
 
 from corral_engine.args import EngineArgs
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
-from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
+from corral_engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    StepLatencies,
+    TokenLogprob,
+)
 from corral_engine.request_checks import KvShape, check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
@@ -277,7 +285,13 @@ class EngineCoreClient(StreamFront):
                 kind = message[0]
                 if kind == "step":
                     self._num_sent = 0
-                    self._step_done(self._unpack(message[1]), message[2], message[3], message[4])
+                    self._step_done(
+                        self._unpack(message[1]),
+                        message[2],
+                        message[3],
+                        StepLatencies(message[4], message[5]),
+                        message[6],
+                    )
                 elif kind == "out":
                     self._deliver(self._unpack(message[1]))
                 elif kind == "stats":

@@ -30,7 +30,7 @@ from corral_engine.model.native import load_fused_ops
 from corral_engine.model.sampler import PendingSample, Sampler, SampleResult, token_logprob
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
-from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies
 from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
@@ -104,6 +104,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
         self.last_step_num_tokens = 0
+        # The token latencies the last step's tokens added (for the server's histograms).
+        self.last_step_latencies = StepLatencies()
         self.last_schedule: list[ScheduledSeq] = []  # the last step's batch (the simulator's calibration)
 
     # -- requests -------------------------------------------------------------------------------
@@ -175,6 +177,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_batched_tokens
+        self.last_step_latencies = StepLatencies()
         self.last_schedule = sched.scheduled
         inflight, self._inflight = self._inflight, None
         if sched.is_empty:
@@ -358,24 +361,26 @@ class LLMEngine:
         request = seq.request
         if seq.index == 0 and request.pending_forks:
             self.scheduler.fork_siblings(request)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-            # Counted once its prefill is done, as vLLM does: the counter's rate is prefill work,
-            # not arrivals (a burst of 200 requests would otherwise look like one busy interval).
-            self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
-        request.metrics.last_token_time = now
         counts = touched.setdefault(request.request_id, {})
         seq.spec_token_ids = []
+        num_appended = 0
         for token_id in tokens:
             seq.token_ids.append(token_id)
-            counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+            num_appended += 1
             if seq.grammar is not None:
                 advance(seq, token_id)
-            self._stats.num_generation_tokens_total += 1
             if self.output_processor.check_stop_token(seq, token_id):  # stop strings: _detokenize
                 self.scheduler.finish(seq)
             if seq.is_finished:
-                return
+                break
+        counts[seq.seq_id] = counts.get(seq.seq_id, 0) + num_appended
+        self._stats.num_generation_tokens_total += num_appended
+        if self.last_step_latencies.tokens_made(request.metrics, now, num_appended):
+            # Counted once its prefill is done, as vLLM does: the counter's rate is prefill work,
+            # not arrivals (a burst of 200 requests would otherwise look like one busy interval).
+            self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
+        if seq.is_finished:
+            return
         if self.args.speculative and request.params.can_speculate:
             room = (
                 min(request.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)

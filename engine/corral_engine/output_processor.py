@@ -71,7 +71,10 @@ class OutputProcessor:
         step's and those held back before, or None when the output waits for a later step. A
         "delta" request's output goes out with each sequence's first token and its last, and once
         a sequence gained `stream_interval` tokens since the last output; "cumulative" ones go out
-        every step. Text, token ids and logprobs held back go out in the next output's deltas."""
+        every step. Text, token ids and logprobs held back go out in the next output's deltas.
+        A "final_only" request has one output, at its end."""
+        if request.params.output_kind == "final_only":
+            return counts if is_finished else None
         if self.stream_interval == 1:
             return counts
         held = request.held_counts
@@ -98,11 +101,13 @@ class OutputProcessor:
     def build_output(self, request: Request, touched: dict[int, int], is_finished: bool) -> RequestOutput:
         """The request's output after a step; `touched`: seq_id -> tokens it gained this step."""
         outs = []
-        is_cumulative = request.params.output_kind == "cumulative"
+        kind = request.params.output_kind
+        is_cumulative = kind == "cumulative"
         for seq in request.seqs:
             detok = self._detokenizers[seq.seq_id]
             delta_text = detok.take_delta(seq.is_finished)
-            new = touched.get(seq.seq_id, 0)
+            # A final-only request's one output is a delta from nothing: every token it has.
+            new = seq.num_output_tokens if kind == "final_only" else touched.get(seq.seq_id, 0)
             delta_ids = seq.token_ids[-new:] if new else []  # the newest tokens are outputs
             is_whole = is_cumulative or seq.is_finished  # "delta": only what is new, until the end
             outs.append(

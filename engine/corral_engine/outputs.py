@@ -49,6 +49,37 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class StepLatencies:
+    """What one engine step adds to the token-latency histograms (`vllm:time_to_first_token_seconds`
+    and `vllm:inter_token_latency_seconds`), taken where the tokens are made, as vLLM's engine core
+    reports them: however often outputs reach the server (`--stream-interval`, final-only
+    requests, steps merged while the event loop was behind), every token counts at its own step."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+    def tokens_made(self, metrics: RequestMetrics, now: float, num_tokens: int) -> bool:
+        """Stamp a request's metrics with a sequence's `num_tokens` new tokens made at `now`
+        (called once per sequence that gained any) and keep the latencies they add: the time to
+        its first token, or the gap since its last ones, split evenly over the tokens made
+        together (accepted drafts). A request's other sequences in the same step add nothing.
+        True for the request's first tokens."""
+        last = metrics.last_token_time
+        metrics.last_token_time = now
+        if last is None:
+            metrics.first_token_time = now
+            self.ttft_s.append(max(0.0, now - metrics.arrival_time))
+            return True
+        if now != last:
+            gap_s = max(0.0, now - last) / num_tokens
+            if num_tokens == 1:
+                self.itl_s.append(gap_s)
+            else:
+                self.itl_s.extend([gap_s] * num_tokens)
+        return False
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

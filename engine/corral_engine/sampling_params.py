@@ -13,7 +13,7 @@ MAX_N = 16
 # Temperatures below this sample greedily (vLLM's threshold): a logit over it can pass float32's range.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
-OutputKind = Literal["cumulative", "delta"]
+OutputKind = Literal["cumulative", "delta", "final_only"]
 OUTPUT_KINDS: tuple[str, ...] = get_args(OutputKind)
 
 
@@ -41,6 +41,8 @@ class SamplingParams:
     # What a sequence's `text` and `token_ids` hold before it finishes: "cumulative", all so far
     # (as vLLM's default); "delta", nothing (only the delta_* fields), which saves the engine a copy
     # per step that grows with the output. A finished sequence's output is always complete.
+    # "final_only" (vLLM's FINAL_ONLY, what a non-streamed response needs): no output until the
+    # request ends, then one whose deltas hold everything (text, token ids, logprobs).
     output_kind: OutputKind = "cumulative"
     # Structured outputs: what every completion must match (compiled when the request is built).
     grammar: GrammarSpec | None = None

@@ -17,7 +17,7 @@ from typing import Protocol
 from corral_engine.core.sequence import Request
 from corral_engine.errors import InvalidRequestError
 from corral_engine.llm_engine import LLMEngine
-from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,15 @@ class StepSink(Protocol):
         """Outputs outside a step (an aborted request's last one)."""
 
     def stepped(
-        self, outputs: list[RequestOutput], duration_s: float, num_tokens: int, stats: EngineStats
+        self,
+        outputs: list[RequestOutput],
+        duration_s: float,
+        num_tokens: int,
+        latencies: StepLatencies,
+        stats: EngineStats,
     ) -> None:
-        """One step ran: its outputs (maybe none), its duration, its batched tokens, the state after it."""
+        """One step ran: its outputs (maybe none), its duration, its batched tokens, the token
+        latencies it added, the state after it."""
 
     def stats(self, stats: EngineStats) -> None:
         """The state while idle (and once more as the loop ends)."""
@@ -90,7 +96,11 @@ class StepLoop:
                 started = time.perf_counter()
                 outputs = engine.step()
                 sink.stepped(
-                    outputs, time.perf_counter() - started, engine.last_step_num_tokens, engine.stats()
+                    outputs,
+                    time.perf_counter() - started,
+                    engine.last_step_num_tokens,
+                    engine.last_step_latencies,
+                    engine.stats(),
                 )
             for request_id in list(engine.requests):
                 engine.abort_request(request_id)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from corral_engine.errors import EngineDeadError
-from corral_engine.outputs import EngineStats, RequestOutput, merge_outputs
+from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies, merge_outputs
 from corral_engine.request_streams import Listener, RequestStreams
 
 # What the receiving thread hands the event loop: a step's outputs, or a call to make there.
@@ -37,9 +37,10 @@ class StreamFront:
         self._stats = EngineStats()
         self._running = False  # between start and shutdown
         self._dead: BaseException | None = None  # why the step loop stopped on its own
-        # Called after every step with (duration_s, num_batched_tokens), on the thread that
-        # receives the step; must be thread-safe and quick (a Prometheus histogram observe is).
-        self.on_step: Callable[[float, int], None] | None = None
+        # Called after every step with (duration_s, num_batched_tokens, the token latencies it
+        # added), on the thread that receives the step; must be thread-safe and quick (Prometheus
+        # histogram observes are).
+        self.on_step: Callable[[float, int, StepLatencies], None] | None = None
         self._posted: list[_Posted] = []  # from the receiving thread, for the event loop
         self._posted_lock = threading.Lock()
 
@@ -140,10 +141,15 @@ class StreamFront:
             self._post(functools.partial(self._streams.pop, request_id, None))
 
     def _step_done(
-        self, outputs: list[RequestOutput], duration_s: float, num_tokens: int, stats: EngineStats
+        self,
+        outputs: list[RequestOutput],
+        duration_s: float,
+        num_tokens: int,
+        latencies: StepLatencies,
+        stats: EngineStats,
     ) -> None:
         if self.on_step is not None:
-            self.on_step(duration_s, num_tokens)
+            self.on_step(duration_s, num_tokens, latencies)
         self._stats = stats
         if outputs:
             self._deliver(outputs)

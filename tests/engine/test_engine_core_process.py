@@ -13,6 +13,7 @@ import signal
 import pytest
 from corral_engine import AsyncEngine, EngineArgs, EngineCoreClient, SamplingParams
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from corral_engine.outputs import StepLatencies
 from corral_engine.settings import EngineSettings
 from corral_engine.structured.spec import GrammarSpec
 
@@ -78,7 +79,14 @@ async def test_hang_up_frees_blocks_and_bad_requests_refused_at_once(tiny_model_
     await engine.start()
     try:
         steps: list[int] = []
-        engine.on_step = lambda duration_s, num_tokens: steps.append(num_tokens)
+        latencies = StepLatencies()
+
+        def on_step(duration_s: float, num_tokens: int, step: StepLatencies) -> None:
+            steps.append(num_tokens)
+            latencies.ttft_s += step.ttft_s
+            latencies.itl_s += step.itl_s
+
+        engine.on_step = on_step
         long = SamplingParams(max_tokens=400, ignore_eos=True)
         streams = [engine.add_request(f"a{i}", "abort me", long) for i in range(3)]
         for stream in streams:
@@ -87,6 +95,8 @@ async def test_hang_up_frees_blocks_and_bad_requests_refused_at_once(tiny_model_
         await _wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage_ratio == 0.0)
         assert engine.stats().finished_by_reason.get("abort") == 3
         assert steps and all(n > 0 for n in steps)
+        # Each request's first token crossed from the core as one time to first token.
+        assert len(latencies.ttft_s) == 3 and all(t >= 0 for t in latencies.ttft_s + latencies.itl_s)
         assert await engine.wait_idle(5.0)
 
         with pytest.raises(InvalidRequestError) as too_long:

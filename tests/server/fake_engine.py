@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
+from corral_engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    StepLatencies,
+    TokenLogprob,
+)
 from corral_engine.sampling_params import SamplingParams
 
 BOS = 256
@@ -77,6 +84,7 @@ class FakeEngine:
         self._pumps: set[asyncio.Task[None]] = set()
         self.listened = 0  # requests streamed through `listen`
         self._counters = EngineStats(num_kv_blocks=64, block_size=16)
+        self.on_step: Callable[[float, int, StepLatencies], None] | None = None  # the server's metrics
 
     @property
     def is_running(self) -> bool:
@@ -208,8 +216,10 @@ class FakeEngine:
                     elif len(s.token_ids) >= p.max_tokens:
                         s.finish_reason = "length"
                 now = time.monotonic()
-                req.metrics.first_token_time = req.metrics.first_token_time or now
-                req.metrics.last_token_time = now
+                latencies = StepLatencies()
+                latencies.tokens_made(req.metrics, now, 1)
+                if self.on_step is not None:  # not a batch step: no duration or batched tokens
+                    self.on_step(0.0, 0, latencies)
                 step += 1
                 finished = all(s.finish_reason is not None for s in seqs)
                 if finished:

@@ -6,7 +6,9 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from corral_engine import wire
+from corral_engine.sampling_params import SamplingParams
 
 from tests.server.asgi_call import AsgiCall
 from tests.server.fake_engine import FakeEngine
@@ -207,6 +209,28 @@ async def test_finished_requests_leave_nothing_in_the_engine(
     )
     assert engine.requests == {}
     assert engine.aborted == []
+
+
+async def test_only_streams_ask_the_engine_for_an_output_per_step(
+    client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A response written at the end asks for the final output only (vLLM's FINAL_ONLY): no
+    output, callback or wake-up per step; a stream asks for each step's deltas."""
+    kinds: list[tuple[str, bool]] = []
+    add_request = engine.add_request
+
+    def recording(request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
+        kinds.append((params.output_kind, stream))
+        return add_request(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    chat = {"messages": [{"role": "user", "content": "q"}]}
+    for route, fields in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions", chat)):
+        for stream in (False, True):
+            body = {"model": MODEL, "max_tokens": 3, "stream": stream, **fields}
+            r = await client.post(route, json=body)
+            assert r.status_code == 200, r.text
+    assert kinds == [("final_only", False), ("delta", True)] * 2
 
 
 async def test_a_chat_stream_sends_nothing_before_its_prompt_is_computed() -> None:

@@ -8,7 +8,7 @@ import pathlib
 import httpx
 import pytest
 from corral_engine import wire
-from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepLatencies
 from corral_engine.server import create_app
 from corral_engine.server.metrics import ITERATION_TOKENS_BUCKETS, ServerMetrics
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,6 +58,8 @@ def test_phase_histograms_after_known_requests() -> None:
     metrics.observe_step(0.01, 40)
     metrics.observe_step(0.01, 3)
     metrics.observe_step(0.01, 0)  # an idle step: not an iteration
+    metrics.observe_step(0.02, 8, StepLatencies(ttft_s=[0.3, 0.7], itl_s=[0.02, 0.02, 0.06]))
+    metrics.observe_step(0.0, 0, StepLatencies(itl_s=[0.5]))  # tokens settled after an empty schedule
     got = families(metrics.render().decode())
 
     for name in HISTOGRAMS:
@@ -83,9 +85,21 @@ def test_phase_histograms_after_known_requests() -> None:
 
     _, iteration = got[wire.ITERATION_TOKENS_TOTAL]
     base = wire.ITERATION_TOKENS_TOTAL
-    assert iteration[base + "_count"] == 2 and iteration[base + "_sum"] == 43
-    assert iteration[base + "_bucket[8.0]"] == 1 and iteration[base + "_bucket[64.0]"] == 2
+    assert iteration[base + "_count"] == 3 and iteration[base + "_sum"] == 51
+    assert iteration[base + "_bucket[8.0]"] == 2 and iteration[base + "_bucket[64.0]"] == 3
     assert ITERATION_TOKENS_BUCKETS[0] == 1 and ITERATION_TOKENS_BUCKETS[-1] == 16384
+    _, ttft = got[wire.TIME_TO_FIRST_TOKEN_SECONDS]
+    base = wire.TIME_TO_FIRST_TOKEN_SECONDS
+    assert (ttft[base + "_count"], ttft[base + "_sum"]) == (2, 1.0)
+    assert (ttft[base + "_bucket[0.5]"], ttft[base + "_bucket[0.75]"]) == (1, 2)
+    _, itl = got[wire.INTER_TOKEN_LATENCY_SECONDS]
+    base = wire.INTER_TOKEN_LATENCY_SECONDS
+    assert (itl[base + "_count"], itl[base + "_sum"]) == (4, pytest.approx(0.6))
+    assert (itl[base + "_bucket[0.025]"], itl[base + "_bucket[0.075]"], itl[base + "_bucket[0.5]"]) == (
+        2,
+        3,
+        4,
+    )
 
     assert got[wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL][1] == {wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL: 12}
     assert got[wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL][1] == {
@@ -154,6 +168,15 @@ async def test_served_tiny_model_metrics(
         wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS + "_sum"
     ]
     assert tpot == pytest.approx(phases[wire.REQUEST_DECODE_TIME_SECONDS] / 23)
+    # A non-streamed request has one output, at its end; the token latencies come from its steps:
+    # one time to first token, and a gap for each of the 23 tokens after it (drafts accepted
+    # together split their step's), adding up to the decode time.
+    itl = got[wire.INTER_TOKEN_LATENCY_SECONDS][1]
+    assert got[wire.TIME_TO_FIRST_TOKEN_SECONDS][1][wire.TIME_TO_FIRST_TOKEN_SECONDS + "_count"] == 1
+    assert itl[wire.INTER_TOKEN_LATENCY_SECONDS + "_count"] == 23
+    assert itl[wire.INTER_TOKEN_LATENCY_SECONDS + "_sum"] == pytest.approx(
+        phases[wire.REQUEST_DECODE_TIME_SECONDS]
+    )
 
     base = wire.ITERATION_TOKENS_TOTAL
     iteration = got[base][1]

@@ -17,6 +17,7 @@ from corral_engine.server import create_app
 from corral_engine.sim.host import ReplicaSpec, build_engines
 from corral_engine.sim.perf_model import BUILTIN
 from corral_gateway.load import parse_load_headers, parse_metrics_text
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @pytest.fixture
@@ -63,12 +64,28 @@ async def test_a_stream_interval_sends_fewer_events_and_the_same_text(tiny_model
             ):
                 assert r.status_code == 200
                 events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+                metrics = _histograms((await c.get("/metrics")).text)
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
         text = "".join(c["text"] for c in chunks)
         seen[interval] = (len(chunks), text)
+        # Every token's own gap, taken at its step, however few events carried them.
+        itl_count, itl_sum = metrics["vllm:inter_token_latency_seconds"]
+        assert itl_count == 9 and metrics["vllm:time_to_first_token_seconds"][0] == 1
+        assert itl_sum == pytest.approx(metrics["vllm:request_decode_time_seconds"][1])
     assert seen[1][0] == 10 and seen[4][0] == 4  # tokens 1, 5, 9 and 10 (the last)
     assert seen[4][1] == seen[1][1] and seen[1][1]
+
+
+def _histograms(text: str) -> dict[str, tuple[float, float]]:
+    """family name -> (count, sum) of its one series."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "histogram":
+            values = {s.name: s.value for s in family.samples}
+            out[family.name] = (values[family.name + "_count"], values[family.name + "_sum"])
+    return out
 
 
 async def test_metrics_hold_what_the_gateway_and_the_dashboards_read(client: httpx.AsyncClient) -> None:

@@ -110,8 +110,9 @@ class _SamplingFields(_Request):
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
-            # Handlers read whole texts only from finished outputs; streams need only the deltas.
-            "output_kind": "delta",
+            # Streams need only each step's deltas; a response written at the end needs only the
+            # finished output (vLLM's FINAL_ONLY: no output, listener call or wake-up per step).
+            "output_kind": "delta" if self.stream else "final_only",
             "grammar": grammar or tool_grammar,
         }
         for name in (

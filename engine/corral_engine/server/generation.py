@@ -20,7 +20,7 @@ from corral_engine.outputs import RequestOutput, TokenLogprob
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import access
 from corral_engine.server.engine_client import EngineClient, ListeningEngine
-from corral_engine.server.metrics import RequestProgress, ServerMetrics
+from corral_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -123,18 +123,16 @@ class GenerationRun:
                     await aclose()
         self._in_flight.leave()
 
-    def _account(self, index: int, out: RequestOutput, progress: RequestProgress) -> None:
+    def _account(self, index: int, out: RequestOutput) -> None:
         """Metrics and bookkeeping for each output of prompt `index`, however it arrives."""
-        self.metrics.observe_output(out, progress)
         if out.finished:
             self._unfinished.discard(self._ids[index])
             self.metrics.observe_finished(out)
             access.count_tokens(out)
 
     async def _follow(self, index: int) -> AsyncIterator[tuple[int, RequestOutput]]:
-        progress = RequestProgress()
         async for out in self._streams[index]:
-            self._account(index, out, progress)
+            self._account(index, out)
             yield index, out
         # The stream may end without a finished output (e.g. after an abort).
         self._unfinished.discard(self._ids[index])
@@ -153,7 +151,6 @@ class GenerationRun:
         three async generators per output: ~5 of the event loop's ~30 µs a streamed token."""
         if self.num_prompts != 1 or not hasattr(self.engine, "listen"):
             return False
-        progress = RequestProgress()
 
         def deliver(item: RequestOutput | BaseException) -> None:
             if self._closed:
@@ -162,7 +159,7 @@ class GenerationRun:
                 on_end(item)
                 return
             try:
-                self._account(0, item, progress)
+                self._account(0, item)
             except Exception as e:  # not into the step's delivery to every other request
                 on_end(e)
                 return

@@ -1,8 +1,9 @@
 """Prometheus metrics under vLLM's names (see corral_engine.wire), on the server's own registry.
 
 Gauges and cumulative counters are read from one EngineStats snapshot at scrape time, so they are
-never stale (as of the last engine step). Latency and size histograms are observed here
-from each request's RequestOutput.metrics as outputs arrive and when the request finishes. Every
+never stale (as of the last engine step). Time to first token and inter-token latency are observed
+per step from the latencies the engine took as it made the tokens (`StepLatencies`); the other
+latency and size histograms from each request's RequestOutput.metrics when it finishes. Every
 known label set has a series from the first scrape, at zero, so dashboards show zeros, not "No data".
 """
 
@@ -17,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from corral_engine import wire
-from corral_engine.outputs import EngineStats, FinishReason, RequestOutput
+from corral_engine.outputs import EngineStats, FinishReason, RequestOutput, StepLatencies
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
@@ -134,16 +135,6 @@ class _SnapshotCollector(Collector):
         )
 
 
-class RequestProgress:
-    """Per-request state for inter-token latency: the engine time of the last token seen."""
-
-    __slots__ = ("last_token_time", "saw_first_token")
-
-    def __init__(self) -> None:
-        self.last_token_time: float | None = None
-        self.saw_first_token = False
-
-
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -205,39 +196,27 @@ class ServerMetrics:
         for reason in REJECTION_REASONS:
             self._rejected.labels(model_name, reason)
 
-    def observe_step(self, duration_s: float, num_tokens: int) -> None:
-        """Thread-safe: called on the engine's step thread."""
+    def observe_step(
+        self, duration_s: float, num_tokens: int, latencies: StepLatencies | None = None
+    ) -> None:
+        """Thread-safe: called on the thread that receives the engine's steps. The token latencies
+        come from the step that made the tokens (engine timestamps), not from the outputs the
+        server sees, which may hold several steps' tokens or none until the end."""
         if num_tokens:
             self._step_m.observe(duration_s)
             self._iteration_tokens_m.observe(num_tokens)
+        if latencies is not None:
+            for ttft_s in latencies.ttft_s:
+                self._ttft_m.observe(ttft_s)
+            itl = self._itl_m
+            for gap_s in latencies.itl_s:
+                itl.observe(gap_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def count_rejected(self, reason: RejectionReason) -> None:
         self._rejected.labels(self._model, reason).inc()
-
-    def observe_output(self, out: RequestOutput, progress: RequestProgress) -> None:
-        """Inter-token latency from engine timestamps; several tokens in one output split the gap."""
-        m, seqs = out.metrics, out.outputs
-        if len(seqs) == 1:  # the usual case, without a generator per token
-            num_steps = len(seqs[0].delta_token_ids)
-        else:
-            num_steps = max((len(o.delta_token_ids) for o in seqs), default=0)
-        if num_steps == 0 or m.last_token_time is None:
-            return
-        if not progress.saw_first_token:
-            progress.saw_first_token = True
-            if m.first_token_time is not None:
-                self._ttft_m.observe(max(0.0, m.first_token_time - m.arrival_time))
-            reference, num_gaps = m.first_token_time, num_steps - 1
-        else:
-            reference, num_gaps = progress.last_token_time, num_steps
-        if reference is not None and num_gaps > 0:
-            gap_s = max(0.0, m.last_token_time - reference) / num_gaps
-            for _ in range(num_gaps):
-                self._itl_m.observe(gap_s)
-        progress.last_token_time = m.last_token_time
 
     def observe_finished(self, out: RequestOutput) -> None:
         if any(o.finish_reason == "abort" for o in out.outputs):

@@ -100,7 +100,7 @@ class AsyncSimEngine(StreamFront):
                 self.max_lag_s = max(self.max_lag_s, loop.time() - self.timeline_s)
                 outputs = engine.finish_step(step)
                 if self.on_step is not None:
-                    self.on_step(step.duration_s, step.shape.num_tokens)
+                    self.on_step(step.duration_s, step.shape.num_tokens, engine.last_step_latencies)
                 self._stats = engine.stats()
                 self._put_outputs(outputs)
         except asyncio.CancelledError:

@@ -20,7 +20,7 @@ from corral_engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOu
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.output_processor import OutputProcessor
-from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.perf_model import Profile, StepShape
 
@@ -72,6 +72,7 @@ class SimEngine:
         self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
         self._stats = EngineStats(block_size=profile.block_size, num_kv_blocks=profile.num_kv_blocks)
         self.last_step_num_tokens = 0
+        self.last_step_latencies = StepLatencies()  # what the last finished step's tokens added
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
@@ -152,6 +153,7 @@ class SimEngine:
     def finish_step(self, step: SimStep) -> list[RequestOutput]:
         """Commit a step begun by `begin_step` (its requests may have been aborted since)."""
         now = self.clock()
+        self.last_step_latencies = StepLatencies()
         touched: dict[str, dict[int, int]] = {}
         for s in step.scheduled.scheduled:
             seq = s.seq
@@ -181,10 +183,8 @@ class SimEngine:
         request = seq.request
         if seq.index == 0 and request.pending_forks:
             self.scheduler.fork_siblings(request)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
+        if self.last_step_latencies.tokens_made(request.metrics, now, 1):
             self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
-        request.metrics.last_token_time = now
         source = self._sources[request.request_id]
         token_id = source[(seq.num_output_tokens + seq.index) % len(source)]
         seq.token_ids.append(token_id)
