@@ -10,7 +10,8 @@ import pytest
 from corral_engine import wire
 from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepLatencies
 from corral_engine.server import create_app
-from corral_engine.server.metrics import ITERATION_TOKENS_BUCKETS, ServerMetrics
+from corral_engine.server.metrics import ITERATION_TOKENS_BUCKETS, ITL_BUCKETS_S, ServerMetrics, StepHistogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "m"
@@ -105,6 +106,38 @@ def test_phase_histograms_after_known_requests() -> None:
     assert got[wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL][1] == {
         wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL: 7
     }
+
+
+def test_step_histogram_reads_as_prometheus_clients_histogram() -> None:
+    """The token-latency histograms are observed a step at a time; their exposition (bucket
+    bounds, counts, sum) is what prometheus_client's Histogram gives for the same values, values on
+    a bound included (a bucket's bound is inclusive)."""
+    values = [0.0, 0.01, 0.0100001, 0.025, 0.3, 0.31, 79.9, 80.0, 80.5, 1e9, 0.02, 0.02]
+    reference_registry = CollectorRegistry()
+    reference = Histogram(
+        "h", "doc", [wire.MODEL_NAME_LABEL], buckets=ITL_BUCKETS_S, registry=reference_registry
+    )
+    for value in values:
+        reference.labels(MODEL).observe(value)
+    ours_registry = CollectorRegistry()
+    ours = StepHistogram("h", "doc", ITL_BUCKETS_S, MODEL)
+    ours_registry.register(ours)
+    ours.observe_many(values[:5])
+    ours.observe_many([])
+    ours.observe_many(values[5:])
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        text = generate_latest(registry).decode()
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, expected = samples(ours_registry), samples(reference_registry)
+    assert got.pop(("h_sum", "")) == pytest.approx(expected.pop(("h_sum", "")))  # added in another order
+    assert got == expected and got[("h_count", "")] == len(values)
 
 
 def test_aborted_requests_are_not_observed() -> None:

@@ -9,13 +9,17 @@ known label set has a series from the first scrape, at zero, so dashboards show 
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from corral_engine import wire
 from corral_engine.outputs import EngineStats, FinishReason, RequestOutput, StepLatencies
@@ -59,6 +63,44 @@ def token_buckets(max_value: int) -> tuple[float, ...]:
                 return tuple(out) or (1.0,)
             out.append(float(value))
         exponent += 1
+
+
+class StepHistogram(Collector):
+    """A histogram of one model's series observed a step's values at a time: one lock and a
+    `bisect` per value (~0.1 us) where prometheus_client's `Histogram.observe` takes ~1.4 us a
+    value. The token-latency histograms get a value per token of every step, on the thread that
+    runs or receives the steps (256 decodes a step: ~0.35 ms against ~0.03). Exposed as a
+    histogram family like any other (buckets, count, sum)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
+        self._name, self._doc, self._model = name, doc, model_name
+        self._upper = sorted(buckets)
+        self._les = [*(floatToGoString(b) for b in self._upper), "+Inf"]
+        self._counts = [0] * (len(self._upper) + 1)  # per bucket, not cumulative; the last is +Inf's
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe_many(self, values: list[float]) -> None:
+        """Thread-safe. A value falls in the first bucket whose upper bound is >= it (`le`)."""
+        if not values:
+            return
+        upper, counts = self._upper, self._counts
+        with self._lock:
+            for value in values:
+                counts[bisect.bisect_left(upper, value)] += 1
+            self._sum += sum(values)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self._name, self._doc, labels=[wire.MODEL_NAME_LABEL])
+        family.add_metric(
+            [self._model], list(zip(self._les, itertools.accumulate(counts), strict=True)), total
+        )
+        yield family
 
 
 class _SnapshotCollector(Collector):
@@ -145,8 +187,14 @@ class ServerMetrics:
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
         tokens = token_buckets(max_model_len)
-        self._ttft = hist(wire.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token.", TTFT_BUCKETS_S)
-        self._itl = hist(wire.INTER_TOKEN_LATENCY_SECONDS, "Time between output tokens.", ITL_BUCKETS_S)
+        self._ttft = StepHistogram(
+            wire.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token.", TTFT_BUCKETS_S, model_name
+        )
+        self._itl = StepHistogram(
+            wire.INTER_TOKEN_LATENCY_SECONDS, "Time between output tokens.", ITL_BUCKETS_S, model_name
+        )
+        self.registry.register(self._ttft)
+        self.registry.register(self._itl)
         self._e2e = hist(wire.E2E_REQUEST_LATENCY_SECONDS, "Arrival to finish.", REQUEST_BUCKETS_S)
         self._queue = hist(wire.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS_S)
         self._prompt = hist(wire.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", tokens)
@@ -187,7 +235,6 @@ class ServerMetrics:
             self._decode.labels(model_name),
             self._inference.labels(model_name),
         )
-        self._ttft_m, self._itl_m = self._ttft.labels(model_name), self._itl.labels(model_name)
         self._e2e_m, self._queue_m = self._e2e.labels(model_name), self._queue.labels(model_name)
         self._prompt_m, self._generation_m = (
             self._prompt.labels(model_name),
@@ -206,11 +253,8 @@ class ServerMetrics:
             self._step_m.observe(duration_s)
             self._iteration_tokens_m.observe(num_tokens)
         if latencies is not None:
-            for ttft_s in latencies.ttft_s:
-                self._ttft_m.observe(ttft_s)
-            itl = self._itl_m
-            for gap_s in latencies.itl_s:
-                itl.observe(gap_s)
+            self._ttft.observe_many(latencies.ttft_s)
+            self._itl.observe_many(latencies.itl_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
