@@ -1,7 +1,8 @@
-"""The engine server's own CPU per streamed token, without the model: `corral engine --simulate`
+"""The engine server's own CPU per output token, without the model: `corral engine --simulate`
 (the real server, scheduler and streaming; each step a fixed sleep) replayed with `corral bench`.
 
-    .venv/bin/python bench/engine/stream_cost.py [--workloads W1,W2] [--rounds 3] [--ref-dir DIR]
+    .venv/bin/python bench/engine/stream_cost.py [--workloads W1,W2] [--rounds 3]
+        [--ref-dir DIR] [--no-stream]
 
 The served engine's event loop shares two cores with its step thread; every µs it spends per token
 is a µs the steps lose (docs/engine-speed.md, "Served against offline on two cores"). With the
@@ -9,8 +10,10 @@ model out of the way, what is left to measure is the HTTP side: request handling
 delivery of outputs, chunk encoding, the ASGI send and the socket write, plus the simulator's own
 scheduling (the same in both arms of an A/B). The server's CPU comes from /proc per thread
 (`proc_cpu.py`), the load generator's from its own report. `--ref-dir` runs another checkout's
-packages (its engine/, cli/, gateway/ and operator/ first on PYTHONPATH) in alternate rounds, so
-both arms meet the same machine. Writes JSON and a PNG plot to --out-dir.
+packages (its engine/, cli/, gateway/ and operator/ first on PYTHONPATH) as the server in
+alternate rounds, so both arms meet the same machine; the load generator is this checkout's in
+both. `--no-stream` sends the same workloads as non-streamed requests (one JSON response each: the
+server's cost per token of batch-style traffic). Writes JSON and a PNG plot to --out-dir.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ PACKAGES = ("engine", "cli", "gateway", "operator")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default="W1,W2", help="from workloads.py (all at once, streamed)")
+    p.add_argument("--workloads", default="W1,W2", help="from workloads.py (all at once)")
+    p.add_argument("--no-stream", action="store_true", help="non-streamed requests (default: streamed)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--step-ms", type=float, default=10.0, help="each simulated step's fixed time")
     p.add_argument("--token-us", type=float, default=50.0, help="and its time per batched token")
@@ -71,13 +75,15 @@ def env_for(checkout: Path | None) -> dict[str, str]:
 
 
 def bench(
-    base_url: str, model: Path, dataset: Path, num: int, out: Path, env: dict[str, str]
+    base_url: str, model: Path, dataset: Path, num: int, out: Path, env: dict[str, str], stream: bool
 ) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "corral_cli.main", "bench", "--base-url", base_url, "--dataset", str(dataset),
         "--num-prompts", str(num), "--tokenizer", str(model), "--ignore-eos", "--request-rate", "inf",
         "--seed", "0", "--no-progress", "--result-file", str(out), "--temperature", "0",
     ]  # fmt: skip
+    if not stream:
+        cmd.append("--no-stream")
     subprocess.run(cmd, check=True, capture_output=True, env=env)
     run: dict[str, Any] = json.loads(out.read_text())["runs"][0]
     return run
@@ -93,7 +99,7 @@ def measure(
     work: Path,
 ) -> list[dict[str, Any]]:
     """One server of this arm, a warm-up, then each workload once: CPU per output token."""
-    env = env_for(checkout)
+    env, client_env = env_for(checkout), env_for(None)
     port = runner.free_port()
     base_url = f"http://127.0.0.1:{port}"
     argv = [
@@ -114,11 +120,13 @@ def measure(
             if problem is not None:
                 raise RuntimeError(f"the simulated engine: {problem}")
             first = next(iter(sets.values()))
-            bench(base_url, model, first[0], 4, work / "warmup.json", env)
+            bench(base_url, model, first[0], 4, work / "warmup.json", client_env, not args.no_stream)
             rows = []
             for name, (dataset, num) in sets.items():
                 before = proc_cpu.snapshot(server.pid)
-                run = bench(base_url, model, dataset, num, work / f"{arm}-{name}.json", env)
+                run = bench(
+                    base_url, model, dataset, num, work / f"{arm}-{name}.json", client_env, not args.no_stream
+                )
                 used = proc_cpu.delta(before, proc_cpu.snapshot(server.pid), server.pid)
                 tokens = int(run["total_output_tokens"])
                 main = (used or {}).get("main_thread") or {}
@@ -139,7 +147,7 @@ def measure(
             server.wait(timeout=60)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+def plot(rows: list[dict[str, Any]], path: Path, kind: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,8 +166,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         ]
         ax.bar([j + i * width for j in range(len(names))], medians, width, label=arm)
     ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(names))], names)
-    ax.set_ylabel("server CPU µs per streamed token (median)")
-    ax.set_title("Engine server's own cost per streamed token (simulated steps)")
+    ax.set_ylabel(f"server CPU µs per {kind} token (median)")
+    ax.set_title(f"Engine server's own cost per {kind} token (simulated steps)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -216,10 +224,12 @@ def main() -> int:
     result = {
         "command": " ".join(["bench/engine/stream_cost.py", *sys.argv[1:]]),
         "machine": compare.machine_info(),
+        "stream": not args.no_stream,
         "rows": rows,
     }
     (out_dir / "stream-cost.json").write_text(json.dumps(result, indent=1))
-    log.info("wrote %s and %s", out_dir / "stream-cost.json", plot(rows, out_dir / "stream-cost.png"))
+    kind = "non-streamed" if args.no_stream else "streamed"
+    log.info("wrote %s and %s", out_dir / "stream-cost.json", plot(rows, out_dir / "stream-cost.png", kind))
     return 0
 
 

@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the server does not know output lengths in advance (lengths over N stop at N)",
     )
 
+    work.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="non-streamed requests (one JSON response each): time to first token is then the whole "
+        "request's, and there are no inter-token gaps",
+    )
+
     load = parser.add_argument_group("load")
     load.add_argument(
         "--request-rate", default="inf", help="requests/s (Poisson); 'inf' = all at once; '1,2,inf' = a sweep"
@@ -155,6 +162,8 @@ async def _bench(args: argparse.Namespace) -> int:
         raise BenchError("--burstiness must be > 0 and --max-concurrency >= 1")
     if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
         raise BenchError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
+    if args.max_tokens_cap is not None and args.no_stream:
+        raise BenchError("--max-tokens-cap ends streams early: it cannot go with --no-stream")
     try:
         headers = request_headers(args.api_key, args.header)
     except ValueError as e:
@@ -169,6 +178,7 @@ async def _bench(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         max_tokens_cap=args.max_tokens_cap,
         headers=headers,
+        stream=not args.no_stream,
     )
     metrics_url = None if args.no_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics")
     runs = [
@@ -196,6 +206,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "random_dist": None if args.dataset else args.random_dist,
         "ignore_eos": args.ignore_eos,
         "max_tokens_cap": args.max_tokens_cap,
+        "stream": not args.no_stream,
         "seed": args.seed,
     }
     if args.result_file:

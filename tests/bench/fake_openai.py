@@ -94,6 +94,19 @@ def build_app(state: FakeState) -> FastAPI:
         if text == "fail" or body.get("model") != MODEL:
             error = {"message": "no such thing", "type": "invalid_request_error", "param": None, "code": None}
             return JSONResponse({"error": error}, status_code=400)
+        if body.get("stream") is False:
+            num_tokens = int(body["max_tokens"])
+            await asyncio.sleep(state.token_delay_s * num_tokens)
+            text = "".join("é" if k % 2 else " a" for k in range(num_tokens))
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            )
+            prompt = body.get("prompt")
+            usage = {
+                "prompt_tokens": len(prompt) if isinstance(prompt, list) else 7,
+                "completion_tokens": num_tokens,
+            }
+            return JSONResponse({"choices": [{**choice, "finish_reason": "length"}], "usage": usage})
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")
 
     @app.post("/v1/completions")

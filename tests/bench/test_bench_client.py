@@ -48,6 +48,20 @@ async def test_chat_stream_skips_the_role_chunk(fake):
     assert "ignore_eos" not in state.bodies[-1]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_a_non_streamed_request_is_timed_whole_and_counted_from_its_usage(fake, endpoint):
+    url, state = fake
+    settings = RequestSettings(url, MODEL, endpoint_type=endpoint, stream=False)
+    async with make_client(30) as client:
+        result = await send_request(client, settings, BenchRequest("hello", 1, 5))
+        failed = await send_request(client, settings, BenchRequest("fail", 1, 5))
+    assert result.is_success, result.error
+    assert (result.prompt_len, result.output_len) == (7, 5)
+    assert result.ttft_s == result.e2el_s > 0 and result.itl_s == []
+    assert state.bodies[-2]["stream"] is False and "stream_options" not in state.bodies[-2]
+    assert not failed.is_success and failed.error == "HTTP 400: no such thing"
+
+
 async def test_error_response_is_a_failed_result_with_the_message(fake):
     url, _ = fake
     async with make_client(30) as client:
@@ -132,6 +146,20 @@ def test_cli_sweep_writes_results_and_plot(fake, tmp_path):
     assert len(prompts) == 12 and len(set(prompts)) == 12  # each run of the sweep has fresh prompts
 
 
+def test_cli_no_stream_run_counts_tokens_from_each_response(fake, tmp_path):
+    url, state = fake
+    result_file = tmp_path / "r.json"
+    argv = ["bench", "--base-url", url, "--num-prompts", "5", "--random-input-len", "8", "--no-stream"]
+    argv += ["--random-output-len", "4", "--ignore-eos", "--no-progress", "--result-file", str(result_file)]
+    assert corral_main(argv) == 0
+    doc = json.loads(result_file.read_text())
+    assert doc["benchmark"]["stream"] is False
+    (run,) = doc["runs"]
+    assert (run["completed"], run["failed"], run["total_output_tokens"]) == (5, 0, 20)
+    assert run["mean_ttft_ms"] == pytest.approx(run["mean_e2el_ms"])
+    assert all(body["stream"] is False for body in state.bodies)
+
+
 def test_cli_single_run_plots_latency_distributions(fake, tmp_path):
     url, state = fake
     plot = tmp_path / "dist.png"
@@ -177,7 +205,9 @@ def test_cli_rejects_bad_arguments(caplog, tmp_path):
     with caplog.at_level(logging.ERROR):
         assert corral_main(["bench", "--request-rate", "fast"]) == 1
         assert corral_main(["bench", "--dataset", str(tmp_path / "nope.json")]) == 1
+        assert corral_main(["bench", "--no-stream", "--max-tokens-cap", "8"]) == 1
     assert "'fast'" in caplog.text and "cannot read dataset" in caplog.text
+    assert "cannot go with --no-stream" in caplog.text
 
 
 async def _raw_sse_server(pieces: list[bytes], gap_s: float):

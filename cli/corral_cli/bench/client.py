@@ -1,4 +1,5 @@
-"""Send one streamed request to /v1/completions or /v1/chat/completions and time its chunks.
+"""Send one request to /v1/completions or /v1/chat/completions and time it: a streamed one chunk by
+chunk, a non-streamed one (`RequestSettings.stream` off) as a whole.
 
 The client is aiohttp: its HTTP parser is C, so reading a token's SSE event costs the load
 generator a few tens of microseconds; with httpx (pure Python) it was ~140, which made a load
@@ -35,18 +36,22 @@ class RequestSettings:
     max_tokens_cap: int | None = None
     # Sent with every request (the API key's Authorization, --header); never written to results.
     headers: dict[str, str] | None = None
+    # False: one JSON response per request (batch-style traffic); its first token's time is the
+    # whole response's, and there are no inter-token gaps.
+    stream: bool = True
 
 
 def build_body(settings: RequestSettings, request: BenchRequest) -> dict[str, Any]:
-    """The JSON body for one benchmark request (streamed, with usage in the last chunk)."""
+    """The JSON body for one benchmark request (streamed with usage in the last chunk, or not)."""
     body: dict[str, Any] = {
         "model": settings.model,
         "max_tokens": settings.max_tokens_cap or request.output_len,
         "temperature": settings.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": settings.stream,
     }
-    if settings.max_tokens_cap:
+    if settings.stream:
+        body["stream_options"] = {"include_usage": True}
+    if settings.max_tokens_cap and settings.stream:
         # A server that merges tokens for a slow reader (vLLM, Corral) sends chunks of several
         # tokens; its running usage on every chunk says how many arrived (others ignore the field).
         body["stream_options"]["continuous_usage_stats"] = True
@@ -166,6 +171,8 @@ async def send_request(
     result = RequestResult(prompt_len=request.prompt_len)
     url = settings.base_url.rstrip("/") + ENDPOINTS[settings.endpoint_type]
     body = build_body(settings, request)
+    if not settings.stream:
+        return await _send_whole(client, url, body, result)
     start = time.perf_counter()
     reading = _StreamReading(
         result, settings.endpoint_type, start, start, request.output_len if settings.max_tokens_cap else None
@@ -206,6 +213,31 @@ async def send_request(
     else:
         result.is_success = True
         _record_usage(result, reading.usage, reading.num_chunks)
+    return result
+
+
+async def _send_whole(
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], result: RequestResult
+) -> RequestResult:
+    """A non-streamed request: the response read whole; its tokens from the usage it reports."""
+    start = time.perf_counter()
+    try:
+        async with client.post(url, json=body) as response:
+            data = await response.read()
+            result.e2el_s = result.ttft_s = time.perf_counter() - start
+            if response.status != 200:
+                result.error = error_message(response.status, data)
+                return result
+            reply = json.loads(data)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        result.error = f"{type(e).__name__}: {str(e)[:_MAX_ERROR_CHARS]}"
+        return result
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    if not isinstance(usage, dict) or "completion_tokens" not in usage:
+        result.error = "response without usage"
+        return result
+    result.is_success = True
+    _record_usage(result, usage, 0)
     return result
 
 
