@@ -70,7 +70,7 @@ class StepLatencies:
             metrics.first_token_time = now
             self.ttft_s.append(max(0.0, now - metrics.arrival_time))
             return True
-        if now != last:
+        if now != last and num_tokens > 0:
             gap_s = max(0.0, now - last) / num_tokens
             if num_tokens == 1:
                 self.itl_s.append(gap_s)

@@ -67,10 +67,10 @@ def token_buckets(max_value: int) -> tuple[float, ...]:
 
 class StepHistogram(Collector):
     """A histogram of one model's series observed a step's values at a time: one lock and a
-    `bisect` per value (~0.1 us) where prometheus_client's `Histogram.observe` takes ~1.4 us a
-    value. The token-latency histograms get a value per token of every step, on the thread that
-    runs or receives the steps (256 decodes a step: ~0.35 ms against ~0.03). Exposed as a
-    histogram family like any other (buckets, count, sum)."""
+    `bisect` per value, ~0.25 us a value in all where prometheus_client's `Histogram.observe` takes
+    ~1.4 us (2 vCPU AMD EPYC, Zen 3). The token-latency histograms get a value per token of every
+    step, on the thread that runs or receives the steps: 256 decodes a step cost ~65 us instead of
+    ~0.36 ms. Exposed as a histogram family like any other (buckets, count, sum)."""
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
         self._name, self._doc, self._model = name, doc, model_name
