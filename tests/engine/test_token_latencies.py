@@ -11,6 +11,7 @@ import pathlib
 
 import pytest
 from corral_engine import SamplingParams
+from corral_engine.llm_engine import LLMEngine
 from corral_engine.outputs import RequestMetrics, RequestOutput, StepLatencies
 from corral_engine.settings import EngineSettings
 
@@ -35,7 +36,9 @@ def test_tokens_made_keeps_the_first_token_time_then_each_gap() -> None:
     assert (metrics.first_token_time, metrics.last_token_time) == (10.5, 11.75)
 
 
-def _run(engine, request_id: str) -> tuple[list[RequestOutput], list[float], list[float], list[float]]:  # type: ignore[no-untyped-def]
+def _run(
+    engine: LLMEngine, request_id: str
+) -> tuple[list[RequestOutput], list[float], list[float], list[float]]:
     """Step until done: outputs, every step's TTFTs and gaps, and the request's last token time
     after each step that made tokens (read from the engine, not from the outputs)."""
     outputs: list[RequestOutput] = []
@@ -73,6 +76,7 @@ def test_every_step_gap_is_kept_however_few_outputs_go_out(
     outputs, ttfts, gaps, stamps = _run(engine, "r")
 
     metrics = outputs[-1].metrics
+    assert metrics.first_token_time is not None
     assert len(stamps) >= 10  # ten tokens per sequence (the second one forks after the first token)
     assert ttfts == [metrics.first_token_time - metrics.arrival_time]
     # One gap per step after the first (not per sequence), each the step's own.
