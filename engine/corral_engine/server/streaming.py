@@ -65,8 +65,8 @@ class StreamChunks(Protocol):
         ...
 
 
-def _body(data: bytes) -> Message:
-    return {"type": "http.response.body", "body": data, "more_body": True}
+def _body(data: bytes, more_body: bool = True) -> Message:
+    return {"type": "http.response.body", "body": data, "more_body": more_body}
 
 
 async def _run_rest(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
@@ -95,22 +95,26 @@ class ChunkWriter:
     neither uvicorn's nor the middleware's waits unless the connection is paused (the client reads
     slower than the engine writes), so it is run to its end right there, as Python 3.12's eager
     tasks would: no task per chunk. Where it does wait, it finishes on a task, and what is written
-    meanwhile goes out after it as one write. A send that fails (the client went away) sets
-    `failed`; later writes are dropped."""
+    meanwhile goes out after it as one write. `write(data, last=True)` ends the body in the same
+    message (one socket write for the last bytes and the end of the chunked body); nothing may be
+    written after it. A send that fails (the client went away) sets `failed`; later writes are
+    dropped."""
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self._queued: list[bytes] = []
         self._flushing: asyncio.Task[None] | None = None
+        self._is_ended = False  # the last write is made (sent, or queued behind a waiting send)
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def write(self, data: bytes) -> None:
-        if self.failed.done():
+    def write(self, data: bytes, last: bool = False) -> None:
+        if self.failed.done() or self._is_ended:
             return
+        self._is_ended = last
         if self._flushing is not None:
             self._queued.append(data)
             return
-        sent = self._send(_body(data))
+        sent = self._send(_body(data, not last))
         waiting_on = None
         if type(sent) is CoroutineType:  # (not the Coroutine ABC's isinstance: a token's cost)
             try:
@@ -132,7 +136,8 @@ class ChunkWriter:
             while self._queued and not self.failed.done():
                 data = b"".join(self._queued)
                 self._queued.clear()
-                await self._send(_body(data))
+                # Taken with the queue: the last write is always the last one queued.
+                await self._send(_body(data, not self._is_ended))
         except Exception as e:
             self._fail(e)
         finally:
@@ -171,24 +176,45 @@ class EngineStreamingResponse(Response):
         self._chunks = chunks
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        # The error to report in the stream (None: it ended well), once the last output is in.
-        ended: asyncio.Future[BaseException | None] = loop.create_future()
+        # Set once the stream's end is written (after the last output, or an error).
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         writer = ChunkWriter(send)
         chunks = self._chunks
+        # A one-prompt run's finished output is its last: its events wait for the end of the
+        # stream, so the last token, the usage chunk, `[DONE]` and the end of the chunked body
+        # leave in one socket write instead of four.
+        held: list[bytes] = []
+        is_one_prompt = self._run.num_prompts == 1
 
         def on_output(prompt_index: int, out: RequestOutput) -> None:
             if ended.done():
                 return
             try:
-                for data in chunks.feed(prompt_index, out):
-                    writer.write(data)
+                events = chunks.feed(prompt_index, out)
             except Exception as e:
                 on_end(e)
+                return
+            if out.finished and is_one_prompt:
+                held.extend(events)
+            elif events:
+                writer.write(events[0] if len(events) == 1 else b"".join(events))
 
         def on_end(error: BaseException | None) -> None:
-            if not ended.done():
-                ended.set_result(error)
+            """Write the end of the stream: what was held, the closing events (the usage chunk
+            where asked, or an error event), `[DONE]`, and the end of the body."""
+            if ended.done():
+                return
+            tail = held
+            if error is None:
+                try:
+                    tail.extend(chunks.end())
+                except Exception as e:
+                    error = e
+            if error is not None:
+                tail.append(sse(errors.error_payload(error)))
+            tail.append(DONE)
+            writer.write(b"".join(tail), last=True)
+            ended.set_result(None)
 
         async def pull() -> None:
             try:
@@ -211,20 +237,8 @@ class EngineStreamingResponse(Response):
             if not ended.done():
                 logger.info("client disconnected mid-stream")
                 return
-            error = ended.result()
-            if error is None:
-                try:
-                    for data in chunks.end():
-                        writer.write(data)
-                except Exception as e:
-                    error = e
-            if error is not None:
-                writer.write(sse(errors.error_payload(error)))
-            writer.write(DONE)
             await writer.drain()
-            if not writer.failed.done():
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the connection went while sending the start or the end
+        except OSError:  # the connection went while sending the start
             logger.info("client disconnected mid-stream")
         finally:
             writer.close()
