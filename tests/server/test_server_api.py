@@ -262,3 +262,18 @@ async def test_a_chat_stream_sends_nothing_before_its_prompt_is_computed() -> No
         events = sse_events(body_bytes().decode())
         assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert events[-1] == "[DONE]"
+
+
+def test_the_generation_routes_are_plain_starlette_routes() -> None:
+    """They parse their own bodies; FastAPI's routes would add dependency solving and two exit
+    stacks to every request (docs/engine-speed.md, "Per-request costs")."""
+    from corral_engine.server import create_app
+    from fastapi.routing import APIRoute
+    from starlette.routing import Route
+
+    app = create_app(FakeEngine())
+    routes = {getattr(r, "path", ""): r for r in app.router.routes}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        route = routes[path]
+        assert isinstance(route, Route) and not isinstance(route, APIRoute)
+        assert route.methods == {"POST"}
