@@ -2,7 +2,7 @@
 (the real server, scheduler and streaming; each step a fixed sleep) replayed with `corral bench`.
 
     .venv/bin/python bench/engine/stream_cost.py [--workloads W1,W2] [--rounds 3]
-        [--ref-dir DIR] [--no-stream]
+        [--ref-dir DIR] [--no-stream] [--rate REQUESTS_PER_S]
 
 The served engine's event loop shares two cores with its step thread; every µs it spends per token
 is a µs the steps lose (docs/engine-speed.md, "Served against offline on two cores"). With the
@@ -13,7 +13,10 @@ scheduling (the same in both arms of an A/B). The server's CPU comes from /proc 
 packages (its engine/, cli/, gateway/ and operator/ first on PYTHONPATH) as the server in
 alternate rounds, so both arms meet the same machine; the load generator is this checkout's in
 both. `--no-stream` sends the same workloads as non-streamed requests (one JSON response each: the
-server's cost per token of batch-style traffic). Writes JSON and a PNG plot to --out-dir.
+server's cost per token of batch-style traffic). Each row also gives the CPU per request: with
+`--workloads R1 --rate 150` (1,500 two-token requests arriving at 150 a second, so the queue stays
+short) that is the per-request work alone (parsing, routing, admission, the response's start and
+end, the access line). Writes JSON and a PNG plot to --out-dir.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="W1,W2", help="from workloads.py (all at once)")
     p.add_argument("--no-stream", action="store_true", help="non-streamed requests (default: streamed)")
+    p.add_argument("--rate", default="inf", help="request rate for every workload (default: all at once)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--step-ms", type=float, default=10.0, help="each simulated step's fixed time")
     p.add_argument("--token-us", type=float, default=50.0, help="and its time per batched token")
@@ -75,11 +79,18 @@ def env_for(checkout: Path | None) -> dict[str, str]:
 
 
 def bench(
-    base_url: str, model: Path, dataset: Path, num: int, out: Path, env: dict[str, str], stream: bool
+    base_url: str,
+    model: Path,
+    dataset: Path,
+    num: int,
+    out: Path,
+    env: dict[str, str],
+    stream: bool,
+    rate: str = "inf",
 ) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "corral_cli.main", "bench", "--base-url", base_url, "--dataset", str(dataset),
-        "--num-prompts", str(num), "--tokenizer", str(model), "--ignore-eos", "--request-rate", "inf",
+        "--num-prompts", str(num), "--tokenizer", str(model), "--ignore-eos", "--request-rate", rate,
         "--seed", "0", "--no-progress", "--result-file", str(out), "--temperature", "0",
     ]  # fmt: skip
     if not stream:
@@ -124,9 +135,8 @@ def measure(
             rows = []
             for name, (dataset, num) in sets.items():
                 before = proc_cpu.snapshot(server.pid)
-                run = bench(
-                    base_url, model, dataset, num, work / f"{arm}-{name}.json", client_env, not args.no_stream
-                )
+                out = work / f"{arm}-{name}.json"
+                run = bench(base_url, model, dataset, num, out, client_env, not args.no_stream, args.rate)
                 used = proc_cpu.delta(before, proc_cpu.snapshot(server.pid), server.pid)
                 tokens = int(run["total_output_tokens"])
                 main = (used or {}).get("main_thread") or {}
@@ -139,6 +149,9 @@ def measure(
                         "server_us_per_token": 1e6 * (used or {}).get("cpu_s", float("nan")) / tokens,
                         "event_loop_us_per_token": 1e6 * main.get("cpu_s", float("nan")) / tokens,
                         "client_us_per_token": 1e6 * float(run.get("client_cpu_s") or float("nan")) / tokens,
+                        "requests": num,
+                        "server_us_per_request": 1e6 * (used or {}).get("cpu_s", float("nan")) / num,
+                        "client_us_per_request": 1e6 * float(run.get("client_cpu_s") or float("nan")) / num,
                     }
                 )
             return rows
@@ -201,23 +214,29 @@ def main() -> int:
                     row["round"] = round_ + 1
                     rows.append(row)
                     log.info(
-                        "round %d, %s, %s: server %.1f µs/token (event loop %.1f), client %.1f, %.2f s",
+                        "round %d, %s, %s: server %.1f µs/token (event loop %.1f), client %.1f, %.2f s;"
+                        " server %.0f µs/request",
                         round_ + 1, arm, row["workload"], row["server_us_per_token"],
                         row["event_loop_us_per_token"], row["client_us_per_token"], row["duration_s"],
+                        row["server_us_per_request"],
                     )  # fmt: skip
     lines = [
-        "| arm | workload | server µs/token (median) | event loop | client | each round (server) |",
-        "|---|---|---:|---:|---:|---|",
+        "| arm | workload | server µs/token (median) | event loop | client | each round (server) "
+        "| server µs/request (median) | client µs/request |",
+        "|---|---|---:|---:|---:|---|---:|---:|",
     ]
+    keys = ("server_us_per_token", "event_loop_us_per_token", "client_us_per_token")
     for arm, _ in arms:
         for name in names:
             mine = [r for r in rows if r["arm"] == arm and r["workload"] == name]
-            server, loop, client = (
-                statistics.median(r[k] for r in mine)
-                for k in ("server_us_per_token", "event_loop_us_per_token", "client_us_per_token")
-            )
+            server, loop, client = (statistics.median(r[k] for r in mine) for k in keys)
+            per_request = statistics.median(r["server_us_per_request"] for r in mine)
+            client_per_request = statistics.median(r["client_us_per_request"] for r in mine)
             each = ", ".join(f"{r['server_us_per_token']:.1f}" for r in mine)
-            lines.append(f"| {arm} | {name} | {server:.1f} | {loop:.1f} | {client:.1f} | {each} |")
+            lines.append(
+                f"| {arm} | {name} | {server:.1f} | {loop:.1f} | {client:.1f} | {each} "
+                f"| {per_request:.0f} | {client_per_request:.0f} |"
+            )
     table = "\n".join(lines)
     (out_dir / "table.md").write_text(table + "\n")
     log.info("\n%s", table)
@@ -225,6 +244,7 @@ def main() -> int:
         "command": " ".join(["bench/engine/stream_cost.py", *sys.argv[1:]]),
         "machine": compare.machine_info(),
         "stream": not args.no_stream,
+        "rate": args.rate,
         "rows": rows,
     }
     (out_dir / "stream-cost.json").write_text(json.dumps(result, indent=1))

@@ -6,6 +6,8 @@ W2: 200 requests, log-normal lengths (input median 150 clipped 8..1024, output m
 S1: one request, 128 in / 256 out.
 P1: 16 requests, 1,024 in / 1 out, all at once: prompt throughput (what time to first token rests
     on; offline only, opt-in: --workloads W1,W2,S1,P1).
+R1: 1,500 requests, 64 in / 2 out: the server's own cost per request (`stream_cost.py --workloads
+    R1 --rate 150`), not an engine-speed figure.
 Each line is {"prompt": [token ids], "output_len": N}, the JSONL `corral bench --dataset` reads.
 """
 
@@ -37,8 +39,9 @@ WORKLOADS: dict[str, WorkloadDef] = {
     ),
     "S1": WorkloadDef("S1", LengthSpec(128, 256), 1, "1 x 128 in / 256 out"),
     "P1": WorkloadDef("P1", LengthSpec(1024, 1), 16, "16 x 1,024 in / 1 out, all at once: prompt tok/s"),
+    "R1": WorkloadDef("R1", LengthSpec(64, 2), 1500, "1,500 x 64 in / 2 out: the server's cost per request"),
 }
-QUICK_NUM_PROMPTS = {"W1": 8, "W2": 12, "S1": 1, "P1": 2}
+QUICK_NUM_PROMPTS = {"W1": 8, "W2": 12, "S1": 1, "P1": 2, "R1": 50}
 QUICK_MAX_OUTPUT = 32  # --quick caps output lengths so a smoke run takes seconds
 
 

@@ -133,9 +133,9 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
         return JSONResponse(model_card())
 
     # The generation routes are Starlette's plain routes: each handler parses its own body, so
-    # FastAPI's per-request dependency solving and exit stacks would be pure cost (~60-140 µs of
-    # the event loop's time per request on two AVX2 cores, and ~30 fewer objects the collector
-    # tracks per open request).
+    # FastAPI's per-request dependency solving and exit stacks would be pure cost (about a tenth
+    # of the server's CPU for a short request; docs/engine-speed.md, "The server's work per
+    # request").
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request)
 
