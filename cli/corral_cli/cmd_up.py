@@ -98,11 +98,18 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
         DEFAULT_DEMO_DIR if args.demo_preset == "tiny" else DEFAULT_DEMO_DIR.with_name("demo-model-small")
     )
     if not (demo_dir / "config.json").exists():
-        from corral_engine.demo_model import write_demo_model
-
         logger.info("writing the %s demo model to %s (once)", args.demo_preset, demo_dir)
-        write_demo_model(demo_dir, preset=args.demo_preset, progress=True)
+        _write_demo_model(demo_dir, args.demo_preset)
     return demo_dir, "demo"
+
+
+def _write_demo_model(demo_dir: Path, preset: str) -> None:
+    """`corral demo-model` in a child process: torch and transformers stay out of this one, which
+    serves the gateway for as long as the fleet runs (their memory, and the native libraries'
+    leak reports at exit, which triton prints once it has been imported)."""
+    cmd = [sys.executable, "-m", "corral_cli.main", "demo-model", str(demo_dir), "--preset", preset]
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise RuntimeError(f"writing the demo model to {demo_dir} failed (the lines above say why)")
 
 
 def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
