@@ -48,6 +48,9 @@ def tiny_model_dirs(
 
 @pytest.fixture(autouse=True)
 def _heap_unfrozen() -> Iterator[None]:
+    """A serving command run in-process freezes the heap and sets gc thresholds; undo both."""
+    thresholds = gc.get_threshold()
     yield
     if gc.get_freeze_count():
         gc.unfreeze()
+    gc.set_threshold(*thresholds)

@@ -2,21 +2,26 @@
 (the real server, scheduler and streaming; each step a fixed sleep) replayed with `corral bench`.
 
     .venv/bin/python bench/engine/stream_cost.py [--workloads W1,W2] [--rounds 3]
-        [--ref-dir DIR] [--no-stream] [--rate REQUESTS_PER_S]
+        [--ref-dir DIR] [--ref-env NAME=VALUE] [--no-stream] [--rate REQUESTS_PER_S]
 
 The served engine's event loop shares two cores with its step thread; every µs it spends per token
-is a µs the steps lose (docs/engine-speed.md, "Served against offline on two cores"). With the
-model out of the way, what is left to measure is the HTTP side: request handling, the per-step
-delivery of outputs, chunk encoding, the ASGI send and the socket write, plus the simulator's own
-scheduling (the same in both arms of an A/B). The server's CPU comes from /proc per thread
-(`proc_cpu.py`), the load generator's from its own report. `--ref-dir` runs another checkout's
-packages (its engine/, cli/, gateway/ and operator/ first on PYTHONPATH) as the server in
-alternate rounds, so both arms meet the same machine; the load generator is this checkout's in
-both. `--no-stream` sends the same workloads as non-streamed requests (one JSON response each: the
+is a µs the steps lose (docs/engine-speed.md, "Served against offline on two cores"). With the model
+out of the way, what is left to measure is the HTTP side: request handling, the per-step delivery of
+outputs, chunk encoding, the ASGI send and the socket write, plus the simulator's own scheduling
+(the same in both arms of an A/B). The server's CPU comes from /proc per thread (`proc_cpu.py`), the
+load generator's from its own report. `--ref-dir` runs another checkout's packages (its engine/,
+cli/, gateway/ and operator/ first on PYTHONPATH) as the server in alternate rounds, so both arms
+meet the same machine; the load generator is this checkout's in both. `--ref-env NAME=VALUE`
+(repeatable) sets a variable for the reference arm's server only; without `--ref-dir` the reference
+arm is this checkout, so e.g. `--ref-env CORRAL_GC_THRESHOLDS=700,10,10` is an A/B of one setting.
+`--no-stream` sends the same workloads as non-streamed requests (one JSON response each: the
 server's cost per token of batch-style traffic). Each row also gives the CPU per request: with
 `--workloads R1 --rate 150` (1,500 two-token requests arriving at 150 a second, so the queue stays
 short) that is the per-request work alone (parsing, routing, admission, the response's start and
-end, the access line). Writes JSON and a PNG plot to --out-dir.
+end, the access line). Each row also gives the clients' TTFT p50/p99 and the server's garbage-
+collector passes during the workload (from its `corral_engine_gc_pause_seconds`): with `--workloads
+B1` (3,000 requests at once) those are what a burst costs; the server's peak RSS so far comes with
+them. Writes JSON and a PNG plot to --out-dir.
 """
 
 from __future__ import annotations
@@ -52,6 +57,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-ms", type=float, default=10.0, help="each simulated step's fixed time")
     p.add_argument("--token-us", type=float, default=50.0, help="and its time per batched token")
     p.add_argument("--ref-dir", type=Path, help="another checkout to measure in alternate rounds")
+    p.add_argument(
+        "--ref-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the reference arm's server (repeatable; without --ref-dir "
+        "the reference arm is this checkout)",
+    )
     p.add_argument("--out-dir", type=Path, help="default: bench/results/stream-cost-<UTC time>")
     return p.parse_args()
 
@@ -71,11 +84,52 @@ def write_profile(path: Path, step_ms: float, token_us: float) -> Path:
     return path
 
 
-def env_for(checkout: Path | None) -> dict[str, str]:
+def env_for(checkout: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if checkout is not None:
         env["PYTHONPATH"] = os.pathsep.join(str(checkout / p) for p in PACKAGES)
+    env.update(extra or {})
     return env
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--ref-env {pair!r}: expected NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def gc_passes(base_url: str) -> dict[str, float]:
+    """The server's collector passes so far: full (generation 2) count and seconds, all seconds."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"{base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out = {"full_passes": 0.0, "full_s": 0.0, "all_s": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name != "corral_engine_gc_pause_seconds":
+            continue
+        for sample in family.samples:
+            full = sample.labels.get("generation") == "2"
+            if sample.name.endswith("_sum"):
+                out["all_s"] += sample.value
+                out["full_s"] += sample.value if full else 0.0
+            elif sample.name.endswith("_count") and full:
+                out["full_passes"] += sample.value
+    return out
 
 
 def bench(
@@ -108,9 +162,10 @@ def measure(
     sets: dict[str, tuple[Path, int]],
     args: argparse.Namespace,
     work: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One server of this arm, a warm-up, then each workload once: CPU per output token."""
-    env, client_env = env_for(checkout), env_for(None)
+    env, client_env = env_for(checkout, extra_env), env_for(None)
     port = runner.free_port()
     base_url = f"http://127.0.0.1:{port}"
     argv = [
@@ -134,10 +189,12 @@ def measure(
             bench(base_url, model, first[0], 4, work / "warmup.json", client_env, not args.no_stream)
             rows = []
             for name, (dataset, num) in sets.items():
+                gc_before = gc_passes(base_url)
                 before = proc_cpu.snapshot(server.pid)
-                out = work / f"{arm}-{name}.json"
+                out = work / f"{arm.replace(' ', '-')}-{name}.json"
                 run = bench(base_url, model, dataset, num, out, client_env, not args.no_stream, args.rate)
                 used = proc_cpu.delta(before, proc_cpu.snapshot(server.pid), server.pid)
+                gc_after = gc_passes(base_url)
                 tokens = int(run["total_output_tokens"])
                 main = (used or {}).get("main_thread") or {}
                 rows.append(
@@ -146,6 +203,13 @@ def measure(
                         "workload": name,
                         "output_tokens": tokens,
                         "duration_s": run["duration_s"],
+                        "server_cpu_s": (used or {}).get("cpu_s", float("nan")),
+                        "ttft_p50_ms": run.get("median_ttft_ms", float("nan")),
+                        "ttft_p99_ms": run.get("p99_ttft_ms", float("nan")),
+                        "gc_full_passes": gc_after["full_passes"] - gc_before["full_passes"],
+                        "gc_full_s": gc_after["full_s"] - gc_before["full_s"],
+                        "gc_s": gc_after["all_s"] - gc_before["all_s"],
+                        "server_peak_rss_mb": peak_rss_mb(server.pid),
                         "server_us_per_token": 1e6 * (used or {}).get("cpu_s", float("nan")) / tokens,
                         "event_loop_us_per_token": 1e6 * main.get("cpu_s", float("nan")) / tokens,
                         "client_us_per_token": 1e6 * float(run.get("client_cpu_s") or float("nan")) / tokens,
@@ -202,40 +266,53 @@ def main() -> int:
     for name in names:
         records = workloads.build(name, model)
         sets[name] = (workloads.write(records, out_dir / "workloads" / f"{name}.jsonl"), len(records))
-    arms: list[tuple[str, Path | None]] = [("this checkout", None)]
-    if args.ref_dir is not None:
-        arms.insert(0, (f"ref {args.ref_dir.name}", args.ref_dir.resolve()))
+    ref_env = parse_env(args.ref_env)
+    arms: list[tuple[str, Path | None, dict[str, str]]] = [("this checkout", None, {})]
+    if args.ref_dir is not None or ref_env:
+        label = " ".join(
+            [
+                f"ref {args.ref_dir.name}" if args.ref_dir is not None else "ref",
+                *(f"{k}={v}" for k, v in ref_env.items()),
+            ]
+        )
+        arms.insert(0, (label, args.ref_dir.resolve() if args.ref_dir is not None else None, ref_env))
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         profile = write_profile(Path(tmp) / "fixed-step.json", args.step_ms, args.token_us)
         for round_ in range(args.rounds):
-            for arm, checkout in arms:
-                for row in measure(arm, checkout, profile, model, sets, args, out_dir):
+            for arm, checkout, extra_env in arms:
+                for row in measure(arm, checkout, profile, model, sets, args, out_dir, extra_env):
                     row["round"] = round_ + 1
                     rows.append(row)
                     log.info(
                         "round %d, %s, %s: server %.1f µs/token (event loop %.1f), client %.1f, %.2f s;"
-                        " server %.0f µs/request",
+                        " server %.0f µs/request; TTFT p99 %.0f ms; collector %.2f s (%d full passes);"
+                        " peak RSS %.0f MiB",
                         round_ + 1, arm, row["workload"], row["server_us_per_token"],
                         row["event_loop_us_per_token"], row["client_us_per_token"], row["duration_s"],
-                        row["server_us_per_request"],
+                        row["server_us_per_request"], row["ttft_p99_ms"], row["gc_s"], row["gc_full_passes"],
+                        row["server_peak_rss_mb"],
                     )  # fmt: skip
     lines = [
         "| arm | workload | server µs/token (median) | event loop | client | each round (server) "
-        "| server µs/request (median) | client µs/request |",
-        "|---|---|---:|---:|---:|---|---:|---:|",
+        "| server µs/request (median) | client µs/request | TTFT p99 ms | collector s (full passes) |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     keys = ("server_us_per_token", "event_loop_us_per_token", "client_us_per_token")
-    for arm, _ in arms:
+    for arm, _, _ in arms:
         for name in names:
             mine = [r for r in rows if r["arm"] == arm and r["workload"] == name]
             server, loop, client = (statistics.median(r[k] for r in mine) for k in keys)
             per_request = statistics.median(r["server_us_per_request"] for r in mine)
             client_per_request = statistics.median(r["client_us_per_request"] for r in mine)
             each = ", ".join(f"{r['server_us_per_token']:.1f}" for r in mine)
+            ttft_p99 = statistics.median(r["ttft_p99_ms"] for r in mine)
+            collector = statistics.median(r["gc_s"] for r in mine)
+            full = statistics.median(r["gc_full_passes"] for r in mine)
             lines.append(
                 f"| {arm} | {name} | {server:.1f} | {loop:.1f} | {client:.1f} | {each} "
-                f"| {per_request:.0f} | {client_per_request:.0f} |"
+                f"| {per_request:.0f} | {client_per_request:.0f} | {ttft_p99:.0f} "
+                f"| {collector:.2f} ({full:.0f}) |"
             )
     table = "\n".join(lines)
     (out_dir / "table.md").write_text(table + "\n")

@@ -8,6 +8,8 @@ P1: 16 requests, 1,024 in / 1 out, all at once: prompt throughput (what time to 
     on; offline only, opt-in: --workloads W1,W2,S1,P1).
 R1: 1,500 requests, 64 in / 2 out: the server's own cost per request (`stream_cost.py --workloads
     R1 --rate 150`), not an engine-speed figure.
+B1: 3,000 requests, 64 in / 2 out, all at once: a burst, for the server's garbage-collector passes
+    under a deep queue (`stream_cost.py --workloads B1`), not an engine-speed figure.
 Each line is {"prompt": [token ids], "output_len": N}, the JSONL `corral bench --dataset` reads.
 """
 
@@ -40,8 +42,9 @@ WORKLOADS: dict[str, WorkloadDef] = {
     "S1": WorkloadDef("S1", LengthSpec(128, 256), 1, "1 x 128 in / 256 out"),
     "P1": WorkloadDef("P1", LengthSpec(1024, 1), 16, "16 x 1,024 in / 1 out, all at once: prompt tok/s"),
     "R1": WorkloadDef("R1", LengthSpec(64, 2), 1500, "1,500 x 64 in / 2 out: the server's cost per request"),
+    "B1": WorkloadDef("B1", LengthSpec(64, 2), 3000, "3,000 x 64 in / 2 out, all at once: a burst"),
 }
-QUICK_NUM_PROMPTS = {"W1": 8, "W2": 12, "S1": 1, "P1": 2, "R1": 50}
+QUICK_NUM_PROMPTS = {"W1": 8, "W2": 12, "S1": 1, "P1": 2, "R1": 50, "B1": 50}
 QUICK_MAX_OUTPUT = 32  # --quick caps output lengths so a smoke run takes seconds
 
 

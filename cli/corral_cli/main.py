@@ -7,7 +7,7 @@ import importlib
 import importlib.metadata
 import sys
 
-from corral_cli import logs
+from corral_cli import heap, logs
 
 # subcommand -> (module, one-line help, the extra it needs). Modules expose add_arguments(parser)
 # and run(args) -> int.
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser(only=chosen or "").parse_args(argv)
         logs.configure(str(args.log_level), args.log_format)
+        if args.command in heap.SERVING_COMMANDS:
+            heap.serving_thresholds()  # a bad CORRAL_GC_THRESHOLDS stops it before it loads anything
         module = importlib.import_module(SUBCOMMANDS[args.command][0])
         return int(module.run(args) or 0)
     except ModuleNotFoundError as e:
@@ -125,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         sys.stderr.write(f"corral: error: {message}\n")
         return 1
+    except heap.ThresholdSettingError as e:
+        sys.stderr.write(f"corral: error: {e}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ NUM_KV_BLOCKS_CACHED = "corral_engine_kv_blocks_cached"
 NUM_REQUESTS_REJECTED_TOTAL = "corral_engine_requests_rejected_total"  # label: reason
 NUM_STEPS_TOTAL = "corral_engine_steps_total"
 STEP_DURATION_SECONDS = "corral_engine_step_duration_seconds"
+# The garbage collector's passes, by generation (label `generation`; corral_engine.gc_pauses).
+GC_PAUSE_SECONDS = "corral_engine_gc_pause_seconds"
 
 # The gateway's per-model queue (label `model`): requests held for a model, woken from zero included.
 # KEDA-mode autoscaling activates a model at zero replicas on it.

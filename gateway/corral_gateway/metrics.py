@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from corral_engine import wire
+from corral_engine.gc_pauses import GcPauseCollector
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "corral_gateway_"
@@ -33,6 +34,7 @@ REJECTED_TOTAL = PREFIX + "rejected_total"
 STREAMS_BROKEN_TOTAL = PREFIX + "streams_broken_total"
 KEY_TOKENS_TOTAL = PREFIX + "key_tokens_total"
 OVERHEAD_SECONDS = PREFIX + "overhead_seconds"
+GC_PAUSE_SECONDS = PREFIX + "gc_pause_seconds"
 
 # Why a request left a replica before its first byte without an answer (label `reason` of
 # retries_total). A retried HTTP answer is labelled `http_<status>` instead: open-ended, so its
@@ -119,6 +121,7 @@ class GatewayMetrics:
             buckets=_OVERHEAD_BUCKETS_S,
             registry=r,
         )
+        r.register(GcPauseCollector(GC_PAUSE_SECONDS))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

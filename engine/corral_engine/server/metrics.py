@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from corral_engine import wire
+from corral_engine.gc_pauses import GcPauseCollector
 from corral_engine.outputs import EngineStats, FinishReason, RequestOutput, StepLatencies
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -181,6 +182,7 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SnapshotCollector(stats, model_name))
+        self.registry.register(GcPauseCollector(wire.GC_PAUSE_SECONDS))
         labels = [wire.MODEL_NAME_LABEL]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
