@@ -35,7 +35,7 @@ class ThresholdSettingError(ValueError):
 
 def parse_thresholds(text: str) -> tuple[int, ...]:
     parts = [part.strip() for part in text.split(",")]
-    if not 1 <= len(parts) <= 3 or not all(part.isdigit() for part in parts):
+    if not 1 <= len(parts) <= 3 or not all(part.isascii() and part.isdigit() for part in parts):
         raise ThresholdSettingError(
             f"{THRESHOLDS_ENV}={text!r}: expected one to three comma-separated non-negative "
             "integers (generation 0's allocations, then generations 1 and 2's counts), e.g. 700,10,10"

@@ -61,9 +61,9 @@ def test_a_simulated_engine_serves_with_its_startup_heap_frozen(
 
 
 def test_serving_sets_the_thresholds_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(heap.THRESHOLDS_ENV, " 700, 10 ,100")
+    monkeypatch.setenv(heap.THRESHOLDS_ENV, " 700, 10 ,50")
     heap.freeze_startup_heap()
-    assert gc.get_threshold() == (700, 10, 100)
+    assert gc.get_threshold() == (700, 10, 50) != heap.SERVING_THRESHOLDS
 
 
 def test_serving_sets_the_default_thresholds_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,7 +73,7 @@ def test_serving_sets_the_default_thresholds_without_the_variable(monkeypatch: p
     assert gc.get_threshold() == heap.SERVING_THRESHOLDS
 
 
-@pytest.mark.parametrize("text", ["fast", "700,10,10,10", "-1", "700,,10", "7e2"])
+@pytest.mark.parametrize("text", ["fast", "700,10,10,10", "-1", "700,,10", "7e2", "7\u00b2"])
 def test_a_bad_threshold_setting_is_refused_by_name(text: str) -> None:
     with pytest.raises(heap.ThresholdSettingError, match=heap.THRESHOLDS_ENV):
         heap.parse_thresholds(text)
