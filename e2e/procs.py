@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,35 @@ from prometheus_client.parser import text_string_to_metric_families
 HOST = "127.0.0.1"
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORTS = random.Random()
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range is 32768-60999
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port nothing is bound to, below the kernel's ephemeral range.
+
+    A server binds its port some time after the pick (an engine, after loading its model), and a
+    port-0 pick is an ephemeral port: in that gap the kernel can hand the same one to any port-0
+    bind or outgoing connection on the machine (a tensor-parallel engine's gloo connections took
+    one that way, and the engine's listen then failed with "address already in use"). Ports
+    below the range are only ever taken by asking for them."""
+    top = _first_ephemeral_port()
+    for _ in range(1000):
+        port = _PORTS.randrange(max(1024, top - 12000), top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {HOST} below {top}")
 
 
 def flags_to_argv(flags: dict[str, Any]) -> list[str]:

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import ssl
 import subprocess
 import time
@@ -29,6 +28,7 @@ from e2e.k8s.manifests import DEFAULT_NODES, FakeNode, StaticToken
 from e2e.k8s.pki import Pki, create_pki
 from e2e.k8s.processes import ManagedProcess
 from e2e.k8s.toolchain import Toolchain
+from e2e.procs import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,6 @@ T = TypeVar("T")
 
 class ClusterError(RuntimeError):
     """The control plane failed to start or a kubectl call failed."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Cluster:

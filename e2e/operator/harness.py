@@ -9,7 +9,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,16 +22,10 @@ from typing import Any
 from corral_operator import labels
 
 from e2e.k8s.cluster import Cluster
+from e2e.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class OperatorProcess:
