@@ -28,7 +28,11 @@ HISTOGRAMS = {
     # Corral's own (vLLM has no step-duration histogram): the steps' summed wall time, against the
     # run's duration and against the offline run's, says whether served steps ran slower or fewer.
     "corral_engine_step_duration_seconds": "step_s",
+    # The garbage collector's passes, all generations (the server's stop-the-world time).
+    "corral_engine_gc_pause_seconds": "gc_s",
 }
+# Histograms read for one label value as well: (name, label, value) -> key.
+LABELLED_HISTOGRAMS = {("corral_engine_gc_pause_seconds", "generation", "2"): "gc_full_s"}
 COUNTERS = {"vllm:num_preemptions": "preemptions"}
 
 Snapshot = dict[str, Any]  # key -> {"buckets": [(le, cumulative count)], "sum", "count"} or a float
@@ -44,22 +48,29 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> Snapshot | None:
     return parse(text)
 
 
+def _histogram(samples: list[Any]) -> dict[str, Any]:
+    """One histogram's samples summed over their label sets."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for s in samples:
+        if s.name.endswith("_bucket"):
+            le = float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + s.value
+        elif s.name.endswith("_sum"):
+            total += s.value
+        elif s.name.endswith("_count"):
+            count += s.value
+    return {"buckets": sorted(buckets.items()), "sum": total, "count": count}
+
+
 def parse(text: str) -> Snapshot:
     snap: Snapshot = {}
     for family in text_string_to_metric_families(text):
+        for (name, label, value), key in LABELLED_HISTOGRAMS.items():
+            if family.name == name:
+                snap[key] = _histogram([s for s in family.samples if s.labels.get(label) == value])
         if family.name in HISTOGRAMS:
-            key = HISTOGRAMS[family.name]
-            buckets: dict[float, float] = {}
-            total = count = 0.0
-            for s in family.samples:
-                if s.name.endswith("_bucket"):
-                    le = float(s.labels["le"])
-                    buckets[le] = buckets.get(le, 0.0) + s.value
-                elif s.name.endswith("_sum"):
-                    total += s.value
-                elif s.name.endswith("_count"):
-                    count += s.value
-            snap[key] = {"buckets": sorted(buckets.items()), "sum": total, "count": count}
+            snap[HISTOGRAMS[family.name]] = _histogram(family.samples)
         elif family.name in COUNTERS:
             snap[COUNTERS[family.name]] = sum(s.value for s in family.samples if s.name.endswith("_total"))
     return snap
@@ -86,7 +97,7 @@ def delta(before: Snapshot | None, after: Snapshot | None) -> dict[str, Any] | N
     if before is None or after is None:
         return None
     out: dict[str, Any] = {}
-    for key in HISTOGRAMS.values():
+    for key in (*HISTOGRAMS.values(), *LABELLED_HISTOGRAMS.values()):
         a, b = after.get(key), before.get(key, {"buckets": [], "sum": 0.0, "count": 0.0})
         if a is None:
             continue

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import compare
+import engine_metrics
 import proc_cpu
 import runner
 import workloads
@@ -110,26 +111,17 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def gc_passes(base_url: str) -> dict[str, float]:
-    """The server's collector passes so far: full (generation 2) count and seconds, all seconds."""
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urlopen(f"{base_url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    out = {"full_passes": 0.0, "full_s": 0.0, "all_s": 0.0}
-    for family in text_string_to_metric_families(text):
-        if family.name != "corral_engine_gc_pause_seconds":
-            continue
-        for sample in family.samples:
-            full = sample.labels.get("generation") == "2"
-            if sample.name.endswith("_sum"):
-                out["all_s"] += sample.value
-                out["full_s"] += sample.value if full else 0.0
-            elif sample.name.endswith("_count") and full:
-                out["full_passes"] += sample.value
-    return out
+def gc_passes(side: dict[str, Any] | None) -> dict[str, float]:
+    """The collector's passes between two scrapes (`engine_metrics.delta`): full (generation 2)
+    count and seconds, and all generations' seconds; NaN when a scrape failed."""
+    if side is None:
+        return dict.fromkeys(("gc_full_passes", "gc_full_s", "gc_s"), float("nan"))
+    full, every = side.get("gc_full_s"), side.get("gc_s")  # absent: no pass between the scrapes
+    return {
+        "gc_full_passes": full["count"] if full else 0.0,
+        "gc_full_s": full["count"] * full["mean"] if full else 0.0,
+        "gc_s": every["count"] * every["mean"] if every else 0.0,
+    }
 
 
 def bench(
@@ -189,12 +181,12 @@ def measure(
             bench(base_url, model, first[0], 4, work / "warmup.json", client_env, not args.no_stream)
             rows = []
             for name, (dataset, num) in sets.items():
-                gc_before = gc_passes(base_url)
+                metrics_before = engine_metrics.scrape(base_url)
                 before = proc_cpu.snapshot(server.pid)
                 out = work / f"{arm.replace(' ', '-')}-{name}.json"
                 run = bench(base_url, model, dataset, num, out, client_env, not args.no_stream, args.rate)
                 used = proc_cpu.delta(before, proc_cpu.snapshot(server.pid), server.pid)
-                gc_after = gc_passes(base_url)
+                side = engine_metrics.delta(metrics_before, engine_metrics.scrape(base_url))
                 tokens = int(run["total_output_tokens"])
                 main = (used or {}).get("main_thread") or {}
                 rows.append(
@@ -206,9 +198,7 @@ def measure(
                         "server_cpu_s": (used or {}).get("cpu_s", float("nan")),
                         "ttft_p50_ms": run.get("median_ttft_ms", float("nan")),
                         "ttft_p99_ms": run.get("p99_ttft_ms", float("nan")),
-                        "gc_full_passes": gc_after["full_passes"] - gc_before["full_passes"],
-                        "gc_full_s": gc_after["full_s"] - gc_before["full_s"],
-                        "gc_s": gc_after["all_s"] - gc_before["all_s"],
+                        **gc_passes(side),
                         "server_peak_rss_mb": peak_rss_mb(server.pid),
                         "server_us_per_token": 1e6 * (used or {}).get("cpu_s", float("nan")) / tokens,
                         "event_loop_us_per_token": 1e6 * main.get("cpu_s", float("nan")) / tokens,

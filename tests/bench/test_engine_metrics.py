@@ -66,3 +66,17 @@ def test_a_failed_scrape_gives_no_delta() -> None:
     assert engine_metrics.delta(None, snap) is None
     assert engine_metrics.delta(snap, None) is None
     assert engine_metrics.scrape("http://127.0.0.1:9", timeout_s=0.5) is None  # nothing listens there
+
+
+def test_the_collectors_full_passes_are_read_apart_from_the_rest() -> None:
+    registry = CollectorRegistry()
+    passes = Histogram(
+        "corral_engine_gc_pause_seconds", "g", ["generation"], buckets=(0.001, 0.1), registry=registry
+    )
+    before = engine_metrics.parse(generate_latest(registry).decode())
+    for generation, seconds in (("0", 0.001), ("0", 0.001), ("2", 0.05)):
+        passes.labels(generation).observe(seconds)
+    d = engine_metrics.delta(before, engine_metrics.parse(generate_latest(registry).decode()))
+    assert d is not None
+    assert d["gc_s"]["count"] == 3 and d["gc_s"]["count"] * d["gc_s"]["mean"] == pytest.approx(0.052)
+    assert d["gc_full_s"]["count"] == 1 and d["gc_full_s"]["mean"] == pytest.approx(0.05)
