@@ -14,7 +14,7 @@ import bisect
 import gc
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -61,10 +61,12 @@ def _install() -> None:
 
 class GcPauseCollector(Collector):
     """The process's collector passes since the first GcPauseCollector was made, as histogram
-    `name` with label `generation` ("0", "1", "2"; every one present from the first scrape)."""
+    `name` with label `generation` ("0", "1", "2"; every one present from the first scrape) after
+    the constant `labels` (an engine's model name, so a dashboard can select its replicas)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, labels: Mapping[str, str] | None = None) -> None:
         self._name = name
+        self._labels = dict(labels or {})
         _install()
 
     def describe(self) -> list[Metric]:
@@ -75,11 +77,12 @@ class GcPauseCollector(Collector):
             self._name,
             "Garbage-collector passes (every thread of the process waits), by generation; "
             "generation 2 is a full pass.",
-            labels=["generation"],
+            labels=[*self._labels, "generation"],
         )
+        values = list(self._labels.values())
         for generation in GENERATIONS:
             counts, total = list(_PAUSES.counts[generation]), _PAUSES.sums[generation]
             family.add_metric(
-                [str(generation)], list(zip(_LES, itertools.accumulate(counts), strict=True)), total
+                [*values, str(generation)], list(zip(_LES, itertools.accumulate(counts), strict=True)), total
             )
         yield family

@@ -50,5 +50,6 @@ def test_the_engine_and_the_gateway_expose_it() -> None:
     from corral_gateway.metrics import GC_PAUSE_SECONDS, GatewayMetrics
 
     engine = ServerMetrics(lambda: EngineStats(), "m", max_model_len=128)
-    assert f'{wire.GC_PAUSE_SECONDS}_count{{generation="2"}}' in engine.render().decode()
+    # the engine's carry its model's name, as its other series do, so a dashboard can select them
+    assert f'{wire.GC_PAUSE_SECONDS}_count{{generation="2",model_name="m"}}' in engine.render().decode()
     assert f'{GC_PAUSE_SECONDS}_count{{generation="2"}}' in GatewayMetrics().render().decode()

@@ -60,6 +60,10 @@ def alerts(t: Mapping[str, str]) -> list[Alert]:
     failed = f'sum by (model) (rate({gw.REQUESTS_TOTAL}{{status=~"{ERROR_STATUSES}"}}[{RATE}]))'
     waiting = f"sum by ({M}) ({wire.NUM_REQUESTS_WAITING})"
     growth = f"sum by ({M}) (deriv({wire.NUM_REQUESTS_WAITING}[10m]))"
+
+    def pauses(histogram: str) -> str:
+        return f"sum by (job, instance) (rate({histogram}_sum[{RATE}]))"
+
     return [
         Alert(
             "CorralEngineDown",
@@ -112,6 +116,16 @@ def alerts(t: Mapping[str, str]) -> list[Alert]:
             "The gateway is shedding load",
             "The gateway refuses {{ $value | humanize }} requests/s of {{ $labels.model }} because its queue "
             "is full or requests waited too long.",
+        ),
+        Alert(
+            "CorralCollectorPauses",
+            # Engines and gateways alike; a pass stops every thread of its process.
+            f"({pauses(wire.GC_PAUSE_SECONDS)} or {pauses(gw.GC_PAUSE_SECONDS)}) > {t['gcPauseRatio']}",
+            "15m",
+            "warning",
+            "A serving process spends much of its time in garbage-collector passes",
+            "{{ $labels.instance }} ({{ $labels.job }}) has spent {{ $value | humanizePercentage }} of its "
+            "time in Python's collector passes for 15 minutes; its steps and streams wait during each.",
         ),
         Alert(
             "CorralOperatorReconcileErrors",

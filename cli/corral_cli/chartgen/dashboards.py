@@ -430,8 +430,39 @@ def deployment_drilldown() -> Dashboard:
         uid="corral-deployment",
         title="Corral / Deployment",
         description="One served model: each replica's load, latency and cache, and the gateway's view.",
-        rows=(per_replica_load, latency, _phases_row(), gateway),
+        rows=(per_replica_load, latency, _phases_row(), gateway, _collector_row()),
         variables=(Variable("model", "Model", MODEL_VARIABLE_QUERY),),
+    )
+
+
+def _collector_row() -> Row:
+    """Python's garbage-collector passes in each serving process, as the share of time they took:
+    a pass stops every thread (an engine's steps and streams, every stream through a gateway)."""
+
+    def share(histogram: str, legend: str, **matchers: str) -> tuple[Target, ...]:
+        def of(**generation: str) -> str:
+            return sum_by(REPLICA, rate(sel(f"{histogram}_sum", **matchers, **generation)))
+
+        return (Target(of(), f"{legend} all passes"), Target(of(generation='="2"'), f"{legend} full passes"))
+
+    return Row(
+        "Garbage collector",
+        (
+            Panel(
+                "Collector pauses per replica",
+                "Share of each engine's time spent in Python's collector passes, during which its steps "
+                "and streams all wait; full passes grow with the requests it holds open.",
+                share(wire.GC_PAUSE_SECONDS, "{{instance}}", **{ENGINE_MODEL: MODEL_VAR}),
+                unit="percentunit",
+            ),
+            Panel(
+                "Collector pauses per gateway",
+                "Share of each gateway process's time spent in collector passes (all models: a gateway "
+                "serves every model), during which every stream through it waits.",
+                share(gw.GC_PAUSE_SECONDS, "{{instance}}"),
+                unit="percentunit",
+            ),
+        ),
     )
 
 

@@ -187,6 +187,12 @@ class Alerts(_Values):
     queue_min_waiting: int = Field(
         default=5, ge=0, description="CorralQueueGrowing: waiting requests above this, and growing."
     )
+    gc_pause_ratio: float = Field(
+        default=0.05,
+        gt=0,
+        le=1,
+        description="CorralCollectorPauses: share of a process's time in collector passes above this.",
+    )
 
 
 class TestApiKey(_Values):

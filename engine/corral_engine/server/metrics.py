@@ -182,7 +182,7 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SnapshotCollector(stats, model_name))
-        self.registry.register(GcPauseCollector(wire.GC_PAUSE_SECONDS))
+        self.registry.register(GcPauseCollector(wire.GC_PAUSE_SECONDS, {wire.MODEL_NAME_LABEL: model_name}))
         labels = [wire.MODEL_NAME_LABEL]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
