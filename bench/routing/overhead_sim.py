@@ -89,6 +89,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a folder holding another corral_gateway package (an older commit's gateway/): run it as a "
         "third arm, `baseline`, in the same rounds, for a before/after in one run",
     )
+    p.add_argument(
+        "--baseline-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="run a `baseline` arm with this environment variable set in its gateway (this checkout's "
+        "gateway unless --baseline-gateway names another): an A/B of one setting, e.g. "
+        "CORRAL_GC_THRESHOLDS=700,10,10",
+    )
     p.add_argument("--py-spy", type=Path, default=None, help="py-spy binary: record each gateway's first arm")
     p.add_argument("--out", type=Path, default=Path("bench/results/overhead-sim"))
     args = p.parse_args(argv)
@@ -168,17 +177,25 @@ def start_sim_fleet(model_dir: Path, work_dir: Path, profile_path: Path, num_rep
 
 
 def start_gateway_from(
-    source: Path | None, urls: list[str], work_dir: Path, settings: dict[str, Any]
+    source: Path | None,
+    urls: list[str],
+    work_dir: Path,
+    settings: dict[str, Any],
+    extra_env: dict[str, str] | None = None,
 ) -> ManagedProcess:
-    """A gateway in front of `urls`; with `source`, its corral_gateway package comes from there."""
-    if source is None:
+    """A gateway in front of `urls`; with `source`, its corral_gateway package comes from there;
+    `extra_env` is set in its environment."""
+    if source is None and not extra_env:
         return start_gateway({MODEL: urls}, work_dir, **settings)
     port = free_port()
     config = work_dir / f"gateway-{port}.yaml"
     config.write_text(yaml.safe_dump({"backends": {MODEL: urls}, **settings}))
     argv = [sys.executable, "-m", "corral_cli.main", "gateway", "--host", HOST, "--port", str(port)]
-    path = os.pathsep.join(p for p in (str(source.resolve()), os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path}
+    env = dict(extra_env or {})
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(source.resolve()), os.environ.get("PYTHONPATH", "")) if p
+        )
     gateway = ManagedProcess(
         [*argv, "--config", str(config)], port, name="gateway-baseline", log_dir=work_dir, env=env
     )
@@ -272,6 +289,7 @@ def run_arm(
     the gateway's own overhead histogram's change over the loop."""
     replica_before = replica_latency_totals(replicas) if replicas else None
     gateway_before = gateway_overhead(gateway) if gateway is not None else None
+    collector_before = gateway_collector(gateway) if gateway is not None else None
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     waited = {name: runqueue_wait_s(pid) for name, pid in pids.items()}
     client_before = time.process_time()
@@ -291,6 +309,9 @@ def run_arm(
         change = report.overhead_change(gateway_overhead(gateway), gateway_before)
         summary["gateway_overhead"] = change
         summary.update(report.overhead_figures(change))
+    if gateway is not None and collector_before is not None:
+        after_passes = gateway_collector(gateway)
+        summary.update({k: after_passes[k] - collector_before[k] for k in after_passes})
     for name, pid in pids.items():
         # Seconds spent runnable but not running, per CPU second used (the main thread's).
         summary[f"{name}_runqueue_wait_per_cpu_s"] = (runqueue_wait_s(pid) - waited[name]) / max(
@@ -303,6 +324,12 @@ def gateway_overhead(url: str) -> dict[str, dict[str, Any]]:
     """The gateway's own overhead histogram, per part, from its /metrics."""
     with httpx.Client(timeout=30.0) as client:
         return report.overhead_histograms(client.get(f"{url}/metrics").raise_for_status().text)
+
+
+def gateway_collector(url: str) -> dict[str, float]:
+    """The gateway's collector passes so far: seconds in all passes, full passes and their seconds."""
+    with httpx.Client(timeout=30.0) as client:
+        return report.collector_totals(client.get(f"{url}/metrics").raise_for_status().text)
 
 
 def runqueue_wait_s(pid: int) -> float:
@@ -335,8 +362,9 @@ def run_level(args: argparse.Namespace, level: int, model_dir: Path, cores: Plac
         urls = replica_urls(fleet, num_replicas)
         os.sched_setaffinity(0, cores.gateway)
         gateways = {"gateway": stack.enter_context(start_gateway_from(None, urls, work_dir, extra))}
-        if args.baseline_gateway is not None:
-            baseline = start_gateway_from(args.baseline_gateway, urls, work_dir, extra)
+        if args.baseline_gateway is not None or args.baseline_env:
+            baseline_env = dict(item.partition("=")[::2] for item in args.baseline_env)
+            baseline = start_gateway_from(args.baseline_gateway, urls, work_dir, extra, baseline_env)
             gateways["baseline"] = stack.enter_context(baseline)
         os.sched_setaffinity(0, cores.client)
         targets = {"direct": urls, **{name: [g.url] for name, g in gateways.items()}}

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 from corral_cli.bench.stats import RequestResult
-from corral_gateway.metrics import OVERHEAD_PARTS, OVERHEAD_SECONDS
+from corral_gateway.metrics import GC_PAUSE_SECONDS, OVERHEAD_PARTS, OVERHEAD_SECONDS
 from prometheus_client.parser import text_string_to_metric_families
 
 # Latency figures compared between the arms: (key, result attribute, percentile).
@@ -96,6 +96,23 @@ def overhead_histograms(metrics_text: str) -> dict[str, dict[str, Any]]:
         bounds = sorted(buckets[part])
         counts = [buckets[part][b] for b in bounds]
         out[part] = {"bounds": bounds, "counts": counts, **totals[part]}
+    return out
+
+
+def collector_totals(metrics_text: str) -> dict[str, float]:
+    """From the gateway's collector-pause histogram: `gc_s` (every pass's seconds), `gc_full_passes`
+    and `gc_full_s` (generation 2's count and seconds)."""
+    out = {"gc_s": 0.0, "gc_full_passes": 0.0, "gc_full_s": 0.0}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != GC_PAUSE_SECONDS:
+            continue
+        for sample in family.samples:
+            is_full = sample.labels.get("generation") == "2"
+            if sample.name.endswith("_sum"):
+                out["gc_s"] += sample.value
+                out["gc_full_s"] += sample.value if is_full else 0.0
+            elif sample.name.endswith("_count") and is_full:
+                out["gc_full_passes"] += sample.value
     return out
 
 
@@ -200,6 +217,9 @@ def paired(
     for name in ("sim", "client"):
         out[f"{name}_cores_direct"] = statistics.median(r["direct"][f"{name}_cores"] for r in rounds)
         out[f"{name}_cores_via"] = statistics.median(g[f"{name}_cores"] for g in via)
+    for key in ("gc_s", "gc_full_passes", "gc_full_s"):  # the gateway's collector over every round
+        if all(key in g for g in via):
+            out[f"gateway_{key}"] = sum(g[key] for g in via)
     if all("gateway_overhead" in g for g in via):  # every round's requests in one histogram
         out.update(overhead_figures(overhead_total([g["gateway_overhead"] for g in via])))
     return out
@@ -211,8 +231,9 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
         "| streams | replicas | step (ms) | gateway | rounds | direct tok/s | throughput ratio (IQR) "
         "| added TTFT p50 / p99 (ms) | added E2E p50 / p99 (ms) | direct TTFT p50 / E2E p50 (ms) "
         "| added hop TTFT / E2E, mean (ms) | errors direct / via | gateway cores | CPU / request (ms) "
-        "| of it busy (ms) | in-process p50 / mean (ms): request; first byte; stream |",
-        "|---:|---:|---:|---|---:|---:|---|---|---|---|---|---|---:|---:|---:|---|",
+        "| of it busy (ms) | in-process p50 / mean (ms): request; first byte; stream "
+        "| collector s: all; full (passes) |",
+        "|---:|---:|---:|---|---:|---:|---|---|---|---|---|---|---:|---:|---:|---|---|",
     ]
     for level in levels:
         for arm, s in level["summary"].items():
@@ -227,7 +248,7 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
                 f"| {_signed(s.get('added_hop_ttft_mean_ms'))} / {_signed(s.get('added_hop_e2el_mean_ms'))} "
                 f"| {s['direct_num_errors']} / {s['via_num_errors']} | {s['gateway_cores']:.2f} "
                 f"| {s['gateway_cpu_ms_per_request']:.2f} | {s['gateway_busy_cpu_ms_per_request']:.2f} "
-                f"| {_overhead_cell(s)} |"
+                f"| {_overhead_cell(s)} | {_collector_cell(s)} |"
             )
     return "\n".join(lines)
 
@@ -242,6 +263,14 @@ def _overhead_cell(summary: dict[str, Any]) -> str:
         median, mean = summary[f"overhead_{part}_p50_ms"], summary[f"overhead_{part}_mean_ms"]
         cells.append(f"{median:.3f} / {mean:.3f}")
     return "; ".join(cells)
+
+
+def _collector_cell(summary: dict[str, Any]) -> str:
+    """The gateway's collector over the counted rounds; "-" from a gateway without the histogram."""
+    if "gateway_gc_s" not in summary:
+        return "-"
+    full = f"{summary['gateway_gc_full_s']:.2f} ({summary['gateway_gc_full_passes']:.0f})"
+    return f"{summary['gateway_gc_s']:.2f}; {full}"
 
 
 def _signed(value: float | None) -> str:

@@ -10,7 +10,7 @@ import pytest
 from corral_cli.bench.stats import RequestResult
 from corral_engine import wire
 from corral_engine.sim.perf_model import StepShape, load_profile
-from corral_gateway.metrics import GatewayMetrics
+from corral_gateway.metrics import GC_PAUSE_SECONDS, GatewayMetrics
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from bench.routing import overhead_sim, overhead_sim_report
@@ -93,6 +93,12 @@ def test_rounds_pair_each_arm_with_the_direct_one() -> None:
         [{"concurrency": 100, "num_replicas": 4, "step_ms": 50.0, "summary": {"gateway": summary}}]
     )
     assert "| 100 | 4 | 50 | gateway | 3 |" in row and "| +0.01 / +0.02 |" in row
+    assert row.endswith("| - |")  # no collector figures in these arms
+    for i, r in enumerate(rounds):  # the gateway's collector in each round: summed over the rounds
+        r["gateway"].update(gc_s=0.1 * (i + 1), gc_full_passes=float(i), gc_full_s=0.05 * i)
+    summary = overhead_sim_report.paired(rounds, "gateway")
+    assert summary["gateway_gc_s"] == pytest.approx(0.6) and summary["gateway_gc_full_passes"] == 3
+    assert overhead_sim_report._collector_cell(summary) == "0.60; 0.15 (3)"
 
 
 def test_the_hop_is_what_the_client_saw_less_what_the_replicas_saw() -> None:
@@ -154,3 +160,24 @@ def test_the_rounds_pool_the_gateways_own_overhead_into_the_table() -> None:
     assert pooled["overhead_request_mean_ms"] == pytest.approx(0.5)
     summary = {"overhead_first_byte_count": 0.0, "overhead_stream_count": 0.0, **pooled}
     assert overhead_sim_report._overhead_cell(summary) == "0.500 / 0.500; -; -"
+
+
+def test_the_gateways_collector_passes_come_from_its_histogram() -> None:
+    """Seconds in all passes, and the full passes (generation 2) counted and timed, from /metrics."""
+    text = "".join(
+        f'{GC_PAUSE_SECONDS}_{kind}{{generation="{g}"}} {value}\n'
+        for g, count, s in (("0", 90, 0.09), ("1", 9, 0.03), ("2", 2, 0.4))
+        for kind, value in (("count", count), ("sum", s))
+    )
+    text = f"# TYPE {GC_PAUSE_SECONDS} histogram\n{text}"
+    totals = overhead_sim_report.collector_totals(text)
+    assert totals == pytest.approx({"gc_s": 0.52, "gc_full_passes": 2.0, "gc_full_s": 0.4})
+    assert "gc_s" in overhead_sim_report.collector_totals(GatewayMetrics().render().decode())
+
+
+def test_a_baseline_env_makes_a_baseline_arm_of_this_checkout() -> None:
+    args = overhead_sim.parse_args(
+        ["--concurrency", "10", "--replicas", "2", "--rounds", "1", "--output-tokens", "4",
+         "--baseline-env", "CORRAL_GC_THRESHOLDS=700,10,10"]
+    )  # fmt: skip
+    assert args.baseline_env == ["CORRAL_GC_THRESHOLDS=700,10,10"] and args.baseline_gateway is None
