@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -117,3 +119,46 @@ async def test_a_response_knows_when_its_request_was_sent(num_bytes: int) -> Non
         assert response.sent_s is not None and posting_s < response.sent_s < answering_s[0]
         assert await response.read() == b"ok"
         response.close(complete=True)
+
+
+async def test_a_stream_closed_mid_read_leaves_nothing_behind() -> None:
+    """A client that drops a stream makes the gateway close the upstream response while the body's
+    read is pending (passthrough's disconnect callback), so the read fails. Nothing of that
+    connection may outlive it: aiohttp keeps the error on the stream, and with the error's traceback
+    kept that was a loop no collector pass freed, one for each stream a client dropped."""
+
+    async def streaming(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        writer.write(head)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(200):
+                writer.write(b"9\r\ndata: x\n\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.01)
+
+    def connections_alive() -> int:
+        gc.collect()
+        return sum(type(o).__name__ == "ResponseHandler" for o in gc.get_objects())
+
+    async def drop_mid_read(upstream: Upstream, url: str) -> int:
+        response = await upstream.post(url + "/v1/chat/completions", b"{}", {})
+        chunks = 0
+
+        async def relay() -> None:
+            nonlocal chunks
+            with contextlib.suppress(UpstreamError):
+                async for _ in response.chunks():
+                    chunks += 1
+
+        reading = asyncio.create_task(relay())
+        await asyncio.sleep(0.05)
+        response.close(complete=False)
+        await reading
+        return chunks
+
+    async with tcp_server(streaming) as url, Upstream(CONFIG) as upstream:
+        before = connections_alive()
+        for _ in range(5):
+            assert await drop_mid_read(upstream, url) >= 1
+        assert connections_alive() == before
