@@ -99,12 +99,13 @@ def overhead_histograms(metrics_text: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def collector_totals(metrics_text: str) -> dict[str, float]:
-    """From the gateway's collector-pause histogram: `gc_s` (every pass's seconds), `gc_full_passes`
-    and `gc_full_s` (generation 2's count and seconds)."""
+def collector_totals(metrics_text: str, histogram: str = GC_PAUSE_SECONDS) -> dict[str, float]:
+    """From a collector-pause histogram (the gateway's unless `histogram` names the engine's):
+    `gc_s` (every pass's seconds), `gc_full_passes` and `gc_full_s` (generation 2's count and
+    seconds), cumulative."""
     out = {"gc_s": 0.0, "gc_full_passes": 0.0, "gc_full_s": 0.0}
     for family in text_string_to_metric_families(metrics_text):
-        if family.name != GC_PAUSE_SECONDS:
+        if family.name != histogram:
             continue
         for sample in family.samples:
             is_full = sample.labels.get("generation") == "2"

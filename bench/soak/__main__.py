@@ -34,6 +34,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.routing.fleet import MODEL, cpu_seconds, ensure_model, start_gateway
 from bench.routing.overhead_sim import replica_urls, sim_profile, start_sim_fleet
+from bench.routing.overhead_sim_report import collector_totals
 from bench.soak import report, traffic
 
 logger = logging.getLogger("soak")
@@ -70,9 +71,9 @@ def proc_figures(pid: int) -> dict[str, float]:
 
 
 def metric_figures(text: str, gc_name: str) -> dict[str, float]:
-    """From one /metrics page: the collector's full passes and their seconds (cumulative), and an
+    """From one /metrics page: the collector's passes (cumulative; `collector_totals`), and an
     engine's running and waiting requests and KV usage (absent on a gateway)."""
-    out = {"gc_full_passes": 0.0, "gc_full_s": 0.0}
+    out = collector_totals(text, gc_name)
     gauges = {
         wire.NUM_REQUESTS_RUNNING: "running",
         wire.NUM_REQUESTS_WAITING: "waiting",
@@ -81,12 +82,6 @@ def metric_figures(text: str, gc_name: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         if family.name in gauges:
             out[gauges[family.name]] = sum(s.value for s in family.samples)
-        elif family.name == gc_name:
-            for s in family.samples:
-                if s.labels.get("generation") == "2" and s.name.endswith("_count"):
-                    out["gc_full_passes"] += s.value
-                elif s.labels.get("generation") == "2" and s.name.endswith("_sum"):
-                    out["gc_full_s"] += s.value
     return out
 
 

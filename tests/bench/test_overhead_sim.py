@@ -175,7 +175,7 @@ def test_the_gateways_collector_passes_come_from_its_histogram() -> None:
     assert "gc_s" in overhead_sim_report.collector_totals(GatewayMetrics().render().decode())
 
 
-def test_a_baseline_env_makes_a_baseline_arm_of_this_checkout() -> None:
+def test_baseline_env_items_are_kept_as_given() -> None:
     args = overhead_sim.parse_args(
         ["--concurrency", "10", "--replicas", "2", "--rounds", "1", "--output-tokens", "4",
          "--baseline-env", "CORRAL_GC_THRESHOLDS=700,10,10"]
