@@ -3,7 +3,8 @@
 Labels never carry API keys or prompts; replicas are labelled by URL. Every known label set gets a
 zero series as soon as its model or replica is known, so a fresh fleet's dashboards show zeros.
 `overhead_seconds` is the gateway's own share of a request's latency, timed inside the process
-(`OverheadPart` says which stretches).
+(`OverheadPart` says which stretches). The process's own figures (`process_resident_memory_bytes`,
+CPU, file descriptors) are prometheus_client's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Literal, get_args
 
 from corral_engine import wire
 from corral_engine.gc_pauses import GcPauseCollector
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 PREFIX = "corral_gateway_"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -57,6 +58,7 @@ _OK_STATUS = "200"
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)
         model, per_replica = ["model"], ["model", "replica"]
 
         def latency(name: str, doc: str) -> Histogram:

@@ -41,3 +41,10 @@ def test_discovered_replicas_get_zero_series_when_they_appear() -> None:
     fleet.update_gauges()
     assert value(metrics, "corral_gateway_replica_healthy", model="late", replica="http://c") == 1.0
     assert value(metrics, "corral_gateway_queue_length", model="late") == 0.0
+
+
+def test_the_process_reports_its_own_memory_cpu_and_files() -> None:
+    # the dashboards' Memory row reads it; prometheus_client's names, as every Python exporter's
+    metrics = GatewayMetrics()
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
+        assert (value(metrics, name) or 0) > 0, name

@@ -226,3 +226,9 @@ async def test_served_tiny_model_metrics(
         assert drafts > 0 and 0 <= accepted <= drafts
         # Each step verifies 4 drafts and yields at least one token: at most 24 steps.
         assert iteration[base + "_count"] <= 24
+
+
+def test_the_serving_process_reports_its_own_memory_as_vllms_does() -> None:
+    metrics = ServerMetrics(lambda: EngineStats(), "m", 128)
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
+        assert (metrics.registry.get_sample_value(name) or 0) > 0, name

@@ -430,7 +430,7 @@ def deployment_drilldown() -> Dashboard:
         uid="corral-deployment",
         title="Corral / Deployment",
         description="One served model: each replica's load, latency and cache, and the gateway's view.",
-        rows=(per_replica_load, latency, _phases_row(), gateway, _collector_row()),
+        rows=(per_replica_load, latency, _phases_row(), gateway, _collector_row(), _memory_row()),
         variables=(Variable("model", "Model", MODEL_VARIABLE_QUERY),),
     )
 
@@ -461,6 +461,34 @@ def _collector_row() -> Row:
                 "serves every model), during which every stream through it waits.",
                 share(gw.GC_PAUSE_SECONDS, "{{instance}}"),
                 unit="percentunit",
+            ),
+        ),
+    )
+
+
+def _memory_row() -> Row:
+    """Each serving process's resident memory (prometheus_client's process figures, which every
+    Python exporter shares, so a process is picked by a series only it exports, on its instance)."""
+    resident = "process_resident_memory_bytes"
+    engines = f"{resident} and on ({REPLICA}) {_engine(wire.NUM_REQUESTS_RUNNING)}"
+    gateways = f"{resident} and on ({REPLICA}) {sum_by(REPLICA, gw.GC_PAUSE_SECONDS + '_count')}"
+    return Row(
+        "Memory",
+        (
+            Panel(
+                "Resident memory per replica",
+                "Each engine's serving process's resident memory. On CPU it climbs by ~0.5 GiB over its "
+                "first thousands of steps (oneDNN compiles and keeps a kernel for each batch size it "
+                "meets), then slowly; a climb that keeps its pace is a leak (docs/operations.md).",
+                (Target(engines, "{{instance}}"),),
+                unit="bytes",
+            ),
+            Panel(
+                "Resident memory per gateway",
+                "Each gateway process's resident memory (all models). It grows while its prefix index "
+                "fills, then holds.",
+                (Target(gateways, "{{instance}}"),),
+                unit="bytes",
             ),
         ),
     )

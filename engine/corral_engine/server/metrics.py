@@ -5,6 +5,9 @@ never stale (as of the last engine step). Time to first token and inter-token la
 per step from the latencies the engine took as it made the tokens (`StepLatencies`); the other
 latency and size histograms from each request's RequestOutput.metrics when it finishes. Every
 known label set has a series from the first scrape, at zero, so dashboards show zeros, not "No data".
+The process's own figures (`process_resident_memory_bytes`, CPU, file descriptors) are
+prometheus_client's, as on vLLM's /metrics: the serving process's, which holds the model on CPU
+(with the engine core in a process of its own, on GPUs, not the core's).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -183,6 +186,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SnapshotCollector(stats, model_name))
         self.registry.register(GcPauseCollector(wire.GC_PAUSE_SECONDS, {wire.MODEL_NAME_LABEL: model_name}))
+        ProcessCollector(registry=self.registry)
         labels = [wire.MODEL_NAME_LABEL]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
