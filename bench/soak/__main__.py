@@ -1,12 +1,16 @@
 """Soak: a simulated fleet (`corral engine --simulate`: the real scheduler, block manager and
-server, fixed step times) and a gateway in front, under steady mixed traffic for `--minutes`:
-streamed and whole chat and text completions, `n=2`, clients that drop their stream after two
-chunks, invalid requests (400) and unknown models (404), each prompt different. Every
+server, fixed step times), or with `--engine model` one engine running the tiny demo model (the
+model runner, sampler and kernels too, and a KV cache small enough to evict and preempt), and a
+gateway in front, under steady mixed traffic for `--minutes`: streamed and whole chat and text
+completions, `n=2`, sampled requests with stop strings and log probabilities, prompts sharing a
+preamble, clients that drop their stream after two chunks, invalid requests (400) and unknown
+models (404) (`traffic.py`). Every
 `--sample-s` it reads both processes' resident memory, open file descriptors, threads and CPU from
 /proc and their collector passes from /metrics. After the traffic it waits for the engines to go
 idle and reads their KV usage and queues (every block a dropped stream held must be free again).
 
     .venv/bin/python -m bench.soak --minutes 30 --rate 20 --out bench/results/soak
+    .venv/bin/python -m bench.soak --engine model --minutes 30 --rate 8 --out bench/results/soak-model
 
 Prints the per-process table and the requests by kind and outcome; writes soak.json and soak.png
 to --out. A leak shows as a trend (MiB an hour, least squares over the samples after the warm-up)
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from corral_cli import malloc
 from corral_engine import wire
 from corral_gateway.metrics import GC_PAUSE_SECONDS as GATEWAY_GC
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,17 +41,23 @@ from bench.routing.fleet import MODEL, cpu_seconds, ensure_model, start_gateway
 from bench.routing.overhead_sim import replica_urls, sim_profile, start_sim_fleet
 from bench.routing.overhead_sim_report import collector_totals
 from bench.soak import report, traffic
+from e2e.procs import ManagedProcess, start_engine
 
 logger = logging.getLogger("soak")
-_KV_BLOCKS = 4096  # per replica: room for every request in flight at the default rate
+_KV_BLOCKS = 4096  # per simulated replica: room for every request in flight at the default rate
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0, help="how long the traffic runs")
     p.add_argument("--rate", type=float, default=20.0, help="requests a second (Poisson)")
+    p.add_argument("--engine", choices=("simulated", "model"), default="simulated",
+                   help="simulated replicas, or one engine running the tiny demo model")  # fmt: skip
     p.add_argument("--replicas", type=int, default=2, help="simulated replicas (one process)")
     p.add_argument("--step-ms", type=float, default=20.0, help="every simulated step's time")
+    p.add_argument("--kv-blocks", type=int, default=256,
+                   help="the model engine's KV blocks (16 tokens each): the default fills at ~12 "
+                   "requests in flight, so the prefix cache evicts and long queues preempt")  # fmt: skip
     p.add_argument("--warmup-fraction", type=float, default=0.2, help="share of the run before the trend")
     p.add_argument("--sample-s", type=float, default=10.0)
     p.add_argument("--idle-timeout-s", type=float, default=120.0, help="wait for the engines to go idle")
@@ -134,7 +145,10 @@ async def soak(
                 progress.update(bar, completed=elapsed_s, requests=len(results))
 
             sampling = asyncio.create_task(sampler())
-            sent = await traffic.run(gateway_url, MODEL, args.rate, duration_s, args.seed, on_result)
+            sent = await traffic.run(
+                gateway_url, MODEL, args.rate, duration_s, args.seed, on_result,
+                exact_logprobs=args.engine == "model",
+            )  # fmt: skip
             sampling.cancel()
         idle_after_s = await wait_idle(session, urls["engine"], args.idle_timeout_s)
         final = await sample(session, pids, urls, time.monotonic() - start)
@@ -154,6 +168,27 @@ async def wait_idle(session: aiohttp.ClientSession, urls: list[str], timeout_s: 
     return None
 
 
+def start_engines(
+    args: argparse.Namespace, model_dir: Path, work_dir: Path
+) -> tuple[ManagedProcess, list[str]]:
+    """The engine process and its replicas' addresses: simulated replicas, or the model."""
+    if args.engine == "model":
+        # As `corral up` and the engine image start it: tcmalloc where installed (CORRAL_TCMALLOC=0: not).
+        engine = start_engine(
+            model_dir, log_dir=work_dir, env=malloc.engine_env(os.environ), served_model_name=MODEL,
+            num_kv_blocks=args.kv_blocks, max_num_seqs=64, log_level="warning",
+        )  # fmt: skip
+        logger.info("soak: %.1f min at %.1f requests/s, one engine on the tiny model, %d KV blocks",
+                    args.minutes, args.rate, args.kv_blocks)  # fmt: skip
+        return engine, [engine.url]
+    profile = work_dir / "profile.json"
+    profile.write_text(json.dumps(sim_profile(args.step_ms / 1000, 256, _KV_BLOCKS)))
+    fleet = start_sim_fleet(model_dir, work_dir, profile, args.replicas)
+    logger.info("soak: %.1f min at %.1f requests/s, %d simulated replicas, step %.0f ms",
+                args.minutes, args.rate, args.replicas, args.step_ms)  # fmt: skip
+    return fleet, replica_urls(fleet, args.replicas)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -161,20 +196,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_model(args.model_dir, "tiny")
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-soak-")))
-        profile = work_dir / "profile.json"
-        profile.write_text(json.dumps(sim_profile(args.step_ms / 1000, 256, _KV_BLOCKS)))
-        fleet = stack.enter_context(start_sim_fleet(model_dir, work_dir, profile, args.replicas))
-        engine_urls = replica_urls(fleet, args.replicas)
+        engines, engine_urls = start_engines(args, model_dir, work_dir)
+        stack.enter_context(engines)
         gateway = stack.enter_context(start_gateway({MODEL: engine_urls}, work_dir))
-        pids = {"engine": fleet.proc.pid, "gateway": gateway.proc.pid}
+        pids = {"engine": engines.proc.pid, "gateway": gateway.proc.pid}
         urls = {"engine": engine_urls, "gateway": [gateway.url]}
-        logger.info("soak: %.1f min at %.1f requests/s, %d simulated replicas, step %.0f ms",
-                    args.minutes, args.rate, args.replicas, args.step_ms)  # fmt: skip
         run = asyncio.run(soak(args, gateway.url, pids, urls))
+        run["allocator"] = "tcmalloc" if malloc.is_loaded(Path(f"/proc/{engines.proc.pid}/maps")) else "glibc"
     warmup_s = args.warmup_fraction * 60.0 * args.minutes
     processes = {name: report.process_summary(run["samples"][name], warmup_s) for name in pids}
     doc = {
         "args": {k: str(v) for k, v in vars(args).items()},
+        "engine_allocator": run["allocator"],
         "sent": run["sent"],
         "outcomes": report.outcomes(run["results"]),
         "idle_after_s": run["idle_after_s"],

@@ -1,10 +1,15 @@
 """The soak's traffic: Poisson arrivals of a fixed mix of request kinds through the gateway, each
 checked against what a user should get (a whole stream ending in [DONE], a JSON body, an
-OpenAI-style error with the right status, or a stream the client drops after its first chunks)."""
+OpenAI-style error with the right status, or a stream the client drops after its first chunks).
+
+Besides greedy requests with prompts of their own, the mix has sampled ones (temperature, top_p, a
+seed, stop strings, log probabilities: the sampler's and the output's other paths) and ones that
+open with a shared preamble (prefix-cache hits, and evictions once the cache is full)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from collections.abc import Callable
@@ -14,6 +19,11 @@ from typing import Any
 import aiohttp
 
 _WORDS = ("note", "ledger", "replica", "block", "prefix", "stream", "token", "gateway", "engine", "queue")
+# Long enough to fill several KV blocks (~110 tokens of the demo tokenizer), so requests that open
+# with it share them; with the rest of the prompt and the output it stays within the tiny demo
+# model's 512-token context, as every kind does.
+PREAMBLE = "You are the fleet's assistant. " + " ".join(_WORDS[i % len(_WORDS)] for i in range(36))
+_TOP_LOGPROBS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,19 +37,25 @@ class Kind:
 
 
 KINDS = (
-    Kind("stream", 0.45, "/v1/chat/completions", 200, stream=True),
-    Kind("whole", 0.2, "/v1/completions", 200),
+    Kind("stream", 0.35, "/v1/chat/completions", 200, stream=True),
+    Kind("whole", 0.15, "/v1/completions", 200),
     Kind("n2", 0.05, "/v1/completions", 200),
-    Kind("disconnect", 0.15, "/v1/chat/completions", 200, stream=True, disconnect_after=2),
+    Kind("sampled", 0.1, "/v1/chat/completions", 200),
+    Kind("shared_prefix", 0.1, "/v1/completions", 200, stream=True),
+    Kind("disconnect", 0.1, "/v1/chat/completions", 200, stream=True, disconnect_after=2),
     Kind("invalid", 0.1, "/v1/chat/completions", 400),
     Kind("unknown_model", 0.05, "/v1/chat/completions", 404),
 )
 
 
 def body(kind: Kind, index: int, model: str, rng: random.Random) -> dict[str, Any]:
-    """A request of `kind`; every prompt starts with its own number, so none share a block."""
-    text = f"{index} " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(40, 160)))
-    max_tokens = 256 if kind.disconnect_after else rng.randint(8, 48)
+    """A request of `kind`; every prompt but a shared_prefix one's starts with its own number, so
+    only those share blocks (the preamble's)."""
+    words = rng.randint(20, 100) if kind.name == "shared_prefix" else rng.randint(40, 150)
+    text = f"{index} " + " ".join(rng.choice(_WORDS) for _ in range(words))
+    if kind.name == "shared_prefix":
+        text = f"{PREAMBLE} {text}"
+    max_tokens = 64 if kind.disconnect_after else rng.randint(8, 48)
     out: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": kind.stream}
     if kind.path == "/v1/completions":
         out["prompt"] = text
@@ -47,6 +63,9 @@ def body(kind: Kind, index: int, model: str, rng: random.Random) -> dict[str, An
         out["messages"] = [{"role": "user", "content": text}]
     if kind.name == "n2":
         out["n"] = 2
+    elif kind.name == "sampled":
+        out.update(temperature=0.8, top_p=0.9, seed=index, stop=["ledger queue"])
+        out.update(logprobs=True, top_logprobs=_TOP_LOGPROBS)
     elif kind.name == "invalid":
         out["temperature"] = -1.0
     elif kind.name == "unknown_model":
@@ -56,16 +75,37 @@ def body(kind: Kind, index: int, model: str, rng: random.Random) -> dict[str, An
     return out
 
 
-async def _read(kind: Kind, resp: aiohttp.ClientResponse) -> str:
-    if resp.status != kind.status:
+def check_whole(kind: Kind, doc: dict[str, Any], exact_logprobs: bool) -> str:
+    """What is wrong with a whole response's body, or "ok". With `exact_logprobs` (a model, not the
+    simulator, computed them) a sampled response has a log probability, with its alternatives, for
+    every token it was charged."""
+    choices: list[dict[str, Any]] = doc.get("choices") or []
+    if len(choices) != (2 if kind.name == "n2" else 1):
+        return "wrong choices"
+    if kind.name != "sampled":
+        return "ok"
+    content = (choices[0].get("logprobs") or {}).get("content")
+    if not isinstance(content, list):
+        return "no logprobs"
+    if exact_logprobs and (
+        len(content) != doc["usage"]["completion_tokens"]
+        or any(len(entry["top_logprobs"]) != _TOP_LOGPROBS for entry in content)
+    ):
+        return "logprobs do not match the tokens"
+    return "ok"
+
+
+async def _read(kind: Kind, resp: aiohttp.ClientResponse, exact_logprobs: bool) -> str:
+    if resp.status != kind.status:  # with the error's code, which says who refused it and why
+        with contextlib.suppress(ValueError, AttributeError, aiohttp.ClientError):
+            error = (await resp.json(content_type=None)).get("error") or {}
+            return f"status {resp.status} {error.get('code')}"
         return f"status {resp.status}"
     if kind.status != 200:
         error = (await resp.json(content_type=None)).get("error") or {}
         return "ok" if error.get("message") else "error without a message"
     if not kind.stream:
-        doc = await resp.json(content_type=None)
-        expected = 2 if kind.name == "n2" else 1
-        return "ok" if len(doc.get("choices", ())) == expected else "wrong choices"
+        return check_whole(kind, await resp.json(content_type=None), exact_logprobs)
     events = 0
     async for line in resp.content:
         if not line.startswith(b"data: "):
@@ -80,10 +120,12 @@ async def _read(kind: Kind, resp: aiohttp.ClientResponse) -> str:
     return "stream ended without [DONE]"
 
 
-async def one(session: aiohttp.ClientSession, base_url: str, kind: Kind, payload: dict[str, Any]) -> str:
+async def one(
+    session: aiohttp.ClientSession, base_url: str, kind: Kind, payload: dict[str, Any], exact_logprobs: bool
+) -> str:
     try:
         async with session.post(base_url + kind.path, json=payload) as resp:
-            return await _read(kind, resp)
+            return await _read(kind, resp, exact_logprobs)
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
         return f"exception {type(e).__name__}"
 
@@ -96,9 +138,10 @@ async def run(
     seed: int,
     on_result: Callable[[str, str], None],
     max_in_flight: int = 1024,
+    exact_logprobs: bool = False,
 ) -> int:
     """Send requests at `rate` a second (Poisson) for `duration_s`; each result goes to `on_result`
-    (kind, outcome) as it ends. Returns how many were sent."""
+    (kind, outcome) as it ends. Returns how many were sent. `exact_logprobs`: see `check_whole`."""
     rng = random.Random(seed)
     weights = [k.weight for k in KINDS]
     slots = asyncio.Semaphore(max_in_flight)
@@ -107,7 +150,7 @@ async def run(
 
     async def send(kind: Kind, payload: dict[str, Any]) -> None:
         async with slots:
-            on_result(kind.name, await one(session, base_url, kind, payload))
+            on_result(kind.name, await one(session, base_url, kind, payload, exact_logprobs))
 
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=max_in_flight)

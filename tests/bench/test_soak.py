@@ -64,4 +64,28 @@ def test_every_kind_asks_for_what_it_is_checked_against() -> None:
     assert by_name["n2"]["n"] == 2 and "prompt" in by_name["whole"]
     assert by_name["disconnect"]["stream"] and by_name["disconnect"]["max_tokens"] > 2
     assert by_name["stream"]["messages"][0]["content"].startswith("0 ")
+    assert by_name["shared_prefix"]["prompt"].startswith(traffic.PREAMBLE + " ")
+    sampled = by_name["sampled"]
+    assert sampled["temperature"] > 0 and sampled["seed"] == 3 and sampled["stop"]
+    assert sampled["logprobs"] is True and sampled["top_logprobs"] == 2
     assert sum(k.weight for k in traffic.KINDS) == pytest.approx(1.0)
+
+
+def _whole(kind_name: str, tokens: int, entries: int, alternatives: int = 2, choices: int = 1) -> str:
+    kind = next(k for k in traffic.KINDS if k.name == kind_name)
+    content = [{"token": "a", "logprob": -1.0, "top_logprobs": [{}] * alternatives} for _ in range(entries)]
+    choice = {"index": 0, "text": "a", "logprobs": {"content": content}}
+    doc = {"choices": [choice] * choices, "usage": {"completion_tokens": tokens}}
+    return traffic.check_whole(kind, doc, exact_logprobs=True)
+
+
+def test_a_sampled_answer_needs_a_log_probability_for_every_token_it_was_charged() -> None:
+    assert _whole("sampled", tokens=5, entries=5) == "ok"
+    assert _whole("sampled", tokens=5, entries=4) == "logprobs do not match the tokens"
+    assert _whole("sampled", tokens=5, entries=5, alternatives=1) == "logprobs do not match the tokens"
+    assert _whole("n2", tokens=5, entries=0, choices=2) == "ok"
+    assert _whole("n2", tokens=5, entries=0, choices=1) == "wrong choices"
+    # the simulator computes none: only the field's presence is checked against it
+    sim = {"choices": [{"logprobs": {"content": []}}], "usage": {"completion_tokens": 5}}
+    assert traffic.check_whole(traffic.KINDS[3], sim, exact_logprobs=False) == "ok"
+    assert traffic.check_whole(traffic.KINDS[3], {"choices": [{}]}, exact_logprobs=False) == "no logprobs"
