@@ -45,6 +45,14 @@ from e2e.procs import ManagedProcess, start_engine
 
 logger = logging.getLogger("soak")
 _KV_BLOCKS = 4096  # per simulated replica: room for every request in flight at the default rate
+# An engine's /metrics sample -> its figure in a soak sample (summed over an engine's replicas).
+_ENGINE_FIGURES = {
+    wire.NUM_REQUESTS_RUNNING: "running",
+    wire.NUM_REQUESTS_WAITING: "waiting",
+    wire.KV_CACHE_USAGE_PERC: "kv_usage",
+    wire.PREFIX_CACHE_HITS_TOTAL: "prefix_hit_tokens",
+    wire.NUM_PREEMPTIONS_TOTAL: "preemptions",
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -83,16 +91,14 @@ def proc_figures(pid: int) -> dict[str, float]:
 
 def metric_figures(text: str, gc_name: str) -> dict[str, float]:
     """From one /metrics page: the collector's passes (cumulative; `collector_totals`), and an
-    engine's running and waiting requests and KV usage (absent on a gateway)."""
+    engine's running and waiting requests, KV usage, and its prefix-cache hits and preemptions so
+    far (which say the traffic reached those paths); none of the engine's on a gateway."""
     out = collector_totals(text, gc_name)
-    gauges = {
-        wire.NUM_REQUESTS_RUNNING: "running",
-        wire.NUM_REQUESTS_WAITING: "waiting",
-        wire.KV_CACHE_USAGE_PERC: "kv_usage",
-    }
     for family in text_string_to_metric_families(text):
-        if family.name in gauges:
-            out[gauges[family.name]] = sum(s.value for s in family.samples)
+        for s in family.samples:
+            if s.name in _ENGINE_FIGURES:
+                key = _ENGINE_FIGURES[s.name]
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 
@@ -111,7 +117,7 @@ async def sample(
         gc_name = GATEWAY_GC if name == "gateway" else wire.GC_PAUSE_SECONDS
         pages = [await _metrics(session, url, gc_name) for url in urls[name]]
         figures = {"t_s": t_s, **proc_figures(pid), **pages[0]}
-        for key in ("running", "waiting", "kv_usage"):
+        for key in _ENGINE_FIGURES.values():
             if key in pages[0]:
                 figures[key] = sum(p[key] for p in pages)
         out[name] = figures
@@ -219,9 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "soak.json").write_text(json.dumps(doc, indent=2))
     report.plot(run["samples"], warmup_s, args.out / "soak.png")
     final = run["final"]["engine"]
-    logger.info("results in %s\n%s\nrequests by kind and outcome: %s\nidle after %s s; then running %d, "
-                "waiting %d, KV usage %.3f", args.out, report.table(processes), doc["outcomes"],
-                run["idle_after_s"], final["running"], final["waiting"], final["kv_usage"])  # fmt: skip
+    logger.info(
+        "results in %s\n%s\nrequests by kind and outcome: %s\nidle after %s s; then running %d, waiting "
+        "%d, KV usage %.3f; prompt tokens from the prefix cache %d, preemptions %d", args.out,
+        report.table(processes), doc["outcomes"], run["idle_after_s"], final["running"], final["waiting"],
+        final["kv_usage"], final["prefix_hit_tokens"], final["preemptions"],
+    )  # fmt: skip
     return 0
 
 

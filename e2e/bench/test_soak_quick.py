@@ -30,6 +30,7 @@ def test_a_short_soak(engine: str, rate: str, tiny_model_dir: Path, tmp_path: Pa
     assert doc["idle_after_s"] is not None
     final = doc["final"]["engine"]
     assert (final["running"], final["waiting"], final["kv_usage"]) == (0, 0, 0)
+    assert final["prefix_hit_tokens"] > 0  # the prompts that open with the shared preamble
     for name in ("engine", "gateway"):
         process = doc["processes"][name]
         assert process["num_samples"] >= 5 and process["rss_mib_start"] > 0 and process["fds_end"] > 0

@@ -50,11 +50,18 @@ def test_outcomes_count_each_kind() -> None:
 
 
 def test_metrics_are_read_from_both_servers_pages() -> None:
-    stats = EngineStats(num_running=3, num_waiting=2, kv_usage_ratio=0.25)
+    stats = EngineStats(
+        num_running=3,
+        num_waiting=2,
+        kv_usage_ratio=0.25,
+        num_prefix_cache_hits_total=64,
+        num_preemptions_total=1,
+    )
     engine = metric_figures(ServerMetrics(lambda: stats, "m", 128).render().decode(), wire.GC_PAUSE_SECONDS)
     assert (engine["running"], engine["waiting"], engine["kv_usage"]) == (3, 2, 0.25)
+    assert (engine["prefix_hit_tokens"], engine["preemptions"]) == (64, 1)
     gateway = metric_figures(GatewayMetrics().render().decode(), GC_PAUSE_SECONDS)
-    assert "running" not in gateway and gateway["gc_full_passes"] >= 0
+    assert "running" not in gateway and "preemptions" not in gateway and gateway["gc_full_passes"] >= 0
 
 
 def test_every_kind_asks_for_what_it_is_checked_against() -> None:
