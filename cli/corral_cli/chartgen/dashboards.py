@@ -477,7 +477,7 @@ def _memory_row() -> Row:
         (
             Panel(
                 "Resident memory per replica",
-                "Each engine's serving process's resident memory. On CPU it climbs by ~0.5 GiB over its "
+                "Each engine's serving process's resident memory. On CPU it climbs most over its "
                 "first thousands of steps (oneDNN compiles and keeps a kernel for each batch size it "
                 "meets), then slowly; a climb that keeps its pace is a leak (docs/operations.md).",
                 (Target(engines, "{{instance}}"),),
