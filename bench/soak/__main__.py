@@ -10,7 +10,7 @@ models (404) (`traffic.py`). Every
 idle and reads their KV usage and queues (every block a dropped stream held must be free again).
 
     .venv/bin/python -m bench.soak --minutes 30 --rate 20 --out bench/results/soak
-    .venv/bin/python -m bench.soak --engine model --minutes 30 --rate 8 --out bench/results/soak-model
+    .venv/bin/python -m bench.soak --engine model --minutes 30 --rate 5 --out bench/results/soak-model
 
 Prints the per-process table and the requests by kind and outcome; writes soak.json and soak.png
 to --out. A leak shows as a trend (MiB an hour, least squares over the samples after the warm-up)
