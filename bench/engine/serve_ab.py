@@ -46,6 +46,7 @@ from bench.routing.fleet import (
     add_closed_loop_args,
     closed_loop,
     ensure_model,
+    env_pairs,
     start_loop_engine,
     stream_requests,
     thread_cpu_seconds,
@@ -92,16 +93,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/serve-ab"))
     return p.parse_args()
-
-
-def _env_pairs(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"not NAME=VALUE: {pair!r}")
-        env[name] = value
-    return env
 
 
 def round_summary(
@@ -184,7 +175,7 @@ def main() -> int:
     engine_cpus, client_cpus = set(cpus[-half:]), set(cpus[:-half] or cpus)
     if args.engine_cpus == "all":
         engine_cpus = set(cpus)
-    envs = {"base": _env_pairs(args.base_env), "tree": _env_pairs(args.tree_env)}
+    envs = {"base": env_pairs(args.base_env), "tree": env_pairs(args.tree_env)}
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     with ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-serve-ab-")))
@@ -200,7 +191,7 @@ def main() -> int:
                     engine_cpus,
                     {**(sources[arm].env or {}), **envs[arm]},
                     num_threads=args.threads,
-                    **_env_pairs(args.engine_arg),
+                    **env_pairs(args.engine_arg),
                 )
             )
             for arm in ARMS
@@ -229,7 +220,7 @@ def main() -> int:
         "engine_cpus": sorted(engine_cpus),
         "client_cpus": sorted(client_cpus),
         "args": {k: str(v) for k, v in vars(args).items()},
-        "engine_args": _env_pairs(args.engine_arg),
+        "engine_args": env_pairs(args.engine_arg),
         "runs": runs,
         "summary": summary,
     }

@@ -77,6 +77,17 @@ def start_loop_engine(
     )
 
 
+def env_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    """`NAME=VALUE` command-line items as a dict (a value may hold `=`); anything else exits."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"not NAME=VALUE: {pair!r}")
+        env[name] = value
+    return env
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds a process has used so far."""
     return stat_cpu_s(Path(f"/proc/{pid}/stat"))

@@ -54,7 +54,7 @@ from corral_engine import wire
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.routing import overhead_sim_report as report
-from bench.routing.fleet import MODEL, REQUEST_TIMEOUT_S, cpu_seconds, ensure_model, start_gateway
+from bench.routing.fleet import MODEL, REQUEST_TIMEOUT_S, cpu_seconds, ensure_model, env_pairs, start_gateway
 from bench.routing.overhead_bench import Placement, place
 from e2e.procs import HOST, ManagedProcess, free_port
 
@@ -363,7 +363,7 @@ def run_level(args: argparse.Namespace, level: int, model_dir: Path, cores: Plac
         os.sched_setaffinity(0, cores.gateway)
         gateways = {"gateway": stack.enter_context(start_gateway_from(None, urls, work_dir, extra))}
         if args.baseline_gateway is not None or args.baseline_env:
-            baseline_env = dict(item.partition("=")[::2] for item in args.baseline_env)
+            baseline_env = env_pairs(args.baseline_env)
             baseline = start_gateway_from(args.baseline_gateway, urls, work_dir, extra, baseline_env)
             gateways["baseline"] = stack.enter_context(baseline)
         os.sched_setaffinity(0, cores.client)

@@ -13,7 +13,7 @@ from corral_engine.sim.perf_model import StepShape, load_profile
 from corral_gateway.metrics import GC_PAUSE_SECONDS, GatewayMetrics
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from bench.routing import overhead_sim, overhead_sim_report
+from bench.routing import fleet, overhead_sim, overhead_sim_report
 
 
 def result(ttft_s: float, e2el_s: float, output_len: int = 10) -> RequestResult:
@@ -181,3 +181,11 @@ def test_baseline_env_items_are_kept_as_given() -> None:
          "--baseline-env", "CORRAL_GC_THRESHOLDS=700,10,10"]
     )  # fmt: skip
     assert args.baseline_env == ["CORRAL_GC_THRESHOLDS=700,10,10"] and args.baseline_gateway is None
+    assert fleet.env_pairs(args.baseline_env) == {"CORRAL_GC_THRESHOLDS": "700,10,10"}
+
+
+def test_env_pairs_keep_an_equals_sign_in_the_value_and_refuse_anything_else() -> None:
+    assert fleet.env_pairs(["A=1=2", "B="]) == {"A": "1=2", "B": ""}
+    for bad in ("A", "=1"):
+        with pytest.raises(SystemExit, match="NAME=VALUE"):
+            fleet.env_pairs([bad])

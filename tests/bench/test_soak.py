@@ -78,8 +78,12 @@ def test_every_kind_asks_for_what_it_is_checked_against() -> None:
     assert sum(k.weight for k in traffic.KINDS) == pytest.approx(1.0)
 
 
+def _kind(name: str) -> traffic.Kind:
+    return next(k for k in traffic.KINDS if k.name == name)
+
+
 def _whole(kind_name: str, tokens: int, entries: int, alternatives: int = 2, choices: int = 1) -> str:
-    kind = next(k for k in traffic.KINDS if k.name == kind_name)
+    kind = _kind(kind_name)
     content = [{"token": "a", "logprob": -1.0, "top_logprobs": [{}] * alternatives} for _ in range(entries)]
     choice = {"index": 0, "text": "a", "logprobs": {"content": content}}
     doc = {"choices": [choice] * choices, "usage": {"completion_tokens": tokens}}
@@ -94,5 +98,5 @@ def test_a_sampled_answer_needs_a_log_probability_for_every_token_it_was_charged
     assert _whole("n2", tokens=5, entries=0, choices=1) == "wrong choices"
     # the simulator computes none: only the field's presence is checked against it
     sim = {"choices": [{"logprobs": {"content": []}}], "usage": {"completion_tokens": 5}}
-    assert traffic.check_whole(traffic.KINDS[3], sim, exact_logprobs=False) == "ok"
-    assert traffic.check_whole(traffic.KINDS[3], {"choices": [{}]}, exact_logprobs=False) == "no logprobs"
+    assert traffic.check_whole(_kind("sampled"), sim, exact_logprobs=False) == "ok"
+    assert traffic.check_whole(_kind("sampled"), {"choices": [{}]}, exact_logprobs=False) == "no logprobs"
