@@ -28,7 +28,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 typecheck: install
-	$(VENV)/bin/mypy engine/corral_engine gateway/corral_gateway operator/corral_operator cli/corral_cli
+	$(VENV)/bin/mypy engine/corral_engine gateway/corral_gateway operator/corral_operator cli/corral_cli bench
 
 test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)

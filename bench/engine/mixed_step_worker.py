@@ -90,7 +90,12 @@ def corral(args: argparse.Namespace) -> Adapter:
 
     a.add = add
     a.step = engine.step
-    a.abort = lambda rids: [engine.abort_request(r) for r in rids] and None
+
+    def abort(rids: list[str]) -> None:
+        for rid in rids:
+            engine.abort_request(rid)
+
+    a.abort = abort
     a.unfinished = engine.has_unfinished_requests
     a.step_outputs = lambda: [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in engine.step()]
     a.info = {"torch": torch.__version__, "threads": torch.get_num_threads()}

@@ -19,6 +19,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
 
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
@@ -52,7 +53,11 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args()
     engines: dict[str, LLMEngine] = {}
-    for name, switch in (("plain", "0"), ("packed", args.on)):
+    arms: list[tuple[str, Literal["auto", "1", "0"]]] = [
+        ("plain", "0"),
+        ("packed", "auto" if args.on == "auto" else "1"),
+    ]
+    for name, switch in arms:
         engines[name] = LLMEngine(
             EngineArgs(
                 model=str(args.model),

@@ -96,7 +96,7 @@ def ratio_rounds(results: Results) -> dict[str, dict[str, dict[str, Any]]]:
         row = {}
         for a, b in RATIO_PAIRS:
             pair = f"{a}/{b}"
-            values = [r[m.key][pair] for r in per_round if r[m.key][pair] is not None]
+            values = [v for r in per_round if (v := r[m.key][pair]) is not None]
             if values:
                 row[pair] = _spread(values)
         out[m.key] = row

@@ -73,7 +73,7 @@ def document(rng: random.Random, length: int) -> list[int]:
 
 def train_copy_model(out: Path, steps: int, seed: int = 0) -> None:
     """Write a demo checkpoint of COPY_MODEL's shape, then train it to repeat documents."""
-    from corral_engine.demo_model import _save_weights, write_demo_model
+    from corral_engine.demo_model import write_demo_model
     from tqdm import tqdm
     from transformers import LlamaForCausalLM
 
@@ -106,8 +106,21 @@ def train_copy_model(out: Path, steps: int, seed: int = 0) -> None:
         recent = [*recent[-19:], loss.item()]
         if len(recent) == 20 and sum(recent) / 20 < 0.01:  # copies: stop early
             break
-    _save_weights(model, tmp / "model.safetensors", "bfloat16", tied=True)
+    save_trained(model, tmp / "model.safetensors")
     tmp.rename(out)
+
+
+def save_trained(model: Any, path: Path) -> None:
+    """The trained weights in bf16 over the demo checkpoint's, in its one safetensors file (the
+    embedding is tied, so the head is not written)."""
+    from safetensors.torch import save_file
+
+    state = {
+        name: t.detach().to(torch.bfloat16).contiguous()
+        for name, t in sorted(model.state_dict().items())
+        if name != "lm_head.weight"
+    }
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 def workloads(n: int, seed: int = 1) -> dict[str, list[tuple[list[int], int]]]:
