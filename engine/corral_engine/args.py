@@ -194,7 +194,7 @@ class EngineArgs:
     )
     max_waiting: int | None = _option(
         None,
-        help="waiting requests before new ones get 429",
+        help="waiting requests before new ones get 429; a request's prompts are admitted together",
         default_text="unbounded",
         metavar="N",
         ge=0,

@@ -130,11 +130,14 @@ class AsyncEngine(StreamFront):
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams
+        self, request_id: str, prompt: Prompt, params: SamplingParams, *, in_group: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (raising InvalidRequestError / QueueFullError / EngineDeadError) and return
-        the request's output stream. Leaving the stream early aborts the request."""
-        self._check_admission(request_id, self.args.max_waiting)
+        the request's output stream. Leaving the stream early aborts the request. `in_group`: a
+        later prompt of one HTTP request whose first was admitted; the waiting-queue limit
+        (`max_waiting`) admits or refuses a request's prompts together, so a request with more
+        prompts than the limit still gets in once the queue has room."""
+        self._check_admission(request_id, None if in_group else self.args.max_waiting)
         request = self.engine.make_request(request_id, prompt, params)
         stream = self._streams.open(request_id, self.abort)
         self._steps.add(request)

@@ -216,10 +216,10 @@ class EngineCoreClient(StreamFront):
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, in_group: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """As `AsyncEngine.add_request`: checked here, at once, then sent to the core."""
-        self._check_admission(request_id, self.args.max_waiting)
+        self._check_admission(request_id, None if in_group else self.args.max_waiting)
         token_ids = self._check(prompt, params)
         self._prompts[request_id] = token_ids  # before the core can answer
         try:

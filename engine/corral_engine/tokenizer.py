@@ -35,7 +35,9 @@ def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """text -> ids as `tokenizer.encode(text)` gives them. For fast tokenizers that is the Rust
     tokenizer's own encode, called directly: transformers' wrapper costs several times the encode
     itself, on the server's event loop, for every request. Not when the Rust tokenizer carries
-    truncation or padding settings (transformers resets them per call) or special tokens are split."""
+    truncation or padding settings (transformers resets them per call) or special tokens are split.
+    Its batch form, with a batch of one: unlike `encode` it lets go of the GIL while it works, so a
+    long prompt tokenized on the server's tokenizer thread does not stop the event loop."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         backend is not None
@@ -43,9 +45,19 @@ def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
         and backend.padding is None
         and not getattr(tokenizer, "split_special_tokens", False)
     ):
-        encode = backend.encode
-        return lambda text: encode(text, add_special_tokens=True).ids
+        encode_batch = backend.encode_batch
+        return lambda text: encode_batch([text], add_special_tokens=True)[0].ids
     return lambda text: list(tokenizer.encode(text))
+
+
+def vocabulary(tokenizer: Any) -> dict[str, int] | None:
+    """token text -> id, added tokens included; None for a tokenizer that has no table (the
+    simulator's token-ids-only one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return dict(backend.get_vocab(with_added_tokens=True))
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    return dict(get_vocab()) if get_vocab is not None else None
 
 
 def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:

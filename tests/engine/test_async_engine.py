@@ -70,6 +70,8 @@ async def test_waiting_queue_limit(tiny_model_dir: pathlib.Path) -> None:
                 rejected += 1
                 assert e.retry_after_s > 0
         assert rejected > 0 and len(accepted) >= 2
+        # another prompt of an admitted request gets in past the limit (the server's grouping)
+        accepted.append(engine.add_request("q0-1", [1, 2, 3], params, in_group=True))
 
         async def drain(stream) -> str | None:  # type: ignore[no-untyped-def]
             reason = None

@@ -33,6 +33,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def get_vocab(self) -> dict[str, int]:
+        return {"<s>": BOS} | {chr(i): i for i in range(256)}
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -115,7 +118,7 @@ class FakeEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, in_group: bool = False
     ) -> AsyncIterator[RequestOutput]:
         if self.is_dead:
             raise EngineDeadError("the engine is dead")
@@ -130,7 +133,7 @@ class FakeEngine:
                 "max_tokens",
             )
         waiting = self.stats().num_waiting
-        if self.max_waiting is not None and waiting >= self.max_waiting:
+        if self.max_waiting is not None and waiting >= self.max_waiting and not in_group:
             raise QueueFullError("the waiting queue is full", retry_after_s=1.5)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")

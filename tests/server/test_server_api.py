@@ -219,9 +219,9 @@ async def test_only_streams_ask_the_engine_for_an_output_per_step(
     kinds: list[tuple[str, bool]] = []
     add_request = engine.add_request
 
-    def recording(request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
+    def recording(request_id: str, prompt: str | list[int], params: SamplingParams, **kw: Any) -> Any:
         kinds.append((params.output_kind, stream))
-        return add_request(request_id, prompt, params)
+        return add_request(request_id, prompt, params, **kw)
 
     monkeypatch.setattr(engine, "add_request", recording)
     chat = {"messages": [{"role": "user", "content": "q"}]}

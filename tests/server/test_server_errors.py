@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 import httpx
@@ -9,7 +11,7 @@ import pytest
 from corral_engine import wire
 from corral_engine.server import create_app
 
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import VOCAB, FakeEngine
 
 MODEL = FakeEngine.served_model_name
 USER = [{"role": "user", "content": "hi"}]
@@ -24,6 +26,7 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 
 C, H = "/v1/completions", "/v1/chat/completions"
+REFUSAL = {"type": "refusal", "refusal": "no"}
 NESTED_30: Any = 1
 for _ in range(30):
     NESTED_30 = [NESTED_30]
@@ -85,7 +88,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (H, chat(messages=[{"role": "user"}]), 400, "messages.0"),
     (H, chat(messages=[{"role": "user", "content": 5}]), 400, "messages.0.content"),
     (H, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400, None),
-    (H, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages"),
+    (H, chat(messages=[{"role": "user", "content": [{"text": "hi"}]}]), 400, "messages.0.content"),
+    (H, chat(messages=[{"role": "user", "content": [REFUSAL]}]), 400, "messages.0"),
+    (H, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0"),  # no tool_call_id
+    (H, chat(messages=[{"role": "tool", "tool_call_id": "c1", "content": "x"}]), 400, "messages"),  # template
+    (H, chat(stream_options={"include_usage": True}), 400, "stream_options"),  # without stream
+    (C, cmpl(stream_options={"include_usage": True}, stream=False), 400, "stream_options"),
+    (C, cmpl(prompt="a" * 4000), 400, "prompt"),  # refused untokenized: at least 333 tokens > 256
+    (C, cmpl(prompt=["hi", "a" * 4000]), 400, "prompt.1"),
     (H, chat(model="gpt-4"), 404, "model"),
     (H, chat(max_completion_tokens=0), 400, "max_tokens"),
     (H, chat(top_logprobs=3), 400, None),
@@ -122,24 +132,43 @@ async def test_unknown_route_and_method_are_json_errors(client: httpx.AsyncClien
     assert r.status_code == 405 and "error" in r.json()
 
 
-async def test_queue_full_is_429_with_retry_after_and_frees_partial_submissions() -> None:
+async def test_queue_full_is_429_with_retry_after_and_a_requests_prompts_get_in_together() -> None:
     engine = FakeEngine(max_waiting=2)
     engine.gate.clear()
     app = create_app(engine)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            # three prompts: two fit, the third is refused, so the first two must be aborted
-            r = await client.post(C, json=cmpl(prompt=["a", "b", "c"]))
+            # three prompts against a limit of two, into an empty queue: admitted as one request
+            # (refusing them would refuse the request for ever, however idle the engine)
+            first = asyncio.create_task(client.post(C, json=cmpl(prompt=["a", "b", "c"])))
+            while len(engine.requests) < 3:
+                await asyncio.sleep(0.001)
+            r = await client.post(C, json=cmpl())
             assert r.status_code == 429
             assert r.headers["retry-after"] == "2"
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
-            assert engine.requests == {}
+            assert len(engine.requests) == 3 and engine.aborted == []
             metrics = (await client.get("/metrics")).text
             assert (
                 f'{wire.NUM_REQUESTS_REJECTED_TOTAL}{{model_name="{MODEL}",reason="queue_full"}} 1.0'
                 in metrics
             )
+            engine.gate.set()
+            r = await first
+            assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+async def test_a_refused_prompt_aborts_the_requests_others() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            r = await client.post(C, json=cmpl(prompt=[[97, 98], [97, VOCAB + 5]]))
+            assert r.status_code == 400
+            assert engine.requests == {} and len(engine.aborted) == 1
 
 
 async def test_dead_engine_is_503(client: httpx.AsyncClient, engine: FakeEngine) -> None:
@@ -175,3 +204,71 @@ async def test_refusals_are_counted_by_reason(client: httpx.AsyncClient) -> None
     assert f'{name}{{model_name="{MODEL}",reason="invalid"}} 2.0' in metrics
     assert f'{name}{{model_name="{MODEL}",reason="unknown_model"}} 1.0' in metrics
     assert f'{name}{{model_name="{MODEL}",reason="queue_full"}} 0.0' in metrics
+
+
+@pytest.mark.parametrize(
+    "part",
+    [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "input_audio", "input_audio": {}}],
+)
+async def test_a_non_text_part_is_named(client: httpx.AsyncClient, part: dict[str, Any]) -> None:
+    body = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "see"}, part]}])
+    r = await client.post(H, json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.content"
+    assert f"content part 1 is of type {part['type']!r}" in error["message"]
+    assert "text-only" in error["message"] and "Value error" not in error["message"]
+
+
+async def test_an_assistant_refusal_part_is_history(client: httpx.AsyncClient) -> None:
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+        {"role": "user", "content": [{"type": "text", "text": "ok"}]},
+    ]
+    r = await client.post(H, json=chat(messages=history))
+    assert r.status_code == 200, r.text
+
+
+async def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(
+    client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoded: list[int] = []
+    encode = engine.tokenizer.encode
+
+    def recording(text: str, **kw: Any) -> list[int]:
+        encoded.append(len(text))
+        return encode(text, **kw)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", recording)
+    r = await client.post(C, json=cmpl(prompt="a" * 100_000))
+    assert r.status_code == 400 and encoded == []
+    assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
+    # unless it is to be truncated: then it is tokenized (long, so off the event loop) and cut
+    r = await client.post(C, json=cmpl(prompt="a" * 100_000, truncate_prompt_tokens=8))
+    assert r.status_code == 200 and encoded == [100_000]
+    assert r.json()["usage"]["prompt_tokens"] == 8
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop(
+    client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    encode = engine.tokenizer.encode
+
+    def recording(text: str, **kw: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(text, **kw)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", recording)
+    long_text = "a " * 2500  # 5,000 characters: past OFF_LOOP_CHARS, within the length bound
+    for path, body in (
+        (C, cmpl(prompt="short")),
+        (C, cmpl(prompt=long_text, truncate_prompt_tokens=8)),
+        (H, chat(messages=[{"role": "user", "content": long_text}], truncate_prompt_tokens=8)),
+    ):
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+    main = threading.current_thread().name
+    assert threads[0] == main
+    assert all(name.startswith("corral-tokenize") for name in threads[1:]), threads

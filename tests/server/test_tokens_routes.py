@@ -40,6 +40,7 @@ async def test_detokenize_version_and_errors(client: httpx.AsyncClient) -> None:
         ("/tokenize", {"prompt": ["a", "b"]}, 400),
         ("/tokenize", [1, 2], 400),
         ("/detokenize", {"tokens": [-1]}, 400),
+        ("/detokenize", {"tokens": [ord("o"), 100_000]}, 400),  # past the vocabulary: not dropped
         ("/detokenize", {"tokens": "abc"}, 400),
     ]:
         r = await client.post(path, json=body)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from corral_engine.errors import InvalidRequestError
 from corral_engine.sampling_params import MAX_LOGPROBS
@@ -20,12 +20,39 @@ class TextPart(_Strict):
     text: str
 
 
+class RefusalPart(_Strict):
+    """An assistant turn's refusal, as OpenAI's API returns it and clients send it back."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+_PART_TYPES = ("text", "refusal")
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: which call this is the result of
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_part_types(cls, content: Any) -> Any:
+        """Name the part a text-only model cannot take (an image, audio, a file), rather than
+        pydantic's "Input should be a valid string" for the whole content."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(part, dict) and kind is None:
+                    raise ValueError(f"content part {i} has no type")
+                if kind is not None and kind not in _PART_TYPES:
+                    raise ValueError(
+                        f"content part {i} is of type {kind!r}: this engine serves text-only models, "
+                        "so parts are text (or an assistant's refusal)"
+                    )
+        return content
 
     @model_validator(mode="after")
     def _check_content(self) -> ChatMessage:
@@ -33,6 +60,11 @@ class ChatMessage(_Strict):
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        parts = self.content if isinstance(self.content, list) else []
+        if self.role != "assistant" and any(isinstance(part, RefusalPart) for part in parts):
+            raise ValueError("only assistant messages carry refusal parts")
         return self
 
     def template_message(self) -> dict[str, Any]:
@@ -64,7 +96,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -88,6 +120,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_fields(self) -> None:
         check_fields(self.model_extra or {}, REFUSED_CHAT)
+        self.check_stream_options()
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError(
                 "continue_final_message needs add_generation_prompt false", "continue_final_message"
@@ -121,6 +154,10 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def num_chars(self) -> int:
+        """The conversation's text, in characters: what rendering and tokenizing it cost."""
+        return sum(len(m.text()) for m in self.messages)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]

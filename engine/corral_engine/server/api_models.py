@@ -82,6 +82,11 @@ class _SamplingFields(_Request):
             raise ValueError(f"stop may hold at most {MAX_STOP} strings")
         return self
 
+    def check_stream_options(self) -> None:
+        """As OpenAI's API and vLLM: stream_options only with stream."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -164,6 +169,7 @@ class CompletionRequest(_SamplingFields):
 
     def check_fields(self) -> None:
         check_fields(self.model_extra or {}, REFUSED_COMPLETION)
+        self.check_stream_options()
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidRequestError("best_of must be at least n", "best_of")
         if self.best_of is not None and self.best_of > self.n and self.stream:

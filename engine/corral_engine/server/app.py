@@ -100,7 +100,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
             "max_model_len": engine.max_model_len,
         }
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # some load balancers probe with HEAD
     async def health() -> Response:
         if ctx.is_draining:
             return errors.error_response(errors.draining())

@@ -39,26 +39,34 @@ def _template_errors() -> tuple[type[Exception], ...]:
     return tuple(kinds)
 
 
-def render_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation rendered by the model's chat template, ready for a reply."""
-    try:
-        text = ctx.engine.tokenizer.apply_chat_template(
-            req.template_messages(), tokenize=False, **req.template_kwargs()
+async def render_prompt(ctx: ServerContext, req: ChatCompletionRequest, check_fits: bool = True) -> list[int]:
+    """Token ids of the conversation rendered by the model's chat template, ready for a reply. A
+    rendering that cannot fit the context is refused untokenized (`check_fits`, unless it is to be
+    truncated); a long conversation is rendered and tokenized off the event loop."""
+
+    def render() -> list[int]:
+        try:
+            text = ctx.engine.tokenizer.apply_chat_template(
+                req.template_messages(), tokenize=False, **req.template_kwargs()
+            )
+        except _template_errors() as e:
+            raise errors.invalid_request(f"The chat template rejected the messages: {e}", "messages") from e
+        if check_fits and req.truncate_prompt_tokens is None:
+            ctx.check_fits(str(text), "messages")
+        # The template already holds any special tokens (BOS); don't add them twice unless asked.
+        ids = req.truncate(
+            list(ctx.engine.tokenizer.encode(str(text), add_special_tokens=req.add_special_tokens))
         )
-    except _template_errors() as e:
-        raise errors.invalid_request(f"The chat template rejected the messages: {e}", "messages") from e
-    # The template already holds any special tokens (BOS); don't add them twice unless asked.
-    ids = req.truncate(
-        list(ctx.engine.tokenizer.encode(str(text), add_special_tokens=req.add_special_tokens))
-    )
-    if not ids:
-        raise errors.invalid_request("The messages render to an empty prompt.", "messages")
-    return ids
+        if not ids:
+            raise errors.invalid_request("The messages render to an empty prompt.", "messages")
+        return ids
+
+    return await ctx.off_loop(render, req.num_chars())
 
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     req = await ctx.parse(request, ChatCompletionRequest)
-    prompt = render_prompt(ctx, req)
+    prompt = await render_prompt(ctx, req)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = remaining_context(ctx, [prompt], "messages")

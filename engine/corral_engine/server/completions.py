@@ -26,22 +26,36 @@ from corral_engine.server.streaming import ChunkEncoder, EngineStreamingResponse
 logger = logging.getLogger(__name__)
 
 
-def tokenize_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
-    """Token ids of each prompt, as the engine will see them."""
-    prompts: list[list[int]] = []
-    for i, prompt in enumerate(req.prompts()):
-        if isinstance(prompt, list):
-            ids = prompt
-        elif req.add_special_tokens:
-            ids = ctx.encode(prompt)
-        else:
-            ids = list(ctx.engine.tokenizer.encode(prompt, add_special_tokens=False))
-        if not ids:
-            raise errors.invalid_request(
-                "The prompt must not be empty.", "prompt" if i == 0 else f"prompt.{i}"
-            )
-        prompts.append(req.truncate(ids))
-    return prompts
+async def tokenize_prompts(
+    ctx: ServerContext, req: CompletionRequest, check_fits: bool = True
+) -> list[list[int]]:
+    """Token ids of each prompt, as the engine will see them. A text prompt that cannot fit the
+    context is refused untokenized (`check_fits`, unless it is to be truncated); long ones are
+    tokenized off the event loop."""
+    given = req.prompts()
+    texts = [p for p in given if isinstance(p, str)]
+    if check_fits and req.truncate_prompt_tokens is None:
+        for i, prompt in enumerate(given):
+            if isinstance(prompt, str):
+                ctx.check_fits(prompt, "prompt" if i == 0 else f"prompt.{i}")
+
+    def tokenize() -> list[list[int]]:
+        prompts: list[list[int]] = []
+        for i, prompt in enumerate(given):
+            if isinstance(prompt, list):
+                ids = prompt
+            elif req.add_special_tokens:
+                ids = ctx.encode(prompt)
+            else:
+                ids = list(ctx.engine.tokenizer.encode(prompt, add_special_tokens=False))
+            if not ids:
+                raise errors.invalid_request(
+                    "The prompt must not be empty.", "prompt" if i == 0 else f"prompt.{i}"
+                )
+            prompts.append(req.truncate(ids))
+        return prompts
+
+    return await ctx.off_loop(tokenize, sum(map(len, texts)))
 
 
 def _echo_texts(ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -71,7 +85,7 @@ def _best(
 
 async def create_completion(ctx: ServerContext, request: Request) -> Response:
     req = await ctx.parse(request, CompletionRequest)
-    prompts = tokenize_prompts(ctx, req)
+    prompts = await tokenize_prompts(ctx, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else remaining_context(ctx, prompts, "prompt")
     prompt_k = req.prompt_logprobs
     if req.echo and req.logprobs is not None:  # the prompt's tokens come with logprobs too

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -18,12 +20,20 @@ from corral_engine.server import access, errors
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.generation import GenerationRun, InFlight
 from corral_engine.server.metrics import ServerMetrics
-from corral_engine.tokenizer import encoder
+from corral_engine.tokenizer import encoder, vocabulary
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
+# A prompt of more characters is tokenized (a conversation rendered) on the tokenizer's thread:
+# ~1.5 µs a character on the demo tokenizer, so a 200 KB prompt would hold the event loop (every
+# stream, /health) for ~0.3 s; below this the thread hop (~0.1 ms) costs more than it saves.
+OFF_LOOP_CHARS = 4096
+# Unicode normalization may shorten a text before it is split (composing marks: at most 3 code
+# points into 1); the length bound below allows for that and some.
+_NORMALIZED_SHRINK = 4
 ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,6 +72,49 @@ class ServerContext:
     def encode(self) -> Callable[[str], list[int]]:
         """text -> token ids, as the tokenizer's own `encode` gives them (`tokenizer.encoder`)."""
         return encoder(self.engine.tokenizer)
+
+    @functools.cached_property
+    def _tokenizer_thread(self) -> ThreadPoolExecutor:
+        # One thread: long prompts queue behind each other rather than take both cores from the
+        # steps. The Rust tokenizer's batch encode releases the GIL (`tokenizer.encoder`).
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-tokenize")
+
+    async def off_loop(self, fn: Callable[[], T], num_chars: int) -> T:
+        """fn() for a prompt of `num_chars` characters (tokenizing, rendering a conversation):
+        right here when short, on the tokenizer's thread when long, so one long prompt does not
+        stall the event loop."""
+        if num_chars < OFF_LOOP_CHARS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+
+    @functools.cached_property
+    def _vocabulary(self) -> tuple[int, int] | None:
+        """(the longest token's text in characters, one past the largest token id), or None
+        where the tokenizer has no table. A byte-level vocabulary spells a byte a character, so
+        no token covers more of a prompt's text than the longest one's length."""
+        vocab = vocabulary(self.engine.tokenizer)
+        if not vocab:
+            return None
+        return max(map(len, vocab)), max(vocab.values()) + 1
+
+    @property
+    def num_token_ids(self) -> int | None:
+        """Token ids the tokenizer can decode are below this; None where unknown."""
+        return self._vocabulary[1] if self._vocabulary is not None else None
+
+    def check_fits(self, text: str, param: str) -> None:
+        """Refuse, without tokenizing it, a text too long for the context whatever its tokens:
+        it has at least len(text) / (longest token x _NORMALIZED_SHRINK) of them. A 16 MiB body
+        would otherwise cost seconds of a core to be refused."""
+        if self._vocabulary is None:
+            return
+        at_least = len(text) // (max(self._vocabulary[0], 1) * _NORMALIZED_SHRINK)
+        if at_least >= self.engine.max_model_len:
+            raise errors.invalid_request(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens; the "
+                f"prompt ({len(text)} characters) has at least {at_least}.",
+                param,
+            )
 
     @functools.cached_property
     def token_text(self) -> Any:

@@ -83,6 +83,8 @@ def _from_validation(errors: list[Any]) -> APIError:
     message = str(first.get("msg", "invalid request"))
     if kind == "json_invalid":
         return invalid_request(f"We could not parse the JSON body of your request: {message}")
+    if kind == "value_error":  # our validators' own words, without pydantic's "Value error, "
+        message = message.removeprefix("Value error, ")
     param = _validation_param(loc)
     prefix = f"{param}: " if param else ""
     return invalid_request(prefix + message, param)

@@ -81,23 +81,23 @@ class GenerationRun:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self._add(engine_id, prompt, params)
+                self._add(engine_id, prompt, params, in_group=i > 0)
         except BaseException:
             self.abort_unfinished()
             self._closed = True
             in_flight.leave()
             raise
 
-    def _add(self, engine_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _add(self, engine_id: str, prompt: list[int], params: SamplingParams, in_group: bool) -> None:
         try:
-            stream = self.engine.add_request(engine_id, prompt, params)
+            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group)
         except InvalidRequestError as e:
             if e.param != "request_id":
                 raise
             # A client reused an x-request-id that is still running here: the response keeps the
             # id it asked for; only the engine's own key gets a suffix.
             engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
-            stream = self.engine.add_request(engine_id, prompt, params)
+            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group)
         self._streams.append(stream)
         self._ids.append(engine_id)
         self._unfinished.add(engine_id)

@@ -46,9 +46,11 @@ async def tokenize(ctx: ServerContext, request: Request) -> JSONResponse:
     body = await _body(ctx, request)
     want_strs = body.pop("return_token_strs", False) is True
     if "messages" in body:
-        tokens = render_prompt(ctx, ChatCompletionRequest.model_validate(body))
+        tokens = await render_prompt(ctx, ChatCompletionRequest.model_validate(body), check_fits=False)
     else:
-        prompts = tokenize_prompts(ctx, CompletionRequest.model_validate({"max_tokens": 1, **body}))
+        prompts = await tokenize_prompts(
+            ctx, CompletionRequest.model_validate({"max_tokens": 1, **body}), check_fits=False
+        )
         if len(prompts) != 1:
             raise errors.invalid_request("/tokenize takes one prompt.", "prompt")
         tokens = prompts[0]
@@ -65,4 +67,7 @@ async def tokenize(ctx: ServerContext, request: Request) -> JSONResponse:
 
 async def detokenize(ctx: ServerContext, request: Request) -> JSONResponse:
     req = DetokenizeRequest.model_validate(await _body(ctx, request))
+    size = ctx.num_token_ids
+    if size is not None and any(t >= size for t in req.tokens):  # decode would drop them silently
+        raise errors.invalid_request(f"token ids must be in [0, {size})", "tokens")
     return JSONResponse({"prompt": str(ctx.engine.tokenizer.decode(req.tokens))})

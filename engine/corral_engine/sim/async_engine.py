@@ -68,9 +68,9 @@ class AsyncSimEngine(StreamFront):
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams
+        self, request_id: str, prompt: Prompt, params: SamplingParams, *, in_group: bool = False
     ) -> AsyncIterator[RequestOutput]:
-        self._check_admission(request_id, self.max_waiting)
+        self._check_admission(request_id, None if in_group else self.max_waiting)
         request = self.engine.make_request(request_id, prompt, params)
         stream = self._streams.open(request_id, self.abort)
         self._adds.append(request)
