@@ -272,3 +272,23 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(
     main = threading.current_thread().name
     assert threads[0] == main
     assert all(name.startswith("corral-tokenize") for name in threads[1:]), threads
+
+
+async def test_browsers_may_call_it_from_any_origin_and_preflights_need_no_key() -> None:
+    app = create_app(FakeEngine(), api_key="s3cret")
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            origin = {"Origin": "http://127.0.0.1:3000"}
+            preflight = {
+                **origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            }
+            r = await client.options(H, headers=preflight)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+            assert "authorization" in r.headers["access-control-allow-headers"].lower()
+            r = await client.post(C, json=cmpl(), headers={**origin, "Authorization": "Bearer s3cret"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+            r = await client.post(C, json=cmpl(), headers=origin)  # the key is still required
+            assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"

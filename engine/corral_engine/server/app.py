@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from corral_engine.server import errors, tokens
 from corral_engine.server.chat import create_chat_completion
@@ -84,6 +85,9 @@ def create_app(
     app.state.ctx = ctx
     errors.install_error_handlers(app)
     app.add_middleware(ServerMiddleware, ctx=ctx)
+    # Outermost, so a browser's preflight (which carries no API key) is answered before auth.
+    # Any origin, no credentials: vLLM's default; the API key is a bearer token, not a cookie.
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     _add_routes(app, ctx, created)
     return app
 
