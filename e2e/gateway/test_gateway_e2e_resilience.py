@@ -1,4 +1,5 @@
-"""Acceptance 2 and 4: a replica killed under load, then re-admitted; API keys through the gateway."""
+"""Acceptance 2 and 4: a replica killed under load, then re-admitted; a model's only replica killed
+and a backend named unlike its engine, both visible to monitoring; API keys through the gateway."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ PLAIN_TOKENS = 120
 
 
 def stream_outcome(url: str, started: cf.Future[None]) -> str:
-    """'done' when the stream ends with [DONE] after every token, 'error' when with an error event."""
+    """'done' when the stream ends with [DONE] after every token, 'error' when with an error event
+    (then [DONE], as every stream ends)."""
     body = {"model": MODEL, "prompt": "A long story", "max_tokens": STREAM_TOKENS, "ignore_eos": True}
     body["stream_options"] = {"include_usage": True}  # a chunk may carry several tokens: count them
     events = []
@@ -34,12 +36,12 @@ def stream_outcome(url: str, started: cf.Future[None]) -> str:
                 events.append(line.removeprefix("data: "))
                 if not started.done():
                     started.set_result(None)
-    if events[-1] == "[DONE]":
-        usage, last = json.loads(events[-2])["usage"], json.loads(events[-3])
-        assert usage["completion_tokens"] == STREAM_TOKENS and last["choices"][0]["finish_reason"] == "length"
-        return "done"
-    assert "error" in json.loads(events[-1]), events[-1]
-    return "error"
+    assert events[-1] == "[DONE]", events[-1]
+    if "error" in json.loads(events[-2]):
+        return "error"
+    usage, last = json.loads(events[-2])["usage"], json.loads(events[-3])
+    assert usage["completion_tokens"] == STREAM_TOKENS and last["choices"][0]["finish_reason"] == "length"
+    return "done"
 
 
 def plain_request(url: str) -> int:
@@ -94,6 +96,45 @@ def _kill_under_load(gateway: ManagedProcess, victim: EngineProcess) -> list[str
         # Requests that had not started streaming all succeed elsewhere.
         assert [p.result(timeout=120) for p in plains] == [PLAIN_TOKENS] * len(plains)
     return outcomes
+
+
+def test_a_sole_replica_killed_and_a_misnamed_backend_show_in_health(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # `demo` routes to an engine that serves MODEL only: every request for it would get a 404.
+    with start_engine(tiny_model_dir, served_model_name=MODEL) as engine:
+        backends = {MODEL: [engine.url], "demo": [engine.url]}
+        with start_gateway(backends, tmp_path) as gateway:
+            try:
+                _sole_replica_killed(gateway, engine)
+            except (AssertionError, cf.TimeoutError, httpx.HTTPError) as e:
+                raise AssertionError(f"{e!r}\n--- gateway log ---\n{gateway.log_tail()}") from e
+
+
+def _models_down(gateway: ManagedProcess) -> list[str]:
+    health = httpx.get(gateway.url + "/health", timeout=5)
+    assert health.status_code == 200  # alive whatever its replicas do (the liveness probe)
+    return list(health.json()["models_down"])
+
+
+def _sole_replica_killed(gateway: ManagedProcess, engine: EngineProcess) -> None:
+    wait_for("the misnamed backend", lambda: _models_down(gateway) == ["demo"])
+    demo = httpx.get(gateway.url + "/corral/replicas", timeout=5).json()["models"]["demo"][0]
+    assert demo["served_names"] == [MODEL] and demo["serves_model"] is False and not demo["ejected"]
+    assert f"backend 'demo': replica {engine.url} serves '{MODEL}', not 'demo'" in gateway.log_tail(100_000)
+    assert replica_state(gateway)[engine.url]["healthy"]
+    with cf.ThreadPoolExecutor(1) as pool:
+        started = cf.Future[None]()
+        stream = pool.submit(stream_outcome, gateway.url, started)
+        started.result(timeout=60)
+        engine.signal(signal.SIGKILL)
+        engine.proc.wait(10)
+        assert stream.result(timeout=60) == "error"  # an error event, then [DONE]
+    # Never ejected (requests still try it), but monitoring sees it down.
+    wait_for("the dead replica to show", lambda: _models_down(gateway) == ["demo", MODEL], 10)
+    assert not replica_state(gateway)[engine.url]["healthy"]
+    assert gateway.metric("corral_gateway_replica_healthy", model=MODEL, replica=engine.url) == 0
+    assert gateway.metric("corral_gateway_ejections_total", replica=engine.url) == 0
 
 
 def test_api_keys_through_the_gateway(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -212,7 +212,12 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok", "models": fleet.models()})
+        # Liveness (the chart's probe): 200 while the process serves, whatever its replicas do. A
+        # model with no healthy replica is named, for people and monitors; restarting the gateway
+        # would not bring its replicas back.
+        down = fleet.models_down()
+        body = {"status": "degraded" if down else "ok", "models": fleet.models(), "models_down": down}
+        return JSONResponse(body)
 
     @app.get("/version")
     async def version() -> Response:

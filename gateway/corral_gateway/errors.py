@@ -114,7 +114,12 @@ def error_response(exc: GatewayError) -> Response:
     )
 
 
-def sse_error_event(message: str, code: str = "upstream_disconnected") -> bytes:
-    """The last event of a stream whose upstream died mid-way (the client sees why it ended)."""
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error_end(message: str, code: str = "upstream_disconnected") -> bytes:
+    """The last events of a stream whose upstream failed mid-way: an error event (the client sees
+    why it ended), then `[DONE]`, as an engine ends a stream that fails after it started (clients
+    that read until `[DONE]` would otherwise wait for it)."""
     payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    return b"data: " + json.dumps(payload).encode() + b"\n\n" + SSE_DONE

@@ -1,6 +1,6 @@
 """The live fleet: registry + router + admission behind one narrow interface (models, leases,
-health reports), fed by /metrics polls, /health probes of ejected replicas, response load headers
-and discovery updates. Owns the gateway's background I/O."""
+health reports), fed by /metrics polls, /health probes of ejected replicas, response load headers,
+each replica's model list and discovery updates. Owns the gateway's background I/O."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Replica, Saturation
 from corral_gateway.router import Router
+from corral_gateway.served_names import parse_model_ids
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Fetched, Upstream, UpstreamError
 
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 _GAUGE_INTERVAL_S = 0.5
 _POLL_READ_TIMEOUT_S = 1.0
+# A replica's model list is read on first contact, after each outage (the address may now hold
+# another engine) and at this interval.
+_NAMES_CHECK_INTERVAL_S = 60.0
 
 
 class Fleet:
@@ -152,9 +156,31 @@ class Fleet:
         self._registry.record_success(url)
 
     def record_failure(self, url: str, reason: str) -> None:
+        was_failing = {r.model for r in self._registry.by_url(url) if r.is_failing}
         if self._registry.record_failure(url, self.clock()):
             self.metrics.ejections.labels(url).inc()
             logger.warning("ejected replica %s after repeated failures (last: %s)", url, reason)
+        for replica in self._registry.by_url(url):
+            if replica.is_failing and not replica.is_ejected and replica.model not in was_failing:
+                logger.warning("replica %s of model %s keeps failing (last: %s); kept in rotation as "
+                               "the model's last replica there, it counts as unhealthy", url, replica.model,
+                               reason)  # fmt: skip
+
+    def observe_served_names(self, url: str, names: tuple[str, ...]) -> None:
+        """What the replica at `url` serves (its /v1/models); a pool whose name is not among them
+        is warned about once per change: its requests there get the engine's 404."""
+        for replica in self._registry.by_url(url):
+            was_misnamed, is_changed = self.is_misnamed(replica), replica.served_names != names
+            replica.served_names = names
+            served = ", ".join(repr(n) for n in names) or "no model"
+            if self.is_misnamed(replica) and is_changed:
+                logger.warning(
+                    "backend %r: replica %s serves %s, not %r, so its requests get the engine's 404 "
+                    "(fix the backend's model name or the engine's --served-model-name)",
+                    replica.model, url, served, self.upstream_name(replica.model),
+                )  # fmt: skip
+            elif was_misnamed and not self.is_misnamed(replica):
+                logger.info("backend %r: replica %s now serves %s", replica.model, url, served)
 
     # ---- background I/O -----------------------------------------------------------------------
 
@@ -181,13 +207,21 @@ class Fleet:
 
     async def _poll_loop(self, upstream: Upstream, url: str) -> None:
         probe = HealthProbe(url) if url.startswith("http://") else None
+        names_due_s = self.clock()  # when to read the replica's model list next
         try:
             while True:
+                is_healthy: bool | None = None  # None: not asked this turn
                 if any(r.is_ejected for r in self._registry.by_url(url)):
                     if self._registry.is_due_for_probe(url, self.clock()):
-                        await self._probe(upstream, url)
+                        is_healthy = await self._probe(upstream, url)
                 elif self.is_due_for_load_poll(url):
-                    await self._poll_load(upstream, url, probe)
+                    is_healthy = await self._poll_load(upstream, url, probe)
+                else:
+                    is_healthy = True  # a response brought its load within the interval
+                if is_healthy is False:
+                    names_due_s = self.clock()  # it may come back as another engine: ask then
+                elif is_healthy and self.clock() >= names_due_s and await self._check_names(upstream, url):
+                    names_due_s = self.clock() + _NAMES_CHECK_INTERVAL_S
                 self._admission.pump_all()
                 await asyncio.sleep(self.settings.poll_interval_s)
         finally:
@@ -204,26 +238,43 @@ class Fleet:
             r.sample is not None and now_s - r.sample.at_s < interval_s for r in self._registry.by_url(url)
         )
 
-    async def _poll_load(self, upstream: Upstream, url: str, probe: HealthProbe | None = None) -> None:
+    async def _poll_load(self, upstream: Upstream, url: str, probe: HealthProbe | None = None) -> bool:
         """One load sample: from the load headers on a GET /health where the engine sends them
         (Corral's engine does, on every response), else from /metrics (vLLM's names; vLLM itself).
         Rendering and parsing a /metrics page, histograms and all, ten times a second costs the
-        engine and the gateway CPU that on a shared node comes out of serving."""
+        engine and the gateway CPU that on a shared node comes out of serving.
+
+        Returns whether the replica answered healthy. A 5xx /health (an engine starting, draining,
+        or whose loop died) counts as a failure, as a refused connection does."""
         if url not in self._metrics_only:
             fetched = await self._poll_get(upstream, url, "/health", probe)
             if fetched is None:
-                return
+                return False
             sample = parse_load_headers(fetched.headers, self.clock())
             if sample is not None:
                 self._registry.observe(url, sample)
-                return
+            if fetched.status >= 500:
+                self.record_failure(url, f"load poll: /health answered {fetched.status}")
+                return False
+            if sample is not None:
+                return self._poll_succeeded(url, fetched.status)
             if fetched.status == 200:
                 self._metrics_only.add(url)  # healthy, but says nothing about its load
         fetched = await self._poll_get(upstream, url, "/metrics")
-        if fetched is not None and fetched.status == 200:
+        if fetched is None:
+            return False
+        if fetched.status == 200:
             sample = parse_metrics_text(fetched.body.decode("utf-8", "replace"), self.clock())
             if sample is not None:
                 self._registry.observe(url, sample)
+        return self._poll_succeeded(url, fetched.status)
+
+    def _poll_succeeded(self, url: str, status: int) -> bool:
+        if status != 200:
+            return False
+        for replica in self._registry.poll_succeeded(url):
+            logger.info("replica %s of model %s answers again", url, replica.model)
+        return True
 
     async def _poll_get(
         self, upstream: Upstream, url: str, path: str, probe: HealthProbe | None = None
@@ -239,7 +290,7 @@ class Fleet:
             logger.debug("load poll of %s%s failed: %s", url, path, e)
         return None
 
-    async def _probe(self, upstream: Upstream, url: str) -> None:
+    async def _probe(self, upstream: Upstream, url: str) -> bool:
         try:
             is_healthy = (await upstream.get(f"{url}/health", _POLL_READ_TIMEOUT_S)).status == 200
         except UpstreamError:
@@ -249,6 +300,52 @@ class Fleet:
                 logger.info("replica %s is healthy again; back in rotation", url)
         else:
             self._registry.probe_failed(url, self.clock())
+        return is_healthy
+
+    async def _check_names(self, upstream: Upstream, url: str) -> bool:
+        """Read the names the replica serves (its /v1/models). Returns False when the replica could
+        not be reached (ask again on the next turn); an answer that lists nothing (say, 401: the
+        engine wants a key the gateway lacks) leaves its names unknown."""
+        key = self.settings.upstream_api_key
+        headers = {"authorization": f"Bearer {key}"} if key else None
+        try:
+            fetched = await upstream.get(url + "/v1/models", _POLL_READ_TIMEOUT_S, headers)
+        except (ConnectFailed, ConnectTimedOut):
+            return False
+        except UpstreamError as e:
+            logger.debug("model list of %s not read: %s", url, e)
+            return True
+        names = parse_model_ids(fetched.body) if fetched.status == 200 else None
+        if names is None:
+            logger.debug("model list of %s not read: HTTP %d", url, fetched.status)
+            return True
+        self.observe_served_names(url, names)
+        return True
+
+    def upstream_name(self, key: str) -> str:
+        """The name the replicas of pool `key` are sent requests under (what they must serve)."""
+        try:
+            return self.resolve(key).upstream
+        except AmbiguousModel:
+            return key
+
+    def is_misnamed(self, replica: Replica) -> bool:
+        """The replica said what it serves, and it is not the name its pool's requests carry."""
+        names = replica.served_names
+        return names is not None and self.upstream_name(replica.model) not in names
+
+    def is_healthy(self, replica: Replica) -> bool:
+        """What `corral_gateway_replica_healthy` says: in rotation, not failing, serving its name."""
+        return replica.is_answering and not self.is_misnamed(replica)
+
+    def models_down(self) -> list[str]:
+        """Models with replicas none of which is healthy (a model at zero replicas is not down:
+        its requests wake one)."""
+        return [
+            model
+            for model in self._registry.models()
+            if (replicas := self._registry.replicas(model)) and not any(self.is_healthy(r) for r in replicas)
+        ]
 
     def update_gauges(self) -> None:
         now_s = self.clock()
@@ -260,7 +357,9 @@ class Fleet:
             for replica, score in zip(replicas, self._scores(replicas, now_s), strict=True):
                 replica.last_score = score
                 self.metrics.replica_score.labels(model, replica.url).set(replica.last_score)
-                self.metrics.replica_healthy.labels(model, replica.url).set(0 if replica.is_ejected else 1)
+                self.metrics.replica_healthy.labels(model, replica.url).set(
+                    1 if self.is_healthy(replica) else 0
+                )
                 self.metrics.replica_inflight.labels(model, replica.url).set(replica.num_inflight)
 
     def _scores(self, replicas: list[Replica], now_s: float) -> list[float]:
@@ -286,7 +385,13 @@ class Fleet:
                 out[model].append(
                     {
                         "url": r.url,
-                        "healthy": not r.is_ejected,
+                        "healthy": self.is_healthy(r),
+                        "ejected": r.is_ejected,
+                        "num_consecutive_failures": r.num_consecutive_failures,
+                        # What it serves (its /v1/models; None: not known), and whether that
+                        # includes the name its requests carry.
+                        "served_names": list(r.served_names) if r.served_names is not None else None,
+                        "serves_model": None if r.served_names is None else not self.is_misnamed(r),
                         "load_fresh": load.is_fresh,
                         "num_running": load.num_running,
                         "num_waiting": load.num_waiting,

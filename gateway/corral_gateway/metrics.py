@@ -88,7 +88,11 @@ class GatewayMetrics:
             REPLICA_SCORE, "The kv-aware cost of each replica (lower is better).", per_replica, registry=r
         )
         self.replica_healthy = Gauge(
-            REPLICA_HEALTHY, "1 while a replica is in rotation, 0 while ejected.", per_replica, registry=r
+            REPLICA_HEALTHY,
+            "1 while a replica is healthy; 0 while it is ejected, failing (a model's last replica stays "
+            "in rotation but counts) or serving other model names than its requests carry.",
+            per_replica,
+            registry=r,
         )
         self.replica_inflight = Gauge(
             REPLICA_INFLIGHT, "Requests this gateway is proxying to each replica.", per_replica, registry=r

@@ -1,8 +1,10 @@
 """A replica's response on its way back to the client: streamed through chunk by chunk (SSE and large
 or unsized bodies) or read whole first (small bodies), and the bookkeeping when it ends.
 
-A stream whose replica dies ends with an SSE error event; a whole body that breaks off is a 502; a
-client that hangs up mid-response closes the upstream request, so the engine aborts it.
+An event stream whose replica dies or stalls ends with an SSE error event and `[DONE]`; a whole body
+that breaks off is a 502; any other body that breaks off once started ends the client's connection
+without the body's end, so the client sees it cut (never a short 200); a client that hangs up
+mid-response closes the upstream request, so the engine aborts it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, Origin
-from corral_gateway.errors import UpstreamFailed, error_response, sse_error_event
+from corral_gateway.errors import SSE_DONE, UpstreamFailed, error_response, sse_error_end
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.quota import TokenUsage, UsageTail
 from corral_gateway.registry import Replica
-from corral_gateway.upstream import UpstreamError, UpstreamResponse
+from corral_gateway.upstream import ReadTimedOut, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class Exchange:
         self.tail = UsageTail()  # the body's end, for the usage it reports
         self.status_label = str(upstream.status_code)
         self.is_complete = False
+        self.is_cut = False  # a body other than an event stream broke off: its end is not sent
         self.is_client_gone = False
         self.is_finished = False
         self.body_in_hand_s: float | None = None  # time.perf_counter() once a whole body was read
@@ -69,7 +72,14 @@ class Exchange:
         length = upstream.headers.get("content-length", "")
         if is_sse or not length.isdigit() or int(length) > _WHOLE_BODY_MAX_BYTES:
             disconnect.add_done_callback(self._on_disconnect)
-            return PassThrough(self._body(is_sse), disconnect, self.finish, upstream.status_code, headers)
+            return PassThrough(
+                self._body(is_sse),
+                disconnect,
+                self.finish,
+                lambda: self.is_cut,
+                upstream.status_code,
+                headers,
+            )
         disconnect.cancel()
         content = b""
         try:
@@ -127,9 +137,13 @@ class Exchange:
         except UpstreamError as e:
             if self.is_client_gone:
                 return  # our own close of the upstream request, below
+            if is_sse and self.tail.end(len(SSE_DONE)) == SSE_DONE:
+                return  # the stream had ended: only the end of its body was lost
             self._broken(e, "stream")
             if is_sse:
-                yield sse_error_event("The model replica failed while streaming the response.")
+                yield _end_event(self.tail.end(4)) + sse_error_end(*_why(e))
+            else:
+                self.is_cut = True
         finally:
             if num_later:
                 self.metrics.overhead.labels(self.origin.model, "stream").observe(later_s / num_later)
@@ -165,19 +179,38 @@ class Exchange:
         self.access.finished(self.origin, self.replica.url, self.status_label, reported)
 
 
+def _why(e: UpstreamError) -> tuple[str, str]:
+    """The message and code of the error event that ends a broken stream."""
+    if isinstance(e, ReadTimedOut):  # nothing came for first_byte_timeout_s
+        return "The model replica stopped sending the response.", "upstream_timeout"
+    return "The model replica failed while streaming the response.", "upstream_disconnected"
+
+
+def _end_event(end: bytes) -> bytes:
+    """What ends the event a stream was cut off in (`end`: its last bytes), so the error event that
+    follows is read on its own rather than as more lines of that event."""
+    if not end or end.endswith((b"\n\n", b"\r\n\r\n")):
+        return b""
+    return b"\n" if end.endswith(b"\n") else b"\n\n"
+
+
 class PassThrough(StreamingResponse):
     """Sends the body's chunks as they come, and nothing else per chunk.
 
     Starlette's StreamingResponse starts a task group per response to notice a client leaving
     (under ASGI before 2.4, where sending to a gone client does not fail); the proxy already
     watches for that (`disconnect`, whose callback closes the upstream request and so ends the
-    body), so it is not needed here."""
+    body), so it is not needed here.
+
+    A body cut off (`is_cut`) is left without its end: the server then closes the connection, so
+    the client sees a broken response rather than a complete-looking short one."""
 
     def __init__(
         self,
         body: AsyncGenerator[bytes, None],
         disconnect: asyncio.Future[None],
         on_end: Callable[[], None],
+        is_cut: Callable[[], bool],
         status: int,
         headers: dict[str, str],
     ) -> None:
@@ -185,6 +218,7 @@ class PassThrough(StreamingResponse):
         self._chunks = body
         self._disconnect = disconnect
         self._on_end = on_end
+        self._is_cut = is_cut
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -192,7 +226,8 @@ class PassThrough(StreamingResponse):
             await send(start)
             async for chunk in self._chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not self._is_cut():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._disconnect.cancel()
             await self._chunks.aclose()

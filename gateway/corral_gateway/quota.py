@@ -38,6 +38,10 @@ class UsageTail:
         if len(self._tail) > _TAIL_BYTES:
             del self._tail[:-_TAIL_BYTES]
 
+    def end(self, num_bytes: int) -> bytes:
+        """The body's last `num_bytes` bytes so far (fewer while it is shorter)."""
+        return bytes(self._tail[-num_bytes:])
+
     def reported(self) -> ReportedUsage | None:
         """None when the body reported no usage (a stream without `include_usage`, an error)."""
         tail = bytes(self._tail)

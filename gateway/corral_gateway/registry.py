@@ -2,6 +2,11 @@
 
 Load combines the last sample (from /metrics polls or response headers) with the gateway's own
 in-flight and recently dispatched counts; a sample older than `max_age_s` is not trusted.
+
+Health, as in Envoy's outlier detection: `eject_after_failures` failures in a row make a replica
+failing, and take it out of rotation unless it is its model's last one there (then the ejection is
+withheld: requests still try it, but it counts as failing). A request it answers, or for a failing
+replica left in rotation a healthy poll, clears that; an ejected one comes back through a probe.
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ class Replica:
     num_first_bytes: int = 0  # responses whose first bytes came back: their prompts are computed
     step_phase: StepPhase = field(default_factory=StepPhase)  # fed with its streams' chunk times
     num_consecutive_failures: int = 0
+    # The failure threshold was reached (ejected or not); cleared by a success or a re-admission.
+    is_failing: bool = False
     num_ejections: int = 0  # in a row; ejection time doubles with each
     ejected_until_s: float | None = None
     last_score: float = 0.0
+    # The model names the replica says it serves (its /v1/models); None until it has said.
+    served_names: tuple[str, ...] | None = None
     # The last `load` and what it was computed from: every request ranks every replica, and between
     # two requests most replicas' inputs have not changed (64 replicas: 6% of the gateway's CPU).
     _load_inputs: tuple[object, ...] = field(default=(), repr=False, compare=False)
@@ -41,6 +50,11 @@ class Replica:
     @property
     def is_ejected(self) -> bool:
         return self.ejected_until_s is not None
+
+    @property
+    def is_answering(self) -> bool:
+        """Neither ejected nor failing: the gateway's own observation of it (names aside)."""
+        return not self.is_ejected and not self.is_failing
 
     def observe(self, sample: LoadSample) -> None:
         if self.sample is None or sample.at_s >= self.sample.at_s:
@@ -209,13 +223,17 @@ class Registry:
     def record_success(self, url: str) -> None:
         for replica in self.by_url(url):
             replica.num_consecutive_failures = 0
+            replica.is_failing = False
 
     def record_failure(self, url: str, now_s: float) -> bool:
-        """Count a failure; returns True when this failure ejects the replica."""
+        """Count a failure; returns True when this failure ejects the replica. At the threshold it
+        is failing, ejected or not (a model's last replica in rotation stays there)."""
         ejected_now = False
         for replica in self.by_url(url):
             replica.num_consecutive_failures += 1
-            if replica.is_ejected or replica.num_consecutive_failures < self.ejection.after_failures:
+            if replica.num_consecutive_failures >= self.ejection.after_failures:
+                replica.is_failing = True
+            if replica.is_ejected or not replica.is_failing:
                 continue
             # Never eject a model's last replica in rotation: failing fast beats queueing for nothing.
             if not any(r is not replica for r in self.candidates(replica.model)):
@@ -226,6 +244,16 @@ class Registry:
             replica.sample = None
             ejected_now = True
         return ejected_now
+
+    def poll_succeeded(self, url: str) -> list[Replica]:
+        """A healthy load poll: failing replicas left in rotation are well again (a request they
+        answer would say the same). Below the threshold the streak stands, so a replica that
+        answers polls but fails requests is still ejected. Returns the replicas it cleared."""
+        recovered = [r for r in self.by_url(url) if r.is_failing and not r.is_ejected]
+        for replica in recovered:
+            replica.num_consecutive_failures = 0
+            replica.is_failing = False
+        return recovered
 
     def is_due_for_probe(self, url: str, now_s: float) -> bool:
         return any(r.ejected_until_s is not None and now_s >= r.ejected_until_s for r in self.by_url(url))
@@ -245,4 +273,5 @@ class Registry:
             replica.ejected_until_s = None
             replica.num_ejections = 0
             replica.num_consecutive_failures = 0
+            replica.is_failing = False
         return was_ejected

@@ -207,12 +207,14 @@ class Upstream:
             raise _translate(e) from e
         return UpstreamResponse(response)
 
-    async def get(self, url: str, timeout_s: float) -> Fetched:
-        """A small GET (metrics, health), read whole."""
+    async def get(self, url: str, timeout_s: float, headers: dict[str, str] | None = None) -> Fetched:
+        """A small GET (metrics, health, the model list), read whole."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
-            async with self.session.get(url, timeout=timeout, allow_redirects=False) as response:
-                headers = {k.lower(): v for k, v in response.headers.items()}
-                return Fetched(response.status, headers, await response.read())
+            async with self.session.get(
+                url, timeout=timeout, headers=headers, allow_redirects=False
+            ) as response:
+                received = {k.lower(): v for k, v in response.headers.items()}
+                return Fetched(response.status, received, await response.read())
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _translate(e) from e

@@ -23,7 +23,9 @@ class FakeEngine:
     """Behaviour knobs for one fake replica; `mode` applies to completion requests."""
 
     name: str = "fake"
-    mode: str = "ok"  # ok | error500 | die_midstream | cut_body | hang | reject429
+    # ok | error500 | die_midstream | die_mid_event | die_after_done | cut_body | cut_chunked | hang
+    # | reject429
+    mode: str = "ok"
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -37,6 +39,9 @@ class FakeEngine:
     is_healthy: bool = True
     health_has_load: bool = False  # like Corral's engine: load headers on /health too
     num_metrics_scrapes: int = 0
+    served_names: tuple[str, ...] = ("m",)  # what its /v1/models lists
+    num_model_lists: int = 0
+    models_authorization: str | None = None  # the last model list request's
 
     def app(self) -> Starlette:
         return Starlette(
@@ -45,6 +50,7 @@ class FakeEngine:
                 Route("/v1/chat/completions", self.completions, methods=["POST"]),
                 Route("/metrics", self.metrics),
                 Route("/health", self.health),
+                Route("/v1/models", self.models),
                 Route("/tokenize", self.echo, methods=["POST"]),
                 Route("/v1/{rest:path}", self.echo, methods=["POST"]),
             ]
@@ -62,6 +68,12 @@ class FakeEngine:
         return JSONResponse(
             {"ok": self.is_healthy}, status_code=200 if self.is_healthy else 503, headers=headers
         )
+
+    async def models(self, request: Request) -> Response:
+        self.num_model_lists += 1
+        self.models_authorization = request.headers.get("authorization")
+        data = [{"id": name, "object": "model", "owned_by": "fake"} for name in self.served_names]
+        return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:
         self.num_metrics_scrapes += 1
@@ -114,6 +126,8 @@ class FakeEngine:
             if self.mode == "cut_body":  # dies while sending a non-streamed body
                 cut = {"content-length": "200"}
                 return Response(b'{"id": "x", "cho', media_type="application/json", headers=cut)
+            if self.mode == "cut_chunked":  # dies while sending a body of no declared length
+                return StreamingResponse(self._cut_body(), media_type="application/json")
             usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
             return JSONResponse(
                 {"id": "x", "served_by": self.name, "usage": usage}, headers=self.load_headers()
@@ -124,18 +138,29 @@ class FakeEngine:
         self.num_active += 1
         try:
             for i in range(self.num_chunks):
-                yield f'data: {{"i": {i}, "served_by": "{self.name}"}}\n\n'.encode()
+                event = f'data: {{"i": {i}, "served_by": "{self.name}"}}\n\n'.encode()
+                if self.mode == "die_mid_event" and i == 1:
+                    yield event[:13]  # the replica dies within an event
+                    raise RuntimeError("replica died")
+                yield event
                 if self.mode == "die_midstream" and i == 0:
                     raise RuntimeError("replica died")
                 await asyncio.sleep(self.chunk_delay_s)
                 if self.mode == "hang":
                     await asyncio.sleep(3600)
             yield b"data: [DONE]\n\n"
+            if self.mode == "die_after_done":  # the body's own end is lost
+                raise RuntimeError("replica died")
         except asyncio.CancelledError:
             self.num_cancelled += 1
             raise
         finally:
             self.num_active -= 1
+
+    async def _cut_body(self) -> AsyncIterator[bytes]:
+        yield b'{"id": "x", "choices": ['
+        await asyncio.sleep(0.01)
+        raise RuntimeError("replica died")
 
 
 @contextlib.asynccontextmanager

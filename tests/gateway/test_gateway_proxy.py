@@ -166,17 +166,73 @@ async def test_dead_replica_is_retried_ejected_and_readmitted_when_healthy() -> 
             await task
 
 
-async def test_replica_dying_mid_stream_ends_with_an_error_event() -> None:
+async def stream_body(client: httpx.AsyncClient) -> bytes:
+    async with client.stream(
+        "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+    ) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return b"".join([chunk async for chunk in r.aiter_raw()])
+
+
+def error_code_then_done(body: bytes) -> str:
+    """The code of the error event a stream ends with, checking `[DONE]` follows it as its last event
+    (clients read until `[DONE]`)."""
+    events = body.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", body
+    return str(json.loads(events[-3].removeprefix("data: "))["error"]["code"])
+
+
+async def test_replica_dying_mid_stream_ends_with_an_error_event_then_done() -> None:
     engine = FakeEngine(mode="die_midstream", num_chunks=5)
     async with fleet([engine]) as (client, _):
-        async with client.stream(
-            "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
-        ) as r:
-            events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-        assert events[0] == 'data: {"i": 0, "served_by": "fake"}'
-        last = json.loads(events[-1].removeprefix("data: "))
-        assert last["error"]["code"] == "upstream_disconnected"
-        assert "[DONE]" not in events[-1]
+        body = await stream_body(client)
+        assert body.startswith(b'data: {"i": 0, "served_by": "fake"}\n\n')
+        assert error_code_then_done(body) == "upstream_disconnected"
+        assert body.count(b"[DONE]") == 1
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_streams_broken_total{model="m"} 1.0' in metrics
+        assert 'status="broken"' in metrics
+
+
+async def test_replica_dying_within_an_event_ends_that_event_before_the_error() -> None:
+    engine = FakeEngine(mode="die_mid_event", num_chunks=5)
+    async with fleet([engine]) as (client, _):
+        body = await stream_body(client)
+        cut = b'data: {"i": 1'  # the event the replica died in, ended so the error event stands alone
+        assert body.startswith(b'data: {"i": 0, "served_by": "fake"}\n\n' + cut + b"\n\ndata: {")
+        assert error_code_then_done(body) == "upstream_disconnected"
+
+
+async def test_replica_stalling_mid_stream_ends_with_a_timeout_event_then_done() -> None:
+    engine = FakeEngine(mode="hang", num_chunks=3)
+    async with fleet([engine], first_byte_timeout_s=0.3) as (client, _):
+        body = await stream_body(client)
+        assert body.startswith(b'data: {"i": 0, "served_by": "fake"}\n\n')
+        assert error_code_then_done(body) == "upstream_timeout"
+        await eventually(lambda: _is_zero(engine.num_active))  # the stalled request was closed
+
+
+async def _is_zero(value: int) -> bool:
+    return value == 0
+
+
+async def test_a_stream_that_had_sent_done_gets_no_error_event() -> None:
+    engine = FakeEngine(mode="die_after_done", num_chunks=2)
+    async with fleet([engine]) as (client, _):
+        body = await stream_body(client)
+        assert body.endswith(b'"served_by": "fake"}\n\ndata: [DONE]\n\n') and b"error" not in body
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_streams_broken_total{model="m"} 0.0' in metrics
+
+
+async def test_a_body_of_no_declared_length_cut_off_breaks_the_clients_connection() -> None:
+    # Not a complete-looking 200 with half a JSON document: the client's read fails.
+    engine = FakeEngine(mode="cut_chunked")
+    async with fleet([engine]) as (client, _):
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_streams_broken_total{model="m"} 1.0' in metrics
 
 
 async def test_replica_dying_while_sending_a_whole_body_is_a_502() -> None:
@@ -349,7 +405,7 @@ async def test_pass_through_ends_the_exchange_even_if_the_body_never_started() -
         raise AssertionError("not read")
 
     disconnect: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    response = PassThrough(body(), disconnect, lambda: ended.append(True), 200, {})
+    response = PassThrough(body(), disconnect, lambda: ended.append(True), lambda: False, 200, {})
     with pytest.raises(OSError):
         await response({"type": "http"}, receive_nothing, failing_send)
     assert ended == [True] and not started and disconnect.cancelled()

@@ -88,6 +88,37 @@ def test_last_replica_in_rotation_is_never_ejected() -> None:
     assert [r.url for r in registry.candidates("m")] == ["http://b"]
 
 
+def test_a_last_replica_past_the_threshold_stays_in_rotation_but_is_failing() -> None:
+    # The withheld ejection is still seen: the gauge and /health read `is_answering`.
+    registry = Registry(Ejection(after_failures=2))
+    registry.set_replicas("m", ["http://a"])
+    (replica,) = registry.replicas("m")
+    assert not registry.record_failure("http://a", 0.0)
+    assert replica.is_answering and not replica.is_failing
+    assert not registry.record_failure("http://a", 0.0)
+    assert replica.is_failing and not replica.is_answering and not replica.is_ejected
+    assert registry.candidates("m") == [replica]  # requests still try it
+    assert registry.poll_succeeded("http://a") == [replica]  # it answers polls again
+    assert replica.is_answering and replica.num_consecutive_failures == 0
+    registry.record_failure("http://a", 0.0)
+    registry.record_failure("http://a", 0.0)
+    registry.record_success("http://a")  # so does a request it answers
+    assert replica.is_answering
+
+
+def test_a_healthy_poll_leaves_a_streak_below_the_threshold_and_ejected_replicas_alone() -> None:
+    # A replica answering polls while failing requests is still ejected after the streak.
+    registry = Registry(Ejection(after_failures=2))
+    registry.set_replicas("m", ["http://a", "http://b"])
+    registry.record_failure("http://a", 0.0)
+    assert registry.poll_succeeded("http://a") == []
+    assert registry.record_failure("http://a", 0.0)
+    (a, _) = registry.replicas("m")
+    assert a.is_failing and a.is_ejected
+    assert registry.poll_succeeded("http://a") == [] and a.is_failing  # only a probe readmits it
+    assert registry.readmit("http://a") and a.is_answering
+
+
 def test_load_is_recomputed_whenever_an_input_changes_and_reused_otherwise() -> None:
     replica = Replica("m", "http://a")
     replica.observe(LoadSample(num_running=4, num_waiting=2, kv_usage_ratio=0.4, at_s=10.0))

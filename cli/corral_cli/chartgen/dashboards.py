@@ -192,13 +192,15 @@ def fleet_overview() -> Dashboard:
         (
             Panel(
                 "Replicas per model",
-                "Engine replicas Prometheus scrapes, and replicas in the gateway's rotation.",
+                "Engine replicas Prometheus scrapes, and replicas the gateway sees healthy (in rotation, "
+                "answering, serving the model's name).",
                 (
                     Target(
                         f"count by ({m}) ({_engine(wire.NUM_REQUESTS_RUNNING)})", "{{model_name}} engines"
                     ),
                     Target(
-                        sum_by(GATEWAY_MODEL, _gateway(gw.REPLICA_HEALTHY)), "{{model}} in gateway rotation"
+                        sum_by(GATEWAY_MODEL, _gateway(gw.REPLICA_HEALTHY)),
+                        "{{model}} healthy at the gateway",
                     ),
                 ),
                 width=8,
