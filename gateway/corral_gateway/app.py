@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -97,8 +98,17 @@ class GatewayApp:
     def __init__(self, api: FastAPI, deps: dict[str, ProxyDeps]) -> None:
         self.api = api
         self._deps = deps
+        # Browsers may call it from any origin, without credentials (vLLM's default and the
+        # engine's). Outermost: a preflight carries no API key. A request without an Origin header
+        # passes straight through, and only a browser's gets its send wrapped.
+        self._cors = CORSMiddleware(
+            self._dispatch, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"]
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._cors(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and is_proxied(scope["method"], scope["path"]):
             if scope["method"] != "POST":
                 await error_response(MethodNotAllowed("Method Not Allowed"))(scope, receive, send)
@@ -210,7 +220,7 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
             raise ModelNotFound(model)
         return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "corral"})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # some load balancers probe with HEAD
     async def health() -> Response:
         # Liveness (the chart's probe): 200 while the process serves, whatever its replicas do. A
         # model with no healthy replica is named, for people and monitors; restarting the gateway

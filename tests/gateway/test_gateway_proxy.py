@@ -320,6 +320,28 @@ async def test_api_keys_401_429_and_valid(tmp_path: Path) -> None:
         assert "sk-good" not in (await client.get("/metrics")).text
 
 
+async def test_browsers_may_call_it_and_preflights_need_no_key(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: sk-good\n")
+    async with fleet([FakeEngine()], api_keys_file=keys) as (client, _):
+        origin = {"origin": "http://127.0.0.1:3000"}
+        preflight = {
+            **origin,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization",
+        }
+        r = await client.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        body = {"model": "m", "prompt": "x"}
+        r = await client.post(
+            "/v1/completions", json=body, headers={**origin, "authorization": "Bearer sk-good"}
+        )
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = await client.post("/v1/completions", json=body, headers=origin)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        assert (await client.head("/health")).status_code == 200
+
+
 async def test_load_headers_and_metrics_polls_feed_the_registry() -> None:
     engine = FakeEngine(num_running=3, num_waiting=1, kv_usage=0.5)  # like vLLM: no load headers on /health
     async with fleet([engine]) as (client, urls):
