@@ -75,6 +75,16 @@ def alerts(t: Mapping[str, str]) -> list[Alert]:
             "Prometheus cannot scrape the engine at {{ $labels.instance }} (job {{ $labels.job }}).",
         ),
         Alert(
+            "CorralModelDown",
+            # Every gateway sees every replica of the model failing (or serving another name); a
+            # model scaled to zero has no replica series, so it is not down.
+            f"max by (model) ({gw.REPLICA_HEALTHY}) == 0",
+            "2m",
+            "critical",
+            "No replica of a model is healthy",
+            "The gateway sees no healthy replica of {{ $labels.model }}: its requests fail.",
+        ),
+        Alert(
             "CorralKVCacheFull",
             f"max by ({M}, instance) ({wire.KV_CACHE_USAGE_PERC}) > {t['kvUsageRatio']}",
             "5m",
