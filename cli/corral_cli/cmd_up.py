@@ -136,6 +136,29 @@ def _share_the_card(fleet: dict[str, list[list[str]]]) -> dict[str, list[list[st
     }
 
 
+def _served_names(args: argparse.Namespace) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """(namespace, LLMDeployment, served name, aliases) of each LLMDeployment in `-f FILE`: on a
+    cluster the gateway reads these from the LLMDeployments; locally `_route_aliases` hands them over."""
+    if args.file is None:
+        return []
+    from corral_operator.local import local_fleets
+
+    fleets = local_fleets(Path(args.file).read_text(), model_path=args.model_path)
+    return [(f.namespace, f.name, f.served_model_name, f.aliases) for f in fleets]
+
+
+def _route_aliases(app: Any, served: list[tuple[str, str, str, tuple[str, ...]]]) -> None:
+    """Give the gateway the names the LLMDeployments serve, so spec.model.aliases route (and are
+    listed) as on a cluster, where Kubernetes discovery brings the same `Naming`."""
+    if not any(aliases for *_, aliases in served):
+        return
+    from corral_gateway.k8s_discovery import Discovery
+    from corral_gateway.k8s_names import Served, naming
+
+    names = naming(Served(ns, deployment, name, aliases) for ns, deployment, name, aliases in served)
+    app.api.state.fleet.apply_discovery(Discovery(pools={}, owners={}, names=names))
+
+
 def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     if args.file is not None and args.simulate is not None:
         raise ValueError("--simulate runs the demo model's fleet; it does not combine with -f")
@@ -349,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
         tracing.configure("corral-gateway", None)
         base_url = f"http://{args.host}:{args.port}"
         app = create_app(settings)
+        _route_aliases(app, _served_names(args))
         freeze_startup_heap()
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(_serve_gateway(app, args.host, args.port, usage_text(base_url, name)))

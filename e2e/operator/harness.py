@@ -129,6 +129,54 @@ def llmdeployment(
     }
 
 
+class WatchLLMD:
+    """`kubectl get llmd NAME -w -o json` in the background: every version of the object the API
+    server had while the watch ran (a poll would miss a state that lasts a second)."""
+
+    def __init__(self, cluster: Cluster, namespace: str, name: str, out_path: Path) -> None:
+        self._argv = [
+            str(cluster.toolchain.binary("kubectl")),
+            f"--kubeconfig={cluster.admin_kubeconfig}",
+            "get", "llmd", name, "-n", namespace, "-w", "-o", "json",
+        ]  # fmt: skip
+        self._out_path = out_path
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> WatchLLMD:
+        env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+        with self._out_path.open("wb") as out:
+            self._process = subprocess.Popen(self._argv, stdout=out, stderr=subprocess.DEVNULL, env=env)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+
+    def versions(self) -> list[dict[str, Any]]:
+        """The objects seen so far, in order (kubectl writes one JSON document per change)."""
+        text, decoder, out = self._out_path.read_text(), json.JSONDecoder(), []
+        pos = 0
+        while (pos := _skip_space(text, pos)) < len(text):
+            try:
+                obj, pos = decoder.raw_decode(text, pos)
+            except ValueError:
+                break  # a document still being written
+            out.append(obj)
+        return out
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def events_of(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    selector = f"involvedObject.name={name}"
+    return list(cluster.get_json("events", "-n", namespace, "--field-selector", selector)["items"])
+
+
 def get_llmd(cluster: Cluster, namespace: str, name: str) -> dict[str, Any] | None:
     result = cluster.kubectl("get", "llmd", name, "-n", namespace, "-o", "json", check=False)
     if result.returncode != 0:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
+import time
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +16,9 @@ from e2e.k8s.cluster import Cluster
 from e2e.operator.harness import (
     LOOPBACK,
     OperatorProcess,
+    WatchLLMD,
+    condition,
+    events_of,
     fake_metrics,
     free_port,
     get_llmd,
@@ -267,3 +273,49 @@ def test_a_hub_model_gets_a_fetch_init_container_and_its_token_stays_in_its_secr
     assert command[command.index("--model") + 1] == "hf://org/tiny-chat@main"
     seen = cluster.kubectl("get", "llmd,deployment,pods,events", "-n", ns, "-o", "json").stdout
     assert token not in seen
+
+
+def test_scale_up_and_rollout_keep_ready_and_observed_generation_only_moves_forward(
+    operator_installed: Cluster,
+    start_operator: Callable[..., OperatorProcess],
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """With maxUnavailable 0 the child Deployment's Available is False for the whole of a scale-up;
+    the serving model's Ready and Available must not follow it, only Progressing. And the
+    Deployment-event refresh racing a tick's status patch must not write an older
+    observedGeneration back, nor post a transition's Events twice."""
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    cluster.apply(yaml.safe_dump(llmdeployment("steady", ns, replicas=2)))
+
+    def settled(replicas: int, generation: int) -> bool:
+        cr = get_llmd(cluster, ns, "steady") or {}
+        status = cr.get("status") or {}
+        return (
+            cr["metadata"]["generation"] == generation
+            and status.get("observedGeneration") == generation
+            and status.get("readyReplicas") == replicas
+            and condition(cr, "Progressing").get("status") == "False"
+        )
+
+    cluster.wait_until("2 replicas settled", lambda: settled(2, 1))
+    with WatchLLMD(cluster, ns, "steady", tmp_path / "watch.json") as watch:
+        cluster.kubectl("scale", "llmd/steady", "-n", ns, "--replicas", "4")
+        cluster.wait_until("4 replicas settled", lambda: settled(4, 2))
+        patch = '{"spec":{"engine":{"args":{"maxNumSeqs":16}}}}'
+        cluster.kubectl("patch", "llmd", "steady", "-n", ns, "--type=merge", "-p", patch)
+        cluster.wait_until("rolled out", lambda: settled(4, 3))
+        time.sleep(3)  # a few more Deployment events and a timer tick
+        versions = watch.versions()
+    assert len(versions) >= 4
+    seen = [(condition(v, "Ready").get("status"), condition(v, "Available").get("status")) for v in versions]
+    assert set(seen) == {("True", "True")}, seen
+    generations = [(v.get("status") or {}).get("observedGeneration") for v in versions]
+    assert generations == sorted(generations), generations
+    progressing = {condition(v, "Progressing").get("reason") for v in versions}
+    assert "RollingOut" in progressing
+    events = events_of(cluster, ns, "steady")
+    assert not [e for e in events if e["reason"] == "NoReplicasReady"], events
+    ours = Counter((e["reason"], e["message"]) for e in events if e["source"].get("component") == "kopf")
+    assert ours and max(ours.values()) == 1, ours

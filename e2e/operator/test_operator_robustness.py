@@ -13,7 +13,14 @@ from corral_operator import render
 from corral_operator.spec import parse_spec
 
 from e2e.k8s.cluster import Cluster
-from e2e.operator.harness import OperatorProcess, condition, get_llmd, is_available, llmdeployment
+from e2e.operator.harness import (
+    OperatorProcess,
+    condition,
+    events_of,
+    get_llmd,
+    is_available,
+    llmdeployment,
+)
 from tests.operator.invalid_cases import INVALID_SPECS, valid_spec
 
 pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
@@ -54,6 +61,15 @@ def test_invalid_manifests_are_rejected_by_the_api_server_with_clear_messages(
     gpu["engine"]["args"]["gpuMemoryUtilization"] = 0.8
     gpu["resources"] = {"gpu": 1}
     cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=_manifest("gpu", ns, gpu))
+    # a percentage rollout and the pod's own volumes, mounts and env under names of their own
+    extras = valid_spec() | {"rollout": {"maxSurge": "25%", "maxUnavailable": 1}}
+    extras["pod"] = {
+        "volumes": [{"name": "scratch", "emptyDir": {"medium": "Memory"}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+        "env": [{"name": "TMPDIR", "value": "/scratch"}],
+        "envFrom": [{"secretRef": {"name": "creds", "optional": True}, "prefix": "APP_"}],
+    }
+    cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=_manifest("extras", ns, extras))
     assert cluster.get_json("llmd", "-n", ns)["items"] == []
 
 
@@ -153,3 +169,35 @@ def test_missing_model_pvc_is_a_degraded_condition_and_an_event_not_a_crash(
     assert not is_available(get_llmd(cluster, ns, "no-weights"))
     time.sleep(2 * operator.resync_s)
     assert operator.is_alive()
+
+
+def test_a_spec_the_api_server_cannot_type_is_degraded_apply_failed_with_its_message(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    """Server-side apply answers 500 "failed to create typed patch object" for a Deployment that does
+    not fit its schema (here a typo inside the open affinity object the CRD accepts): the spec's
+    mistake, reported in status and an Event, not an outage retried in silence."""
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    doc = llmdeployment("bad-affinity", ns, replicas=1)
+    doc["spec"]["affinity"] = {"nodeAffinity": {"foo": "bar"}}
+    cluster.apply(yaml.safe_dump(doc))
+    degraded = cluster.wait_until(
+        "Degraded",
+        lambda: (
+            (c := condition(get_llmd(cluster, ns, "bad-affinity"), "Degraded")).get("status") == "True" and c
+        ),
+    )
+    assert degraded["reason"] == "ApplyFailed"
+    assert "nodeAffinity.foo: field not declared in schema" in degraded["message"]
+    progressing = condition(get_llmd(cluster, ns, "bad-affinity"), "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "ApplyFailed")
+    cluster.wait_until(
+        "Warning event",
+        lambda: any(e["reason"] == "ApplyFailed" for e in events_of(cluster, ns, "bad-affinity")),
+    )
+    # fixed: it rolls out and recovers
+    cluster.kubectl("patch", "llmd", "bad-affinity", "-n", ns, "--type=json", "-p",
+                    '[{"op": "remove", "path": "/spec/affinity"}]')  # fmt: skip
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "bad-affinity")))
+    assert condition(get_llmd(cluster, ns, "bad-affinity"), "Degraded")["status"] == "False"

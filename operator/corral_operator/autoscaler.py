@@ -86,6 +86,13 @@ def _bounded(policy: Policy, replicas: int) -> int:
     return min(max(replicas, policy.min_replicas, 1), policy.max_replicas)
 
 
+def _out_of_bounds(policy: Policy, replicas: int) -> str:
+    """Why _bounded moved `replicas` (the Event says so, rather than the load's story)."""
+    if replicas > policy.max_replicas:
+        return f"{replicas} is above maxReplicas {policy.max_replicas}"
+    return f"{replicas} is below minReplicas {policy.min_replicas}"
+
+
 def decide(
     policy: Policy,
     state: State,
@@ -102,7 +109,9 @@ def decide(
     start = state.history_start_s if state.history_start_s is not None and not woke_up else now_s
     state = replace(state, last_active_s=last_active, last_replicas=current, history_start_s=start)
     if load is None:
-        return Decision(_bounded(policy, current), "no load reported; holding", state)
+        held = _bounded(policy, current)
+        why = "no load reported; holding" if held == current else _out_of_bounds(policy, current)
+        return Decision(held, why, state)
     idle_s = now_s - (last_active if last_active is not None else now_s)
     if policy.min_replicas == 0 and load.is_idle and idle_s >= policy.idle_to_zero_s:
         zeroed = replace(state, recommendations=(), zeroed_at_s=now_s, last_replicas=0, history_start_s=None)
@@ -125,7 +134,8 @@ def decide(
         why = f"load wants {raw}; highest in the {policy.scale_down_window_s:.0f}s window is {max(window)}"
     else:
         desired, why = current, "load matches replicas"
-    desired = _bounded(policy, desired)
+    if _bounded(policy, desired) != desired:
+        desired, why = _bounded(policy, desired), _out_of_bounds(policy, desired)
     return Decision(desired, why, replace(state, last_replicas=desired))
 
 

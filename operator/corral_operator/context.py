@@ -26,6 +26,14 @@ class Context:
     _crds_checked_at: float = -1e9
     _crds: frozenset[str] = frozenset()
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _object_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+
+    def object_lock(self, namespace: str, name: str) -> threading.Lock:
+        """One lock per LLMDeployment, shared by its ticks and by its Deployment's events, so one
+        status is computed at a time (kopf's memo is per object, and the Deployment has its own).
+        A lock is a few dozen bytes; the ones of deleted objects are kept."""
+        with self._lock:
+            return self._object_locks.setdefault((namespace, name), threading.Lock())
 
     def installed_crds(self, now_s: float) -> frozenset[str]:
         """Which of OPTIONAL_CRDS the cluster has (looked up at most once a minute)."""

@@ -7,6 +7,7 @@ structural schema: refs inlined, optionals collapsed, int-or-string marked, titl
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -48,7 +49,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     node = dict(node)
     is_collapsed = False  # an optional's branch, already rewritten (nested defaults included)
     if "$ref" in node:
-        target = defs[node.pop("$ref").split("/")[-1]]
+        target = copy.deepcopy(defs[node.pop("$ref").split("/")[-1]])  # no YAML anchors for shared parts
         node = {**target, **node}
     if "anyOf" in node:
         branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]

@@ -1,14 +1,16 @@
 """kopf handlers for LLMDeployment: the operator's table of contents (`build_registry` lists them all).
 
 create / update / resume / timer run one idempotent tick (autoscale, reconcile, one status patch);
-children go with their owner (owner references): no delete handler, no finalizer.
+children go with their owner (owner references), so there is no delete handler. kopf still puts its
+finalizer on every LLMDeployment because of the timer: it stops an object's timer task on deletion,
+and kopf offers no timer without one. So deleting an LLMDeployment waits for a running operator
+(docs/operations.md, "Deleting LLMDeployments and uninstalling").
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from typing import Any
 
@@ -75,11 +77,15 @@ def on_deployment_event(body: kopf.Body, memo: kopf.Memo, type: str | None, **_:
     if owner is None or type == "DELETED":
         return
     ctx: Context = memo["ctx"]
+    namespace = body["metadata"]["namespace"]
     try:
-        cr = ctx.kube.get(KIND, body["metadata"]["namespace"], owner["name"])
-        if cr is not None and cr["metadata"].get("uid") == owner.get("uid"):
+        # Under the owner's lock, and read after taking it: a tick's status patch has landed by then.
+        with ctx.object_lock(namespace, owner["name"]):
+            cr = ctx.kube.get(KIND, namespace, owner["name"])
+            if cr is None or cr["metadata"].get("uid") != owner.get("uid"):
+                return
             outcome = reconcile(ctx, cr, apply=False)
-            _post(cr, outcome.events)
+        _post(cr, outcome.events)
     except (KubeError, SpecError) as e:
         log.debug("status refresh from Deployment %s failed: %s", body["metadata"]["name"], e)
 
@@ -92,9 +98,8 @@ def _post(body: Any, events: list[Any]) -> None:
 def _tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool, is_timer: bool) -> None:
     """Autoscale, then reconcile; one at a time per object (the timer and events run concurrently)."""
     ctx: Context = memo["ctx"]
-    lock: threading.Lock = memo.setdefault("lock", threading.Lock())
     ctx.telemetry.reconciles.inc()
-    with lock:
+    with ctx.object_lock(body["metadata"]["namespace"], body["metadata"]["name"]):
         try:
             state = memo.get("autoscaler") or seed_state(body.get("status") or {})
             scaled = autoscale(ctx, body, state, now_s=time.time(), scrape=scrape)

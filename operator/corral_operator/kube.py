@@ -2,7 +2,9 @@
 
 404 means "absent" (None / False / nothing to delete) everywhere; 409 is a Conflict the caller
 retries; 400/422 are Invalid and 403 Forbidden (both reported in status, not crashed on);
-5xx and connection failures are Unavailable (retried).
+5xx and connection failures are Unavailable (retried), except a 500 that says the patch itself
+cannot be typed (server-side apply's answer to duplicate list keys or fields a schema lacks inside
+open objects such as affinity): that is Invalid too, as no retry can fix it.
 """
 
 from __future__ import annotations
@@ -74,13 +76,18 @@ def load_config(kubeconfig: Path | None = None) -> None:
         config.load_kube_config()
 
 
+# Server-side apply answers 500 when the applied object does not fit the kind's schema; the same
+# patch fails the same way every time, so it is the sender's mistake, not an outage.
+INVALID_PATCH_MARKERS = ("failed to create typed patch object",)
+
+
 def _error(status: int, body: bytes | str | None) -> KubeError:
     message = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
     with contextlib.suppress(ValueError, AttributeError):
         message = json.loads(message).get("message", message)
     if status == 409:
         return Conflict(status, message)
-    if status in (400, 422):
+    if status in (400, 422) or (status == 500 and any(m in message for m in INVALID_PATCH_MARKERS)):
         return Invalid(status, message)
     if status == 403:
         return Forbidden(status, message)
@@ -167,11 +174,18 @@ class Kube:
         except Conflict:
             return False
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    def patch_status(
+        self, namespace: str, name: str, status: Mapping[str, Any], resource_version: str | None = None
+    ) -> None:
+        """Merge `status` in; with `resource_version`, only into that version of the object (else
+        Conflict): status computed from an older read must not overwrite a newer one."""
+        body: Obj = {"status": dict(status)}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         self._request(
             "PATCH",
             self._path("LLMDeployment", namespace, name) + "/status",
-            body={"status": dict(status)},
+            body=body,
             content_type="application/merge-patch+json",
         )
 

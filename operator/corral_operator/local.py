@@ -21,7 +21,9 @@ class LocalFleet:
     """Parameters for one model's local engines: run `replicas` x `corral engine` with these args."""
 
     name: str  # metadata.name of the LLMDeployment
+    namespace: str  # metadata.namespace, "default" when absent (as kubectl would)
     served_model_name: str
+    aliases: tuple[str, ...]  # spec.model.aliases: other names clients may ask for
     engine_kind: str  # "corral"; "vllm" cannot run locally through corral up
     replicas: int
     engine_args: EngineArgs
@@ -54,7 +56,9 @@ def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> L
     floor = spec.autoscaling.min_replicas if spec.autoscaling else 0
     return LocalFleet(
         name=name,
+        namespace=str((document.get("metadata") or {}).get("namespace") or "default"),
         served_model_name=spec.model.name,
+        aliases=tuple(spec.model.aliases),
         engine_kind=spec.engine.kind,
         replicas=max(spec.replicas, floor, 1),
         engine_args=engine_args(spec, path),

@@ -77,6 +77,7 @@ class PodScrapeSource:
     ) -> None:
         self._timeout_s = timeout_s
         self._networks = [ipaddress.ip_network(n) for n in allowed_networks]
+        self._unreachable: set[tuple[str, str]] = set()  # deployments none of whose pods answered
 
     def _is_allowed(self, ip: str) -> bool:
         try:
@@ -105,10 +106,33 @@ class PodScrapeSource:
                 len(targets) - len(allowed),
             )
         if len(allowed) <= 1:
-            return aggregate([self._scrape(t) for t in allowed])
-        # In parallel, so one slow pod costs one timeout per tick, not one per pod.
-        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(allowed))) as pool:
-            return aggregate(list(pool.map(self._scrape, allowed)))
+            load = aggregate([self._scrape(t) for t in allowed])
+        else:
+            # In parallel, so one slow pod costs one timeout per tick, not one per pod.
+            with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(allowed))) as pool:
+                load = aggregate(list(pool.map(self._scrape, allowed)))
+        self._note_reachability(namespace, name, allowed, load is not None)
+        return load
+
+    def _note_reachability(self, namespace: str, name: str, targets: Sequence[PodTarget], ok: bool) -> None:
+        """Say so (once, not every tick) when no pod's /metrics answers: autoscaling then holds."""
+        key = (namespace, name)
+        if ok or not targets:
+            if key in self._unreachable:
+                self._unreachable.discard(key)
+                log.info("%s/%s: pods' /metrics answer again", namespace, name)
+            return
+        if key not in self._unreachable:
+            self._unreachable.add(key)
+            log.warning(
+                "%s/%s: none of %d ready pods answered http://POD_IP:%d/metrics with engine gauges; "
+                "status.load stays unknown and builtin autoscaling holds the replica count until one "
+                "does (a NetworkPolicy, or the wrong port?)",
+                namespace,
+                name,
+                len(targets),
+                targets[0].port,
+            )
 
 
 class FileSource:

@@ -17,9 +17,9 @@ from corral_operator.autoscaler import Load
 from corral_operator.autoscalers import SCALED_OBJECT_CRD
 from corral_operator.context import Context
 from corral_operator.engine_command import tensor_parallel_size
-from corral_operator.kube import Forbidden, Invalid, Kube
+from corral_operator.kube import Conflict, Forbidden, Invalid, Kube
 from corral_operator.render import SERVICE_MONITOR_CRD, Owner
-from corral_operator.spec import LLMDeploymentSpec, SpecError, parse_spec
+from corral_operator.spec import KIND, LLMDeploymentSpec, SpecError, parse_spec
 from corral_operator.status import Event, Observed
 from corral_operator.timestamps import rfc3339
 
@@ -114,16 +114,15 @@ def reconcile(
         previous=previous,
         is_refresh_only=not apply,
     )
+    version = body["metadata"].get("resourceVersion")
     try:
         spec = parse_spec(raw_spec)
         apply_error, pruned = _apply_all(ctx, owner, spec, now_s) if apply else (None, [])
     except SpecError as e:
-        raw_replicas = raw_spec.get("replicas")
-        replicas = raw_replicas if isinstance(raw_replicas, int) else 0
-        obs = dataclasses.replace(base, desired_replicas=replicas, spec_error=str(e))
-        return _finish(ctx, owner, obs, now_s, is_load_known=False, recorded=recorded)
+        obs = _observe_unparsed(ctx, owner, raw_spec, dataclasses.replace(base, spec_error=str(e)))
+        return _finish(ctx, owner, obs, now_s, is_load_known=False, recorded=recorded, version=version)
     obs = dataclasses.replace(_observe(ctx, owner, spec, base), apply_error=apply_error, load=load)
-    outcome = _finish(ctx, owner, obs, now_s, is_load_known=is_load_known, recorded=recorded)
+    outcome = _finish(ctx, owner, obs, now_s, is_load_known=is_load_known, recorded=recorded, version=version)
     if pruned:
         log.info("%s/%s: pruned %s", owner.namespace, owner.name, ", ".join(pruned))
         gone = Event("Normal", "Pruned", f"deleted {', '.join(pruned)}: the spec no longer asks for it")
@@ -139,13 +138,33 @@ def _observe(ctx: Context, owner: Owner, spec: LLMDeploymentSpec, base: Observed
     )
     return dataclasses.replace(
         base,
-        desired_replicas=spec.replicas,
+        desired_replicas=spec.bounded_replicas,
         endpoint=render.endpoint_url(owner, spec),
         tensor_parallel_size=tensor_parallel_size(spec),
         is_autoscaled=spec.autoscaling is not None,
         deployment=ctx.kube.get("Deployment", owner.namespace, owner.name),
         pods=ctx.kube.list("Pod", owner.namespace, labels.selector_string(owner.name)),
         missing_pvc=missing_pvc,
+    )
+
+
+def _observe_unparsed(ctx: Context, owner: Owner, raw_spec: Mapping[str, Any], base: Observed) -> Observed:
+    """What status depends on when the spec does not parse: the children still run the last good
+    spec, so status keeps reporting them (replicas, readiness, the scale subresource an HPA reads)."""
+    deployment = ctx.kube.get("Deployment", owner.namespace, owner.name)
+    raw_replicas = raw_spec.get("replicas")
+    replicas = raw_replicas if isinstance(raw_replicas, int) else 0
+    if deployment is not None:
+        replicas = int((deployment.get("spec") or {}).get("replicas") or 0)
+    return dataclasses.replace(
+        base,
+        desired_replicas=replicas,
+        tensor_parallel_size=base.previous.get("tensorParallelSize"),
+        is_autoscaled=raw_spec.get("autoscaling") is not None,
+        deployment=deployment,
+        pods=ctx.kube.list("Pod", owner.namespace, labels.selector_string(owner.name))
+        if deployment is not None
+        else (),
     )
 
 
@@ -157,15 +176,34 @@ def _finish(
     *,
     is_load_known: bool,
     recorded: Mapping[str, Any] | None,
+    version: str | None = None,
 ) -> Outcome:
-    """Compute status, write it in one patch when it changed, and derive the Events."""
-    new_status = status_mod.compute(obs, rfc3339(now_s))
-    if not is_load_known:
-        new_status.pop("load")  # keep what the last metrics tick saw
-    new_status.update(recorded or {})
-    if _status_changed(obs.previous, new_status):
-        ctx.kube.patch_status(owner.namespace, owner.name, new_status)
+    """Compute status, write it in one patch when it changed, and derive the Events.
+
+    The patch is made against the resourceVersion the status was computed from. When another
+    writer got there first (the Deployment-event refresh and a tick race; the read was older than
+    the last status patch), status is recomputed once from a fresh read: an older read must not
+    overwrite newer status (observedGeneration going back), and only the writer whose patch landed
+    posts the Events of a transition (no duplicates).
+    """
+    for attempt in range(2):
+        new_status = status_mod.compute(obs, rfc3339(now_s))
+        if not is_load_known:
+            new_status.pop("load")  # keep what the last metrics tick saw
+        new_status.update(recorded or {})
+        if not _status_changed(obs.previous, new_status):
+            break
+        try:
+            ctx.kube.patch_status(owner.namespace, owner.name, new_status, resource_version=version)
+        except Conflict:
+            fresh = ctx.kube.get(KIND, owner.namespace, owner.name) if attempt == 0 else None
+            if fresh is None or fresh["metadata"].get("uid") != owner.uid:
+                raise
+            obs = dataclasses.replace(obs, previous=dict(fresh.get("status") or {}))
+            version = fresh["metadata"].get("resourceVersion")
+            continue
         summary = " ".join(f"{c['type']}={c['status']}({c['reason']})" for c in new_status["conditions"])
         log.info("%s/%s: status updated: %s", owner.namespace, owner.name, summary)
+        break
     events = status_mod.transitions(obs.previous.get("conditions") or (), new_status["conditions"])
     return Outcome(new_status, events, spec_error=obs.spec_error, apply_error=obs.apply_error)

@@ -153,7 +153,7 @@ def engine_container(spec: LLMDeploymentSpec) -> Obj:
         "securityContext": _container_security(spec),
     }
     if spec.pod.env_from:
-        container["envFrom"] = list(spec.pod.env_from)
+        container["envFrom"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pod.env_from]
     return container
 
 
@@ -209,7 +209,7 @@ def deployment(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
         "kind": "Deployment",
         "metadata": meta,
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": spec.bounded_replicas,
             "selector": {"matchLabels": labels.selector(owner.name)},
             "strategy": {
                 "type": "RollingUpdate",
@@ -270,7 +270,7 @@ def desired_objects(owner: Owner, spec: LLMDeploymentSpec, *, crds: Collection[s
     """Everything the spec asks for; a PDB only when two or more replicas can keep serving; objects
     of optional CRDs (ServiceMonitor, ScaledObject) only when `crds` (installed CRD names) has them."""
     objects = [deployment(owner, spec), service(owner, spec)]
-    if spec.replicas >= 2:
+    if spec.bounded_replicas >= 2:
         objects.append(pod_disruption_budget(owner, spec))
     if SERVICE_MONITOR_CRD in crds:
         objects.append(service_monitor(owner, spec))

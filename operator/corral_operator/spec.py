@@ -7,11 +7,12 @@ Field names are camelCase on the wire (aliases) and snake_case in Python. `x-kub
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from corral_engine import wire
 from corral_engine.args import OPTIONS
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
 from corral_operator import spec_base
 from corral_operator.engine_args_spec import EngineArgsSpec, corral_only_fields, given_options
@@ -32,7 +33,8 @@ EngineKind = Literal["corral", "vllm"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 QUANTITY_PATTERN = spec_base.QUANTITY_PATTERN
-PERCENT_OR_INT = r"^[0-9]+%?$"
+PERCENT_PATTERN = r"^[0-9]+%$"
+INT_OR_PERCENT_MESSAGE = "must be a whole number or a percentage such as 25%"
 
 
 def _corral_only_rule() -> dict[str, str]:
@@ -52,7 +54,10 @@ class EngineSpec(SpecModel):
     model_config = ConfigDict(json_schema_extra=validations(_corral_only_rule()))
     kind: EngineKind = Field(default="corral", description="corral (the bundled engine) or vllm.")
     image: str = Field(min_length=1, max_length=512, description="Container image of the engine.")
-    image_pull_policy: PullPolicy = "IfNotPresent"
+    image_pull_policy: PullPolicy = Field(
+        default="IfNotPresent",
+        description="When the kubelet pulls the engine image (core/v1 imagePullPolicy).",
+    )
     port: int = Field(default=8000, ge=1024, le=65535, description="Container port of the HTTP server.")
     args: EngineArgsSpec = Field(default_factory=EngineArgsSpec)  # type: ignore[valid-type]
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
@@ -77,11 +82,17 @@ class ResourcesSpec(SpecModel):
 class Toleration(SpecModel):
     """A core/v1 Toleration."""
 
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(default=None, description="The taint key; empty with Exists matches every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Equal (default) or Exists."
+    )
+    value: str | None = Field(default=None, description="The taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="The taint effect to match; empty matches all."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="How long a NoExecute taint is tolerated before eviction."
+    )
 
 
 AutoscalingMode = Literal["builtin", "hpa", "keda"]
@@ -147,7 +158,18 @@ class AutoscalingSpec(SpecModel):
         return self.mode == "builtin"
 
 
-IntOrPercent = int | Annotated[str, Field(pattern=PERCENT_OR_INT)]
+def _int_or_percent(value: object) -> object:
+    """A Deployment's maxSurge / maxUnavailable: a count, or a string percentage ("5" is neither)."""
+    is_count = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if is_count or (isinstance(value, str) and re.fullmatch(PERCENT_PATTERN, value)):
+        return value
+    raise ValueError(INT_OR_PERCENT_MESSAGE)
+
+
+INT_OR_PERCENT_RULE = cel(
+    f"type(self) == string ? self.matches('{PERCENT_PATTERN}') : self >= 0", INT_OR_PERCENT_MESSAGE
+)
+IntOrPercent = Annotated[int | str, BeforeValidator(_int_or_percent)]
 
 
 class RolloutSpec(SpecModel):
@@ -162,8 +184,17 @@ class RolloutSpec(SpecModel):
             )
         )
     )
-    max_surge: IntOrPercent = Field(default=1, description="Extra pods during a rollout (count or %).")
-    max_unavailable: IntOrPercent = Field(default=0, description="Pods that may be down in a rollout.")
+    max_surge: IntOrPercent = Field(
+        default=1,
+        description="Extra pods during a rollout: a count, or a percentage of replicas such as 25%.",
+        json_schema_extra=validations(INT_OR_PERCENT_RULE),
+    )
+    max_unavailable: IntOrPercent = Field(
+        default=0,
+        description="Pods that may be down during a rollout: a count or a percentage such as 25%. "
+        "0 (the default) keeps every serving replica until its replacement is ready.",
+        json_schema_extra=validations(INT_OR_PERCENT_RULE),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:
@@ -196,7 +227,13 @@ class LLMDeploymentSpec(SpecModel):
 
     model: ModelSpec
     engine: EngineSpec
-    replicas: int = Field(default=1, ge=0, le=1000, description="Written by the autoscaler when enabled.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="How many engine replicas to run. With autoscaling, the autoscaler (or the HPA or "
+        "KEDA) writes it, and a value outside [minReplicas, maxReplicas] is brought inside, as an HPA does.",
+    )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     node_selector: dict[str, str] = Field(
         default_factory=dict, max_length=64, description="Pod nodeSelector."
@@ -205,7 +242,11 @@ class LLMDeploymentSpec(SpecModel):
     affinity: dict[str, Any] | None = Field(
         default=None, description="Pod affinity (core/v1 Affinity).", json_schema_extra=OPEN_OBJECT
     )
-    autoscaling: AutoscalingSpec | None = Field(default=None, description="Absent: replicas is fixed.")
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="Scale replicas on the engines' load (waiting requests, KV cache usage). "
+        "Absent: replicas is fixed.",
+    )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     pod: PodSpecOverrides = Field(default_factory=PodSpecOverrides)
 
@@ -217,6 +258,17 @@ class LLMDeploymentSpec(SpecModel):
         if self.engine.kind == "vllm" and self.model.is_downloaded and self.model.fetcher_image is None:
             raise ValueError(FETCHER_MESSAGE)
         return self
+
+    @property
+    def bounded_replicas(self) -> int:
+        """The replicas to run: spec.replicas brought inside [minReplicas, maxReplicas] with
+        autoscaling, as an HPA bounds its target (so a value out of range never reaches the
+        Deployment, whose pods would start only to be stopped at the next tick). 0 stays 0: at zero
+        the autoscaler decides (a wake request, or minReplicas, brings it back)."""
+        auto = self.autoscaling
+        if auto is None or self.replicas == 0:
+            return self.replicas
+        return min(max(self.replicas, auto.min_replicas), auto.max_replicas)
 
 
 def parse_spec(raw: object) -> LLMDeploymentSpec:

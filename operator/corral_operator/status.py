@@ -1,9 +1,15 @@
 """Pure status computation: observed Deployment, Pods and PVC -> LLMDeployment status and Events.
 
 Conditions: Ready (the endpoint serves: a pod takes traffic by the rule the gateway and the
-EndpointSlice controller use, or the model is at zero and a request wakes it), Available (a replica
-serves), Progressing (a rollout or scale is under way), Degraded (something only the operator can
-see is wrong: bad spec, missing PVC, image pulls, crash loops).
+EndpointSlice controller use, or the model is at zero and a request wakes it), Available (at least
+one replica is ready, so the model serves, perhaps below its desired capacity), Progressing (a
+rollout or scale is under way), Degraded (something only the operator can see is wrong: bad spec,
+rejected objects, missing PVC, image pulls, crash loops).
+
+Available is deliberately not the child Deployment's Available condition: with the default
+`rollout.maxUnavailable: 0` that one is False for the whole of every scale-up (fewer available
+replicas than the new spec.replicas), while the old replicas keep serving. A scale-up or rollout
+shows in Progressing only; a replica that cannot start shows in Degraded.
 """
 
 from __future__ import annotations
@@ -143,21 +149,28 @@ def degraded(obs: Observed) -> Obj:
     return _condition("Degraded", False, "Healthy", "no problems observed")
 
 
+def _ready_message(ready: int, want: int) -> str:
+    """How many replicas are ready against how many are wanted; more than wanted while scaling down."""
+    if ready > want:
+        return f"{ready} replicas ready, scaling down to {want}"
+    return f"{ready}/{want} replicas ready"
+
+
 def available(obs: Observed, ready: int) -> Obj:
+    """True while at least one replica is ready (see the module's docstring for why not more)."""
     if obs.desired_replicas == 0:
         how = "a request through the gateway wakes it" if obs.is_autoscaled else "scale it up to serve"
         return _condition("Available", False, "ScaledToZero", f"0 replicas; {how}")
-    dep_available = _deployment_condition(obs.deployment, "Available").get("status") == "True"
-    if ready >= 1 and dep_available:
-        return _condition(
-            "Available", True, "ReplicasReady", f"{ready}/{obs.desired_replicas} replicas ready"
-        )
-    return _condition("Available", False, "NoReplicasReady", f"{ready}/{obs.desired_replicas} replicas ready")
+    message = _ready_message(ready, obs.desired_replicas)
+    if ready >= 1:
+        return _condition("Available", True, "ReplicasReady", message)
+    return _condition("Available", False, "NoReplicasReady", message)
 
 
 def ready_condition(obs: Observed, is_available: Obj) -> Obj:
-    """`kubectl wait --for=condition=Ready`: true once a request sent now would be served."""
-    if obs.spec_error:
+    """`kubectl wait --for=condition=Ready`: true once a request sent now would be served (an
+    invalid spec update does not stop the replicas already running from serving)."""
+    if obs.spec_error and obs.deployment is None:
         return _condition("Ready", False, "InvalidSpec", obs.spec_error)
     if obs.desired_replicas == 0 and obs.is_autoscaled:
         return _condition(
@@ -173,6 +186,9 @@ def ready_condition(obs: Observed, is_available: Obj) -> Obj:
 
 def progressing(obs: Observed, ready: int) -> Obj:
     dep = obs.deployment
+    if dep is None and (obs.spec_error or obs.apply_error):
+        reason = "InvalidSpec" if obs.spec_error else "ApplyFailed"
+        return _condition("Progressing", False, reason, "nothing to roll out until the spec is fixed")
     if dep is None:
         return _condition("Progressing", True, "Creating", "waiting for the Deployment")
     st = dep.get("status", {})
@@ -209,6 +225,8 @@ def compute(obs: Observed, now: str) -> Obj:
     conditions = [ready_condition(obs, is_available), is_available, progressing(obs, ready), degraded(obs)]
     prev_generation = obs.previous.get("observedGeneration")
     generation = obs.generation if applied else prev_generation
+    if isinstance(prev_generation, int) and (generation is None or generation < prev_generation):
+        generation = prev_generation  # never backwards (kstatus, Argo CD, `kubectl wait` read it)
     load = obs.load
     return {
         "observedGeneration": generation,

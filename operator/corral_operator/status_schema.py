@@ -12,32 +12,47 @@ from corral_operator.spec_base import SpecModel
 
 
 class Condition(SpecModel):
-    type: Literal["Ready", "Available", "Progressing", "Degraded"]
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(max_length=128)
-    message: str = Field(default="", max_length=4096)
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
+    """One aspect of the deployment's state (docs/operations.md, "LLMDeployment status")."""
+
+    type: Literal["Ready", "Available", "Progressing", "Degraded"] = Field(
+        description="Ready: a request sent now is served. Available: at least one replica is ready. "
+        "Progressing: a rollout or scale is under way. Degraded: something is wrong (see reason)."
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(max_length=128, description="Why, in one CamelCase word.")
+    message: str = Field(default="", max_length=4096, description="Why, for a human.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed.")
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation this condition was computed for."
+    )
 
 
 class LoadStatus(SpecModel):
     kv_usage_percent: int | None = Field(default=None, description="Mean KV cache usage of ready replicas.")
     num_requests_waiting: int | None = Field(default=None, description="Waiting requests, all replicas.")
-    num_requests_running: int | None = None
-    observed_at: str | None = None
+    num_requests_running: int | None = Field(default=None, description="Running requests, all replicas.")
+    observed_at: str | None = Field(default=None, description="When the replicas were scraped.")
 
 
 class LLMDeploymentStatus(SpecModel):
-    observed_generation: int | None = None
-    replicas: int | None = None
-    ready_replicas: int | None = None
-    updated_replicas: int | None = None
+    observed_generation: int | None = Field(
+        default=None, description="The last metadata.generation applied to the children; never decreases."
+    )
+    replicas: int | None = Field(default=None, description="Engine pods (the scale subresource's count).")
+    ready_replicas: int | None = Field(default=None, description="Engine pods that are ready.")
+    updated_replicas: int | None = Field(default=None, description="Engine pods running the current spec.")
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
     endpoint: str | None = Field(default=None, description="In-cluster URL of the Service.")
     tensor_parallel_size: int | None = Field(
         default=None, description="Ranks (GPUs) one replica spans: --tensor-parallel-size."
     )
-    conditions: list[Condition] = Field(default_factory=list)
-    load: LoadStatus | None = None
-    last_scale_time: str | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Available, Progressing, Degraded."
+    )
+    load: LoadStatus | None = Field(
+        default=None, description="The engines' load at the last scrape (builtin autoscaling reads it)."
+    )
+    last_scale_time: str | None = Field(
+        default=None, description="When the autoscaler last changed replicas."
+    )
     last_active_time: str | None = Field(default=None, description="Last time a replica had work.")

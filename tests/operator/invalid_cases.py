@@ -121,4 +121,35 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         _with("model", {"name": "m", "aliases": ["m"], "source": {"hostPath": {"path": "/m"}}}),
         "aliases must differ",
     ),
+    (
+        "rollout-surge-not-a-count-or-percentage",
+        _with("rollout", {"maxSurge": "abc"}),
+        "must be a whole number or a percentage such as 25%",
+    ),
+    (
+        "rollout-unavailable-a-bare-number-string",
+        _with("rollout", {"maxUnavailable": "5"}),
+        "must be a whole number or a percentage such as 25%",
+    ),
+    (
+        "volume-named-like-the-operators-own",
+        _with("pod", {"volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory"}}]}),
+        "pod.volumes may not use the names model, model-cache, tmp, dshm",
+    ),
+    (
+        "mount-over-the-operators-own",
+        _with("pod", {"volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}]}),
+        "pod.volumeMounts may not use the paths",
+    ),
+    (
+        "two-volumes-one-name",
+        _with("pod", {"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}),
+        "Duplicate value",
+    ),
+    (
+        "two-env-vars-one-name",
+        _with("pod", {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}),
+        "Duplicate value",
+    ),
+    ("env-from-unknown-field", _with("pod", {"envFrom": [{"bogus": 1}]}), "bogus"),
 ]

@@ -119,3 +119,14 @@ def test_a_wake_stamped_in_the_second_of_the_scale_down_counts() -> None:
     asleep = State(zeroed_at_s=1000.7, last_replicas=0)
     assert decide(policy, asleep, 0, None, now_s=1001, wake_at_s=1000.0).replicas == 1
     assert decide(policy, asleep, 0, None, now_s=1001, wake_at_s=999.0).replicas == 0
+
+
+def test_a_size_outside_the_bounds_is_brought_in_and_the_reason_says_so() -> None:
+    policy = Policy(1, 2, 4, 0.8, 0, 300, 300)
+    held = decide(policy, State(), 8, None, now_s=0)
+    assert (held.replicas, held.reason) == (2, "8 is above maxReplicas 2")
+    settled = decide(policy, State(), 8, busy(0, 0.1, 8), now_s=0)
+    assert (settled.replicas, settled.reason) == (2, "8 is above maxReplicas 2")
+    assert decide(policy, State(), 2, None, now_s=0).reason == "no load reported; holding"
+    lifted = decide(Policy(3, 5, 4, 0.8, 0, 300, 300), State(), 1, None, now_s=0)
+    assert (lifted.replicas, lifted.reason) == (3, "1 is below minReplicas 3")

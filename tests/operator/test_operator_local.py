@@ -31,3 +31,40 @@ def test_model_path_override_and_pvc_sources() -> None:
 def test_not_an_llmdeployment() -> None:
     with pytest.raises(SpecError, match="no LLMDeployment"):
         local_fleets("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+
+
+ALIASED = """
+apiVersion: corral.dev/v1alpha1
+kind: LLMDeployment
+metadata: {name: aliased}
+spec:
+  model: {name: Qwen/Qwen3-8B, aliases: [qwen], source: {hostPath: {path: /tmp/m}}}
+  engine: {image: img:1}
+  replicas: 1
+"""
+
+
+def test_aliases_route_locally_as_on_a_cluster(tmp_path: Path) -> None:
+    """`corral up -f` hands the gateway the same names Kubernetes discovery would: an alias routes
+    to its model (the engine is sent the served name) and /v1/models lists it."""
+    import argparse
+
+    from corral_cli import cmd_up
+    from corral_gateway.app import create_app
+    from corral_gateway.settings import GatewaySettings
+
+    (fleet,) = local_fleets(ALIASED)
+    assert (fleet.namespace, fleet.aliases) == ("default", ("qwen",))
+    path = tmp_path / "aliased.yaml"
+    path.write_text(ALIASED)
+    parser = argparse.ArgumentParser()
+    cmd_up.add_arguments(parser)
+    args = parser.parse_args(["-f", str(path)])
+    settings = GatewaySettings(backends={"Qwen/Qwen3-8B": ["http://127.0.0.1:1"]})
+    app = create_app(settings)
+    cmd_up._route_aliases(app, cmd_up._served_names(args))
+    fleet_view = app.api.state.fleet
+    route = fleet_view.resolve("qwen")
+    assert (route.key, route.upstream) == ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B")
+    assert fleet_view.listed_models() == ["Qwen/Qwen3-8B", "qwen"]
+    assert fleet_view.resolve("Qwen/Qwen3-8B").key == "Qwen/Qwen3-8B"

@@ -64,9 +64,18 @@ def test_pod_scrape_skips_pods_outside_allowed_networks() -> None:
     assert source.load("ns", "tiny", [PodTarget("a", "10.0.0.1", 8000)]) is None
 
 
-def test_unreachable_pod_gives_no_load() -> None:
+def test_unreachable_pod_gives_no_load_and_one_warning(
+    engine_metrics: int, caplog: pytest.LogCaptureFixture
+) -> None:
     source = PodScrapeSource(timeout_s=0.5, allowed_networks=["127.0.0.0/8"])
-    assert source.load("ns", "tiny", [PodTarget("a", "127.0.0.1", 9)]) is None
+    for _ in range(3):
+        assert source.load("ns", "tiny", [PodTarget("a", "127.0.0.1", 9)]) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "ns/tiny: none of 1 ready pods answered" in warnings[0]
+    assert "builtin autoscaling holds" in warnings[0] and ":9/metrics" in warnings[0]
+    assert source.load("ns", "tiny", [PodTarget("a", "127.0.0.1", engine_metrics)]) is not None
+    assert source.load("ns", "tiny", [PodTarget("a", "127.0.0.1", 9)]) is None  # failing again: said again
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2
 
 
 def test_file_source(tmp_path: Path) -> None:

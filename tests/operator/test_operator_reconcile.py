@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from corral_operator import labels
 from corral_operator.autoscaler import Load, State
 from corral_operator.context import Context
-from corral_operator.kube import Invalid
+from corral_operator.kube import Conflict, Invalid
 from corral_operator.metrics import PodTarget
 from corral_operator.reconcile import reconcile
 from corral_operator.scaling import autoscale
@@ -52,8 +53,25 @@ class FakeKube:
         self.writes.append(("delete", kind))
         return self.objects.pop((kind, namespace, name), None) is not None
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    def patch_status(
+        self, namespace: str, name: str, status: dict[str, Any], resource_version: str | None = None
+    ) -> None:
+        """A stored LLMDeployment (see `store_cr`) gets the merge patch, with the API server's
+        optimistic concurrency: a stale resource_version is a Conflict."""
+        cr = self.objects.get(("LLMDeployment", namespace, name))
+        if cr is not None:
+            if resource_version is not None and resource_version != cr["metadata"]["resourceVersion"]:
+                raise Conflict(409, "the object has been modified; please apply your changes again")
+            merged = {**cr.get("status", {}), **status}
+            cr["status"] = {k: v for k, v in merged.items() if v is not None}
+            cr["metadata"]["resourceVersion"] = str(int(cr["metadata"]["resourceVersion"]) + 1)
         self.writes.append(("status", dict(status)))
+
+    def store_cr(self, cr: dict[str, Any]) -> dict[str, Any]:
+        stored = copy.deepcopy(cr)
+        stored["metadata"].setdefault("resourceVersion", "1")
+        self.objects[("LLMDeployment", cr["metadata"]["namespace"], cr["metadata"]["name"])] = stored
+        return stored
 
     def patch_replicas(self, namespace: str, name: str, replicas: int) -> None:
         self.writes.append(("replicas", replicas))
@@ -262,3 +280,103 @@ def test_keda_mode_without_keda_installed_is_reported_and_with_it_renders_a_scal
     outcome = reconcile(make_ctx(kube), body(spec), now_s=100)
     assert ("ScaledObject", "ml", "tiny") in kube.objects
     assert next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")["status"] == "False"
+
+
+def running(kube: FakeKube, ready: int) -> None:
+    """The stored Deployment as the controller reports it, with `ready` serving pods."""
+    dep = kube.objects[("Deployment", "ml", "tiny")]
+    replicas = dep["spec"]["replicas"]
+    dep["metadata"]["generation"] = 1
+    dep["status"] = {
+        "observedGeneration": 1,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "updatedReplicas": replicas,
+        "conditions": [{"type": "Available", "status": "True"}],
+    }
+    for i in range(ready):
+        kube.objects[("Pod", "ml", f"p{i}")] = ready_pod(f"p{i}", f"127.0.0.{11 + i}")
+
+
+def test_an_invalid_spec_update_keeps_the_observed_state_of_the_running_deployment() -> None:
+    kube = FakeKube()
+    first = reconcile(make_ctx(kube), body(valid_spec()), now_s=0)
+    running(kube, ready=2)
+    serving = reconcile(make_ctx(kube), body(valid_spec(), status=first.status), apply=False, now_s=5)
+    bad = valid_spec() | {"rollout": {"maxSurge": "abc"}}
+    outcome = reconcile(make_ctx(kube), body(bad, status=serving.status, generation=2), now_s=10)
+    st = outcome.status
+    assert (st["replicas"], st["readyReplicas"], st["observedGeneration"]) == (2, 2, 1)
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+    assert conditions == {
+        "Ready": ("True", "Serving"),
+        "Available": ("True", "ReplicasReady"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("True", "InvalidSpec"),
+    }
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"] == "spec.rollout.maxSurge: Value error, " + (
+        "must be a whole number or a percentage such as 25%"
+    )
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "InvalidSpec")]
+
+
+def test_an_object_the_api_server_cannot_type_is_apply_failed_not_an_outage() -> None:
+    from corral_operator.kube import Unavailable, _error
+
+    message = (
+        "failed to create typed patch object (ml/tiny; apps/v1, Kind=Deployment): "
+        ".spec.template.spec.affinity.nodeAffinity.foo: field not declared in schema"
+    )
+    typed = _error(500, json.dumps({"kind": "Status", "message": message, "code": 500}).encode())
+    assert isinstance(typed, Invalid) and typed.message == message
+    assert isinstance(_error(500, b'{"message": "etcdserver: request timed out"}'), Unavailable)
+    kube = FakeKube()
+    kube.reject_kind, kube.reject_error = "Deployment", typed
+    outcome = reconcile(make_ctx(kube), body(valid_spec()), now_s=0)
+    degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
+    assert "nodeAffinity.foo: field not declared in schema" in degraded["message"]
+    assert ("Warning", "ApplyFailed") in [(e.type, e.reason) for e in outcome.events]
+
+
+def test_a_status_refresh_from_a_stale_read_never_moves_observed_generation_back() -> None:
+    kube = FakeKube()
+    ctx = make_ctx(kube)
+    v3 = reconcile(ctx, body(valid_spec(), generation=3), now_s=0).status
+    stale = body(valid_spec(), status=v3, generation=4)
+    stale["metadata"]["resourceVersion"] = "1"
+    # the tick for generation 4 has written its status since the refresh's read
+    current = kube.store_cr(body(valid_spec(), status=dict(v3), generation=4))
+    current["metadata"]["resourceVersion"] = "2"
+    reconcile(ctx, current, now_s=5)
+    assert kube.objects[("LLMDeployment", "ml", "tiny")]["status"]["observedGeneration"] == 4
+    running(kube, ready=1)  # a Deployment event: pods changed
+    kube.writes.clear()
+    reconcile(ctx, stale, apply=False, now_s=6)
+    assert [w[1]["observedGeneration"] for w in kube.writes if w[0] == "status"] == [4]
+    assert kube.objects[("LLMDeployment", "ml", "tiny")]["status"]["observedGeneration"] == 4
+
+
+def test_two_writers_from_one_read_post_a_transitions_events_once() -> None:
+    kube = FakeKube()
+    ctx = make_ctx(kube)
+    reconcile(ctx, body(valid_spec()), now_s=0)
+    running(kube, ready=2)
+    # no status yet: both writers read "nothing reported"
+    read = copy.deepcopy(kube.store_cr(body(valid_spec())))
+    first = reconcile(ctx, read, apply=False, now_s=1)
+    second = reconcile(ctx, read, apply=False, now_s=1)
+    assert [e.reason for e in first.events] == ["Available"]
+    assert second.events == []
+
+
+def test_replicas_outside_the_autoscaling_bounds_never_reach_the_deployment() -> None:
+    kube = FakeKube()
+    spec = valid_spec() | {"replicas": 8, "autoscaling": {"minReplicas": 1, "maxReplicas": 1}}
+    outcome = reconcile(make_ctx(kube), body(spec), now_s=0)
+    assert kube.objects[("Deployment", "ml", "tiny")]["spec"]["replicas"] == 1
+    assert ("PodDisruptionBudget", "ml", "tiny") not in kube.objects  # one replica: no PDB
+    assert next(c for c in outcome.status["conditions"] if c["type"] == "Progressing")["message"] == (
+        "0/1 updated, 0/1 ready, 0 pods"
+    )

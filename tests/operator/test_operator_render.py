@@ -371,3 +371,39 @@ def test_status_reports_the_tensor_parallel_size_the_pods_run() -> None:
     for extra in (["--tensor-parallel-size=2"], ["--tensor-parallel-size", "2"], ["-tp", "2"]):
         raw["engine"] = {"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0", "extraArgs": extra}
         assert tensor_parallel_size(parse_spec(raw)) == 2
+
+
+@pytest.mark.parametrize(
+    ("replicas", "bounds", "expected"),
+    [(8, (1, 2), 2), (1, (3, 5), 3), (0, (1, 2), 0), (4, (1, 6), 4), (9, None, 9)],
+)
+def test_replicas_are_rendered_inside_the_autoscaling_bounds(
+    replicas: int, bounds: tuple[int, int] | None, expected: int
+) -> None:
+    auto = {"minReplicas": bounds[0], "maxReplicas": bounds[1]} if bounds else None
+    spec = _spec(replicas=replicas, **({"autoscaling": auto} if auto else {}))
+    assert render.deployment(OWNER, spec)["spec"]["replicas"] == expected
+    kinds = [o["kind"] for o in render.desired_objects(OWNER, spec, crds=())]
+    assert ("PodDisruptionBudget" in kinds) == (expected >= 2)
+
+
+def test_the_reserved_volume_names_and_mount_paths_cover_what_the_operator_renders() -> None:
+    from corral_operator.pod_spec import RESERVED_MOUNT_PATHS, RESERVED_VOLUME_NAMES
+
+    hub = valid_spec()
+    hub["model"] = {"name": "m", "uri": "hf://org/m"}
+    hub["resources"] = {"gpu": 1}
+    for raw in (valid_spec(), hub):
+        pod = render.deployment(OWNER, parse_spec(raw))["spec"]["template"]["spec"]
+        assert {v["name"] for v in pod["volumes"]} <= set(RESERVED_VOLUME_NAMES)
+        mounts = [m for c in pod["containers"] + pod.get("initContainers", []) for m in c["volumeMounts"]]
+        assert {m["mountPath"] for m in mounts} <= set(RESERVED_MOUNT_PATHS)
+
+
+def test_env_from_renders_only_what_is_set() -> None:
+    pod = {"envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "APP_"}, {"secretRef": {"name": "s"}}]}
+    container = render.engine_container(_spec(pod=pod))
+    assert container["envFrom"] == [
+        {"prefix": "APP_", "configMapRef": {"name": "cfg"}},
+        {"secretRef": {"name": "s"}},
+    ]

@@ -192,3 +192,66 @@ def test_a_download_in_progress_is_progressing_and_a_finished_one_is_no_problem(
         cond(compute(observed(deployment=deployment(1, 1), pods=[done]), NOW), "Degraded")["status"]
         == "False"
     )
+
+
+def scaling_up(replicas: int, ready: int) -> dict:
+    """A Deployment mid scale-up with maxUnavailable 0: its own Available condition is False."""
+    dep = deployment(replicas, ready)
+    dep["status"]["conditions"] = [
+        {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable"},
+        {"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated"},
+    ]
+    return dep
+
+
+def test_a_scale_up_keeps_ready_and_available_and_shows_only_in_progressing() -> None:
+    before = compute(observed(desired_replicas=4, deployment=deployment(4, 4), pods=[serving_pod()]), NOW)
+    during = compute(
+        observed(desired_replicas=6, deployment=scaling_up(6, 4), pods=[serving_pod()], previous=before), NOW
+    )
+    assert ready_of(during) == ("True", "Serving")
+    available = cond(during, "Available")
+    assert (available["status"], available["reason"], available["message"]) == (
+        "True",
+        "ReplicasReady",
+        "4/6 replicas ready",
+    )
+    assert (cond(during, "Progressing")["status"], cond(during, "Progressing")["reason"]) == (
+        "True",
+        "RollingOut",
+    )
+    assert transitions(before["conditions"], during["conditions"]) == []  # no Warning for a scale-up
+
+
+def test_ready_replicas_above_the_desired_count_read_as_a_scale_down() -> None:
+    st = compute(observed(desired_replicas=3, deployment=deployment(10, 10)), NOW)
+    assert cond(st, "Available")["message"] == "10 replicas ready, scaling down to 3"
+
+
+def test_observed_generation_never_goes_back() -> None:
+    newer = {"observedGeneration": 4}
+    refresh = compute(observed(generation=4, is_refresh_only=True, previous=newer), NOW)
+    assert refresh["observedGeneration"] == 4
+    stale = compute(observed(generation=3, deployment=deployment(2, 2), previous=newer), NOW)
+    assert stale["observedGeneration"] == 4
+
+
+def test_an_invalid_spec_update_keeps_reporting_the_running_replicas() -> None:
+    st = compute(
+        observed(spec_error="spec.rollout.maxSurge: bad", deployment=deployment(2, 2), pods=[serving_pod()]),
+        NOW,
+    )
+    assert (st["replicas"], st["readyReplicas"]) == (2, 2)
+    assert ready_of(st) == ("True", "Serving")
+    assert cond(st, "Available")["status"] == "True"
+    assert cond(st, "Progressing")["reason"] == "RolloutComplete"
+    assert (cond(st, "Degraded")["status"], cond(st, "Degraded")["reason"]) == ("True", "InvalidSpec")
+
+
+def test_nothing_progresses_while_the_spec_cannot_be_applied() -> None:
+    for obs, reason in (
+        (observed(spec_error="bad"), "InvalidSpec"),
+        (observed(apply_error="no"), "ApplyFailed"),
+    ):
+        progressing = cond(compute(obs, NOW), "Progressing")
+        assert (progressing["status"], progressing["reason"]) == ("False", reason)
