@@ -37,11 +37,16 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, S
 
 
 def _access_lines(log_path: Path, logger: str) -> list[dict[str, object]]:
+    """The access lines of chat requests (the gateway also reads each engine's /v1/models; its own
+    lines, all of proxied requests, name no path)."""
     lines = []
     for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith("{"):
             record = json.loads(line)
-            if record.get("logger") == logger:
+            if (
+                record.get("logger") == logger
+                and record.get("path", "/v1/chat/completions") == "/v1/chat/completions"
+            ):
                 lines.append(record)
     return lines
 
