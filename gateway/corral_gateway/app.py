@@ -209,16 +209,14 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authenticate(request)
-        listed = fleet.listed_models()
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "corral"} for m in listed]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [fleet.model_entry(m) for m in fleet.listed_models()]})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> Response:
         authenticate(request)
         if not fleet.has_model(fleet.resolve(model).key):
             raise ModelNotFound(model)
-        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "corral"})
+        return JSONResponse(fleet.model_entry(model))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # some load balancers probe with HEAD
     async def health() -> Response:

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 from corral_gateway.admission import Admission
 from corral_gateway.errors import AmbiguousModel
@@ -21,7 +22,7 @@ from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Replica, Saturation
 from corral_gateway.router import Router
-from corral_gateway.served_names import parse_model_ids
+from corral_gateway.served_names import parse_model_list
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Fetched, Upstream, UpstreamError
 
@@ -98,6 +99,19 @@ class Fleet:
             raise AmbiguousModel(requested, choices)
         return Route(requested, requested)
 
+    def model_entry(self, listed: str) -> dict[str, Any]:
+        """`listed`'s entry in the gateway's /v1/models: OpenAI's fields, with what its replicas'
+        own entries say (max_model_len, created, owned_by; the first replica in rotation that has
+        said), so a client sizing its prompts from the list finds the context length there too."""
+        entry: dict[str, Any] = {"id": listed, "object": "model", "created": 0, "owned_by": "corral"}
+        try:
+            key = self.resolve(listed).key
+        except AmbiguousModel:
+            return entry
+        replicas = sorted(self._registry.replicas(key), key=lambda r: not self.is_healthy(r))
+        card = next((r.model_card for r in replicas if r.model_card is not None), None)
+        return entry | (card or {})
+
     def listed_models(self) -> list[str]:
         """What /v1/models lists: every pool (a served name, or NAMESPACE/NAME where the name is
         ambiguous) and every alias of a known pool."""
@@ -166,12 +180,16 @@ class Fleet:
                                "the model's last replica there, it counts as unhealthy", url, replica.model,
                                reason)  # fmt: skip
 
-    def observe_served_names(self, url: str, names: tuple[str, ...]) -> None:
-        """What the replica at `url` serves (its /v1/models); a pool whose name is not among them
-        is warned about once per change: its requests there get the engine's 404."""
+    def observe_served_names(
+        self, url: str, names: tuple[str, ...], cards: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
+        """What the replica at `url` serves (its /v1/models ids, and their entries in `cards`); a
+        pool whose name is not among them is warned about once per change: its requests there get
+        the engine's 404."""
         for replica in self._registry.by_url(url):
             was_misnamed, is_changed = self.is_misnamed(replica), replica.served_names != names
             replica.served_names = names
+            replica.model_card = (cards or {}).get(self.upstream_name(replica.model))
             served = ", ".join(repr(n) for n in names) or "no model"
             if self.is_misnamed(replica) and is_changed:
                 logger.warning(
@@ -315,11 +333,11 @@ class Fleet:
         except UpstreamError as e:
             logger.debug("model list of %s not read: %s", url, e)
             return True
-        names = parse_model_ids(fetched.body) if fetched.status == 200 else None
-        if names is None:
+        listed = parse_model_list(fetched.body) if fetched.status == 200 else None
+        if listed is None:
             logger.debug("model list of %s not read: HTTP %d", url, fetched.status)
             return True
-        self.observe_served_names(url, names)
+        self.observe_served_names(url, tuple(sorted(listed)), listed)
         return True
 
     def upstream_name(self, key: str) -> str:

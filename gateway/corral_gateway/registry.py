@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from corral_gateway.load import LoadSample
 from corral_gateway.step_phase import StepPhase
@@ -42,6 +43,8 @@ class Replica:
     last_score: float = 0.0
     # The model names the replica says it serves (its /v1/models); None until it has said.
     served_names: tuple[str, ...] | None = None
+    # Its /v1/models entry for the name it is routed under (max_model_len, created, owned_by).
+    model_card: dict[str, Any] | None = None
     # The last `load` and what it was computed from: every request ranks every replica, and between
     # two requests most replicas' inputs have not changed (64 replicas: 6% of the gateway's CPU).
     _load_inputs: tuple[object, ...] = field(default=(), repr=False, compare=False)

@@ -72,7 +72,10 @@ class FakeEngine:
     async def models(self, request: Request) -> Response:
         self.num_model_lists += 1
         self.models_authorization = request.headers.get("authorization")
-        data = [{"id": name, "object": "model", "owned_by": "fake"} for name in self.served_names]
+        data = [
+            {"id": name, "object": "model", "created": 1700000000, "owned_by": "fake", "max_model_len": 4096}
+            for name in self.served_names
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:

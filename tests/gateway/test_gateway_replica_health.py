@@ -174,3 +174,38 @@ async def test_the_model_list_is_asked_for_with_the_upstream_key() -> None:
 )
 def test_model_ids_are_read_from_an_openai_model_list(body: bytes, ids: tuple[str, ...] | None) -> None:
     assert parse_model_ids(body) == ids
+
+
+async def test_the_gateways_model_list_carries_what_its_replicas_say() -> None:
+    async with fleet([FakeEngine()]) as (client, urls):
+
+        async def is_known() -> bool:
+            return (await state(client, urls[0]))["serves_model"] is True
+
+        await eventually(is_known)
+        listed = (await client.get("/v1/models")).json()["data"]
+        card = {
+            "id": "m",
+            "object": "model",
+            "created": 1700000000,
+            "owned_by": "fake",
+            "max_model_len": 4096,
+        }
+        assert listed == [card]
+        assert (await client.get("/v1/models/m")).json() == card
+
+
+def test_an_alias_is_listed_with_its_pools_card_and_an_unread_pool_with_defaults() -> None:
+    fleet = Fleet(GatewaySettings(kubernetes={"enabled": True}), GatewayMetrics())
+    names = naming([Served("team-a", "x", "llama", ("chat",))])
+    fleet.apply_discovery(Discovery({"llama": ["http://a"], "other": ["http://b"]}, {}, names))
+    fleet.observe_served_names("http://a", ("llama",), {"llama": {"max_model_len": 8192, "created": 5}})
+    assert fleet.model_entry("chat") == {
+        "id": "chat", "object": "model", "created": 5, "owned_by": "corral", "max_model_len": 8192
+    }  # fmt: skip
+    assert fleet.model_entry("other") == {
+        "id": "other",
+        "object": "model",
+        "created": 0,
+        "owned_by": "corral",
+    }
