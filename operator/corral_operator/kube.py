@@ -65,15 +65,24 @@ class Unavailable(KubeError):
     """5xx, timeouts, connection errors: transient."""
 
 
+# Connections kept to the API server: kopf's handler workers (16) and its watchers share the
+# client, whose default pool is 5 per CPU (10 on two cores), so it logged "Connection pool is full,
+# discarding connection" under load and opened a new connection each time.
+API_POOL_SIZE = 32
+
+
 def load_config(kubeconfig: Path | None = None) -> None:
     """An explicit kubeconfig, else the in-cluster service account, else $KUBECONFIG / ~/.kube/config."""
     if kubeconfig is not None:
         config.load_kube_config(config_file=str(kubeconfig))
-        return
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    settings = client.Configuration.get_default_copy()
+    settings.connection_pool_maxsize = max(settings.connection_pool_maxsize, API_POOL_SIZE)
+    client.Configuration.set_default(settings)
 
 
 # Server-side apply answers 500 when the applied object does not fit the kind's schema; the same

@@ -97,3 +97,25 @@ def test_login_reads_the_named_kubeconfig(tmp_path: Path) -> None:
     assert isinstance(info, kopf.ConnectionInfo)
     assert (info.server, info.token, info.scheme) == ("https://127.0.0.1:6443", "s3cret", "Bearer")
     assert info.ca_path == str(ca) and not info.insecure and info.trust_env
+
+
+def test_the_api_client_keeps_a_connection_per_handler_worker(tmp_path: Path) -> None:
+    from corral_operator.kube import API_POOL_SIZE, load_config
+    from kubernetes import client
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:6443'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+    before = client.Configuration.get_default_copy()
+    try:
+        load_config(kubeconfig)
+        loaded = client.Configuration.get_default_copy()
+        assert loaded.host == "https://127.0.0.1:6443"
+        assert loaded.connection_pool_maxsize >= API_POOL_SIZE >= 16  # kopf's max_workers
+        assert client.ApiClient().rest_client.pool_manager.connection_pool_kw["maxsize"] >= API_POOL_SIZE
+    finally:
+        client.Configuration.set_default(before)
