@@ -8,7 +8,7 @@ from typing import Annotated
 from corral_engine.sources.uri import ModelUriError, parse_model_uri
 from pydantic import ConfigDict, Field, model_validator
 
-from corral_operator.spec_base import QUANTITY_PATTERN, SpecModel, cel, validations
+from corral_operator.spec_base import MEMORY_PATTERN, SpecModel, cel, validations
 
 
 class PvcSource(SpecModel):
@@ -53,7 +53,7 @@ class ModelCache(SpecModel):
 
     claim_name: str | None = Field(default=None, max_length=253, description="PVC holding the cache.")
     size_limit: str | None = Field(
-        default=None, pattern=QUANTITY_PATTERN, description="emptyDir size limit (no claimName)."
+        default=None, pattern=MEMORY_PATTERN, description="emptyDir size limit (no claimName)."
     )
 
 

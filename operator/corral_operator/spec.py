@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from corral_engine import wire
 from corral_engine.args import OPTIONS
-from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from corral_operator import spec_base
 from corral_operator.engine_args_spec import EngineArgsSpec, corral_only_fields, given_options
@@ -32,7 +32,8 @@ API_VERSION = wire.API_VERSION
 EngineKind = Literal["corral", "vllm"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
-QUANTITY_PATTERN = spec_base.QUANTITY_PATTERN
+CPU_PATTERN = spec_base.CPU_PATTERN
+MEMORY_PATTERN = spec_base.MEMORY_PATTERN
 PERCENT_PATTERN = r"^[0-9]+%$"
 INT_OR_PERCENT_MESSAGE = "must be a whole number or a percentage such as 25%"
 
@@ -74,8 +75,36 @@ class EngineSpec(SpecModel):
 class ResourcesSpec(SpecModel):
     """Per-replica resources; requests equal limits (Guaranteed QoS keeps latency steady)."""
 
-    cpu: str = Field(default="1", pattern=QUANTITY_PATTERN, description="CPU cores, e.g. 2 or 500m.")
-    memory: str = Field(default="4Gi", pattern=QUANTITY_PATTERN, description="Memory, e.g. 16Gi.")
+    cpu: str = Field(
+        default="1",
+        max_length=32,
+        json_schema_extra={"pattern": CPU_PATTERN},
+        description="CPU cores, above 0: e.g. 2, 1.5 or 500m.",
+    )
+    memory: str = Field(
+        default="4Gi",
+        max_length=32,
+        json_schema_extra={"pattern": MEMORY_PATTERN},
+        description="Memory, above 0: e.g. 16Gi or 512Mi (binary Ki, Mi, Gi, Ti; decimal k, M, G, T).",
+    )
+
+    @field_validator("cpu")
+    @classmethod
+    def _check_cpu(cls, value: str) -> str:
+        if not re.fullmatch(CPU_PATTERN, value):
+            raise ValueError(f"cpu {value!r} is not a CPU quantity above 0 such as 2, 1.5 or 500m")
+        return value
+
+    @field_validator("memory")
+    @classmethod
+    def _check_memory(cls, value: str) -> str:
+        if not re.fullmatch(MEMORY_PATTERN, value):
+            raise ValueError(
+                f"memory {value!r} is not a memory quantity above 0 such as 16Gi or 512Mi "
+                "(suffixes Ki, Mi, Gi, Ti, Pi, Ei or k, M, G, T, P, E; not GB)"
+            )
+        return value
+
     gpu: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu count per replica.")
 
 

@@ -7,7 +7,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi)?$"
+# Above zero (a container with a zero request or limit is not Guaranteed, and no engine runs in it),
+# written without lookaheads: the API server checks patterns with Go's regexp.
+_POSITIVE = r"([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)"
+CPU_PATTERN = rf"^{_POSITIVE}m?$"  # cores, or millicores with m
+MEMORY_PATTERN = rf"^{_POSITIVE}(k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"  # bytes (no m: millibytes)
 
 
 class SpecError(ValueError):

@@ -73,6 +73,10 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "maxNumSeqs must be <= maxNumBatchedTokens",
     ),
     ("bad-kv-memory", _with("engine.args", {"kvCacheMemory": "lots"}), "kvCacheMemory"),
+    ("zero-cpu", _with("resources", {"cpu": "0"}), "cpu"),
+    ("zero-memory", _with("resources", {"memory": "0.0Gi"}), "memory"),
+    ("memory-in-gb", _with("resources", {"memory": "4GB"}), "memory"),
+    ("memory-in-millibytes", _with("resources", {"memory": "100m"}), "memory"),
     (
         "gpu-memory-on-a-cpu-pod",
         _with("engine.args", {"gpuMemoryUtilization": 0.8}),
