@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from corral_operator import labels
+from corral_operator.handlers import EVENT_SOURCE
 
 from e2e.k8s.cluster import Cluster
 from e2e.operator.harness import (
@@ -317,5 +318,7 @@ def test_scale_up_and_rollout_keep_ready_and_observed_generation_only_moves_forw
     assert "RollingOut" in progressing
     events = events_of(cluster, ns, "steady")
     assert not [e for e in events if e["reason"] == "NoReplicasReady"], events
-    ours = Counter((e["reason"], e["message"]) for e in events if e["source"].get("component") == "kopf")
+    ours = Counter(
+        (e["reason"], e["message"]) for e in events if e["source"].get("component") == EVENT_SOURCE
+    )
     assert ours and max(ours.values()) == 1, ours

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from corral_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError
 log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
 ANNOTATION_PREFIX = "operator.corral.dev"
+EVENT_SOURCE = "corral-operator"
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -52,6 +54,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf's are noise
+    # Events say who wrote them (`kubectl describe`'s From column): this operator, this pod.
+    settings.posting.reporting_component = EVENT_SOURCE
+    settings.posting.reporting_instance = socket.gethostname()
+    settings.posting.event_name_prefix = "corral-"
     settings.scanning.disabled = True  # no cluster-wide CRD/namespace watching: less RBAC
     settings.execution.max_workers = 16
     settings.watching.server_timeout = 300

@@ -119,3 +119,12 @@ def test_the_api_client_keeps_a_connection_per_handler_worker(tmp_path: Path) ->
         assert client.ApiClient().rest_client.pool_manager.connection_pool_kw["maxsize"] >= API_POOL_SIZE
     finally:
         client.Configuration.set_default(before)
+
+
+def test_events_name_the_operator_as_their_source() -> None:
+    from corral_operator.handlers import EVENT_SOURCE, configure
+
+    settings = kopf.OperatorSettings()
+    configure(settings)
+    assert settings.posting.reporting_component == EVENT_SOURCE == "corral-operator"
+    assert settings.posting.reporting_instance not in ("", "dev")
