@@ -5,7 +5,6 @@ each replica's model list and discovery updates. Owns the gateway's background I
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -28,6 +27,7 @@ from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Fetched, Ups
 
 logger = logging.getLogger(__name__)
 
+_STOP_RECHECK_S = 0.5  # how long a cancelled poller may take before it is cancelled again
 _GAUGE_INTERVAL_S = 0.5
 _POLL_READ_TIMEOUT_S = 1.0
 # A replica's model list is read on first contact, after each outage (the address may now hold
@@ -216,11 +216,7 @@ class Fleet:
                 self.update_gauges()
                 await asyncio.sleep(_GAUGE_INTERVAL_S)
         finally:
-            for task in self._pollers.values():
-                task.cancel()
-            for task in self._pollers.values():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await _stop_all(self._pollers.values())
             self._pollers.clear()
 
     async def _poll_loop(self, upstream: Upstream, url: str) -> None:
@@ -423,3 +419,13 @@ class Fleet:
                     }
                 )
         return out
+
+
+async def _stop_all(tasks: Iterable[asyncio.Task[None]]) -> None:
+    """Cancel the tasks and wait for them, cancelling again any that lost a cancel (a library
+    call that swallows one: see `HealthProbe`), so a gateway told to stop always stops."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=_STOP_RECHECK_S)

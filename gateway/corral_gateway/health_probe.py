@@ -50,9 +50,11 @@ class HealthProbe:
     async def _exchange(self, timeout_s: float, connect_timeout_s: float) -> Fetched:
         if self._streams is None:
             try:
-                self._streams = await asyncio.wait_for(
-                    asyncio.open_connection(self.host, self.port), connect_timeout_s
-                )
+                # Not asyncio.wait_for: on Python 3.11 a cancel that lands as the connect fails is
+                # lost (the OSError comes out instead), and the poller it ran in, told to stop,
+                # polled on: a gateway that could not bind its port never exited.
+                async with asyncio.timeout(connect_timeout_s):
+                    self._streams = await asyncio.open_connection(self.host, self.port)
             except TimeoutError as e:
                 raise ConnectTimedOut(type(e).__name__) from e
             except OSError as e:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,19 @@ def test_gateway_logs_its_effective_settings_once_without_secrets(
     assert len(lines) == 1
     assert "'max_queue_len'" in lines[0] and "'upstream_api_key': '(set)'" in lines[0]
     assert "sk-upstream-secret" not in caplog.text
+
+
+def test_a_gateway_whose_port_is_taken_exits_at_once() -> None:
+    # Its replica refuses connections, so pollers are mid-connect when the bind fails: on Python
+    # 3.11 that used to lose the pollers' cancel and hang the process (deaf to SIGTERM too).
+    with socket.socket() as taken, socket.socket() as refusing:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        refusing.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        port, dead = taken.getsockname()[1], refusing.getsockname()[1]
+        argv = [sys.executable, "-m", "corral_cli.main", "gateway", "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--backend", f"m=http://127.0.0.1:{dead}"]
+        for _ in range(3):  # the race was not every time
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert done.returncode != 0
+            assert "address already in use" in done.stderr

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from corral_engine import wire
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
@@ -21,3 +24,19 @@ def test_a_replica_whose_responses_carry_its_load_is_not_polled() -> None:
     assert fleet.is_due_for_load_poll("http://b")
     now[0] += 0.03  # the sample is now older than a poll interval
     assert fleet.is_due_for_load_poll("http://a")
+
+
+async def test_stopping_the_pollers_outlasts_a_lost_cancel() -> None:
+    # Python 3.11's asyncio.wait_for could lose a cancel that landed as a connect failed; a poller
+    # that lost one polled on, and the gateway never stopped.
+    from corral_gateway.fleet import _stop_all
+
+    async def loses_one_cancel() -> None:
+        with contextlib.suppress(asyncio.CancelledError):  # lost, as inside wait_for
+            await asyncio.sleep(60)
+        await asyncio.sleep(60)
+
+    task = asyncio.create_task(loses_one_cancel())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(_stop_all([task]), 10)
+    assert task.cancelled()
