@@ -4,22 +4,57 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+N = TypeVar("N", int, float)
+
+
+def _checked(convert: Callable[[str], N], expected: str, is_ok: Callable[[N], bool]) -> Callable[[str], N]:
+    """An argparse type: `convert` the text, refusing values that are not `is_ok` with one line."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not is_ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+# Counts and token lengths; seconds and spreads (NaN and inf are refused too); a temperature.
+positive_int = _checked(int, "an integer >= 1", lambda v: v >= 1)
+positive_float = _checked(float, "a number > 0", lambda v: math.isfinite(v) and v > 0)
+non_negative_float = _checked(float, "a number >= 0", lambda v: math.isfinite(v) and v >= 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     target.add_argument("--model", help="model name to request (default: the server's first model)")
-    target.add_argument("--endpoint-type", choices=("completions", "chat"), default="completions")
+    target.add_argument(
+        "--endpoint-type",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions: /v1/completions with token-id prompts (exact input lengths); "
+        "chat: /v1/chat/completions with text prompts",
+    )
     target.add_argument(
         "--metrics-url", help="Prometheus endpoint to read preemptions from (default: BASE_URL/metrics)"
     )
     target.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
-    target.add_argument("--request-timeout", type=float, default=600.0, help="per-request seconds")
+    target.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds a request may wait for its next bytes before it fails",
+    )
     target.add_argument(
         "--api-key",
         default=os.environ.get("CORRAL_API_KEY"),
@@ -36,11 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--dataset", help="ShareGPT JSON or JSONL file (default: random prompts)")
     work.add_argument("--tokenizer", help="directory with tokenizer.json, for exact token counts")
-    work.add_argument("--num-prompts", type=int, default=100)
-    work.add_argument("--random-input-len", type=int, default=128)
-    work.add_argument("--random-output-len", type=int, default=128)
+    work.add_argument(
+        "--num-prompts", type=positive_int, default=100, help="requests per run (each rate of a sweep)"
+    )
+    work.add_argument("--random-input-len", type=positive_int, default=128, help="prompt tokens")
+    work.add_argument("--random-output-len", type=positive_int, default=128, help="tokens to generate")
     work.add_argument("--random-range-ratio", type=float, default=0.0, help="length spread, in [0, 1)")
-    work.add_argument("--random-vocab-size", type=int, help="token ids for random prompts are drawn below it")
+    work.add_argument(
+        "--random-vocab-size", type=positive_int, help="token ids for random prompts are drawn below it"
+    )
     work.add_argument(
         "--random-dist",
         choices=("uniform", "lognormal"),
@@ -48,19 +87,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lognormal: the lengths above are medians, with --random-sigma, clipped to "
         "[--random-min-len, --max-prompt-len / --max-output-len]",
     )
-    work.add_argument("--random-sigma", type=float, default=1.0, help="log-normal spread (default: 1.0)")
-    work.add_argument("--random-min-len", type=int, default=1, help="log-normal lower clip (default: 1)")
     work.add_argument(
-        "--max-prompt-len", type=int, default=1024, help="dataset filter / log-normal clip (tokens)"
+        "--random-sigma", type=positive_float, default=1.0, help="log-normal spread (default: 1.0)"
     )
-    work.add_argument("--max-output-len", type=int, default=1024, help="log-normal clip (tokens)")
-    work.add_argument("--max-total-len", type=int, default=2048, help="dataset filter: prompt + output")
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument(
+        "--random-min-len", type=positive_int, default=1, help="log-normal lower clip (default: 1)"
+    )
+    work.add_argument(
+        "--max-prompt-len", type=positive_int, default=1024, help="dataset filter / log-normal clip (tokens)"
+    )
+    work.add_argument("--max-output-len", type=positive_int, default=1024, help="log-normal clip (tokens)")
+    work.add_argument(
+        "--max-total-len", type=positive_int, default=2048, help="dataset filter: prompt + output"
+    )
+    work.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds prompts, lengths, dataset sampling and arrival times: the same seed, the same workload",
+    )
     work.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested lengths")
-    work.add_argument("--temperature", type=float, default=0.0)
+    work.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature sent with each request",
+    )
     work.add_argument(
         "--max-tokens-cap",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="send max_tokens=N and end each stream once its sampled output length has arrived, so "
         "the server does not know output lengths in advance (lengths over N stop at N)",
@@ -77,12 +132,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--request-rate", default="inf", help="requests/s (Poisson); 'inf' = all at once; '1,2,inf' = a sweep"
     )
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
-    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    load.add_argument(
+        "--burstiness", type=positive_float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier"
+    )
+    load.add_argument("--max-concurrency", type=positive_int, help="cap on requests in flight")
 
     out = parser.add_argument_group("output")
-    out.add_argument("--result-file", help="write the results as JSON here")
-    out.add_argument("--plot", help="PNG: latency distributions, or throughput/latency vs rate for a sweep")
+    out.add_argument("--result-file", help="write the results as JSON here (missing folders are created)")
+    out.add_argument(
+        "--plot",
+        help="FILE.png (or .svg, .pdf, ...): latency distributions, or throughput and latency "
+        "against rate for a sweep",
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -124,6 +185,8 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
             requests = workload.load_dataset(
                 args.dataset, args.num_prompts, args.seed, tokenizer, args.max_prompt_len, args.max_total_len
             )
+            if args.endpoint_type == "chat":
+                requests = workload.as_chat_prompts(requests, tokenizer)
             return [requests] * num_runs, "tokenizer" if tokenizer else "estimated"
         spec = workload.LengthSpec(
             args.random_input_len,
@@ -148,26 +211,34 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
         raise BenchError(str(e)) from e
 
 
-async def _bench(args: argparse.Namespace) -> int:
+def _check_before_run(args: argparse.Namespace) -> tuple[list[float], dict[str, str]]:
+    """The request rates and headers; BenchError for what would fail during or after the run
+    (an output path is checked, and its folders created, before the run, not found bad after it)."""
     from corral_cli.bench import report
     from corral_cli.bench.arrivals import parse_rates
-    from corral_cli.bench.client import RequestSettings
-    from corral_cli.bench.runner import BenchError, RunSettings, resolve_model, run_sweep
+    from corral_cli.bench.runner import BenchError
 
-    try:
-        rates = parse_rates(args.request_rate)
-    except ValueError as e:
-        raise BenchError(str(e)) from e
-    if args.burstiness <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
-        raise BenchError("--burstiness must be > 0 and --max-concurrency >= 1")
-    if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
-        raise BenchError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
     if args.max_tokens_cap is not None and args.no_stream:
         raise BenchError("--max-tokens-cap ends streams early: it cannot go with --no-stream")
     try:
+        rates = parse_rates(args.request_rate)
         headers = request_headers(args.api_key, args.header)
+        if args.plot:
+            report.check_plot_format(args.plot)
+            report.prepare_output_file(args.plot, "--plot")
+        if args.result_file:
+            report.prepare_output_file(args.result_file, "--result-file")
     except ValueError as e:
         raise BenchError(str(e)) from e
+    return rates, headers
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from corral_cli.bench import report
+    from corral_cli.bench.client import RequestSettings
+    from corral_cli.bench.runner import RunSettings, resolve_model, run_sweep
+
+    rates, headers = _check_before_run(args)
     workloads, lengths_from = _load_workloads(args, len(rates))
     model = await resolve_model(args.base_url, args.model, headers)
     settings = RequestSettings(

@@ -48,7 +48,10 @@ def _call(
         with _OPENER.open(request, timeout=args.timeout) as response:
             return json.loads(response.read()), response.headers.get("x-request-id", "")
     except urllib.error.HTTPError as e:
-        raise CheckFailed(f"{path}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from e
+        hint = ""
+        if e.code == 404 and args.base_url.rstrip("/").endswith("/v1"):
+            hint = f" (the base URL is the server root: drop the trailing /v1 from {args.base_url})"
+        raise CheckFailed(f"{path}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}{hint}") from e
     except (urllib.error.URLError, OSError) as e:
         raise CheckFailed(f"{path}: cannot reach {args.base_url}: {e}") from e
     except ValueError as e:

@@ -29,18 +29,33 @@ class FakeState:
     token_delay_s: float = 0.0
     num_tokens_sent: list[int] = field(default_factory=list)  # per stream, once it has ended
     tokens_per_chunk: int = 1  # as a server that merges the tokens of a slow consumer sends them
+    api_key: str | None = None  # set: every /v1 route wants 'Authorization: Bearer api_key'
 
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def _unauthorized(state: FakeState, request: Request) -> JSONResponse | None:
+    """The 401 an OpenAI-compatible server answers a wrong or missing key with; None if it is right."""
+    if state.api_key is None or request.headers.get("authorization") == f"Bearer {state.api_key}":
+        return None
+    error = {
+        "message": "Incorrect API key provided.",
+        "type": "invalid_request_error",
+        "code": "invalid_api_key",
+    }
+    return JSONResponse({"error": error}, status_code=401)
+
+
 def build_app(state: FakeState) -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
+    async def models(request: Request) -> Any:
         state.headers.append(dict(request.headers))
+        if refused := _unauthorized(state, request):
+            return refused
         return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
 
     @app.get("/metrics")
@@ -90,6 +105,8 @@ def build_app(state: FakeState) -> FastAPI:
         body = await request.json()
         state.bodies.append(body)
         state.headers.append(dict(request.headers))
+        if refused := _unauthorized(state, request):
+            return refused
         text = body["messages"][0]["content"] if chat else body.get("prompt")
         if text == "fail" or body.get("model") != MODEL:
             error = {"message": "no such thing", "type": "invalid_request_error", "param": None, "code": None}

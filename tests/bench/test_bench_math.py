@@ -30,7 +30,7 @@ class CharTokenizer:
 
 def test_parse_rates():
     assert parse_rates("1, 2.5,inf") == [1.0, 2.5, math.inf]
-    for bad in ("0", "-1", "fast", "", "nan"):
+    for bad in ("0", "-1", "fast", "", "nan", "1,,2", "1,2,", " , "):
         with pytest.raises(ValueError):
             parse_rates(bad)
 

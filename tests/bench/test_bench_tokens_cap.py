@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 
 import pytest
@@ -100,7 +99,7 @@ def test_tokens_are_chunks_with_a_token_not_role_or_finish_chunks():
     assert carries_token({"choices": [{"index": 0, "delta": {"content": "x"}}]}, "chat")
 
 
-def test_cli_max_tokens_cap(fake, tmp_path, caplog):
+def test_cli_max_tokens_cap(fake, tmp_path, capsys):
     url, state = fake
     result_file = tmp_path / "r.json"
     argv = ["bench", "--base-url", url, "--num-prompts", "4", "--random-input-len", "8"]
@@ -111,6 +110,6 @@ def test_cli_max_tokens_cap(fake, tmp_path, caplog):
     (run,) = doc["runs"]
     assert (run["completed"], run["total_output_tokens"]) == (4, 12)
     assert [body["max_tokens"] for body in state.bodies] == [CAP] * 4
-    with caplog.at_level(logging.ERROR):
-        assert corral_main([*argv[:-1], "0"]) == 1
-    assert "--max-tokens-cap must be >= 1" in caplog.text
+    with pytest.raises(SystemExit):
+        corral_main([*argv[:-1], "0"])
+    assert "argument --max-tokens-cap: expected an integer >= 1" in capsys.readouterr().err

@@ -8,12 +8,14 @@ import numpy as np
 
 
 def parse_rates(text: str) -> list[float]:
-    """ "1,2,inf" -> [1.0, 2.0, inf]; ValueError on non-positive or unparsable rates."""
+    """ "1,2,inf" -> [1.0, 2.0, inf]; ValueError on non-positive, unparsable or empty entries."""
+    if not text.strip():
+        raise ValueError("no request rate given")
     rates: list[float] = []
     for part in text.split(","):
         part = part.strip()
         if not part:
-            continue
+            raise ValueError(f"--request-rate {text!r} has an empty entry")
         try:
             rate = float(part)
         except ValueError:
@@ -21,8 +23,6 @@ def parse_rates(text: str) -> list[float]:
         if math.isnan(rate) or rate <= 0:
             raise ValueError(f"request rate must be > 0 (or inf), got {part!r}")
         rates.append(rate)
-    if not rates:
-        raise ValueError("no request rate given")
     return rates
 
 

@@ -220,6 +220,7 @@ async def _send_whole(
     client: aiohttp.ClientSession, url: str, body: dict[str, Any], result: RequestResult
 ) -> RequestResult:
     """A non-streamed request: the response read whole; its tokens from the usage it reports."""
+    result.is_streamed = False
     start = time.perf_counter()
     try:
         async with client.post(url, json=body) as response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -14,6 +15,9 @@ from corral_cli.bench.stats import LATENCIES, RequestResult, latency_samples
 
 _LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 _STATS = ("mean", "median", "p90", "p99")
+# Off a terminal (a CI log, a pipe) rich would fit tables to 80 columns and cut figures to "1,28…";
+# this is wide enough for any table here, which still prints at its natural width.
+_MAX_LOG_WIDTH = 1000
 
 
 def rate_label(rate: float) -> str:
@@ -31,9 +35,9 @@ def _fmt(value: Any, digits: int = 2) -> str:
 def run_table(summary: dict[str, Any]) -> Table:
     """Counts, throughputs and the four latency distributions of one run."""
     table = Table(title=f"corral bench: request rate {rate_label(summary['request_rate'])} req/s")
-    table.add_column("metric")
+    table.add_column("metric", overflow="fold")
     for stat in _STATS:
-        table.add_column(f"{stat} (ms)", justify="right")
+        table.add_column(f"{stat} (ms)", justify="right", overflow="fold")
     for kind in LATENCIES:
         table.add_row(_LATENCY_NAMES[kind], *(_fmt(summary[f"{stat}_{kind}_ms"]) for stat in _STATS))
     table.add_section()
@@ -72,14 +76,21 @@ def sweep_table(summaries: list[dict[str, Any]]) -> Table:
         ("preempt", lambda s: _fmt(s["num_preemptions"], 0)),
     )
     for name, _ in columns:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", overflow="fold")
     for summary in summaries:
         table.add_row(*(cell(summary) for _, cell in columns))
     return table
 
 
+def report_console() -> Console:
+    """stdout's console; off a terminal, one wide enough that no table is cut or wrapped.
+    (On a narrow terminal the columns fold: every digit is kept, on more lines.)"""
+    console = Console()
+    return console if console.is_terminal else Console(width=_MAX_LOG_WIDTH)
+
+
 def print_report(summaries: list[dict[str, Any]], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or report_console()
     if len(summaries) == 1:
         console.print(run_table(summaries[0]))
     else:
@@ -97,6 +108,32 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
     return value
+
+
+def prepare_output_file(path: str, flag: str) -> None:
+    """Before a run: create the folders above `path`, so writing it after the run cannot fail on
+    them; ValueError (one line) when it cannot be written there."""
+    file = pathlib.Path(path)
+    if file.is_dir():
+        raise ValueError(f"{flag} {path} is a directory")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create its folder: {e.strerror or e}") from e
+    if not os.access(file.parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: its folder is not writable")
+
+
+def check_plot_format(path: str) -> None:
+    """ValueError unless matplotlib writes the format `path`'s extension names (savefig picks the
+    format from it; without one it would write `path`.png instead)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = pathlib.Path(path).suffix.lower().removeprefix(".")
+    if suffix not in formats:
+        what = f"a .{suffix} file" if suffix else "a file without an extension"
+        raise ValueError(f"--plot {path}: matplotlib cannot write {what}; use .png, .svg or .pdf")
 
 
 def write_result_file(

@@ -16,7 +16,7 @@ from corral_engine.wire import NUM_PREEMPTIONS_TOTAL
 
 from corral_cli.bench import prom
 from corral_cli.bench.arrivals import arrival_offsets_s
-from corral_cli.bench.client import RequestSettings, send_request
+from corral_cli.bench.client import RequestSettings, error_message, send_request
 from corral_cli.bench.stats import RequestResult, aggregate
 from corral_cli.bench.workload import BenchRequest
 
@@ -83,19 +83,35 @@ async def _get_text(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
         return response.status, await response.text(errors="replace")
 
 
-async def list_models(client: aiohttp.ClientSession, base_url: str) -> list[str]:
-    """Model ids the endpoint serves ([] if it has no /v1/models); BenchError if unreachable."""
+@dataclass(frozen=True, slots=True)
+class ModelList:
+    """What /v1/models answered: the served model ids, or why there are none to read."""
+
+    models: list[str]
+    problem: str | None = None  # e.g. "HTTP 401: invalid API key", with a hint where one helps
+
+
+def base_url_hint(base_url: str, status: int) -> str:
+    """A hint for a 404 on a base URL that already ends in /v1 (its paths get a second /v1)."""
+    if status == 404 and base_url.rstrip("/").endswith("/v1"):
+        return f" (the base URL is the server root: drop the trailing /v1 from {base_url})"
+    return ""
+
+
+async def list_models(client: aiohttp.ClientSession, base_url: str) -> ModelList:
+    """The model ids the endpoint serves, or the problem its /v1/models answered; BenchError if
+    unreachable."""
     url = base_url.rstrip("/") + "/v1/models"
     try:
         status, text = await _get_text(client, url)
     except (aiohttp.ClientError, TimeoutError) as e:
         raise BenchError(f"cannot reach {base_url}: {type(e).__name__}: {e}") from e
     if status != 200:
-        return []
+        return ModelList([], error_message(status, text.encode()) + base_url_hint(base_url, status))
     try:
-        return [str(m["id"]) for m in json.loads(text).get("data", [])]
+        return ModelList([str(m["id"]) for m in json.loads(text).get("data", [])])
     except (ValueError, KeyError, TypeError, AttributeError):
-        return []
+        return ModelList([], f"the answer is not an OpenAI model list: {text[:200]!r}")
 
 
 async def scrape_counter(client: aiohttp.ClientSession, metrics_url: str | None, name: str) -> float | None:
@@ -182,13 +198,21 @@ async def run_sweep(
 
 
 async def resolve_model(base_url: str, model: str | None, headers: dict[str, str] | None = None) -> str:
-    """`model` if given, else the endpoint's first served model; BenchError if unreachable or none."""
+    """`model` if given, else the endpoint's first served model; BenchError if unreachable or none.
+
+    With `model` given, a models list the endpoint refuses is only a warning: some servers have none.
+    """
     async with make_client(CHECK_TIMEOUT_S, headers) as client:
-        models = await list_models(client, base_url)
+        listed = await list_models(client, base_url)
+    where = base_url.rstrip("/") + "/v1/models"
     if model:
-        if models and model not in models:
-            log.warning("model %r is not among the served models %s", model, models)
+        if listed.problem:
+            log.warning("%s answered %s", where, listed.problem)
+        elif listed.models and model not in listed.models:
+            log.warning("model %r is not among the served models %s", model, listed.models)
         return model
-    if not models:
+    if listed.problem:
+        raise BenchError(f"{where} answered {listed.problem}")
+    if not listed.models:
         raise BenchError(f"{base_url} lists no models; pass --model")
-    return models[0]
+    return listed.models[0]

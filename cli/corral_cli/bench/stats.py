@@ -24,11 +24,14 @@ class RequestResult:
     e2el_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)  # gaps between successive streamed chunks
     error: str = ""
+    # False for a non-streamed request: its tokens arrive at once, so their pace is unknown.
+    is_streamed: bool = True
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first; None with fewer than two tokens."""
-        if self.output_len < 2:
+        """Mean time per output token after the first; None with fewer than two tokens or when the
+        response was not streamed (TTFT is then the whole request's, and (E2E - TTFT) is 0)."""
+        if self.output_len < 2 or not self.is_streamed:
             return None
         return (self.e2el_s - self.ttft_s) / (self.output_len - 1)
 

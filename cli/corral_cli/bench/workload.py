@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -263,6 +263,25 @@ def load_dataset(
     if not requests:
         raise ValueError(f"{path} holds no usable requests")
     return sample_requests(requests, num_prompts, seed)
+
+
+def as_chat_prompts(requests: list[BenchRequest], tokenizer: BenchTokenizer | None) -> list[BenchRequest]:
+    """Chat messages carry text: token-id prompts are decoded with `tokenizer` (their length is the
+    decoded text's); ValueError when there are some and no tokenizer."""
+    if all(isinstance(r.prompt, str) for r in requests):
+        return requests
+    if tokenizer is None:
+        raise ValueError(
+            "the dataset has token-id prompts and --endpoint-type chat sends text: "
+            "give --tokenizer DIR to decode them, or use --endpoint-type completions"
+        )
+    chat = []
+    for request in requests:
+        if isinstance(request.prompt, list):
+            text = tokenizer.decode(request.prompt)
+            request = replace(request, prompt=text, prompt_len=len(tokenizer.encode(text)))
+        chat.append(request)
+    return chat
 
 
 def sample_requests(requests: list[BenchRequest], num_prompts: int, seed: int) -> list[BenchRequest]:
