@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from corral_cli import cmd_fetch_model, malloc, tracing
 from corral_cli.heap import freeze_startup_heap
+from corral_cli.listen import cannot_listen, port_number
 
 if TYPE_CHECKING:
     from corral_engine.server.engine_client import EngineClient
@@ -101,7 +102,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})"
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
+    parser.add_argument(
+        "--port", type=port_number, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("CORRAL_API_KEY"),
@@ -203,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
     except ArgumentError as e:
         log.error("%s", e)
         return 2
+    problem = cannot_listen(args.host, range(args.port, args.port + max(args.replicas, 1)))
+    if problem is not None:  # said now, not after minutes of loading the model
+        log.error("%s", problem)
+        return 1
     if args.simulate is not None:
         from corral_cli.simulate import run_simulated
 

@@ -12,6 +12,7 @@ from corral_gateway.settings import PolicyName
 
 from corral_cli import tracing
 from corral_cli.heap import freeze_startup_heap
+from corral_cli.listen import port_number
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ POLICY_CHOICES = typing.get_args(PolicyName)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port to listen on (default: 8000)")
+    parser.add_argument("--port", type=port_number, default=None, help="port to listen on (default: 8000)")
     parser.add_argument("--config", type=Path, default=None, help="YAML settings file (see docs)")
     parser.add_argument(
         "--backend",

@@ -28,10 +28,12 @@ from corral_engine.sources import FetchError
 from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
 from corral_cli.heap import freeze_startup_heap
+from corral_cli.listen import cannot_listen, port_number
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEMO_DIR = Path.home() / ".cache" / "corral" / "demo-model"
+DEFAULT_REPLICAS = 2
 _ENGINE_READY_TIMEOUT_S = 300.0
 _ENGINE_STOP_TIMEOUT_S = 25.0
 
@@ -63,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with -f: checkpoint directory for a PVC model source",
     )
     parser.add_argument("--demo-preset", choices=("tiny", "small"), default="tiny", help="demo model size")
-    parser.add_argument("--replicas", type=int, default=2, help="engine processes (default: 2)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help=f"engine processes (default: {DEFAULT_REPLICAS}; not with -f)",
+    )
     parser.add_argument(
         "--simulate",
         metavar="PROFILE",
@@ -71,8 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "one process, no torch; the demo model gives the tokenizer (docs/simulator.md)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
-    parser.add_argument("--served-model-name", default=None, help="model name clients ask for")
+    parser.add_argument("--port", type=port_number, default=8000, help="gateway port (default: 8000)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients ask for (not with -f: the file names it)",
+    )
     parser.add_argument(
         "--policy",
         choices=("prefix-affinity", "kv-aware", "least-requests", "round-robin", "llm-d"),
@@ -159,9 +170,20 @@ def _route_aliases(app: Any, served: list[tuple[str, str, str, tuple[str, ...]]]
     app.api.state.fleet.apply_discovery(Discovery(pools={}, owners={}, names=names))
 
 
+def _replicas(args: argparse.Namespace) -> int:
+    return DEFAULT_REPLICAS if args.replicas is None else int(args.replicas)
+
+
 def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     if args.file is not None and args.simulate is not None:
         raise ValueError("--simulate runs the demo model's fleet; it does not combine with -f")
+    if args.file is not None:
+        # The file says these, as on a cluster; a flag quietly overruled by it would mislead.
+        for flag, value in (("--replicas", args.replicas), ("--served-model-name", args.served_model_name)):
+            if value is not None:
+                raise ValueError(f"{flag} does not combine with -f: the LLMDeployment in the file sets it")
+    elif args.model_path is not None:
+        raise ValueError("--model-path is for -f (a PVC model source's checkpoint directory)")
     if args.file is not None:
         from corral_operator.local import local_fleets
 
@@ -173,14 +195,14 @@ def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
             flags = [*f.engine_args.to_cli_args(), *f.extra_args]  # includes --served-model-name
             out.setdefault(f.served_model_name, []).extend([list(flags) for _ in range(f.replicas)])
         return out
-    if args.replicas < 1:
+    if _replicas(args) < 1:
         raise ValueError("--replicas must be at least 1")
     model_dir, default_name = _model_dir(args)
     name = args.served_model_name or default_name
     flags = ["--model", str(model_dir), "--served-model-name", name]
     if args.simulate is not None:  # one process serves every replica
         return {name: [[*flags, "--simulate", args.simulate]]}
-    return {name: [list(flags) for _ in range(args.replicas)]}
+    return {name: [list(flags) for _ in range(_replicas(args))]}
 
 
 def _free_ports(count: int) -> list[int]:
@@ -350,6 +372,9 @@ def run(args: argparse.Namespace) -> int:
     engines: list[_Engine] = []
     try:
         fleet = _fleet(args)
+        problem = cannot_listen(args.host, [args.port])
+        if problem is not None:  # said now, not once every engine has loaded its model
+            raise ValueError(f"the gateway {problem}")
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="corral-up-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         num_threads = max(1, len(os.sched_getaffinity(0)) // sum(len(f) for f in fleet.values()))
@@ -357,10 +382,15 @@ def run(args: argparse.Namespace) -> int:
         log_flags = ["--log-level", str(args.log_level), "--log-format", str(args.log_format)]
         for name, replicas in fleet.items():
             for flags in replicas:
-                num_replicas = args.replicas if args.simulate is not None else 1
+                num_replicas = _replicas(args) if args.simulate is not None else 1
                 engines.append(_Engine(flags, num_threads, log_dir, log_flags, num_replicas))
                 backends.setdefault(name, []).extend(engines[-1].urls)
-        logger.info("starting %d engines (logs in %s)", len(engines), log_dir)
+        logger.info(
+            "starting %d engine process%s (logs in %s)",
+            len(engines),
+            "es"[: 2 * (len(engines) != 1)],
+            log_dir,
+        )
         _wait_ready(engines)
         name = next(iter(fleet))
 
@@ -387,5 +417,6 @@ def run(args: argparse.Namespace) -> int:
         return e.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
-        logger.info("stopping %d engines", len(engines))
+        if engines:
+            logger.info("stopping %d engine process%s", len(engines), "es"[: 2 * (len(engines) != 1)])
         _stop_engines(engines)

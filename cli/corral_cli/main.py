@@ -47,6 +47,8 @@ def _global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     SUPPRESS, so a value given before the subcommand is not overwritten by the default."""
     parser.add_argument(
         "--log-level",
+        type=str.upper,  # debug works too
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
         default=DEFAULT_LOG_LEVEL if defaults else argparse.SUPPRESS,
         help=f"logging level (default: {DEFAULT_LOG_LEVEL})",
     )

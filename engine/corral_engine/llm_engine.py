@@ -62,12 +62,24 @@ class LLMEngine:
             args.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
+        if args.max_model_len and args.max_model_len > self.max_model_len:
+            logger.warning(
+                "--max-model-len %d is past the model's %d positions: serving %d",
+                args.max_model_len, self.max_model_len, self.max_model_len,
+            )  # fmt: skip
         self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
         self.eos_token_ids = self.model_config.eos_token_ids
         self.runner = make_runner(self.model_config, args, self.max_model_len, self.settings, graph_capture)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, args.block_size, args.enable_prefix_caching
         )
+        kv_tokens = self.runner.num_kv_blocks * args.block_size
+        if kv_tokens < self.max_model_len:  # vLLM refuses to start; a test may want a tiny cache
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len %d: a request longer than "
+                "that is refused (give the cache more memory or set --max-model-len %d)",
+                kv_tokens, self.max_model_len, kv_tokens,
+            )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy),
             self.block_manager,

@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
+import subprocess
 import sys
 
 import pytest
 from corral_cli import logs
 from corral_cli.cmd_bench import request_headers
+from corral_cli.listen import cannot_listen
 from corral_cli.main import SUBCOMMANDS, build_parser, has_shown_default, main, version
 
 from tests.bench.fake_openai import MODEL, serve_fake
@@ -34,7 +37,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 )
 def test_global_options_before_or_after_the_subcommand(argv: list[str]) -> None:
     args = build_parser(only="gateway").parse_args(argv)
-    assert (args.log_level, args.log_format, args.command) == ("debug", "json", "gateway")
+    assert (args.log_level, args.log_format, args.command) == ("DEBUG", "json", "gateway")
 
 
 def test_global_options_default_when_not_given() -> None:
@@ -109,3 +112,42 @@ def test_bench_sends_the_api_key_and_headers_with_every_request() -> None:
         assert headers["authorization"] == "Bearer sk-bench"
         assert headers["x-corral-priority"] == "7"
     assert state.bodies[0]["model"] == MODEL
+
+
+@pytest.mark.parametrize("level", ["bogus", "10", "verbose"])
+def test_a_log_level_logging_does_not_know_is_refused(level: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser(only="gateway").parse_args(["--log-level", level, "gateway"])
+    assert exit_info.value.code == 2 and "--log-level" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-1", "http"])
+def test_a_port_outside_1_to_65535_is_refused(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("engine", "gateway", "up"):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser(only=command).parse_args([command, "--port", port])
+        assert exit_info.value.code == 2 and "port" in capsys.readouterr().err
+
+
+def test_a_taken_port_is_said_before_anything_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert (
+            cannot_listen("127.0.0.1", [port]) == f"cannot listen on 127.0.0.1:{port}: Address already in use"
+        )
+        # the engine says so before it loads a model (here: one that does not exist)
+        argv = [
+            sys.executable,
+            "-m",
+            "corral_cli.main",
+            "engine",
+            "--model",
+            "/nonexistent",
+            "--port",
+            str(port),
+        ]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "Address already in use" in done.stderr
+    assert cannot_listen("127.0.0.1", [port]) is None

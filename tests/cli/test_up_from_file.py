@@ -67,3 +67,19 @@ def test_up_simulate_runs_every_replica_in_one_engine_process(tmp_path: Path) ->
     assert flags[-2:] == ["--simulate", "h100-llama3-8b"] and name == tmp_path.name
     ports = cmd_up._free_ports(16)
     assert ports == list(range(ports[0], ports[0] + 16))
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["-f", str(EXAMPLE), "--model-path", "/models/x", "--replicas", "1"], "--replicas"),
+        (
+            ["-f", str(EXAMPLE), "--model-path", "/models/x", "--served-model-name", "foo"],
+            "--served-model-name",
+        ),
+        (["--demo", "--model-path", "/models/x"], "--model-path"),
+    ],
+)
+def test_flags_the_file_would_overrule_are_refused(argv: list[str], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        cmd_up._fleet(_args(*argv))

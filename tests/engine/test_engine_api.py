@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 
 import pytest
@@ -211,3 +212,15 @@ def test_delta_outputs_carry_only_whats_new_until_each_sequence_finishes(
         assert "".join(o.delta_text for o in seen) == whole.text
     with pytest.raises(SamplingError):
         SamplingParams(output_kind="final")  # type: ignore[arg-type]
+
+
+def test_a_cache_or_context_the_model_cannot_have_is_warned_about(
+    tiny_model_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=2, max_model_len=100_000)
+    with caplog.at_level(logging.WARNING, logger="corral_engine.llm_engine"):
+        engine = LLMEngine(args)
+    assert engine.max_model_len == 512
+    text = caplog.text
+    assert "--max-model-len 100000 is past the model's 512 positions" in text
+    assert "the KV cache holds 32 tokens, fewer than max_model_len 512" in text
