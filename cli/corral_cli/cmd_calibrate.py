@@ -41,9 +41,23 @@ def run(args: argparse.Namespace) -> int:
 
     from corral_cli.cmd_engine import _set_torch_threads
 
+    try:  # now, not after the minutes of timing that would then be lost
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.error("cannot write %s: %s", args.out, e)
+        return 1
+    if args.repeats < 1 or args.output_tokens < 2:
+        log.error("--repeats must be at least 1 and --output-tokens at least 2")
+        return 2
     engine_args = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64)
     _set_torch_threads(engine_args.num_threads)  # as `corral engine` runs it
-    engine = LLMEngine(engine_args)
+    from corral_engine.errors import ModelLoadError
+
+    try:
+        engine = LLMEngine(engine_args)
+    except ModelLoadError as e:
+        log.error("cannot load the model: %s", e)
+        return 1
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True, temperature=0.0)

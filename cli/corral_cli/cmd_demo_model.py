@@ -37,13 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from corral_engine.demo_model import write_demo_model
 
-    out = write_demo_model(
-        args.dir,
-        preset=args.preset,
-        seed=args.seed,
-        arch=args.arch,
-        progress=not args.quiet,
-        device=args.device,
-    )
+    try:
+        out = write_demo_model(
+            args.dir,
+            preset=args.preset,
+            seed=args.seed,
+            arch=args.arch,
+            progress=not args.quiet,
+            device=args.device,
+        )
+    except OSError as e:  # a file in the way, no permission, a full disk
+        log.error("cannot write the checkpoint to %s: %s", args.dir, e)
+        return 1
     log.info("wrote %s checkpoint (%s, seed %d) to %s", args.preset, args.arch, args.seed, out)
     return 0

@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except (KeyboardInterrupt, _Stop):
         return 0
-    except (RuntimeError, ValueError) as e:  # TracingUnavailable is a RuntimeError
+    except (RuntimeError, ValueError, OSError) as e:  # TracingUnavailable is a RuntimeError
         logger.error("%s", e)
         return 1
     except FetchError as e:

@@ -14,6 +14,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def json_formatter() -> logging.Formatter:
+    from pythonjsonlogger.core import RESERVED_ATTRS
     from pythonjsonlogger.json import JsonFormatter
 
     return JsonFormatter(
@@ -21,6 +22,8 @@ def json_formatter() -> logging.Formatter:
         style="{",
         rename_fields={"levelname": "level", "name": "logger"},
         timestamp="time",  # ISO 8601, UTC
+        # uvicorn passes its message again with terminal colour codes; a log pipeline wants one.
+        reserved_attrs=[*RESERVED_ATTRS, "color_message"],
     )
 
 

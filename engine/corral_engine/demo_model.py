@@ -313,6 +313,10 @@ def write_demo_model(
         _write_json(out / "tokenizer_config.json", tokenizer_config(max_len, style))
         model = _meta_model(cfg)
         shard_limit = max_shard_bytes if max_shard_bytes is not None else p.max_shard_bytes
+        # Weights an earlier checkpoint left here (other shards, or an index naming them) would be
+        # read with the new ones, or in their place.
+        for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+            stale.unlink(missing_ok=True)
         _write_weights(model, out, seed, p, str(cfg["dtype"]), device, shard_limit, steps)
         config_json = model.config.to_diff_dict()
         config_json.pop("transformers_version", None)  # keep files identical across library versions

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import pathlib
 import socket
 import subprocess
 import sys
@@ -82,9 +83,12 @@ def test_json_log_lines_carry_the_extra_fields(capsys: pytest.CaptureFixture[str
     logger.addHandler(handler)
     try:
         logger.warning("request %s done", "r1", extra={"request_id": "r1", "status": 200, "latency_s": 0.5})
+        logger.warning("started", extra={"color_message": "\x1b[32mstarted\x1b[0m"})  # as uvicorn logs
     finally:
         logger.removeHandler(handler)
-    line = json.loads(capsys.readouterr().out)
+    first, second = (json.loads(text) for text in capsys.readouterr().out.splitlines())
+    assert second["message"] == "started" and "color_message" not in second
+    line = first
     assert line["message"] == "request r1 done" and line["level"] == "WARNING"
     assert (line["request_id"], line["status"], line["latency_s"]) == ("r1", 200, 0.5)
     assert line["logger"] == "corral-test-json" and line["time"].startswith("20")
@@ -151,3 +155,18 @@ def test_a_taken_port_is_said_before_anything_loads() -> None:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert done.returncode == 1 and "Address already in use" in done.stderr
     assert cannot_listen("127.0.0.1", [port]) is None
+
+
+def test_file_mistakes_are_one_line_errors_before_any_work(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(["up", "-f", str(tmp_path / "missing.yaml")]) == 1
+    assert "missing.yaml" in caplog.text
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("x")
+    # the profile's folder cannot be made: said before the model is even looked for
+    no_model = str(tmp_path / "no-model")
+    assert main(["calibrate", "--model", no_model, "--out", str(in_the_way / "p.json")]) == 1
+    assert "cannot write" in caplog.text
+    assert main(["calibrate", "--model", no_model, "--out", str(tmp_path / "p.json")]) == 1
+    assert "cannot load the model" in caplog.text

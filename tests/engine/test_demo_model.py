@@ -151,3 +151,21 @@ def test_cli_writes_a_checkpoint(tmp_path, tiny_model_dir):
         corral_main(["demo-model", str(tmp_path / "cli"), "--preset", "tiny", "--seed", "0", "--quiet"]) == 0
     )
     assert _digests(tmp_path / "cli") == _digests(tiny_model_dir)
+
+
+def test_weights_an_earlier_checkpoint_left_are_removed(tmp_path, tiny_model_dir):
+    out = tmp_path / "reused"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    index = {"weight_map": {"x": "model-00002-of-00002.safetensors"}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_demo_model(out, preset="tiny", seed=0)
+    assert _digests(out) == _digests(tiny_model_dir)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in tiny_model_dir.iterdir())
+
+
+def test_cli_says_in_one_line_why_it_cannot_write(tmp_path, caplog):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("x")
+    assert corral_main(["demo-model", str(in_the_way), "--quiet"]) == 1
+    assert "cannot write the checkpoint" in caplog.text
