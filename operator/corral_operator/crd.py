@@ -20,10 +20,13 @@ from corral_operator.status_schema import LLMDeploymentStatus
 CRD_NAME = f"{spec.PLURAL}.{spec.GROUP}"
 CRD_PATH = "crds/corral.dev_llmdeployments.yaml"
 _DROP_KEYS = {"title"}
-NAME_RULE = spec.cel(
-    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && self.metadata.name.size() <= 63",
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MESSAGE = (
     "metadata.name must be a DNS label (a-z, 0-9, '-', starting with a letter, at most 63 characters):"
-    " it names the Deployment and the Service",
+    " it names the Deployment and the Service"
+)
+NAME_RULE = spec.cel(
+    f"self.metadata.name.matches('{NAME_PATTERN}') && self.metadata.name.size() <= 63", NAME_MESSAGE
 )
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [

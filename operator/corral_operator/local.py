@@ -5,6 +5,7 @@ One YAML works on a laptop and on a cluster: the same spec parsing, the same eng
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import yaml
 from corral_engine.args import EngineArgs
 
+from corral_operator.crd import NAME_MESSAGE, NAME_PATTERN
 from corral_operator.engine_command import engine_args
 from corral_operator.spec import API_VERSION, KIND, SpecError, parse_spec
 
@@ -42,6 +44,8 @@ def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> L
     name = str((document.get("metadata") or {}).get("name") or "")
     if not name:
         raise SpecError("metadata.name is required")
+    if not re.fullmatch(NAME_PATTERN, name) or len(name) > 63:  # as the cluster's CRD refuses it
+        raise SpecError(f"{NAME_MESSAGE}; got {name!r}")
     spec = parse_spec(document.get("spec"))
     source = spec.model.source
     path = model_path
@@ -75,4 +79,9 @@ def local_fleets(yaml_text: str, model_path: str | None = None) -> list[LocalFle
     fleets = [local_fleet(d, model_path) for d in documents if d.get("kind") == KIND]
     if not fleets:
         raise SpecError(f"no {KIND} found in the file")
+    seen: set[tuple[str, str]] = set()
+    for f in fleets:
+        if (f.namespace, f.name) in seen:  # applied to a cluster, the second would replace the first
+            raise SpecError(f"two {KIND}s named {f.name!r} in namespace {f.namespace!r}")
+        seen.add((f.namespace, f.name))
     return fleets

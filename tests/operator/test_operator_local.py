@@ -28,6 +28,14 @@ def test_model_path_override_and_pvc_sources() -> None:
     assert fleet.replicas == 1  # minReplicas 0 still runs one engine locally
 
 
+def test_names_the_cluster_would_refuse_are_refused() -> None:
+    example = (ROOT / "examples/tiny-llama.yaml").read_text()
+    with pytest.raises(SpecError, match="DNS label"):
+        local_fleets(example.replace("name: tiny-llama\n", "name: My.Model\n", 1))
+    with pytest.raises(SpecError, match="two LLMDeployments named 'tiny-llama'"):
+        local_fleets(example + "\n---\n" + example)
+
+
 def test_not_an_llmdeployment() -> None:
     with pytest.raises(SpecError, match="no LLMDeployment"):
         local_fleets("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
