@@ -108,7 +108,8 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("CORRAL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $CORRAL_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+        "(default: $CORRAL_API_KEY, else none)",
     )
     parser.add_argument(
         "--drain-timeout",
