@@ -270,3 +270,8 @@ def test_gateway_disruption_budget_only_with_several_replicas(helm: Helm, render
     (deployment,) = find(rendered("default"), "Deployment", "gateway")
     assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     assert not find(helm.template(None, "--set", "gateway.replicas=1"), "PodDisruptionBudget")
+
+
+def test_the_chart_takes_an_umbrella_charts_global_values(helm: Helm) -> None:
+    # Helm passes `global` to every subchart, so a schema refusing it refuses Corral as a dependency.
+    assert find(helm.template(None, "--set", "global.imageRegistry=registry.example"), "Deployment")

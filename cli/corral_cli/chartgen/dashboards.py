@@ -187,6 +187,7 @@ def fleet_overview() -> Dashboard:
             ),
         ),
     )
+    healthy = _gateway(gw.REPLICA_HEALTHY)
     capacity = Row(
         "Capacity and load",
         (
@@ -199,7 +200,8 @@ def fleet_overview() -> Dashboard:
                         f"count by ({m}) ({_engine(wire.NUM_REQUESTS_RUNNING)})", "{{model_name}} engines"
                     ),
                     Target(
-                        sum_by(GATEWAY_MODEL, _gateway(gw.REPLICA_HEALTHY)),
+                        # Every gateway replica exports each engine replica's gauge: one per replica.
+                        sum_by(GATEWAY_MODEL, f"max by ({GATEWAY_MODEL}, replica) ({healthy})"),
                         "{{model}} healthy at the gateway",
                     ),
                 ),

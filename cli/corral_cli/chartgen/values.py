@@ -213,6 +213,14 @@ class Tests(_Values):
 
 
 class Values(_Values):
+    # Helm hands every chart of an umbrella chart `global`, set or not: a schema without it refuses
+    # Corral as a dependency. Corral reads none of it; not in values.yaml (exclude).
+    global_values: dict[str, Any] = Field(
+        default_factory=dict,
+        alias="global",
+        exclude=True,
+        description="Values Helm shares across an umbrella chart's charts; Corral reads none of them.",
+    )
     name_override: str = ""
     fullname_override: str = ""
     image: GlobalImage = Field(default_factory=GlobalImage)
