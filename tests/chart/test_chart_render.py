@@ -275,3 +275,22 @@ def test_gateway_disruption_budget_only_with_several_replicas(helm: Helm, render
 def test_the_chart_takes_an_umbrella_charts_global_values(helm: Helm) -> None:
     # Helm passes `global` to every subchart, so a schema refusing it refuses Corral as a dependency.
     assert find(helm.template(None, "--set", "global.imageRegistry=registry.example"), "Deployment")
+
+
+def test_a_long_fullname_override_keeps_the_operator_and_gateway_apart(helm: Helm) -> None:
+    long_name = "a-very-long-fullname-override-for-corral-platform-team-prod-eu1"  # 63 characters
+    objects = helm.template(None, "--set", f"fullnameOverride={long_name}")
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)), sorted(names)
+    assert all(len(name) <= 63 for kind, name in names if kind == "Service")  # DNS labels
+
+
+def test_notes_show_the_key_where_the_gateway_wants_one(helm: Helm) -> None:
+    def notes(*values: str) -> str:
+        args = ["install", "corral", str(CHART), "--dry-run=client", "--namespace", "corral-system", *values]
+        return helm.run(*args).stdout.split("NOTES:", 1)[1]
+
+    with_keys = notes("--set", "gateway.apiKeys.existingSecret=keys")
+    assert 'curl http://127.0.0.1:8000/v1/models -H "Authorization: Bearer $API_KEY"' in with_keys
+    assert "set tests.apiKey.existingSecret" in with_keys
+    assert "curl http://127.0.0.1:8000/v1/models\n" in notes() and "tests.apiKey" not in notes()

@@ -18,12 +18,14 @@
 {{- end }}
 {{- end }}
 
+{{- /* The base is cut to leave room for the suffix: cut after it, a long fullnameOverride gave the
+operator's and the gateway's objects one name. */ -}}
 {{- define "corral.operator.fullname" -}}
-{{- printf "%s-operator" (include "corral.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-operator" (include "corral.fullname" . | trunc 54 | trimSuffix "-") }}
 {{- end }}
 
 {{- define "corral.gateway.fullname" -}}
-{{- printf "%s-gateway" (include "corral.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-gateway" (include "corral.fullname" . | trunc 55 | trimSuffix "-") }}
 {{- end }}
 
 {{- define "corral.operator.serviceAccountName" -}}
