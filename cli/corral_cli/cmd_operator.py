@@ -70,12 +70,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='read load from a JSON file {"NS/NAME": {"waiting": N, "running": N, "kvUsage": F}} instead',
     )
     parser.add_argument(
+        "--monitor-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label on each LLMDeployment's ServiceMonitor, for a Prometheus that selects monitors "
+        "by label (repeatable; the chart passes monitoring.labels)",
+    )
+    parser.add_argument(
         "--scrape-network",
         action="append",
         default=[],
         metavar="CIDR",
         help="only scrape pods whose IP is in CIDR (repeatable; default: any)",
     )
+
+
+def _key_values(items: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
@@ -93,6 +111,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         "scrape_metrics": not args.no_metrics,
         "metrics_file": args.metrics_file,
         "scrape_networks": tuple(args.scrape_network) or ANY_NETWORK,
+        "monitor_labels": _key_values(args.monitor_label, "--monitor-label"),
     }
     if args.priority is not None:
         given["priority"] = args.priority  # else drawn at random, so peered replicas never tie
@@ -109,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = settings_from_args(args)
-    except ValidationError as e:
+    except (ValidationError, ValueError) as e:
         log.error("invalid operator settings: %s", e)
         return 2
     log.info("corral operator settings: %s", settings.describe())
@@ -119,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = FileSource(settings.metrics_file)
     elif settings.scrape_metrics:
         metrics = PodScrapeSource(allowed_networks=settings.scrape_networks)
-    ctx = Context(kube=Kube(), metrics=metrics)
+    ctx = Context(kube=Kube(), metrics=metrics, monitor_labels=settings.monitor_labels)
     if settings.metrics_port is not None:
         ctx.telemetry.serve(settings.metrics_port)
     kopf.run(

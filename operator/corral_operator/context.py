@@ -4,6 +4,7 @@ and a little cached discovery."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from corral_operator.autoscalers import SCALED_OBJECT_CRD
@@ -22,6 +23,7 @@ class Context:
 
     kube: Kube
     metrics: MetricsSource | None = None
+    monitor_labels: Mapping[str, str] = field(default_factory=dict)  # OperatorSettings.monitor_labels
     telemetry: OperatorMetrics = field(default_factory=OperatorMetrics)
     _crds_checked_at: float = -1e9
     _crds: frozenset[str] = frozenset()

@@ -62,7 +62,7 @@ def _apply_all(
     ctx: Context, owner: Owner, spec: LLMDeploymentSpec, now_s: float
 ) -> tuple[str | None, list[str]]:
     crds = ctx.installed_crds(now_s)
-    desired = render.desired_objects(owner, spec, crds=crds)
+    desired = render.desired_objects(owner, spec, crds=crds, monitor_labels=ctx.monitor_labels)
     try:
         for obj in desired:
             ctx.kube.apply(obj)

@@ -249,11 +249,15 @@ def pod_disruption_budget(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
     }
 
 
-def service_monitor(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+def service_monitor(owner: Owner, spec: LLMDeploymentSpec, extra_labels: Mapping[str, str] = {}) -> Obj:
+    """Scrapes the engines; `extra_labels` are what the cluster's Prometheus selects monitors by
+    (the operator's own labels win a clash)."""
+    metadata = _metadata(owner, spec)
+    metadata["labels"] = {**extra_labels, **metadata["labels"]}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(owner, spec),
+        "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": labels.selector(owner.name)},
             "endpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": "15s"}],
@@ -266,14 +270,16 @@ def endpoint_url(owner: Owner, spec: LLMDeploymentSpec) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{spec.engine.port}"
 
 
-def desired_objects(owner: Owner, spec: LLMDeploymentSpec, *, crds: Collection[str]) -> list[Obj]:
+def desired_objects(
+    owner: Owner, spec: LLMDeploymentSpec, *, crds: Collection[str], monitor_labels: Mapping[str, str] = {}
+) -> list[Obj]:
     """Everything the spec asks for; a PDB only when two or more replicas can keep serving; objects
     of optional CRDs (ServiceMonitor, ScaledObject) only when `crds` (installed CRD names) has them."""
     objects = [deployment(owner, spec), service(owner, spec)]
     if spec.bounded_replicas >= 2:
         objects.append(pod_disruption_budget(owner, spec))
     if SERVICE_MONITOR_CRD in crds:
-        objects.append(service_monitor(owner, spec))
+        objects.append(service_monitor(owner, spec, monitor_labels))
     mode = spec.autoscaling.mode if spec.autoscaling else None
     if mode == "hpa":
         objects.append(autoscalers.horizontal_pod_autoscaler(_metadata(owner, spec), spec))

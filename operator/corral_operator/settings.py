@@ -35,6 +35,9 @@ class OperatorSettings(BaseSettings):
     scrape_metrics: bool = True  # scrape the engine pods' /metrics (autoscaling needs load)
     metrics_file: Path | None = None  # read load from this JSON file instead of scraping
     scrape_networks: tuple[str, ...] = ANY_NETWORK  # only pods whose IP is in one are scraped
+    # Labels on each LLMDeployment's ServiceMonitor: what a Prometheus selects monitors by (the
+    # chart passes monitoring.labels, e.g. release: kube-prometheus-stack).
+    monitor_labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("scrape_networks")
     @classmethod

@@ -294,3 +294,9 @@ def test_notes_show_the_key_where_the_gateway_wants_one(helm: Helm) -> None:
     assert 'curl http://127.0.0.1:8000/v1/models -H "Authorization: Bearer $API_KEY"' in with_keys
     assert "set tests.apiKey.existingSecret" in with_keys
     assert "curl http://127.0.0.1:8000/v1/models\n" in notes() and "tests.apiKey" not in notes()
+
+
+def test_monitoring_labels_reach_the_operators_service_monitors(helm: Helm) -> None:
+    objects = helm.template(None, "--set-json", 'monitoring.labels={"release":"kube-prometheus-stack"}')
+    (operator,) = find(objects, "Deployment", "operator")
+    assert "--monitor-label=release=kube-prometheus-stack" in _args(operator)

@@ -407,3 +407,18 @@ def test_env_from_renders_only_what_is_set() -> None:
         {"prefix": "APP_", "configMapRef": {"name": "cfg"}},
         {"secretRef": {"name": "s"}},
     ]
+
+
+def test_service_monitors_carry_the_labels_prometheus_selects_by() -> None:
+    objects = render.desired_objects(
+        OWNER,
+        _spec(),
+        crds={render.SERVICE_MONITOR_CRD},
+        monitor_labels={"release": "kube-prometheus-stack", "app.kubernetes.io/name": "not-ours"},
+    )
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    labels_ = monitor["metadata"]["labels"]
+    assert labels_["release"] == "kube-prometheus-stack"
+    assert labels_["app.kubernetes.io/name"] != "not-ours"  # the operator's own labels win
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    assert "release" not in deployment["metadata"]["labels"]

@@ -128,3 +128,13 @@ def test_events_name_the_operator_as_their_source() -> None:
     configure(settings)
     assert settings.posting.reporting_component == EVENT_SOURCE == "corral-operator"
     assert settings.posting.reporting_instance not in ("", "dev")
+
+
+def test_monitor_labels_come_from_repeated_flags() -> None:
+    args = build_parser(only="operator").parse_args(
+        ["operator", "--monitor-label", "release=kps", "--monitor-label", "team=a=b"]
+    )
+    assert settings_from_args(args).monitor_labels == {"release": "kps", "team": "a=b"}
+    bad = build_parser(only="operator").parse_args(["operator", "--monitor-label", "release"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        settings_from_args(bad)
