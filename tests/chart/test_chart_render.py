@@ -243,6 +243,10 @@ def test_values_yaml_is_the_schema_models_defaults() -> None:
         ("monitoring.create=maybe", "at '/monitoring/create'"),
         ("monitoring.interval=soon", "at '/monitoring/interval'"),
         ("gateway.service.type=Magic", "at '/gateway/service/type'"),
+        # gateway.config is checked against the gateway's own settings (it refuses unknown keys)
+        ("gateway.config.max_queue_length=512", "additional properties 'max_queue_length' not allowed"),
+        ("gateway.config.max_queue_len=-1", "at '/gateway/config/max_queue_len': minimum"),
+        ("gateway.config.port=9000", "additional properties 'port' not allowed"),  # the chart's
         ("gateway.autoscaling.enabled=true,gateway.autoscaling.minReplicas=5,gateway.autoscaling.maxReplicas=2",
          "minReplicas must not exceed"),
     ],
@@ -300,3 +304,11 @@ def test_monitoring_labels_reach_the_operators_service_monitors(helm: Helm) -> N
     objects = helm.template(None, "--set-json", 'monitoring.labels={"release":"kube-prometheus-stack"}')
     (operator,) = find(objects, "Deployment", "operator")
     assert "--monitor-label=release=kube-prometheus-stack" in _args(operator)
+
+
+def test_gateway_config_takes_the_gateways_own_settings(helm: Helm) -> None:
+    objects = helm.template(None, "--set", "gateway.config.max_queue_len=512")
+    (config_map,) = find(objects, "ConfigMap", "gateway")
+    (text,) = config_map["data"].values()
+    settings = yaml.safe_load(text)
+    assert settings["max_queue_len"] == 512 and set(settings) <= set(GatewaySettings.model_fields)

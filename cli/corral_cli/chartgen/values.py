@@ -10,9 +10,26 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from corral_gateway.settings import PolicyName
-from pydantic import BaseModel, ConfigDict, Field
+from corral_gateway.settings import GatewaySettings, PolicyName
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
+
+# Settings the chart writes from its own values (the container port its probes use, discovery that
+# matches its RBAC, the mounted key file): gateway.config may not override them.
+CHART_OWNED_GATEWAY_SETTINGS = frozenset({"host", "port", "kubernetes", "api_keys_file", "policy"})
+
+
+def _gateway_config_schema() -> dict[str, Any]:
+    """gateway.config's schema: GatewaySettings' own fields but the chart's, no others, so a typo'd
+    key fails `helm install` rather than crash-looping the gateway (its settings forbid extras)."""
+    fields: dict[str, Any] = {
+        name: (info.annotation, info)
+        for name, info in GatewaySettings.model_fields.items()
+        if name not in CHART_OWNED_GATEWAY_SETTINGS
+    }
+    model = create_model("GatewayConfig", __config__=ConfigDict(extra="forbid"), **fields)
+    schema = _strip_titles(model.model_json_schema())
+    return {"additionalProperties": False, "properties": schema["properties"]}
 
 
 class _Values(BaseModel):
@@ -117,7 +134,10 @@ class Gateway(PodPlacement):
     policy: PolicyName = "prefix-affinity"
     discovery: Discovery = Field(default_factory=Discovery)
     config: dict[str, Any] = Field(
-        default_factory=dict, description="More gateway settings (snake_case keys, see the gateway docs)."
+        default_factory=dict,
+        description="More gateway settings (snake_case keys, see the gateway docs); not host, port, "
+        "kubernetes, api_keys_file or policy, which the chart sets from its own values.",
+        json_schema_extra=lambda schema: schema.update(_gateway_config_schema()),
     )
     api_keys: ApiKeys = Field(default_factory=ApiKeys)
     extra_env: list[dict[str, Any]] = Field(
