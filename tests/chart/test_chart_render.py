@@ -312,3 +312,9 @@ def test_gateway_config_takes_the_gateways_own_settings(helm: Helm) -> None:
     (text,) = config_map["data"].values()
     settings = yaml.safe_load(text)
     assert settings["max_queue_len"] == 512 and set(settings) <= set(GatewaySettings.model_fields)
+
+
+def test_network_policies_follow_a_namespaced_operator(helm: Helm) -> None:
+    objects = helm.template(None, "--set", "operator.namespaces={team-a,team-b}")
+    policies = find(objects, "NetworkPolicy", "engines")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]

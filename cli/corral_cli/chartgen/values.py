@@ -175,7 +175,8 @@ class PeerSelector(_Values):
 class NetworkPolicy(_Values):
     enabled: bool = True
     engine_namespaces: list[str] = Field(
-        default_factory=list, description="Namespaces running LLMDeployments; empty: the release's."
+        default_factory=list,
+        description="Namespaces running LLMDeployments; empty: operator.namespaces, else the release's.",
     )
     prometheus: PeerSelector = Field(default_factory=PeerSelector)
 
