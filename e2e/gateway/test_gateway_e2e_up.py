@@ -70,7 +70,7 @@ def test_corral_up_stops_quietly_on_a_double_ctrl_c(tiny_model_dir: Path, tmp_pa
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(60) == 0
         output = log_path.read_text(errors="replace")
-        assert "stopping 1 engines" in output
+        assert "stopping 1 engine process" in output
         assert "Traceback" not in output, output
     finally:
         if proc.poll() is None:
