@@ -14,6 +14,9 @@ from corral_gateway.settings import GatewaySettings, PolicyName
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 
+# docs/operations.md in the project's repository; a fork or a mirror sets alerts.runbookBaseUrl.
+RUNBOOK_BASE_URL = "https://github.com/corral-dev/corral/blob/main/docs/operations.md"
+
 # Settings the chart writes from its own values (the container port its probes use, discovery that
 # matches its RBAC, the mounted key file): gateway.config may not override them.
 CHART_OWNED_GATEWAY_SETTINGS = frozenset({"host", "port", "kubernetes", "api_keys_file", "policy"})
@@ -213,6 +216,11 @@ class Alerts(_Values):
         gt=0,
         le=1,
         description="CorralCollectorPauses: share of a process's time in collector passes above this.",
+    )
+    runbook_base_url: str = Field(
+        default=RUNBOOK_BASE_URL,
+        pattern=r"^https?://",
+        description="Where docs/operations.md is served: each alert's runbook_url is this plus #its-name.",
     )
 
 
