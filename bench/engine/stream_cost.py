@@ -43,6 +43,7 @@ import engine_metrics
 import proc_cpu
 import runner
 import workloads
+from corral_cli.flags import key_values
 
 log = logging.getLogger("stream_cost")
 REPO = Path(__file__).resolve().parents[2]
@@ -94,13 +95,10 @@ def env_for(checkout: Path | None, extra: dict[str, str] | None = None) -> dict[
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
-    out = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--ref-env {pair!r}: expected NAME=VALUE")
-        out[name] = value
-    return out
+    try:
+        return key_values(pairs, "--ref-env", "NAME=VALUE")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -17,6 +17,7 @@ from corral_cli.bench.client import RequestSettings, send_request
 from corral_cli.bench.runner import make_client
 from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
+from corral_cli.flags import key_values
 
 from bench.engine.proc_cpu import stat_cpu_s
 from e2e.procs import HOST, EngineProcess, ManagedProcess, free_port, start_engine
@@ -79,13 +80,10 @@ def start_loop_engine(
 
 def env_pairs(pairs: Sequence[str]) -> dict[str, str]:
     """`NAME=VALUE` command-line items as a dict (a value may hold `=`); anything else exits."""
-    env = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"not NAME=VALUE: {pair!r}")
-        env[name] = value
-    return env
+    try:
+        return key_values(pairs, form="NAME=VALUE")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def cpu_seconds(pid: int) -> float:

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from corral_cli.flags import key_values
+
 if TYPE_CHECKING:
     from corral_operator.settings import OperatorSettings
 
@@ -86,16 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _key_values(items: list[str], flag: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
     """The operator's settings from the flags (raises pydantic's ValidationError on bad values)."""
     from corral_operator.settings import ANY_NETWORK, OperatorSettings
@@ -111,7 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         "scrape_metrics": not args.no_metrics,
         "metrics_file": args.metrics_file,
         "scrape_networks": tuple(args.scrape_network) or ANY_NETWORK,
-        "monitor_labels": _key_values(args.monitor_label, "--monitor-label"),
+        "monitor_labels": key_values(args.monitor_label, "--monitor-label"),
     }
     if args.priority is not None:
         given["priority"] = args.priority  # else drawn at random, so peered replicas never tie
