@@ -4,34 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
+
+from corral_cli.flags import non_negative_float, positive_float, positive_int
 
 log = logging.getLogger(__name__)
-N = TypeVar("N", int, float)
-
-
-def _checked(convert: Callable[[str], N], expected: str, is_ok: Callable[[N], bool]) -> Callable[[str], N]:
-    """An argparse type: `convert` the text, refusing values that are not `is_ok` with one line."""
-
-    def parse(text: str) -> N:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not is_ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-# Counts and token lengths; seconds and spreads (NaN and inf are refused too); a temperature.
-positive_int = _checked(int, "an integer >= 1", lambda v: v >= 1)
-positive_float = _checked(float, "a number > 0", lambda v: math.isfinite(v) and v > 0)
-non_negative_float = _checked(float, "a number >= 0", lambda v: math.isfinite(v) and v >= 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

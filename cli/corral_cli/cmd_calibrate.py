@@ -17,6 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
+from corral_cli.flags import checked, positive_int
+
 log = logging.getLogger(__name__)
 
 BATCHES = ((1, 16), (1, 256), (4, 64), (8, 128), (16, 32), (32, 16), (2, 512), (16, 256), (32, 64))
@@ -27,8 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     parser.add_argument("--device", default="cpu", help="engine device (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="engine dtype (default: the model's)")
-    parser.add_argument("--output-tokens", type=int, default=24, help="tokens generated per sequence")
-    parser.add_argument("--repeats", type=int, default=2, help="times each batch shape runs")
+    parser.add_argument(
+        "--output-tokens",
+        type=checked(int, "an integer >= 2", lambda v: v >= 2),  # a step after the first token
+        default=24,
+        help="tokens generated per sequence",
+    )
+    parser.add_argument("--repeats", type=positive_int, default=2, help="times each batch shape runs")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -46,9 +53,6 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         log.error("cannot write %s: %s", args.out, e)
         return 1
-    if args.repeats < 1 or args.output_tokens < 2:
-        log.error("--repeats must be at least 1 and --output-tokens at least 2")
-        return 2
     engine_args = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64)
     _set_torch_threads(engine_args.num_threads)  # as `corral engine` runs it
     from corral_engine.errors import ModelLoadError

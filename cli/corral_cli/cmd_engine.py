@@ -32,8 +32,9 @@ from corral_engine.sources import FetchError
 from pydantic import ValidationError
 
 from corral_cli import cmd_fetch_model, malloc, tracing
+from corral_cli.flags import port_number
 from corral_cli.heap import freeze_startup_heap
-from corral_cli.listen import cannot_listen, port_number
+from corral_cli.listen import cannot_listen
 
 if TYPE_CHECKING:
     from corral_engine.server.engine_client import EngineClient

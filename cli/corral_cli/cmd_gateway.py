@@ -11,8 +11,8 @@ from typing import Any
 from corral_gateway.settings import PolicyName
 
 from corral_cli import tracing
+from corral_cli.flags import port_number
 from corral_cli.heap import freeze_startup_heap
-from corral_cli.listen import port_number
 
 logger = logging.getLogger(__name__)
 

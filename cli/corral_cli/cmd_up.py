@@ -27,8 +27,9 @@ from corral_engine.sources import FetchError
 
 from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
+from corral_cli.flags import port_number
 from corral_cli.heap import freeze_startup_heap
-from corral_cli.listen import cannot_listen, port_number
+from corral_cli.listen import cannot_listen
 
 logger = logging.getLogger(__name__)
 

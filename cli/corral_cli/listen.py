@@ -1,24 +1,12 @@
-"""Ports the serving commands listen on: an argparse type that refuses one outside 1-65535, and a
-check, before minutes of model loading, that the address is free."""
+"""A check, before minutes of model loading, that the address a serving command will listen on is
+free (its argparse type is `flags.port_number`)."""
 
 from __future__ import annotations
 
-import argparse
 import socket
 from collections.abc import Iterable
 
-MAX_PORT = 65535
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 1 to 65535 (the OS would take 70000 as 4464)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= port <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"a port is 1 to {MAX_PORT}, got {port}")
-    return port
+from corral_cli.flags import MAX_PORT
 
 
 def cannot_listen(host: str, ports: Iterable[int]) -> str | None:

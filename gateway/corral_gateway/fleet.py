@@ -180,16 +180,15 @@ class Fleet:
                                "the model's last replica there, it counts as unhealthy", url, replica.model,
                                reason)  # fmt: skip
 
-    def observe_served_names(
-        self, url: str, names: tuple[str, ...], cards: Mapping[str, dict[str, Any]] | None = None
-    ) -> None:
-        """What the replica at `url` serves (its /v1/models ids, and their entries in `cards`); a
-        pool whose name is not among them is warned about once per change: its requests there get
-        the engine's 404."""
+    def observe_served_names(self, url: str, listed: Mapping[str, dict[str, Any]]) -> None:
+        """What the replica at `url` serves (its /v1/models: id -> the entry's fields); a pool whose
+        name is not among them is warned about once per change: its requests there get the
+        engine's 404."""
+        names = tuple(sorted(listed))
         for replica in self._registry.by_url(url):
             was_misnamed, is_changed = self.is_misnamed(replica), replica.served_names != names
             replica.served_names = names
-            replica.model_card = (cards or {}).get(self.upstream_name(replica.model))
+            replica.model_card = listed.get(self.upstream_name(replica.model))
             served = ", ".join(repr(n) for n in names) or "no model"
             if self.is_misnamed(replica) and is_changed:
                 logger.warning(
@@ -333,7 +332,7 @@ class Fleet:
         if listed is None:
             logger.debug("model list of %s not read: HTTP %d", url, fetched.status)
             return True
-        self.observe_served_names(url, tuple(sorted(listed)), listed)
+        self.observe_served_names(url, listed)
         return True
 
     def upstream_name(self, key: str) -> str:

@@ -141,8 +141,8 @@ def test_discovered_pools_are_checked_against_the_name_their_requests_carry() ->
     pools = {"team-a/llama": ["http://a"], "team-b/llama": ["http://b"], "asleep": []}
     fleet.apply_discovery(Discovery(pools, {}, names))
     assert fleet.upstream_name("team-a/llama") == "llama"
-    fleet.observe_served_names("http://a", ("llama",))
-    fleet.observe_served_names("http://b", ("qwen",))
+    fleet.observe_served_names("http://a", {"llama": {}})
+    fleet.observe_served_names("http://b", {"qwen": {}})
     snapshot = fleet.snapshot()
     assert [(r["serves_model"], r["healthy"]) for r in snapshot["team-a/llama"]] == [(True, True)]
     assert [(r["serves_model"], r["healthy"]) for r in snapshot["team-b/llama"]] == [(False, False)]
@@ -199,7 +199,7 @@ def test_an_alias_is_listed_with_its_pools_card_and_an_unread_pool_with_defaults
     fleet = Fleet(GatewaySettings(kubernetes={"enabled": True}), GatewayMetrics())
     names = naming([Served("team-a", "x", "llama", ("chat",))])
     fleet.apply_discovery(Discovery({"llama": ["http://a"], "other": ["http://b"]}, {}, names))
-    fleet.observe_served_names("http://a", ("llama",), {"llama": {"max_model_len": 8192, "created": 5}})
+    fleet.observe_served_names("http://a", {"llama": {"max_model_len": 8192, "created": 5}})
     assert fleet.model_entry("chat") == {
         "id": "chat", "object": "model", "created": 5, "owned_by": "corral", "max_model_len": 8192
     }  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -230,17 +231,22 @@ async def test_an_assistant_refusal_part_is_history(client: httpx.AsyncClient) -
     assert r.status_code == 200, r.text
 
 
+def _on_encode(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, note: Callable[[str], None]) -> None:
+    """Call `note(text)` each time the engine's tokenizer encodes a text."""
+    encode = engine.tokenizer.encode
+
+    def recording(text: str, **kw: Any) -> list[int]:
+        note(text)
+        return encode(text, **kw)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", recording)
+
+
 async def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(
     client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     encoded: list[int] = []
-    encode = engine.tokenizer.encode
-
-    def recording(text: str, **kw: Any) -> list[int]:
-        encoded.append(len(text))
-        return encode(text, **kw)
-
-    monkeypatch.setattr(engine.tokenizer, "encode", recording)
+    _on_encode(engine, monkeypatch, lambda text: encoded.append(len(text)))
     r = await client.post(C, json=cmpl(prompt="a" * 100_000))
     assert r.status_code == 400 and encoded == []
     assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
@@ -254,13 +260,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(
     client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: list[str] = []
-    encode = engine.tokenizer.encode
-
-    def recording(text: str, **kw: Any) -> list[int]:
-        threads.append(threading.current_thread().name)
-        return encode(text, **kw)
-
-    monkeypatch.setattr(engine.tokenizer, "encode", recording)
+    _on_encode(engine, monkeypatch, lambda _text: threads.append(threading.current_thread().name))
     long_text = "a " * 2500  # 5,000 characters: past OFF_LOOP_CHARS, within the length bound
     for path, body in (
         (C, cmpl(prompt="short")),
