@@ -175,29 +175,30 @@ def test_a_spec_the_api_server_cannot_type_is_degraded_apply_failed_with_its_mes
     operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
 ) -> None:
     """Server-side apply answers 500 "failed to create typed patch object" for a Deployment that does
-    not fit its schema (here a typo inside the open affinity object the CRD accepts): the spec's
-    mistake, reported in status and an Event, not an outage retried in silence."""
+    not fit its schema (here a typo inside the pod securityContext, an open object the CRD accepts
+    and merges): the spec's mistake, reported in status and an Event, not an outage retried in
+    silence."""
     cluster, ns = operator_installed, k8s_namespace
     start_operator()
-    doc = llmdeployment("bad-affinity", ns, replicas=1)
-    doc["spec"]["affinity"] = {"nodeAffinity": {"foo": "bar"}}
+    doc = llmdeployment("bad-pod-spec", ns, replicas=1)
+    doc["spec"]["pod"] = {"securityContext": {"foo": "bar"}}
     cluster.apply(yaml.safe_dump(doc))
     degraded = cluster.wait_until(
         "Degraded",
         lambda: (
-            (c := condition(get_llmd(cluster, ns, "bad-affinity"), "Degraded")).get("status") == "True" and c
+            (c := condition(get_llmd(cluster, ns, "bad-pod-spec"), "Degraded")).get("status") == "True" and c
         ),
     )
     assert degraded["reason"] == "ApplyFailed"
-    assert "nodeAffinity.foo: field not declared in schema" in degraded["message"]
-    progressing = condition(get_llmd(cluster, ns, "bad-affinity"), "Progressing")
+    assert "securityContext.foo: field not declared in schema" in degraded["message"]
+    progressing = condition(get_llmd(cluster, ns, "bad-pod-spec"), "Progressing")
     assert (progressing["status"], progressing["reason"]) == ("False", "ApplyFailed")
     cluster.wait_until(
         "Warning event",
-        lambda: any(e["reason"] == "ApplyFailed" for e in events_of(cluster, ns, "bad-affinity")),
+        lambda: any(e["reason"] == "ApplyFailed" for e in events_of(cluster, ns, "bad-pod-spec")),
     )
     # fixed: it rolls out and recovers
-    cluster.kubectl("patch", "llmd", "bad-affinity", "-n", ns, "--type=json", "-p",
-                    '[{"op": "remove", "path": "/spec/affinity"}]')  # fmt: skip
-    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "bad-affinity")))
-    assert condition(get_llmd(cluster, ns, "bad-affinity"), "Degraded")["status"] == "False"
+    cluster.kubectl("patch", "llmd", "bad-pod-spec", "-n", ns, "--type=json", "-p",
+                    '[{"op": "remove", "path": "/spec/pod"}]')  # fmt: skip
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "bad-pod-spec")))
+    assert condition(get_llmd(cluster, ns, "bad-pod-spec"), "Degraded")["status"] == "False"

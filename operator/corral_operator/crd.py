@@ -51,6 +51,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         return node
     node = dict(node)
     is_collapsed = False  # an optional's branch, already rewritten (nested defaults included)
+    rewritten: set[str] = set()  # keys that came from that branch: rewriting them twice would
+    # read their optional children (anyOf gone) as required ones and give them `default: {}`
     if "$ref" in node:
         target = copy.deepcopy(defs[node.pop("$ref").split("/")[-1]])  # no YAML anchors for shared parts
         node = {**target, **node}
@@ -59,7 +61,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         if node.get("default", 0) is None:
             del node["default"]
         if len(branches) == 1:
-            node = {**_structural(branches[0], defs), **node}
+            branch = _structural(branches[0], defs)
+            rewritten = set(branch) - set(node)
+            node = {**branch, **node}
             is_collapsed = True
         elif {b.get("type") for b in branches} == {"integer", "string"}:
             node.pop("type", None)
@@ -69,6 +73,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DROP_KEYS:
+            continue
+        if key in rewritten:
+            out[key] = value
             continue
         if key == "additionalProperties":
             if value is False or value is True:

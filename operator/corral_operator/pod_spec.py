@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
+from corral_operator.placement import TopologySpreadConstraint
 from corral_operator.spec_base import SpecModel, cel, validations
 
 RESERVED_LABEL_RULE = cel(
@@ -168,7 +169,7 @@ class PodSpecOverrides(SpecModel):
         max_length=253,
         description="RuntimeClass, e.g. nvidia where the GPU runtime is not default.",
     )
-    topology_spread_constraints: list[dict[str, Any]] = Field(
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
         default_factory=list,
         max_length=16,
         description="core/v1 TopologySpreadConstraints; without a labelSelector, this deployment's pods.",

@@ -167,7 +167,8 @@ def _pod_extras(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
     if spec.pod.topology_spread_constraints:
         own = {"matchLabels": labels.selector(owner.name)}
         extras["topologySpreadConstraints"] = [
-            {"labelSelector": own, **c} for c in spec.pod.topology_spread_constraints
+            {"labelSelector": own, **c.model_dump(by_alias=True, exclude_none=True)}
+            for c in spec.pod.topology_spread_constraints
         ]
     return extras
 
@@ -196,7 +197,7 @@ def deployment(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
     if spec.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     if spec.affinity:
-        pod_spec["affinity"] = dict(spec.affinity)
+        pod_spec["affinity"] = spec.affinity.model_dump(by_alias=True, exclude_none=True)
     if spec.pod.service_account_name:
         pod_spec["serviceAccountName"] = spec.pod.service_account_name
     if spec.pod.priority_class_name:

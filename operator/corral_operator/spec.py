@@ -8,7 +8,7 @@ Field names are camelCase on the wire (aliases) and snake_case in Python. `x-kub
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from corral_engine import wire
 from corral_engine.args import OPTIONS
@@ -17,7 +17,8 @@ from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_
 from corral_operator import spec_base
 from corral_operator.engine_args_spec import EngineArgsSpec, corral_only_fields, given_options
 from corral_operator.model_spec import ModelSpec
-from corral_operator.pod_spec import OPEN_OBJECT, PodSpecOverrides
+from corral_operator.placement import Affinity, Toleration
+from corral_operator.pod_spec import PodSpecOverrides
 from corral_operator.spec_base import SpecError, SpecModel, cel, validations
 
 # The API's names are part of the wire contract (the gateway patches LLMDeployments too).
@@ -106,22 +107,6 @@ class ResourcesSpec(SpecModel):
         return value
 
     gpu: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu count per replica.")
-
-
-class Toleration(SpecModel):
-    """A core/v1 Toleration."""
-
-    key: str | None = Field(default=None, description="The taint key; empty with Exists matches every taint.")
-    operator: Literal["Exists", "Equal"] | None = Field(
-        default=None, description="Equal (default) or Exists."
-    )
-    value: str | None = Field(default=None, description="The taint value (operator Equal).")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="The taint effect to match; empty matches all."
-    )
-    toleration_seconds: int | None = Field(
-        default=None, description="How long a NoExecute taint is tolerated before eviction."
-    )
 
 
 AutoscalingMode = Literal["builtin", "hpa", "keda"]
@@ -268,9 +253,7 @@ class LLMDeploymentSpec(SpecModel):
         default_factory=dict, max_length=64, description="Pod nodeSelector."
     )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Pod tolerations.")
-    affinity: dict[str, Any] | None = Field(
-        default=None, description="Pod affinity (core/v1 Affinity).", json_schema_extra=OPEN_OBJECT
-    )
+    affinity: Affinity | None = Field(default=None, description="Pod affinity (core/v1 Affinity).")
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
         description="Scale replicas on the engines' load (waiting requests, KV cache usage). "

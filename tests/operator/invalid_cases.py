@@ -135,6 +135,38 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         _with("rollout", {"maxUnavailable": "5"}),
         "must be a whole number or a percentage such as 25%",
     ),
+    # affinity and topologySpreadConstraints are typed: a typo is refused at admission
+    ("affinity-typo", _with("affinity", {"nodeAfinity": {}}), "nodeAfinity"),
+    (
+        "anti-affinity-term-without-topology-key",
+        _with(
+            "affinity",
+            {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}}]}},
+        ),
+        "topologyKey",
+    ),
+    (
+        "affinity-weight-above-100",
+        _with(
+            "affinity",
+            {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 500, "preference": {"matchFields": []}}
+                    ]
+                }
+            },
+        ),
+        "weight",
+    ),
+    (
+        "spread-without-max-skew",
+        _with(
+            "pod",
+            {"topologySpreadConstraints": [{"topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}]},
+        ),
+        "maxSkew",
+    ),
     (
         "volume-named-like-the-operators-own",
         _with("pod", {"volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory"}}]}),

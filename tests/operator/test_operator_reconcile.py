@@ -326,7 +326,7 @@ def test_an_object_the_api_server_cannot_type_is_apply_failed_not_an_outage() ->
 
     message = (
         "failed to create typed patch object (ml/tiny; apps/v1, Kind=Deployment): "
-        ".spec.template.spec.affinity.nodeAffinity.foo: field not declared in schema"
+        ".spec.template.spec.securityContext.foo: field not declared in schema"
     )
     typed = _error(500, json.dumps({"kind": "Status", "message": message, "code": 500}).encode())
     assert isinstance(typed, Invalid) and typed.message == message
@@ -336,7 +336,7 @@ def test_an_object_the_api_server_cannot_type_is_apply_failed_not_an_outage() ->
     outcome = reconcile(make_ctx(kube), body(valid_spec()), now_s=0)
     degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
-    assert "nodeAffinity.foo: field not declared in schema" in degraded["message"]
+    assert "securityContext.foo: field not declared in schema" in degraded["message"]
     assert ("Warning", "ApplyFailed") in [(e.type, e.reason) for e in outcome.events]
 
 

@@ -194,6 +194,47 @@ def test_pod_overrides_and_scheduling_reach_the_pod() -> None:
     assert {"name": "cache", "mountPath": "/cache"} in template["spec"]["containers"][0]["volumeMounts"]
 
 
+def test_affinity_and_spread_reach_the_pod_exactly_as_written() -> None:
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100", "a100"]}]}
+                ]
+            },
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 10,
+                    "preference": {"matchFields": [{"key": "metadata.name", "operator": "Exists"}]},
+                }
+            ],
+        },
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "topologyKey": "kubernetes.io/hostname",
+                        "labelSelector": {"matchExpressions": [{"key": "app", "operator": "Exists"}]},
+                        "matchLabelKeys": ["pod-template-hash"],
+                    },
+                }
+            ]
+        },
+    }
+    spread = {
+        "maxSkew": 2,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {"team": "ml"}},
+        "nodeTaintsPolicy": "Honor",
+    }
+    raw = valid_spec() | {"affinity": affinity, "pod": {"topologySpreadConstraints": [spread]}}
+    pod = render.deployment(OWNER, parse_spec(raw))["spec"]["template"]["spec"]
+    assert pod["affinity"] == affinity  # nothing added: an empty labelSelector would match every pod
+    assert pod["topologySpreadConstraints"] == [spread]
+
+
 def test_service_targets_the_named_port() -> None:
     svc = render.service(OWNER, _spec())
     assert svc["spec"]["selector"] == labels.selector("tiny")

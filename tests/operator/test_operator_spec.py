@@ -100,3 +100,20 @@ def test_namespaced_role_drops_cluster_scoped_rules() -> None:
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     assert "apiextensions.k8s.io" not in groups and "clusterkopfpeerings" not in resources
     assert len(role["rules"]) == len(rbac.RULES) - 2
+
+
+def test_optional_objects_get_no_schema_default_however_deep() -> None:
+    """An optional object is left out, not defaulted to {}: under affinity an empty labelSelector or
+    namespaceSelector the API server filled in would match every pod or every namespace."""
+    schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    affinity = schema["properties"]["spec"]["properties"]["affinity"]
+
+    def defaults(node: object, path: str) -> list[str]:
+        if isinstance(node, dict):
+            own = [path] if "default" in node else []
+            return own + [p for k, v in node.items() for p in defaults(v, f"{path}/{k}")]
+        if isinstance(node, list):
+            return [p for i, v in enumerate(node) for p in defaults(v, f"{path}/{i}")]
+        return []
+
+    assert defaults(affinity, "affinity") == []
