@@ -292,4 +292,5 @@ def parse_spec(raw: object) -> LLMDeploymentSpec:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "spec"
-        raise SpecError(f"spec.{where}: {first['msg']}") from e
+        message = first["msg"].removeprefix("Value error, ")  # our validators' own words
+        raise SpecError(f"spec.{where}: {message}") from e

@@ -315,7 +315,7 @@ def test_an_invalid_spec_update_keeps_the_observed_state_of_the_running_deployme
         "Degraded": ("True", "InvalidSpec"),
     }
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
-    assert degraded["message"] == "spec.rollout.maxSurge: Value error, " + (
+    assert degraded["message"] == "spec.rollout.maxSurge: " + (
         "must be a whole number or a percentage such as 25%"
     )
     assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "InvalidSpec")]
