@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,15 @@ PROFILES = {
     "default": None,
     "production": CHART / "ci" / "production-values.yaml",
     "operator-only": CHART / "ci" / "operator-only-values.yaml",
+    "openshift": CHART / "ci" / "openshift-values.yaml",
 }
+KUBERNETES_VERSION = "1.36.0"  # the e2e control plane's minor (e2e/k8s/versions.env)
 
 
 class Helm:
     def __init__(self, binary: Path, home: Path) -> None:
         self.binary = binary
+        self.home = home
         self.env = {
             **os.environ,
             "HELM_CACHE_HOME": str(home / "cache"),
@@ -47,6 +51,13 @@ class Helm:
             args += ["--values", str(values_file)]
         docs = yaml.safe_load_all(self.run(*args).stdout)
         return [d for d in docs if d]
+
+    def render(self, values: dict[str, Any], *extra: str) -> list[dict[str, Any]]:
+        """`helm template` with these values, from a file (--set can't give a null or a list of maps)."""
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=self.home) as values_file:
+            yaml.safe_dump(values, values_file)
+            values_file.flush()
+            return self.template(Path(values_file.name), *extra)
 
 
 def _find_helm() -> Path:

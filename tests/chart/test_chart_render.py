@@ -17,10 +17,9 @@ from corral_cli.main import build_parser
 from corral_gateway.settings import GatewaySettings
 from corral_operator import labels, rbac
 
-from tests.chart.conftest import CHART, PROFILES, ROOT, Helm, find
+from tests.chart.conftest import CHART, KUBERNETES_VERSION, PROFILES, ROOT, Helm, find
 
 Render = Callable[[str], list[dict[str, Any]]]
-KUBERNETES_VERSION = "1.36.0"  # the e2e control plane's minor (e2e/k8s/versions.env)
 # Custom resources: checked against their CRD's schema in the chart, or by the test below.
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 

@@ -83,38 +83,42 @@ app.kubernetes.io/component: engine
 {{- end }}
 {{- end }}
 
-{{/* The restricted security context of every Corral container. */}}
-{{- define "corral.containerSecurityContext" -}}
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-runAsNonRoot: true
-capabilities:
-  drop: ["ALL"]
-seccompProfile:
-  type: RuntimeDefault
+{{/* A component's pod labels: (dict "ctx" $ "component" "gateway" "extra" .Values.gateway.podLabels).
+The chart's labels win over podLabels: a selector label overridden there would no longer match the
+Deployment's (immutable) selector, and the API server would refuse the Deployment. */}}
+{{- define "corral.podLabels" -}}
+{{- $own := include "corral.labels" . | fromYaml }}
+{{- toYaml (merge $own (deepCopy (.extra | default dict))) }}
 {{- end }}
 
-{{- define "corral.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-fsGroup: 10001
-seccompProfile:
-  type: RuntimeDefault
-{{- end }}
-
-{{/* nodeSelector, tolerations and affinity of a component's values. */}}
+{{/* Scheduling of a component's pods: (dict "ctx" $ "component" "gateway" "values" .Values.gateway).
+A spread constraint without a labelSelector counts the component's own pods (without one it counts
+none, and spreads nothing). */}}
 {{- define "corral.placement" -}}
-{{- with .nodeSelector }}
+{{- $selector := include "corral.selectorLabels" . | fromYaml }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .tolerations }}
+{{- with .values.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .affinity }}
+{{- with .values.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- range . }}
+  {{- $constraint := deepCopy . }}
+  {{- if not $constraint.labelSelector }}
+  {{- $_ := set $constraint "labelSelector" (dict "matchLabels" $selector) }}
+  {{- end }}
+  - {{- toYaml $constraint | nindent 4 }}
+  {{- end }}
 {{- end }}
 {{- end }}

@@ -11,8 +11,16 @@ import json
 from typing import Any, Literal
 
 from corral_gateway.settings import GatewaySettings, PolicyName
-from pydantic import BaseModel, ConfigDict, Field, create_model
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, create_model
+
+from corral_cli.chartgen.base import ValuesModel as _Values
+from corral_cli.chartgen.exposure import HTTPRoute, Ingress, Service
+from corral_cli.chartgen.pods import (
+    ContainerSecurityContext,
+    EnvVar,
+    PodSecurityContext,
+    TopologySpreadConstraint,
+)
 
 # docs/operations.md in the project's repository; a fork or a mirror sets alerts.runbookBaseUrl.
 RUNBOOK_BASE_URL = "https://github.com/corral-dev/corral/blob/main/docs/operations.md"
@@ -35,10 +43,6 @@ def _gateway_config_schema() -> dict[str, Any]:
     return {"additionalProperties": False, "properties": schema["properties"]}
 
 
-class _Values(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
-
-
 class Image(_Values):
     repository: str = Field(min_length=1, description="Image name under image.registry.")
     tag: str = Field(default="", description="Tag; empty means the chart's appVersion.")
@@ -57,14 +61,30 @@ class ServiceAccount(_Values):
 
 
 class PodPlacement(_Values):
-    """Scheduling and pod metadata shared by the operator and the gateway."""
+    """Scheduling, security and pod metadata shared by the operator and the gateway."""
 
     resources: dict[str, Any] = Field(default_factory=dict, description="Container resources.")
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] = Field(default_factory=dict)
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
+        default_factory=list,
+        description="Without a labelSelector, a constraint counts this component's pods.",
+    )
+    priority_class_name: str = Field(default="", description="Empty: the cluster's default priority.")
     pod_annotations: dict[str, str] = Field(default_factory=dict)
-    pod_labels: dict[str, str] = Field(default_factory=dict)
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict, description="More pod labels; the chart's own labels win over these."
+    )
+    pod_security_context: PodSecurityContext = Field(
+        default_factory=PodSecurityContext,
+        description="Null a field to unset it (e.g. runAsUser on OpenShift).",
+    )
+    container_security_context: ContainerSecurityContext = Field(default_factory=ContainerSecurityContext)
+    extra_env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Extra environment variables (core/v1 EnvVar), e.g. OTEL_EXPORTER_OTLP_ENDPOINT.",
+    )
 
 
 class Peering(_Values):
@@ -111,12 +131,6 @@ class ApiKeys(_Values):
     secret_key: str = Field(default="keys.yaml", min_length=1, description="Key of the file in the Secret.")
 
 
-class Service(_Values):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    port: int = Field(default=80, ge=1, le=65535)
-    annotations: dict[str, str] = Field(default_factory=dict)
-
-
 class Autoscaling(_Values):
     enabled: bool = False
     min_replicas: int = Field(default=2, ge=1)
@@ -143,11 +157,9 @@ class Gateway(PodPlacement):
         json_schema_extra=lambda schema: schema.update(_gateway_config_schema()),
     )
     api_keys: ApiKeys = Field(default_factory=ApiKeys)
-    extra_env: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Extra environment variables (core/v1 EnvVar), e.g. OTEL_EXPORTER_OTLP_ENDPOINT.",
-    )
     service: Service = Field(default_factory=Service)
+    ingress: Ingress = Field(default_factory=Ingress)
+    http_route: HTTPRoute = Field(default_factory=HTTPRoute)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     pod_disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
     service_account: ServiceAccount = Field(default_factory=ServiceAccount)
