@@ -129,6 +129,30 @@ def llmdeployment(
     }
 
 
+# The Prometheus Operator's ServiceMonitor kind, schema left open: enough for the operator to find it
+# (API discovery) and apply one.
+SERVICE_MONITOR_CRD = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: servicemonitors.monitoring.coreos.com}
+spec:
+  group: monitoring.coreos.com
+  scope: Namespaced
+  names: {kind: ServiceMonitor, plural: servicemonitors, singular: servicemonitor}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+"""
+
+
+def install_service_monitor_crd(cluster: Cluster) -> None:
+    cluster.apply(SERVICE_MONITOR_CRD)
+    cluster.kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com")
+
+
 class WatchLLMD:
     """`kubectl get llmd NAME -w -o json` in the background: every version of the object the API
     server had while the watch ran (a poll would miss a state that lasts a second)."""

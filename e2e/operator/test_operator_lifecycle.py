@@ -23,6 +23,7 @@ from e2e.operator.harness import (
     fake_metrics,
     free_port,
     get_llmd,
+    install_service_monitor_crd,
     is_available,
     llmdeployment,
     running_pods,
@@ -179,29 +180,11 @@ def test_kubectl_scale_and_delete_garbage_collects(
     )
 
 
-SERVICE_MONITOR_CRD = """
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata: {name: servicemonitors.monitoring.coreos.com}
-spec:
-  group: monitoring.coreos.com
-  scope: Namespaced
-  names: {kind: ServiceMonitor, plural: servicemonitors, singular: servicemonitor}
-  versions:
-    - name: v1
-      served: true
-      storage: true
-      schema:
-        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
-"""
-
-
 def test_service_monitor_when_prometheus_operator_crd_exists(
     operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
 ) -> None:
     cluster, ns = operator_installed, k8s_namespace
-    cluster.apply(SERVICE_MONITOR_CRD)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com")
+    install_service_monitor_crd(cluster)
     start_operator()
     cluster.apply(yaml.safe_dump(llmdeployment("monitored", ns, replicas=1)))
     cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "monitored")))

@@ -1,5 +1,6 @@
 """Kubernetes discovery: watch EndpointSlices (or Pods) selected by label, and the LLMDeployments
-that own them; ready endpoints become replicas of the deployment's served name (k8s_names.py).
+that own them, in every namespace or in each of a list; ready endpoints become replicas of the
+deployment's served name (k8s_names.py).
 
 `discover` is the pure translation (tested without a cluster). The watcher runs the synchronous
 `kubernetes` client in daemon threads and hands each new result to the event loop, so replicas and
@@ -128,9 +129,15 @@ def _url(address: str, port: int, address_type: str | None) -> str:
     return f"http://{host}:{port}"
 
 
+# One list + watch: a stream ("objects": the slices or pods; "deployments": the LLMDeployments)
+# in one namespace, or in all of them (None).
+Watch = tuple[str, str | None]
+
+
 class KubernetesWatcher:
-    """List + watch in daemon threads (the slices or pods; the LLMDeployments when allowed);
-    `on_change(Discovery)` runs on the event loop once both have been listed."""
+    """List + watch in daemon threads, one per stream and namespace (the slices or pods; the
+    LLMDeployments when allowed); `on_change(Discovery)` runs on the event loop once every watch
+    has listed."""
 
     def __init__(self, config: KubernetesDiscovery, on_change: Callable[[Discovery], None]) -> None:
         self.config = config
@@ -138,32 +145,38 @@ class KubernetesWatcher:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self._deployments: dict[tuple[str, str], dict[str, Any]] = {}
-        self._listed: set[str] = set()  # which streams have completed a first list
+        # Each watch's objects by (namespace, name); a watch is here once it has listed.
+        self._stores: dict[Watch, dict[tuple[str, str], dict[str, Any]]] = {}
         self._ambiguous: frozenset[str] = frozenset()
+
+    def watches(self) -> list[Watch]:
+        """Every (stream, namespace) to list and watch; None: every namespace in one watch."""
+        streams = ["objects"] + (["deployments"] if self.config.read_llmdeployments else [])
+        scopes: list[str | None] = list(self.config.namespaces) or [None]
+        return [(stream, namespace) for stream in streams for namespace in scopes]
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        streams = ["objects"] + (["deployments"] if self.config.read_llmdeployments else [])
-        for stream in streams:
-            name = f"corral-k8s-{stream}"
-            threading.Thread(target=self._run, args=(stream,), name=name, daemon=True).start()
+        for stream, namespace in self.watches():
+            name = f"corral-k8s-{stream}-{namespace or 'all'}"
+            threading.Thread(target=self._run, args=((stream, namespace),), name=name, daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
 
+    def _objects_of(self, stream: str) -> list[dict[str, Any]]:
+        return [obj for (s, _), store in self._stores.items() if s == stream for obj in store.values()]
+
     def _emit(self) -> None:
         with self._lock:
-            wanted = {"objects", "deployments"} if self.config.read_llmdeployments else {"objects"}
-            if not wanted <= self._listed:
+            if not set(self.watches()) <= self._stores.keys():
                 return  # names known before replicas: no pool keyed by a label value first
             found = discover(
-                self._objects.values(),
+                self._objects_of("objects"),
                 is_pods=self.config.source == "pods",
                 model_label=self.config.model_label,
                 port_name=self.config.port_name,
-                served=served_from_deployments(self._deployments.values()),
+                served=served_from_deployments(self._objects_of("deployments")),
             )
             ambiguous = frozenset(found.names.ambiguous)
             if ambiguous - self._ambiguous:
@@ -173,7 +186,7 @@ class KubernetesWatcher:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.on_change, found)
 
-    def _run(self, stream: str) -> None:
+    def _run(self, target: Watch) -> None:
         from kubernetes import client, config, watch
 
         try:
@@ -185,51 +198,58 @@ class KubernetesWatcher:
             logger.error("kubernetes discovery disabled: cannot load cluster config: %s", e)
             return
         serialize = client.ApiClient().sanitize_for_serialization
+        stream, namespace = target
+        scope = f"namespace {namespace}" if namespace else "all namespaces"
         while not self._stop.is_set():
             try:
-                list_fn, kwargs = self._list_call(stream, client)
-                self._list_and_watch(stream, list_fn, kwargs, serialize, watch.Watch())
+                list_fn, kwargs = self._list_call(target, client)
+                self._list_and_watch(target, list_fn, kwargs, serialize, watch.Watch())
             except client.ApiException as e:
                 if stream == "deployments" and e.status == 403:
                     logger.warning(
-                        "not allowed to read llmdeployments: served names come from the %s label only",
+                        "not allowed to read llmdeployments in %s: served names come from the %s label only",
+                        scope,
                         self.config.model_label,
                     )
-                    self._replace(stream, {})
+                    self._replace(target, {})
                     return
-                logger.warning("%s watch ended (HTTP %s); re-listing", stream, e.status)
+                if e.status == 403:  # not ready until every namespace lists: a missing Role shows
+                    logger.error(
+                        "not allowed to list %s in %s (the gateway needs a Role there); retrying",
+                        self.config.source,
+                        scope,
+                    )
+                else:
+                    logger.warning("%s watch in %s ended (HTTP %s); re-listing", stream, scope, e.status)
                 self._stop.wait(_RETRY_DELAY_S)
             except (OSError, ValueError) as e:  # urllib3 errors derive from OSError / ValueError
-                logger.warning("%s watch failed: %s; retrying", stream, e)
+                logger.warning("%s watch in %s failed: %s; retrying", stream, scope, e)
                 self._stop.wait(_RETRY_DELAY_S)
 
-    def _list_call(self, stream: str, client: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
+    def _list_call(self, watch: Watch, client: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
+        stream, namespace = watch
         cfg = self.config
         if stream == "deployments":
             api = client.CustomObjectsApi()
             kwargs: dict[str, Any] = {"group": wire.GROUP, "version": wire.VERSION, "plural": wire.PLURAL}
-            if cfg.namespace:
-                return api.list_namespaced_custom_object, {**kwargs, "namespace": cfg.namespace}
+            if namespace:
+                return api.list_namespaced_custom_object, {**kwargs, "namespace": namespace}
             return api.list_cluster_custom_object, kwargs
         api = client.CoreV1Api() if cfg.source == "pods" else client.DiscoveryV1Api()
         kind = "pod" if cfg.source == "pods" else "endpoint_slice"
         kwargs = {"label_selector": cfg.label_selector}
-        if cfg.namespace:
-            return getattr(api, f"list_namespaced_{kind}"), {**kwargs, "namespace": cfg.namespace}
+        if namespace:
+            return getattr(api, f"list_namespaced_{kind}"), {**kwargs, "namespace": namespace}
         return getattr(api, f"list_{kind}_for_all_namespaces"), kwargs
 
-    def _replace(self, stream: str, items: dict[tuple[str, str], dict[str, Any]]) -> None:
+    def _replace(self, watch: Watch, items: dict[tuple[str, str], dict[str, Any]]) -> None:
         with self._lock:
-            if stream == "deployments":
-                self._deployments = items
-            else:
-                self._objects = items
-            self._listed.add(stream)
+            self._stores[watch] = items
         self._emit()
 
-    def _update(self, stream: str, event_type: str, obj: dict[str, Any]) -> None:
+    def _update(self, watch: Watch, event_type: str, obj: dict[str, Any]) -> None:
         with self._lock:
-            store = self._deployments if stream == "deployments" else self._objects
+            store = self._stores[watch]  # listed first (_replace)
             if event_type == "DELETED":
                 store.pop(_key(obj), None)
             else:
@@ -238,14 +258,14 @@ class KubernetesWatcher:
 
     def _list_and_watch(
         self,
-        stream: str,
+        watch: Watch,
         list_fn: Callable[..., Any],
         kwargs: dict[str, Any],
         serialize: Callable[[Any], Any],
         w: Any,
     ) -> None:
         listed = serialize(list_fn(**kwargs))  # custom objects come back as plain dicts already
-        self._replace(stream, {_key(s): s for s in listed.get("items") or []})
+        self._replace(watch, {_key(s): s for s in listed.get("items") or []})
         version = (listed.get("metadata") or {}).get("resourceVersion")
         stream_events = w.stream(
             list_fn, resource_version=version, timeout_seconds=self.config.watch_timeout_s, **kwargs
@@ -256,7 +276,7 @@ class KubernetesWatcher:
                 return
             if event.get("type") == "ERROR":
                 return  # e.g. 410 Gone: re-list
-            self._update(stream, event["type"], serialize(event["object"]))
+            self._update(watch, event["type"], serialize(event["object"]))
 
 
 def _key(obj: Mapping[str, Any]) -> tuple[str, str]:

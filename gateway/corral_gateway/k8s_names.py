@@ -1,6 +1,6 @@
 """Served names from LLMDeployments (pure): which names a client may ask for, and where each goes.
 
-The rule: within the gateway's scope (its namespace, or every namespace it may read), a served name
+The rule: within the gateway's scope (the namespaces it watches, or every one), a served name
 or alias used in one namespace is requested as is; deployments in one namespace that serve the same
 name pool together. A name used in several namespaces is ambiguous: each deployment is then asked
 for as `NAMESPACE/NAME`, and the bare name is refused with a message listing those. `NAMESPACE/NAME`

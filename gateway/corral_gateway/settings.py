@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from corral_engine import wire
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PolicyName = Literal["prefix-affinity", "kv-aware", "least-requests", "round-robin", "llm-d"]
+# A namespace's name is a DNS label (RFC 1123).
+NamespaceName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 
 
 class KubernetesDiscovery(BaseModel):
@@ -23,7 +25,9 @@ class KubernetesDiscovery(BaseModel):
     # endpointslices: the operator's Services (standard). pods: ready Pods directly (for clusters
     # whose pod IPs EndpointSlices cannot carry, such as the loopback pod IPs of the e2e cluster).
     source: Literal["endpointslices", "pods"] = "endpointslices"
-    namespace: str | None = None  # None watches every namespace the gateway may read
+    # One watch per namespace (a Role in each will do); empty: every namespace (needs a ClusterRole).
+    # `namespace: NS`, the older one-namespace form, is read as `namespaces: [NS]`.
+    namespaces: tuple[NamespaceName, ...] = ()
     # The operator labels the Services (and so their EndpointSlices) and Pods it manages with these.
     label_selector: str = wire.MANAGED_SELECTOR
     model_label: str = wire.MODEL_LABEL  # label carrying the model name where no LLMDeployment says it
@@ -37,6 +41,25 @@ class KubernetesDiscovery(BaseModel):
     # llmdeployments), and let its requests wait up to wake_timeout_s for one to appear.
     wake_from_zero: bool = True
     wake_timeout_s: float = Field(default=300.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_namespace(cls, data: Any) -> Any:
+        """The older `namespace: NS` (None or "": every namespace) as `namespaces: [NS]`."""
+        if not isinstance(data, dict) or "namespace" not in data:
+            return data
+        data = dict(data)
+        one = data.pop("namespace")
+        if one and data.get("namespaces"):
+            raise ValueError("set kubernetes.namespaces only: namespace is its older one-namespace form")
+        if one:
+            data["namespaces"] = [one]
+        return data
+
+    @field_validator("namespaces")
+    @classmethod
+    def _distinct(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(value))  # one watch per namespace, in the order given
 
 
 class GatewaySettings(BaseSettings):

@@ -3,18 +3,21 @@ and a little cached discovery."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from corral_operator.autoscalers import SCALED_OBJECT_CRD
-from corral_operator.kube import Kube
+from corral_operator.kube import Forbidden, Kube
 from corral_operator.metrics import MetricsSource
 from corral_operator.render import SERVICE_MONITOR_CRD
 from corral_operator.telemetry import OperatorMetrics
 
+log = logging.getLogger(__name__)
 CRD_CACHE_S = 60.0
-OPTIONAL_CRDS = (SERVICE_MONITOR_CRD, SCALED_OBJECT_CRD)  # objects of these kinds only if installed
+# Objects of these kinds only if the cluster serves them: CRD name -> kind (kube.RESOURCES).
+OPTIONAL_CRDS = {SERVICE_MONITOR_CRD: "ServiceMonitor", SCALED_OBJECT_CRD: "ScaledObject"}
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Context:
     telemetry: OperatorMetrics = field(default_factory=OperatorMetrics)
     _crds_checked_at: float = -1e9
     _crds: frozenset[str] = frozenset()
+    _refused_crds: frozenset[str] = frozenset()
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _object_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
 
@@ -38,9 +42,24 @@ class Context:
             return self._object_locks.setdefault((namespace, name), threading.Lock())
 
     def installed_crds(self, now_s: float) -> frozenset[str]:
-        """Which of OPTIONAL_CRDS the cluster has (looked up at most once a minute)."""
+        """Which of OPTIONAL_CRDS the cluster serves (looked up at most once a minute); one whose API
+        discovery the operator may not read counts as absent, and is in `refused_crds`."""
         with self._lock:
             if now_s - self._crds_checked_at > CRD_CACHE_S:
-                self._crds = frozenset(n for n in OPTIONAL_CRDS if self.kube.crd_exists(n))
+                served, refused = set(), set()
+                for crd, kind in OPTIONAL_CRDS.items():
+                    try:
+                        if self.kube.serves(kind):
+                            served.add(crd)
+                    except Forbidden as e:
+                        refused.add(crd)
+                        if crd not in self._refused_crds:
+                            log.warning("not allowed to read API discovery for %s: %s", kind, e.message)
+                self._crds, self._refused_crds = frozenset(served), frozenset(refused)
                 self._crds_checked_at = now_s
             return self._crds
+
+    def refused_crds(self) -> frozenset[str]:
+        """Of OPTIONAL_CRDS, those the last lookup could not tell about (403 on API discovery)."""
+        with self._lock:
+            return self._refused_crds

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from kubernetes.client.exceptions import ApiException
 from corral_operator import labels
 from corral_operator.spec import GROUP, PLURAL, VERSION
 
-log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 # kind -> (API path prefix, plural). Only kinds in this table are ever touched.
@@ -207,13 +205,11 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    def crd_exists(self, name: str) -> bool:
-        """Whether a CRD is installed; False also when RBAC hides it (then we render nothing for it)."""
-        try:
-            return (
-                self._request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
-                is not None
-            )
-        except Forbidden:
-            log.warning("not allowed to read CRD %s; assuming it is absent", name)
-            return False
+    def serves(self, kind: str) -> bool:
+        """Whether the API server serves `kind` (a CRD's, such as ServiceMonitor): its group version's
+        API discovery lists it. Discovery is readable by every authenticated user (the system:discovery
+        role), so this needs no cluster-scoped rule and works for a namespaced operator; Forbidden
+        when even that is refused."""
+        prefix, plural = RESOURCES[kind]
+        listing = self._request("GET", prefix)  # None: the group version is not served (404)
+        return listing is not None and any(r.get("name") == plural for r in listing.get("resources") or ())

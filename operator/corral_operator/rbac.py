@@ -11,8 +11,6 @@ from typing import Any
 
 import yaml
 
-from corral_operator.autoscalers import SCALED_OBJECT_CRD
-from corral_operator.render import SERVICE_MONITOR_CRD
 from corral_operator.spec import GROUP, PLURAL
 
 RBAC_PATH = "deploy/rbac/operator.yaml"
@@ -23,7 +21,9 @@ APPLY = ["create", "patch"]
 PRUNE = ["list", "delete"]
 READ = ["get", "list", "watch"]
 
-# (why, rule) pairs; the chart templates the same rules.
+# (why, rule) pairs; the chart templates the same rules. None is needed to learn whether the optional
+# kinds (ServiceMonitor, ScaledObject) exist: API discovery, which every authenticated user may read,
+# tells (kube.Kube.serves), so a namespaced operator finds them too.
 RULES: list[tuple[str, dict[str, Any]]] = [
     (
         "watch LLMDeployments; kopf records progress in their annotations",
@@ -79,15 +79,6 @@ RULES: list[tuple[str, dict[str, Any]]] = [
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     ),
     (
-        "are the optional CRDs (ServiceMonitor, ScaledObject) installed? (only those)",
-        {
-            "apiGroups": ["apiextensions.k8s.io"],
-            "resources": ["customresourcedefinitions"],
-            "resourceNames": [SERVICE_MONITOR_CRD, SCALED_OBJECT_CRD],
-            "verbs": ["get"],
-        },
-    ),
-    (
         "kopf peering between replicas, cluster-wide mode",
         {
             "apiGroups": ["kopf.dev"],
@@ -131,14 +122,13 @@ def documents(namespace: str = NAMESPACE) -> list[dict[str, Any]]:
 
 
 def _is_cluster_scoped(rule: dict[str, Any]) -> bool:
-    return "apiextensions.k8s.io" in rule["apiGroups"] or "clusterkopfpeerings" in rule["resources"]
+    return "clusterkopfpeerings" in rule["resources"]
 
 
 def namespaced_role(namespace: str, name: str = NAME) -> dict[str, Any]:
-    """For `corral operator --namespace NS`: the same rules minus the cluster-scoped ones, as a Role in NS.
-
-    Without the CRD rule the operator treats the ServiceMonitor CRD as absent.
-    """
+    """For `corral operator --namespace NS`: the same rules minus the cluster-scoped one (the cluster's
+    peering object), as a Role in NS. It still makes ServiceMonitors and ScaledObjects where their
+    CRDs are installed: it learns that from API discovery, not from the CRDs."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",

@@ -17,7 +17,7 @@ from corral_operator.autoscaler import Load
 from corral_operator.autoscalers import SCALED_OBJECT_CRD
 from corral_operator.context import Context
 from corral_operator.engine_command import tensor_parallel_size
-from corral_operator.kube import Conflict, Forbidden, Invalid, Kube
+from corral_operator.kube import RESOURCES, Conflict, Forbidden, Invalid, Kube
 from corral_operator.render import SERVICE_MONITOR_CRD, Owner
 from corral_operator.spec import KIND, LLMDeploymentSpec, SpecError, parse_spec
 from corral_operator.status import Event, Observed
@@ -71,8 +71,19 @@ def _apply_all(
     kinds = [kind for kind, crd in PRUNABLE_KINDS if crd is None or crd in crds]
     pruned = _prune(ctx.kube, owner, desired, tuple(kinds))
     if spec.autoscaling is not None and spec.autoscaling.mode == "keda" and SCALED_OBJECT_CRD not in crds:
-        return f"autoscaling.mode keda needs KEDA: CRD {SCALED_OBJECT_CRD} is not installed", pruned
+        return _keda_missing(ctx), pruned
     return None, pruned
+
+
+def _keda_missing(ctx: Context) -> str:
+    if SCALED_OBJECT_CRD in ctx.refused_crds():
+        path = RESOURCES["ScaledObject"][0]
+        return (
+            f"autoscaling.mode keda: the operator may not read API discovery (GET {path} got 403 "
+            "Forbidden), so it cannot tell whether KEDA is installed: a permission problem "
+            "(every authenticated user may read discovery unless the cluster unbound system:discovery)"
+        )
+    return f"autoscaling.mode keda needs KEDA: CRD {SCALED_OBJECT_CRD} is not installed"
 
 
 def _status_changed(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

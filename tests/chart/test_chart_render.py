@@ -127,13 +127,75 @@ def test_default_install_names_the_identity_the_e2e_cluster_knows(rendered: Rend
 def test_gateway_may_only_read_what_its_discovery_watches(
     rendered: Render, profile: str, kind: str, resource: str
 ) -> None:
-    (role,) = find(rendered(profile), kind, "gateway")
-    assert [r["resources"] for r in role["rules"]] == [[resource], ["llmdeployments"]]
-    discovery, deployments = role["rules"]
-    assert set(discovery["verbs"]) == {"get", "list", "watch"}
-    # names and aliases come from the LLMDeployments; patch only sets the wake annotation
-    assert deployments["apiGroups"] == ["corral.dev"]
-    assert set(deployments["verbs"]) == {"get", "list", "watch", "patch"}
+    roles = find(rendered(profile), kind, "gateway")
+    assert roles
+    for role in roles:
+        assert [r["resources"] for r in role["rules"]] == [[resource], ["llmdeployments"]]
+        discovery, deployments = role["rules"]
+        assert set(discovery["verbs"]) == {"get", "list", "watch"}
+        # names and aliases come from the LLMDeployments; patch only sets the wake annotation
+        assert deployments["apiGroups"] == ["corral.dev"]
+        assert set(deployments["verbs"]) == {"get", "list", "watch", "patch"}
+
+
+def _gateway_scope(objects: list[dict[str, Any]]) -> tuple[list[str], tuple[str, ...]]:
+    """(namespaces of the gateway's Roles, each bound to its account; the namespaces its settings watch),
+    after checking that a Role and a ClusterRole never come together."""
+    roles, bindings = find(objects, "Role", "gateway"), find(objects, "RoleBinding", "gateway")
+    cluster_roles = find(objects, "ClusterRole", "gateway") + find(objects, "ClusterRoleBinding", "gateway")
+    assert not (roles and cluster_roles) and (roles or len(cluster_roles) == 2)
+    (account,) = find(objects, "ServiceAccount", "gateway")
+    subject = {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "corral-system"}
+    assert [b["metadata"]["namespace"] for b in bindings] == [r["metadata"]["namespace"] for r in roles]
+    assert all(b["subjects"] == [subject] for b in bindings)
+    (config_map,) = find(objects, "ConfigMap", "gateway")
+    settings = GatewaySettings(**yaml.safe_load(config_map["data"]["gateway.yaml"]))
+    return [r["metadata"]["namespace"] for r in roles], settings.kubernetes.namespaces
+
+
+@pytest.mark.parametrize(
+    ("values", "namespaces"),
+    [
+        ([], []),  # every namespace: a ClusterRole
+        # a namespaced operator: the gateway follows it, a Role in each of its namespaces
+        (["operator.namespaces={team-a,team-b}"], ["team-a", "team-b"]),
+        (["operator.namespaces={team-a,team-b}", "gateway.discovery.namespaces={team-c}"], ["team-c"]),
+        (["gateway.discovery.namespaces={team-a,team-b}"], ["team-a", "team-b"]),
+        # the older one-namespace key still works, and wins over the operator's list
+        (["gateway.discovery.namespace=team-a"], ["team-a"]),
+        (["operator.namespaces={team-a,team-b}", "gateway.discovery.namespace=team-a"], ["team-a"]),
+    ],
+)
+def test_gateway_watches_and_may_read_the_namespaces_it_is_given(
+    helm: Helm, values: list[str], namespaces: list[str]
+) -> None:
+    objects = helm.template(None, *[arg for value in values for arg in ("--set", value)])
+    assert _gateway_scope(objects) == (namespaces, tuple(namespaces))
+
+
+def test_production_profile_routes_every_namespace_the_operator_serves(rendered: Render) -> None:
+    # was gateway.discovery.namespace: team-a beside operator.namespaces [team-a, team-b]: team-b got 404
+    assert _gateway_scope(rendered("production")) == (["team-a", "team-b"], ("team-a", "team-b"))
+
+
+def test_gateway_refuses_both_namespace_keys(helm: Helm) -> None:
+    args = ["--set", "gateway.discovery.namespace=a", "--set", "gateway.discovery.namespaces={b}"]
+    result = helm.run("template", "corral", str(CHART), *args, check=False)
+    assert result.returncode != 0
+    assert "set only namespaces" in result.stderr, result.stderr
+
+
+def test_notes_warn_when_the_gateway_misses_a_namespace_the_operator_serves(helm: Helm) -> None:
+    def notes(*values: str) -> str:
+        args = ["install", "corral", str(CHART), "--dry-run=client", "--namespace", "corral-system"]
+        args += [arg for value in values for arg in ("--set", value)]
+        return helm.run(*args).stdout.split("NOTES:", 1)[1]
+
+    both = "operator.namespaces={team-a,team-b}"
+    assert "in namespaces team-a, team-b)" in notes(both) and "WARNING" not in notes(both)
+    missing = notes(both, "gateway.discovery.namespaces={team-a}")
+    assert "serves namespace(s) team-b, which the gateway does not watch" in missing
+    assert "in every namespace)" in notes()
 
 
 def _args(deployment: dict[str, Any]) -> list[str]:
@@ -171,7 +233,7 @@ def test_gateway_config_is_valid_gateway_settings(rendered: Render, profile: str
     if profile == "production":
         assert settings.policy == "kv-aware" and settings.max_queue_len == 512
         assert str(settings.api_keys_file) == "/etc/corral/api-keys/keys.yaml"
-        assert settings.kubernetes.namespace == "team-a"
+        assert settings.kubernetes.namespaces == ("team-a", "team-b")
 
 
 def test_network_policy_selects_the_operators_engine_pods(rendered: Render) -> None:
@@ -237,6 +299,7 @@ def test_values_yaml_is_the_schema_models_defaults() -> None:
         ("gateway.policy=fastest", "at '/gateway/policy': value must be one of"),
         ("gateway.polcy=kv-aware", "additional properties 'polcy' not allowed"),
         ("gateway.discovery.source=services", "at '/gateway/discovery/source'"),
+        ("gateway.discovery.namespaces={Team_A}", "at '/gateway/discovery/namespaces/0'"),
         ("operator.replicas=0", "at '/operator/replicas': minimum"),
         ("operator.peering.name=Not_A_Name", "at '/operator/peering/name'"),
         ("monitoring.create=maybe", "at '/monitoring/create'"),

@@ -11,7 +11,7 @@ import pytest
 from corral_operator import labels
 from corral_operator.autoscaler import Load, State
 from corral_operator.context import Context
-from corral_operator.kube import Conflict, Invalid
+from corral_operator.kube import Conflict, Forbidden, Invalid
 from corral_operator.metrics import PodTarget
 from corral_operator.reconcile import reconcile
 from corral_operator.scaling import autoscale
@@ -76,10 +76,13 @@ class FakeKube:
     def patch_replicas(self, namespace: str, name: str, replicas: int) -> None:
         self.writes.append(("replicas", replicas))
 
-    crds: frozenset[str] = frozenset()
+    served: frozenset[str] = frozenset()  # optional kinds the API server serves
+    refused: frozenset[str] = frozenset()  # optional kinds whose API discovery is 403
 
-    def crd_exists(self, name: str) -> bool:
-        return name in self.crds
+    def serves(self, kind: str) -> bool:
+        if kind in self.refused:
+            raise Forbidden(403, "forbidden")
+        return kind in self.served
 
 
 def body(spec: dict[str, Any], status: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
@@ -276,10 +279,22 @@ def test_keda_mode_without_keda_installed_is_reported_and_with_it_renders_a_scal
     degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
     assert "scaledobjects.keda.sh is not installed" in degraded["message"]
-    kube.crds = frozenset({"scaledobjects.keda.sh"})
+    kube.served = frozenset({"ScaledObject"})
     outcome = reconcile(make_ctx(kube), body(spec), now_s=100)
     assert ("ScaledObject", "ml", "tiny") in kube.objects
     assert next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")["status"] == "False"
+
+
+def test_keda_mode_when_api_discovery_is_refused_says_it_is_a_permission_problem() -> None:
+    kube = FakeKube()
+    kube.refused = frozenset({"ScaledObject", "ServiceMonitor"})
+    auto = {"mode": "keda", "minReplicas": 0, "maxReplicas": 3, "prometheusUrl": "http://prom:9090"}
+    outcome = reconcile(make_ctx(kube), body(valid_spec() | {"autoscaling": auto}), now_s=0)
+    degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
+    assert "403 Forbidden" in degraded["message"] and "permission problem" in degraded["message"]
+    assert "not installed" not in degraded["message"]
+    assert {k for k, _, _ in kube.objects} == {"Deployment", "Service", "PodDisruptionBudget"}
 
 
 def running(kube: FakeKube, ready: int) -> None:

@@ -15,11 +15,21 @@
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 
+{{/* The namespaces the gateway watches, as JSON (`include ... | fromJsonArray`): gateway.discovery.namespaces,
+else the deprecated one-namespace key, else the operator's; empty: every namespace (a ClusterRole). */}}
+{{- define "corral.gateway.namespaces" -}}
+{{- $d := .Values.gateway.discovery }}
+{{- if and $d.namespace $d.namespaces }}
+{{- fail "gateway.discovery.namespace is the deprecated one-namespace form of gateway.discovery.namespaces: set only namespaces" }}
+{{- end }}
+{{- $d.namespaces | default (compact (list $d.namespace)) | default .Values.operator.namespaces | default (list) | uniq | toJson }}
+{{- end }}
+
 {{/* The gateway's settings file (`corral gateway --config`); gateway.config adds to it. */}}
 {{- define "corral.gateway.config" -}}
 {{- $gw := .Values.gateway }}
 {{- $k8s := dict "enabled" true "source" $gw.discovery.source "label_selector" $gw.discovery.labelSelector }}
-{{- with $gw.discovery.namespace }}{{ $_ := set $k8s "namespace" . }}{{ end }}
+{{- with include "corral.gateway.namespaces" . | fromJsonArray }}{{ $_ := set $k8s "namespaces" . }}{{ end }}
 {{- $cfg := dict "host" "0.0.0.0" "port" ($gw.containerPort | int) "policy" $gw.policy "kubernetes" $k8s }}
 {{- if $gw.apiKeys.existingSecret }}
 {{- $_ := set $cfg "api_keys_file" (printf "/etc/corral/api-keys/%s" $gw.apiKeys.secretKey) }}

@@ -53,11 +53,6 @@
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
-# are the optional CRDs (ServiceMonitor, ScaledObject) installed? (only those)
-- apiGroups: [apiextensions.k8s.io]
-  resources: [customresourcedefinitions]
-  resourceNames: [servicemonitors.monitoring.coreos.com, scaledobjects.keda.sh]
-  verbs: [get]
 # kopf peering between replicas, cluster-wide mode
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]

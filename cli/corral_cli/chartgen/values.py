@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from corral_gateway.settings import GatewaySettings, PolicyName
+from corral_gateway.settings import GatewaySettings, NamespaceName, PolicyName
 from pydantic import ConfigDict, Field, create_model
 
 from corral_cli.chartgen.base import ValuesModel as _Values
@@ -120,7 +120,17 @@ class Discovery(_Values):
         default="endpointslices",
         description="Watch the operator's EndpointSlices (standard) or ready Pods directly.",
     )
-    namespace: str = Field(default="", description="Empty: every namespace (a ClusterRole).")
+    namespaces: list[NamespaceName] = Field(
+        default_factory=list,
+        description="Namespaces to watch (a Role in each); empty: operator.namespaces, and when that is "
+        "empty too, every namespace (a ClusterRole).",
+    )
+    namespace: str = Field(
+        default="",
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        max_length=63,
+        description="Deprecated: one namespace, the same as namespaces: [it].",
+    )
     label_selector: str = Field(default="app.kubernetes.io/managed-by=corral-operator", min_length=1)
 
 
