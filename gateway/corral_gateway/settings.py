@@ -148,7 +148,11 @@ def load_settings(
         if not isinstance(loaded, dict):
             raise ValueError(f"{config_file}: expected a mapping at the top level")
         data.update(loaded)
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}  # `--kubernetes` turns discovery on, keeping the file's
+        elif value is not None:
+            data[key] = value
     if backend_flags:
         backends: dict[str, list[str]] = {m: list(u) for m, u in dict(data.get("backends") or {}).items()}
         for flag in backend_flags:

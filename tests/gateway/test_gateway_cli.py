@@ -24,6 +24,14 @@ def test_gateway_flags_become_settings(tmp_path: Path) -> None:
     assert (settings.policy, settings.max_queue_len, settings.port) == ("kv-aware", 3, 8000)
 
 
+def test_the_kubernetes_flag_keeps_the_files_discovery_settings(tmp_path: Path) -> None:
+    config = tmp_path / "gw.yaml"
+    config.write_text("kubernetes:\n  namespaces: [team-a, team-b]\n  source: pods\n")
+    args = build_parser(only="gateway").parse_args(["gateway", "--config", str(config), "--kubernetes"])
+    discovery = settings_from_args(args).kubernetes
+    assert (discovery.enabled, discovery.namespaces, discovery.source) == (True, ("team-a", "team-b"), "pods")
+
+
 def test_gateway_rejects_unknown_policy() -> None:
     with pytest.raises(SystemExit):
         build_parser(only="gateway").parse_args(["gateway", "--policy", "random"])
