@@ -301,6 +301,8 @@ def test_values_yaml_is_the_schema_models_defaults() -> None:
         ("gateway.discovery.source=services", "at '/gateway/discovery/source'"),
         ("gateway.discovery.namespaces={Team_A}", "at '/gateway/discovery/namespaces/0'"),
         ("operator.replicas=0", "at '/operator/replicas': minimum"),
+        ("operator.namespaces={Team_A}", "at '/operator/namespaces/0'"),
+        ("networkPolicy.engineNamespaces={team a}", "at '/networkPolicy/engineNamespaces/0'"),
         ("operator.peering.name=Not_A_Name", "at '/operator/peering/name'"),
         ("monitoring.create=maybe", "at '/monitoring/create'"),
         ("monitoring.interval=soon", "at '/monitoring/interval'"),

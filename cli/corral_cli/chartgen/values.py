@@ -100,7 +100,7 @@ class Operator(PodPlacement):
     enabled: bool = True
     replicas: int = Field(default=2, ge=1, le=10, description="Replicas beyond one stand by (peering).")
     image: Image = Field(default_factory=lambda: Image(repository="corral-operator"))
-    namespaces: list[str] = Field(
+    namespaces: list[NamespaceName] = Field(
         default_factory=list, description="Namespaces to serve (Roles there); empty: every namespace."
     )
     peering: Peering = Field(default_factory=Peering)
@@ -199,7 +199,7 @@ class PeerSelector(_Values):
 
 class NetworkPolicy(_Values):
     enabled: bool = True
-    engine_namespaces: list[str] = Field(
+    engine_namespaces: list[NamespaceName] = Field(
         default_factory=list,
         description="Namespaces running LLMDeployments; empty: operator.namespaces, else the release's.",
     )
