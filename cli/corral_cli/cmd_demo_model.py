@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the weights are drawn: cuda makes llama3-8b quick; each kind of device draws its "
         "own bytes (default: cpu)",
     )
+    parser.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="the tokenizer and config only, in seconds and without torch: what `--simulate` reads",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -45,9 +50,11 @@ def run(args: argparse.Namespace) -> int:
             arch=args.arch,
             progress=not args.quiet,
             device=args.device,
+            weights=not args.no_weights,
         )
     except OSError as e:  # a file in the way, no permission, a full disk
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
-    log.info("wrote %s checkpoint (%s, seed %d) to %s", args.preset, args.arch, args.seed, out)
+    what = "tokenizer and config" if args.no_weights else "checkpoint"
+    log.info("wrote %s %s (%s, seed %d) to %s", args.preset, what, args.arch, args.seed, out)
     return 0

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-path",
         default=None,
         metavar="DIR",
-        help="with -f: checkpoint directory for a PVC model source",
+        help="with -f: the checkpoint directory to serve, in place of the file's model source "
+        "(needed for a PVC source)",
     )
     parser.add_argument("--demo-preset", choices=("tiny", "small"), default="tiny", help="demo model size")
     parser.add_argument(
@@ -76,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--simulate",
         metavar="PROFILE",
         help="simulated replicas instead (h100-llama3-8b, ... or a fitted profile's JSON): all of them in "
-        "one process, no torch; the demo model gives the tokenizer (docs/simulator.md)",
+        "one process, no torch; the tokenizer is --model's, else a demo one with no weights "
+        "(docs/simulator.md)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=8000, help="gateway port (default: 8000)")
@@ -91,7 +94,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="prefix-affinity",
         help="gateway routing policy (default: prefix-affinity)",
     )
-    parser.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: a temp dir)")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the engines' logs here (default: a temporary directory, removed when the fleet "
+        "stops cleanly and kept, with its path logged, when something failed)",
+    )
 
 
 def _free_port() -> int:
@@ -106,20 +116,24 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
         # Once here, with the progress on this terminal, rather than in every engine process.
         resolved = fetch(args.model)
         return resolved.path, resolved.uri.default_served_name
-    demo_dir = (
-        DEFAULT_DEMO_DIR if args.demo_preset == "tiny" else DEFAULT_DEMO_DIR.with_name("demo-model-small")
-    )
+    # Simulated replicas read only the tokenizer and config: no weights (207 MB for small) for them.
+    has_weights = args.simulate is None
+    name = "demo-model" if has_weights else "demo-tokenizer"
+    demo_dir = DEFAULT_DEMO_DIR.with_name(name if args.demo_preset == "tiny" else f"{name}-small")
     if not (demo_dir / "config.json").exists():
-        logger.info("writing the %s demo model to %s (once)", args.demo_preset, demo_dir)
-        _write_demo_model(demo_dir, args.demo_preset)
+        what = "model" if has_weights else "tokenizer"
+        logger.info("writing the %s demo %s to %s (once)", args.demo_preset, what, demo_dir)
+        _write_demo_model(demo_dir, args.demo_preset, has_weights)
     return demo_dir, "demo"
 
 
-def _write_demo_model(demo_dir: Path, preset: str) -> None:
+def _write_demo_model(demo_dir: Path, preset: str, has_weights: bool) -> None:
     """`corral demo-model` in a child process: torch and transformers stay out of this one, which
     serves the gateway for as long as the fleet runs (their memory, and the native libraries'
     leak reports at exit, which triton prints once it has been imported)."""
     cmd = [sys.executable, "-m", "corral_cli.main", "demo-model", str(demo_dir), "--preset", preset]
+    if not has_weights:
+        cmd.append("--no-weights")
     if subprocess.run(cmd, check=False).returncode != 0:
         raise RuntimeError(f"writing the demo model to {demo_dir} failed (the lines above say why)")
 
@@ -230,6 +244,28 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+class _LogDir:
+    """Where the engines log: --log-dir, kept; else a temporary directory, removed once the fleet
+    stopped cleanly (an engine's log matters only when something failed)."""
+
+    def __init__(self, requested: Path | None) -> None:
+        self.requested = requested
+        self.path: Path | None = None
+
+    def create(self) -> Path:
+        self.path = self.requested or Path(tempfile.mkdtemp(prefix="corral-up-"))
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path
+
+    def close(self, *, has_failed: bool) -> None:
+        if self.path is None or self.requested is not None:
+            return
+        if has_failed:
+            logger.warning("engine logs kept in %s", self.path)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
 class _Engine:
     """One `corral engine` process: one replica, or `num_replicas` simulated ones."""
 
@@ -245,6 +281,7 @@ class _Engine:
         self.port = ports[0]
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.log_path = log_dir / f"engine-{self.port}.log"
+        self.has_exited_early = False
         argv = [sys.executable, "-m", "corral_cli.main", *log_flags, "engine", *engine_flags]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", str(num_threads)]
         if num_replicas > 1:
@@ -276,6 +313,12 @@ class _Engine:
     def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        else:
+            self.has_exited_early = True  # before `corral up` stopped it: a crash, or a failed start
+
+    def has_stopped_cleanly(self) -> bool:
+        """Stopped by our SIGTERM: its drain ended (0), or the signal came before its handler."""
+        return not self.has_exited_early and self.proc.returncode in (0, -signal.SIGTERM)
 
     def wait_or_kill(self, deadline_s: float) -> None:
         try:
@@ -371,26 +414,42 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     engines: list[_Engine] = []
+    log_dir = _LogDir(args.log_dir)
+    status = 1
+    try:
+        status = _run_fleet(args, engines, log_dir)
+        return status
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if engines:
+            logger.info("stopping %d engine process%s", len(engines), "es"[: 2 * (len(engines) != 1)])
+        _stop_engines(engines)
+        log_dir.close(has_failed=status != 0 or not all(e.has_stopped_cleanly() for e in engines))
+
+
+def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDir) -> int:
+    """Start the engines (appended to `engines`, which the caller stops), then serve the gateway
+    until Ctrl-C or SIGTERM; the exit status."""
     try:
         fleet = _fleet(args)
         problem = cannot_listen(args.host, [args.port])
         if problem is not None:  # said now, not once every engine has loaded its model
             raise ValueError(f"the gateway {problem}")
-        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="corral-up-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir.create()
         num_threads = max(1, len(os.sched_getaffinity(0)) // sum(len(f) for f in fleet.values()))
         backends: dict[str, list[str]] = {}
         log_flags = ["--log-level", str(args.log_level), "--log-format", str(args.log_format)]
         for name, replicas in fleet.items():
             for flags in replicas:
                 num_replicas = _replicas(args) if args.simulate is not None else 1
-                engines.append(_Engine(flags, num_threads, log_dir, log_flags, num_replicas))
+                engines.append(_Engine(flags, num_threads, log_path, log_flags, num_replicas))
                 backends.setdefault(name, []).extend(engines[-1].urls)
         logger.info(
-            "starting %d engine process%s (logs in %s)",
+            "starting %d engine process%s (logs in %s%s)",
             len(engines),
             "es"[: 2 * (len(engines) != 1)],
-            log_dir,
+            log_path,
+            "" if args.log_dir else ", removed at a clean stop",
         )
         _wait_ready(engines)
         name = next(iter(fleet))
@@ -416,8 +475,3 @@ def run(args: argparse.Namespace) -> int:
     except FetchError as e:
         logger.error("cannot fetch the model: %s", e.one_line())
         return e.exit_code
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if engines:
-            logger.info("stopping %d engine process%s", len(engines), "es"[: 2 * (len(engines) != 1)])
-        _stop_engines(engines)

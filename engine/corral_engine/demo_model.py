@@ -291,13 +291,15 @@ def write_demo_model(
     progress: bool = False,
     device: str = "cpu",
     max_shard_bytes: int | None = None,
+    weights: bool = True,
 ) -> pathlib.Path:
     """Write a random-weight checkpoint of `arch` to `out_dir` and return its path.
 
     Files: config.json, model.safetensors (or shards and model.safetensors.index.json),
     generation_config.json, tokenizer.json, tokenizer_config.json. `device` is where the weights are
     drawn ("cuda" makes llama3-8b's 16 GB quick); each kind of device draws its own bytes.
-    `max_shard_bytes` overrides the preset's largest safetensors file.
+    `max_shard_bytes` overrides the preset's largest safetensors file. `weights=False` writes the
+    rest only, with neither torch nor transformers: all the simulated engine reads.
     """
     p = preset_config(preset)
     cfg = build_config_dict(preset, arch, config_overrides)
@@ -311,17 +313,19 @@ def write_demo_model(
         tok.save(str(out / "tokenizer.json"), pretty=True)
         max_len = int(cfg["max_position_embeddings"])
         _write_json(out / "tokenizer_config.json", tokenizer_config(max_len, style))
-        model = _meta_model(cfg)
-        shard_limit = max_shard_bytes if max_shard_bytes is not None else p.max_shard_bytes
         # Weights an earlier checkpoint left here (other shards, or an index naming them) would be
         # read with the new ones, or in their place.
         for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
             stale.unlink(missing_ok=True)
-        _write_weights(model, out, seed, p, str(cfg["dtype"]), device, shard_limit, steps)
-        config_json = model.config.to_diff_dict()
-        config_json.pop("transformers_version", None)  # keep files identical across library versions
-        config_json["dtype"] = cfg["dtype"]
-        config_json["architectures"] = cfg["architectures"]
+        config_json = cfg
+        if weights:
+            model = _meta_model(cfg)
+            shard_limit = max_shard_bytes if max_shard_bytes is not None else p.max_shard_bytes
+            _write_weights(model, out, seed, p, str(cfg["dtype"]), device, shard_limit, steps)
+            config_json = model.config.to_diff_dict()
+            config_json.pop("transformers_version", None)  # keep files identical across library versions
+            config_json["dtype"] = cfg["dtype"]
+            config_json["architectures"] = cfg["architectures"]
         _write_json(out / "config.json", config_json)
         generation = {
             "bos_token_id": BOS_TOKEN_ID,

@@ -55,7 +55,8 @@ def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> L
         path = source.host_path.path
     if path is None:
         raise SpecError(
-            "spec.model is on a PVC, which has no local equivalent; pass the checkpoint directory explicitly"
+            "spec.model is on a PVC, which has no local equivalent; give the checkpoint directory "
+            "(corral up --model-path DIR)"
         )
     floor = spec.autoscaling.min_replicas if spec.autoscaling else 0
     return LocalFleet(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,6 +117,15 @@ def test_random_prompts_as_text_for_chat():
     assert all(isinstance(r.prompt, str) and len(r.prompt) == 10 == r.prompt_len for r in reqs)
     words = workload.random_text_prompts(3, Spec(12, 4, 0.0), seed=0)
     assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 12 for r in words)
+
+
+def test_chat_prompts_without_a_tokenizer_have_the_asked_length_in_a_small_vocabulary(
+    tiny_model_dir: Path,
+) -> None:
+    """The demo model's 1,024-entry vocabulary is the hard case: its merges cover few whole words."""
+    tokenizer = workload.HFTokenizer(tiny_model_dir)
+    requests = workload.random_text_prompts(8, Spec(64, 4, 0.5), seed=3)
+    assert [len(tokenizer.encode(str(r.prompt))) for r in requests] == [r.prompt_len for r in requests]
 
 
 def test_length_range_validation():

@@ -48,3 +48,24 @@ def test_a_failed_write_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
     (cmd,) = calls
     demo_dir = str(tmp_path / "demo-model")
     assert cmd[1:] == ["-m", "corral_cli.main", "demo-model", demo_dir, "--preset", "tiny"]
+
+
+def test_simulated_replicas_get_a_demo_tokenizer_without_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[str]] = []
+
+    def writing_run(cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(cmd_up, "DEFAULT_DEMO_DIR", tmp_path / "demo-model")
+    monkeypatch.setattr(cmd_up.subprocess, "run", writing_run)
+    parser = argparse.ArgumentParser()
+    cmd_up.add_arguments(parser)
+    args = parser.parse_args(["--simulate", "h100-llama3-8b", "--demo-preset", "small"])
+    model_dir, name = cmd_up._model_dir(args)
+    # Not the weighted demo model's directory: `up --demo` would find a checkpoint with no weights.
+    assert (model_dir, name) == (tmp_path / "demo-tokenizer-small", "demo")
+    (cmd,) = calls
+    assert cmd[3:] == ["demo-model", str(model_dir), "--preset", "small", "--no-weights"]

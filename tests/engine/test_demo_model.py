@@ -16,6 +16,8 @@ from corral_engine.demo_model import (
     write_demo_model,
 )
 from corral_engine.demo_tokenizer import EOS_TOKEN_ID
+from corral_engine.sim.host import eos_token_ids
+from corral_engine.sim.tokenizer import LightTokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 FILES = (
@@ -162,6 +164,24 @@ def test_weights_an_earlier_checkpoint_left_are_removed(tmp_path, tiny_model_dir
     write_demo_model(out, preset="tiny", seed=0)
     assert _digests(out) == _digests(tiny_model_dir)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in tiny_model_dir.iterdir())
+
+
+def test_no_weights_writes_what_the_simulator_reads_and_nothing_more(tmp_path, tiny_model_dir):
+    out = tmp_path / "tokenizer-only"
+    assert corral_main(["demo-model", str(out), "--preset", "tiny", "--no-weights", "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+    config, full_config = (json.loads((d / "config.json").read_text()) for d in (out, tiny_model_dir))
+    for key in ("architectures", "vocab_size", "max_position_embeddings", "eos_token_id", "dtype"):
+        assert config[key] == full_config[key]
+    tokenizer = LightTokenizer(out)
+    assert eos_token_ids(out, tokenizer) == (EOS_TOKEN_ID,)
 
 
 def test_cli_says_in_one_line_why_it_cannot_write(tmp_path, caplog):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from corral_engine.settings import SourceSettings
 from corral_engine.sources import FetchError, FetchOptions, parse, resolve_model
-from corral_engine.sources.cache import COMPLETE_MARKER
+from corral_engine.sources.cache import COMPLETE_MARKER, discard_failed
 from corral_engine.sources.progress import PROGRESS_EVENT
 
 from tests.sources.conftest import HF_TOKEN, HF_TOKEN_NO_ACCESS, clean_env, fetch_model, small_tmpfs
@@ -35,6 +35,7 @@ def test_fetch_verifies_marks_complete_and_then_needs_no_network(
     marker = json.loads((first.path / COMPLETE_MARKER).read_text())
     assert marker["commit"] == COMMIT and marker["uri"] == "hf://org/tiny"
     assert hub.file_gets("model.safetensors") == gets_before + 1
+    assert sorted(p.name for p in first.path.parent.iterdir()) == ["main"]  # the lock is under .locks/
 
     # Complete in the cache: no request at all, even to a Hub that is not there.
     num_requests = sum(hub.requests.values())
@@ -53,6 +54,54 @@ def test_revision_from_the_uri_or_the_flag(hub: HubStandIn, tmp_path: Path) -> N
         resolve_model(parse("hf://org/tiny@v9"), settings(hub), options)
     assert e.value.kind == "not_found" and e.value.exit_code == 3
     assert not (tmp_path / "hf" / "org" / "tiny" / "v9").exists()  # no empty entry left behind
+
+
+@pytest.mark.parametrize("is_cache_new", [True, False])
+@pytest.mark.parametrize(
+    ("uri", "endpoint"),
+    [
+        ("hf://org/missing", None),  # 404
+        ("hf://org/private", None),  # 401
+        ("hf://org/tiny@v9", None),  # no such revision
+        ("hf://org/tiny", "http://127.0.0.1:9"),  # nothing listening
+    ],
+)
+def test_a_failed_fetch_leaves_the_cache_as_it_found_it(
+    hub: HubStandIn, tmp_path: Path, uri: str, endpoint: str | None, is_cache_new: bool
+) -> None:
+    """No entry directory and no parent directories left behind (lock files live under .locks/)."""
+    cache = tmp_path / "cache"
+    if not is_cache_new:
+        (cache / "hf" / "org" / "other" / "main").mkdir(parents=True)
+        (cache / "hf" / "org" / "other" / "main" / "config.json").write_text("{}")
+
+    def model_tree() -> list[Path]:
+        return sorted(p for p in cache.rglob("*") if ".locks" not in p.relative_to(cache).parts)
+
+    before = model_tree()
+    options = FetchOptions(cache_dir=cache, show_progress=False)
+    source = SourceSettings(HF_ENDPOINT=endpoint) if endpoint else settings(hub)
+    with pytest.raises(FetchError):
+        resolve_model(parse(uri), source, options)
+    assert model_tree() == before
+
+
+def test_a_failed_download_keeps_what_arrived_for_the_next_try(tmp_path: Path) -> None:
+    """Bookkeeping alone (huggingface_hub's metadata, an empty partial file) is discarded; checkpoint
+    bytes, whole or partial, stay so that the next fetch resumes."""
+    client_state = tmp_path / "entry" / ".cache" / "huggingface" / "download"
+    client_state.mkdir(parents=True)
+    (client_state / "config.json.metadata").write_text("0123\netag\n1.0\n")
+    (client_state / "x.etag.incomplete").write_bytes(b"")
+    discard_failed(tmp_path / "entry")
+    assert not (tmp_path / "entry").exists()
+
+    for arrived in (".cache/huggingface/download/x.etag.incomplete", "config.json"):
+        entry = tmp_path / arrived.replace("/", "_")
+        (entry / arrived).parent.mkdir(parents=True)
+        (entry / arrived).write_bytes(b"{")
+        discard_failed(entry)
+        assert (entry / arrived).read_bytes() == b"{"
 
 
 @pytest.mark.parametrize(
@@ -111,6 +160,8 @@ def test_two_processes_sharing_a_cache_download_once(hub: HubStandIn, tmp_path: 
     assert outputs[0][0].splitlines()[-1] == outputs[1][0].splitlines()[-1]
     assert hub.file_gets("model.safetensors") == before + 1
     assert any("another process is fetching" in err for _, err in outputs)
+    locks = [p.relative_to(cache).as_posix() for p in cache.rglob("*.lock") if ".cache" not in p.parts]
+    assert locks == [".locks/hf--org--private--main.lock"]  # not beside the entry; not the client's own
 
 
 def test_a_full_disk_is_reported_as_such(hub: HubStandIn, tmp_path: Path) -> None:

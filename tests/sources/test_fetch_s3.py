@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from corral_engine.settings import SourceSettings
-from corral_engine.sources import FetchOptions, parse, resolve_model
+from corral_engine.sources import FetchError, FetchOptions, parse, resolve_model
 from corral_engine.sources.cache import COMPLETE_MARKER
 
 from tests.sources.conftest import BUCKET, PREFIX, clean_env, fetch_model, small_tmpfs
@@ -67,3 +67,20 @@ def test_a_full_disk_is_reported_as_such(s3: S3Server, tmp_path: Path) -> None:
     )
     assert done.returncode == 5, done.stderr
     assert "DiskFull" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("uri", "override"),
+    [
+        (f"s3://{BUCKET}/no/such/prefix", {}),
+        (URI, {"AWS_SECRET_ACCESS_KEY": "wrongSecretKey/abcdefghijklmnop"}),
+    ],
+)
+def test_a_failed_fetch_leaves_no_model_folders_in_the_cache(
+    s3: S3Server, tmp_path: Path, uri: str, override: dict[str, str]
+) -> None:
+    cache = tmp_path / "cache"
+    options = FetchOptions(cache_dir=cache, show_progress=False)
+    with pytest.raises(FetchError):
+        resolve_model(parse(uri), SourceSettings(**{**s3.env(), **override}), options)
+    assert [p.name for p in cache.iterdir()] == [".locks"]  # its lock file only

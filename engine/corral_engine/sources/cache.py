@@ -1,6 +1,6 @@
 """The model cache: one directory per source and revision, a lock so that processes sharing the cache
 (replicas on one PVC) download an entry once, a marker written atomically when the entry is complete,
-and the check that a directory holds a loadable checkpoint."""
+what a failed download leaves, and the check that a directory holds a loadable checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".corral-complete.json"
 LOCK_SUFFIX = ".lock"
+LOCKS_DIR = ".locks"  # under the cache directory
 # Files a checkpoint may have that the engine reads; sources download only these.
 ALLOW_PATTERNS = (
     "*.safetensors",
@@ -35,6 +37,9 @@ ALLOW_PATTERNS = (
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# huggingface_hub's bookkeeping inside a download directory; its partial files there end in .incomplete.
+CLIENT_STATE_DIR = ".cache"
+PARTIAL_SUFFIX = ".incomplete"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +86,14 @@ def mark_complete(entry: Path, uri: ModelUri, commit: str | None, files: list[Ex
 
 
 @contextlib.contextmanager
-def entry_lock(entry: Path) -> Iterator[None]:
-    """Hold the entry's lock (a file beside it: fcntl locks, which NFS v4 and local disks honour)."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(entry) + LOCK_SUFFIX)
+def entry_lock(cache_dir: Path, entry: Path) -> Iterator[None]:
+    """Hold the entry's lock: an fcntl lock (local disks and NFS v4 honour it) on a file under the
+    cache's `.locks/`, as huggingface_hub keeps its own, so the model tree holds checkpoints only
+    and a failed fetch leaves no lock beside them. Lock files stay: deleting one a waiter has open
+    would let two processes hold "the" lock."""
+    name = entry.relative_to(cache_dir).as_posix().replace("/", "--") + LOCK_SUFFIX
+    (cache_dir / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(cache_dir / LOCKS_DIR / name))
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -94,6 +103,46 @@ def entry_lock(entry: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def missing_dirs(directory: Path) -> list[Path]:
+    """`directory` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    for path in (directory, *directory.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return missing
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """rmdir each of `directories` (deepest first) that is empty; one that is not stays."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+def discard_failed(entry: Path) -> None:
+    """After a failed download: an entry holding checkpoint bytes stays, for the next try to resume
+    it; one holding none (the listing failed, or nothing arrived) is removed with the clients'
+    bookkeeping, so the cache is as the fetch found it."""
+    if has_downloaded_bytes(entry):
+        log.info("the partial download stays in %s; the next fetch resumes it", entry)
+    else:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def has_downloaded_bytes(entry: Path) -> bool:
+    """Any checkpoint bytes in `entry`: whole files, boto3's temporary ones beside them, or
+    huggingface_hub's partial files (under its state directory, next to its metadata)."""
+    for path in entry.rglob("*"):
+        is_client_state = CLIENT_STATE_DIR in path.relative_to(entry).parts
+        if is_client_state and path.suffix != PARTIAL_SUFFIX:
+            continue
+        with contextlib.suppress(OSError):  # removed while we looked
+            if path.is_file() and path.stat().st_size > 0:
+                return True
+    return False
 
 
 def forget_damaged(directory: Path, expected: list[ExpectedFile]) -> None:

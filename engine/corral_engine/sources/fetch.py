@@ -5,7 +5,6 @@ pvc:// reads <pvc_root>/CLAIM/PATH where the claim is mounted; a local path is u
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,24 +54,28 @@ def resolve_model(
         cache.verify_checkpoint(path)
         return ResolvedModel(uri, path, was_downloaded=False)
     endpoint = (options.s3_endpoint or settings.aws_endpoint_url) if uri.scheme == "s3" else None
-    entry = cache.entry_dir(options.cache_dir or settings.cache_dir, uri, endpoint)
+    cache_dir = options.cache_dir or settings.cache_dir
+    entry = cache.entry_dir(cache_dir, uri, endpoint)
     if cache.is_complete(entry):
         log.info("%s is in the cache at %s", uri.text, entry)
         return ResolvedModel(uri, entry, was_downloaded=False)
+    new_dirs = cache.missing_dirs(entry.parent)  # removed again if the fetch fails
     try:
-        with cache.entry_lock(entry):
+        with cache.entry_lock(cache_dir, entry):
             if cache.is_complete(entry):  # another process finished it while we waited
                 return ResolvedModel(uri, entry, was_downloaded=False)
-            _download(uri, settings, options, entry)
+            try:
+                _download(uri, settings, options, entry)
+            except BaseException:  # Ctrl-C too: whatever arrived stays for the next try
+                cache.discard_failed(entry)
+                raise
     except OSError as e:
-        _remove_if_empty(entry)
         full = disk_error(e)
         if full is not None:
             raise full from e
         raise FetchError("error", f"cannot write the cache at {entry}: {e.strerror or e}") from e
-    except FetchError:
-        _remove_if_empty(entry)  # a partial download stays, for the next try to resume
-        raise
+    finally:
+        cache.remove_empty(new_dirs)  # a complete entry keeps them
     return ResolvedModel(uri, entry, was_downloaded=True)
 
 
@@ -100,11 +103,6 @@ def _download(uri: ModelUri, settings: SourceSettings, options: FetchOptions, en
     cache.verify_files(entry, files)
     cache.mark_complete(entry, uri, commit, files)
     log.info("%s is complete in the cache", uri.text)
-
-
-def _remove_if_empty(entry: Path) -> None:
-    with contextlib.suppress(OSError):
-        entry.rmdir()
 
 
 def _progress(uri: ModelUri, entry: Path, files: list[cache.ExpectedFile], options: FetchOptions) -> Progress:
