@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with -f: the checkpoint directory to serve, in place of the file's model source "
         "(needed for a PVC source)",
     )
-    parser.add_argument("--demo-preset", choices=("tiny", "small"), default="tiny", help="demo model size")
+    parser.add_argument(
+        "--demo-preset", choices=("tiny", "small"), default=None, help="demo model size (default: tiny)"
+    )
     parser.add_argument(
         "--replicas",
         type=int,
@@ -119,11 +121,12 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     # Simulated replicas read only the tokenizer and config: no weights (207 MB for small) for them.
     has_weights = args.simulate is None
     name = "demo-model" if has_weights else "demo-tokenizer"
-    demo_dir = DEFAULT_DEMO_DIR.with_name(name if args.demo_preset == "tiny" else f"{name}-small")
+    preset = args.demo_preset or "tiny"
+    demo_dir = DEFAULT_DEMO_DIR.with_name(name if preset == "tiny" else f"{name}-small")
     if not (demo_dir / "config.json").exists():
         what = "model" if has_weights else "tokenizer"
-        logger.info("writing the %s demo %s to %s (once)", args.demo_preset, what, demo_dir)
-        _write_demo_model(demo_dir, args.demo_preset, has_weights)
+        logger.info("writing the %s demo %s to %s (once)", preset, what, demo_dir)
+        _write_demo_model(demo_dir, preset, has_weights)
     return demo_dir, "demo"
 
 
@@ -199,6 +202,8 @@ def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
                 raise ValueError(f"{flag} does not combine with -f: the LLMDeployment in the file sets it")
     elif args.model_path is not None:
         raise ValueError("--model-path is for -f (a PVC model source's checkpoint directory)")
+    if args.demo_preset is not None and (args.file is not None or args.model is not None):
+        raise ValueError("--demo-preset picks the demo model's size; it does not combine with -f or --model")
     if args.file is not None:
         from corral_operator.local import local_fleets
 

@@ -78,6 +78,8 @@ def test_up_simulate_runs_every_replica_in_one_engine_process(tmp_path: Path) ->
             "--served-model-name",
         ),
         (["--demo", "--model-path", "/models/x"], "--model-path"),
+        (["-f", str(EXAMPLE), "--model-path", "/models/x", "--demo-preset", "small"], "--demo-preset"),
+        (["--model", "/models/x", "--demo-preset", "small"], "--demo-preset"),
     ],
 )
 def test_flags_the_file_would_overrule_are_refused(argv: list[str], says: str) -> None:
