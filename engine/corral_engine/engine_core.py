@@ -79,21 +79,37 @@ class CoreInfo:
     stats: EngineStats
 
 
+def _pack_metrics(m: RequestMetrics, is_finished: bool) -> tuple[Any, ...]:
+    """The metrics' fields in order; a child per sequence (n > 1) only in a final output, the one
+    the server's request metrics read."""
+    children = None
+    if is_finished and m.children is not None:
+        children = [_pack_metrics(c, False) for c in m.children]
+    return (
+        m.arrival_time,
+        m.first_scheduled_time,
+        m.first_token_time,
+        m.last_token_time,
+        m.finished_time,
+        m.num_preemptions,
+        m.num_cached_tokens,
+        children,
+    )
+
+
+def _unpack_metrics(fields: tuple[Any, ...]) -> RequestMetrics:
+    m = RequestMetrics(*fields[:-1])
+    if fields[-1] is not None:
+        m.children = [_unpack_metrics(c) for c in fields[-1]]
+    return m
+
+
 def pack_outputs(outputs: list[RequestOutput]) -> list[_Packed]:
     """Plain tuples: pickled several times faster than the dataclasses (256 outputs: ~0.5 ms against
     ~1.6 ms on the 2 vCPU AMD EPYC), and the prompt's token ids left out."""
     packed = []
     for o in outputs:
-        m = o.metrics
-        metrics = (
-            m.arrival_time,
-            m.first_scheduled_time,
-            m.first_token_time,
-            m.last_token_time,
-            m.finished_time,
-            m.num_preemptions,
-            m.num_cached_tokens,
-        )
+        metrics = _pack_metrics(o.metrics, o.finished)
         completions = [
             (
                 c.index,
@@ -270,7 +286,7 @@ class EngineCoreClient(StreamFront):
                     prompt,
                     [CompletionOutput(*c) for c in completions],
                     finished,
-                    RequestMetrics(*metrics),
+                    _unpack_metrics(metrics),
                     prompt_logprobs,
                 )
             )

@@ -16,11 +16,13 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class QueueFullError(EngineError):
-    """The waiting queue is at max_waiting (429); retry after `retry_after_s`."""
+    """The waiting queue is at max_waiting (429); retry after `retry_after_s`. `num_waiting`: the
+    requests waiting when it refused, those handed to the step loop since its last step included."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after_s: float = 1.0, num_waiting: int | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.num_waiting = num_waiting
 
 
 class EngineDeadError(EngineError):

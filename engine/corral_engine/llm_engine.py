@@ -137,7 +137,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             arrival_order=next(self._arrivals),
-            metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+            metrics=RequestMetrics.for_sequences(arrival_time or time.monotonic(), params.n),
         )
         request.seqs = [
             Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))
@@ -332,18 +332,21 @@ class LLMEngine:
     def _detokenize(self, request: Request, counts: dict[int, int]) -> None:
         """Detokenize the request's new tokens; a stop string ends its sequence there, and any
         tokens after it (accepted drafts) are dropped, as if they had never been appended."""
+        children = request.metrics.children
         for seq in request.seqs:
             num_new = counts.get(seq.seq_id, 0)
             num_dropped = self.output_processor.detokenize(seq, num_new) if num_new else None
-            if num_dropped is None:
-                continue
-            if num_dropped:
-                del seq.token_ids[-num_dropped:]
-                del seq.logprobs[seq.num_output_tokens :]
-                counts[seq.seq_id] = num_new - num_dropped
-                self._stats.num_generation_tokens_total -= num_dropped
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
+            if num_dropped is not None:
+                if num_dropped:
+                    del seq.token_ids[-num_dropped:]
+                    del seq.logprobs[seq.num_output_tokens :]
+                    counts[seq.seq_id] = num_new - num_dropped
+                    self._stats.num_generation_tokens_total -= num_dropped
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+            if children is not None and num_new and seq.is_finished:
+                # A child request (n > 1) ends with its text, as the request does in _finish_request.
+                children[seq.index].finished_time = time.monotonic()
 
     def _record_prompt_logprobs(self, scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
         raw = torch.log_softmax(logits, dim=-1).cpu()  # [rows, V]
@@ -387,9 +390,10 @@ class LLMEngine:
                 break
         counts[seq.seq_id] = counts.get(seq.seq_id, 0) + num_appended
         self._stats.num_generation_tokens_total += num_appended
-        if self.last_step_latencies.tokens_made(request.metrics, now, num_appended):
+        if self.last_step_latencies.tokens_made(request.metrics, now, num_appended, seq.index):
             # Counted once its prefill is done, as vLLM does: the counter's rate is prefill work,
             # not arrivals (a burst of 200 requests would otherwise look like one busy interval).
+            # Once per sequence, as vLLM v1 counts each child request's prompt.
             self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
         if seq.is_finished:
             return
@@ -406,7 +410,7 @@ class LLMEngine:
             )
 
     def _finish_request(self, request: Request, output: RequestOutput) -> RequestOutput:
-        request.metrics.finished_time = time.monotonic()
+        request.metrics.finish(time.monotonic())
         for seq in request.seqs:
             self.output_processor.release(seq.seq_id)
             self.sampler.release(seq.seq_id)

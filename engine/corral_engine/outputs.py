@@ -37,7 +37,13 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timestamps in seconds (time.monotonic) and per-request counts."""
+    """Timestamps in seconds (time.monotonic) and per-request counts.
+
+    With n > 1, `children` holds each sequence's own, in index order: vLLM v1 fans such a request
+    out into a child request per sequence, each timed and counted in the metrics as a request, and
+    so do the metrics here. A child's token times and end are its own; its arrival, queue wait and
+    first scheduling are the request's (the sequences share one prefill). The request's own token
+    times span its sequences' (the first token of any, the last of any)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -46,6 +52,27 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    children: list[RequestMetrics] | None = None
+
+    @classmethod
+    def for_sequences(cls, arrival_time: float, num_seqs: int) -> RequestMetrics:
+        """A new request's metrics, with a child per sequence where it has several."""
+        if num_seqs == 1:
+            return cls(arrival_time)
+        return cls(arrival_time, children=[cls(arrival_time) for _ in range(num_seqs)])
+
+    def child(self, index: int) -> RequestMetrics:
+        """Sequence `index`'s metrics: its child's, or the request's own where it has one sequence."""
+        return self if self.children is None else self.children[index]
+
+    def finish(self, now: float) -> None:
+        """Stamp the request's end. Its children that have not ended (aborted, or the last to
+        finish) end now too, and all take its first scheduling: their shared prefill's."""
+        self.finished_time = now
+        for child in self.children or ():
+            child.first_scheduled_time = self.first_scheduled_time
+            if child.finished_time is None:
+                child.finished_time = now
 
 
 @dataclass(slots=True)
@@ -58,12 +85,17 @@ class StepLatencies:
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
 
-    def tokens_made(self, metrics: RequestMetrics, now: float, num_tokens: int) -> bool:
-        """Stamp a request's metrics with a sequence's `num_tokens` new tokens made at `now`
+    def tokens_made(self, metrics: RequestMetrics, now: float, num_tokens: int, index: int = 0) -> bool:
+        """Stamp a request's metrics with sequence `index`'s `num_tokens` new tokens made at `now`
         (called once per sequence that gained any) and keep the latencies they add: the time to
-        its first token, or the gap since its last ones, split evenly over the tokens made
-        together (accepted drafts). A request's other sequences in the same step add nothing.
-        True for the request's first tokens."""
+        the sequence's first token, or the gap since its last ones, split evenly over the tokens
+        made together (accepted drafts). Each of a request's n sequences counts as a request of its
+        own (`RequestMetrics.children`). True for the sequence's first tokens."""
+        if metrics.children is not None:  # the request's span, then the child's own times
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics = metrics.children[index]
         last = metrics.last_token_time
         metrics.last_token_time = now
         if last is None:

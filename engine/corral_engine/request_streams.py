@@ -34,7 +34,9 @@ class RequestStreams(dict[str, "Queue | _Listening"]):
         if request_id in self:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if max_waiting is not None and num_waiting >= max_waiting:
-            raise QueueFullError(f"the engine's waiting queue is full ({max_waiting} requests)", 1.0)
+            raise QueueFullError(
+                f"the engine's waiting queue is full ({max_waiting} requests)", 1.0, num_waiting
+            )
 
     def open(self, request_id: str, abort: Callable[[str], None]) -> AsyncIterator[RequestOutput]:
         """Register the request's queue and return its stream; leaving the stream before the

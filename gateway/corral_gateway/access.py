@@ -5,9 +5,12 @@ key); prompts, completions and the keys themselves never do."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from corral_engine import wire
 from opentelemetry.trace import Span
 
 from corral_gateway import tracing
@@ -15,6 +18,14 @@ from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.quota import ReportedUsage
 
 logger = logging.getLogger(__name__)
+
+
+def request_id_for(headers: Mapping[str, str]) -> str:
+    """The request's id: the client's `x-request-id` where valid, else a new one. New ones are
+    random (128 bits from the OS, ~1 us), as vLLM's and OpenAI's are: the engine shows the id in
+    the response's `id`, so it must not tell a client how many requests came before or let it
+    guess another client's."""
+    return wire.valid_request_id(headers.get(wire.HEADER_REQUEST_ID)) or secrets.token_hex(16)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from corral_engine import wire
 from fastapi import FastAPI, Request
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from corral_gateway.access import AccessLog
+from corral_gateway.access import AccessLog, request_id_for
 from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.errors import (
     GatewayError,
@@ -32,7 +34,7 @@ from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import KubernetesWatcher
 from corral_gateway.k8s_wake import Waker
 from corral_gateway.metrics import GatewayMetrics
-from corral_gateway.proxy import ProxyDeps, proxy
+from corral_gateway.proxy import ProxyDeps, proxy, with_request_id
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import Upstream, UpstreamConfig
 
@@ -92,7 +94,8 @@ class GatewayApp:
     methods on the two generation routes get 405), everything else to FastAPI.
 
     Skipping FastAPI's middleware stack matters on the hot path: every streamed chunk would
-    otherwise pass through each middleware's `send` wrapper.
+    otherwise pass through each middleware's `send` wrapper. For the same reason the proxy puts
+    `x-request-id` on its answers itself; every other response gets it from a wrapper here.
     """
 
     def __init__(self, api: FastAPI, deps: dict[str, ProxyDeps]) -> None:
@@ -106,7 +109,19 @@ class GatewayApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._cors(scope, receive, send)
+        # A proxied request's answers carry the id the proxy took; every other response (a route
+        # of FastAPI's, a 405 on a generation route, a browser's preflight) gets one here.
+        if scope["type"] != "http" or (scope["method"] == "POST" and is_proxied("POST", scope["path"])):
+            await self._cors(scope, receive, send)
+            return
+        request_id = request_id_for(Headers(scope=scope))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).setdefault(wire.HEADER_REQUEST_ID, request_id)
+            await send(message)
+
+        await self._cors(scope, receive, send_with_id)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and is_proxied(scope["method"], scope["path"]):
@@ -121,6 +136,8 @@ class GatewayApp:
 
     async def _proxy(self, deps: ProxyDeps, scope: Scope, receive: Receive, send: Send) -> None:
         is_started = False
+        request = Request(scope, receive)
+        request_id = request_id_for(request.headers)
 
         async def deliver(response: Response) -> None:
             nonlocal is_started
@@ -128,12 +145,13 @@ class GatewayApp:
             await response(scope, receive, send)
 
         try:
-            await proxy(deps, Request(scope, receive), scope["path"], deliver)
+            await proxy(deps, request, scope["path"], request_id, deliver)
         except Exception:  # the edge's last resort: a bug must still answer in OpenAI's shape
             if is_started:
                 raise  # too late for another answer: the server logs it and closes the connection
-            logger.exception("unexpected error proxying %s", scope["path"])
-            await error_response(GatewayError("Internal gateway error."))(scope, receive, send)
+            logger.exception("request %s: unexpected error proxying %s", request_id, scope["path"])
+            failed = with_request_id(error_response(GatewayError("Internal gateway error.")), request_id)
+            await failed(scope, receive, send)
 
 
 def create_app(settings: GatewaySettings) -> GatewayApp:

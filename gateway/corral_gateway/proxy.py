@@ -8,10 +8,8 @@ byte (`passthrough`). The lease on a replica is held until the answer has been d
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -49,16 +47,9 @@ logger = logging.getLogger(__name__)
 
 PRIORITY_HEADER = "x-corral-priority"
 MAX_ABS_PRIORITY = 1000
-# Request ids: a random prefix per process and a counter (uuid4 per request reads os.urandom).
-_ID_PREFIX = uuid.uuid4().hex[:16]
-_ID_COUNTER = itertools.count()
 
 # Sends a response to the client (the caller knows, from it being called, that the response began).
 Deliver = Callable[[Response], Awaitable[None]]
-
-
-def _new_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +76,11 @@ class _Ticket:
     block_hashes: tuple[int, ...] = ()
 
 
-async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) -> None:
+async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, deliver: Deliver) -> None:
     """Answer one proxied request through `deliver`; every error the gateway knows is answered in
     OpenAI's shape (an unexpected one propagates, for the app's last resort)."""
     arrived_s = time.perf_counter()
     start_s = time.monotonic()
-    request_id = wire.valid_request_id(request.headers.get(wire.HEADER_REQUEST_ID)) or _new_request_id()
     model, key_name = "unknown", ""
     span = tracing.start_request_span(request.headers, request.method, path, request_id)
     try:
@@ -133,7 +123,7 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, deliver: Deliver) 
         deps.metrics.rejected.labels(model, e.code or e.error_type).inc()
         origin = Origin(model, request_id, start_s, key_name, span)
         deps.access.finished(origin, "", str(e.status_code), None)
-        await deliver(_with_request_id(error_response(e), request_id))
+        await deliver(with_request_id(error_response(e), request_id))
 
 
 async def _forward(
@@ -282,6 +272,6 @@ def _upstream_headers(
     return headers
 
 
-def _with_request_id(response: Response, request_id: str) -> Response:
+def with_request_id(response: Response, request_id: str) -> Response:
     response.headers[wire.HEADER_REQUEST_ID] = request_id
     return response

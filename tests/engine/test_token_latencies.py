@@ -22,13 +22,11 @@ def test_tokens_made_keeps_the_first_token_time_then_each_gap() -> None:
     metrics = RequestMetrics(arrival_time=10.0)
     step = StepLatencies()
     assert step.tokens_made(metrics, 10.5, 1) is True
-    assert step.tokens_made(metrics, 10.5, 1) is False  # the request's second sequence, same step
     assert (step.ttft_s, step.itl_s) == ([0.5], [])
     assert (metrics.first_token_time, metrics.last_token_time) == (10.5, 10.5)
 
     step = StepLatencies()
     assert step.tokens_made(metrics, 10.75, 1) is False
-    assert step.tokens_made(metrics, 10.75, 2) is False  # the other sequence: counted once
     assert (step.ttft_s, step.itl_s) == ([], [0.25])
     step = StepLatencies()
     step.tokens_made(metrics, 11.75, 4)  # one draft step made four tokens: the gap split over them
@@ -36,23 +34,52 @@ def test_tokens_made_keeps_the_first_token_time_then_each_gap() -> None:
     assert (metrics.first_token_time, metrics.last_token_time) == (10.5, 11.75)
 
 
+def test_each_sequence_of_n_counts_as_a_request_of_its_own() -> None:
+    """vLLM v1's child requests: each sequence has its own first token and gaps; the request's
+    times span its sequences'."""
+    metrics = RequestMetrics.for_sequences(10.0, 2)
+    step = StepLatencies()
+    assert step.tokens_made(metrics, 10.5, 1, index=0) is True
+    assert (step.ttft_s, step.itl_s) == ([0.5], [])
+    step = StepLatencies()
+    assert step.tokens_made(metrics, 10.75, 1, index=0) is False
+    assert step.tokens_made(metrics, 10.75, 1, index=1) is True  # the fork's first token
+    assert (step.ttft_s, step.itl_s) == ([0.75], [0.25])
+    step = StepLatencies()
+    step.tokens_made(metrics, 11.0, 1, index=0)
+    step.tokens_made(metrics, 11.0, 1, index=1)
+    assert (step.ttft_s, step.itl_s) == ([], [0.25, 0.25])
+    assert metrics.children is not None
+    first, second = metrics.children
+    assert (first.first_token_time, first.last_token_time) == (10.5, 11.0)
+    assert (second.first_token_time, second.last_token_time) == (10.75, 11.0)
+    assert (metrics.first_token_time, metrics.last_token_time) == (10.5, 11.0)
+    metrics.first_scheduled_time = 10.25
+    first.finished_time = 11.0
+    metrics.finish(11.5)  # the other one ends with the request, and both take its scheduling
+    assert (first.first_scheduled_time, first.finished_time) == (10.25, 11.0)
+    assert (second.first_scheduled_time, second.finished_time) == (10.25, 11.5)
+
+
 def _run(
     engine: LLMEngine, request_id: str
-) -> tuple[list[RequestOutput], list[float], list[float], list[float]]:
-    """Step until done: outputs, every step's TTFTs and gaps, and the request's last token time
-    after each step that made tokens (read from the engine, not from the outputs)."""
+) -> tuple[list[RequestOutput], list[float], list[float], list[list[float]]]:
+    """Step until done: outputs, every step's TTFTs and gaps, and each sequence's last token time
+    after each step that made it tokens (read from the engine, not from the outputs)."""
     outputs: list[RequestOutput] = []
     ttfts: list[float] = []
     gaps: list[float] = []
-    stamps: list[float] = []
+    request = engine.requests[request_id]
+    children = request.metrics.children or [request.metrics]
+    stamps: list[list[float]] = [[] for _ in children]
     while engine.has_unfinished_requests():
-        request = engine.requests.get(request_id)
         outputs += engine.step()
         ttfts += engine.last_step_latencies.ttft_s
         gaps += engine.last_step_latencies.itl_s
-        last = request.metrics.last_token_time if request is not None else None
-        if last is not None and (not stamps or stamps[-1] != last):
-            stamps.append(last)
+        for child, seen in zip(children, stamps, strict=True):
+            last = child.last_token_time
+            if last is not None and (not seen or seen[-1] != last):
+                seen.append(last)
     return outputs, ttfts, gaps, stamps
 
 
@@ -76,17 +103,20 @@ def test_every_step_gap_is_kept_however_few_outputs_go_out(
     outputs, ttfts, gaps, stamps = _run(engine, "r")
 
     metrics = outputs[-1].metrics
-    assert metrics.first_token_time is not None
-    assert len(stamps) >= 10  # ten tokens per sequence (the second one forks after the first token)
-    assert ttfts == [metrics.first_token_time - metrics.arrival_time]
-    # One gap per step after the first (not per sequence), each the step's own.
-    assert gaps == [later - earlier for earlier, later in itertools.pairwise(stamps)]
+    assert metrics.children is not None and len(metrics.children) == 2
+    # Ten tokens per sequence, each at its own step (the second one forks after the first token).
+    assert [len(seen) for seen in stamps] == [10, 10]
+    # Each sequence is a request of its own (vLLM v1's child requests): its own time to first
+    # token, then one gap per step after it, each the step's own.
+    assert ttfts == [c.first_token_time - c.arrival_time for c in metrics.children]  # type: ignore[operator]
+    assert sorted(gaps) == sorted(b - a for seen in stamps for a, b in itertools.pairwise(seen))
+    assert len(gaps) == 2 * 9
     if output_kind == "final_only":
         assert len(outputs) == 1
     elif output_kind == "delta" and stream_interval > 1:
-        assert 1 < len(outputs) < len(stamps)
+        assert 1 < len(outputs) < len(set(stamps[0] + stamps[1]))
     else:
-        assert len(outputs) == len(stamps)  # an output per step (cumulative ones are never held)
+        assert len(outputs) == len(set(stamps[0] + stamps[1]))  # an output per step that made tokens
 
 
 def test_final_only_sends_one_output_holding_everything(tiny_model_dir: pathlib.Path) -> None:

@@ -56,6 +56,42 @@ async def test_invalid_incoming_id_is_replaced_before_it_reaches_engine_or_logs(
     assert r.headers[wire.HEADER_REQUEST_ID] == sent
 
 
+async def test_every_response_carries_a_request_id() -> None:
+    """The gateway's own answers too: an unknown model's 404 on /v1/models/{id}, the model list,
+    health, a wrong method on a generation route, a browser's preflight; a valid client id is
+    adopted there as on proxied requests."""
+    async with fleet([FakeEngine()]) as (client, _):
+        answers = [
+            await client.get("/v1/models/nope"),
+            await client.get("/v1/models"),
+            await client.get("/health"),
+            await client.get("/v1/completions"),
+            await client.options(
+                "/v1/completions",
+                headers={"origin": "http://ui.example", "access-control-request-method": "POST"},
+            ),
+        ]
+        adopted = await client.get("/v1/models/nope", headers={"x-request-id": "client-8"})
+    assert [r.status_code for r in answers] == [404, 200, 200, 405, 200]
+    for r in answers:
+        assert wire.valid_request_id(r.headers.get(wire.HEADER_REQUEST_ID)), r.url
+    assert adopted.headers[wire.HEADER_REQUEST_ID] == "client-8"
+
+
+async def test_minted_request_ids_are_random() -> None:
+    """The engine shows the id in the response's `id`: a minted one is 128 random bits (uuid4's
+    size, as vLLM's and OpenAI's ids are random), not a process prefix and a counter that would
+    tell a client how busy the gateway is and where to guess other clients' ids."""
+    engine = FakeEngine()
+    async with fleet([engine]) as (client, _):
+        for _ in range(3):
+            await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    ids = [h[wire.HEADER_REQUEST_ID] for h in engine.headers_seen]
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    # Random ids share no prefix worth the name (a chance of 3 in 2^64 that they do).
+    assert len({i[:16] for i in ids}) == 3
+
+
 async def test_access_log_can_be_turned_off(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, ACCESS_LOGGER)
     async with fleet([FakeEngine()], access_log=False) as (client, _):

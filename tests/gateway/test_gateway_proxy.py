@@ -393,8 +393,10 @@ async def test_an_unexpected_bug_still_answers_openai_shaped_500(monkeypatch: An
 
     monkeypatch.setattr("corral_gateway.proxy.peek_request", broken)
     async with fleet([FakeEngine()]) as (client, _):
-        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        headers = {"x-request-id": "client-9"}
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
         assert response.status_code == 500 and response.json()["error"]["type"] == "internal_error"
+        assert response.headers["x-request-id"] == "client-9"
         assert (await client.get("/health")).status_code == 200
 
 

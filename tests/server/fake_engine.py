@@ -30,7 +30,8 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Special tokens decode to nothing, asked to or not."""
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def get_vocab(self) -> dict[str, int]:

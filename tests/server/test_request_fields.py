@@ -218,6 +218,27 @@ async def test_echo_best_of_truncation_and_special_tokens(client: openai.AsyncOp
     assert bos.usage and no_bos.usage and bos.usage.prompt_tokens == no_bos.usage.prompt_tokens + 1
 
 
+async def test_echo_text_offsets_index_the_returned_text(client: openai.AsyncOpenAI, tokenizer: Any) -> None:
+    """Each token's text_offset is where its text starts in the choice's text: the BOS the
+    tokenizer adds takes no room there (it is no part of the echoed prompt, given as text or ids)."""
+    given = "Hello world"
+    ids = tokenizer.encode(given)
+    assert ids[0] == tokenizer.bos_token_id
+    for prompt in (given, ids):
+        c = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
+        )
+        text, lp = c.choices[0].text, c.choices[0].logprobs
+        assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+        assert text.startswith(given) and lp.tokens[0] == tokenizer.bos_token
+        # Each prompt token starts after the text of those before it; the first generated one
+        # after the whole prompt.
+        starts = [len(tokenizer.decode(ids[1:q])) for q in range(len(ids))]
+        assert lp.text_offset[: len(ids) + 1] == [*starts, len(given)]
+        for token, offset in zip(lp.tokens[1 : len(ids)], lp.text_offset[1 : len(ids)], strict=True):
+            assert text[offset : offset + len(token)] == token
+
+
 async def test_template_fields_reach_the_chat_template(client: openai.AsyncOpenAI) -> None:
     async def prompt_tokens(messages: Any = ASK, **body: Any) -> int:
         r = await client.chat.completions.create(

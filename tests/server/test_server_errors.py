@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -131,6 +132,42 @@ async def test_unknown_route_and_method_are_json_errors(client: httpx.AsyncClien
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     r = await client.get("/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
+
+
+async def test_a_429_counts_the_requests_it_was_refused_behind(tiny_model_dir: pathlib.Path) -> None:
+    """The load headers are the last step's, but a queue-full 429 reports the queue it was refused
+    on: requests handed to the step loop since that step count (the step's count reads 0)."""
+    from corral_engine import AsyncEngine, EngineArgs, SamplingParams
+
+    args = EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_waiting=2)
+    engine = AsyncEngine(args)
+    in_step, release = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def held_step() -> Any:  # the step loop stays in its step, taking no new request in
+        in_step.set()
+        release.wait(30.0)
+        return real_step()
+
+    engine.engine.step = held_step  # type: ignore[method-assign]
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        streams = [engine.add_request("running", [1, 2, 3], params)]
+        assert await asyncio.to_thread(in_step.wait, 30.0)
+        streams += [engine.add_request(f"queued-{i}", [1, 2, 3], params) for i in range(2)]
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+                body = {"model": engine.served_model_name, "prompt": [1, 2], "max_tokens": 2}
+                r = await client.post(C, json=body)
+            assert r.status_code == 429 and engine.stats().num_waiting == 0
+        finally:
+            release.set()
+        assert r.headers[wire.HEADER_NUM_WAITING] == "2"
+        for stream in streams:
+            async for _ in stream:
+                pass
 
 
 async def test_queue_full_is_429_with_retry_after_and_a_requests_prompts_get_in_together() -> None:

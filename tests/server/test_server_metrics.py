@@ -11,6 +11,7 @@ from corral_engine import wire
 from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepLatencies
 from corral_engine.server import create_app
 from corral_engine.server.metrics import ITERATION_TOKENS_BUCKETS, ITL_BUCKETS_S, ServerMetrics, StepHistogram
+from corral_engine.settings import EngineSettings
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -232,3 +233,87 @@ def test_the_serving_process_reports_its_own_memory_as_vllms_does() -> None:
     metrics = ServerMetrics(lambda: EngineStats(), "m", 128)
     for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
         assert (metrics.registry.get_sample_value(name) or 0) > 0, name
+
+
+def test_each_sequence_of_a_request_is_observed_as_a_request() -> None:
+    """n > 1: each sequence is a child request with its own token times and end (vLLM v1); an
+    aborted one is left out, as a whole aborted request is."""
+    metrics = ServerMetrics(EngineStats, MODEL, 64)
+    times = RequestMetrics.for_sequences(0.0, 2)
+    assert times.children is not None
+    times.first_scheduled_time = 1.0
+    times.children[0].first_token_time, times.children[0].last_token_time = 1.5, 2.5
+    times.children[1].first_token_time, times.children[1].last_token_time = 2.0, 2.5
+    times.children[0].finished_time = 2.5
+    times.finish(3.0)
+    outputs = [CompletionOutput(i, "x", [1] * (3 - i), "", [], finish_reason="length") for i in range(2)]
+    metrics.observe_finished(RequestOutput("r", [1, 2, 3], outputs, finished=True, metrics=times))
+    outputs[1].finish_reason = "abort"
+    metrics.observe_finished(RequestOutput("r2", [1, 2, 3], outputs, finished=True, metrics=times))
+    got = families(metrics.render().decode())
+
+    def count_sum(name: str) -> tuple[float, float]:
+        return got[name][1][name + "_count"], got[name][1][name + "_sum"]
+
+    assert count_sum(wire.E2E_REQUEST_LATENCY_SECONDS) == (3, 2.5 + 3.0 + 2.5)
+    assert count_sum(wire.REQUEST_QUEUE_TIME_SECONDS) == (3, 3.0)
+    assert count_sum(wire.REQUEST_PROMPT_TOKENS) == (3, 9)
+    assert count_sum(wire.REQUEST_GENERATION_TOKENS) == (3, 3 + 2 + 3)
+    assert count_sum(wire.REQUEST_PREFILL_TIME_SECONDS) == (3, 0.5 + 1.0 + 0.5)
+    assert count_sum(wire.REQUEST_DECODE_TIME_SECONDS) == (3, 1.0 + 0.5 + 1.0)
+    assert count_sum(wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS) == (3, 0.5 + 0.5 + 0.5)
+
+
+def _request_samples(text: str) -> dict[tuple[str, str], float]:
+    """(sample name, its `finished_reason` or `le` label) -> value, for the single model's series."""
+    return {
+        (s.name, s.labels.get("finished_reason", s.labels.get("le", ""))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.mark.parametrize("engine_process", ["0", "1"])
+async def test_request_counts_agree_for_n_1_and_n_3(
+    tiny_model_dir: pathlib.Path, engine_process: str
+) -> None:
+    """vllm:request_success_total and the per-request histograms count the same requests: an n=3
+    request counts as three (vLLM v1's child requests), in one process or with the engine core in
+    its own."""
+    from corral_engine import AsyncEngine, EngineArgs, EngineCoreClient
+
+    args = EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, served_model_name="tiny")
+    settings = EngineSettings(engine_process=engine_process)  # type: ignore[arg-type]
+    engine = EngineCoreClient(args, settings=settings) if engine_process == "1" else AsyncEngine(args)
+    prompt = [5, 6, 7, 8, 9]
+    per_request = (
+        wire.E2E_REQUEST_LATENCY_SECONDS,
+        wire.TIME_TO_FIRST_TOKEN_SECONDS,
+        wire.REQUEST_QUEUE_TIME_SECONDS,
+        wire.REQUEST_PROMPT_TOKENS,
+        wire.REQUEST_GENERATION_TOKENS,
+        wire.REQUEST_PREFILL_TIME_SECONDS,
+        wire.REQUEST_DECODE_TIME_SECONDS,
+        wire.REQUEST_INFERENCE_TIME_SECONDS,
+        wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+    )
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            before = _request_samples((await client.get("/metrics")).text)
+            for n in (1, 3):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "n": n, "ignore_eos": True}
+                r = await client.post("/v1/completions", json=body | {"temperature": 1.0, "seed": n})
+                assert r.status_code == 200, r.text
+                after = _request_samples((await client.get("/metrics")).text)
+                delta = {key: after[key] - before.get(key, 0.0) for key in after}
+                before = after
+                assert delta[(wire.REQUEST_SUCCESS_TOTAL, "length")] == n
+                for name in per_request:
+                    assert delta[(name + "_count", "")] == n, name
+                assert delta[(wire.REQUEST_PROMPT_TOKENS + "_sum", "")] == n * len(prompt)
+                assert delta[(wire.PROMPT_TOKENS_TOTAL, "")] == n * len(prompt)
+                assert delta[(wire.REQUEST_GENERATION_TOKENS + "_sum", "")] == n * 4
+                assert delta[(wire.GENERATION_TOKENS_TOTAL, "")] == n * 4
+                assert delta[(wire.INTER_TOKEN_LATENCY_SECONDS + "_count", "")] == n * 3

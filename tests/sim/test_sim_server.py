@@ -103,6 +103,22 @@ async def test_metrics_hold_what_the_gateway_and_the_dashboards_read(client: htt
     assert float(ttft_count.rsplit(" ", 1)[1]) == 1.0
 
 
+async def test_a_simulated_n_3_request_counts_as_three_requests(client: httpx.AsyncClient) -> None:
+    """As the real engine (vLLM v1's child requests): the success counter and the per-request
+    histograms agree."""
+    body = {"model": "sim", "prompt": "a b c d", "max_tokens": 4, "n": 3, "ignore_eos": True}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    samples = {
+        (s.name, s.labels.get("finished_reason", "")): s.value
+        for family in text_string_to_metric_families((await client.get("/metrics")).text)
+        for s in family.samples
+    }
+    assert samples[("vllm:request_success_total", "length")] == 3
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_generation_tokens"):
+        assert samples[(f"vllm:{name}_count", "")] == 3, name
+    assert samples[("vllm:request_generation_tokens_sum", "")] == 12
+
+
 def test_the_simulated_path_imports_no_torch(tiny_model_dir: pathlib.Path) -> None:
     code = f"""
 import asyncio, pathlib, sys

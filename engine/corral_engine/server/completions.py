@@ -60,14 +60,14 @@ async def tokenize_prompts(
 
 def _echo_texts(ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
     """What `echo` puts before each prompt's completions: the prompt as given (text prompts, unless
-    truncated) or decoded."""
+    truncated) or decoded, without special tokens as every text (a given prompt has no BOS)."""
     if not req.echo:
         return [""] * len(prompts)
     given = req.prompts()
     return [
         p
         if isinstance(p, str) and req.truncate_prompt_tokens is None
-        else str(ctx.engine.tokenizer.decode(ids))
+        else str(ctx.engine.tokenizer.decode(ids, skip_special_tokens=True))
         for p, ids in zip(given, prompts, strict=True)
     ]
 
@@ -157,7 +157,9 @@ def _choice(
 ) -> dict[str, Any]:
     logprobs = None
     if req.logprobs is not None and logprob_items is not None:
-        logprobs = completion_logprobs(logprob_items, req.logprobs, ctx.token_text, text_offset)
+        logprobs = completion_logprobs(
+            logprob_items, req.logprobs, ctx.token_text, ctx.shown_text, text_offset
+        )
     return {
         "index": index,
         "text": text,

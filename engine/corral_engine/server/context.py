@@ -127,6 +127,18 @@ class ServerContext:
 
         return text
 
+    @functools.cached_property
+    def shown_text(self) -> Any:
+        """token id -> its text as a returned text shows it: special tokens (BOS, EOS) are left out
+        of every text, as the detokenizer leaves them out (the room `text_offset` gives a token)."""
+        tokenizer = self.engine.tokenizer
+
+        @functools.lru_cache(maxsize=65536)
+        def text(token_id: int) -> str:
+            return str(tokenizer.decode([token_id], skip_special_tokens=True))
+
+        return text
+
 
 def new_id(prefix: str) -> str:
     """The response's id: `<prefix>-<request id>`, the request id adopted from x-request-id."""

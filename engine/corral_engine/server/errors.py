@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from corral_engine import wire
 from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,15 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return invalid_request(str(exc), exc.param)
     if isinstance(exc, QueueFullError):
-        retry_after = max(1, math.ceil(exc.retry_after_s))
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        if exc.num_waiting is not None:  # the queue it was refused on, not the last step's
+            headers[wire.HEADER_NUM_WAITING] = str(exc.num_waiting)
         return APIError(
             429,
             str(exc) or "The server is overloaded; retry later.",
             type="rate_limit_error",
             code="rate_limit_exceeded",
-            headers={"Retry-After": str(retry_after)},
+            headers=headers,
         )
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc) or "The engine is not running.", type="service_unavailable_error")

@@ -24,9 +24,12 @@ def unscored(token_id: int) -> TokenLogprob:
 
 
 def completion_logprobs(
-    items: list[TokenLogprob], num_top: int, token_text: TokenText, text_offset: int
+    items: list[TokenLogprob], num_top: int, token_text: TokenText, shown_text: TokenText, text_offset: int
 ) -> dict[str, Any]:
-    """The `logprobs` object of a completions choice; `text_offset` is where these tokens start."""
+    """The `logprobs` object of a completions choice; `text_offset` is where these tokens start in
+    the choice's text. Each token's offset indexes that text: a token takes the room `shown_text`
+    gives it there, none for a special token the text leaves out (echo's BOS), though `tokens`
+    names it."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -43,7 +46,7 @@ def completion_logprobs(
             top.setdefault(text, _finite(item.logprob))
             top_logprobs.append(top)
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(shown_text(item.token_id))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,

@@ -26,7 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from corral_engine import wire
 from corral_engine.gc_pauses import GcPauseCollector
-from corral_engine.outputs import EngineStats, FinishReason, RequestOutput, StepLatencies
+from corral_engine.outputs import EngineStats, FinishReason, RequestMetrics, RequestOutput, StepLatencies
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
@@ -269,27 +269,30 @@ class ServerMetrics:
         self._rejected.labels(self._model, reason).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
-        if any(o.finish_reason == "abort" for o in out.outputs):
-            return
-        m = out.metrics
-        finished = m.finished_time if m.finished_time is not None else time.monotonic()
-        self._e2e_m.observe(max(0.0, finished - m.arrival_time))
-        if m.first_scheduled_time is not None:
-            self._queue_m.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        self._prompt_m.observe(len(out.prompt_token_ids))
-        self._generation_m.observe(sum(len(o.token_ids) for o in out.outputs))
-        self._observe_phases(out)
+        """A finished request's latencies and sizes, once per sequence: vLLM v1 runs an n > 1
+        request as n child requests and records each as a request, so these histograms' counts
+        add up to `vllm:request_success_total`'s stop and length series. Aborted sequences are
+        left out (their latencies say when the client left, not how fast the engine was)."""
+        now = time.monotonic()
+        for o in out.outputs:
+            if o.finish_reason == "abort":
+                continue
+            child = out.metrics.child(o.index)
+            finished = child.finished_time if child.finished_time is not None else now
+            self._e2e_m.observe(max(0.0, finished - child.arrival_time))
+            if child.first_scheduled_time is not None:
+                self._queue_m.observe(max(0.0, child.first_scheduled_time - child.arrival_time))
+            self._prompt_m.observe(len(out.prompt_token_ids))
+            self._generation_m.observe(len(o.token_ids))
+            self._observe_phases(child, len(o.token_ids))
 
-    def _observe_phases(self, out: RequestOutput) -> None:
-        """Prefill, decode and inference time (vLLM's split) and the mean time per output token.
-        With n > 1 the sequences decode together: their longest one counts."""
-        m = out.metrics
+    def _observe_phases(self, m: RequestMetrics, num_tokens: int) -> None:
+        """Prefill, decode and inference time (vLLM's split) and the mean time per output token."""
         if m.first_scheduled_time is None or m.first_token_time is None or m.last_token_time is None:
             return
         decode_s = max(0.0, m.last_token_time - m.first_token_time)
         self._prefill_m.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         self._decode_m.observe(decode_s)
         self._inference_m.observe(max(0.0, m.last_token_time - m.first_scheduled_time))
-        num_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
         if num_tokens > 1:
             self._tpot_m.observe(decode_s / (num_tokens - 1))

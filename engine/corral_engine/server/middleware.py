@@ -46,11 +46,14 @@ class ServerMiddleware:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key)
 
     def _load_headers(self, message: Message) -> None:
+        """The engine's load as of its last step, where the response has not said it already: a
+        429 from a full queue counts the requests it was refused behind, those sent to the step
+        loop since that step included (which the last step's count reads as 0)."""
         stats = self.ctx.engine.stats()
         headers = MutableHeaders(scope=message)
-        headers[wire.HEADER_NUM_RUNNING] = str(stats.num_running)
-        headers[wire.HEADER_NUM_WAITING] = str(stats.num_waiting)
-        headers[wire.HEADER_KV_USAGE] = f"{stats.kv_usage_ratio:.4f}"
+        headers.setdefault(wire.HEADER_NUM_RUNNING, str(stats.num_running))
+        headers.setdefault(wire.HEADER_NUM_WAITING, str(stats.num_waiting))
+        headers.setdefault(wire.HEADER_KV_USAGE, f"{stats.kv_usage_ratio:.4f}")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

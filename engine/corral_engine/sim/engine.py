@@ -100,7 +100,8 @@ class SimEngine:
                 f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}",
                 "max_tokens",
             )
-        metrics = RequestMetrics(arrival_time=self.clock() if arrival_time is None else arrival_time)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        metrics = RequestMetrics.for_sequences(arrival, params.n)
         request = Request(request_id, ids, params, next(self._arrivals), metrics)
         request.seqs = [
             Sequence(next(self._seq_ids), request, i, list(ids), len(ids)) for i in range(params.n)
@@ -183,8 +184,8 @@ class SimEngine:
         request = seq.request
         if seq.index == 0 and request.pending_forks:
             self.scheduler.fork_siblings(request)
-        if self.last_step_latencies.tokens_made(request.metrics, now, 1):
-            self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
+        if self.last_step_latencies.tokens_made(request.metrics, now, 1, seq.index):
+            self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)  # per sequence
         source = self._sources[request.request_id]
         token_id = source[(seq.num_output_tokens + seq.index) % len(source)]
         seq.token_ids.append(token_id)
@@ -197,9 +198,11 @@ class SimEngine:
                 self.scheduler.finish(seq)
         elif self.output_processor.append_token(seq, token_id):
             self.scheduler.finish(seq)
+        if seq.is_finished and request.metrics.children is not None:
+            request.metrics.children[seq.index].finished_time = now  # a child request's own end
 
     def _finish(self, request: Request, output: RequestOutput) -> RequestOutput:
-        request.metrics.finished_time = self.clock()
+        request.metrics.finish(self.clock())
         for seq in request.seqs:
             self.output_processor.release(seq.seq_id)
             reason = seq.finish_reason or "abort"
