@@ -50,16 +50,23 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # now, not after the minutes of timing that would then be lost
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        if args.out.is_dir():
+            raise IsADirectoryError("it is a directory; --out names the profile's file")
     except OSError as e:
         log.error("cannot write %s: %s", args.out, e)
         return 1
-    engine_args = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64)
-    _set_torch_threads(engine_args.num_threads)  # as `corral engine` runs it
     from corral_engine.errors import ModelLoadError
+    from corral_engine.options import ArgumentError
 
     try:
+        engine_args = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64)
+    except ArgumentError as e:
+        log.error("%s", e)
+        return 2
+    _set_torch_threads(engine_args.num_threads)  # as `corral engine` runs it
+    try:
         engine = LLMEngine(engine_args)
-    except ModelLoadError as e:
+    except (ModelLoadError, RuntimeError) as e:  # RuntimeError: torch's, e.g. CUDA without a GPU
         log.error("cannot load the model: %s", e)
         return 1
     rng = random.Random(args.seed)

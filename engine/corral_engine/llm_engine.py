@@ -427,13 +427,23 @@ class LLMEngine:
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(
-        self, prompts: SequenceABC[Prompt], params: SamplingParams | SequenceABC[SamplingParams]
+        self,
+        prompts: str | SequenceABC[Prompt],
+        params: SamplingParams | SequenceABC[SamplingParams],
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order (the final output of each)."""
-        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, param_list, strict=True):
-            self.add_request(request_id, prompt, p)
+        """Run prompts to completion; outputs in prompt order (the final output of each). A string
+        is one prompt, as in vLLM (not one per character). Every prompt is checked before any is
+        queued, so a refused one raises with nothing left behind to run in a later call."""
+        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} SamplingParams")
+        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompt_list))]
+        requests = [
+            self.make_request(i, p, sp) for i, p, sp in zip(ids, prompt_list, param_list, strict=True)
+        ]
+        for request in requests:
+            self.insert_request(request)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():

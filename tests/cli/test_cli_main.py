@@ -170,3 +170,9 @@ def test_file_mistakes_are_one_line_errors_before_any_work(
     assert "cannot write" in caplog.text
     assert main(["calibrate", "--model", no_model, "--out", str(tmp_path / "p.json")]) == 1
     assert "cannot load the model" in caplog.text
+    # an existing folder as --out (the file would fail only after the timing), a bad dtype
+    caplog.clear()
+    assert main(["calibrate", "--model", no_model, "--out", str(tmp_path)]) == 1
+    assert "is a directory" in caplog.text
+    assert main(["calibrate", "--model", no_model, "--out", str(tmp_path / "p.json"), "--dtype", "fp8"]) == 2
+    assert "dtype must be one of" in caplog.text

@@ -147,6 +147,20 @@ def test_bad_requests_raise_and_leak_nothing(tiny_model_dir: pathlib.Path) -> No
     assert len(run_checked(engine)) == 1
 
 
+def test_generate_takes_a_string_as_one_prompt_and_queues_nothing_when_one_is_refused(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    engine = make_engine(tiny_model_dir, max_model_len=64)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    [one] = engine.generate("Hello there", params)  # not one request per character
+    assert one.outputs[0].token_ids == engine.generate(["Hello there"], params)[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        engine.generate(["fine", [1] * 64], params)
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        engine.generate(["a", "b"], [params])
+    assert not engine.has_unfinished_requests()  # the good prompts were not left queued
+
+
 def test_bad_engine_args_and_checkpoints(tmp_path: pathlib.Path, tiny_model_dir: pathlib.Path) -> None:
     with pytest.raises(ArgumentError, match="power of two"):
         EngineArgs(model="x", block_size=12)

@@ -21,6 +21,7 @@ from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies
+from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.perf_model import Profile, StepShape
 
@@ -84,22 +85,8 @@ class SimEngine:
             if isinstance(prompt, str)
             else list(prompt)
         )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} and max_tokens asks for {params.max_tokens} more",
-                "max_tokens",
-            )
-        need = self.block_manager.blocks_for_tokens(len(ids) + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}",
-                "max_tokens",
-            )
+        # The engine's own checks, so a replica refuses (400) what a real one refuses.
+        check_request(ids, params, self.max_model_len, self.vocab_size, self.block_manager)
         arrival = self.clock() if arrival_time is None else arrival_time
         metrics = RequestMetrics.for_sequences(arrival, params.n)
         request = Request(request_id, ids, params, next(self._arrivals), metrics)

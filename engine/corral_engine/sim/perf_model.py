@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
+from corral_engine.args import OPTIONS
 from corral_engine.core.scheduler import ScheduledSeq
 
 
@@ -203,18 +204,54 @@ BUILTIN = {
 
 
 def load_profile(name_or_path: str) -> Profile:
-    """A built-in profile by name (`h100-llama3-8b`, ...) or a fitted one from a JSON file."""
+    """A built-in profile by name (`h100-llama3-8b`, ...) or a fitted one from a JSON file
+    (raises ValueError naming the file and what is wrong with it)."""
     if name_or_path in BUILTIN:
         return BUILTIN[name_or_path]
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"unknown profile {name_or_path!r}: not one of {', '.join(BUILTIN)} nor a file")
-    data = json.loads(path.read_text())
-    if data.get("kind") != "fitted" or len(data.get("coefficients", ())) != 5:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise ValueError(f"{path}: not a JSON profile: {e}") from e
+    return _fitted_profile(path, data)
+
+
+# A profile file's sizes, checked against the engine flags' own bounds (so a hand-edited file
+# cannot start a replica whose scheduler never runs anything, as max_num_seqs 0 would).
+_SIZES = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size")
+
+
+def _fitted_profile(path: Path, data: object) -> Profile:
+    if not isinstance(data, dict) or data.get("kind") != "fitted":
         raise ValueError(f"{path}: not a fitted profile (kind 'fitted' with 5 coefficients)")
-    known = {f.name for f in fields(Profile)} - {"model"}
-    sizes = {k: v for k, v in data.items() if k in known}
-    return Profile(model=Fitted(tuple(float(c) for c in data["coefficients"])), **sizes)  # type: ignore[arg-type]
+    coefficients = data.get("coefficients")
+    if not (
+        isinstance(coefficients, list)
+        and len(coefficients) == 5
+        and all(_is_number(c) and c >= 0 for c in coefficients)
+    ):
+        raise ValueError(
+            f"{path}: coefficients must be 5 numbers >= 0 (seconds a step, per sequence, per token, "
+            f"per KV entry read, per query-key pair), got {coefficients!r}"
+        )
+    if not isinstance(data.get("name"), str) or "num_kv_blocks" not in data:
+        raise ValueError(f"{path}: a fitted profile needs a name (a string) and num_kv_blocks")
+    sizes = {k: data[k] for k in _SIZES if k in data}
+    for key, value in sizes.items():
+        problem = (
+            OPTIONS[key].problem(value)
+            if isinstance(value, int) and not isinstance(value, bool)
+            else "must be an integer"
+        )
+        if problem is not None:
+            raise ValueError(f"{path}: {key} {problem}, got {value!r}")
+    return Profile(data["name"], Fitted(tuple(float(c) for c in coefficients)), **sizes)  # type: ignore[arg-type]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def describe(profile: Profile) -> dict[str, Any]:

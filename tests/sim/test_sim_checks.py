@@ -1,0 +1,34 @@
+"""A simulated replica refuses what the real engine refuses: it runs the engine's request checks
+(`corral_engine.request_checks`), so a client gets the same 400 from either."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from corral_engine.errors import InvalidRequestError
+from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim.engine import SimEngine
+from corral_engine.sim.perf_model import Fitted, Profile
+from corral_engine.sim.tokenizer import LightTokenizer
+
+PROFILE = Profile("test", Fitted((0.02, 0.0, 1e-4, 0.0, 0.0)), num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param"),
+    [
+        ("hello", SamplingParams(logit_bias=((99_999, 5.0),)), "logit_bias"),
+        ("hello", SamplingParams(allowed_token_ids=(99_999,)), "allowed_token_ids"),
+        ([5, 99_999], SamplingParams(), "prompt"),
+        ([5] * 256, SamplingParams(max_tokens=1), "prompt"),
+        ("hello", SamplingParams(max_tokens=300), "max_tokens"),
+    ],
+)
+def test_the_engine_checks_refuse_a_request(
+    tiny_model_dir: pathlib.Path, prompt: str | list[int], params: SamplingParams, param: str
+) -> None:
+    engine = SimEngine(PROFILE, LightTokenizer(tiny_model_dir), "sim")
+    with pytest.raises(InvalidRequestError) as raised:
+        engine.make_request("r", prompt, params)
+    assert raised.value.param == param
