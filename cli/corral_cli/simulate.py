@@ -63,7 +63,10 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             return 0
         ports = list(range(args.port, args.port + args.replicas))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(serve_fleet(spec, args.host, ports, args.api_key, on_ready=freeze_startup_heap))
+            fleet = serve_fleet(
+                spec, args.host, ports, args.api_key, freeze_startup_heap, drain_timeout_s=args.drain_timeout
+            )
+            runner.run(fleet)
     except ModelLoadError as e:
         log.error("cannot load the tokenizer: %s", e)
         return 1

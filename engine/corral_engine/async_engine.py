@@ -123,7 +123,7 @@ class AsyncEngine(StreamFront):
             await asyncio.to_thread(self._thread.join, 30.0)
             self._thread = None
         await asyncio.to_thread(self.engine.runner.close)  # tensor-parallel workers, if any
-        self._end_all_now(EngineDeadError("the engine is shutting down"))
+        self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
     def _num_queued(self) -> int:
         return self._steps.num_queued

@@ -225,7 +225,7 @@ class EngineCoreClient(StreamFront):
             logger.warning("the engine core did not stop in 30 s; terminating it")
             self._process.terminate()
             await asyncio.to_thread(self._process.join, 10.0)
-        self._end_all_now(EngineDeadError("the engine is shutting down"))
+        self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
     def _num_queued(self) -> int:
         return self._num_sent

@@ -160,7 +160,8 @@ class StreamFront:
         for request_id in list(self._streams):
             self._deliver_error(request_id, error)
 
-    def _end_all_now(self, error: BaseException) -> None:
-        """On the event loop, at shutdown: every stream still open ends with `error`."""
+    def end_open_streams(self, error: BaseException) -> None:
+        """On the event loop, at shutdown or when a drain's grace period ends: every stream still
+        open ends with `error` (the server writes it as an error event, then `[DONE]`)."""
         for queue in self._streams.values():
             queue.put_nowait(error)

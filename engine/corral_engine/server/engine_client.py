@@ -2,7 +2,9 @@
 
 An engine may also offer `listen(request_id, listener) -> bool` (`StreamFront.listen`: the
 request's outputs handed to a callback as they arrive, instead of read from its stream); the
-server streams through it where it is there (`GenerationRun.listen`)."""
+server streams through it where it is there (`GenerationRun.listen`); and
+`end_open_streams(error)` (`StreamFront.end_open_streams`), which a drain calls when its grace
+period ends, so open streams close with an error event and `[DONE]` rather than being cut."""
 
 from __future__ import annotations
 

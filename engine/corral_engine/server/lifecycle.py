@@ -1,8 +1,9 @@
 """Serving lifecycle: the periodic throughput log line and SIGTERM drain under uvicorn.
 
 Drain: the first SIGTERM/SIGINT marks the server draining (new requests and /health get 503, so
-load balancers stop sending), waits until no generation request is open or the grace period ends,
-then lets uvicorn shut down; a second signal exits at once.
+load balancers stop sending), waits until no generation request is open or the grace period ends
+(the requests still open then end with a 503 error, streams with `[DONE]`), then lets uvicorn shut
+down; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from types import FrameType
 import uvicorn
 
 from corral_engine.outputs import EngineStats
+from corral_engine.server import errors
 from corral_engine.server.context import ServerContext
 
 logger = logging.getLogger(__name__)
@@ -51,39 +53,68 @@ async def log_throughput(stats: Callable[[], EngineStats], interval_s: float) ->
         prev, prev_t = cur, now
 
 
+class Drain:
+    """The drain of one or more servers (a simulated fleet drains all its replicas together):
+    begun by the first signal, over once no generation request is open on any of them or when
+    the grace period ends."""
+
+    def __init__(self, contexts: list[ServerContext], timeout_s: float) -> None:
+        self.contexts = contexts
+        self.timeout_s = timeout_s
+        self._deadline: float | None = None
+
+    @property
+    def is_begun(self) -> bool:
+        return self._deadline is not None
+
+    @property
+    def num_open(self) -> int:
+        return sum(ctx.in_flight.count for ctx in self.contexts)
+
+    def begin(self, sig: int) -> None:
+        """New requests and /health get 503 from now on; open ones run on."""
+        self._deadline = time.monotonic() + self.timeout_s
+        for ctx in self.contexts:
+            ctx.is_draining = True
+        logger.info("signal %d: draining (%d open requests, grace %.0fs)", sig, self.num_open, self.timeout_s)
+
+    def poll(self) -> bool:
+        """Whether the servers may shut down now (logs why); False before `begin`. When the grace
+        period ends, the requests still open end with a 503 (`draining`): a stream gets it as an
+        error event, then `[DONE]`, instead of being cut when the server stops."""
+        if self._deadline is None:
+            return False
+        if self.num_open == 0:
+            logger.info("drained; shutting down")
+            return True
+        if time.monotonic() >= self._deadline:
+            logger.warning("grace period over with %d open requests; aborting them", self.num_open)
+            for ctx in self.contexts:
+                end_open_streams = getattr(ctx.engine, "end_open_streams", None)
+                if end_open_streams is not None:
+                    end_open_streams(errors.draining())
+            return True
+        return False
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, ctx: ServerContext, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.ctx = ctx
-        self.drain_timeout_s = drain_timeout_s
-        self._drain_deadline: float | None = None
+        self.drain = Drain([ctx], drain_timeout_s)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded for re-raising: a drained engine exits with status 0.
-        if self._drain_deadline is not None:
+        if self.drain.is_begun:
             logger.warning("second signal %d: exiting now", sig)
             self.should_exit = True
             self.force_exit = True
             return
-        self._drain_deadline = time.monotonic() + self.drain_timeout_s
-        self.ctx.is_draining = True
-        logger.info(
-            "signal %d: draining (%d open requests, grace %.0fs)",
-            sig,
-            self.ctx.in_flight.count,
-            self.drain_timeout_s,
-        )
+        self.drain.begin(sig)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._drain_deadline is not None and not self.should_exit:
-            if self.ctx.in_flight.count == 0:
-                logger.info("drained; shutting down")
-                self.should_exit = True
-            elif time.monotonic() >= self._drain_deadline:
-                logger.warning(
-                    "grace period over with %d open requests; aborting them", self.ctx.in_flight.count
-                )
-                self.should_exit = True
+        if not self.should_exit and self.drain.poll():
+            self.should_exit = True
         return await super().on_tick(counter)
 
 

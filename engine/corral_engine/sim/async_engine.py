@@ -61,7 +61,7 @@ class AsyncSimEngine(StreamFront):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        self._end_all_now(EngineDeadError("the engine is shutting down"))
+        self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
     def _num_queued(self) -> int:
         return len(self._adds)
@@ -108,7 +108,7 @@ class AsyncSimEngine(StreamFront):
         except Exception as e:  # the step loop must report, not vanish
             logger.exception("simulated engine step loop died")
             self._dead = e
-            self._end_all_now(EngineDeadError(f"the engine failed: {e}"))
+            self.end_open_streams(EngineDeadError(f"the engine failed: {e}"))
 
     def _drain_inputs(self) -> None:
         engine = self.engine

@@ -23,6 +23,7 @@ from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies
 from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.perf_model import Profile, StepShape
 
 Prompt = str | list[int]
@@ -48,11 +49,13 @@ class SimEngine:
         clock: Callable[[], float] = time.monotonic,
         is_lean: bool = False,
         stream_interval: int = 1,
+        grammars: SimGrammars | None = None,
     ) -> None:
         """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
         `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
         context length, no text, and an output only when a request gets its first token or ends.
-        `stream_interval`: as the engine's `--stream-interval`."""
+        `stream_interval`: as the engine's `--stream-interval`. `grammars`: the structured outputs
+        of replicas sharing this tokenizer (this engine's own when not given)."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -61,6 +64,7 @@ class SimEngine:
         self.clock = clock
         self.is_lean = is_lean
         self.vocab_size = int(getattr(tokenizer, "vocab_size", 1 << 31))
+        self.grammars = grammars or SimGrammars(tokenizer, self.vocab_size, eos_token_ids)
         self.block_manager = BlockManager(profile.num_kv_blocks, profile.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens, kv_policy),  # type: ignore[arg-type]
@@ -93,6 +97,7 @@ class SimEngine:
         request.seqs = [
             Sequence(next(self._seq_ids), request, i, list(ids), len(ids)) for i in range(params.n)
         ]
+        self.grammars.attach(request)  # a constraint that does not compile is the engine's 400
         return request
 
     def insert_request(self, request: Request) -> None:
@@ -173,8 +178,12 @@ class SimEngine:
             self.scheduler.fork_siblings(request)
         if self.last_step_latencies.tokens_made(request.metrics, now, 1, seq.index):
             self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)  # per sequence
-        source = self._sources[request.request_id]
-        token_id = source[(seq.num_output_tokens + seq.index) % len(source)]
+        if seq.grammar is not None:
+            token_id = self.grammars.next_token(seq)
+            self.grammars.advance(seq, token_id)
+        else:
+            source = self._sources[request.request_id]
+            token_id = source[(seq.num_output_tokens + seq.index) % len(source)]
         seq.token_ids.append(token_id)
         counts = touched.setdefault(request.request_id, {})
         counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1

@@ -11,14 +11,18 @@ import logging
 import signal
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
+from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.perf_model import Profile
 from corral_engine.sim.tokenizer import LightTokenizer
+
+if TYPE_CHECKING:
+    from corral_engine.server.lifecycle import Drain
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
     """`num_replicas` simulated engines sharing one tokenizer."""
     tokenizer = LightTokenizer(spec.model_dir)
     eos = eos_token_ids(spec.model_dir, tokenizer)
+    grammars = SimGrammars(tokenizer, tokenizer.vocab_size, eos)
     engines = []
     for _ in range(num_replicas):
         core = SimEngine(
@@ -71,6 +76,7 @@ def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
             enable_prefix_caching=spec.enable_prefix_caching,
             kv_policy=spec.kv_policy,
             stream_interval=spec.stream_interval,
+            grammars=grammars,
         )
         engines.append(AsyncSimEngine(core, spec.max_waiting))
     return engines
@@ -90,22 +96,26 @@ async def serve_fleet(
     ports: list[int],
     api_key: str | None = None,
     on_ready: Callable[[], None] | None = None,
+    drain_timeout_s: float = 20.0,
 ) -> None:
-    """Serve one simulated replica per port until SIGINT/SIGTERM."""
+    """Serve one simulated replica per port until SIGINT/SIGTERM, then drain them all as one
+    engine drains (`lifecycle.Drain`): 503 to new requests and /health, open ones run to their
+    end for up to `drain_timeout_s`; a second signal exits at once."""
     from corral_engine.server import create_app
+    from corral_engine.server.lifecycle import Drain
 
     loop = asyncio.get_running_loop()
     engines = build_engines(spec, len(ports))
-    servers = []
+    servers, contexts = [], []
     for engine, port in zip(engines, ports, strict=True):
         app = create_app(engine, api_key=api_key, log_interval_s=60.0, tool_call_parser=spec.tool_call_parser)
         config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=2
         )
         servers.append(_FleetServer(config))
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        contexts.append(app.state.ctx)
+    drain = Drain(contexts, drain_timeout_s)
+    signalled = _handle_signals(loop, drain, servers)
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     while not all(s.started for s in servers):
         if any(t.done() for t in tasks):
@@ -117,11 +127,38 @@ async def serve_fleet(
     if on_ready is not None:
         on_ready()
     watch = asyncio.create_task(_watch_lag(engines))
-    await asyncio.wait([asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
+    signal_wait = asyncio.create_task(signalled.wait())
+    await asyncio.wait([signal_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    signal_wait.cancel()
+    while drain.is_begun and not servers[0].force_exit and not any(t.done() for t in tasks):
+        if drain.poll():
+            break
+        await asyncio.sleep(0.1)  # uvicorn's own tick
     watch.cancel()
     for s in servers:
         s.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _handle_signals(
+    loop: asyncio.AbstractEventLoop, drain: Drain, servers: list[_FleetServer]
+) -> asyncio.Event:
+    """SIGINT and SIGTERM: the first begins the drain (the event is set), a second exits at once
+    (as `lifecycle.DrainingServer` handles them for one engine)."""
+    signalled = asyncio.Event()
+
+    def on_signal(sig: int) -> None:
+        if drain.is_begun:
+            logger.warning("second signal %d: exiting now", sig)
+            for s in servers:
+                s.should_exit = s.force_exit = True
+            return
+        drain.begin(sig)
+        signalled.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return signalled
 
 
 async def _watch_lag(
