@@ -114,6 +114,26 @@ def test_bounds_are_enforced_by_the_engine() -> None:
                 EngineArgs(model="m").replace(**{name: "no-such-choice"})
 
 
+# A value of the wrong type for each kind of option (an int that is not whole, a number as text).
+_WRONG = {int: ("8", 2.5, True), float: ("0.5", False), bool: ("yes", 1), str: (5, ["m"])}
+
+
+def test_every_option_refuses_a_value_of_the_wrong_type_naming_it() -> None:
+    """Checked against the declaration's type: range checks alone let `max_model_len="100"`
+    through to fail inside the engine."""
+    for name in OPTIONS:
+        for value in _WRONG[engine_options.value_type(name)]:
+            with pytest.raises(ArgumentError, match=f"^{name} must be .*, got {type(value).__name__}"):
+                EngineArgs(model="m").replace(**{name: value})
+
+
+def test_options_take_numbers_and_paths_as_python_holds_them() -> None:
+    args = EngineArgs(model=Path("/models/m"), gpu_memory_utilization=1)  # type: ignore[arg-type]
+    assert args.model == "/models/m" and type(args.gpu_memory_utilization) is float
+    with pytest.raises(ArgumentError, match="model must be str, got NoneType"):
+        EngineArgs(model=None)  # type: ignore[arg-type]
+
+
 def _crd_args_schema() -> dict[str, Any]:
     schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     return schema["properties"]["spec"]["properties"]["engine"]["properties"]["args"]

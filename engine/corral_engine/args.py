@@ -9,10 +9,12 @@ for both engine kinds and the docs' flag table are all derived from these declar
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from corral_engine.field_types import WrongType, checker, describe, got
 from corral_engine.options import (
     BYTES_PATTERN,
     ArgumentError,
@@ -263,7 +265,22 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        self._conform_types()
         self.validate()
+
+    def _conform_types(self) -> None:
+        """Each value checked against its field's annotation (numbers made Python's own, a path
+        object a str), so a wrong type is refused here, naming the option, not deep in the engine."""
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        for name, check in _CHECKS.items():
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, check(value))
+            except WrongType:
+                raise ArgumentError(
+                    f"{name} must be {describe(_TYPE_HINTS[name])}, got {got(value)}"
+                ) from None
 
     def validate(self) -> None:
         for name, option in OPTIONS.items():
@@ -299,6 +316,7 @@ DEFAULTS: dict[str, object] = {
 
 
 _TYPE_HINTS = typing.get_type_hints(EngineArgs)  # resolved once: the annotations are strings
+_CHECKS = {name: checker(_TYPE_HINTS[name]) for name in OPTIONS}
 
 
 def cli_flag(name: str) -> str:

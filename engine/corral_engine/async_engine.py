@@ -117,12 +117,14 @@ class AsyncEngine(StreamFront):
         self._thread.start()
 
     async def shutdown(self) -> None:
+        """Stop stepping, end every open stream, and close the engine (tensor-parallel workers
+        stopped, model freed); idempotent."""
         self._running = False
         self._steps.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
             self._thread = None
-        await asyncio.to_thread(self.engine.runner.close)  # tensor-parallel workers, if any
+        await asyncio.to_thread(self.engine.close)
         self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
     def _num_queued(self) -> int:

@@ -145,7 +145,7 @@ def run_core(
 
     threading.Thread(target=take_inputs, name="corral-core-inputs", daemon=True).start()
     loop.run()
-    engine.runner.close()
+    engine.close()
     sink.send(("stopped",))
 
 

@@ -34,12 +34,15 @@ import contextlib
 import importlib
 import logging
 import multiprocessing
+import multiprocessing.util
 import pickle
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from corral_engine.args import EngineArgs
@@ -150,6 +153,21 @@ def _core_main(*args: Any) -> None:
     importlib.import_module("corral_engine.core_process").run_core(*args)
 
 
+def _stop_core(to_core: Connection, from_core: Connection, process: BaseProcess) -> None:
+    """Ask the core to stop and wait for its process (killed after 30 s: it ignores SIGTERM), then
+    close both pipes. `from_core` stays open until the core is gone, so its last messages (a reader
+    thread may still take them) never meet a closed pipe."""
+    with contextlib.suppress(OSError):  # the core is gone already
+        to_core.send_bytes(pickle.dumps(("stop",), protocol=PROTOCOL))
+    to_core.close()
+    process.join(30.0)
+    if process.is_alive():
+        logger.warning("the engine core did not stop in 30 s; killing it")
+        process.kill()
+        process.join(10.0)
+    from_core.close()
+
+
 # -- the server's side -----------------------------------------------------------------------------
 class EngineCoreClient(StreamFront):
     """`AsyncEngine`'s interface with the engine core in a child process."""
@@ -172,6 +190,12 @@ class EngineCoreClient(StreamFront):
         self._process.start()
         core_inbox.close()
         core_outbox.close()
+        # Stops the core at shutdown(), when the client is collected, or at exit when it was left
+        # running: multiprocessing runs this before it waits for its non-daemonic children, and the
+        # core, waiting for requests, would never end on its own.
+        self._stop_core = multiprocessing.util.Finalize(
+            self, _stop_core, args=(self._to_core, self._from_core, self._process), exitpriority=10
+        )
         info = self._wait_ready()
         self.tokenizer: Any = load_tokenizer(args.model)
         self.served_model_name = info.served_model_name
@@ -214,17 +238,14 @@ class EngineCoreClient(StreamFront):
         self._reader.start()
 
     async def shutdown(self) -> None:
+        """Stop the core's process and end every open stream; idempotent."""
         self._running = False
         with contextlib.suppress(EngineDeadError):
             self._send(("stop",))
-        if self._reader is not None:
+        if self._reader is not None:  # it returns once the core says it stopped
             await asyncio.to_thread(self._reader.join, 30.0)
             self._reader = None
-        await asyncio.to_thread(self._process.join, 30.0)
-        if self._process.is_alive():
-            logger.warning("the engine core did not stop in 30 s; terminating it")
-            self._process.terminate()
-            await asyncio.to_thread(self._process.join, 10.0)
+        await asyncio.to_thread(self._stop_core)  # waits for the process, closes the pipes
         self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
     def _num_queued(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing.util
 import time
 from collections.abc import Sequence as SequenceABC
 
@@ -22,7 +23,7 @@ from corral_engine.core import ngram
 from corral_engine.core.block_manager import BlockManager
 from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from corral_engine.core.sequence import Request, Sequence
-from corral_engine.errors import InvalidRequestError
+from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.model.batch import PENDING_TOKEN, TokenFill
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
@@ -70,6 +71,11 @@ class LLMEngine:
         self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
         self.eos_token_ids = self.model_config.eos_token_ids
         self.runner = make_runner(self.model_config, args, self.max_model_len, self.settings, graph_capture)
+        # The runner is closed (workers stopped, model freed) by close(), when the engine is
+        # collected, or at exit when it was left open: multiprocessing runs this before it
+        # terminates its daemonic children, which a worker's watchdog would take for a crash.
+        self._close_runner = multiprocessing.util.Finalize(self, self.runner.close, exitpriority=10)
+        self.is_closed = False
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -120,6 +126,25 @@ class LLMEngine:
         self.last_step_latencies = StepLatencies()
         self.last_schedule: list[ScheduledSeq] = []  # the last step's batch (the simulator's calibration)
 
+    # -- life cycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort the unfinished requests, stop the tensor-parallel workers, and free the weights and
+        the KV cache; idempotent. New requests are refused afterwards (EngineDeadError). Also
+        `with LLMEngine(args) as engine: ...`."""
+        if self.is_closed:
+            return
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self._inflight = None
+        self.is_closed = True
+        self._close_runner()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -130,6 +155,8 @@ class LLMEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
     ) -> Request:
         """Validate and build a request without touching engine state (safe from any thread)."""
+        if self.is_closed:
+            raise EngineDeadError("the engine is closed")
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.max_model_len, self.model_config.vocab_size, self.block_manager)
         request = Request(

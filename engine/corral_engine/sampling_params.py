@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from corral_engine.errors import InvalidRequestError
+from corral_engine.field_types import WrongType, checker, describe, got
 from corral_engine.structured.spec import GrammarSpec
 
 MAX_N = 16
@@ -46,7 +50,8 @@ class SamplingParams:
     output_kind: OutputKind = "cumulative"
     # Structured outputs: what every completion must match (compiled when the request is built).
     grammar: GrammarSpec | None = None
-    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, in [-100, 100]).
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, in [-100, 100]);
+    # given as a dict too, its keys ints or digit strings.
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's)
     min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many output tokens
@@ -54,14 +59,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
-        if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        respelled = _respelled(self.stop, self.stop_token_ids, self.logit_bias)
+        for name, check in _CHECKS.items():
+            given = getattr(self, name)
+            try:
+                value = check(respelled.get(name, given))
+            except WrongType:
+                expected = _EXPECTED.get(name) or describe(_HINTS[name])
+                raise SamplingError(f"{name} must be {expected}, got {got(given)}", name) from None
+            object.__setattr__(self, name, value)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -140,3 +146,32 @@ class SamplingParams:
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+_HINTS: dict[str, Any] = typing.get_type_hints(SamplingParams)  # field -> annotation, resolved once
+_CHECKS = {name: checker(hint) for name, hint in _HINTS.items()}
+_EXPECTED = {"logit_bias": "a dict of token id (int) to bias (float)"}  # where not the annotation
+
+
+def _respelled(stop: object, stop_token_ids: object, logit_bias: object) -> dict[str, object]:
+    """vLLM's and OpenAI's spellings of these fields, as the fields hold them (field -> value, for
+    those given so): a stop string for one stop, None for no stops, logit_bias as a dict whose
+    keys are token ids, as ints or (JSON's keys) digit strings."""
+    out: dict[str, object] = {}
+    if isinstance(stop, str):
+        out["stop"] = (stop,)
+    elif stop is None:
+        out["stop"] = ()
+    if stop_token_ids is None:
+        out["stop_token_ids"] = ()
+    if isinstance(logit_bias, Mapping):
+        out["logit_bias"] = tuple((_token_id(key), bias) for key, bias in logit_bias.items())
+    return out
+
+
+def _token_id(key: object) -> object:
+    if not isinstance(key, str):
+        return key  # for the type check to name, if not an int
+    if re.fullmatch(r"[0-9]{1,12}", key) is None:
+        raise SamplingError(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+    return int(key)

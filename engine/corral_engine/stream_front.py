@@ -13,6 +13,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from typing import Self
 
 from corral_engine.errors import EngineDeadError
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies, merge_outputs
@@ -43,6 +44,25 @@ class StreamFront:
         self.on_step: Callable[[float, int, StepLatencies], None] | None = None
         self._posted: list[_Posted] = []  # from the receiving thread, for the event loop
         self._posted_lock = threading.Lock()
+
+    # -- life cycle: `async with engine:` starts it and shuts it down ---------------------------
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        """Stop stepping and end every open stream; idempotent."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """`shutdown()`, by the name `LLMEngine.close` has."""
+        await self.shutdown()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
 
     def stats(self) -> EngineStats:
         """The state after the last step, as vLLM reports it: `num_waiting` counts requests the

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import re
 
+import numpy
 import pytest
 from corral_engine import EngineArgs, SamplingParams
 from corral_engine.args import ArgumentError
@@ -130,6 +132,45 @@ def test_bad_sampling_params_raise_clear_errors(kwargs: dict, param: str) -> Non
     assert info.value.param == param and param in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "param", "text"),
+    [
+        ({"max_tokens": 2.5}, "max_tokens", "max_tokens must be int, got float 2.5"),
+        ({"max_tokens": None}, "max_tokens", "must be int"),
+        ({"temperature": "hot"}, "temperature", "temperature must be float, got str 'hot'"),
+        ({"seed": "x"}, "seed", "seed must be int or None"),
+        ({"n": True}, "n", "n must be int, got bool"),
+        ({"stop_token_ids": 5}, "stop_token_ids", "stop_token_ids must be list of int, got int 5"),
+        ({"stop": [1]}, "stop", "stop must be list of str"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias", "logit_bias keys must be token ids, got 'x'"),
+        ({"logit_bias": {"²": 1.0}}, "logit_bias", "keys must be token ids"),  # a digit int() refuses
+        ({"logit_bias": {5: "high"}}, "logit_bias", "logit_bias must be a dict of token id"),
+        ({"ignore_eos": 1}, "ignore_eos", "ignore_eos must be bool"),
+        ({"output_kind": 3}, "output_kind", "output_kind must be one of"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_name_the_field(kwargs: dict, param: str, text: str) -> None:
+    """Checked at construction, not a bare TypeError from a comparison inside (or, for 2.5 tokens,
+    a third token)."""
+    with pytest.raises(SamplingError, match=re.escape(text)) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_sampling_params_take_vllm_and_openai_spellings(tiny_model_dir: pathlib.Path) -> None:
+    """logit_bias as a dict, keys ints or JSON's digit strings; stop as a string or None; numpy's
+    numbers. All become the fields' own types."""
+    pairs = SamplingParams(logit_bias=((7, 100.0),))
+    assert SamplingParams(logit_bias={7: 100}) == SamplingParams(logit_bias={"7": 100.0}) == pairs
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
+    assert SamplingParams(stop="x").stop == ("x",)
+    params = SamplingParams(max_tokens=numpy.int64(3), temperature=numpy.float32(0.5))
+    assert type(params.max_tokens) is int and type(params.temperature) is float
+    engine = make_engine(tiny_model_dir, max_model_len=64)
+    [out] = engine.generate("hello", SamplingParams(max_tokens=3, temperature=0.0, logit_bias={7: 100}))
+    assert out.outputs[0].token_ids == [7, 7, 7]
+
+
 def test_bad_requests_raise_and_leak_nothing(tiny_model_dir: pathlib.Path) -> None:
     engine = make_engine(tiny_model_dir, max_model_len=64)
     bad = [
@@ -168,6 +209,8 @@ def test_bad_engine_args_and_checkpoints(tmp_path: pathlib.Path, tiny_model_dir:
         EngineArgs(model="x", kv_policy="swap")  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLMEngine(EngineArgs(model=str(tmp_path / "nope")))
+    with pytest.raises(ModelLoadError, match="is a file, not a checkpoint directory"):
+        LLMEngine(EngineArgs(model=str(tiny_model_dir / "config.json")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match=r"config\.json"):
         LLMEngine(EngineArgs(model=str(tmp_path / "empty")))

@@ -82,6 +82,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     (C, cmpl(suffix="x"), 400, "suffix"),
     (C, cmpl(best_of=1, n=2), 400, "best_of"),
     (C, cmpl(logit_bias={"x": 1}), 400, "logit_bias"),
+    (C, cmpl(logit_bias={"²": 1}), 400, "logit_bias"),  # a digit to str.isdigit, not to int()
     (H, {"model": MODEL}, 400, "messages"),
     (H, chat(messages=[]), 400, "messages"),
     (H, chat(messages="hi"), 400, "messages"),

@@ -64,6 +64,11 @@ def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir)
+    if path.is_file():
+        raise ModelLoadError(
+            f"model path {str(path)!r} is a file, not a checkpoint directory "
+            "(give the directory that holds config.json)"
+        )
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
     config_file = path / "config.json"

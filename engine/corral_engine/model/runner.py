@@ -312,7 +312,16 @@ class ModelRunner:
         self.batches.release(seq_id)
 
     def close(self) -> None:
-        """Nothing to stop on one rank (model/tp_workers.py:ParallelRunner stops its workers)."""
+        """Free the weights, the KV cache, the decode graphs and this rank's process group: the
+        engine is closed and steps no more (idempotent; ParallelRunner also stops its workers)."""
+        if hasattr(self, "model"):
+            self.model.decode_stack = None  # it holds the model and the cache: a cycle only gc frees
+            del self.model
+        self.kv_caches = []
+        self.graphs = None
+        self.tp = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the card's memory back for another engine or process
 
     def _gpu_kv_bytes(self) -> int:
         """What the card has left for the KV cache once a maximal step has run (logged)."""

@@ -194,8 +194,8 @@ class ParallelRunner:
     def execute(self, scheduled: list[ScheduledSeq], fill: TokenFill | None = None) -> torch.Tensor:
         if fill is not None:
             raise ValueError("tensor parallelism builds every rank's inputs on the host: no TokenFill")
-        if self.failure is not None:
-            raise EngineDeadError(self.failure)
+        if self.failure is not None or self._closing:
+            raise EngineDeadError(self.failure or "the engine is closed")
         message = pickle.dumps((self._released, encode_step(scheduled)))
         self._released = []
         try:
@@ -211,7 +211,7 @@ class ParallelRunner:
         self._released.append(seq_id)
 
     def close(self) -> None:
-        """Stop every worker (asked first, then terminated), idempotently."""
+        """Stop every worker (asked first, then terminated) and free rank 0's shard, idempotently."""
         self._closing = True
         for pipe in self._pipes:
             try:
@@ -226,6 +226,10 @@ class ParallelRunner:
                 worker.join(_STOP_WAIT_S)
         self._pipes = []
         self._store_dir.cleanup()
+        if hasattr(self, "local"):  # not when start-up failed
+            self.local.close()
+        if hasattr(self, "model"):
+            del self.model
 
     def _watch(self) -> None:
         live = {w.sentinel: (rank, w) for rank, w in enumerate(self.workers, start=1)}

@@ -137,7 +137,7 @@ class _SamplingFields(_Request):
         if self.stop_token_ids:
             values["stop_token_ids"] = tuple(self.stop_token_ids)
         if self.logit_bias:
-            values["logit_bias"] = tuple((_token_id(k), v) for k, v in self.logit_bias.items())
+            values["logit_bias"] = self.logit_bias  # its keys read as token ids there
         if self.allowed_token_ids is not None:
             values["allowed_token_ids"] = tuple(self.allowed_token_ids)
         values["min_tokens"] = self.min_tokens
@@ -148,12 +148,6 @@ class _SamplingFields(_Request):
         """The prompt as the engine sees it: its last truncate_prompt_tokens tokens, if set."""
         k = self.truncate_prompt_tokens
         return prompt if k is None else prompt[-k:]
-
-
-def _token_id(key: str) -> int:
-    if not key.isdigit():
-        raise InvalidRequestError(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
-    return int(key)
 
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
