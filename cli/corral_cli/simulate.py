@@ -8,10 +8,17 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from corral_engine.args import EngineArgs
+from corral_engine.args import OPTIONS, EngineArgs, cli_flag
 from corral_engine.errors import ModelLoadError
-from corral_engine.sim.host import PROFILE_OPTIONS, ReplicaSpec, build_engines, serve_fleet, with_overrides
-from corral_engine.sim.perf_model import describe, load_profile
+from corral_engine.sim.host import (
+    KV_MEMORY_OPTIONS,
+    ReplicaSpec,
+    build_engines,
+    ignored_options,
+    serve_fleet,
+    with_overrides,
+)
+from corral_engine.sim.perf_model import Profile, describe, load_profile
 from corral_engine.sources.uri import parse_model_uri
 
 from corral_cli.heap import freeze_startup_heap
@@ -20,9 +27,14 @@ log = logging.getLogger(__name__)
 
 
 def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSpec:
-    """The profile named by --simulate, resized by any sizing flag given (raises ValueError)."""
-    given = {name: getattr(args, name, None) for name in PROFILE_OPTIONS}
-    profile = with_overrides(load_profile(args.simulate), given)
+    """The profile named by --simulate, resized by any sizing flag given (raises ValueError); a
+    warning names the flags given that the profile cannot honour."""
+    given = {name: getattr(args, name, None) for name in OPTIONS}
+    profile = load_profile(args.simulate)
+    ignored = ignored_options(profile, given)
+    if ignored:
+        log.warning("%s", _ignored_text(profile, ignored))
+    profile = with_overrides(profile, given)
     model_dir = Path(engine_args.model)
     return ReplicaSpec(
         profile,
@@ -34,6 +46,18 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         tool_call_parser=engine_args.tool_call_parser,
         stream_interval=engine_args.stream_interval,
     )
+
+
+def _ignored_text(profile: Profile, ignored: list[str]) -> str:
+    flags = ", ".join(cli_flag(name) for name in ignored)
+    text = (
+        f"--simulate ignores {flags}: the profile {profile.name!r} sets the step times, and it was "
+        "modelled or fitted for one GPU type, tensor-parallel size, dtype and engine configuration; "
+        "pick or calibrate a profile for another"
+    )
+    if any(name in KV_MEMORY_OPTIONS for name in ignored):
+        text += "; a fitted profile knows no KV bytes a token, so size its KV cache with --num-kv-blocks"
+    return text
 
 
 def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:

@@ -44,13 +44,14 @@ def check_request(
     num = len(token_ids)
     if num >= max_model_len:
         raise InvalidRequestError(
-            f"the prompt has {num} tokens; this model's maximum context length is {max_model_len}",
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {num} "
+            "and leaves no room for output.",
             "prompt",
         )
     if num + params.max_tokens > max_model_len:
         raise InvalidRequestError(
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has {num} "
-            f"and max_tokens asks for {params.max_tokens} more",
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {num} "
+            f"and max_tokens asks for {params.max_tokens} more.",
             "max_tokens",
         )
     need = bm.blocks_for_tokens(num + params.max_tokens)

@@ -32,3 +32,15 @@ def test_the_engine_checks_refuse_a_request(
     with pytest.raises(InvalidRequestError) as raised:
         engine.make_request("r", prompt, params)
     assert raised.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params"),
+    [([5] * 256, SamplingParams(max_tokens=1)), ("hello", SamplingParams(max_tokens=300))],
+)
+def test_both_context_length_errors_read_as_openai_words_them(
+    tiny_model_dir: pathlib.Path, prompt: str | list[int], params: SamplingParams
+) -> None:
+    engine = SimEngine(PROFILE, LightTokenizer(tiny_model_dir), "sim")
+    with pytest.raises(InvalidRequestError, match=r"^This model's maximum context length is 256 tokens; "):
+        engine.make_request("r", prompt, params)

@@ -43,3 +43,11 @@ def test_chat_rendering_matches_transformers(tiny_model_dir: pathlib.Path) -> No
         assert got == want
     assert "get_weather" in light.apply_chat_template(MESSAGES, tools=TOOLS)
     assert light.encode("Weather in Oslo?") == reference.encode("Weather in Oslo?")
+
+
+def test_decode_keeps_special_tokens_unless_told_as_transformers_does(tiny_model_dir: pathlib.Path) -> None:
+    light, reference = LightTokenizer(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = light.encode("Weather in Oslo?")
+    assert light.decode(ids[:1]) == reference.decode(ids[:1]) == "<s>"  # /tokenize's token_strs
+    assert light.decode(ids) == reference.decode(ids)
+    assert light.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)

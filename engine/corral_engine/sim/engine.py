@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral_engine.core.block_manager import BlockManager
-from corral_engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.output_processor import OutputProcessor
-from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies
+from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies, TokenLogprob
 from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.grammar import SimGrammars
+from corral_engine.sim.logprobs import synthetic_logprob
 from corral_engine.sim.perf_model import Profile, StepShape
 
 Prompt = str | list[int]
@@ -65,6 +66,7 @@ class SimEngine:
         self.is_lean = is_lean
         self.vocab_size = int(getattr(tokenizer, "vocab_size", 1 << 31))
         self.grammars = grammars or SimGrammars(tokenizer, self.vocab_size, eos_token_ids)
+        self.special_ids = frozenset(eos_token_ids) | _special_ids(tokenizer)  # no logprob alternative
         self.block_manager = BlockManager(profile.num_kv_blocks, profile.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens, kv_policy),  # type: ignore[arg-type]
@@ -152,6 +154,7 @@ class SimEngine:
             seq = s.seq
             if seq.is_finished:
                 continue  # aborted while the step ran
+            self._score_prompt(s)
             seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_computed(seq)
             if s.samples:
@@ -183,7 +186,11 @@ class SimEngine:
             self.grammars.advance(seq, token_id)
         else:
             source = self._sources[request.request_id]
-            token_id = source[(seq.num_output_tokens + seq.index) % len(source)]
+            # Sampled siblings differ; greedy ones are equal, as the engine's argmax makes them.
+            offset = 0 if request.params.is_greedy else seq.index
+            token_id = source[(seq.num_output_tokens + offset) % len(source)]
+        if request.params.logprobs is not None and not self.is_lean:
+            seq.logprobs.append(self._logprob(token_id, request.params.logprobs))
         seq.token_ids.append(token_id)
         counts = touched.setdefault(request.request_id, {})
         counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
@@ -196,6 +203,18 @@ class SimEngine:
             self.scheduler.finish(seq)
         if seq.is_finished and request.metrics.children is not None:
             request.metrics.children[seq.index].finished_time = now  # a child request's own end
+
+    def _score_prompt(self, scheduled: ScheduledSeq) -> None:
+        """prompt_logprobs for the prompt positions this chunk computes, as the engine scores them."""
+        seq = scheduled.seq
+        k = seq.request.params.prompt_logprobs
+        if k is None or self.is_lean:
+            return
+        for q in scheduled.prompt_positions():
+            seq.prompt_logprobs.append(self._logprob(seq.token_ids[q + 1], k))
+
+    def _logprob(self, token_id: int, num_top: int) -> TokenLogprob:
+        return synthetic_logprob(token_id, num_top, self.vocab_size, self.special_ids)
 
     def _finish(self, request: Request, output: RequestOutput) -> RequestOutput:
         request.metrics.finish(self.clock())
@@ -211,6 +230,14 @@ class SimEngine:
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return self._stats.observe(self.scheduler, self.block_manager)
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's special tokens (BOS, EOS, ...), where it has a `tokenizers` backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return frozenset()
+    return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
 
 class NullTokenizer:

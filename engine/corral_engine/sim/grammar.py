@@ -6,7 +6,7 @@ A token is a random one the grammar allows, with two rules so outputs end as sho
 rather than at max_tokens: EOS as soon as the grammar is complete (and min_tokens is met), and,
 a quarter of the time when one is allowed, a closing token (a quote or bracket: `"`, `}`, `]`, `)`),
 which ends a string, an object or an array. Random, but repeatable: drawn from the request's
-seed (or its prompt), the sequence's index and its length.
+seed (or its prompt), the sequence's index (not for a greedy request) and its length.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class SimGrammars:
             for eos in self.eos_token_ids:
                 if _allows(mask, eos):
                     return eos
-        rng = random.Random(hash((_seed(seq.request), seq.index, seq.num_output_tokens)))
+        index = 0 if params.is_greedy else seq.index  # the engine's greedy siblings are equal
+        rng = random.Random(hash((_seed(seq.request), index, seq.num_output_tokens)))
         closers = [t for t in self._closing_tokens if _allows(mask, t)]
         if closers and rng.random() < CLOSE_PROBABILITY:
             return rng.choice(closers)

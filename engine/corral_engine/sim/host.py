@@ -18,7 +18,7 @@ import uvicorn
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
-from corral_engine.sim.perf_model import Profile
+from corral_engine.sim.perf_model import Profile, Roofline
 from corral_engine.sim.tokenizer import LightTokenizer
 
 if TYPE_CHECKING:
@@ -28,13 +28,56 @@ logger = logging.getLogger(__name__)
 
 # Engine options a simulated replica honours, by the profile field each overrides.
 PROFILE_OPTIONS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size")
+# Options that size the KV cache from memory: a roofline profile knows its GPUs' memory and the
+# model's KV bytes a token, so it honours them; a fitted one knows neither (--num-kv-blocks does).
+KV_MEMORY_OPTIONS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+# Options the profile itself stands for: its step times were modelled or measured for one GPU
+# type, tensor-parallel size, dtype and engine configuration, which a replica cannot change.
+PROFILE_FIXED_OPTIONS = (
+    "tensor_parallel_size",
+    "dtype",
+    "speculative",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "attention_backend",
+    "enforce_eager",
+    "device",
+)
 
 
 def with_overrides(profile: Profile, given: Mapping[str, Any]) -> Profile:
-    """The profile with the sizing options the user gave (`--max-num-seqs 64`, ...)."""
-    return dataclasses.replace(
-        profile, **{k: v for k, v in given.items() if k in PROFILE_OPTIONS and v is not None}
-    )
+    """The profile with the sizing options the user gave (`--max-num-seqs 64`, ...). On a roofline
+    profile, --kv-cache-memory (bytes per GPU) or else --gpu-memory-utilization sizes the KV cache
+    as it sizes the engine's, unless --num-kv-blocks is given (raises ValueError when the memory
+    holds no block)."""
+    sizes = {k: v for k, v in given.items() if k in PROFILE_OPTIONS and v is not None}
+    profile = dataclasses.replace(profile, **sizes)
+    model = profile.model
+    if "num_kv_blocks" in sizes or not isinstance(model, Roofline):
+        return profile
+    kv_bytes, utilization = (given.get(k) for k in KV_MEMORY_OPTIONS)
+    if kv_bytes is not None:
+        num_blocks = model.num_kv_blocks_in(kv_bytes, profile.block_size)
+        if num_blocks < 1:
+            per_token = model.model.kv_bytes_per_token // model.num_gpus
+            raise ValueError(
+                f"kv cache memory {kv_bytes} bytes holds no block of {profile.block_size} tokens of "
+                f"{profile.name} ({per_token} bytes a token a GPU); raise it"
+            )
+    elif utilization is not None:
+        num_blocks = model.num_kv_blocks(profile.block_size, utilization)
+    else:
+        return profile
+    return dataclasses.replace(profile, num_kv_blocks=num_blocks)
+
+
+def ignored_options(profile: Profile, given: Mapping[str, Any]) -> list[str]:
+    """The options given that this profile cannot honour, by field name."""
+    ignored = [k for k in PROFILE_FIXED_OPTIONS if given.get(k) is not None]
+    if not isinstance(profile.model, Roofline):
+        ignored += [k for k in KV_MEMORY_OPTIONS if given.get(k) is not None]
+    return ignored
 
 
 def eos_token_ids(model_dir: Path, tokenizer: LightTokenizer) -> tuple[int, ...]:

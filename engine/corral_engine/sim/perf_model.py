@@ -119,6 +119,12 @@ class Roofline:
         )
         return max(1, int(budget // (self.model.kv_bytes_per_token * block_size)))
 
+    def num_kv_blocks_in(self, kv_bytes_per_gpu: int, block_size: int) -> int:
+        """KV blocks in `kv_bytes_per_gpu` on each GPU, as the engine reads --kv-cache-memory (per
+        rank: each holds its share of the KV heads); 0 when not even one block fits."""
+        bytes_per_block = self.model.kv_bytes_per_token * block_size / self.num_gpus
+        return int(kv_bytes_per_gpu // bytes_per_block)
+
 
 @dataclass(frozen=True, slots=True)
 class Fitted:

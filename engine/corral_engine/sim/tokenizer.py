@@ -37,7 +37,9 @@ class LightTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """As transformers decodes: special tokens kept unless told (/tokenize's token_strs,
+        /detokenize and logprobs' token texts call it so, as on the engine)."""
         return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
