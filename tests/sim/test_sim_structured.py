@@ -21,18 +21,8 @@ from corral_engine.sim.perf_model import BUILTIN
 from corral_engine.sim.tokenizer import LightTokenizer
 from corral_engine.structured.compiler import GrammarCompiler
 
-CHAT = [{"role": "user", "content": "Describe a person."}]
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3},
-        "admin": {"type": "boolean"},
-    },
-    "required": ["name", "age", "pets", "admin"],
-    "additionalProperties": False,
-}
+from tests.server.test_structured_outputs import CHAT, PERSON
+
 WEATHER = {
     "type": "function",
     "function": {

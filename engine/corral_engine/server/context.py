@@ -119,25 +119,23 @@ class ServerContext:
     @functools.cached_property
     def token_text(self) -> Any:
         """token id -> its text alone (for logprobs); cached, a vocabulary is small."""
-        tokenizer = self.engine.tokenizer
-
-        @functools.lru_cache(maxsize=65536)
-        def text(token_id: int) -> str:
-            return str(tokenizer.decode([token_id]))
-
-        return text
+        return _token_decoder(self.engine.tokenizer)
 
     @functools.cached_property
     def shown_text(self) -> Any:
         """token id -> its text as a returned text shows it: special tokens (BOS, EOS) are left out
         of every text, as the detokenizer leaves them out (the room `text_offset` gives a token)."""
-        tokenizer = self.engine.tokenizer
+        return _token_decoder(self.engine.tokenizer, skip_special_tokens=True)
 
-        @functools.lru_cache(maxsize=65536)
-        def text(token_id: int) -> str:
-            return str(tokenizer.decode([token_id], skip_special_tokens=True))
 
-        return text
+def _token_decoder(tokenizer: Any, **decode_kwargs: bool) -> Any:
+    """token id -> `tokenizer.decode([token id], **decode_kwargs)`, cached."""
+
+    @functools.lru_cache(maxsize=65536)
+    def text(token_id: int) -> str:
+        return str(tokenizer.decode([token_id], **decode_kwargs))
+
+    return text
 
 
 def new_id(prefix: str) -> str:
