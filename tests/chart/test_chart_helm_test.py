@@ -64,3 +64,20 @@ def test_gateway_extra_env_reaches_its_container(helm: Helm, tmp_path: Path) -> 
     assert container["env"] == [endpoint]
     (default,) = find(helm.template(None), "Deployment", "gateway")
     assert "env" not in default["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_helm_test_pod_schedules_where_the_gateway_does(helm: Helm, tmp_path: Path) -> None:
+    """On a cluster whose every node is tainted or labelled-only, a test pod without the gateway's
+    node selection stays Pending and `helm test` times out."""
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        "gateway:\n  nodeSelector: {pool: system}\n"
+        "  tolerations: [{key: dedicated, operator: Equal, value: system, effect: NoSchedule}]\n"
+    )
+    spec = gateway_test_pod(helm.template(values))["spec"]
+    assert spec["nodeSelector"] == {"pool": "system"}
+    assert spec["tolerations"] == [
+        {"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}
+    ]
+    default = gateway_test_pod(helm.template(None))["spec"]
+    assert "nodeSelector" not in default and "tolerations" not in default
