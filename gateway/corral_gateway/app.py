@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from corral_engine import wire
 from fastapi import FastAPI, Request
@@ -149,9 +151,24 @@ class GatewayApp:
         except Exception:  # the edge's last resort: a bug must still answer in OpenAI's shape
             if is_started:
                 raise  # too late for another answer: the server logs it and closes the connection
-            logger.exception("request %s: unexpected error proxying %s", request_id, scope["path"])
+            logger.exception(
+                "request %s: unexpected error proxying %s",
+                request_id,
+                scope["path"],
+                extra={"request_id": request_id},
+            )
             failed = with_request_id(error_response(GatewayError("Internal gateway error.")), request_id)
             await failed(scope, receive, send)
+
+
+def fastapi_options() -> dict[str, Any]:
+    """FastAPI from 0.16x traces its own routes once a tracer provider is installed: with
+    `--otlp-traces-endpoint`, every Prometheus scrape and probe (/metrics, /health, /ready) became a
+    trace of three spans. The gateway's own spans cover the requests it proxies; FastAPI's are off
+    (and so is its per-request provider check), as in the engine."""
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    return {}
 
 
 def create_app(settings: GatewaySettings) -> GatewayApp:
@@ -167,7 +184,14 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get, access)
             yield
 
-    app = FastAPI(title="Corral gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Corral gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        **fastapi_options(),
+    )
     app.state.fleet = fleet
     app.state.metrics = metrics
     _add_error_handlers(app)

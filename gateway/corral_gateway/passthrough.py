@@ -163,7 +163,7 @@ class Exchange:
         self.fleet.record_failure(self.replica.url, f"{what}: {e}")
         self.metrics.streams_broken.labels(self.origin.model).inc()
         logger.warning("request %s: replica %s failed mid-response (%s)", self.origin.request_id,
-                       self.replica.url, e)  # fmt: skip
+                       self.replica.url, e, extra={"request_id": self.origin.request_id})  # fmt: skip
 
     def finish(self) -> None:
         if self.is_finished:

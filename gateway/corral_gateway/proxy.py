@@ -167,7 +167,8 @@ async def _forward(
                 tried.append(replica.url)
                 metrics.retries.labels(model, outcome.label).inc()
                 logger.warning("request %s: replica %s failed (%s); attempt %d", ticket.origin.request_id,
-                               replica.url, outcome.label, attempt + 1)  # fmt: skip
+                               replica.url, outcome.label, attempt + 1,
+                               extra={"request_id": ticket.origin.request_id})  # fmt: skip
                 continue
             if outcome.sent_s is not None:
                 request_s = outcome.sent_s - ticket.arrived_s - excluded_s - waited_s
@@ -264,6 +265,7 @@ def _upstream_headers(
         "content-type": request.headers.get("content-type", "application/json"),
         "accept": request.headers.get("accept", "*/*"),
         wire.HEADER_REQUEST_ID: request_id,
+        **tracing.client_context(request.headers),
     }
     if settings.upstream_api_key:
         headers["authorization"] = f"Bearer {settings.upstream_api_key}"

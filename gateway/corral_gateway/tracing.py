@@ -16,11 +16,20 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 _tracer = trace.get_tracer("corral_gateway")
+# W3C trace context and baggage: passed on to the replica as the client sent them, so a gateway
+# that does not trace (no provider) still leaves the engine's spans in the client's trace. A
+# tracing gateway's `upstream` span replaces the ones it writes itself (start_upstream_span).
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate", "baggage")
 
 
 def is_enabled() -> bool:
     """Whether a tracer provider is installed (the API's default is a no-op proxy)."""
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def client_context(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's trace-context headers, for the request to the replica."""
+    return {name: headers[name] for name in TRACE_CONTEXT_HEADERS if name in headers}
 
 
 def _wall_ns(monotonic_s: float) -> int:

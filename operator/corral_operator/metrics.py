@@ -42,12 +42,17 @@ class MetricsSource(Protocol):
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """Sum each wanted gauge over its label sets in a Prometheus text exposition; {} if it does not parse."""
+    """The wanted gauges of one pod's Prometheus text exposition, over their label sets: requests
+    summed, KV usage the fullest (a vLLM pod with --data-parallel-size exports a ratio per engine,
+    `engine="0"`, `engine="1"`: their sum is no ratio; the gateway takes the max too); {} if it
+    does not parse."""
     out: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in _WANTED:
+                if sample.name == wire.KV_CACHE_USAGE_PERC:
+                    out[sample.name] = max(out.get(sample.name, 0.0), sample.value)
+                elif sample.name in _WANTED:
                     out[sample.name] = out.get(sample.name, 0.0) + sample.value
     except ValueError:
         return {}

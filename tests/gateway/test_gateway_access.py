@@ -45,6 +45,25 @@ async def test_one_access_line_per_request_with_the_id_sent_upstream(
     assert "a private prompt" not in caplog.text
 
 
+@pytest.mark.parametrize("mode", ["error500", "cut_body"])
+async def test_a_replica_failure_is_logged_with_the_request_id_as_a_field(
+    caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    """A JSON log pipeline joins a request's lines on the `request_id` field, not on the text."""
+    caplog.set_level(logging.WARNING, "corral_gateway")
+    engines = [FakeEngine(name="bad", mode=mode), FakeEngine(name="good")]
+    async with fleet(engines, policy="round-robin") as (client, _):
+        for i in range(2):  # round-robin: one of them tries the failing replica first
+            await client.post(
+                "/v1/completions", json={"model": "m", "prompt": "x"}, headers={"x-request-id": f"f{i}"}
+            )
+    failures = [r for r in caplog.records if "failed" in r.getMessage() and r.name != ACCESS_LOGGER]
+    assert failures
+    for record in failures:
+        assert record.__dict__.get("request_id") in ("f0", "f1"), record.getMessage()
+        assert record.__dict__["request_id"] in record.getMessage()
+
+
 async def test_invalid_incoming_id_is_replaced_before_it_reaches_engine_or_logs() -> None:
     engine = FakeEngine()
     async with fleet([engine]) as (client, _):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 from corral_gateway import tracing
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -91,3 +93,46 @@ async def test_no_provider_no_traceparent() -> None:
     async with fleet([engine]) as (client, _):
         assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status_code == 200
     assert "traceparent" not in engine.headers_seen[0]
+
+
+async def test_without_a_provider_the_clients_trace_context_reaches_the_replica() -> None:
+    """A gateway that does not trace still passes the client's context on, so an engine that traces
+    continues the client's trace instead of starting one of its own."""
+    engine = FakeEngine()
+    headers = {
+        "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01",
+        "tracestate": "vendor=abc",
+        "baggage": "tenant=t1",
+    }
+    async with fleet([engine]) as (client, _):
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert r.status_code == 200
+    sent = engine.headers_seen[0]
+    assert {name: sent.get(name) for name in headers} == headers
+
+
+async def test_a_tracing_gateway_sends_its_attempts_context_and_keeps_the_clients_state(
+    spans: InMemorySpanExporter,
+) -> None:
+    engine = FakeEngine()
+    headers = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01", "tracestate": "vendor=abc"}
+    async with fleet([engine]) as (client, _):
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert r.status_code == 200
+    (upstream,) = named(spans, "upstream")
+    sent = engine.headers_seen[0]
+    assert sent["traceparent"] == f"00-{TRACE_ID}-{hex_id(upstream.context.span_id)}-01"
+    assert sent["tracestate"] == "vendor=abc"
+
+
+async def test_scrapes_and_probes_make_no_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a provider installed (--otlp-traces-endpoint), FastAPI 0.16x would trace every route
+    of its own: each Prometheus scrape and probe was a trace. Only proxied requests are traced."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    async with fleet([FakeEngine()]) as (client, _):
+        for path in ("/metrics", "/health"):
+            assert (await client.get(path)).status_code == 200, path
+    assert exporter.get_finished_spans() == ()

@@ -21,13 +21,25 @@ vllm:prompt_tokens_total{model_name="tiny"} 1234.0
 """
 
 
-def test_parse_gauges_sums_wanted_gauges_only() -> None:
+def test_parse_gauges_reads_wanted_gauges_only() -> None:
     assert parse_gauges(EXPOSITION) == {
         "vllm:num_requests_waiting": 6.0,
         "vllm:num_requests_running": 2.0,
         "vllm:kv_cache_usage_perc": 0.5,
     }
     assert parse_gauges('garbage\nvllm:kv_cache_usage_perc{x="y"} nan-ish\n') == {}
+
+
+def test_a_pod_with_several_engines_reports_its_fullest_kv_cache_not_a_sum() -> None:
+    """vLLM with --data-parallel-size 2 in one pod: a series per engine. Requests add up; two
+    caches at 0.6 and 0.7 are not 130 % used."""
+    exposition = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.6
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 4.0
+"""
+    assert parse_gauges(exposition) == {"vllm:kv_cache_usage_perc": 0.7, "vllm:num_requests_waiting": 7.0}
 
 
 @pytest.fixture

@@ -10,9 +10,12 @@ from typing import Any
 class AsgiCall:
     """Drive the ASGI app by hand so a test decides when the client hangs up."""
 
-    def __init__(self, app: Any, body: dict[str, Any]) -> None:
+    def __init__(
+        self, app: Any, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         self.app = app
         self.body = json.dumps(body).encode()
+        self.headers = headers or []
         self.hang_up = asyncio.Event()
         self.sent: list[dict[str, Any]] = []
         self._body_sent = False
@@ -38,7 +41,7 @@ class AsgiCall:
             "raw_path": path.encode(),
             "query_string": b"",
             "root_path": "",
-            "headers": [(b"content-type", b"application/json")],
+            "headers": [(b"content-type", b"application/json"), *self.headers],
             "client": ("127.0.0.1", 1),
             "server": ("127.0.0.1", 2),
         }

@@ -109,6 +109,42 @@ def test_phase_histograms_after_known_requests() -> None:
     }
 
 
+def quantile(q: float, samples: dict[str, float], base: str) -> float:
+    """Prometheus' histogram_quantile over one series' buckets (linear within a bucket)."""
+    buckets = sorted(
+        (float(name[len(base) + 8 : -1]), count)
+        for name, count in samples.items()
+        if name.startswith(base + "_bucket[")
+    )
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    raise AssertionError("rank past the +Inf bucket")
+
+
+def test_short_request_phases_read_as_short() -> None:
+    """A 4 ms queue wait and a 20 ms prefill are the common healthy case: their dashboard quantiles
+    must not read as a tenth of a second or more (vLLM's bounds start at 0.3 s), and every one of
+    vLLM's bounds is still a bucket, so queries written for a vLLM fleet read the same."""
+    metrics = ServerMetrics(lambda: EngineStats(), MODEL, 64)
+    out = finished(3, scheduled=0.004, first=0.024, last=0.05)
+    metrics.observe_finished(out)
+    got = families(metrics.render().decode())
+    for name, most_s in (
+        (wire.REQUEST_QUEUE_TIME_SECONDS, 0.005),
+        (wire.REQUEST_PREFILL_TIME_SECONDS, 0.025),
+        (wire.E2E_REQUEST_LATENCY_SECONDS, 0.05),
+    ):
+        _, samples = got[name]
+        for q in (0.5, 0.99):
+            assert quantile(q, samples, name) <= most_s, (name, q)
+        for bound in (0.3, 0.5, 0.8, 7680.0):
+            assert f"{name}_bucket[{bound}]" in samples, (name, bound)
+
+
 def test_step_histogram_reads_as_prometheus_clients_histogram() -> None:
     """The token-latency histograms are observed a step at a time; their exposition (bucket
     bounds, counts, sum) is what prometheus_client's Histogram gives for the same values, values on

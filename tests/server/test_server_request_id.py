@@ -11,7 +11,9 @@ import httpx
 import pytest
 from corral_cli.main import version
 from corral_engine import wire
+from corral_engine.server import create_app
 
+from tests.server.asgi_call import AsgiCall
 from tests.server.fake_engine import FakeEngine
 
 MODEL = FakeEngine.served_model_name
@@ -127,3 +129,49 @@ async def test_a_reused_id_of_a_running_request_is_still_served(
     for response in await asyncio.gather(first, second):
         assert response.status_code == 200, response.text
         assert response.json()["id"] == "cmpl-same" and response.headers["x-request-id"] == "same"
+
+
+@pytest.mark.parametrize("incoming", ["r-err", None])
+async def test_an_internal_error_is_logged_with_the_request_id(
+    client: httpx.AsyncClient,
+    engine: FakeEngine,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    incoming: str | None,
+) -> None:
+    """The traceback of a 500 names the request, so the gateway's access line (same id) leads to it."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "add_request", broken)
+    caplog.set_level(logging.INFO)
+    headers = {wire.HEADER_REQUEST_ID: incoming} if incoming else {}
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
+    assert r.status_code == 500
+    request_id = r.headers[wire.HEADER_REQUEST_ID]
+    assert incoming is None or request_id == incoming
+    [error] = [rec for rec in caplog.records if rec.levelno == logging.ERROR]
+    assert error.exc_info is not None
+    assert error.__dict__["request_id"] == request_id
+    assert request_id in error.getMessage()
+    [access_line] = access_records(caplog)
+    assert access_line.__dict__["request_id"] == request_id
+
+
+async def test_a_client_leaving_mid_stream_is_logged_with_the_request_id(
+    engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = create_app(engine)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": True}
+    call = AsgiCall(app, body, headers=[(wire.HEADER_REQUEST_ID.encode(), b"left-1")])
+    caplog.set_level(logging.INFO)
+    async with app.router.lifespan_context(app):
+        task = asyncio.create_task(call.run("/v1/completions"))
+        while not any(m.get("body") for m in call.sent if m["type"] == "http.response.body"):
+            await asyncio.sleep(0.001)
+        call.hang_up.set()
+        await asyncio.wait_for(task, 10)
+    lines = [r for r in caplog.records if r.name != ACCESS_LOGGER and "left-1" in r.getMessage()]
+    assert {r.getMessage().split(":")[-1].strip() for r in lines} >= {"client disconnected mid-stream"}
+    assert lines and all(r.__dict__.get("request_id") == "left-1" for r in lines)

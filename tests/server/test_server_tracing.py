@@ -78,6 +78,24 @@ async def test_refused_request_span_has_its_status(
 
 async def test_no_provider_no_spans(client: httpx.AsyncClient) -> None:
     assert not tracing.is_enabled()  # the process-wide provider is the API's no-op
-    assert tracing.start_request_span({}, "/v1/completions", MODEL) is None
+    assert tracing.start_request_span({}, "POST", "/v1/completions", MODEL) is None
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200
+
+
+async def test_a_request_that_is_not_a_generation_is_a_plain_http_span(
+    client: httpx.AsyncClient, spans: InMemorySpanExporter
+) -> None:
+    """The model list (a gateway reads it from every replica each minute) must not look like a call
+    of the model, with zero tokens, to a GenAI tracing backend."""
+    r = await client.get("/v1/models", headers={"x-request-id": "list-1"})
+    assert r.status_code == 200
+    (server,) = spans.get_finished_spans()
+    assert server.name == "GET /v1/models" and server.kind == SpanKind.SERVER
+    attributes = dict(server.attributes or {})
+    assert attributes["http.request.method"] == "GET"
+    assert attributes["http.response.status_code"] == 200
+    assert attributes["gen_ai.request.id"] == "list-1"
+    assert not {"gen_ai.operation.name", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"} & set(
+        attributes
+    )

@@ -40,12 +40,19 @@ class AccessRecord:
         return self.request_id
 
 
-def begin(headers: Mapping[str, str], path: str, model: str) -> AccessRecord:
+def begin(headers: Mapping[str, str], method: str, path: str, model: str) -> AccessRecord:
     """A record for the request now starting, current for the rest of this context."""
     record = AccessRecord(wire.valid_request_id(headers.get(wire.HEADER_REQUEST_ID)), time.monotonic())
-    record.span = tracing.start_request_span(headers, path, model)
+    record.span = tracing.start_request_span(headers, method, path, model)
     _CURRENT.set(record)
     return record
+
+
+def current_id() -> str | None:
+    """The id of the request this context serves (minted now if it has none yet, so a log line
+    and the response's header agree), or None outside an API request."""
+    record = _CURRENT.get()
+    return record.ensure_id() if record is not None else None
 
 
 def response_id(prefix: str) -> str:
@@ -70,6 +77,7 @@ def log_request(record: AccessRecord, method: str, path: str, model: str) -> Non
     if record.span is not None:
         tracing.end_request_span(
             record.span,
+            path,
             record.request_id,
             record.status,
             record.num_prompt_tokens,

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corral_engine import wire
 from corral_engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from corral_engine.server import access
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(status, str(exc.detail), headers=dict(exc.headers or {}))
     if isinstance(exc, RecursionError):
         return invalid_request("The request is nested too deeply.")
-    logger.error("internal error", exc_info=exc)
+    request_id = access.current_id()
+    logger.error(
+        "request %s: internal error", request_id or "-", exc_info=exc, extra={"request_id": request_id}
+    )
     return APIError(500, "The server had an internal error.", type="internal_error")
 
 

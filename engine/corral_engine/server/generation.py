@@ -104,8 +104,9 @@ class GenerationRun:
 
     def abort_unfinished(self) -> None:
         """Abort the engine requests that have not finished; idempotent, never blocks."""
+        request_id = access.current_id()
         for engine_id in sorted(self._unfinished):
-            logger.info("aborting request %s", engine_id)
+            logger.info("aborting request %s", engine_id, extra={"request_id": request_id})
             self.engine.abort(engine_id)
         self._unfinished.clear()
 

@@ -63,7 +63,7 @@ class ServerMiddleware:
         path: str = scope["path"]
         record = None
         if path.startswith("/v1/"):
-            record = access.begin(Headers(scope=scope), path, self.ctx.model_name)
+            record = access.begin(Headers(scope=scope), scope["method"], path, self.ctx.model_name)
 
         async def send_with_load(message: Message) -> None:
             nonlocal started
@@ -85,7 +85,13 @@ class ServerMiddleware:
             await self.app(scope, receive, send_with_load)
         except Exception as e:
             if started:
-                logger.error("error after the response started", exc_info=e)
+                request_id = record.request_id if record is not None else None
+                logger.error(
+                    "request %s: error after the response started",
+                    request_id or "-",
+                    exc_info=e,
+                    extra={"request_id": request_id},
+                )
                 return
             await errors.error_response(e)(scope, receive, send_with_load)
         finally:

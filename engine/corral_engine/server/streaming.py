@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from corral_engine.outputs import RequestOutput
-from corral_engine.server import errors
+from corral_engine.server import access, errors
 from corral_engine.server.generation import GenerationRun, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
@@ -144,10 +144,16 @@ class ChunkWriter:
             self._flushing = None
 
     def _fail(self, error: Exception) -> None:
+        request_id = access.current_id()
         if isinstance(error, OSError):  # the connection went
-            logger.debug("streamed write failed: %r", error)
+            logger.debug("request %s: streamed write failed: %r", request_id or "-", error)
         else:
-            logger.error("streamed write failed", exc_info=error)
+            logger.error(
+                "request %s: streamed write failed",
+                request_id or "-",
+                exc_info=error,
+                extra={"request_id": request_id},
+            )
         self._queued.clear()
         if not self.failed.done():
             self.failed.set_result(None)
@@ -174,6 +180,12 @@ class EngineStreamingResponse(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._run = run
         self._chunks = chunks
+
+    def _log_disconnect(self) -> None:
+        request_id = access.current_id()
+        logger.info(
+            "request %s: client disconnected mid-stream", request_id or "-", extra={"request_id": request_id}
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Set once the stream's end is written (after the last output, or an error).
@@ -235,11 +247,11 @@ class EngineStreamingResponse(Response):
             waits: set[asyncio.Future[Any]] = {ended, watcher, writer.failed}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if not ended.done():
-                logger.info("client disconnected mid-stream")
+                self._log_disconnect()
                 return
             await writer.drain()
         except OSError:  # the connection went while sending the start
-            logger.info("client disconnected mid-stream")
+            self._log_disconnect()
         finally:
             writer.close()
             for task in tasks:

@@ -27,18 +27,26 @@ def is_enabled() -> bool:
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
-def start_request_span(headers: Mapping[str, str], path: str, model: str) -> Span | None:
-    """The request's server span, child of the caller's span when a valid traceparent came in."""
+def start_request_span(headers: Mapping[str, str], method: str, path: str, model: str) -> Span | None:
+    """The request's server span, child of the caller's span when a valid traceparent came in. Only
+    a generation is a GenAI span ("<operation> <model>"); any other request (the model list a
+    gateway reads every minute) is a plain HTTP one ("GET /v1/models"), so GenAI backends do not
+    count it as a call of the model."""
     if not is_enabled():
         return None
-    operation = OPERATIONS.get(path, "http")
-    span = _tracer.start_span(
-        f"{operation} {model}", context=propagate.extract(headers), kind=SpanKind.SERVER
-    )
-    span.set_attribute("gen_ai.operation.name", operation)
-    span.set_attribute("gen_ai.request.model", model)
+    operation = OPERATIONS.get(path)
+    name = f"{method} {path}" if operation is None else f"{operation} {model}"
+    span = _tracer.start_span(name, context=propagate.extract(headers), kind=SpanKind.SERVER)
+    span.set_attribute("http.request.method", method)
     span.set_attribute("url.path", path)
+    if operation is not None:
+        span.set_attribute("gen_ai.operation.name", operation)
+        span.set_attribute("gen_ai.request.model", model)
     return span
+
+
+def is_generation(path: str) -> bool:
+    return path in OPERATIONS
 
 
 def _wall_ns(monotonic_s: float, offset_ns: int) -> int:
@@ -67,19 +75,21 @@ def add_phases(span: Span, m: RequestMetrics) -> None:
 
 def end_request_span(
     span: Span,
+    path: str,
     request_id: str | None,
     status: int,
     num_prompt_tokens: int,
     num_completion_tokens: int,
 ) -> None:
+    span.set_attribute("http.response.status_code", status)
     if request_id is not None:
         span.set_attribute("gen_ai.request.id", request_id)
-    span.set_attribute("http.response.status_code", status)
-    span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
-    span.set_attribute("gen_ai.usage.output_tokens", num_completion_tokens)
-    # vLLM's names for the same counts.
-    span.set_attribute("gen_ai.usage.prompt_tokens", num_prompt_tokens)
-    span.set_attribute("gen_ai.usage.completion_tokens", num_completion_tokens)
+    if is_generation(path):
+        span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", num_completion_tokens)
+        # vLLM's names for the same counts.
+        span.set_attribute("gen_ai.usage.prompt_tokens", num_prompt_tokens)
+        span.set_attribute("gen_ai.usage.completion_tokens", num_completion_tokens)
     if status >= 500:
         span.set_status(Status(StatusCode.ERROR))
     span.end()
