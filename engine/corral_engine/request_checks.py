@@ -54,6 +54,13 @@ def check_request(
             f"and max_tokens asks for {params.max_tokens} more.",
             "max_tokens",
         )
+    need = bm.blocks_for_tokens(num + 1)  # the prompt and its first output token
+    if need > bm.num_blocks:  # whatever max_tokens says
+        raise InvalidRequestError(
+            f"the prompt has {num} tokens and needs {need} KV blocks with its first output token; "
+            f"the cache has {bm.num_blocks}",
+            "prompt",
+        )
     need = bm.blocks_for_tokens(num + params.max_tokens)
     if need > bm.num_blocks:
         raise InvalidRequestError(

@@ -281,3 +281,33 @@ def test_a_cache_or_context_the_model_cannot_have_is_warned_about(
     text = caplog.text
     assert "--max-model-len 100000 is past the model's 512 positions" in text
     assert "the KV cache holds 32 tokens, fewer than max_model_len 512" in text
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_siblings_under_a_cache_for_one_sequence_finish_with_a_roomy_engines_output(
+    tiny_model_dir: pathlib.Path, prefix_caching: bool
+) -> None:
+    """Forked siblings wait holding their parent's prompt blocks: once the parent was preempted,
+    they kept the only sequence that could run from ever getting blocks (served, three requests
+    hung for good with nothing running)."""
+    shapes = [(24, 14, 3), (9, 11, 1), (12, 23, 3), (41, 1, 3), (35, 7, 1), (1, 16, 3)]  # prompt, max, n
+    prompts = random_prompts(len(shapes), 1000, seed=5, min_len=41, max_len=41)
+    requests = [
+        (prompt[:length], SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0, ignore_eos=True))
+        for prompt, (length, max_tokens, n) in zip(prompts, shapes, strict=True)
+    ]
+    finals = []
+    for kwargs in ({}, {"num_kv_blocks": 12, "max_num_batched_tokens": 8}):  # 48 tokens of KV
+        engine = make_engine(tiny_model_dir, block_size=4, enable_prefix_caching=prefix_caching, **kwargs)
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(f"r{i}", prompt, params)
+        final = {}
+        for _ in range(2_000):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = [o.token_ids for o in out.outputs]
+        assert not engine.has_unfinished_requests()
+        finals.append(final)
+    assert finals[1] == finals[0]

@@ -15,8 +15,16 @@ from corral_engine.sampling_params import SamplingParams
 class Sim:
     """Drives the scheduler as the engine does, with 'sampled' tokens from a seeded RNG."""
 
-    def __init__(self, num_blocks: int, block_size: int, policy: str, max_seqs: int = 8, budget: int = 32):
-        self.bm = BlockManager(num_blocks, block_size)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: str,
+        max_seqs: int = 8,
+        budget: int = 32,
+        prefix_caching: bool = True,
+    ):
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(SchedulerConfig(max_seqs, budget, policy), self.bm)  # type: ignore[arg-type]
         self.rng = random.Random(0)
         self.requests: dict[str, Request] = {}
@@ -150,3 +158,23 @@ def test_randomized_workload_keeps_invariants(policy: str, seed: int) -> None:
     sim.bm.check_invariants([])
     if policy == "reserve":
         assert sim.sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("policy", ["preempt", "reserve"])
+@pytest.mark.parametrize("seed", range(8))
+def test_requests_that_each_fit_the_cache_always_finish(policy: str, prefix_caching: bool, seed: int) -> None:
+    """Forked siblings (n > 1) wait holding their parent's prompt blocks; with the parent preempted
+    or finished, those blocks must not starve the one sequence that could run (it looped, admitted
+    and preempted, or waited, for ever)."""
+    rng = random.Random(seed)
+    num_blocks, block_size = rng.randint(8, 16), 4
+    sim = Sim(num_blocks, block_size, policy, budget=rng.choice([8, 32, 1024]), prefix_caching=prefix_caching)
+    capacity = num_blocks * block_size
+    for _ in range(rng.randint(2, 6)):
+        num_prompt = rng.randint(1, capacity - 1)
+        prompt = [rng.randrange(1000) for _ in range(num_prompt)]
+        sim.add(prompt, rng.randint(1, capacity - num_prompt), n=rng.choice([1, 2, 3]))
+    sim.run(max_steps=2_000)
+    assert all(r.is_finished for r in sim.requests.values())
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks

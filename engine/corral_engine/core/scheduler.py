@@ -101,6 +101,8 @@ class Scheduler:
             num_new += num_spec
             while not self.bm.allocate(seq, num_new):
                 victim = self.running[-1]  # newest first
+                if victim is seq and self._release_waiting_blocks(seq):
+                    continue
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -129,7 +131,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq, budget):
+            if not self._admit(seq, budget) and not self._admit_after_release(seq, budget):
                 break  # FCFS: nothing overtakes the head of the queue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -158,6 +160,22 @@ class Scheduler:
         if not had_blocks and seq.num_preemptions == 0:
             self.bm.record_prefix_query(seq.num_tokens, matched)
         return True
+
+    def _admit_after_release(self, seq: Sequence, budget: int) -> bool:
+        """With nothing running, no block is freed unless the waiting let go of theirs."""
+        return not self.running and self._release_waiting_blocks(seq) and self._admit(seq, budget)
+
+    def _release_waiting_blocks(self, keep: Sequence) -> bool:
+        """Forked siblings (n > 1) wait holding their parent's prompt blocks. Once their parent is
+        gone those blocks can starve the one sequence that could run (`keep`: the last running one,
+        or the head of the queue with nothing running) for ever, so they let go: each recomputes its
+        prompt, or finds it in the prefix cache, when admitted. False if no waiting one held any."""
+        released = False
+        for seq in self.waiting:
+            if seq is not keep and seq.block_table:
+                self.bm.free(seq)
+                released = True
+        return released
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

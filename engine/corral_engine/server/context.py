@@ -172,12 +172,17 @@ class RunningUsage:
 
 
 def remaining_context(ctx: ServerContext, prompts: list[list[int]], param: str) -> int:
-    """Tokens left after the longest prompt: the default max_tokens when a request gives none."""
-    room = ctx.engine.max_model_len - max(len(p) for p in prompts)
+    """Tokens left after the longest prompt: the default max_tokens when a request gives none.
+    A KV cache smaller than the context (the engine warns at start) bounds it too, or every such
+    request would be refused for asking more blocks than the cache has."""
+    longest = max(len(p) for p in prompts)
+    room = ctx.engine.max_model_len - longest
     if room < 1:
         raise errors.invalid_request(
             f"This model's maximum context length is {ctx.engine.max_model_len} tokens; the prompt "
-            f"has {max(len(p) for p in prompts)} and leaves no room for output.",
+            f"has {longest} and leaves no room for output.",
             param,
         )
-    return room
+    stats = ctx.engine.stats()
+    kv_room = stats.num_kv_blocks * stats.block_size - longest
+    return min(room, kv_room) if kv_room >= 1 else room  # else the engine says the prompt cannot fit
