@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -62,7 +63,7 @@ def test_idle_model_scales_to_zero_and_wakes_on_annotation(
     operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
 ) -> None:
     cluster, ns = operator_installed, k8s_namespace
-    start_operator(resync_s=1.0)
+    operator = start_operator(resync_s=1.0)
     port = free_port()
     autoscaling = {"minReplicas": 0, "maxReplicas": 2, "scaleToZeroIdleSeconds": 3}
     cluster.apply(yaml.safe_dump(llmdeployment("sleepy", ns, replicas=1, port=port, autoscaling=autoscaling)))
@@ -81,3 +82,12 @@ def test_idle_model_scales_to_zero_and_wakes_on_annotation(
     cluster.kubectl("annotate", "llmd", "sleepy", "-n", ns, f"{labels.WAKE_ANNOTATION}={now}", "--overwrite")
     cluster.wait_until("woken", lambda: _replicas(cluster, ns, "sleepy") == 1)
     cluster.wait_until("Available again", lambda: is_available(get_llmd(cluster, ns, "sleepy")))
+    # put to sleep by hand: the wake annotation still on the object is no new request
+    cluster.kubectl("scale", "llmd", "sleepy", "-n", ns, "--replicas", "0")
+    cluster.wait_until("pods gone again", lambda: not running_pods(cluster, ns, "sleepy"))
+    time.sleep(4 * operator.resync_s)
+    assert _replicas(cluster, ns, "sleepy") == 0
+    events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=sleepy")["items"]
+    assert [e["message"] for e in events if e["reason"] == "Scaled" and "woken" in e["message"]] == [
+        "replicas 0 -> 1: woken by a request"
+    ]

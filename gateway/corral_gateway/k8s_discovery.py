@@ -77,15 +77,18 @@ def discover(
     """Slices or pods -> pools keyed by served name. An object whose LLMDeployment is known goes to
     that deployment's pool; any other (a hand-made Service) to its model label's value (for slices,
     else the Service's name). A model scaled to zero keeps its (empty) pool, so its requests wake it
-    instead of getting 404."""
+    instead of getting 404; `owners` are the deployments a request may wake (one per pool)."""
+    served = list(served)
     names = naming(served)
+    can_wake = {(s.namespace, s.deployment): s.can_wake for s in served}
     by_key: dict[str, set[str]] = {}
     owners: dict[str, tuple[str, str]] = {}
     # Every LLMDeployment is a pool, with replicas or not: at zero it may have no object at all
     # (pods discovery), and its requests must wake it, not get 404.
     for owner, pool in names.keys.items():
         by_key.setdefault(pool, set())
-        owners.setdefault(pool, owner)
+        if can_wake[owner]:
+            owners.setdefault(pool, owner)
     for obj in objects:
         meta = obj.get("metadata") or {}
         labels = meta.get("labels") or {}
@@ -97,8 +100,9 @@ def discover(
             continue
         urls = by_key.setdefault(key, set())
         urls.update(pod_urls(obj, port_name) if is_pods else slice_urls(obj, port_name))
-        if namespace and instance:
-            owners.setdefault(key, (str(namespace), str(instance)))
+        owner = (str(namespace), str(instance))
+        if namespace and instance and can_wake.get(owner, True):
+            owners.setdefault(key, owner)
     pools = {key: sorted(urls) for key, urls in by_key.items()}
     return Discovery(pools, owners, names)
 

@@ -16,12 +16,15 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """One LLMDeployment's names."""
+    """One LLMDeployment's names, and whether a request wakes it at zero replicas (its autoscaler
+    scales from zero: the operator's builtin one on the wake annotation, or KEDA on the gateway's
+    queue; an HPA does not, and a fixed `replicas: 0` means off)."""
 
     namespace: str
     deployment: str
     name: str
     aliases: tuple[str, ...] = ()
+    can_wake: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,9 @@ def served_from_deployments(items: Iterable[Mapping[str, Any]]) -> list[Served]:
         name, aliases = model.get("name"), model.get("aliases") or []
         if isinstance(name, str) and name and meta.get("namespace") and meta.get("name"):
             clean = tuple(a for a in aliases if isinstance(a, str) and a and a != name)
-            out.append(Served(str(meta["namespace"]), str(meta["name"]), name, clean))
+            autoscaling = (item.get("spec") or {}).get("autoscaling")
+            can_wake = isinstance(autoscaling, dict) and autoscaling.get("mode", "builtin") != "hpa"
+            out.append(Served(str(meta["namespace"]), str(meta["name"]), name, clean, can_wake))
     return out
 
 

@@ -38,7 +38,8 @@ class KubernetesDiscovery(BaseModel):
     kubeconfig: Path | None = None  # None: in-cluster config, else this kubeconfig file
     watch_timeout_s: int = Field(default=30, ge=1)
     # Scale from zero: annotate the LLMDeployment of a model with no replica (needs RBAC to patch
-    # llmdeployments), and let its requests wait up to wake_timeout_s for one to appear.
+    # llmdeployments), and let its requests wait up to wake_timeout_s for one to appear. Only one
+    # whose autoscaling scales from zero (builtin or keda mode); others get queue_timeout_s.
     wake_from_zero: bool = True
     wake_timeout_s: float = Field(default=300.0, gt=0)
 

@@ -40,16 +40,20 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """Load summed (waiting, running) or averaged (KV) over the replicas that reported it."""
+    """Load summed (waiting, running) or averaged (KV) over the replicas that reported it;
+    `num_unreported`: ready replicas asked that did not answer (a busy engine may be too slow to)."""
 
     num_waiting: float
     num_running: float
     kv_usage_ratio: float
     num_reporting: int
+    num_unreported: int = 0
+    num_finished: float = 0.0  # requests finished so far (the engines' counters, summed)
 
     @property
     def is_idle(self) -> bool:
-        return self.num_waiting <= 0 and self.num_running <= 0
+        """Nothing running or waiting on any ready replica (a silent one may be busy)."""
+        return self.num_waiting <= 0 and self.num_running <= 0 and self.num_unreported == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ class State:
     zeroed_at_s: float | None = None
     last_replicas: int | None = None
     history_start_s: float | None = None  # before this, the down window assumes the current size
+    num_finished_seen: float | None = None  # Load.num_finished at the last scrape
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +76,17 @@ class Decision:
 
 
 def recommend(policy: Policy, current: int, load: Load) -> int:
-    """Raw replicas for this load, before windows and bounds."""
+    """Raw replicas for this load, before windows and bounds. As an HPA does with missing metrics,
+    a replica that did not report counts as idle on the way up and as loaded at the targets on the
+    way down: replicas too busy to answer a scrape in time must not get the fleet shrunk."""
     n = max(load.num_reporting, 1)
     by_queue = math.ceil(load.num_waiting / policy.target_waiting_per_replica)
     by_kv = math.ceil(n * load.kv_usage_ratio / policy.target_kv_usage_ratio)
     busy_floor = 0 if load.is_idle else 1
     raw = max(by_queue, by_kv, busy_floor)
+    if raw < current and load.num_unreported > 0:
+        # Each silent replica at the targets adds exactly one replica to both recommendations.
+        raw = min(current, max(by_queue, by_kv) + load.num_unreported)
     if current > 0 and abs(raw / current - 1.0) <= TOLERANCE:
         return current
     return raw
@@ -105,9 +115,16 @@ def decide(
     if current == 0:
         return _decide_at_zero(policy, state, now_s, wake_at_s)
     woke_up = state.last_replicas == 0 or state.last_active_s is None
-    last_active = now_s if woke_up or (load is not None and not load.is_idle) else state.last_active_s
+    last_active = now_s if woke_up or _is_busy(state, load) else state.last_active_s
     start = state.history_start_s if state.history_start_s is not None and not woke_up else now_s
-    state = replace(state, last_active_s=last_active, last_replicas=current, history_start_s=start)
+    finished = state.num_finished_seen if load is None else load.num_finished
+    state = replace(
+        state,
+        last_active_s=last_active,
+        last_replicas=current,
+        history_start_s=start,
+        num_finished_seen=finished,
+    )
     if load is None:
         held = _bounded(policy, current)
         why = "no load reported; holding" if held == current else _out_of_bounds(policy, current)
@@ -139,7 +156,21 @@ def decide(
     return Decision(desired, why, replace(state, last_replicas=desired))
 
 
+def _is_busy(state: State, load: Load | None) -> bool:
+    """Requests running or waiting now, or finished since the last scrape: a model whose short
+    requests all fall between two scrapes leaves the gauges at zero, but not the counter. A counter
+    that moved either way (a pod restarted, replicas changed) counts too: staying up is the safe side."""
+    if load is None:
+        return False
+    has_finished = state.num_finished_seen is not None and load.num_finished != state.num_finished_seen
+    return not load.is_idle or has_finished
+
+
 def _decide_at_zero(policy: Policy, state: State, now_s: float, wake_at_s: float | None) -> Decision:
+    if state.last_replicas:
+        # Someone else scaled it to zero (`kubectl scale --replicas 0`): it went to sleep now, so a
+        # wake stamp from before (the annotation stays on the object) is no request to serve.
+        state = replace(state, zeroed_at_s=now_s, recommendations=())
     # A wake stamped in the second the model went to zero counts: stamps may have 1 s resolution,
     # and a request arriving while scaling down must not be lost.
     is_woken = wake_at_s is not None and (

@@ -77,7 +77,12 @@ def scaled_object(meta: Obj, spec: LLMDeploymentSpec) -> Obj:
     auto = _auto(spec)
     name = spec.model.name
     engines = promql_selector({"namespace": meta["namespace"], wire.MODEL_NAME_LABEL: name})
-    gateway = promql_selector({"model": name})  # the gateway may run in another namespace
+    # The gateway (perhaps in another namespace) labels its queue with the pool's key: the model
+    # name, or NAMESPACE/NAME where the name is served in several namespaces (gateway k8s_names).
+    queues = " or ".join(
+        f"{wire.GATEWAY_QUEUE_LENGTH}{promql_selector({'model': key})}"
+        for key in (name, f"{meta['namespace']}/{name}")
+    )
 
     def trigger(name: str, query: str, threshold: float, metric_type: str, activation: str) -> Obj:
         metadata = {
@@ -118,7 +123,7 @@ def scaled_object(meta: Obj, spec: LLMDeploymentSpec) -> Obj:
                 ),
                 trigger(
                     "gateway-queue",
-                    f"sum({wire.GATEWAY_QUEUE_LENGTH}{gateway}) or vector(0)",
+                    f"sum({queues}) or vector(0)",
                     waiting,
                     "AverageValue",
                     "0",

@@ -192,15 +192,18 @@ class Kube:
         self._request(
             "PATCH",
             self._path("LLMDeployment", namespace, name) + "/status",
+            query=[("fieldManager", labels.FIELD_MANAGER)],
             body=body,
             content_type="application/merge-patch+json",
         )
 
     def patch_replicas(self, namespace: str, name: str, replicas: int) -> None:
-        """Write spec.replicas through the scale subresource, as HPA, KEDA or `kubectl scale` would."""
+        """Write spec.replicas through the scale subresource, as HPA, KEDA or `kubectl scale` would;
+        as the operator's field manager, so a GitOps tool's server-side apply conflict names it."""
         self._request(
             "PATCH",
             self._path("LLMDeployment", namespace, name) + "/scale",
+            query=[("fieldManager", labels.FIELD_MANAGER)],
             body={"spec": {"replicas": replicas}},
             content_type="application/merge-patch+json",
         )

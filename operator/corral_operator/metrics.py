@@ -25,7 +25,12 @@ from corral_operator.autoscaler import Load
 log = logging.getLogger(__name__)
 
 MAX_PARALLEL_SCRAPES = 8
-_WANTED = (wire.NUM_REQUESTS_WAITING, wire.NUM_REQUESTS_RUNNING, wire.KV_CACHE_USAGE_PERC)
+_WANTED = (
+    wire.NUM_REQUESTS_WAITING,
+    wire.NUM_REQUESTS_RUNNING,
+    wire.KV_CACHE_USAGE_PERC,
+    wire.REQUEST_SUCCESS_TOTAL,  # activity between two scrapes (the autoscaler's idle time)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +47,10 @@ class MetricsSource(Protocol):
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """The wanted gauges of one pod's Prometheus text exposition, over their label sets: requests
-    summed, KV usage the fullest (a vLLM pod with --data-parallel-size exports a ratio per engine,
-    `engine="0"`, `engine="1"`: their sum is no ratio; the gateway takes the max too); {} if it
-    does not parse."""
+    """The wanted series of one pod's Prometheus text exposition, over their label sets: requests
+    (waiting, running, finished) summed, KV usage the fullest (a vLLM pod with --data-parallel-size
+    exports a ratio per engine, `engine="0"`, `engine="1"`: their sum is no ratio; the gateway takes
+    the max too); {} if it does not parse."""
     out: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -60,7 +65,8 @@ def parse_gauges(text: str) -> dict[str, float]:
 
 
 def aggregate(per_pod: Sequence[dict[str, float]]) -> Load | None:
-    """Sum waiting/running, average KV usage over the pods that answered."""
+    """Sum waiting/running, average KV usage over the pods that answered (one entry per pod asked;
+    an empty one did not answer)."""
     answered = [g for g in per_pod if wire.KV_CACHE_USAGE_PERC in g or wire.NUM_REQUESTS_WAITING in g]
     if not answered:
         return None
@@ -69,6 +75,8 @@ def aggregate(per_pod: Sequence[dict[str, float]]) -> Load | None:
         num_running=sum(g.get(wire.NUM_REQUESTS_RUNNING, 0.0) for g in answered),
         kv_usage_ratio=sum(g.get(wire.KV_CACHE_USAGE_PERC, 0.0) for g in answered) / len(answered),
         num_reporting=len(answered),
+        num_unreported=len(per_pod) - len(answered),
+        num_finished=sum(g.get(wire.REQUEST_SUCCESS_TOTAL, 0.0) for g in answered),
     )
 
 

@@ -152,7 +152,7 @@ def _observe(ctx: Context, owner: Owner, spec: LLMDeploymentSpec, base: Observed
         desired_replicas=spec.bounded_replicas,
         endpoint=render.endpoint_url(owner, spec),
         tensor_parallel_size=tensor_parallel_size(spec),
-        is_autoscaled=spec.autoscaling is not None,
+        can_wake=spec.autoscaling is not None and spec.autoscaling.can_wake,
         deployment=ctx.kube.get("Deployment", owner.namespace, owner.name),
         pods=ctx.kube.list("Pod", owner.namespace, labels.selector_string(owner.name)),
         missing_pvc=missing_pvc,
@@ -171,12 +171,17 @@ def _observe_unparsed(ctx: Context, owner: Owner, raw_spec: Mapping[str, Any], b
         base,
         desired_replicas=replicas,
         tensor_parallel_size=base.previous.get("tensorParallelSize"),
-        is_autoscaled=raw_spec.get("autoscaling") is not None,
+        can_wake=_can_wake_unparsed(raw_spec.get("autoscaling")),
         deployment=deployment,
         pods=ctx.kube.list("Pod", owner.namespace, labels.selector_string(owner.name))
         if deployment is not None
         else (),
     )
+
+
+def _can_wake_unparsed(autoscaling: object) -> bool:
+    """AutoscalingSpec.can_wake, read from a spec that does not parse."""
+    return isinstance(autoscaling, Mapping) and autoscaling.get("mode", "builtin") != "hpa"
 
 
 def _finish(

@@ -52,9 +52,12 @@ def ready_targets(pods: list[dict[str, Any]], port: int) -> list[PodTarget]:
 
 
 def observe_load(ctx: Context, owner: Owner, spec: LLMDeploymentSpec) -> tuple[Load | None, bool]:
-    """(load, is_known): known means the ready pods were asked (none ready is a known 'no load')."""
-    if ctx.metrics is None or spec.replicas == 0:
+    """(load, is_known): known means the ready pods were asked (none ready is a known 'no load'),
+    or the model is at zero (the last load seen before it went down is not its load now)."""
+    if ctx.metrics is None:
         return None, False
+    if spec.replicas == 0:
+        return None, True
     pods = ctx.kube.list("Pod", owner.namespace, labels.selector_string(owner.name))
     targets = ready_targets(pods, spec.engine.port)
     return (ctx.metrics.load(owner.namespace, owner.name, targets) if targets else None), True

@@ -171,6 +171,12 @@ class AutoscalingSpec(SpecModel):
     def is_builtin(self) -> bool:
         return self.mode == "builtin"
 
+    @property
+    def can_wake(self) -> bool:
+        """Whether a request brings it back from zero: the builtin autoscaler on the gateway's wake
+        annotation, KEDA on the gateway's queue; an HPA does not act on a target at zero."""
+        return self.mode != "hpa"
+
 
 def _int_or_percent(value: object) -> object:
     """A Deployment's maxSurge / maxUnavailable: a count, or a string percentage ("5" is neither)."""

@@ -37,7 +37,7 @@ class Observed:
     desired_replicas: int
     selector: str
     endpoint: str | None
-    is_autoscaled: bool = False
+    can_wake: bool = False  # at zero, a request brings a replica back (AutoscalingSpec.can_wake)
     deployment: Obj | None = None
     pods: Sequence[Obj] = ()
     tensor_parallel_size: int | None = None
@@ -159,7 +159,7 @@ def _ready_message(ready: int, want: int) -> str:
 def available(obs: Observed, ready: int) -> Obj:
     """True while at least one replica is ready (see the module's docstring for why not more)."""
     if obs.desired_replicas == 0:
-        how = "a request through the gateway wakes it" if obs.is_autoscaled else "scale it up to serve"
+        how = "a request through the gateway wakes it" if obs.can_wake else "scale it up to serve"
         return _condition("Available", False, "ScaledToZero", f"0 replicas; {how}")
     message = _ready_message(ready, obs.desired_replicas)
     if ready >= 1:
@@ -172,7 +172,7 @@ def ready_condition(obs: Observed, is_available: Obj) -> Obj:
     invalid spec update does not stop the replicas already running from serving)."""
     if obs.spec_error and obs.deployment is None:
         return _condition("Ready", False, "InvalidSpec", obs.spec_error)
-    if obs.desired_replicas == 0 and obs.is_autoscaled:
+    if obs.desired_replicas == 0 and obs.can_wake:
         return _condition(
             "Ready", True, "WakesOnRequest", "0 replicas; a request through the gateway wakes it"
         )

@@ -57,7 +57,7 @@ def _llmd(namespace: str, name: str, model: str) -> dict[str, Any]:
         "apiVersion": "corral.dev/v1alpha1",
         "kind": "LLMDeployment",
         "metadata": meta,
-        "spec": {"model": {"name": model}},
+        "spec": {"model": {"name": model}, "autoscaling": {"minReplicas": 0}},
     }
 
 

@@ -55,7 +55,32 @@ def test_deployments_json_to_served() -> None:
         },
         {"metadata": {"namespace": "ml", "name": "broken"}, "spec": {"model": {}}},
     ]
-    assert served_from_deployments(items) == [Served("ml", "a", "m", ("x",))]
+    assert served_from_deployments(items) == [Served("ml", "a", "m", ("x",), can_wake=False)]
+
+
+def test_only_deployments_that_scale_from_zero_are_woken() -> None:
+    def llmd(name: str, **spec: object) -> dict[str, object]:
+        return {"metadata": {"namespace": "ml", "name": name}, "spec": {"model": {"name": "m"}, **spec}}
+
+    items = [
+        llmd("fixed", replicas=0),
+        llmd("hpa", autoscaling={"mode": "hpa", "minReplicas": 1}),
+        llmd("keda", autoscaling={"mode": "keda", "minReplicas": 0}),
+        llmd("builtin", autoscaling={"minReplicas": 0}),
+    ]
+    assert [s.can_wake for s in served_from_deployments(items)] == [False, False, True, True]
+    # one pool "m": a fixed deployment at `replicas: 0` is off, and its requests must not wait for a
+    # wake-up that never comes; the pool's owner is one an autoscaler brings back
+    fixed, hpa, keda, _ = served_from_deployments(items)
+    pod = {"metadata": {"namespace": "ml", "labels": {"app.kubernetes.io/instance": "fixed"}}}
+    found = discover(
+        [pod], is_pods=True, model_label="corral.dev/model", port_name="http", served=[fixed, hpa]
+    )
+    assert (found.pools, found.owners) == ({"m": []}, {})
+    found = discover(
+        [pod], is_pods=True, model_label="corral.dev/model", port_name="http", served=[fixed, keda]
+    )
+    assert found.owners == {"m": ("ml", "keda")}
 
 
 def test_with_model_rewrites_only_the_model() -> None:

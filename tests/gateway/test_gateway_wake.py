@@ -10,6 +10,7 @@ from corral_engine import wire
 from corral_gateway.admission import Ask
 from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import Discovery, discover
+from corral_gateway.k8s_names import Served
 from corral_gateway.k8s_wake import Waker, wake_patch
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.registry import Replica
@@ -52,6 +53,19 @@ def test_waker_patches_at_most_once_per_interval() -> None:
     done.clear()
     assert waker.wake("m") and done.wait(5)
     assert [(c[0], c[1]) for c in calls] == [("ns", "llmd"), ("ns", "llmd")]
+
+
+def test_a_model_nothing_wakes_gets_the_normal_queue_deadline() -> None:
+    settings = GatewaySettings(kubernetes={"enabled": True, "wake_timeout_s": 300.0}, queue_timeout_s=30)
+    fleet = Fleet(settings, GatewayMetrics())
+    woken: list[str] = []
+    fleet.waker = Waker(None, patch=lambda ns, name, body: woken.append(name))
+    off = Served("ml", "off", "m", can_wake=False)
+    fleet.apply_discovery(
+        discover([], is_pods=True, model_label="corral.dev/model", port_name="http", served=[off])
+    )
+    assert fleet.wake_timeout_s("m") is None  # the 30 s queue deadline, not 300 s for a wake-up
+    assert woken == []
 
 
 async def test_request_for_a_model_at_zero_waits_for_a_replica() -> None:

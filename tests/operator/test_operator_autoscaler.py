@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from corral_operator.autoscaler import Load, Policy, State, decide, recommend
 
 POLICY = Policy(
@@ -80,6 +82,22 @@ def test_a_fresh_autoscaler_waits_a_full_down_window_before_shrinking() -> None:
     assert replicas[-1] == 1
 
 
+def test_replicas_that_do_not_report_count_as_loaded_on_the_way_down() -> None:
+    # 4 replicas each at the targets (4 waiting, 80% KV); 3 too busy to answer the scrape in time
+    one_answers = Load(num_waiting=4, num_running=4, kv_usage_ratio=0.8, num_reporting=1, num_unreported=3)
+    assert recommend(POLICY, 4, one_answers) == 4
+    replicas, _ = run(POLICY, [(float(t), one_answers) for t in range(0, 400, 10)], replicas=4)
+    assert set(replicas) == {4}
+    # a silent replica may be busy: the reporting ones being idle is no reason to go to zero
+    policy = Policy(0, 4, 4, 0.8, 0, 0, 60)
+    quiet = Load(num_waiting=0, num_running=0, kv_usage_ratio=0.0, num_reporting=1, num_unreported=1)
+    replicas, _ = run(policy, [(float(t), quiet) for t in range(0, 400, 10)], replicas=2)
+    assert 0 not in replicas
+    # ... but they count as idle on the way up (the load seen is enough to scale up on)
+    deep = Load(num_waiting=40, num_running=4, kv_usage_ratio=0.9, num_reporting=1, num_unreported=1)
+    assert recommend(POLICY, 2, deep) == 10
+
+
 def test_no_metrics_holds_the_current_size() -> None:
     replicas, _ = run(POLICY, [(0, None), (100, None)], replicas=3)
     assert replicas == [3, 3]
@@ -103,11 +121,36 @@ def test_scale_to_zero_after_idle_time_and_back_on_wake() -> None:
     assert decide(policy, later.state, 1, IDLE, now_s=1301).replicas == 0
 
 
+def test_requests_finished_between_scrapes_count_as_activity() -> None:
+    # a request every 240 s, each over before the next scrape: the gauges always read zero
+    policy = Policy(0, 4, 4, 0.8, 0, 60, 300)
+    series = [(float(t), replace(IDLE, num_finished=float(t // 240))) for t in range(0, 1200, 15)]
+    replicas, _ = run(policy, series, replicas=1)
+    assert set(replicas) == {1}
+    # once they stop (the last one seen at t = 960), the idle time runs from there
+    quiet = [(float(t), replace(IDLE, num_finished=4.0)) for t in range(1200, 1600, 15)]
+    replicas, _ = run(policy, series + quiet, replicas=1)
+    times = [t for t, _ in series + quiet]
+    assert times[replicas.index(0)] == 1260.0
+
+
 def test_scaled_up_from_zero_by_someone_else_counts_as_activity() -> None:
     policy = Policy(0, 4, 4, 0.8, 0, 60, 300)
     state = State(last_active_s=0, zeroed_at_s=400, last_replicas=0)
     # e.g. `kubectl scale --replicas 1` or the gateway patching the scale subresource
     assert decide(policy, state, 1, IDLE, now_s=1000).replicas == 1
+
+
+def test_scaled_to_zero_by_someone_else_stays_asleep_until_a_newer_wake() -> None:
+    policy = Policy(0, 4, 4, 0.8, 0, 60, 300)
+    woken = decide(policy, State(zeroed_at_s=100, last_replicas=0), 0, None, now_s=500, wake_at_s=499)
+    assert woken.replicas == 1
+    awake = decide(policy, woken.state, 1, IDLE, now_s=520).state
+    # `kubectl scale --replicas 0` at t = 600; the wake annotation still says 499
+    asleep = decide(policy, awake, 0, None, now_s=600, wake_at_s=499)
+    assert (asleep.replicas, asleep.state.zeroed_at_s) == (0, 600)
+    assert decide(policy, asleep.state, 0, None, now_s=610, wake_at_s=499).replicas == 0
+    assert decide(policy, asleep.state, 0, None, now_s=700, wake_at_s=650).replicas == 1
 
 
 def test_min_replicas_above_zero_lifts_from_zero() -> None:

@@ -18,6 +18,9 @@ vllm:num_requests_running{model_name="tiny"} 2.0
 vllm:kv_cache_usage_perc{model_name="tiny"} 0.5
 vllm:num_requests_waiting_extra 99
 vllm:prompt_tokens_total{model_name="tiny"} 1234.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{model_name="tiny",finished_reason="stop"} 7.0
+vllm:request_success_total{model_name="tiny",finished_reason="length"} 2.0
 """
 
 
@@ -26,6 +29,7 @@ def test_parse_gauges_reads_wanted_gauges_only() -> None:
         "vllm:num_requests_waiting": 6.0,
         "vllm:num_requests_running": 2.0,
         "vllm:kv_cache_usage_perc": 0.5,
+        "vllm:request_success_total": 9.0,  # the autoscaler's activity between scrapes
     }
     assert parse_gauges('garbage\nvllm:kv_cache_usage_perc{x="y"} nan-ish\n') == {}
 
@@ -68,6 +72,15 @@ def test_pod_scrape_aggregates_replicas(engine_metrics: int) -> None:
     load = source.load("ns", "tiny", targets)
     assert load is not None
     assert (load.num_waiting, load.num_running, load.kv_usage_ratio, load.num_reporting) == (12, 4, 0.5, 2)
+    assert load.num_finished == 18
+
+
+def test_pod_scrape_counts_the_ready_pods_that_did_not_answer(engine_metrics: int) -> None:
+    source = PodScrapeSource(timeout_s=0.5, allowed_networks=["127.0.0.0/8"])
+    targets = [PodTarget("a", "127.0.0.1", engine_metrics), PodTarget("b", "127.0.0.1", 9)]
+    load = source.load("ns", "tiny", targets)
+    assert load is not None
+    assert (load.num_waiting, load.num_reporting, load.num_unreported) == (6, 1, 1)
 
 
 def test_pod_scrape_skips_pods_outside_allowed_networks() -> None:

@@ -191,6 +191,33 @@ def test_wake_annotation_brings_a_model_back_from_zero() -> None:
     assert ("replicas", 1) in kube.writes
 
 
+def test_a_model_at_zero_shows_no_load_rather_than_the_last_one_seen() -> None:
+    kube = FakeKube()
+    spec = valid_spec() | {"replicas": 0, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}
+    seen = {"kvUsagePercent": 80, "numRequestsWaiting": 4, "numRequestsRunning": 4, "observedAt": "x"}
+    cr = body(spec, status={"load": seen})
+    scaled = autoscale(make_ctx(kube, DeepQueue()), cr, State(), now_s=100, scrape=True)
+    assert (scaled.load, scaled.is_load_known) == (None, True)
+    outcome = reconcile(make_ctx(kube), cr, load=scaled.load, is_load_known=scaled.is_load_known, now_s=100)
+    assert outcome.status["load"] is None  # the merge patch deletes it: KV% and Waiting go blank
+
+
+def test_at_zero_only_an_autoscaler_that_scales_from_zero_makes_it_ready() -> None:
+    kube = FakeKube()
+
+    def ready_at_zero(autoscaling: dict[str, Any]) -> tuple[str, str]:
+        spec = valid_spec() | {"replicas": 0, "autoscaling": autoscaling}
+        outcome = reconcile(make_ctx(kube), body(spec), now_s=0)
+        ready = next(c for c in outcome.status["conditions"] if c["type"] == "Ready")
+        return ready["status"], ready["reason"]
+
+    assert ready_at_zero({"minReplicas": 0}) == ("True", "WakesOnRequest")
+    # `kubectl scale --replicas 0` under an HPA: the HPA stops acting, and no request wakes it
+    assert ready_at_zero({"mode": "hpa", "minReplicas": 1}) == ("False", "ScaledToZero")
+    # the same after an update that does not parse (status keeps reporting what runs)
+    assert ready_at_zero({"mode": "hpa", "minReplicas": 1, "maxReplicas": "x"}) == ("False", "ScaledToZero")
+
+
 def test_parse_time_accepts_rfc3339_and_epoch() -> None:
     from corral_operator.timestamps import parse_time
 

@@ -96,7 +96,7 @@ def test_invalid_spec_keeps_the_previous_observed_generation() -> None:
 
 
 def test_scaled_to_zero_is_not_available_with_a_reason() -> None:
-    st = compute(observed(desired_replicas=0, is_autoscaled=True, deployment=deployment(0, 0)), NOW)
+    st = compute(observed(desired_replicas=0, can_wake=True, deployment=deployment(0, 0)), NOW)
     available = cond(st, "Available")
     assert (available["status"], available["reason"]) == ("False", "ScaledToZero")
     assert "wakes" in available["message"]
@@ -156,7 +156,7 @@ def test_ready_needs_available_replicas_and_a_pod_taking_traffic() -> None:
 
 
 def test_ready_at_zero_only_when_a_request_wakes_it() -> None:
-    woken = compute(observed(desired_replicas=0, is_autoscaled=True, deployment=deployment(0, 0)), NOW)
+    woken = compute(observed(desired_replicas=0, can_wake=True, deployment=deployment(0, 0)), NOW)
     assert ready_of(woken) == ("True", "WakesOnRequest")
     parked = compute(observed(desired_replicas=0, deployment=deployment(0, 0)), NOW)
     assert ready_of(parked) == ("False", "ScaledToZero")
