@@ -66,6 +66,7 @@ def test_the_gateway_finds_what_the_operator_renders() -> None:
 def test_openai_style_names_and_aliases_reach_the_gateway_through_the_llmdeployment() -> None:
     raw = valid_spec()
     raw["model"] |= {"name": "meta-llama/Llama-3.1-8B-Instruct", "aliases": ["llama-8b"]}
+    raw["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}  # so a request may wake it (owners)
     owner = render.Owner(name="llama", namespace="ml", uid="u")
     service = render.service(owner, parse_spec(raw))
     label = service["metadata"]["labels"][wire.MODEL_LABEL]
@@ -80,6 +81,14 @@ def test_openai_style_names_and_aliases_reach_the_gateway_through_the_llmdeploym
     )
     assert set(found.pools) == {"meta-llama/Llama-3.1-8B-Instruct"}
     assert found.owners == {"meta-llama/Llama-3.1-8B-Instruct": ("ml", "llama")}
+    # What the operator calls waking from zero (AutoscalingSpec.can_wake) is what the gateway reads.
+    for mode, can_wake in (("builtin", True), ("keda", True), ("hpa", False)):
+        extra = {"prometheusUrl": "http://127.0.0.1:9090"} if mode == "keda" else {}
+        bounds = {"minReplicas": 1, "maxReplicas": 2} if mode == "hpa" else raw["autoscaling"]
+        spec = parse_spec(raw | {"autoscaling": {**bounds, "mode": mode, **extra}})
+        assert spec.autoscaling is not None and spec.autoscaling.can_wake is can_wake
+        (served,) = served_from_deployments([{**deployment, "spec": raw | {"autoscaling": {"mode": mode}}}])
+        assert served.can_wake is can_wake
     upstream = Route("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct")
     assert found.names.routes["llama-8b"] == upstream
     assert found.names.routes["ml/llama-8b"] == upstream

@@ -30,7 +30,8 @@ async def test_completion_stream_is_timed_per_chunk(fake):
         result = await send_request(client, settings, BenchRequest([5, 6, 7], 3, 6))
     assert result.is_success, result.error
     assert (result.prompt_len, result.output_len) == (3, 6)
-    assert len(result.itl_s) == 5 and all(gap > 0 for gap in result.itl_s)
+    # Two chunks read together have a gap of 0 (a loaded machine); per chunk is what is checked.
+    assert len(result.itl_s) == 5 and all(gap >= 0 for gap in result.itl_s) and sum(result.itl_s) > 0
     assert 0 < result.ttft_s <= result.e2el_s
     assert result.tpot_s is not None and result.tpot_s > 0
     body = state.bodies[-1]
