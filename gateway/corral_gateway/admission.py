@@ -21,6 +21,14 @@ logger = logging.getLogger(__name__)
 QUEUE_FULL_RETRY_AFTER_S = 1.0
 
 
+def _queue_full(model: str) -> RateLimited:
+    return RateLimited(
+        f"Too many requests queued for model `{model}`; retry later.",
+        retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+        code="queue_full",
+    )
+
+
 @dataclass(eq=False, slots=True)
 class _Waiter:
     future: asyncio.Future[Replica]
@@ -80,12 +88,13 @@ class Admission:
         queue = self._queues[model]
         future = asyncio.get_running_loop().create_future()
         waiter = _Waiter(future, ask.prefix_hash, frozenset(ask.exclude), tuple(ask.block_hashes))
+        evicted = queue.evict_for(ask.priority, ask.fairness_key)
+        if evicted is not None and not evicted.future.done():
+            # The key holding most of the queue gives up its newest place: one API key's burst
+            # cannot shut every other key out of a model's queue.
+            evicted.future.set_exception(_queue_full(model))
         if not queue.push(waiter, ask.priority, ask.fairness_key):
-            raise RateLimited(
-                f"Too many requests queued for model `{model}`; retry later.",
-                retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
-                code="queue_full",
-            )
+            raise _queue_full(model)
         self.pump(model)
         try:
             done, _ = await asyncio.wait({waiter.future}, timeout=timeout_s)
@@ -122,8 +131,9 @@ class Admission:
 
     def _abandon(self, model: str, waiter: _Waiter) -> None:
         self._queues[model].remove(waiter)
-        if waiter.future.done() and not waiter.future.cancelled():
-            self.release(waiter.future.result())  # handed a replica just as the caller gave up
+        future = waiter.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self.release(future.result())  # handed a replica just as the caller gave up
         else:
             waiter.future.cancel()
 

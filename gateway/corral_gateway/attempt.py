@@ -1,13 +1,14 @@
 """One attempt at one leased replica: send the request and classify what came back before the first
-body byte: a response to pass through, a `Retry` elsewhere, or an error for the client."""
+body byte (an event stream's first event): a response to pass through, a `Retry` elsewhere, or an
+error for the client."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
-from corral_gateway.disconnect import race
-from corral_gateway.errors import UpstreamTimeout
+from corral_gateway.disconnect import ClientGone, race
+from corral_gateway.errors import UpstreamFailed, UpstreamTimeout
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import RetryReason
 from corral_gateway.registry import Replica
@@ -17,6 +18,7 @@ from corral_gateway.upstream import (
     Dropped,
     ReadTimedOut,
     Upstream,
+    UpstreamError,
     UpstreamResponse,
 )
 
@@ -73,12 +75,43 @@ async def send_once(
         # towards ejection, so a race cannot eject a healthy replica.
         return Retry("transport_error")
     status = response.status_code
+    can_go_elsewhere = can_retry and fleet.has_candidates(replica.model, [*exclude, replica.url])
     is_retryable = status >= 500 or status == 429  # 429: that engine's own queue is full
-    if is_retryable and can_retry and fleet.has_candidates(replica.model, [*exclude, replica.url]):
+    if is_retryable and can_go_elsewhere:
         response.close(complete=False)
         if status >= 500:
             fleet.record_failure(replica.url, f"HTTP {status}")
         return Retry(status=status)
+    if status == 200 and response.is_event_stream:
+        return await _first_event(fleet, replica, response, disconnect, can_go_elsewhere)
+    return response
+
+
+async def _first_event(
+    fleet: Fleet,
+    replica: Replica,
+    response: UpstreamResponse,
+    disconnect: asyncio.Future[None],
+    can_go_elsewhere: bool,
+) -> UpstreamResponse | Retry:
+    """An event stream's head comes at once, its first event with the first tokens: until then
+    (the replica's queue, the prompt's prefill) nothing has reached the client, so a replica dying
+    then is a retry elsewhere, not a stream ended by an error event."""
+    try:
+        await race(response.read_first(), disconnect, on_late=lambda _: None)
+    except ClientGone:
+        response.close(complete=False)
+        raise
+    except ReadTimedOut as e:
+        response.close(complete=False)
+        fleet.record_failure(replica.url, str(e))
+        raise UpstreamTimeout("The model replica did not answer in time.") from e
+    except UpstreamError as e:
+        response.close(complete=False)
+        fleet.record_failure(replica.url, f"stream: {e}")
+        if can_go_elsewhere:
+            return Retry("transport_error")
+        raise UpstreamFailed("The model replica failed before its response began.") from e
     return response
 
 

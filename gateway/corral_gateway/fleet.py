@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
@@ -23,13 +24,23 @@ from corral_gateway.registry import Ejection, Registry, Replica, Saturation
 from corral_gateway.router import Router
 from corral_gateway.served_names import parse_model_list
 from corral_gateway.settings import GatewaySettings
-from corral_gateway.upstream import ConnectFailed, ConnectTimedOut, Fetched, Upstream, UpstreamError
+from corral_gateway.upstream import (
+    ConnectFailed,
+    ConnectTimedOut,
+    Fetched,
+    ReadTimedOut,
+    Upstream,
+    UpstreamError,
+)
 
 logger = logging.getLogger(__name__)
 
 _STOP_RECHECK_S = 0.5  # how long a cancelled poller may take before it is cancelled again
 _GAUGE_INTERVAL_S = 0.5
 _POLL_READ_TIMEOUT_S = 1.0
+# A /health poll unanswered counts as a failure once the replica has sent nothing for this long: a
+# busy engine's answers and streams still come, a stopped one's do not.
+_SILENT_S = 3.0
 # A replica's model list is read on first contact, after each outage (the address may now hold
 # another engine) and at this interval.
 _NAMES_CHECK_INTERVAL_S = 60.0
@@ -282,6 +293,16 @@ class Fleet:
                 self._registry.observe(url, sample)
         return self._poll_succeeded(url, fetched.status)
 
+    def is_silent(self, url: str) -> bool:
+        """Whether nothing has come from the replica for `_SILENT_S`: no response's load headers,
+        no answered poll, no streamed chunk."""
+        heard_s = -math.inf
+        for replica in self._registry.by_url(url):
+            if replica.sample is not None:
+                heard_s = max(heard_s, replica.sample.at_s)
+            heard_s = max(heard_s, replica.step_phase.last_chunk_s)
+        return self.clock() - heard_s > _SILENT_S
+
     def _poll_succeeded(self, url: str, status: int) -> bool:
         if status != 200:
             return False
@@ -298,8 +319,16 @@ class Fleet:
             return await upstream.get(url + path, _POLL_READ_TIMEOUT_S)
         except (ConnectFailed, ConnectTimedOut) as e:
             self.record_failure(url, f"load poll: {e}")
+        except ReadTimedOut as e:
+            if path == "/health" and self.is_silent(url):
+                # Nothing from the replica at all, its streams included: a stopped or wedged process,
+                # whose kernel still takes connections, so nothing else notices. Counted like a
+                # failed request, so a run of them ejects it; a response to a request clears it.
+                self.record_failure(url, f"load poll: no answer for {_SILENT_S:g} s")
+                return None
+            # A busy server may answer slowly while its streams flow: load, not a failure.
+            logger.debug("load poll of %s%s failed: %s", url, path, e)
         except UpstreamError as e:
-            # A busy engine may answer slowly: that is load, not a failure.
             logger.debug("load poll of %s%s failed: %s", url, path, e)
         return None
 

@@ -175,7 +175,10 @@ class Exchange:
         self.metrics.duration.labels(model).observe(time.monotonic() - self.origin.start_s)
         reported = self.tail.reported()
         if self.quota is not None:
-            self.quota.settle(reported)
+            if reported is None and self.upstream.status_code >= 400:
+                self.quota.refund()  # an error answer serves no tokens
+            else:
+                self.quota.settle(reported)
         self.access.finished(self.origin, self.replica.url, self.status_label, reported)
 
 

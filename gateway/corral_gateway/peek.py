@@ -17,6 +17,7 @@ from typing import Any
 # Rough characters per token, for token rate limits charged before the real usage is known.
 _CHARS_PER_TOKEN = 4
 _DEFAULT_MAX_TOKENS = 16
+_MAX_PROMPT_DEPTH = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,14 +101,38 @@ def block_hash_chain(prefix: str, block_chars: int, max_blocks: int) -> tuple[in
     return tuple(out)
 
 
-def _estimate_tokens(body: dict[str, Any], prefix: str | None) -> int:
+def _estimate_tokens(body: dict[str, Any]) -> int:
+    """The request's prompt tokens (from all of its text, not the routing prefix) plus the most it
+    may generate: what a token-limited key is charged up front. A stream without `include_usage`
+    reports no usage to settle from, so this is all it is ever charged."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = _DEFAULT_MAX_TOKENS
     n = body.get("n")
     n = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 128 else 1
-    prompt_tokens = len(prefix or "") // _CHARS_PER_TOKEN + 1
-    return prompt_tokens + n * max_tokens
+    prompt = body.get("messages", body.get("prompt", body.get("input")))
+    # A completions batch (a list of texts or of token-id lists) answers each of its prompts.
+    num_prompts = 1
+    if isinstance(prompt, list) and "messages" not in body and all(isinstance(p, str | list) for p in prompt):
+        num_prompts = max(1, len(prompt))
+    return _num_tokens(prompt) + 1 + num_prompts * n * max_tokens
+
+
+def _num_tokens(value: Any, depth: int = 0) -> int:
+    """About how many tokens `value` holds: text at ~4 characters a token, token ids one each,
+    lists and messages (their `content`, `text` parts) summed. Messages nest four deep (list,
+    message, parts, part); anything deeper is not a prompt and is not walked."""
+    if isinstance(value, str):
+        return len(value) // _CHARS_PER_TOKEN
+    if isinstance(value, int) and not isinstance(value, bool):
+        return 1
+    if depth >= _MAX_PROMPT_DEPTH:
+        return 0
+    if isinstance(value, list):
+        return sum(_num_tokens(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return _num_tokens(value.get("content"), depth + 1) + _num_tokens(value.get("text"), depth + 1)
+    return 0
 
 
 def peek_request(
@@ -140,7 +165,7 @@ def peek_request(
         model=model if isinstance(model, str) else None,
         is_stream=body.get("stream") is True,
         prefix_hash=None if prefix is None else block_prefix_hash(prefix, block_chars, num_blocks),
-        estimated_tokens=_estimate_tokens(body, prefix),
+        estimated_tokens=_estimate_tokens(body),
         block_hashes=chain,
     )
 

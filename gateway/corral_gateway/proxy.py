@@ -82,8 +82,14 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, d
     arrived_s = time.perf_counter()
     start_s = time.monotonic()
     model, key_name = "unknown", ""
+    quota: TokenUsage | None = None
     span = tracing.start_request_span(request.headers, request.method, path, request_id)
     try:
+        # The key first, from the headers alone: a client without one must not get the gateway to
+        # read and hold a body of up to max_request_bytes (30 such uploads held ~0.9 GiB).
+        keystore = deps.keys()
+        api_key = keystore.authenticate(request.headers) if keystore is not None else None
+        key_name = api_key.name if api_key is not None else ""
         raw = await _read_body(request, deps.settings.max_request_bytes)
         settings = deps.settings
         chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
@@ -94,21 +100,19 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, d
             chain,
             request.headers.get("content-type"),
         )
-        keystore = deps.keys()
-        api_key = keystore.authenticate(request.headers) if keystore is not None else None
-        key_name = api_key.name if api_key is not None else ""
         model, raw = _route_model(deps.fleet, info.model, raw)
         priority = _priority(request.headers.get(PRIORITY_HEADER))
         if keystore is not None and api_key is not None:
             keystore.admit(api_key, info.estimated_tokens, time.monotonic())
         headers = _upstream_headers(request, request_id, deps.settings, keystore is not None)
+        quota = TokenUsage.track(keystore, api_key, info.estimated_tokens)
         ticket = _Ticket(
             Origin(model, request_id, start_s, key_name, span),
             Outgoing(path, raw, headers),
             info.prefix_hash,
             priority,
             api_key.key_id if api_key is not None else "",
-            TokenUsage.track(keystore, api_key, info.estimated_tokens),
+            quota,
             arrived_s,
             info.block_hashes,
         )
@@ -119,6 +123,8 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, d
         deps.access.finished(Origin(model, request_id, start_s, key_name, span), "", "499", None)
         await deliver(Response(status_code=499))
     except GatewayError as e:
+        if quota is not None:
+            quota.refund()  # shed, timed out or failed in the gateway: no token was served
         deps.metrics.requests.labels(model, "", str(e.status_code)).inc()
         deps.metrics.rejected.labels(model, e.code or e.error_type).inc()
         origin = Origin(model, request_id, start_s, key_name, span)
@@ -218,6 +224,9 @@ async def _watch_disconnect(request: Request) -> AsyncIterator[asyncio.Future[No
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:  # refused before a byte of it is read
+        raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes.")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():

@@ -59,6 +59,7 @@ class TokenUsage:
 
     def __init__(self, keystore: KeyStore, api_key: ApiKey, estimated_tokens: int) -> None:
         self._keystore, self._api_key, self._estimated_tokens = keystore, api_key, estimated_tokens
+        self._is_settled = False
 
     @classmethod
     def track(
@@ -70,7 +71,14 @@ class TokenUsage:
         return cls(keystore, api_key, estimated_tokens)
 
     def settle(self, reported: ReportedUsage | None) -> None:
-        """Charge (or refund) the difference between the estimate and the reported total."""
-        if reported is not None:
+        """Charge (or refund) the difference between the estimate and the reported total, once;
+        without a report the estimate stands."""
+        if reported is not None and not self._is_settled:
+            self._is_settled = True
             now_s = time.monotonic()
             self._keystore.settle_tokens(self._api_key, self._estimated_tokens, reported.total_tokens, now_s)
+
+    def refund(self) -> None:
+        """Nothing was served (an error answer, the gateway's or a replica's): the estimate is
+        given back, so requests refused for their size or shed under load cost no tokens."""
+        self.settle(ReportedUsage(0, 0, 0))

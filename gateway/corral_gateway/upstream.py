@@ -104,9 +104,27 @@ class UpstreamResponse:
         self.headers: dict[str, str] = {k.lower(): v for k, v in response.headers.items()}
         # time.perf_counter() once the request was all written to the replica (None: unknown).
         self.sent_s = response.sent_s if isinstance(response, _StampedResponse) else None
+        self._first: bytes | None = None  # read ahead by `read_first`, for `chunks` to yield first
+
+    @property
+    def is_event_stream(self) -> bool:
+        return self.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def read_first(self) -> None:
+        """Read the body's first piece now (b"": the body is empty); `chunks` yields it first.
+        Raises UpstreamError if the body breaks off before it."""
+        try:
+            self._first = await self._response.content.readany()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _translate(e) from e
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes in the pieces they arrive in; raises UpstreamError if it breaks off."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            if not first:
+                return
+            yield first
         content = self._response.content
         try:
             while True:

@@ -23,8 +23,8 @@ class FakeEngine:
     """Behaviour knobs for one fake replica; `mode` applies to completion requests."""
 
     name: str = "fake"
-    # ok | error500 | die_midstream | die_mid_event | die_after_done | cut_body | cut_chunked | hang
-    # | reject429
+    # ok | error500 | die_midstream | die_mid_event | die_after_done | die_before_first_event
+    # | cut_body | cut_chunked | hang | reject429
     mode: str = "ok"
     num_running: int = 0
     num_waiting: int = 0
@@ -32,6 +32,7 @@ class FakeEngine:
     num_chunks: int = 3
     chunk_delay_s: float = 0.0
     answer_delay_s: float = 0.0  # before answering a completion request at all
+    first_event_delay_s: float = 0.0  # a stream's head is sent at once, its first event after this
     bodies: list[bytes] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     num_active: int = 0  # requests being served right now
@@ -140,6 +141,9 @@ class FakeEngine:
     async def _stream(self) -> AsyncIterator[bytes]:
         self.num_active += 1
         try:
+            await asyncio.sleep(self.first_event_delay_s)  # the head is out, the prompt queued
+            if self.mode == "die_before_first_event":
+                raise RuntimeError("replica died")
             for i in range(self.num_chunks):
                 event = f'data: {{"i": {i}, "served_by": "{self.name}"}}\n\n'.encode()
                 if self.mode == "die_mid_event" and i == 1:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from corral_gateway.auth import TokenBucket, parse_keys
 from corral_gateway.errors import RateLimited, Unauthorized
+from corral_gateway.quota import ReportedUsage, TokenUsage
 
 
 def test_plain_file_one_key_per_line() -> None:
@@ -71,3 +74,18 @@ def test_token_bucket_wait_time() -> None:
     bucket.charge(60, now_s=0.0)
     assert bucket.wait_s(1, now_s=0.0) == pytest.approx(1.0)
     assert bucket.wait_s(1, now_s=1.0) == 0.0
+
+
+def test_a_refund_gives_the_estimate_back_once() -> None:
+    store = parse_keys("keys:\n  - key: sk-a\n    tokens_per_minute: 100\n")
+    key = store.authenticate({"authorization": "Bearer sk-a"})
+    now_s = time.monotonic()
+    store.admit(key, 150, now_s)  # in debt: the next request would wait
+    refused = TokenUsage.track(store, key, 150)
+    assert refused is not None
+    refused.refund()  # it was not served: the key is whole again
+    store.admit(key, 150, now_s)  # in debt again, for a request that is served
+    refused.refund()  # a second refund of the same request credits nothing
+    refused.settle(ReportedUsage(10, 10, 20))  # nor does a late report
+    with pytest.raises(RateLimited):
+        store.admit(key, 1, now_s)

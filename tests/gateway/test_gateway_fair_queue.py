@@ -36,6 +36,41 @@ def test_bounded_and_remove_by_identity() -> None:
     assert len(queue) == 0
 
 
+def test_a_full_queue_makes_room_for_a_key_holding_less_of_it() -> None:
+    queue: FairQueue[str] = FairQueue(max_len=4)
+    for i in range(4):
+        assert queue.push(f"greedy{i}", key="greedy")
+    assert queue.evict_for(0, "greedy") is None  # a key cannot push itself out
+    assert queue.evict_for(0, "polite") == "greedy3"  # the greedy key's newest request goes
+    assert queue.push("polite0", key="polite")
+    assert queue.evict_for(0, "polite") == "greedy2"  # 3 against 1: still the greedy key's
+    assert queue.push("polite1", key="polite")
+    assert queue.evict_for(0, "polite") is None  # 2 and 2: equal shares, nobody is pushed out
+    assert queue.evict_for(0, "third") == "greedy1"  # a third key gets a place: 1, 2 and 1
+    assert queue.push("third0", key="third")
+    assert queue.evict_for(0, "fourth") == "polite1"  # a fourth too: one each
+    assert queue.push("fourth0", key="fourth")
+    assert queue.evict_for(0, "fifth") is None
+    assert [queue.pop() for _ in range(4)] == ["greedy0", "polite0", "third0", "fourth0"]
+
+
+def test_a_full_queue_gives_a_lower_prioritys_place_never_a_higher_ones() -> None:
+    queue: FairQueue[str] = FairQueue(max_len=3)
+    queue.push("urgent0", priority=5, key="greedy")
+    queue.push("urgent1", priority=5, key="greedy")
+    queue.push("low", priority=0, key="greedy")
+    assert queue.evict_for(0, "polite") == "low"  # only places at or below its own priority
+    queue.push("polite", priority=0, key="polite")
+    assert queue.evict_for(0, "third") is None  # greedy's other places outrank the newcomer
+    assert queue.evict_for(5, "third") == "polite"  # a higher priority takes a lower one's place
+    assert queue.push("third", priority=5, key="third")
+    assert queue.evict_for(5, "fourth") == "urgent1"  # at its own priority: greedy holds 2
+    assert queue.push("fourth", priority=5, key="fourth")
+    assert queue.evict_for(5, "fifth") is None  # one place each
+    assert queue.evict_for(4, "fifth") is None  # and every place outranks it
+    assert [queue.pop() for _ in range(3)] == ["urgent0", "third", "fourth"]
+
+
 SAT = Saturation(max_waiting=5, max_kv_usage_ratio=0.8)
 
 
@@ -135,3 +170,24 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert admission.queue_len("m") == 0
+
+
+async def test_one_keys_burst_cannot_shut_another_key_out_of_a_full_queue() -> None:
+    now = [100.0]
+    router = saturated_fleet(now)
+    admission = Admission(router, max_queue_len=3, timeout_s=5.0)
+    burst = [asyncio.create_task(admission.acquire(Ask("m", fairness_key="greedy"))) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    other = asyncio.create_task(admission.acquire(Ask("m", fairness_key="polite")))
+    await asyncio.sleep(0.01)
+    assert admission.queue_len("m") == 3 and not other.done()
+    with pytest.raises(RateLimited) as info:  # the burst's newest request gave up its place
+        await asyncio.wait_for(burst[2], 1)
+    assert info.value.code == "queue_full" and info.value.status_code == 429
+    replica = router.registry.replicas("m")[0]
+    for _ in range(5):  # room for two: the burst's first, then the other key's request
+        replica.on_done()
+    admission.pump("m")
+    await asyncio.wait_for(asyncio.gather(burst[0], other), 1)
+    assert not burst[1].done()
+    burst[1].cancel()

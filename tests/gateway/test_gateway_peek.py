@@ -95,3 +95,33 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = load_settings(None, {"port": 9000})
     assert settings.backends == {"m": ["http://127.0.0.1:9001"]}
     assert settings.kubernetes.enabled and settings.policy == "least-requests" and settings.port == 9000
+
+
+@pytest.mark.parametrize(
+    ("body", "at_least"),
+    [
+        ({"prompt": "word " * 8000, "max_tokens": 1}, 8000),  # 40,000 characters
+        ({"messages": [{"role": "user", "content": "word " * 8000}], "max_tokens": 1}, 8000),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "word " * 8000}]}]}, 8000),
+        ({"prompt": list(range(10000)), "max_tokens": 1}, 10000),  # token ids
+        ({"prompt": ["a long prompt " * 100] * 50, "max_tokens": 100}, 50 * (350 + 100)),  # a batch
+        ({"input": "word " * 8000}, 8000),  # embeddings
+    ],
+    ids=["prompt", "chat", "chat-parts", "token-ids", "batch", "embeddings"],
+)
+def test_token_estimate_counts_the_whole_prompt_and_every_prompt_of_a_batch(
+    body: dict[str, object], at_least: int
+) -> None:
+    """A token-limited key is charged the estimate up front, and a stream without include_usage
+    never reports the real count: an estimate from the routing prefix alone (~65 tokens) let one
+    key spend many times its tokens_per_minute."""
+    info = peek_request(json.dumps({"model": "m", **body}).encode())
+    assert at_least <= info.estimated_tokens <= 2 * at_least + 100
+
+
+def test_token_estimate_of_a_deeply_nested_body_does_not_raise() -> None:
+    nested: object = "x"
+    for _ in range(500):
+        nested = [nested]
+    info = peek_request(json.dumps({"model": "m", "prompt": nested}).encode())
+    assert info.model == "m" and info.estimated_tokens >= 1

@@ -194,6 +194,50 @@ async def test_replica_dying_mid_stream_ends_with_an_error_event_then_done() -> 
         assert 'status="broken"' in metrics
 
 
+async def test_a_stream_whose_replica_dies_before_its_first_event_is_retried_elsewhere() -> None:
+    """An engine sends an event stream's head at once and its first event with the first tokens;
+    a replica dying between the two (the request in its queue or prefill) has sent the client
+    nothing, so the request goes to another replica instead of ending in an error event."""
+    dying, good = FakeEngine(name="dying", mode="die_before_first_event"), FakeEngine(name="good")
+    async with fleet([dying, good], policy="round-robin") as (client, _):
+        for _ in range(4):
+            body = await stream_body(client)
+            assert body.startswith(b'data: {"i": 0, "served_by": "good"}') and b"error" not in body
+        assert dying.num_active == 0 and len(dying.bodies) >= 1
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_retries_total{model="m",reason="transport_error"}' in metrics
+        assert 'corral_gateway_streams_broken_total{model="m"} 0.0' in metrics
+
+
+async def test_a_client_hanging_up_before_a_streams_first_event_closes_the_upstream_request() -> None:
+    engine = FakeEngine(first_event_delay_s=60)
+    async with fleet([engine]) as (client, _):
+        body = {"model": "m", "prompt": "x", "stream": True}
+        task = asyncio.create_task(client.post("/v1/completions", json=body))
+
+        async def is_active() -> bool:
+            return engine.num_active == 1
+
+        await eventually(is_active)
+        task.cancel()
+
+        async def upstream_closed() -> bool:
+            return engine.num_active == 0 and engine.num_cancelled == 1
+
+        await eventually(upstream_closed)
+        assert (await replicas(client)).popitem()[1]["num_inflight"] == 0
+        assert (
+            'corral_gateway_requests_total{model="m",replica="",status="499"} 1.0'
+            in (await client.get("/metrics")).text
+        )
+
+
+async def test_a_stream_whose_only_replica_dies_before_its_first_event_is_a_502() -> None:
+    async with fleet([FakeEngine(mode="die_before_first_event")]) as (client, _):
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        assert response.status_code == 502 and response.json()["error"]["code"] == "bad_gateway"
+
+
 async def test_replica_dying_within_an_event_ends_that_event_before_the_error() -> None:
     engine = FakeEngine(mode="die_mid_event", num_chunks=5)
     async with fleet([engine]) as (client, _):
@@ -318,6 +362,58 @@ async def test_api_keys_401_429_and_valid(tmp_path: Path) -> None:
         # The client's key is never forwarded to the engine, nor shown in metrics.
         assert all("authorization" not in h for h in engine.headers_seen)
         assert "sk-good" not in (await client.get("/metrics")).text
+
+
+async def test_a_request_that_is_not_served_costs_no_tokens(tmp_path: Path) -> None:
+    """A token-limited key is charged its request's estimate up front; an error answer (the
+    engine's, such as a prompt over the context length, or the gateway's own) gives it back. It
+    used to stand, so a few refused requests locked the key out for a minute."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: sk-a\n    tokens_per_minute: 1000\n")
+    auth = {"authorization": "Bearer sk-a"}
+    body = {"model": "m", "prompt": "x" * 2000, "max_tokens": 16}  # ~516 tokens estimated
+    engine = FakeEngine(mode="error500")  # the model's only replica: its 500 is passed on
+    async with fleet([engine], api_keys_file=keys) as (client, _):
+        for _ in range(4):
+            assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 500
+        engine.mode = "ok"
+        assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 200
+    async with fleet([], extra_urls=[dead_url()], api_keys_file=keys) as (client, _):
+        for _ in range(4):
+            assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 502
+        assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 502
+
+
+async def _answer_to_a_partial_upload(client: httpx.AsyncClient, head: str) -> bytes:
+    """The status line the gateway answers a POST with whose body has only begun to arrive (the
+    rest never comes): a gateway waiting for the whole body never answers."""
+    url = httpx.URL(str(client.base_url))
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(head.encode() + b"\r\n" + b"{" + b" " * 1024)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 5)
+    finally:
+        writer.close()
+
+
+async def test_a_request_without_a_key_or_too_large_is_refused_before_its_body_is_read(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: sk-good\n")
+    engine = FakeEngine()
+    async with fleet([engine], api_keys_file=keys, max_request_bytes=1024 * 1024) as (client, _):
+        post = "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        no_key = post + "content-length: 1000000\r\n"
+        assert (await _answer_to_a_partial_upload(client, no_key)).startswith(b"HTTP/1.1 401")
+        too_large = post + "authorization: Bearer sk-good\r\ncontent-length: 2000000\r\n"
+        assert (await _answer_to_a_partial_upload(client, too_large)).startswith(b"HTTP/1.1 413")
+        # The gateway keeps serving: the next request goes through.
+        body = {"model": "m", "prompt": "x"}
+        auth = {"authorization": "Bearer sk-good"}
+        assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 200
+        assert len(engine.bodies) == 1  # only the last one reached a replica
 
 
 async def test_browsers_may_call_it_and_preflights_need_no_key(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 
 import httpx
 import pytest
@@ -84,6 +85,28 @@ async def test_a_last_replica_whose_health_check_fails_shows_unhealthy() -> None
         engine.is_healthy = True
         await eventually(is_healthy)
         assert (await client.get("/health")).json()["models_down"] == []
+
+
+async def test_a_wedged_replica_is_ejected_and_requests_go_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped process (SIGSTOP, a deadlock) whose kernel still accepts connections: its /health
+    polls go unanswered. Left in rotation, it showed healthy and took a share of the requests,
+    each waiting first_byte_timeout_s (300 s by default) for nothing."""
+    monkeypatch.setattr(fleet_module, "_POLL_READ_TIMEOUT_S", 0.1)
+    with socket.socket() as wedged:
+        wedged.bind(("127.0.0.1", 0))
+        wedged.listen(64)  # connections are taken by the kernel, never answered
+        url = f"http://127.0.0.1:{wedged.getsockname()[1]}"
+        async with fleet([FakeEngine()], extra_urls=[url], eject_after_failures=2) as (client, _):
+
+            async def is_ejected() -> bool:
+                return (await state(client, url))["ejected"] is True
+
+            await eventually(is_ejected)
+            assert (await state(client, url))["healthy"] is False
+            body = {"model": "m", "prompt": "x"}
+            for _ in range(4):
+                response = await client.post("/v1/completions", json=body, timeout=5)
+                assert response.status_code == 200
 
 
 async def _negate(predicate: object) -> bool:
