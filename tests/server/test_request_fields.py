@@ -262,6 +262,22 @@ async def test_template_fields_reach_the_chat_template(client: openai.AsyncOpenA
     assert kwargs["documents"] == [{"text": "d"}] and kwargs["reasoning_effort"] == "low"
 
 
+@pytest.mark.parametrize("name", ["chat_template", "tokenize", "messages", "conversation"])
+async def test_chat_template_kwargs_cannot_replace_the_template(
+    client: openai.AsyncOpenAI, name: str
+) -> None:
+    # A template from the request would run its own loops on the server (and replace the model's,
+    # which the top-level `chat_template` field may not); the renderer's own arguments are not
+    # template variables.
+    kwargs = {"chat_template_kwargs": {name: "{{ 'x' }}"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, extra_body=kwargs)
+    assert f"`{name}` is not supported" in info.value.message
+    assert info.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):  # /tokenize renders the same way
+        await client.post("http://127.0.0.1/tokenize", cast_to=object, body={"messages": ASK, **kwargs})
+
+
 async def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(
     client: openai.AsyncOpenAI, tokenizer: Any
 ) -> None:

@@ -294,6 +294,10 @@ async def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(
     assert r.json()["usage"]["prompt_tokens"] == 8
 
 
+def _tool(description: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "description": description}}
+
+
 async def test_long_prompts_are_tokenized_off_the_event_loop(
     client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -304,6 +308,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(
         (C, cmpl(prompt="short")),
         (C, cmpl(prompt=long_text, truncate_prompt_tokens=8)),
         (H, chat(messages=[{"role": "user", "content": long_text}], truncate_prompt_tokens=8)),
+        (H, chat(tools=[_tool(long_text)], tool_choice="none", truncate_prompt_tokens=8)),  # agents
     ):
         r = await client.post(path, json=body)
         assert r.status_code == 200, r.text

@@ -77,6 +77,18 @@ async def test_named_tool_choice_returns_a_valid_call(client: openai.AsyncOpenAI
     _check_call("get_weather", arguments)
 
 
+async def test_a_function_without_parameters_is_called_without_arguments(client: openai.AsyncOpenAI) -> None:
+    # OpenAI: omitting `parameters` defines a function with an empty parameter list.
+    now: Any = [{"type": "function", "function": {"name": "now"}}]
+    named: Any = {"type": "function", "function": {"name": "now"}}
+    for choice, seed in [(named, 0), (named, 1), ("required", 2)]:
+        r = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=now, tool_choice=choice, max_tokens=32, seed=seed
+        )
+        calls = r.choices[0].message.tool_calls or []
+        assert [(c.function.name, c.function.arguments) for c in calls][:1] == [("now", "{}")]
+
+
 async def test_required_returns_at_least_one_valid_call(client: openai.AsyncOpenAI) -> None:
     for seed in range(3):
         r = await client.chat.completions.create(
@@ -117,6 +129,39 @@ async def test_required_returns_at_least_one_valid_call(client: openai.AsyncOpen
     assert calls
     for name, arguments in calls.values():
         _check_call(name, arguments)
+
+
+async def test_required_takes_parameters_with_references(client: openai.AsyncOpenAI) -> None:
+    # pydantic models (openai.pydantic_function_tool, LangChain) put nested models in `$defs`;
+    # two tools may each have their own `Place`, and a schema may refer to itself (`#`).
+    def params(place: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "$defs": {"Place": place},
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}},
+            "required": ["place"],
+            "additionalProperties": False,
+        }
+
+    schemas = {
+        "weather": params({"type": "string", "maxLength": 6}),
+        "nest": params({"type": "array", "maxItems": 1, "items": {"$ref": "#"}}),
+    }
+    tools: Any = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    for seed in range(3):
+        r = await client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=72,
+            seed=seed,
+        )
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+        for call in ch.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 async def test_auto_parses_hermes_calls_out_of_the_reply(client: openai.AsyncOpenAI) -> None:

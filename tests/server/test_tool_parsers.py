@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from corral_engine.args import TOOL_CALL_PARSERS
-from corral_engine.server.api_tools import ToolPlan
+from corral_engine.server.api_tools import Tool, ToolPlan, plan_tools
 from corral_engine.server.tool_calls import ReplyStream, reply_message
 from corral_engine.server.tool_parsers import (
     TOOL_PARSERS,
@@ -267,6 +267,39 @@ def test_required_list_and_named_replies() -> None:
         "",
         [{"id": deltas[0]["tool_calls"][0]["id"], "name": "get_time", "arguments": '{"tz":"UTC"}'}],
     )
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [r for r in RECORDED if len(r[2].calls) > 1])
+def test_parallel_tool_calls_false_keeps_the_first_call(name: str, text: str, expected: Parsed) -> None:
+    # OpenAI's promise for parallel_tool_calls false: one call at most, also under "auto".
+    tools = [Tool.model_validate({"type": "function", "function": {"name": c.name}}) for c in expected.calls]
+    plan = plan_tools(tools, "auto", False, name)
+    message = reply_message(plan, text)
+    first = expected.calls[0]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        (first.name, first.arguments)
+    ]
+    for pieces in [list(text), [text]]:
+        content, calls = _accumulate(_reply_stream(plan, pieces))
+        assert content == expected.content
+        assert [(c["name"], c["arguments"]) for c in calls] == [(first.name, first.arguments)]
+
+
+def test_llama3_json_objects_naming_no_offered_tool_are_content() -> None:
+    # With tools offered, a JSON answer that happens to have a "name" is an answer, not a call.
+    tools = [Tool.model_validate({"type": "function", "function": {"name": c.name}}) for c in (WEATHER, TIME)]
+    plan = plan_tools(tools, "auto", True, "llama3_json")
+    answer = '{"name": "Ada", "age": 36}'
+    calls_then_answer = f'{{"name": "get_time", "parameters": {TIME.arguments}}}; {answer}'
+    for text, content, calls in [(answer, answer, []), (calls_then_answer, "", [TIME])]:
+        message = reply_message(plan, text)
+        whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+        assert whole == [(c.name, c.arguments) for c in calls]
+        assert (message["content"] or "") == content
+        for pieces in _chunkings(text, seed=2):
+            streamed_content, streamed_calls = _accumulate(_reply_stream(plan, pieces))
+            assert streamed_content == content
+            assert [(c["name"], c["arguments"]) for c in streamed_calls] == whole
 
 
 def test_without_a_parser_the_reply_is_content() -> None:

@@ -29,6 +29,18 @@ class RefusalPart(_Strict):
 
 _PART_TYPES = ("text", "refusal")
 
+# Names a request's chat_template_kwargs may not set. `chat_template` would replace the model's
+# template with the request's own Jinja, rendered with the server's time (its loops are bounded
+# only by the request), as the refused top-level `chat_template` field would; the others are
+# arguments of the renderer, not template variables, and clash with the ones it is given.
+_RESERVED_TEMPLATE_KWARGS = {
+    "chat_template": "the chat template is the model's; a request cannot replace it",
+    **{
+        name: "it is an argument of the template renderer, not a template variable"
+        for name in ("conversation", "messages", "tokenize", "return_dict", "return_assistant_tokens_mask")
+    },
+}
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -118,6 +130,15 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     add_special_tokens: bool = False  # the template writes BOS itself
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in kwargs or {}:
+            reason = _RESERVED_TEMPLATE_KWARGS.get(name)
+            if reason is not None:
+                raise ValueError(f"`{name}` is not supported: {reason}")
+        return kwargs
+
     def check_fields(self) -> None:
         check_fields(self.model_extra or {}, REFUSED_CHAT)
         self.check_stream_options()
@@ -156,8 +177,11 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def num_chars(self) -> int:
-        """The conversation's text, in characters: what rendering and tokenizing it cost."""
-        return sum(len(m.text()) for m in self.messages)
+        """The conversation's text in characters, with what else the template renders (tools,
+        documents, its keyword arguments): what rendering and tokenizing it cost. An agent's
+        tool list is often far longer than its messages."""
+        extras = [self.template_tools(), self.documents, self.chat_template_kwargs]
+        return sum(len(m.text()) for m in self.messages) + len(json.dumps(extras))
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]

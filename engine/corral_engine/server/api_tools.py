@@ -9,10 +9,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from corral_engine.errors import InvalidRequestError
-from corral_engine.server.tool_parsers import TOOL_PARSERS, RequiredListParser, ToolParser
+from corral_engine.server.tool_parsers import TOOL_PARSERS, FirstCallOnly, RequiredListParser, ToolParser
 from corral_engine.structured.spec import GrammarSpec
 
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: "omitting parameters defines a function with an empty parameter list", so a forced
+# call of such a function is `{}`, not whatever object the model makes up.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class _Strict(BaseModel):
@@ -91,24 +93,62 @@ def plan_tools(
             raise InvalidRequestError(
                 f"tool_choice names `{choice.function.name}`, which is not in tools", "tool_choice"
             )
-        grammar = GrammarSpec.json_schema(fn.parameters or ANY_OBJECT, f"tools.{fn.name}.parameters")
+        grammar = GrammarSpec.json_schema(fn.parameters or NO_PARAMETERS, f"tools.{fn.name}.parameters")
         return ToolPlan(grammar, None, fn.name)
     if choice == "required":
-        items = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn.name}, "parameters": fn.parameters or ANY_OBJECT},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for fn in by_name.values()
-        ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if not parallel:
-            schema["maxItems"] = 1
+        schema = _required_schema(list(by_name.values()), parallel)
         return ToolPlan(GrammarSpec.json_schema(schema, "tools"), RequiredListParser)
     if parser_name is None:  # "auto", given or by default
         raise InvalidRequestError(
             '"auto" tool choice needs the server to be started with --tool-call-parser', "tool_choice"
         )
-    return ToolPlan(None, TOOL_PARSERS[parser_name])
+    parser, names = TOOL_PARSERS[parser_name], frozenset(by_name)
+    if not parallel:
+        return ToolPlan(None, lambda: FirstCallOnly(parser(names)))
+    return ToolPlan(None, lambda: parser(names))
+
+
+def _required_schema(functions: list[FunctionDef], parallel: bool) -> dict[str, Any]:
+    """A JSON array of `{"name", "parameters"}` calls, each valid for its function. Each
+    function's parameters move under the array schema's `$defs`, their local references
+    (`#/$defs/...` from a pydantic model, `#` for recursion) rebased to point there too."""
+    defs: dict[str, Any] = {}
+    items = []
+    for i, fn in enumerate(functions):
+        where = f"#/$defs/tool_{i}"
+        defs[f"tool_{i}"] = _rebase_refs(fn.parameters or NO_PARAMETERS, where)
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn.name}, "parameters": {"$ref": where}},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})  # values, not schemas
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of the schema `node` whose references into itself (`#`, `#/...`) point into `base`."""
+    if isinstance(node, list):
+        return [_rebase_refs(item, base) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # its keys are names, not keywords
+            out[key] = {name: _rebase_refs(schema, base) for name, schema in value.items()}
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out

@@ -10,7 +10,7 @@ whatever follows (a reply cut off by max_tokens ends with a call whose arguments
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +41,12 @@ class ToolParser(Protocol):
     def feed(self, text: str) -> list[ToolEvent]: ...
 
     def finish(self) -> list[ToolEvent]: ...  # the reply ended: whatever was held back
+
+
+class ToolParserClass(Protocol):
+    """A parser for a request offering the functions `tool_names` (None: any name)."""
+
+    def __call__(self, tool_names: Collection[str] | None = None) -> ToolParser: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +93,20 @@ def _held_back(text: str, marker: str) -> int:
 
 class _Call:
     """One call object being read. Its events begin once its name is known; arguments read
-    before that (a model may write them first) wait for it."""
+    before that (a model may write them first) wait for it. With `names`, an object naming
+    anything else is not a call (it is over, never started)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, names: Collection[str] | None = None) -> None:
         self.index = index
         self.scanner = CallScanner()
         self.is_started = False
+        self.is_refused = False
+        self._names = names
         self._early = ""
 
     @property
     def is_over(self) -> bool:
-        return self.scanner.is_done or self.scanner.is_failed
+        return self.scanner.is_done or self.scanner.is_failed or self.is_refused
 
     def feed(self, text: str, start: int, out: list[ToolEvent]) -> int:
         end = self.scanner.feed(text, start)
@@ -105,6 +114,9 @@ class _Call:
         if not self.is_started:
             if self.scanner.name is None:
                 self._early += arguments
+                return end
+            if self._names is not None and self.scanner.name not in self._names:
+                self.is_refused = True
                 return end
             self.is_started = True
             out.append(CallStart(self.index, self.scanner.name))
@@ -116,10 +128,12 @@ class _Call:
 
 class _CallSequence:
     """Call objects one after another with `separators` between them. Anything else, or an
-    object that is not a call, ends the sequence (`is_over`)."""
+    object that is not a call (or names none of `names`, where given), ends the sequence
+    (`is_over`)."""
 
-    def __init__(self, separators: str) -> None:
+    def __init__(self, separators: str, names: Collection[str] | None = None) -> None:
         self.separators = separators
+        self.names = names
         self.is_over = False
         self._num_done = 0  # calls read to their end
         self._call: _Call | None = None
@@ -140,7 +154,7 @@ class _CallSequence:
                 if text[i] != "{":
                     self.is_over = True
                     return
-                self._call = _Call(self._num_done)
+                self._call = _Call(self._num_done, self.names)
             i = self._call.feed(text, i, out)
             if self._call.is_over:
                 self.is_over = not self._call.is_started
@@ -151,11 +165,13 @@ class _CallSequence:
 class HermesParser:
     """Hermes / Qwen 2.5 and 3: content, then `<tool_call>{"name", "arguments"}</tool_call>` blocks.
     Content is what precedes the first block. A block without a named call is dropped; an unclosed
-    one at the end of the reply is a call if named, else content."""
+    one at the end of the reply is a call if named, else content. A block is a call whatever it
+    names (its tags say it is one; the client can answer that no such tool exists), so
+    `tool_names` is not consulted."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
         self._buffer = ""  # outside a block: held-back text; inside: the block's text after START
         self._call: _Call | None = None  # inside a block
         self._num_fed = 0  # of the block's text, what its call has read
@@ -219,14 +235,16 @@ class HermesParser:
 class Llama3JsonParser:
     """Llama 3.1/3.2 JSON tool calls: the reply is one or more `{"name", "parameters"}` objects
     (separated by `;`), optionally after `<|python_tag|>`. A reply that does not start with `{` is
-    content; so is one whose first object is not a call. Text after the calls is dropped."""
+    content; so is one whose first object is not a call, or names a function the request did not
+    offer (`tool_names`): a JSON answer such as `{"name": "Ada", "age": 36}` is an answer. Text
+    after the calls is dropped."""
 
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
         self._reply = ""  # the reply so far, while it may still be content
         self._mode = "undecided"  # then "content" or "calls"
-        self._calls = _CallSequence(" \t\r\n;")
+        self._calls = _CallSequence(" \t\r\n;", tool_names)
 
     def feed(self, text: str) -> list[ToolEvent]:
         out: list[ToolEvent] = []
@@ -296,7 +314,26 @@ class RequiredListParser:
         return []  # a call cut off is sent as far as it was written
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
+class FirstCallOnly:
+    """A parser's events up to its first call's end: what `parallel_tool_calls: false` promises
+    (one call at most) when nothing constrains the reply. Later calls are dropped; content is
+    kept (the parsers send it only before a reply's first call)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        return self._first_call(self._parser.feed(text))
+
+    def finish(self) -> list[ToolEvent]:
+        return self._first_call(self._parser.finish())
+
+    @staticmethod
+    def _first_call(events: list[ToolEvent]) -> list[ToolEvent]:
+        return [e for e in events if isinstance(e, Content) or e.index == 0]
+
+
+TOOL_PARSERS: dict[str, ToolParserClass] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
 }
