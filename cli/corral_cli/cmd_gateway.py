@@ -60,15 +60,28 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return load_settings(args.config, overrides, args.backend)
 
 
+def settings_problems(error: Any) -> str:
+    """A ValidationError's problems by setting, without the values given: pydantic's own text
+    quotes them, and one may be a secret (upstream_api_key, or a key misspelt)."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+        for problem in error.errors(include_url=False, include_input=False)
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     import uvicorn
+    from corral_engine.http_limits import uvicorn_options
     from corral_gateway.app import create_app
     from pydantic import ValidationError
 
     try:
         settings = settings_from_args(args)
-    except (ValidationError, ValueError, OSError) as e:
+    except ValidationError as e:
+        logger.error("invalid gateway settings: %s", settings_problems(e))
+        return 2
+    except (ValueError, OSError) as e:
         logger.error("invalid gateway settings: %s", e)
         return 2
     if not settings.backends and not settings.kubernetes.enabled:
@@ -95,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
     # log_config=None: uvicorn's own lines go through the process's logging (--log-format); the
     # gateway writes its own access lines.
     uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level="warning", access_log=False, log_config=None
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        log_config=None,
+        **uvicorn_options(),  # a bound on each request's headers
     )
     return 0

@@ -382,6 +382,7 @@ def _gateway_server(app: Any, host: str, port: int) -> Any:
     uvicorn's own handler turns a second Ctrl-C into a forced exit, which cancels the app's
     shutdown halfway and prints a traceback; here shutdown never takes more than GRACE_S anyway."""
     import uvicorn
+    from corral_engine.http_limits import uvicorn_options
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -395,6 +396,7 @@ def _gateway_server(app: Any, host: str, port: int) -> Any:
         access_log=False,
         log_config=None,  # uvicorn's lines in the process's format (--log-format)
         timeout_graceful_shutdown=GRACE_S,
+        **uvicorn_options(),  # a bound on each request's headers
     )
     return _Server(config)
 

@@ -17,6 +17,7 @@ MAX_N = 16
 # Temperatures below this sample greedily (vLLM's threshold): a logit over it can pass float32's range.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024  # distinct ids, as many as logit_bias may name
 OutputKind = Literal["cumulative", "delta", "final_only"]
 OUTPUT_KINDS: tuple[str, ...] = get_args(OutputKind)
 
@@ -70,6 +71,11 @@ class SamplingParams:
             object.__setattr__(self, name, value)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        # Each copy of an id cost every step (the stop check scans the ids, the sampler's mask is
+        # built from them): a million copies of one id made every request in the batch crawl.
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
+        if self.allowed_token_ids is not None:  # then in the vocabulary (request_checks), so bounded
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(self.allowed_token_ids)))
         self._validate()
 
     def _validate(self) -> None:
@@ -104,8 +110,11 @@ class SamplingParams:
             raise bad("seed must fit in 64 bits", "seed")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise bad("stop must be at most 16 non-empty strings", "stop")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids must be non-negative", "stop_token_ids")
+        if any(t < 0 for t in self.stop_token_ids) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} distinct non-negative ids",
+                "stop_token_ids",
+            )
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias) or len(self.logit_bias) > 1024:
             raise bad("logit_bias takes at most 1024 tokens, each with a bias in [-100, 100]", "logit_bias")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:

@@ -7,6 +7,7 @@ import contextlib
 import importlib.metadata
 import inspect
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -83,12 +84,18 @@ PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # POST onl
 VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank"})
 
 
+# The paths forwarded as they are: the URL library re-reads `%` escapes and resolves `.` and `..`
+# segments, so `/v1/../sleep` (or `/v1/%252e%252e/sleep`) would have reached a replica's routes
+# outside /v1, such as a vLLM replica's admin ones.
+_FORWARDABLE_PATH = re.compile(r"/v1(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)+")
+
+
 def is_proxied(method: str, path: str) -> bool:
     """Every POST a backend serves goes to a replica of the body's model: /v1/* (embeddings,
     responses, audio, ... as well as completions and chat) and vLLM's own routes."""
     if path in PROXY_PATHS:
         return True
-    return method == "POST" and (path.startswith("/v1/") or path in VLLM_PATHS)
+    return method == "POST" and (_FORWARDABLE_PATH.fullmatch(path) is not None or path in VLLM_PATHS)
 
 
 class GatewayApp:

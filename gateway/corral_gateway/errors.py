@@ -36,6 +36,9 @@ class InvalidRequest(GatewayError):
 class Unauthorized(InvalidRequest):
     status_code, code = 401, "invalid_api_key"
 
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": "Bearer"}  # a 401 names its scheme (RFC 9110), as the engine's does
+
 
 class ModelNotFound(InvalidRequest):
     status_code, code = 404, "model_not_found"

@@ -94,6 +94,28 @@ def test_json_log_lines_carry_the_extra_fields(capsys: pytest.CaptureFixture[str
     assert line["logger"] == "corral-test-json" and line["time"].startswith("20")
 
 
+def test_text_log_lines_cannot_be_forged_by_a_newline_in_what_a_client_sent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    logger = logging.getLogger("corral-test-text")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logs.TextFormatter())
+    logger.addHandler(handler)
+    try:
+        logger.warning("POST %s 404", "/v1/x\n2026-01-01 00:00:00,000 INFO forged: line\r\x1b[2J\tend")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("POST /v1/x")
+    # The sent line is a continuation of the record, not one of its own (those start with the time).
+    assert lines[1] == "    2026-01-01 00:00:00,000 INFO forged: line\\r\\x1b[2J\tend 404"
+    assert lines[2].endswith("failed") and lines[3] == "Traceback (most recent call last):"  # kept whole
+
+
 def test_bench_request_headers() -> None:
     assert request_headers("sk-1", ["x-corral-priority: 5", "X-Team:a:b"]) == {
         "Authorization": "Bearer sk-1",

@@ -157,6 +157,17 @@ def test_sampling_params_of_the_wrong_type_name_the_field(kwargs: dict, param: s
     assert info.value.param == param
 
 
+def test_repeated_token_ids_are_kept_once_and_stop_ids_are_bounded() -> None:
+    """A million copies of one id are one id (each copy cost every step of every batch it was in);
+    more distinct stop ids than anyone needs are refused, as an oversized logit_bias is."""
+    params = SamplingParams(stop_token_ids=[5, 9, 5] * 300_000, allowed_token_ids=[7, 3, 7] * 300_000)
+    assert params.stop_token_ids == (5, 9) and params.allowed_token_ids == (7, 3)
+    assert len(SamplingParams(stop_token_ids=list(range(1024))).stop_token_ids) == 1024
+    with pytest.raises(SamplingError) as info:
+        SamplingParams(stop_token_ids=list(range(1025)))
+    assert info.value.param == "stop_token_ids"
+
+
 def test_sampling_params_take_vllm_and_openai_spellings(tiny_model_dir: pathlib.Path) -> None:
     """logit_bias as a dict, keys ints or JSON's digit strings; stop as a string or None; numpy's
     numbers. All become the fields' own types."""

@@ -65,6 +65,27 @@ def test_gateway_logs_its_effective_settings_once_without_secrets(
     assert "sk-upstream-secret" not in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("upstream_apikey: sk-typo-secret\n", "upstream_apikey"),
+        ("upstream_api_key: 981237123\n", "upstream_api_key"),
+    ],
+)
+def test_a_settings_error_names_the_setting_but_never_echoes_its_value(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str, where: str
+) -> None:
+    from corral_cli import cmd_gateway
+
+    config = tmp_path / "gw.yaml"
+    config.write_text("backends:\n  a: [http://127.0.0.1:9001]\n" + text)
+    args = build_parser(only="gateway").parse_args(["gateway", "--config", str(config)])
+    with caplog.at_level("ERROR", logger=cmd_gateway.logger.name):
+        assert cmd_gateway.run(args) == 2
+    assert f"invalid gateway settings: {where}: " in caplog.text
+    assert "sk-typo-secret" not in caplog.text and "981237123" not in caplog.text
+
+
 def test_a_gateway_whose_port_is_taken_exits_at_once() -> None:
     # Its replica refuses connections, so pollers are mid-connect when the bind fails: on Python
     # 3.11 that used to lose the pollers' cancel and hang the process (deaf to SIGTERM too).

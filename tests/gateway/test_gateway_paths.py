@@ -3,6 +3,8 @@ retries and auth: /v1/embeddings, /v1/responses, multipart /v1/audio/*, vLLM's /
 
 from __future__ import annotations
 
+import httpx
+
 from tests.gateway.conftest import FakeEngine
 from tests.gateway.test_gateway_proxy import dead_url, fleet
 
@@ -45,3 +47,21 @@ async def test_other_paths_fail_over_like_completions() -> None:
         for _ in range(4):
             r = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
             assert r.status_code == 200 and r.json()["replica"] == "good"
+
+
+async def test_dot_segments_never_reach_a_replica_route_outside_v1() -> None:
+    engine = FakeEngine(name="a")
+    async with fleet([engine]) as (client, _):
+        base = str(client.base_url).rstrip("/")
+        for escape in [
+            "/v1/%2e%2e/tokenize",
+            "/v1/.%2e/tokenize",
+            "/v1/%252e%252e/tokenize",
+            "/v1/x/%2e%2e/%2e%2e/tokenize",
+        ]:
+            url = httpx.URL(base + escape)
+            r = await client.post(url, json={"model": "m", "prompt": "hi"})
+            assert r.status_code == 404, (escape, r.text)
+        assert engine.bodies == []
+        r = await client.post("/v1/audio/speech.v2", json={"model": "m"})  # dots inside a name are fine
+        assert r.status_code == 200 and r.json()["path"] == "/v1/audio/speech.v2"

@@ -36,6 +36,27 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
 
 
+async def read_body(request: Request) -> bytes:
+    """The request's body, refused with 413 as soon as it passes MAX_BODY_BYTES: by its declared
+    length before any of it is read, else while it arrives (a 400 MB body used to be held whole,
+    and the engine's memory grew by as much, before its 413)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large() -> errors.APIError:
+    return errors.APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+
+
 @dataclass
 class ServerContext:
     engine: EngineClient
@@ -54,9 +75,7 @@ class ServerContext:
         """Read and validate a JSON body; every failure is a 4xx APIError or ValidationError."""
         if self.is_draining:
             raise errors.draining()
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise errors.APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+        body = await read_body(request)
         parsed = model.model_validate_json(body)
         if getattr(parsed, "model", None) != self.model_name:
             raise errors.model_not_found(str(getattr(parsed, "model", "")))

@@ -17,6 +17,7 @@ from types import FrameType
 
 import uvicorn
 
+from corral_engine.http_limits import uvicorn_options
 from corral_engine.outputs import EngineStats
 from corral_engine.server import errors
 from corral_engine.server.context import ServerContext
@@ -139,5 +140,6 @@ def serve(ctx: ServerContext, app: object, host: str, port: int, drain_timeout_s
         access_log=False,  # handlers log request ids; never prompts
         timeout_graceful_shutdown=2,
         timeout_keep_alive=5,
+        **uvicorn_options(),  # a bound on each request's headers
     )
     DrainingServer(config, ctx, drain_timeout_s).run()

@@ -15,7 +15,7 @@ from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_models import CompletionRequest, TokenId, _Strict
 from corral_engine.server.chat import render_prompt
 from corral_engine.server.completions import tokenize_prompts
-from corral_engine.server.context import MAX_BODY_BYTES, ServerContext
+from corral_engine.server.context import ServerContext, read_body
 
 
 class DetokenizeRequest(_Strict):
@@ -26,9 +26,7 @@ class DetokenizeRequest(_Strict):
 async def _body(ctx: ServerContext, request: Request) -> dict[str, Any]:
     if ctx.is_draining:
         raise errors.draining()
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise errors.APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+    raw = await read_body(request)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

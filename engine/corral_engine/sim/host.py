@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from corral_engine.http_limits import uvicorn_options
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
@@ -153,7 +154,13 @@ async def serve_fleet(
     for engine, port in zip(engines, ports, strict=True):
         app = create_app(engine, api_key=api_key, log_interval_s=60.0, tool_call_parser=spec.tool_call_parser)
         config = uvicorn.Config(
-            app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=2
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            **uvicorn_options(),
         )
         servers.append(_FleetServer(config))
         contexts.append(app.state.ctx)

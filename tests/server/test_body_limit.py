@@ -1,0 +1,63 @@
+"""Bodies over the engine's limit are refused as they arrive, not after being read whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from corral_engine.server import create_app
+from corral_engine.server.context import MAX_BODY_BYTES
+
+from tests.server.fake_engine import FakeEngine
+
+CHUNK = b"x" * (1 << 20)
+
+
+class EndlessUpload:
+    """An ASGI client sending 1 MiB chunks, up to four times the limit, counting those read."""
+
+    def __init__(self, declared_length: int | None) -> None:
+        self.declared_length = declared_length
+        self.num_read = 0
+        self.sent: list[dict[str, Any]] = []
+
+    async def receive(self) -> dict[str, Any]:
+        self.num_read += 1
+        more = self.num_read < 4 * MAX_BODY_BYTES // len(CHUNK)
+        return {"type": "http.request", "body": CHUNK, "more_body": more}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    async def post(self, app: Any, path: str) -> int:
+        headers = [(b"content-type", b"application/json")]
+        if self.declared_length is not None:
+            headers.append((b"content-length", str(self.declared_length).encode()))
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
+        await app(scope, self.receive, self.send)
+        return int(self.sent[0]["status"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+async def test_an_oversized_body_is_refused_before_it_is_read_whole(path: str) -> None:
+    app = create_app(FakeEngine())
+    async with app.router.lifespan_context(app):
+        streamed = EndlessUpload(declared_length=None)  # chunked: no length to go by
+        assert await streamed.post(app, path) == 413
+        assert streamed.num_read <= MAX_BODY_BYTES // len(CHUNK) + 1
+        declared = EndlessUpload(declared_length=4 * MAX_BODY_BYTES)
+        assert await declared.post(app, path) == 413
+        assert declared.num_read == 0
