@@ -137,7 +137,12 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
     return to_api_error(exc).body()
 
 
-async def _handle(_request: Request, exc: Exception) -> JSONResponse:
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException) and exc.status_code == 404:
+        # Named, so a client calling an endpoint this server lacks (`/v1/responses`, say) does
+        # not read the 404 as an unknown model.
+        route = f"{request.method} {request.url.path}"
+        return error_response(APIError(404, f"This server has no route {route}.", code="not_found"))
     return error_response(exc)
 
 
