@@ -11,6 +11,8 @@ import pytest
 from corral_gateway.app import create_app
 from corral_gateway.settings import GatewaySettings
 
+from tests.server.asgi_call import post_scope
+
 
 class Upload:
     """An ASGI client sending 1 MiB chunks that never end, counting those the server read."""
@@ -29,21 +31,7 @@ class Upload:
         self.sent.append(message)
 
     async def post(self, app: Any, path: str) -> tuple[int, dict[str, Any]]:
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json"), *self.headers],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-        }
-        await app(scope, self.receive, self.send)
+        await app(post_scope(path, self.headers), self.receive, self.send)
         body = b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
         self.response_headers = dict(self.sent[0]["headers"])
         return int(self.sent[0]["status"]), json.loads(body)

@@ -31,18 +31,22 @@ class AsgiCall:
         self.sent.append(message)
 
     async def run(self, path: str) -> None:
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json"), *self.headers],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-        }
-        await self.app(scope, self.receive, self.send)
+        await self.app(post_scope(path, self.headers), self.receive, self.send)
+
+
+def post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """The ASGI scope of a JSON POST to `path` from 127.0.0.1, with `headers` after the content type."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }

@@ -8,6 +8,7 @@ import pytest
 from corral_engine.server import create_app
 from corral_engine.server.context import MAX_BODY_BYTES
 
+from tests.server.asgi_call import post_scope
 from tests.server.fake_engine import FakeEngine
 
 CHUNK = b"x" * (1 << 20)
@@ -30,24 +31,10 @@ class EndlessUpload:
         self.sent.append(message)
 
     async def post(self, app: Any, path: str) -> int:
-        headers = [(b"content-type", b"application/json")]
+        headers = []
         if self.declared_length is not None:
             headers.append((b"content-length", str(self.declared_length).encode()))
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-        }
-        await app(scope, self.receive, self.send)
+        await app(post_scope(path, headers), self.receive, self.send)
         return int(self.sent[0]["status"])
 
 
