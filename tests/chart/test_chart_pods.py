@@ -154,3 +154,18 @@ def test_bad_pod_values_fail_with_the_key(helm: Helm, flag: str, message: str) -
     result = helm.run("template", "corral", str(CHART), "--set", flag, check=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def test_a_stopping_gateway_keeps_serving_until_it_is_out_of_rotation(helm: Helm) -> None:
+    """Endpoints drop a terminating pod at once, kube-proxy and load balancers later: without a
+    preStop pause a rolling update's clients were refused by the stopping pod."""
+    (deployment,) = find(helm.template(None), "Deployment", "gateway")
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert spec["terminationGracePeriodSeconds"] == 60
+    kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+    (off,) = find(helm.render({"gateway": {"preStopSleepSeconds": 0}}), "Deployment", "gateway")
+    assert "lifecycle" not in off["spec"]["template"]["spec"]["containers"][0]
+    with pytest.raises(AssertionError, match="preStopSleepSeconds must be below"):
+        helm.render({"gateway": {"preStopSleepSeconds": 30, "terminationGracePeriodSeconds": 30}})

@@ -176,6 +176,18 @@ class Gateway(PodPlacement):
     resources: dict[str, Any] = Field(
         default_factory=lambda: {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
     )
+    pre_stop_sleep_seconds: int = Field(
+        default=5,
+        ge=0,
+        le=120,
+        description="A stopping pod keeps serving this long (a preStop sleep) while Services and "
+        "load balancers stop sending to it, so a rolling update refuses no connection; 0: none.",
+    )
+    termination_grace_period_seconds: int = Field(
+        default=60,
+        ge=1,
+        description="From SIGTERM, the preStop sleep included, to SIGKILL: what open streams get.",
+    )
 
 
 class Monitoring(_Values):
