@@ -27,6 +27,7 @@ from corral_engine.args import (
     parse_bytes,
     value_type,
 )
+from corral_engine.chat_template import load_chat_template
 from corral_engine.settings import EngineSettings
 from corral_engine.sources import FetchError
 from pydantic import ValidationError
@@ -219,6 +220,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas != 1:
         log.error("--replicas is for --simulate; run one engine process per replica")
         return 2
+    try:  # a bad template is said now, not after minutes of loading the model
+        chat_template = load_chat_template(engine_args.chat_template)
+    except ArgumentError as e:
+        log.error("%s", e)
+        return 2
     try:
         settings = EngineSettings()  # the CORRAL_* switches, read here once
     except ValidationError as e:
@@ -260,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         log_interval_s=args.log_interval,
         tool_call_parser=engine_args.tool_call_parser,
+        chat_template=chat_template,
     )
     freeze_startup_heap()
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)

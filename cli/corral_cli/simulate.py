@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from corral_engine.args import OPTIONS, EngineArgs, cli_flag
+from corral_engine.chat_template import load_chat_template
 from corral_engine.errors import ModelLoadError
 from corral_engine.sim.host import (
     KV_MEMORY_OPTIONS,
@@ -44,6 +45,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         kv_policy=engine_args.kv_policy,
         max_waiting=engine_args.max_waiting,
         tool_call_parser=engine_args.tool_call_parser,
+        chat_template=load_chat_template(engine_args.chat_template),
         stream_interval=engine_args.stream_interval,
     )
 
@@ -81,6 +83,7 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                 api_key=args.api_key,
                 log_interval_s=args.log_interval,
                 tool_call_parser=spec.tool_call_parser,
+                chat_template=spec.chat_template,
             )
             freeze_startup_heap()
             serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)

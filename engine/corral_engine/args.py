@@ -222,6 +222,15 @@ class EngineArgs:
         crd="toolCallParser",
         vllm=Vllm("--tool-call-parser", also=("--enable-auto-tool-choice",)),
     )
+    chat_template: str | None = _option(
+        None,
+        help="the chat template for chat requests and /tokenize's messages: a file, or the Jinja "
+        "template itself (a value holding {, } or a newline)",
+        default_text="the tokenizer's; a model without one refuses chat requests",
+        metavar="TEMPLATE",
+        crd="chatTemplate",
+        vllm=Vllm("--chat-template"),
+    )
     seed: int = _option(0, help="engine seed for unseeded sampling", metavar="N", vllm=Vllm("--seed"))
     num_threads: int | None = _option(
         None, help="torch CPU threads", default_text="all cores", metavar="N", ge=1

@@ -27,6 +27,8 @@ VOCAB = 258
 class FakeTokenizer:
     """Bytes are tokens; 256 is BOS. The chat template refuses `tool` messages."""
 
+    chat_template = "<role>content, per message"  # has one: apply_chat_template renders it
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
+from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
 from corral_engine.server import errors, tokens
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
@@ -51,11 +52,21 @@ def create_app(
     api_key: str | None = None,
     log_interval_s: float = 10.0,
     tool_call_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """An app serving `engine`; its lifespan starts the engine's loop and shuts it down.
-    `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto"."""
+    `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto".
+    `chat_template`: a template's text (`load_chat_template`), used in place of the tokenizer's."""
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
-    ctx = ServerContext(engine=engine, metrics=metrics, api_key=api_key, tool_call_parser=tool_call_parser)
+    ctx = ServerContext(
+        engine=engine,
+        metrics=metrics,
+        api_key=api_key,
+        tool_call_parser=tool_call_parser,
+        chat_template=chat_template,
+    )
+    if chat_template is None and not has_chat_template(engine.tokenizer):
+        logger.warning("%s: %s", engine.served_model_name, NO_TEMPLATE_MESSAGE)  # said once, not per request
     if hasattr(engine, "on_step"):
         engine.on_step = metrics.observe_step
     created = int(time.time())

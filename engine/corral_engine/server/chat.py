@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
 from corral_engine.outputs import RequestOutput
 from corral_engine.server import errors
 from corral_engine.server.api_chat import ChatCompletionRequest
@@ -40,14 +41,19 @@ def _template_errors() -> tuple[type[Exception], ...]:
 
 
 async def render_prompt(ctx: ServerContext, req: ChatCompletionRequest, check_fits: bool = True) -> list[int]:
-    """Token ids of the conversation rendered by the model's chat template, ready for a reply. A
-    rendering that cannot fit the context is refused untokenized (`check_fits`, unless it is to be
-    truncated); a long conversation is rendered and tokenized off the event loop."""
+    """Token ids of the conversation rendered by the chat template (--chat-template's, else the
+    model's), ready for a reply. A rendering that cannot fit the context is refused untokenized
+    (`check_fits`, unless it is to be truncated); a long conversation is rendered and tokenized
+    off the event loop."""
+    if ctx.chat_template is None and not has_chat_template(ctx.engine.tokenizer):
+        raise errors.invalid_request(NO_TEMPLATE_MESSAGE, "messages")
+    # --chat-template's goes to the renderer only where given: the tokenizer's own is the default.
+    template = {} if ctx.chat_template is None else {"chat_template": ctx.chat_template}
 
     def render() -> list[int]:
         try:
             text = ctx.engine.tokenizer.apply_chat_template(
-                req.template_messages(), tokenize=False, **req.template_kwargs()
+                req.template_messages(), tokenize=False, **template, **req.template_kwargs()
             )
         except _template_errors() as e:
             raise errors.invalid_request(f"The chat template rejected the messages: {e}", "messages") from e

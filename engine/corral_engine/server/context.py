@@ -63,6 +63,7 @@ class ServerContext:
     metrics: ServerMetrics
     api_key: str | None = None
     tool_call_parser: str | None = None  # --tool-call-parser: enables tool_choice "auto"
+    chat_template: str | None = None  # --chat-template, read: rendered in place of the tokenizer's
     in_flight: InFlight = field(default_factory=InFlight)
     is_ready: bool = False
     is_draining: bool = False

@@ -102,6 +102,7 @@ class ReplicaSpec:
     kv_policy: str = "preempt"
     max_waiting: int | None = None
     tool_call_parser: str | None = None  # as --tool-call-parser: tool_choice "auto" is read with it
+    chat_template: str | None = None  # as --chat-template, read: in place of the tokenizer's
     stream_interval: int = 1  # as --stream-interval
 
 
@@ -152,7 +153,13 @@ async def serve_fleet(
     engines = build_engines(spec, len(ports))
     servers, contexts = [], []
     for engine, port in zip(engines, ports, strict=True):
-        app = create_app(engine, api_key=api_key, log_interval_s=60.0, tool_call_parser=spec.tool_call_parser)
+        app = create_app(
+            engine,
+            api_key=api_key,
+            log_interval_s=60.0,
+            tool_call_parser=spec.tool_call_parser,
+            chat_template=spec.chat_template,
+        )
         config = uvicorn.Config(
             app,
             host=host,

@@ -33,6 +33,7 @@ class LightTokenizer:
         self.eos_token_id = self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self.backend_tokenizer.get_vocab_size()
         self._template: Any = None
+        self._source: str | None = None  # the template _template was compiled from
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -48,13 +49,15 @@ class LightTokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
-        """As transformers renders it: `tools` and any other keyword (chat_template_kwargs) reach
-        the template as variables."""
-        if self.chat_template is None:
+        """As transformers renders it: `chat_template` in place of the tokenizer's; `tools` and any
+        other keyword (chat_template_kwargs) reach the template as variables."""
+        source = chat_template or self.chat_template
+        if source is None:
             raise ValueError("this tokenizer has no chat template")
-        if self._template is None:
+        if self._template is None or self._source != source:
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -67,7 +70,7 @@ class LightTokenizer:
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = _strftime_now
-            self._template = env.from_string(self.chat_template)
+            self._template, self._source = env.from_string(source), source
         text = str(
             self._template.render(
                 {
