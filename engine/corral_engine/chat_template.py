@@ -45,20 +45,52 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def _check_compiles(template: str, flag: str) -> None:
-    """Compiled as transformers compiles it: the sandbox, trim_blocks and lstrip_blocks, loop
-    controls, `{% generation %}` blocks and its `tojson` (so an unknown filter is caught too)."""
+    """Compiled in the environment it renders in (an unknown filter is caught too)."""
     from jinja2 import TemplateSyntaxError
+
+    try:
+        template_environment().from_string(template)
+    except TemplateSyntaxError as e:
+        raise ArgumentError(f"{flag}: the template does not compile: {e.message} (line {e.lineno})") from None
+
+
+def template_environment() -> Any:
+    """The environment transformers renders chat templates in: the sandbox, trim_blocks and
+    lstrip_blocks, loop controls, `{% generation %}` blocks, a `tojson` that returns plain text
+    (jinja's own returns HTML-escaped markup, which turns the quotes of any string it is joined
+    with into entities), raise_exception and strftime_now."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
     )
-    env.filters["tojson"] = json.dumps
-    try:
-        env.from_string(template)
-    except TemplateSyntaxError as e:
-        raise ArgumentError(f"{flag}: the template does not compile: {e.message} (line {e.lineno})") from None
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(date_format: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(date_format)
 
 
 def _generation_tag() -> type[Any]:

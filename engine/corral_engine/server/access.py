@@ -55,6 +55,18 @@ def current_id() -> str | None:
     return record.ensure_id() if record is not None else None
 
 
+def log_for_request(
+    logger: logging.Logger, level: int, message: str, *args: object, exc_info: BaseException | None = None
+) -> None:
+    """A line about the request this context serves: `request <id>: <message>`, with the id as
+    the JSON field `request_id`, so a log pipeline joins it to the access line."""
+    request_id = current_id()
+    logger.log(
+        level, "request %s: " + message, request_id or "-", *args, exc_info=exc_info,
+        extra={"request_id": request_id},
+    )  # fmt: skip
+
+
 def response_id(prefix: str) -> str:
     """`<prefix>-<request id>` (vLLM's shape): the response's `id`, and the engine's request id."""
     record = _CURRENT.get()

@@ -180,8 +180,9 @@ class ChatCompletionRequest(_SamplingFields):
         """The conversation's text in characters, with what else the template renders (tools,
         documents, its keyword arguments): what rendering and tokenizing it cost. An agent's
         tool list is often far longer than its messages."""
-        extras = [self.template_tools(), self.documents, self.chat_template_kwargs]
-        return sum(len(m.text()) for m in self.messages) + len(json.dumps(extras))
+        tools = sum(len(t.model_dump_json(exclude_none=True)) for t in self.tools or ())
+        extras = len(json.dumps([self.documents, self.chat_template_kwargs]))
+        return sum(len(m.text()) for m in self.messages) + tools + extras
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]

@@ -120,10 +120,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(status, str(exc.detail), headers=dict(exc.headers or {}))
     if isinstance(exc, RecursionError):
         return invalid_request("The request is nested too deeply.")
-    request_id = access.current_id()
-    logger.error(
-        "request %s: internal error", request_id or "-", exc_info=exc, extra={"request_id": request_id}
-    )
+    access.log_for_request(logger, logging.ERROR, "internal error", exc_info=exc)
     return APIError(500, "The server had an internal error.", type="internal_error")
 
 

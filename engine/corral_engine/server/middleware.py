@@ -85,13 +85,7 @@ class ServerMiddleware:
             await self.app(scope, receive, send_with_load)
         except Exception as e:
             if started:
-                request_id = record.request_id if record is not None else None
-                logger.error(
-                    "request %s: error after the response started",
-                    request_id or "-",
-                    exc_info=e,
-                    extra={"request_id": request_id},
-                )
+                access.log_for_request(logger, logging.ERROR, "error after the response started", exc_info=e)
                 return
             await errors.error_response(e)(scope, receive, send_with_load)
         finally:

@@ -144,16 +144,10 @@ class ChunkWriter:
             self._flushing = None
 
     def _fail(self, error: Exception) -> None:
-        request_id = access.current_id()
         if isinstance(error, OSError):  # the connection went
-            logger.debug("request %s: streamed write failed: %r", request_id or "-", error)
+            access.log_for_request(logger, logging.DEBUG, "streamed write failed: %r", error)
         else:
-            logger.error(
-                "request %s: streamed write failed",
-                request_id or "-",
-                exc_info=error,
-                extra={"request_id": request_id},
-            )
+            access.log_for_request(logger, logging.ERROR, "streamed write failed", exc_info=error)
         self._queued.clear()
         if not self.failed.done():
             self.failed.set_result(None)
@@ -180,12 +174,6 @@ class EngineStreamingResponse(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._run = run
         self._chunks = chunks
-
-    def _log_disconnect(self) -> None:
-        request_id = access.current_id()
-        logger.info(
-            "request %s: client disconnected mid-stream", request_id or "-", extra={"request_id": request_id}
-        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Set once the stream's end is written (after the last output, or an error).
@@ -247,11 +235,11 @@ class EngineStreamingResponse(Response):
             waits: set[asyncio.Future[Any]] = {ended, watcher, writer.failed}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if not ended.done():
-                self._log_disconnect()
+                access.log_for_request(logger, logging.INFO, "client disconnected mid-stream")
                 return
             await writer.drain()
         except OSError:  # the connection went while sending the start
-            self._log_disconnect()
+            access.log_for_request(logger, logging.INFO, "client disconnected mid-stream")
         finally:
             writer.close()
             for task in tasks:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from corral_engine.chat_template import template_environment
 from corral_engine.errors import ModelLoadError
 
 
@@ -58,19 +59,7 @@ class LightTokenizer:
         if source is None:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None or self._source != source:
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            # The environment transformers renders chat templates in: loop controls, a `tojson` that
-            # returns plain text (jinja's own returns HTML-escaped markup, which turns the quotes of
-            # any string it is joined with into entities), raise_exception and strftime_now.
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = _strftime_now
-            self._template, self._source = env.from_string(source), source
+            self._template, self._source = template_environment().from_string(source), source
         text = str(
             self._template.render(
                 {
@@ -91,25 +80,3 @@ def _token_text(token: Any) -> str | None:
     if isinstance(token, dict):
         return str(token.get("content"))
     return token if isinstance(token, str) else None
-
-
-def _raise(message: str) -> None:
-    raise ValueError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(date_format: str) -> str:
-    import datetime
-
-    return datetime.datetime.now().strftime(date_format)
