@@ -66,6 +66,7 @@ class State:
     last_replicas: int | None = None
     history_start_s: float | None = None  # before this, the down window assumes the current size
     num_finished_seen: float | None = None  # Load.num_finished at the last scrape
+    woken_by_s: float | None = None  # the wake stamp that last brought it up from zero (served)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,15 +173,23 @@ def _decide_at_zero(policy: Policy, state: State, now_s: float, wake_at_s: float
         # wake stamp from before (the annotation stays on the object) is no request to serve.
         state = replace(state, zeroed_at_s=now_s, recommendations=())
     # A wake stamped in the second the model went to zero counts: stamps may have 1 s resolution,
-    # and a request arriving while scaling down must not be lost.
-    is_woken = wake_at_s is not None and (
-        state.zeroed_at_s is None or wake_at_s >= math.floor(state.zeroed_at_s)
+    # and a request arriving while scaling down must not be lost. A stamp that already woke it was
+    # served, even when it went back to zero within that second (the gateway stamps anew every 10 s
+    # while requests wait, so a request in that same second still gets a replica).
+    is_woken = (
+        wake_at_s is not None
+        and wake_at_s != state.woken_by_s
+        and (state.zeroed_at_s is None or wake_at_s >= math.floor(state.zeroed_at_s))
     )
     if is_woken or policy.min_replicas > 0:
         replicas = max(policy.min_replicas, 1)
         reason = "woken by a request" if is_woken else f"below minReplicas {policy.min_replicas}"
         woke = State(
-            recommendations=(), last_active_s=now_s, zeroed_at_s=state.zeroed_at_s, last_replicas=replicas
+            recommendations=(),
+            last_active_s=now_s,
+            zeroed_at_s=state.zeroed_at_s,
+            last_replicas=replicas,
+            woken_by_s=wake_at_s if is_woken else state.woken_by_s,
         )
         return Decision(min(replicas, policy.max_replicas), reason, woke)
     return Decision(0, "scaled to zero; waiting for a wake request", replace(state, last_replicas=0))

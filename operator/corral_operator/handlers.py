@@ -106,10 +106,18 @@ def _tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool
     ctx: Context = memo["ctx"]
     ctx.telemetry.reconciles.inc()
     with ctx.object_lock(body["metadata"]["namespace"], body["metadata"]["name"]):
+        generation = body["metadata"].get("generation")
+        if isinstance(generation, int) and generation < memo.get("generation", 0):
+            # Read before a tick that held the lock ran on a newer spec (a timer waits here while an
+            # update, often our own replicas patch, is handled): acting on it would undo that one.
+            return
         try:
             state = memo.get("autoscaler") or seed_state(body.get("status") or {})
             scaled = autoscale(ctx, body, state, now_s=time.time(), scrape=scrape)
             memo["autoscaler"] = scaled.state
+            if isinstance(generation, int):
+                # A replicas patch made a newer spec than this body (any later change is newer still).
+                memo["generation"] = generation + 1 if scaled.patched else generation
             # What the autoscaler recorded waits in the memo until a status patch has carried it.
             recorded = memo["recorded"] = {**memo.get("recorded", {}), **scaled.status}
             outcome = reconcile(

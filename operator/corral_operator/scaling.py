@@ -33,6 +33,7 @@ class ScaleOutcome:
     decision: Decision | None = None
     event: Event | None = None
     status: dict[str, str] = field(default_factory=dict)  # fields for the tick's status patch
+    patched: bool = False  # spec.replicas was written
 
 
 def seed_state(status: Mapping[str, Any]) -> State:
@@ -89,4 +90,4 @@ def autoscale(
     active, before = decision.state.last_active_s, state.last_active_s
     if active is not None and active != before and active - (before or 0) >= ACTIVE_TIME_STEP_S:
         status["lastActiveTime"] = rfc3339(active)
-    return ScaleOutcome(load, is_known, decision.state, decision, event, status)
+    return ScaleOutcome(load, is_known, decision.state, decision, event, status, patched=event is not None)

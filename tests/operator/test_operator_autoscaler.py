@@ -153,6 +153,18 @@ def test_scaled_to_zero_by_someone_else_stays_asleep_until_a_newer_wake() -> Non
     assert decide(policy, asleep.state, 0, None, now_s=700, wake_at_s=650).replicas == 1
 
 
+def test_a_wake_already_served_does_not_wake_again_after_a_zero_in_its_second() -> None:
+    # woken by a stamp of t = 500 (1 s resolution), up and scaled to zero by hand, all in that second
+    policy = Policy(0, 4, 4, 0.8, 0, 60, 300)
+    woken = decide(policy, State(zeroed_at_s=100, last_replicas=0), 0, None, now_s=500.1, wake_at_s=500)
+    awake = decide(policy, woken.state, 1, IDLE, now_s=500.5).state
+    asleep = decide(policy, awake, 0, None, now_s=500.9, wake_at_s=500)
+    assert asleep.replicas == 0
+    assert decide(policy, asleep.state, 0, None, now_s=505, wake_at_s=500).replicas == 0
+    # the gateway's next stamp for a request still waiting wakes it
+    assert decide(policy, asleep.state, 0, None, now_s=511, wake_at_s=510).replicas == 1
+
+
 def test_min_replicas_above_zero_lifts_from_zero() -> None:
     assert decide(POLICY, State(), 0, None, now_s=0).replicas == 1
 

@@ -279,10 +279,40 @@ def test_what_the_autoscaler_recorded_survives_a_failed_tick(monkeypatch: pytest
         handlers.on_timer(body=cr, memo=memo, logger=logger)
     assert ("replicas", 5) in kube.writes and not [w for w in kube.writes if w[0] == "status"]
     kube.reject_kind = None
-    handlers.on_timer(body=cr, memo=memo, logger=logger)
+    patched = kopf.Body(body(autoscaled_spec() | {"replicas": 5}, generation=2))  # type: ignore[arg-type]
+    handlers.on_timer(body=patched, memo=memo, logger=logger)
     status_writes = [w[1] for w in kube.writes if w[0] == "status"]
     assert len(status_writes) == 1 and "lastScaleTime" in status_writes[0]
     assert memo["recorded"] == {}
+
+
+def test_a_tick_on_a_body_older_than_one_already_handled_does_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A timer read the body at generation 1 (replicas 0) and waited for the object's lock while the
+    # wake was handled and replicas patched to 1: acting on it would reapply replicas 0 (and take a
+    # wake stamp of the same second for a new one).
+    import kopf
+    from corral_operator import handlers
+
+    monkeypatch.setattr(kopf, "event", lambda *args, **kwargs: None)
+    kube = FakeKube()
+    memo = kopf.Memo(ctx=make_ctx(kube))
+    memo["autoscaler"] = State(zeroed_at_s=1000, last_replicas=0)
+    logger = logging.getLogger("test")
+    spec = valid_spec() | {"replicas": 0, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}
+    asleep = body(spec, generation=1)
+    woken = copy.deepcopy(asleep)
+    woken["metadata"]["annotations"] = {labels.WAKE_ANNOTATION: "1970-01-01T00:25:00Z"}
+    handlers.on_change(body=kopf.Body(woken), memo=memo, logger=logger)  # type: ignore[arg-type]
+    assert kube.writes.count(("replicas", 1)) == 1
+    kube.writes.clear()
+    handlers.on_timer(body=kopf.Body(asleep), memo=memo, logger=logger)  # type: ignore[arg-type]
+    handlers.on_timer(body=kopf.Body(woken), memo=memo, logger=logger)  # type: ignore[arg-type]
+    assert kube.writes == []
+    up = body(spec | {"replicas": 1}, generation=2)
+    handlers.on_timer(body=kopf.Body(up), memo=memo, logger=logger)  # type: ignore[arg-type]
+    assert ("apply", "Deployment") in kube.writes and memo["autoscaler"].last_replicas == 1
 
 
 def test_hpa_mode_renders_an_hpa_and_never_writes_replicas() -> None:
