@@ -378,6 +378,31 @@ def test_gateway_config_takes_the_gateways_own_settings(helm: Helm) -> None:
     assert settings["max_queue_len"] == 512 and set(settings) <= set(GatewaySettings.model_fields)
 
 
+def test_the_upstream_api_key_comes_from_a_secret_never_the_config_map(
+    helm: Helm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = helm.template(
+        None,
+        "--set", "gateway.upstreamApiKey.existingSecret=upstream",
+        "--set", "gateway.extraEnv[0].name=A,gateway.extraEnv[0].value=b",
+    )  # fmt: skip
+    (gateway,) = find(objects, "Deployment", "gateway")
+    (container,) = gateway["spec"]["template"]["spec"]["containers"]
+    key = {
+        "name": "CORRAL_GATEWAY_UPSTREAM_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "upstream", "key": "api-key"}},
+    }
+    assert container["env"] == [key, {"name": "A", "value": "b"}]
+    monkeypatch.setenv(key["name"], "sk-upstream")  # the variable is the gateway's own setting
+    assert GatewaySettings().upstream_api_key == "sk-upstream"
+    (default,) = find(helm.template(None), "Deployment", "gateway")
+    assert "env" not in default["spec"]["template"]["spec"]["containers"][0]
+    refused = helm.run(
+        "template", "corral", str(CHART), "--set", "gateway.config.upstream_api_key=sk", check=False
+    )
+    assert refused.returncode != 0 and "'upstream_api_key' not allowed" in refused.stderr, refused.stderr
+
+
 def test_network_policies_follow_a_namespaced_operator(helm: Helm) -> None:
     objects = helm.template(None, "--set", "operator.namespaces={team-a,team-b}")
     policies = find(objects, "NetworkPolicy", "engines")

@@ -26,8 +26,11 @@ from corral_cli.chartgen.pods import (
 RUNBOOK_BASE_URL = "https://github.com/corral-dev/corral/blob/main/docs/operations.md"
 
 # Settings the chart writes from its own values (the container port its probes use, discovery that
-# matches its RBAC, the mounted key file): gateway.config may not override them.
-CHART_OWNED_GATEWAY_SETTINGS = frozenset({"host", "port", "kubernetes", "api_keys_file", "policy"})
+# matches its RBAC, the mounted key file, a secret from a Secret rather than the ConfigMap):
+# gateway.config may not override them.
+CHART_OWNED_GATEWAY_SETTINGS = frozenset(
+    {"host", "port", "kubernetes", "api_keys_file", "policy", "upstream_api_key"}
+)
 
 
 def _gateway_config_schema() -> dict[str, Any]:
@@ -141,6 +144,15 @@ class ApiKeys(_Values):
     secret_key: str = Field(default="keys.yaml", min_length=1, description="Key of the file in the Secret.")
 
 
+class UpstreamApiKey(_Values):
+    existing_secret: str = Field(
+        default="",
+        description="Secret holding the key the gateway sends to replicas (engines started with an API "
+        "key, or an OpenAI-compatible upstream); empty: send none.",
+    )
+    secret_key: str = Field(default="api-key", min_length=1, description="Key of the value in the Secret.")
+
+
 class Autoscaling(_Values):
     enabled: bool = False
     min_replicas: int = Field(default=2, ge=1)
@@ -163,10 +175,11 @@ class Gateway(PodPlacement):
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="More gateway settings (snake_case keys, see the gateway docs); not host, port, "
-        "kubernetes, api_keys_file or policy, which the chart sets from its own values.",
+        "kubernetes, api_keys_file, policy or upstream_api_key, which the chart sets from its own values.",
         json_schema_extra=lambda schema: schema.update(_gateway_config_schema()),
     )
     api_keys: ApiKeys = Field(default_factory=ApiKeys)
+    upstream_api_key: UpstreamApiKey = Field(default_factory=UpstreamApiKey)
     service: Service = Field(default_factory=Service)
     ingress: Ingress = Field(default_factory=Ingress)
     http_route: HTTPRoute = Field(default_factory=HTTPRoute)
