@@ -337,6 +337,7 @@ def test_gateway_disruption_budget_only_with_several_replicas(helm: Helm, render
     (budget,) = find(rendered("default"), "PodDisruptionBudget", "gateway")
     (deployment,) = find(rendered("default"), "Deployment", "gateway")
     assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # unready pods never block a drain
     assert not find(helm.template(None, "--set", "gateway.replicas=1"), "PodDisruptionBudget")
 
 
