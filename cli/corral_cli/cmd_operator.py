@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--priority",
         type=int,
         default=None,
-        help="peering priority (default: random, so replicas never tie; kopf pauses all on a tie)",
+        help="peering priority (default: from the start time, so the newest replica works and a "
+        "restarted one never waits for the one it replaces)",
     )
     parser.add_argument(
         "--liveness",
@@ -106,7 +107,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         "monitor_labels": key_values(args.monitor_label, "--monitor-label"),
     }
     if args.priority is not None:
-        given["priority"] = args.priority  # else drawn at random, so peered replicas never tie
+        given["priority"] = args.priority  # else from the start time: the newest replica works
     return OperatorSettings(**given)
 
 

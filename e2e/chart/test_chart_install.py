@@ -281,8 +281,7 @@ def _reconcile_example(cluster: Cluster, ns: str, replicas: int) -> tuple[dict[s
     name = example["metadata"]["name"]
     cluster.apply(json.dumps(example))
     cluster.wait_until("the example LLMDeployment Available", lambda: _available(cluster, ns, name), 120)
-    kinds = ("deployment", "service", "poddisruptionbudget") if replicas > 1 else ("deployment", "service")
-    for kind in kinds:
+    for kind in ("deployment", "service", "poddisruptionbudget"):
         child = cluster.get_json(kind, name, "-n", ns)
         assert child["metadata"]["ownerReferences"][0]["kind"] == "LLMDeployment"
     pod_ips = cluster.wait_until("running engine pods", lambda: _running_pod_ips(cluster, ns, name, replicas))

@@ -29,7 +29,7 @@ def start_operator(
     started: list[OperatorProcess] = []
 
     def start(
-        priority: int = 100,
+        priority: int | None = 100,
         resync_s: float = 2.0,
         namespaces: list[str] | None = None,
         kubeconfig: Path | None = None,

@@ -36,7 +36,7 @@ class OperatorProcess:
         kubeconfig: Path,
         log_path: Path,
         *,
-        priority: int = 100,
+        priority: int | None = 100,  # None: the operator's default (its start time)
         resync_s: float = 2.0,
         namespaces: list[str] | None = None,
     ) -> None:
@@ -54,7 +54,7 @@ class OperatorProcess:
             "--kubeconfig", str(self.kubeconfig),
             *([a for ns in self.namespaces for a in ("--namespace", ns)] or ["--all-namespaces"]),
             "--peering", "corral",
-            "--priority", str(self.priority),
+            *(["--priority", str(self.priority)] if self.priority is not None else []),
             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
             "--resync-seconds", str(self.resync_s),
             "--scrape-network", "127.0.0.0/8",

@@ -7,10 +7,12 @@ tool that owns the manifest sees no drift (it should ignore spec.replicas, as fo
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from corral_engine import wire
 
+from corral_operator import labels
 from corral_operator.spec import API_VERSION, KIND, AutoscalingSpec, LLMDeploymentSpec
 
 Obj = dict[str, Any]
@@ -20,6 +22,10 @@ SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 HPA_WAITING_METRIC = "vllm_num_requests_waiting"
 HPA_KV_METRIC = "vllm_kv_cache_usage_perc"
 KEDA_POLLING_S = 15
+# The pod label naming the LLMDeployment, as a series label: the operator's ServiceMonitor and the
+# chart's PodMonitor copy it (podTargetLabels), and Prometheus turns its `.` and `/` into `_` (as a
+# `labelmap` of `__meta_kubernetes_pod_label_(.+)` does too).
+INSTANCE_SERIES_LABEL = re.sub("[^a-zA-Z0-9_]", "_", labels.INSTANCE)  # app_kubernetes_io_instance
 
 
 def _target(name: str) -> Obj:
@@ -76,7 +82,13 @@ def scaled_object(meta: Obj, spec: LLMDeploymentSpec) -> Obj:
     model, which also activates it from zero (KEDA's activation: any held request)."""
     auto = _auto(spec)
     name = spec.model.name
-    engines = promql_selector({"namespace": meta["namespace"], wire.MODEL_NAME_LABEL: name})
+    # This deployment's pods only (another LLMDeployment may serve the same model name in the
+    # namespace), and one series per scraped address where two monitors scrape a pod.
+    selector = promql_selector({"namespace": meta["namespace"], INSTANCE_SERIES_LABEL: meta["name"]})
+
+    def per_pod(metric: str) -> str:
+        return f"max by (instance) ({metric}{selector})"
+
     # The gateway (perhaps in another namespace) labels its queue with the pool's key: the model
     # name, or NAMESPACE/NAME where the name is served in several namespaces (gateway k8s_names).
     queues = " or ".join(
@@ -108,7 +120,7 @@ def scaled_object(meta: Obj, spec: LLMDeploymentSpec) -> Obj:
             "triggers": [
                 trigger(
                     "waiting",
-                    f"sum({wire.NUM_REQUESTS_WAITING}{engines}) or vector(0)",
+                    f"sum({per_pod(wire.NUM_REQUESTS_WAITING)}) or vector(0)",
                     waiting,
                     "AverageValue",
                     "0",
@@ -116,7 +128,7 @@ def scaled_object(meta: Obj, spec: LLMDeploymentSpec) -> Obj:
                 # Value: the HPA scales by average/target, the same rule as the builtin mode's.
                 trigger(
                     "kv-usage",
-                    f"avg({wire.KV_CACHE_USAGE_PERC}{engines}) or vector(0)",
+                    f"avg({per_pod(wire.KV_CACHE_USAGE_PERC)}) or vector(0)",
                     auto.target_kv_usage,
                     "Value",
                     "0",

@@ -18,6 +18,7 @@ from typing import Any
 import kopf
 
 from corral_operator import labels
+from corral_operator.changes import update_event
 from corral_operator.context import Context
 from corral_operator.errors import error_reason, to_kopf
 from corral_operator.kube import KubeError
@@ -26,6 +27,7 @@ from corral_operator.reconcile import reconcile
 from corral_operator.scaling import autoscale, seed_state
 from corral_operator.settings import OperatorSettings
 from corral_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError
+from corral_operator.status import Event
 
 log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -40,7 +42,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     kopf.on.login(registry=registry)(functools.partial(login, kubeconfig=settings.kubeconfig))
     kopf.on.probe(id="alive", registry=registry)(alive)
     kopf.on.create(*RESOURCE, registry=registry)(on_change)
-    kopf.on.update(*RESOURCE, registry=registry)(on_change)
+    kopf.on.update(*RESOURCE, registry=registry)(on_update)
     kopf.on.resume(*RESOURCE, registry=registry)(on_change)
     resync_s = settings.resync_s
     kopf.timer(*RESOURCE, interval=resync_s, initial_delay=resync_s, registry=registry)(on_timer)
@@ -73,6 +75,13 @@ def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -
     _tick(body, memo, logger, scrape=False, is_timer=False)
 
 
+def on_update(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, diff: kopf.Diff, **_: Any) -> None:
+    """A spec change also says, in an Event, that it rolls out and what changed (kopf calls this once
+    per change it sees, not on every tick)."""
+    change = update_event(body["metadata"].get("generation"), diff)
+    _tick(body, memo, logger, scrape=False, is_timer=False, change=change)
+
+
 def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     _tick(body, memo, logger, scrape=True, is_timer=True)
 
@@ -101,8 +110,17 @@ def _post(body: Any, events: list[Any]) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
 
-def _tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool, is_timer: bool) -> None:
-    """Autoscale, then reconcile; one at a time per object (the timer and events run concurrently)."""
+def _tick(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    *,
+    scrape: bool,
+    is_timer: bool,
+    change: Event | None = None,
+) -> None:
+    """Autoscale, then reconcile; one at a time per object (the timer and events run concurrently).
+    `change` (what a spec update changed) is posted once the new spec is applied."""
     ctx: Context = memo["ctx"]
     ctx.telemetry.reconciles.inc()
     with ctx.object_lock(body["metadata"]["namespace"], body["metadata"]["name"]):
@@ -127,7 +145,8 @@ def _tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *, scrape: bool
         except (KubeError, SpecError) as e:
             ctx.telemetry.count_error(error_reason(e))
             raise to_kopf(e) from e
-    _post(body, ([scaled.event] if scaled.event else []) + outcome.events)
+    is_applied = change is not None and not (outcome.spec_error or outcome.apply_error)
+    _post(body, ([change] if is_applied else []) + ([scaled.event] if scaled.event else []) + outcome.events)
     if outcome.spec_error:
         ctx.telemetry.count_error("invalid_spec")
         if not is_timer:

@@ -25,9 +25,9 @@ from corral_operator.timestamps import rfc3339
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
-# (kind, the CRD it needs): what the spec may stop asking for; Deployment and Service always exist.
+# (kind, the CRD it needs): what the spec may stop asking for; Deployment, Service and
+# PodDisruptionBudget always exist.
 PRUNABLE_KINDS: tuple[tuple[str, str | None], ...] = (
-    ("PodDisruptionBudget", None),
     ("HorizontalPodAutoscaler", None),
     ("ServiceMonitor", SERVICE_MONITOR_CRD),
     ("ScaledObject", SCALED_OBJECT_CRD),

@@ -242,11 +242,20 @@ def service(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
 
 
 def pod_disruption_budget(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
+    """At most one serving pod evicted at a time, at any size: at one replica the budget still allows
+    one, so a drain never waits on it (as with no budget), and it stays while an autoscaler moves
+    between 1 and 2 replicas instead of being deleted and recreated each time. Pods that are not
+    ready (crash-looping, loading) serve nothing, so they may always go: with the default policy
+    two crash-looping replicas blocked every drain of their nodes for good."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(owner, spec),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels.selector(owner.name)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": labels.selector(owner.name)},
+        },
     }
 
 
@@ -261,6 +270,8 @@ def service_monitor(owner: Owner, spec: LLMDeploymentSpec, extra_labels: Mapping
         "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": labels.selector(owner.name)},
+            # Series say which LLMDeployment they come from (KEDA's triggers select by it).
+            "podTargetLabels": [labels.INSTANCE],
             "endpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": "15s"}],
         },
     }
@@ -274,11 +285,9 @@ def endpoint_url(owner: Owner, spec: LLMDeploymentSpec) -> str:
 def desired_objects(
     owner: Owner, spec: LLMDeploymentSpec, *, crds: Collection[str], monitor_labels: Mapping[str, str] = {}
 ) -> list[Obj]:
-    """Everything the spec asks for; a PDB only when two or more replicas can keep serving; objects
-    of optional CRDs (ServiceMonitor, ScaledObject) only when `crds` (installed CRD names) has them."""
-    objects = [deployment(owner, spec), service(owner, spec)]
-    if spec.bounded_replicas >= 2:
-        objects.append(pod_disruption_budget(owner, spec))
+    """Everything the spec asks for; objects of optional CRDs (ServiceMonitor, ScaledObject) only
+    when `crds` (installed CRD names) has them."""
+    objects = [deployment(owner, spec), service(owner, spec), pod_disruption_budget(owner, spec)]
     if SERVICE_MONITOR_CRD in crds:
         objects.append(service_monitor(owner, spec, monitor_labels))
     mode = spec.autoscaling.mode if spec.autoscaling else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import random
+import time
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -13,9 +14,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 ANY_NETWORK = ("0.0.0.0/0", "::/0")
 
 
-def _random_priority() -> int:
-    # Peered replicas must never tie: kopf pauses every replica of a tie.
-    return random.SystemRandom().randint(1, 1 << 30)
+PRIORITY_EPOCH_S = 1_735_689_600  # 2025-01-01T00:00:00Z
+PRIORITY_RANDOM_BITS = 13
+
+
+def _start_priority() -> int:
+    """The newest replica outranks older ones: a restarted operator (a crash, an OOM kill, a
+    rollout's new pod) works at once, where a random priority lower than its predecessor's made it
+    wait up to kopf's peering lifetime (60 s) for that dead replica's record to expire. Milliseconds
+    since PRIORITY_EPOCH_S, then random bits, so two replicas started in the same millisecond still
+    do not tie (kopf pauses every replica of a tie); an exact JSON number until about 2059."""
+    started_ms = int((time.time() - PRIORITY_EPOCH_S) * 1000)
+    return (started_ms << PRIORITY_RANDOM_BITS) + random.SystemRandom().randrange(1 << PRIORITY_RANDOM_BITS)
 
 
 class OperatorSettings(BaseSettings):
@@ -27,7 +37,7 @@ class OperatorSettings(BaseSettings):
     kubeconfig: Path | None = None  # None: the pod's service account, else $KUBECONFIG / ~/.kube/config
     peering: str = "corral"  # kopf peering shared by replicas; only the highest priority one works
     standalone: bool = False  # no peering (a single replica, dev clusters)
-    priority: int = Field(default_factory=_random_priority)
+    priority: int = Field(default_factory=_start_priority)
     liveness_url: str | None = "http://0.0.0.0:8080/healthz"
     metrics_port: int | None = Field(default=None, ge=1, le=65535)  # the operator's own /metrics
     # The timer re-asserts desired state, refreshes status and runs the autoscaler this often.

@@ -103,6 +103,26 @@ def fetching(pods: Sequence[Obj]) -> str | None:
     return None
 
 
+def _restarted_after_crash(pod: Obj, cs: Obj) -> str | None:
+    """Between two back-offs a crash-looping container runs (loading the model) before it fails
+    again: while its last run failed and it has not been ready since this run started, it is still
+    crashing, not recovered (else Degraded, and its Warning and Recovered Events, would flap with
+    every restart). One that was ready in this run and is not now (busy, a failed probe) is not."""
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    running = (cs.get("state") or {}).get("running")
+    if cs.get("ready") or running is None or last.get("exitCode") in (None, 0):
+        return None
+    ready = next((c for c in pod.get("status", {}).get("conditions") or () if c.get("type") == "Ready"), {})
+    started, changed = running.get("startedAt"), ready.get("lastTransitionTime")
+    if started and changed and changed > started:  # RFC 3339 UTC stamps compare as text
+        return None
+    why = last.get("reason") or "Error"
+    return (
+        f"engine restarted after exit code {last['exitCode']} ({why}), not ready yet "
+        f"({cs.get('restartCount', 0)} restarts)"
+    )
+
+
 def pod_problem(pods: Sequence[Obj]) -> tuple[str, str] | None:
     """(reason, message) for the first pod whose model download failed, that cannot pull its image,
     crash-loops or cannot schedule."""
@@ -119,6 +139,8 @@ def pod_problem(pods: Sequence[Obj]) -> tuple[str, str] | None:
             if reason in CRASH_REASONS:
                 restarts = cs.get("restartCount", 0)
                 return "CrashLooping", f"pod {name}: engine keeps crashing ({restarts} restarts): {reason}"
+            if crashed := _restarted_after_crash(pod, cs):
+                return "CrashLooping", f"pod {name}: {crashed}"
         for cond in pod.get("status", {}).get("conditions") or ():
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
                 return (

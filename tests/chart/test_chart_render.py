@@ -262,7 +262,9 @@ def test_monitors_only_when_the_crds_exist_or_asked_for(helm: Helm, rendered: Re
     (monitor,) = find(with_crd, "ServiceMonitor")
     (service,) = find(with_crd, "Service", "gateway")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    assert find(rendered("production"), "PodMonitor", "engines")
+    (engines,) = find(rendered("production"), "PodMonitor", "engines")
+    # the label KEDA's triggers select an LLMDeployment's pods by (autoscalers.INSTANCE_SERIES_LABEL)
+    assert engines["spec"]["podTargetLabels"] == [labels.INSTANCE]
 
 
 def test_dashboards_are_labelled_configmaps(rendered: Render) -> None:

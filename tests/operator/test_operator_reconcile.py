@@ -111,13 +111,24 @@ def test_reconcile_applies_children_and_is_idempotent() -> None:
 
 def test_reconcile_prunes_what_the_spec_no_longer_asks_for() -> None:
     kube = FakeKube()
-    reconcile(make_ctx(kube), body(valid_spec()), now_s=0)
-    one = valid_spec() | {"replicas": 1}
+    with_hpa = valid_spec() | {"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3}}
+    reconcile(make_ctx(kube), body(with_hpa), now_s=0)
+    assert ("HorizontalPodAutoscaler", "ml", "tiny") in kube.objects
     # owner references carry the CR's uid; only objects owned by this CR are pruned
-    outcome = reconcile(make_ctx(kube), body(one, generation=2), now_s=1)
-    assert ("PodDisruptionBudget", "ml", "tiny") not in kube.objects
-    assert ("delete", "PodDisruptionBudget") in kube.writes
+    outcome = reconcile(make_ctx(kube), body(valid_spec(), generation=2), now_s=1)
+    assert ("HorizontalPodAutoscaler", "ml", "tiny") not in kube.objects
+    assert ("delete", "HorizontalPodAutoscaler") in kube.writes
     assert [e.reason for e in outcome.events if e.reason == "Pruned"] == ["Pruned"]
+
+
+def test_the_disruption_budget_stays_while_replicas_move_between_one_and_two() -> None:
+    kube = FakeKube()
+    for generation, replicas in enumerate((2, 1, 2, 1), start=1):
+        spec = valid_spec() | {"replicas": replicas}
+        outcome = reconcile(make_ctx(kube), body(spec, generation=generation), now_s=generation)
+        assert ("PodDisruptionBudget", "ml", "tiny") in kube.objects
+        assert [e.reason for e in outcome.events if e.reason == "Pruned"] == []
+    assert ("delete", "PodDisruptionBudget") not in kube.writes
 
 
 def test_invalid_spec_becomes_degraded_status_not_a_crash() -> None:
@@ -448,7 +459,6 @@ def test_replicas_outside_the_autoscaling_bounds_never_reach_the_deployment() ->
     spec = valid_spec() | {"replicas": 8, "autoscaling": {"minReplicas": 1, "maxReplicas": 1}}
     outcome = reconcile(make_ctx(kube), body(spec), now_s=0)
     assert kube.objects[("Deployment", "ml", "tiny")]["spec"]["replicas"] == 1
-    assert ("PodDisruptionBudget", "ml", "tiny") not in kube.objects  # one replica: no PDB
     assert next(c for c in outcome.status["conditions"] if c["type"] == "Progressing")["message"] == (
         "0/1 updated, 0/1 ready, 0 pods"
     )

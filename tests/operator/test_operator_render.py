@@ -34,9 +34,17 @@ def test_every_child_has_managed_labels_and_a_controller_owner_reference() -> No
         assert meta["labels"][labels.INSTANCE] == "tiny"
 
 
-def test_pdb_only_with_two_replicas_and_service_monitor_only_with_its_crd() -> None:
-    kinds = [o["kind"] for o in render.desired_objects(OWNER, _spec(replicas=1), crds=())]
-    assert kinds == ["Deployment", "Service"]
+def test_one_replica_keeps_a_budget_that_lets_a_drain_evict_it_and_no_monitor_without_its_crd() -> None:
+    objects = render.desired_objects(OWNER, _spec(replicas=1), crds=())
+    assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+    # maxUnavailable 1 allows one eviction at one replica (a drain goes on, as without a budget);
+    # minAvailable 1 would block every drain of the node forever. Pods that are not ready may always
+    # be evicted: two crash-looping replicas must not block drains either (the default policy did).
+    assert objects[2]["spec"] == {
+        "maxUnavailable": 1,
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        "selector": {"matchLabels": labels.selector("tiny")},
+    }
 
 
 def test_deployment_is_locked_down() -> None:
@@ -331,7 +339,10 @@ def test_scaled_object_queries_this_models_engines_and_the_gateway_queue() -> No
     triggers = {t["name"]: t for t in body["triggers"]}
     assert {t["metadata"]["serverAddress"] for t in triggers.values()} == {"http://prom.mon:9090"}
     waiting = triggers["waiting"]["metadata"]["query"]
-    assert waiting == 'sum(vllm:num_requests_waiting{namespace="ml",model_name="tiny-llama"}) or vector(0)'
+    assert waiting == (
+        'sum(max by (instance) (vllm:num_requests_waiting{namespace="ml",app_kubernetes_io_instance="tiny"}))'
+        " or vector(0)"
+    )
     assert triggers["kv-usage"]["metricType"] == "Value"
     gateway = triggers["gateway-queue"]["metadata"]
     # the gateway's pool is the bare name, or ml/tiny-llama when other namespaces serve tiny-llama too
@@ -429,7 +440,7 @@ def test_replicas_are_rendered_inside_the_autoscaling_bounds(
     spec = _spec(replicas=replicas, **({"autoscaling": auto} if auto else {}))
     assert render.deployment(OWNER, spec)["spec"]["replicas"] == expected
     kinds = [o["kind"] for o in render.desired_objects(OWNER, spec, crds=())]
-    assert ("PodDisruptionBudget" in kinds) == (expected >= 2)
+    assert "PodDisruptionBudget" in kinds  # at every size: no delete and recreate as replicas move
 
 
 def test_the_reserved_volume_names_and_mount_paths_cover_what_the_operator_renders() -> None:
@@ -467,3 +478,24 @@ def test_service_monitors_carry_the_labels_prometheus_selects_by() -> None:
     assert labels_["app.kubernetes.io/name"] != "not-ours"  # the operator's own labels win
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
     assert "release" not in deployment["metadata"]["labels"]
+
+
+def test_two_deployments_of_one_model_scale_on_their_own_pods_load() -> None:
+    """KEDA's engine triggers select this LLMDeployment's pods by the label its ServiceMonitor copies
+    onto every series, not by the model name another LLMDeployment in the namespace may share."""
+    auto = {"mode": "keda", "minReplicas": 0, "maxReplicas": 3, "prometheusUrl": "http://prom.mon:9090"}
+    spec = _spec(autoscaling=auto)
+    crds = {"scaledobjects.keda.sh", render.SERVICE_MONITOR_CRD}
+    queries = {}
+    for owner in (OWNER, render.Owner(name="tiny-canary", namespace="ml", uid="uid-456")):
+        objects = {o["kind"]: o for o in render.desired_objects(owner, spec, crds=crds)}
+        triggers = {t["name"]: t["metadata"]["query"] for t in objects["ScaledObject"]["spec"]["triggers"]}
+        queries[owner.name] = triggers
+        monitor = objects["ServiceMonitor"]["spec"]
+        assert monitor["podTargetLabels"] == [labels.INSTANCE]
+        pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+        assert pod_labels[labels.INSTANCE] == owner.name
+        for name in ("waiting", "kv-usage"):
+            assert f'app_kubernetes_io_instance="{owner.name}"' in triggers[name]
+            assert "model_name" not in triggers[name]
+    assert queries["tiny"]["waiting"] != queries["tiny-canary"]["waiting"]

@@ -34,8 +34,26 @@ def test_flags_become_settings() -> None:
 
 def test_priority_is_drawn_once_when_not_given() -> None:
     settings = settings_for()
-    assert 1 <= settings.priority <= 1 << 30
+    assert 1 <= settings.priority < 1 << 53  # exact as a JSON number in the peering object
+    assert settings.priority > 1 << 30  # outranks a replica of an older release (random, at most 2**30)
     assert f"priority={settings.priority}" in settings.describe()  # the logged value is the one used
+
+
+def test_a_replica_started_later_outranks_the_one_it_replaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A crashed replica's peering record lives on for kopf's lifetime (60 s); the restarted one must
+    # not pause behind it, so it must have the higher priority, whatever the draw.
+    import corral_operator.settings as settings_module
+
+    draws = iter([1 << 30, 0])  # the restarted replica draws the lower random number
+    monkeypatch.setattr(
+        settings_module.random.SystemRandom, "randrange", lambda _self, n: min(next(draws), n - 1)
+    )
+    monkeypatch.setattr(settings_module.random.SystemRandom, "randint", lambda _self, a, b: next(draws))
+    monkeypatch.setattr(settings_module.time, "time", lambda: 1_800_000_000.000)
+    crashed = settings_for()
+    monkeypatch.setattr(settings_module.time, "time", lambda: 1_800_000_000.010)
+    restarted = settings_for()
+    assert restarted.priority > crashed.priority
 
 
 def test_bad_values_are_refused_at_the_edge_and_settings_are_frozen() -> None:
@@ -68,7 +86,7 @@ def test_every_handler_is_registered() -> None:
     }
     watching = {h.id for h in registry._watching.get_all_handlers()}
     assert activities == {"configure", "login", "alive"}
-    assert changing == {("on_change", "create"), ("on_change", "update"), ("on_change", "resume")}
+    assert changing == {("on_change", "create"), ("on_update", "update"), ("on_change", "resume")}
     assert watching == {"on_deployment_event"}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from corral_operator.autoscaler import Load
@@ -255,3 +256,36 @@ def test_nothing_progresses_while_the_spec_cannot_be_applied() -> None:
     ):
         progressing = cond(compute(obs, NOW), "Progressing")
         assert (progressing["status"], progressing["reason"]) == ("False", reason)
+
+
+def test_a_crash_looping_engine_between_back_offs_stays_degraded_without_recovered_events() -> None:
+    # CrashLoopBackOff, then running (loading the model, not ready) until it fails again
+    backing_off = pod("CrashLoopBackOff")
+    last_run = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
+    loading = {"image": "img:1", "restartCount": 6, "ready": False, "state": {"running": {}}}
+    restarted = pod(containerStatuses=[loading | {"lastState": last_run}])
+    statuses = [
+        compute(observed(deployment=deployment(2, 0), pods=[p]), NOW)
+        for p in (backing_off, restarted, backing_off, restarted)
+    ]
+    assert [(cond(st, "Degraded")["status"], cond(st, "Degraded")["reason"]) for st in statuses] == [
+        ("True", "CrashLooping")
+    ] * 4
+    assert "exit code 137 (OOMKilled), not ready yet (6 restarts)" in cond(statuses[1], "Degraded")["message"]
+    steps = itertools.pairwise(st["conditions"] for st in statuses)
+    assert [e for before, after in steps for e in transitions(before, after)] == []
+    # ready again, or restarted after a clean exit: no problem
+    serving = pod(containerStatuses=[loading | {"ready": True, "lastState": last_run}])
+    clean = pod(containerStatuses=[loading | {"lastState": {"terminated": {"exitCode": 0}}}])
+    # ready in this run after the crash, then not (busy, a failed probe): not crashing
+    busy = pod(
+        containerStatuses=[
+            loading | {"lastState": last_run, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}
+        ]
+    )
+    busy["status"]["conditions"] = [
+        {"type": "Ready", "status": "False", "lastTransitionTime": "2026-01-01T01:00:00Z"}
+    ]
+    for fine in (serving, clean, busy):
+        st = compute(observed(deployment=deployment(2, 2), pods=[fine]), NOW)
+        assert cond(st, "Degraded")["status"] == "False"

@@ -21,10 +21,10 @@
 - apiGroups: ['']
   resources: [services]
   verbs: [create, patch]
-# the PodDisruptionBudget
+# the PodDisruptionBudget (at every size, so never pruned)
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [create, patch, list, delete]
+  verbs: [create, patch]
 # a ServiceMonitor when Prometheus Operator is installed
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
@@ -84,10 +84,10 @@
 - apiGroups: ['']
   resources: [services]
   verbs: [create, patch]
-# the PodDisruptionBudget
+# the PodDisruptionBudget (at every size, so never pruned)
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [create, patch, list, delete]
+  verbs: [create, patch]
 # a ServiceMonitor when Prometheus Operator is installed
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
