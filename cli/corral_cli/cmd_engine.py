@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         log_interval_s=args.log_interval,
         tool_call_parser=engine_args.tool_call_parser,
         chat_template=chat_template,
+        reasoning_parser=engine_args.reasoning_parser,
     )
     freeze_startup_heap()
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)

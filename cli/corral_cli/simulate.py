@@ -46,6 +46,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         max_waiting=engine_args.max_waiting,
         tool_call_parser=engine_args.tool_call_parser,
         chat_template=load_chat_template(engine_args.chat_template),
+        reasoning_parser=engine_args.reasoning_parser,
         stream_interval=engine_args.stream_interval,
     )
 
@@ -84,6 +85,7 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                 log_interval_s=args.log_interval,
                 tool_call_parser=spec.tool_call_parser,
                 chat_template=spec.chat_template,
+                reasoning_parser=spec.reasoning_parser,
             )
             freeze_startup_heap()
             serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)

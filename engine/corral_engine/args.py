@@ -31,6 +31,7 @@ __all__ = [
     "BYTES_PATTERN",
     "DEFAULTS",
     "OPTIONS",
+    "REASONING_PARSERS",
     "RULES",
     "TOOL_CALL_PARSERS",
     "ArgumentError",
@@ -56,6 +57,9 @@ DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 # server import (tests/server/test_tool_parsers.py checks they agree).
 ToolCallParser = Literal["hermes", "llama3_json"]
 TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json")
+# corral_engine.server.reasoning.REASONING_PARSERS' names, restated likewise.
+ReasoningParser = Literal["deepseek_r1", "qwen3"]
+REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
@@ -221,6 +225,17 @@ class EngineArgs:
         choices=TOOL_CALL_PARSERS,
         crd="toolCallParser",
         vllm=Vllm("--tool-call-parser", also=("--enable-auto-tool-choice",)),
+    )
+    reasoning_parser: ReasoningParser | None = _option(
+        None,
+        help="move the think block a reasoning model writes before its answer to the chat reply's "
+        "reasoning (and reasoning_content); tool calls and structured outputs apply to the answer "
+        "(qwen3: a reply with no block is content; deepseek_r1: a reply is reasoning until the "
+        "block's end tag)",
+        default_text="none: the block stays in content",
+        choices=REASONING_PARSERS,
+        crd="reasoningParser",
+        vllm=Vllm("--reasoning-parser"),
     )
     chat_template: str | None = _option(
         None,

@@ -171,6 +171,20 @@ def test_the_tool_call_parser_reaches_both_engines() -> None:
     assert "--tool-call-parser" not in args and "--enable-auto-tool-choice" not in args
 
 
+def test_the_reasoning_parser_reaches_both_engines() -> None:
+    raw = valid_spec()
+    raw["engine"]["args"] = {"reasoningParser": "qwen3"}
+    command = render.engine_container(parse_spec(raw))["command"]
+    assert command[command.index("--reasoning-parser") + 1] == "qwen3"
+    raw["engine"] = {
+        "kind": "vllm",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "args": {"reasoningParser": "deepseek_r1"},
+    }
+    args = render.engine_container(parse_spec(raw))["args"]
+    assert args[args.index("--reasoning-parser") + 1] == "deepseek_r1"
+
+
 def test_a_speculative_setting_the_engine_refuses_is_a_spec_error() -> None:
     raw = valid_spec()
     raw["engine"]["args"] = {"speculative": {"promptLookupMin": 5}}  # above the default max of 3

@@ -19,6 +19,7 @@ from corral_engine.settings import EngineSettings
 async def openai_client(
     model_dir: pathlib.Path,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     settings: EngineSettings | None = None,
     **args: Any,
 ) -> AsyncIterator[openai.AsyncOpenAI]:
@@ -29,7 +30,7 @@ async def openai_client(
         engine = EngineCoreClient(engine_args, settings=settings)
     else:
         engine = AsyncEngine(engine_args, settings=settings)
-    app = create_app(engine, tool_call_parser=tool_call_parser)
+    app = create_app(engine, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:

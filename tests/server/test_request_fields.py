@@ -57,7 +57,7 @@ IMPLEMENTED_CHAT = {
     "top_logprobs": "test_server_api", "tools": "test_tool_calls", "tool_choice": "test_tool_calls",
     "parallel_tool_calls": "test_tool_calls", "chat_template_kwargs": "here",
     "add_generation_prompt": "here", "continue_final_message": "here", "documents": "here",
-    "reasoning_effort": "here",
+    "reasoning_effort": "here", "include_reasoning": "test_reasoning_chat",
 }  # fmt: skip
 IMPLEMENTED_COMPLETION = {
     **IMPLEMENTED_COMMON,

@@ -48,6 +48,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: which call this is the result of
+    # An assistant turn's reasoning sent back (vLLM's `reasoning_content`; `reasoning` as some
+    # clients name it): Qwen3 and DeepSeek templates read it as `reasoning_content`.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -99,6 +103,9 @@ class ChatMessage(_Strict):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None and self.role == "assistant":
+            message["reasoning_content"] = reasoning
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -128,6 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
     reasoning_effort: str | None = None
+    include_reasoning: bool | None = None  # vLLM's: false leaves reasoning_content out (--reasoning-parser)
     add_special_tokens: bool = False  # the template writes BOS itself
 
     @field_validator("chat_template_kwargs")
@@ -171,6 +179,10 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    @property
+    def is_reasoning_shown(self) -> bool:
+        return self.include_reasoning is not False
 
     @property
     def num_logprobs(self) -> int | None:

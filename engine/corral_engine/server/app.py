@@ -24,6 +24,7 @@ from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.lifecycle import log_throughput
 from corral_engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from corral_engine.server.middleware import ServerMiddleware
+from corral_engine.server.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,14 @@ def create_app(
     log_interval_s: float = 10.0,
     tool_call_parser: str | None = None,
     chat_template: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine`; its lifespan starts the engine's loop and shuts it down.
     `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto".
-    `chat_template`: a template's text (`load_chat_template`), used in place of the tokenizer's."""
+    `chat_template`: a template's text (`load_chat_template`), used in place of the tokenizer's.
+    `reasoning_parser`: a name in REASONING_PARSERS: chat replies' reasoning is read out of them."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}")
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
     ctx = ServerContext(
         engine=engine,
@@ -64,6 +69,7 @@ def create_app(
         api_key=api_key,
         tool_call_parser=tool_call_parser,
         chat_template=chat_template,
+        reasoning_parser=reasoning_parser,
     )
     if chat_template is None and not has_chat_template(engine.tokenizer):
         logger.warning("%s: %s", engine.served_model_name, NO_TEMPLATE_MESSAGE)  # said once, not per request

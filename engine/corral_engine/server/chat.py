@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -23,6 +24,12 @@ from corral_engine.server.context import (
 )
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
 from corral_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
+from corral_engine.server.reasoning import (
+    NUM_PROMPT_TAIL_TOKENS,
+    REASONING_FIELDS,
+    ReasoningPlan,
+    plan_reasoning,
+)
 from corral_engine.server.streaming import ChunkEncoder, EngineStreamingResponse
 from corral_engine.server.tool_calls import ReplyStream, finish_reason, reply_message
 
@@ -79,13 +86,16 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
     if req.prompt_logprobs is not None and req.stream:
         raise errors.invalid_request("prompt_logprobs are not streamed.", "stream")
+    reasoning = _plan_reasoning(ctx, req, prompt)
     params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
+    if reasoning is not None and params.grammar is not None:
+        params = dataclasses.replace(params, grammar=reasoning.constrain(params.grammar))
     request_id = new_id("chatcmpl")
     run = ctx.start_run(request_id, [prompt], params)
     logger.debug("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)  # INFO: the access line
     created = now_s()
     if req.stream:
-        return EngineStreamingResponse(run, _ChatChunks(ctx, req, plan, run, created))
+        return EngineStreamingResponse(run, _ChatChunks(ctx, req, plan, reasoning, run, created))
     collected = await collect_unless_disconnected(run, request.receive)
     if collected is None:
         return Response(status_code=499)
@@ -95,7 +105,9 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
             logprobs = None
             if req.num_logprobs is not None:
                 logprobs = chat_logprobs(collected.logprobs_of(0, o.index), req.num_logprobs, ctx.token_text)
-            message = reply_message(plan, o.text)
+            message = reply_message(plan, o.text, reasoning)
+            if ctx.reasoning_parser is not None and req.is_reasoning_shown:  # thinking off: null, as vLLM
+                message.update({k: message.get(k) for k in REASONING_FIELDS})
             choices.append(
                 {
                     "index": o.index,
@@ -119,13 +131,34 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     return JSONResponse(body)
 
 
+def _plan_reasoning(
+    ctx: ServerContext, req: ChatCompletionRequest, prompt: list[int]
+) -> ReasoningPlan | None:
+    """How the replies' reasoning is read (--reasoning-parser), from where the prompt leaves them."""
+    if ctx.reasoning_parser is None:
+        if not req.is_reasoning_shown:
+            raise errors.invalid_request(
+                "include_reasoning needs the server to be started with --reasoning-parser",
+                "include_reasoning",
+            )
+        return None
+    tail = ctx.engine.tokenizer.decode(prompt[-NUM_PROMPT_TAIL_TOKENS:])
+    return plan_reasoning(ctx.reasoning_parser, tail, req.is_reasoning_shown)
+
+
 class _ChatChunks:
     """A streamed chat reply's chunks: the role with the first tokens, each choice's content (or
     tool-call deltas, as the reply's parser reads them), its finish reason once, and the totals at
     the end where asked."""
 
     def __init__(
-        self, ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, run: GenerationRun, created: int
+        self,
+        ctx: ServerContext,
+        req: ChatCompletionRequest,
+        plan: ToolPlan,
+        reasoning: ReasoningPlan | None,
+        run: GenerationRun,
+        created: int,
     ) -> None:
         base = {
             "id": run.request_id,
@@ -140,7 +173,7 @@ class _ChatChunks:
         self.final: RequestOutput | None = None
         self.sent_finish: set[int] = set()
         self.pending: dict[int, int] = {}  # tokens not yet sent in a chunk (no text yet), per choice
-        self.replies = [ReplyStream(plan) for _ in range(req.n)]
+        self.replies = [ReplyStream(plan, reasoning) for _ in range(req.n)]
         self.is_first = True
 
     def _chunk(

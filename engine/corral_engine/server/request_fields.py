@@ -67,7 +67,6 @@ REFUSED_CHAT: dict[str, Refused] = {
     "moderation": Refused("moderation is not available"),
     "chat_template": Refused("the chat template is the model's; a request cannot replace it"),
     "echo": Refused("echo on chat is not supported", (None, False)),
-    "include_reasoning": Refused("there is no reasoning parser", (None, True)),
 }
 REFUSED_COMPLETION: dict[str, Refused] = {
     **REFUSED_COMMON,

@@ -1,6 +1,8 @@
 """A chat reply as OpenAI returns it when tools are in play: content plus `tool_calls`, whole or
 as stream deltas. A call's first delta carries its index, id, type and name (arguments ""); later
-ones carry its index and the next piece of its arguments, as the model writes them."""
+ones carry its index and the next piece of its arguments, as the model writes them. With a
+reasoning parser, a reply's reasoning block is `reasoning` (and `reasoning_content`), and only the
+rest is read for calls."""
 
 from __future__ import annotations
 
@@ -8,6 +10,13 @@ import uuid
 from typing import Any
 
 from corral_engine.server.api_tools import ToolPlan
+from corral_engine.server.reasoning import (
+    Reasoning,
+    ReasoningPlan,
+    ReasoningSplitter,
+    reasoning_fields,
+    split_whole,
+)
 from corral_engine.server.tool_parsers import (
     CallStart,
     Content,
@@ -30,8 +39,20 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-def reply_message(plan: ToolPlan, text: str) -> dict[str, Any]:
+def reply_message(plan: ToolPlan, text: str, reasoning: ReasoningPlan | None = None) -> dict[str, Any]:
     """The whole reply as a chat message."""
+    if reasoning is None:
+        return _content_message(plan, text)
+    thought, text = split_whole(reasoning, text)
+    message = _content_message(plan, text)
+    if thought is not None and not message["content"]:
+        message["content"] = None  # all reasoning: a block never closed, or nothing after it
+    if reasoning.is_shown:
+        message.update(reasoning_fields(thought))
+    return message
+
+
+def _content_message(plan: ToolPlan, text: str) -> dict[str, Any]:
     if plan.named is not None:
         return {"role": "assistant", "content": None, "tool_calls": [_call_dict(plan.named, text)]}
     if plan.make_parser is None:
@@ -74,11 +95,14 @@ def event_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
 
 
 class ReplyStream:
-    """One choice's reply, fed text deltas; each feed gives the chunk deltas to send, in order."""
+    """One choice's reply, fed text deltas; each feed gives the chunk deltas to send, in order
+    (reasoning before the content that follows it)."""
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, reasoning: ReasoningPlan | None = None) -> None:
         self.plan = plan
         self.parser: ToolParser | None = plan.make_parser() if plan.make_parser is not None else None
+        self.splitter: ReasoningSplitter | None = reasoning.splitter() if reasoning is not None else None
+        self.is_reasoning_shown = reasoning is not None and reasoning.is_shown
         self.num_calls = 0
 
     @property
@@ -86,9 +110,20 @@ class ReplyStream:
         return self.num_calls > 0
 
     def feed(self, delta: str, is_final: bool) -> list[dict[str, Any]]:
+        if self.splitter is None:
+            return self._content(delta, is_final)
+        events = self.splitter.feed(delta)
+        if is_final:
+            events += self.splitter.finish()
+        thought = "".join(e.text for e in events if isinstance(e, Reasoning))
+        deltas = [reasoning_fields(thought)] if thought and self.is_reasoning_shown else []
+        content = "".join(e.text for e in events if not isinstance(e, Reasoning))
+        return deltas + self._content(content, is_final)
+
+    def _content(self, delta: str, is_final: bool) -> list[dict[str, Any]]:
         if self.plan.named is not None:
             deltas = []
-            if self.num_calls == 0:
+            if self.num_calls == 0 and (delta or is_final):  # not before its reasoning is over
                 self.num_calls = 1
                 deltas.append(_header(0, self.plan.named))
             if delta:

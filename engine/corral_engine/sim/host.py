@@ -103,6 +103,7 @@ class ReplicaSpec:
     max_waiting: int | None = None
     tool_call_parser: str | None = None  # as --tool-call-parser: tool_choice "auto" is read with it
     chat_template: str | None = None  # as --chat-template, read: in place of the tokenizer's
+    reasoning_parser: str | None = None  # as --reasoning-parser: reasoning_content is read with it
     stream_interval: int = 1  # as --stream-interval
 
 
@@ -159,6 +160,7 @@ async def serve_fleet(
             log_interval_s=60.0,
             tool_call_parser=spec.tool_call_parser,
             chat_template=spec.chat_template,
+            reasoning_parser=spec.reasoning_parser,
         )
         config = uvicorn.Config(
             app,

@@ -9,6 +9,7 @@ step's token masks are `structured.masks`.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -101,6 +102,13 @@ class GrammarCompiler:
 
 def _grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for `spec`; ValueError when it cannot even be translated."""
+    text = _constraint_text(spec)
+    if spec.reasoning_end is None:
+        return text
+    return _after_reasoning(text, spec.reasoning_end, spec.reasoning_start)
+
+
+def _constraint_text(spec: GrammarSpec) -> str:
     import llguidance
 
     if spec.kind == "json":
@@ -117,3 +125,37 @@ def _grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "choice":
         return str(llguidance.grammar_from("choice", spec.text))
     return str(llguidance.grammar_from("grammar", spec.text))
+
+
+_REASONING_GRAMMAR = "corral_reasoning"
+# Between the block and the document: the blank lines reasoning models write there (Qwen3 and
+# DeepSeek-R1 write two), bounded so that a constrained reply cannot pad itself to max_tokens.
+_GAP = r"/[ \t\r\n]{0,4}/"
+
+
+def _after_reasoning(text: str, end: str, start: str | None) -> str:
+    """A top-level llguidance grammar: a reasoning block (any text up to the first `end`; opened
+    by `start` where given, and then optional), a short gap, then the grammar `text` (a top-level
+    grammar's JSON, or lark). The block is one lexeme that cannot hold `end` before its own end,
+    so it ends exactly where the model first writes `end`. Nothing precedes the document where
+    the reply opens no block, so an unreasoned reply matches as it would without a parser."""
+    try:
+        inner = json.loads(text)
+    except json.JSONDecodeError:
+        inner = None
+    if not isinstance(inner, dict) or not isinstance(inner.get("grammars"), list):
+        inner = {"grammars": [{"name": "constraint", "lark_grammar": text}]}
+    grammars = [dict(g) for g in inner["grammars"]]
+    grammars[0]["name"] = name = grammars[0].get("name") or "constraint"
+    opening = "" if start is None else _regex_literal(start)
+    block = f"/{opening}(?s:.*){_regex_literal(end)}/ & ~/(?s:.*){_regex_literal(end)}(?s:.+)/"
+    rule = f"start: BLOCK {_GAP} @{name}" if start is None else f"start: (BLOCK {_GAP})? @{name}"
+    lark = f"{rule}\nBLOCK: {block}\n"
+    inner["grammars"] = [{"name": _REASONING_GRAMMAR, "lark_grammar": lark}, *grammars]
+    return json.dumps(inner)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally in a llguidance regex: each character but ASCII letters and digits
+    as `\\x{...}`, so neither regex syntax nor lark's `/` delimiter can occur in it."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)

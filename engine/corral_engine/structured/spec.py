@@ -7,7 +7,7 @@ from, so a grammar that does not compile is a 400 naming that field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 GrammarKind = Literal["json", "regex", "choice", "grammar"]
@@ -24,6 +24,11 @@ class GrammarSpec:
     # JSON only: the whitespace allowed between tokens, as a regex (None: none at all, compact JSON).
     whitespace_pattern: str | None = None
     param: str = field(default="structured_outputs", compare=False)
+    # A reasoning model's chat reply: the grammar holds only after its reasoning block, which ends
+    # with `reasoning_end` (None: from the first token). `reasoning_start`: the reply opens the
+    # block with it, or writes no block at all; None: the reply begins inside the block.
+    reasoning_end: str | None = None
+    reasoning_start: str | None = None
 
     @staticmethod
     def json_schema(
@@ -36,3 +41,6 @@ class GrammarSpec:
     @staticmethod
     def choice(options: list[str], param: str) -> GrammarSpec:
         return GrammarSpec("choice", json.dumps(list(options)), param=param)
+
+    def after_reasoning(self, end: str, start: str | None) -> GrammarSpec:
+        return replace(self, reasoning_end=end, reasoning_start=start)

@@ -1,0 +1,180 @@
+"""Reasoning read out of chat replies (`--reasoning-parser`): the `<think>...</think>` block a
+Qwen3 or DeepSeek-R1 model writes before its answer becomes `reasoning_content`, and only the text
+after the block is the reply's content (where tool calls are read).
+
+Where a reply begins is read from the end of its prompt, since templates differ: a prompt ending in
+an open block (DeepSeek-R1's and Qwen3 thinking-2507's templates write `<think>`) starts the reply
+inside it; one ending in a closed block (Qwen3 with `enable_thinking: false`) has no reasoning at
+all; otherwise the reply opens its block itself, or does not (then it is content for `qwen3`, and
+reasoning up to the end tag for `deepseek_r1`, whose replies may leave the start tag out). A block
+never closed is all reasoning. Whitespace around the block is dropped, as is a start tag repeated
+at the start of a reply that begins inside the block. As with tool calls, a reply's events add up
+to the same whatever pieces its text came in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from corral_engine.server.tool_parsers import Content
+from corral_engine.structured.spec import GrammarSpec
+
+_WHITESPACE = " \t\r\n"
+NUM_PROMPT_TAIL_TOKENS = 32  # of the prompt, decoded to see whether it ends inside a block
+
+
+# The reply's fields its reasoning goes in: vLLM sends `reasoning` since late 2025 (OpenAI's guidance
+# for chain of thought in Chat Completions), while DeepSeek's API and many clients read
+# `reasoning_content`; both carry the same text.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+def reasoning_fields(text: str | None) -> dict[str, str | None]:
+    return dict.fromkeys(REASONING_FIELDS, text)
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    text: str
+
+
+ReasoningEvent = Content | Reasoning
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    start: str
+    end: str
+    # A reply that opens no block: reasoning up to `end` (True) or plain content (False).
+    is_untagged_reasoning: bool
+
+
+REASONING_PARSERS: dict[str, ReasoningFormat] = {
+    "deepseek_r1": ReasoningFormat("<think>", "</think>", is_untagged_reasoning=True),
+    "qwen3": ReasoningFormat("<think>", "</think>", is_untagged_reasoning=False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningPlan:
+    """How one request's replies split. `is_inside`: they begin in the block (else they may open
+    it); `is_shown`: reasoning goes to the client (`include_reasoning`)."""
+
+    format: ReasoningFormat
+    is_inside: bool
+    is_shown: bool = True
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.format, self.is_inside)
+
+    def constrain(self, grammar: GrammarSpec) -> GrammarSpec:
+        """`grammar` applied to the reply's content only: the block comes first, unconstrained."""
+        start = None if self.is_inside else self.format.start
+        return grammar.after_reasoning(self.format.end, start)
+
+
+def plan_reasoning(parser_name: str | None, prompt_tail: str, is_shown: bool = True) -> ReasoningPlan | None:
+    """The plan for a reply to a prompt ending in `prompt_tail`; None when it has no block to read
+    (no parser, or the prompt closed the block: thinking is off)."""
+    if parser_name is None:
+        return None
+    fmt = REASONING_PARSERS[parser_name]
+    tail = prompt_tail.rstrip(_WHITESPACE)
+    if tail.endswith(fmt.end):
+        return None
+    is_inside = tail.endswith(fmt.start) or fmt.is_untagged_reasoning
+    return ReasoningPlan(fmt, is_inside, is_shown)
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """One reply's text, fed in pieces, as reasoning and content events. Text that may still be
+    the start of a tag, or whitespace that may precede the end tag, is held back until it is
+    known not to be."""
+
+    def __init__(self, fmt: ReasoningFormat, is_inside: bool) -> None:
+        self._fmt = fmt
+        self._is_inside = is_inside
+        self._part: Literal["lead", "reasoning", "content"] = "lead"
+        self._buffer = ""  # text not yet sent
+        self._is_trimming = True  # at the start of a part: its leading whitespace is dropped
+
+    def feed(self, text: str) -> list[ReasoningEvent]:
+        self._buffer += text
+        out: list[ReasoningEvent] = []
+        if self._part == "lead":
+            self._lead()
+        if self._part == "reasoning":
+            self._reasoning(out)
+        if self._part == "content":
+            self._content(out)
+        return out
+
+    def finish(self) -> list[ReasoningEvent]:
+        """The reply ended: what was held back (a block never closed is all reasoning)."""
+        out: list[ReasoningEvent] = []
+        if self._part == "lead" and self._buffer:  # nothing but whitespace or part of a start tag
+            self._part = "reasoning" if self._is_inside else "content"
+            self._is_trimming = self._part == "reasoning"
+        if self._part == "reasoning":
+            self._trim()
+            if self._buffer:
+                out.append(Reasoning(self._buffer))
+        elif self._buffer:
+            out.append(Content(self._buffer))
+        self._buffer = ""
+        return out
+
+    def _lead(self) -> None:
+        """Before the reply's first text: does it open a block?"""
+        head = self._buffer.lstrip(_WHITESPACE)
+        if head.startswith(self._fmt.start):
+            self._part, self._buffer = "reasoning", head[len(self._fmt.start) :]
+        elif not head or self._fmt.start.startswith(head):
+            return  # undecided
+        elif self._is_inside:
+            self._part = "reasoning"
+        else:  # untouched: a reply with no block is the model's content as written
+            self._part, self._is_trimming = "content", False
+
+    def _trim(self) -> None:
+        if self._is_trimming:
+            self._buffer = self._buffer.lstrip(_WHITESPACE)
+            self._is_trimming = not self._buffer
+
+    def _reasoning(self, out: list[ReasoningEvent]) -> None:
+        self._trim()
+        end = self._buffer.find(self._fmt.end)
+        if end != -1:
+            text = self._buffer[:end].rstrip(_WHITESPACE)
+            self._buffer = self._buffer[end + len(self._fmt.end) :]
+            self._part, self._is_trimming = "content", True
+        else:
+            cut = len(self._buffer) - _held_back(self._buffer, self._fmt.end)
+            text = self._buffer[:cut].rstrip(_WHITESPACE)
+            self._buffer = self._buffer[len(text) :]
+        if text:
+            out.append(Reasoning(text))
+
+    def _content(self, out: list[ReasoningEvent]) -> None:
+        self._trim()
+        if self._buffer:
+            out.append(Content(self._buffer))
+            self._buffer = ""
+
+
+def split_whole(plan: ReasoningPlan, text: str) -> tuple[str | None, str]:
+    """A whole reply's reasoning (None: it has none) and content."""
+    splitter = plan.splitter()
+    events = splitter.feed(text) + splitter.finish()
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    return reasoning or None, content

@@ -1,0 +1,222 @@
+"""--reasoning-parser through the server, read with the official openai client: a scripted fake
+engine (one byte a token) for the reply's shapes, streamed and not, with tool calls, thinking off,
+a block never closed and include_reasoning; a real engine on the tiny model for a JSON schema that
+holds after the reasoning block."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from corral_engine.server import create_app
+from corral_engine.server.reasoning import reasoning_fields
+
+from tests.server.fake_engine import FakeEngine, FakeTokenizer
+from tests.server.real_engine import openai_client
+
+MODEL = "fake-model"
+END = "#"  # the script's stop string
+ASK: Any = [{"role": "user", "content": "Weather in Paris?"}]
+TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+THOUGHT = "The user wants the weather. I should call <tool_call> get_weather."
+SCRIPT = (
+    f"<think>\n{THOUGHT}\n</think>\n\nLet me check.<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+class ThinkingTokenizer(FakeTokenizer):
+    """A Qwen3-like template: `enable_thinking: false` closes an empty block in the prompt, and an
+    assistant turn's reasoning_content is written back in a block."""
+
+    def apply_chat_template(  # type: ignore[override]
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        enable_thinking: bool = True,
+    ) -> str:
+        text = ""
+        for m in messages:
+            thought = m.get("reasoning_content")
+            text += f"<{m['role']}>" + (f"<think>{thought}</think>" if thought else "") + f"{m['content']}\n"
+        if add_generation_prompt:
+            text += "<assistant>" + ("" if enable_thinking else "<think>\n\n</think>\n\n")
+        return text
+
+
+@contextlib.asynccontextmanager
+async def _client(
+    script: str, reasoning_parser: str | None = "qwen3", **app_args: Any
+) -> AsyncIterator[tuple[openai.AsyncOpenAI, FakeEngine]]:
+    engine = FakeEngine(max_model_len=1024, script=script + END)
+    engine.tokenizer = ThinkingTokenizer()
+    app = create_app(engine, reasoning_parser=reasoning_parser, **app_args)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            client = openai.AsyncOpenAI(
+                base_url="http://127.0.0.1/v1", api_key="unused", http_client=http, max_retries=0
+            )
+            yield client, engine
+
+
+def _request(script: str, **extra: Any) -> dict[str, Any]:
+    request = {
+        "model": MODEL,
+        "messages": ASK,
+        "max_tokens": len(script) + 1,
+        "stop": [END],
+        "temperature": 0,
+    }
+    return request | extra
+
+
+async def _streamed(client: openai.AsyncOpenAI, **request: Any) -> dict[int, dict[str, Any]]:
+    """Each choice's stream, accumulated: reasoning, content (None: no content delta), calls,
+    finish reasons, and whether content came before reasoning ended."""
+    choices: dict[int, dict[str, Any]] = {}
+    stream = await client.chat.completions.create(**request, stream=True)
+    async for chunk in stream:
+        for c in chunk.choices:
+            got = choices.setdefault(
+                c.index, {"reasoning": "", "content": None, "calls": [], "finishes": [], "mixed": False}
+            )
+            thought = getattr(c.delta, "reasoning_content", None)
+            if thought:
+                got["reasoning"] += thought
+                got["mixed"] |= bool(got["content"])
+            if c.delta.content is not None:
+                got["content"] = (got["content"] or "") + c.delta.content
+            got["calls"] += [
+                t.function.name for t in c.delta.tool_calls or [] if t.function and t.function.name
+            ]
+            if c.finish_reason:
+                got["finishes"].append(c.finish_reason)
+    return choices
+
+
+async def test_reasoning_is_apart_from_content_and_tool_calls() -> None:
+    async with _client(SCRIPT, tool_call_parser="hermes") as (client, _):
+        whole = await client.chat.completions.create(**_request(SCRIPT, tools=TOOLS))
+        streamed = await _streamed(client, **_request(SCRIPT, tools=TOOLS, n=2))
+    choice = whole.choices[0]
+    assert choice.message.model_extra == reasoning_fields(THOUGHT)
+    assert choice.message.content == "Let me check."
+    assert [c.function.name for c in choice.message.tool_calls or []] == ["get_weather"]
+    assert choice.finish_reason == "tool_calls"
+    for index in (0, 1):
+        got = streamed[index]
+        assert got["reasoning"] == THOUGHT and not got["mixed"]  # content only after the end tag
+        assert got["content"] == "Let me check." and got["calls"] == ["get_weather"]
+        assert got["finishes"] == ["tool_calls"]
+
+
+async def test_usage_counts_every_token_of_the_reply() -> None:
+    async with _client(SCRIPT) as (client, _):
+        parsed = await client.chat.completions.create(**_request(SCRIPT))
+    async with _client(SCRIPT, reasoning_parser=None) as (client, _):
+        plain = await client.chat.completions.create(**_request(SCRIPT))
+    assert plain.choices[0].message.content == SCRIPT
+    assert parsed.usage == plain.usage and parsed.usage is not None
+    assert parsed.usage.completion_tokens == len(SCRIPT.encode()) + 1  # and the stop string's
+
+
+async def test_a_block_never_closed_is_all_reasoning() -> None:
+    script = "<think>\nHmm, let me think about this for a long time"
+    async with _client(script) as (client, _):
+        request = _request(script, max_tokens=30)
+        whole = await client.chat.completions.create(**request)
+        streamed = await _streamed(client, **request)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert choice.message.model_extra == reasoning_fields(script[8:30])
+    assert streamed[0]["reasoning"] == script[8:30] and streamed[0]["content"] in (None, "")
+    assert streamed[0]["finishes"] == ["length"]
+
+
+async def test_thinking_off_leaves_the_whole_reply_content() -> None:
+    script = "<think>not a block here</think> Answer"
+    async with _client(script) as (client, _):
+        request = _request(script, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        whole = await client.chat.completions.create(**request)
+        streamed = await _streamed(client, **request)
+    assert whole.choices[0].message.content == script
+    assert whole.choices[0].message.model_extra == reasoning_fields(None)  # no block to read
+    assert streamed[0]["content"] == script and streamed[0]["reasoning"] == ""
+
+
+async def test_a_prompt_that_opens_the_block_starts_the_reply_inside_it() -> None:
+    script = "Two and two.\n</think>\n\nFour."
+    async with _client(script, reasoning_parser="deepseek_r1") as (client, _):
+        whole = await client.chat.completions.create(**_request(script))
+        streamed = await _streamed(client, **_request(script))
+    assert whole.choices[0].message.model_extra == reasoning_fields("Two and two.")
+    assert whole.choices[0].message.content == "Four."
+    assert (streamed[0]["reasoning"], streamed[0]["content"]) == ("Two and two.", "Four.")
+
+
+async def test_include_reasoning_false_leaves_it_out() -> None:
+    async with _client(SCRIPT) as (client, _):
+        request = _request(SCRIPT, extra_body={"include_reasoning": False})
+        whole = await client.chat.completions.create(**request)
+        streamed = await _streamed(client, **request)
+    assert whole.choices[0].message.model_extra == {}
+    assert whole.choices[0].message.content is not None and THOUGHT not in whole.choices[0].message.content
+    assert streamed[0]["reasoning"] == "" and streamed[0]["content"] == whole.choices[0].message.content
+    async with _client(SCRIPT, reasoning_parser=None) as (client, _):
+        with pytest.raises(openai.BadRequestError, match="--reasoning-parser") as info:
+            await client.chat.completions.create(**request)
+        assert info.value.body["param"] == "include_reasoning"  # type: ignore[index]
+
+
+async def test_reasoning_sent_back_in_history_reaches_the_template() -> None:
+    async with _client("ok") as (client, engine):
+        for field in ("reasoning_content", "reasoning"):
+            history: Any = [*ASK, {"role": "assistant", "content": "Sunny.", field: "I looked."}, *ASK]
+            tokens = await client.with_options(base_url="http://127.0.0.1").post(
+                "/tokenize", body={"model": MODEL, "messages": history}, cast_to=httpx.Response
+            )
+            prompt = engine.tokenizer.decode(tokens.json()["tokens"])
+            assert "<assistant><think>I looked.</think>Sunny." in prompt
+
+
+async def test_a_json_schema_holds_after_the_reasoning_block(tiny_model_dir: pathlib.Path) -> None:
+    """A real engine on random weights, with the grammar composed for a reasoning reply (an
+    optional block, then the document): the replies that open no block are the document, streamed
+    or not. (Random weights never write a block's end tag; tests/server/test_reasoning.py checks
+    the composed grammar on texts with blocks, on the same tokenizer.)"""
+    async with openai_client(tiny_model_dir, reasoning_parser="qwen3") as client:
+        request: Any = {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "A person, please."}],
+            "max_tokens": 48,
+            "n": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        }
+        for seed in range(2):
+            whole = await client.chat.completions.create(**request, seed=seed)
+            streamed = await _streamed(client, **request, seed=seed)
+            for choice in whole.choices:
+                assert choice.finish_reason == "stop"
+                assert (choice.message.model_extra or {})["reasoning_content"] is None
+                document = choice.message.content or ""
+                assert 0 <= json.loads(document)["age"] <= 99
+                assert document == json.dumps(json.loads(document), separators=(",", ":"))  # no padding
+                got = streamed[choice.index]
+                assert (got["reasoning"], got["content"]) == ("", choice.message.content)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["age"],
+    "additionalProperties": False,
+}
