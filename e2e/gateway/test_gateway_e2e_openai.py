@@ -67,6 +67,31 @@ def test_streaming_with_usage_matches(gateway: ManagedProcess, engines: list[Eng
     assert usages[0] == usages[1] and usages[0] is not None and usages[0].completion_tokens == 16
 
 
+def test_responses_whole_and_streamed_match_a_single_engine(
+    gateway: ManagedProcess, engines: list[EngineProcess]
+) -> None:
+    """POST /v1/responses is routed by the body's model and streamed through untouched."""
+    via_gw, direct = client_for(gateway.url), client_for(engines[0].url)
+    kwargs = {
+        "model": MODEL,
+        "input": "Tell me a story.",
+        "instructions": "Be brief.",
+        "max_output_tokens": 8,
+    }
+    whole_gw = via_gw.responses.create(temperature=0.0, **kwargs)  # type: ignore[call-overload]
+    whole_direct = direct.responses.create(temperature=0.0, **kwargs)  # type: ignore[call-overload]
+    assert whole_gw.output_text == whole_direct.output_text and whole_gw.output_text
+    usages = [
+        (u.input_tokens, u.output_tokens) for u in (whole_gw.usage, whole_direct.usage) if u is not None
+    ]
+    assert len(usages) == 2 and usages[0] == usages[1]  # cached_tokens: whichever replica saw it first
+    assert whole_gw.status == "incomplete"
+    events = list(via_gw.responses.create(temperature=0.0, stream=True, **kwargs))  # type: ignore[call-overload]
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole_gw.output_text == events[-1].response.output_text
+
+
 def test_unknown_model_is_404_like_the_engine(gateway: ManagedProcess, engines: list[EngineProcess]) -> None:
     errors = []
     for url in (gateway.url, engines[0].url):

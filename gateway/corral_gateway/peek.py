@@ -30,9 +30,12 @@ class RequestInfo:
 
 
 def prompt_prefix(body: dict[str, Any], max_chars: int) -> str | None:
-    """The first `max_chars` characters of the prompt (completions) or of the rendered messages (chat)."""
+    """The first `max_chars` characters of the prompt (completions), of the rendered messages
+    (chat), or of the instructions and input items (responses)."""
     if "messages" in body:
         return _messages_prefix(body["messages"], max_chars)
+    if "input" in body and "prompt" not in body:
+        return _messages_prefix(_response_messages(body), max_chars)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch routes by its first prompt
@@ -58,6 +61,32 @@ def _messages_prefix(messages: Any, max_chars: int) -> str | None:
         num_chars += len(piece)
     joined = "".join(parts)[:max_chars]
     return joined or None
+
+
+def _response_messages(body: dict[str, Any]) -> list[Any]:
+    """A Responses API body's `instructions` and `input` as chat-like messages: a string input is
+    the user's; an item without content (a function call, its output) shows its arguments or
+    output. Other inputs (an embeddings batch) are not messages."""
+    head = (
+        [{"role": "system", "content": body["instructions"]}]
+        if isinstance(body.get("instructions"), str)
+        else []
+    )
+    items = body["input"]
+    if isinstance(items, str):
+        return [*head, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        return []
+    return head + [
+        {"role": item.get("role", item.get("type")), "content": _item_content(item)} for item in items
+    ]
+
+
+def _item_content(item: dict[str, Any]) -> Any:
+    for name in ("content", "output", "arguments"):
+        if name in item:
+            return item[name]
+    return None
 
 
 def _content_text(content: Any) -> str:
@@ -105,7 +134,7 @@ def _estimate_tokens(body: dict[str, Any]) -> int:
     """The request's prompt tokens (from all of its text, not the routing prefix) plus the most it
     may generate: what a token-limited key is charged up front. A stream without `include_usage`
     reports no usage to settle from, so this is all it is ever charged."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = _DEFAULT_MAX_TOKENS
     n = body.get("n")
@@ -115,7 +144,7 @@ def _estimate_tokens(body: dict[str, Any]) -> int:
     num_prompts = 1
     if isinstance(prompt, list) and "messages" not in body and all(isinstance(p, str | list) for p in prompt):
         num_prompts = max(1, len(prompt))
-    return _num_tokens(prompt) + 1 + num_prompts * n * max_tokens
+    return _num_tokens(prompt) + _num_tokens(body.get("instructions")) + 1 + num_prompts * n * max_tokens
 
 
 def _num_tokens(value: Any, depth: int = 0) -> int:
@@ -130,8 +159,8 @@ def _num_tokens(value: Any, depth: int = 0) -> int:
         return 0
     if isinstance(value, list):
         return sum(_num_tokens(item, depth + 1) for item in value)
-    if isinstance(value, dict):
-        return _num_tokens(value.get("content"), depth + 1) + _num_tokens(value.get("text"), depth + 1)
+    if isinstance(value, dict):  # a message or part; a Responses function call or its output
+        return sum(_num_tokens(value.get(k), depth + 1) for k in ("content", "text", "arguments", "output"))
     return 0
 
 

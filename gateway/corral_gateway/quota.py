@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from corral_gateway.auth import ApiKey, KeyStore
 
 _TAIL_BYTES = 4096  # enough for the usage object at the end of a response
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Chat's and completions' names, and the Responses API's (`input_tokens`, `output_tokens`).
+_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -144,6 +145,22 @@ def test_usage_tail_reads_the_last_usage_of_a_stream() -> None:
     tail.feed(b'data: {"usage": {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}}\n\n')
     tail.feed(b"data: [DONE]\n\n")
     assert tail.reported() == ReportedUsage(4, 9, 13)
+
+
+def test_usage_tail_reads_a_responses_usage() -> None:
+    """The Responses API names the counts input_tokens and output_tokens (a stream's last event,
+    response.completed, carries them)."""
+    tail = UsageTail()
+    usage = {
+        "input_tokens": 7,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 3,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 10,
+    }
+    event = {"type": "response.completed", "response": {"output": [], "usage": usage}, "sequence_number": 9}
+    tail.feed(b"event: response.completed\ndata: " + json.dumps(event).encode() + b"\n\n")
+    assert tail.reported() == ReportedUsage(7, 3, 10)
 
 
 async def test_version_route() -> None:

@@ -125,3 +125,21 @@ def test_token_estimate_of_a_deeply_nested_body_does_not_raise() -> None:
         nested = [nested]
     info = peek_request(json.dumps({"model": "m", "prompt": nested}).encode())
     assert info.model == "m" and info.estimated_tokens >= 1
+
+
+def test_a_responses_body_is_routed_and_charged_by_its_instructions_and_input() -> None:
+    """The Responses API's `input` (text, or message and function-call items) and `instructions`
+    make the routing prefix and the estimate, and `max_output_tokens` bounds the output."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "word " * 400}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"q": "' + "x" * 400 + '"}'},
+        {"type": "function_call_output", "call_id": "c", "output": "y" * 400},
+    ]
+    body = {"model": "m", "instructions": "i" * 800, "input": items, "max_output_tokens": 1000}
+    info = peek_request(json.dumps(body).encode())
+    assert info.model == "m" and info.prefix_hash is not None
+    assert 500 + 200 + 1000 <= info.estimated_tokens <= 2 * (500 + 200 + 1000)
+    same_head = peek_request(json.dumps({**body, "input": "other"}).encode())
+    assert same_head.prefix_hash == info.prefix_hash  # the instructions fill the routing window
+    text = peek_request(json.dumps({"model": "m", "input": "hello " * 100}).encode())
+    assert text.prefix_hash is not None

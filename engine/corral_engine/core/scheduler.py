@@ -159,6 +159,7 @@ class Scheduler:
             return False
         if not had_blocks and seq.num_preemptions == 0:
             self.bm.record_prefix_query(seq.num_tokens, matched)
+            seq.request.metrics.num_cached_tokens = matched  # a response's usage reports it
         return True
 
     def _admit_after_release(self, seq: Sequence, budget: int) -> bool:

@@ -25,6 +25,7 @@ from corral_engine.server.lifecycle import log_throughput
 from corral_engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from corral_engine.server.middleware import ServerMiddleware
 from corral_engine.server.reasoning import REASONING_PARSERS
+from corral_engine.server.responses import create_response, stored_response
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,12 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
 
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, request)
+
+    app.add_route("/v1/responses", responses, methods=["POST"])
+    app.add_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

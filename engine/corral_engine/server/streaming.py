@@ -175,6 +175,11 @@ class EngineStreamingResponse(Response):
         self._run = run
         self._chunks = chunks
 
+    def closing_events(self, error: BaseException | None) -> list[bytes]:
+        """The stream's last events, after the last output's: an error event where it failed,
+        then `data: [DONE]`."""
+        return [DONE] if error is None else [sse(errors.error_payload(error)), DONE]
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Set once the stream's end is written (after the last output, or an error).
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -210,9 +215,7 @@ class EngineStreamingResponse(Response):
                     tail.extend(chunks.end())
                 except Exception as e:
                     error = e
-            if error is not None:
-                tail.append(sse(errors.error_payload(error)))
-            tail.append(DONE)
+            tail.extend(self.closing_events(error))
             writer.write(b"".join(tail), last=True)
             ended.set_result(None)
 

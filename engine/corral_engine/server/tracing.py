@@ -19,7 +19,7 @@ from corral_engine.outputs import RequestMetrics
 
 _tracer = trace.get_tracer("corral_engine")
 # Path -> GenAI operation name (the span is named "<operation> <model>").
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/responses": "chat"}
 
 
 def is_enabled() -> bool:
