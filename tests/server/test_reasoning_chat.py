@@ -220,3 +220,23 @@ PERSON = {
     "required": ["age"],
     "additionalProperties": False,
 }
+
+
+async def test_a_responses_reply_leaves_its_reasoning_block_out() -> None:
+    """/v1/responses makes no reasoning items: the block is read off, whole and streamed, so only
+    the answer is output_text, and the function call is read from the answer."""
+    async with _client(SCRIPT, tool_call_parser="hermes") as (client, _):
+        tools: Any = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+        asked: Any = {
+            "model": MODEL,
+            "input": "Weather in Paris?",
+            "tools": tools,
+            "extra_body": {"stop": [END]},
+        }
+        whole = await client.responses.create(**asked, max_output_tokens=len(SCRIPT) + 1)
+        stream = await client.responses.create(**asked, max_output_tokens=len(SCRIPT) + 1, stream=True)
+        events = [e async for e in stream]
+    assert whole.output_text == "Let me check."
+    assert [i.type for i in whole.output] == ["message", "function_call"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == "Let me check." and events[-1].type == "response.completed"

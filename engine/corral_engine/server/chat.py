@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
 from corral_engine.outputs import RequestOutput
+from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import errors
 from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_tools import ToolPlan, plan_tools
@@ -86,10 +87,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
     if req.prompt_logprobs is not None and req.stream:
         raise errors.invalid_request("prompt_logprobs are not streamed.", "stream")
-    reasoning = _plan_reasoning(ctx, req, prompt)
-    params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
-    if reasoning is not None and params.grammar is not None:
-        params = dataclasses.replace(params, grammar=reasoning.constrain(params.grammar))
+    reasoning = reasoning_plan(ctx, req, prompt)
+    params = reply_params(req, max_tokens, plan, reasoning)
     request_id = new_id("chatcmpl")
     run = ctx.start_run(request_id, [prompt], params)
     logger.debug("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)  # INFO: the access line
@@ -131,9 +130,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     return JSONResponse(body)
 
 
-def _plan_reasoning(
-    ctx: ServerContext, req: ChatCompletionRequest, prompt: list[int]
-) -> ReasoningPlan | None:
+def reasoning_plan(ctx: ServerContext, req: ChatCompletionRequest, prompt: list[int]) -> ReasoningPlan | None:
     """How the replies' reasoning is read (--reasoning-parser), from where the prompt leaves them."""
     if ctx.reasoning_parser is None:
         if not req.is_reasoning_shown:
@@ -144,6 +141,16 @@ def _plan_reasoning(
         return None
     tail = ctx.engine.tokenizer.decode(prompt[-NUM_PROMPT_TAIL_TOKENS:])
     return plan_reasoning(ctx.reasoning_parser, tail, req.is_reasoning_shown)
+
+
+def reply_params(
+    req: ChatCompletionRequest, max_tokens: int, plan: ToolPlan, reasoning: ReasoningPlan | None
+) -> SamplingParams:
+    """The request's sampling; its grammar (tools, response_format) holds after the reasoning block."""
+    params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
+    if reasoning is not None and params.grammar is not None:
+        params = dataclasses.replace(params, grammar=reasoning.constrain(params.grammar))
+    return params
 
 
 class _ChatChunks:

@@ -9,6 +9,7 @@ from typing import Any
 from corral_engine.outputs import RequestOutput
 from corral_engine.server.api_responses import ResponsesRequest
 from corral_engine.server.api_tools import ToolPlan
+from corral_engine.server.reasoning import ReasoningPlan
 from corral_engine.server.tool_calls import reply_message
 
 
@@ -42,11 +43,13 @@ def status_of(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def output_items(plan: ToolPlan, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+def output_items(
+    plan: ToolPlan, text: str, finish_reason: str | None, reasoning: ReasoningPlan | None = None
+) -> list[dict[str, Any]]:
     """The whole reply's items: its text as a message (left out when only whitespace stands
     beside tool calls), then one function_call item per call. The last item is the one a token
     limit cut short, as a stream marks it."""
-    reply = reply_message(plan, text)
+    reply = reply_message(plan, text, reasoning)
     calls = reply.get("tool_calls") or []
     content = reply["content"] or ""
     items = []

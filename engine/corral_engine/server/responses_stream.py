@@ -16,6 +16,7 @@ from corral_engine.outputs import RequestOutput
 from corral_engine.server import errors
 from corral_engine.server.api_tools import ToolPlan
 from corral_engine.server.generation import GenerationRun
+from corral_engine.server.reasoning import ReasoningPlan
 from corral_engine.server.responses_output import (
     ResponseShell,
     function_call_item,
@@ -36,9 +37,9 @@ class ResponseEvents:
     a function_call. Whitespace-only text is held until more text comes, so the whitespace a model
     writes before a call does not become a message of its own (as the whole reply leaves it out)."""
 
-    def __init__(self, shell: ResponseShell, plan: ToolPlan) -> None:
+    def __init__(self, shell: ResponseShell, plan: ToolPlan, reasoning: ReasoningPlan | None = None) -> None:
         self.shell = shell
-        self.reply = ReplyStream(plan)
+        self.reply = ReplyStream(plan, reasoning)  # its reasoning deltas are not read: no reasoning items
         self.num_events = 0
         self.items: list[dict[str, Any]] = []  # the output so far; the last may be open
         self.is_open = False
