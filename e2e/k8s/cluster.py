@@ -52,6 +52,7 @@ CONTROLLERS = (
     "namespace-controller",
     "root-ca-certificate-publisher-controller",
     "clusterrole-aggregation-controller",
+    "disruption-controller",  # PodDisruptionBudget status (disruptionsAllowed), as `kubectl drain` reads it
 )
 
 _READY_TIMEOUT_S = 120.0

@@ -17,7 +17,9 @@ from corral_operator import telemetry
 from tests.chart.conftest import ROOT, Helm, find
 
 PROMTOOL_TESTS = Path(__file__).parent / "alerts_test.yaml"
-MONITORING = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
+MONITORING = tuple(
+    f"--api-versions=monitoring.coreos.com/v1/{kind}" for kind in ("PodMonitor", "PrometheusRule")
+)
 
 
 def promtool() -> str:

@@ -262,6 +262,11 @@ def test_monitors_only_when_the_crds_exist_or_asked_for(helm: Helm, rendered: Re
     (monitor,) = find(with_crd, "ServiceMonitor")
     (service,) = find(with_crd, "Service", "gateway")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    # a cluster serving ServiceMonitor alone gets no PodMonitor or PrometheusRule it would refuse
+    assert not find(with_crd, "PodMonitor") and not find(with_crd, "PrometheusRule")
+    every = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+    served = helm.template(None, *(f"--api-versions=monitoring.coreos.com/v1/{kind}" for kind in every))
+    assert {o["kind"] for o in served} >= set(every)
     (engines,) = find(rendered("production"), "PodMonitor", "engines")
     # the label KEDA's triggers select an LLMDeployment's pods by (autoscalers.INSTANCE_SERIES_LABEL)
     assert engines["spec"]["podTargetLabels"] == [labels.INSTANCE]

@@ -78,8 +78,16 @@ app.kubernetes.io/component: engine
 
 {{/* Should ServiceMonitor/PodMonitor objects be rendered? */}}
 {{- define "corral.monitoringEnabled" -}}
-{{- if eq .Values.monitoring.create "always" }}true
-{{- else if and (eq .Values.monitoring.create "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor") }}true
+{{- include "corral.monitorKind" (list . "ServiceMonitor") }}
+{{- end }}
+
+{{/* Whether to render a monitoring.coreos.com/v1 kind: (list $ "PodMonitor"). Each kind is asked for
+by itself: a cluster may serve ServiceMonitor and not PodMonitor or PrometheusRule (CRDs installed
+one by one), and an object of a kind it does not serve fails the whole install. */}}
+{{- define "corral.monitorKind" -}}
+{{- $ctx := index . 0 }}
+{{- if eq $ctx.Values.monitoring.create "always" }}true
+{{- else if and (eq $ctx.Values.monitoring.create "auto") ($ctx.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" (index . 1))) }}true
 {{- end }}
 {{- end }}
 
