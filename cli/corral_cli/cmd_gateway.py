@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from corral_engine.http_limits import uvicorn_options
     from corral_gateway.app import create_app
+    from corral_gateway.drain import GRACEFUL_CLOSE_S, DrainingServer
     from pydantic import ValidationError
 
     try:
@@ -107,13 +108,15 @@ def run(args: argparse.Namespace) -> int:
     freeze_startup_heap()
     # log_config=None: uvicorn's own lines go through the process's logging (--log-format); the
     # gateway writes its own access lines.
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level="warning",
         access_log=False,
         log_config=None,
+        timeout_graceful_shutdown=GRACEFUL_CLOSE_S,  # after the drain: the ended answers' last bytes
         **uvicorn_options(),  # a bound on each request's headers
     )
+    DrainingServer(config, app.drain).run()  # SIGTERM: drain for settings.drain_timeout_s, then stop
     return 0

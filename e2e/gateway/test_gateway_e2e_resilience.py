@@ -162,3 +162,55 @@ def test_api_keys_through_the_gateway(tiny_model_dir: Path, tmp_path: Path) -> N
         assert client("sk-e2e-other").completions.create(**request).usage is not None  # type: ignore[call-overload]
         assert "sk-e2e" not in httpx.get(gateway.url + "/metrics").text
         assert "sk-e2e" not in gateway.log_tail(100_000)
+
+
+def test_a_stopped_gateway_drains_then_ends_an_open_stream_with_a_draining_error(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM: new requests get a 503 `draining`; a stream still open when drain_timeout_s is up
+    ends with a `draining` error event and [DONE] (it used to run on without limit, until the pod's
+    SIGKILL cut it), and the gateway exits 0. The engine is stopped (SIGSTOP) meanwhile, so the
+    stream is certainly still open at the drain's end."""
+    with start_engine(tiny_model_dir, served_model_name=MODEL) as engine:
+        with start_gateway({MODEL: [engine.url]}, tmp_path, drain_timeout_s=3) as gateway:
+            try:
+                _stopped_mid_stream(gateway, engine)
+            except (AssertionError, cf.TimeoutError, httpx.HTTPError) as e:
+                raise AssertionError(f"{e!r}\n--- gateway log ---\n{gateway.log_tail()}") from e
+            finally:
+                engine.signal(signal.SIGCONT)
+        # The gateway closed the stream's upstream request: the engine aborted it.
+        wait_for("the engine to abort it", lambda: engine.metric("vllm:num_requests_running") == 0)
+
+
+def _stopped_mid_stream(gateway: ManagedProcess, engine: EngineProcess) -> None:
+    body = {"model": MODEL, "prompt": "A long story", "max_tokens": STREAM_TOKENS, "ignore_eos": True}
+    with cf.ThreadPoolExecutor(1) as pool:
+        started = cf.Future[None]()
+        stream = pool.submit(_stream_events, gateway.url, body, started)
+        started.result(timeout=60)
+        engine.signal(signal.SIGSTOP)
+        gateway.signal(signal.SIGTERM)
+        wait_for("readiness to fail", lambda: httpx.get(gateway.url + "/ready", timeout=5).status_code == 503)
+        refused = httpx.post(gateway.url + "/v1/completions", json=body, timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "draining"
+        events = stream.result(timeout=60)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "draining" and error["type"] == "service_unavailable"
+    assert gateway.proc.wait(30) == 0
+
+
+def _stream_events(url: str, body: dict[str, object], started: cf.Future[None]) -> list[str]:
+    events = []
+    with (
+        httpx.Client(timeout=httpx.Timeout(60, connect=5)) as http,
+        http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if not started.done():
+                    started.set_result(None)
+    return events

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from corral_gateway.disconnect import race
-from corral_gateway.errors import RateLimited, Unavailable, UpstreamFailed
+from corral_gateway.errors import Draining, RateLimited, ReplicasUnavailable, Unavailable
 from corral_gateway.fair_queue import FairQueue
 from corral_gateway.registry import Replica
 from corral_gateway.router import NoReplica, Router
@@ -57,6 +57,7 @@ class Admission:
         self.max_queue_len = max_queue_len
         self.timeout_s = timeout_s
         self._queues: dict[str, FairQueue[_Waiter]] = {}
+        self.is_closed = False  # the gateway is draining: nothing queues any more
 
     def queue_len(self, model: str) -> int:
         queue = self._queues.get(model)
@@ -85,6 +86,8 @@ class Admission:
         replica = self.try_acquire(model, ask.prefix_hash, ask.exclude, ask.block_hashes)
         if replica is not None:
             return replica
+        if self.is_closed:
+            raise Draining()
         queue = self._queues[model]
         future = asyncio.get_running_loop().create_future()
         waiter = _Waiter(future, ask.prefix_hash, frozenset(ask.exclude), tuple(ask.block_hashes))
@@ -126,8 +129,17 @@ class Admission:
             routed.on_dispatch()
             return routed
         if exclude and not routed.is_saturated:
-            raise UpstreamFailed("every replica of the model failed this request")
+            raise ReplicasUnavailable(model)  # every replica left failed this request
         return None
+
+    def close(self) -> None:
+        """The gateway is draining: every queued request is answered 503 `draining` now (none
+        will be dispatched before the drain ends), and none queues from now on."""
+        self.is_closed = True
+        for queue in self._queues.values():
+            while (waiter := queue.pop()) is not None:
+                if not waiter.future.done():
+                    waiter.future.set_exception(Draining())
 
     def _abandon(self, model: str, waiter: _Waiter) -> None:
         self._queues[model].remove(waiter)

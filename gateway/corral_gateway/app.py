@@ -24,7 +24,9 @@ from starlette.types import Message, Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, request_id_for
 from corral_gateway.auth import KeyStore, load_keys_file
+from corral_gateway.drain import Drain
 from corral_gateway.errors import (
+    Draining,
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
@@ -107,9 +109,10 @@ class GatewayApp:
     `x-request-id` on its answers itself; every other response gets it from a wrapper here.
     """
 
-    def __init__(self, api: FastAPI, deps: dict[str, ProxyDeps]) -> None:
+    def __init__(self, api: FastAPI, deps: dict[str, ProxyDeps], drain: Drain) -> None:
         self.api = api
         self._deps = deps
+        self.drain = drain  # begun by the server on SIGTERM (`drain.DrainingServer`)
         # Browsers may call it from any origin, without credentials (vLLM's default and the
         # engine's). Outermost: a preflight carries no API key. A request without an Origin header
         # passes straight through, and only a browser's gets its send wrapped.
@@ -118,6 +121,8 @@ class GatewayApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.drain.is_draining:
+            send = _closing(send)
         # A proxied request's answers carry the id the proxy took; every other response (a route
         # of FastAPI's, a 405 on a generation route, a browser's preflight) gets one here.
         if scope["type"] != "http" or (scope["method"] == "POST" and is_proxied("POST", scope["path"])):
@@ -168,6 +173,19 @@ class GatewayApp:
             await failed(scope, receive, send)
 
 
+def _closing(send: Send) -> Send:
+    """`send`, telling the client to close its connection after this response: a client whose
+    pooled keep-alive connection reaches a draining gateway reconnects (through its Service, to
+    another gateway) rather than sending it more requests."""
+
+    async def send_closing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            MutableHeaders(scope=message)["connection"] = "close"
+        await send(message)
+
+    return send_closing
+
+
 def fastapi_options() -> dict[str, Any]:
     """FastAPI from 0.16x traces its own routes once a tracer provider is installed: with
     `--otlp-traces-endpoint`, every Prometheus scrape and probe (/metrics, /health, /ready) became a
@@ -183,12 +201,14 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     fleet = Fleet(settings, metrics)
     keys = KeysFile(settings.api_keys_file)
     state: dict[str, ProxyDeps] = {}
+    drain = Drain(settings.drain_timeout_s)
+    drain.on_begin.append(fleet.stop_queueing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _background(settings, fleet, keys) as upstream:
             access = AccessLog(metrics, settings.access_log)
-            state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get, access)
+            state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get, access, drain)
             yield
 
     app = FastAPI(
@@ -202,15 +222,18 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     app.state.fleet = fleet
     app.state.metrics = metrics
     _add_error_handlers(app)
-    _add_routes(app, fleet, keys, metrics)
-    return GatewayApp(app, state)
+    _add_routes(app, fleet, keys, metrics, drain)
+    return GatewayApp(app, state, drain)
 
 
 @asynccontextmanager
 async def _background(settings: GatewaySettings, fleet: Fleet, keys: KeysFile) -> AsyncIterator[Upstream]:
     """The shared upstream client and the background tasks (load polls, key reloads, discovery)."""
     config = UpstreamConfig(
-        settings.max_connections, settings.connect_timeout_s, settings.first_byte_timeout_s
+        settings.max_connections,
+        settings.connect_timeout_s,
+        settings.first_byte_timeout_s,
+        settings.response_timeout_s,
     )
     async with Upstream(config) as upstream:
         tasks = [asyncio.create_task(fleet.run(upstream), name="fleet")]
@@ -247,7 +270,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(err)
 
 
-def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetrics) -> None:
+def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetrics, drain: Drain) -> None:
     """Every route but the two proxied ones (GatewayApp sends those to the proxy)."""
 
     def authenticate(request: Request) -> None:
@@ -285,6 +308,8 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
 
     @app.get("/ready")
     async def ready() -> Response:
+        if drain.is_draining:  # out of the Service's endpoints (the pod's are dropped already)
+            return error_response(Draining())
         # Before discovery's first list, every model would look unknown (404): keep traffic away.
         if not fleet.is_synced:
             return error_response(

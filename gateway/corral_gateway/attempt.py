@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass
 
 from corral_gateway.disconnect import ClientGone, race
-from corral_gateway.errors import UpstreamFailed, UpstreamTimeout
+from corral_gateway.errors import ReplicasUnavailable, UpstreamTimeout
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import RetryReason
 from corral_gateway.registry import Replica
@@ -44,6 +44,7 @@ class Outgoing:
     path: str
     body: bytes
     headers: dict[str, str]
+    is_stream: bool = False  # the body asks for a stream (`"stream": true`)
 
 
 async def send_once(
@@ -59,11 +60,17 @@ async def send_once(
     UpstreamTimeout; the caller's lease gives the replica back in every case."""
     try:
         response = await race(
-            upstream.post(replica.url + request.path, request.body, request.headers),
+            upstream.post(replica.url + request.path, request.body, request.headers, request.is_stream),
             disconnect,
             on_late=_close_unread,
         )
     except ReadTimedOut as e:
+        if not request.is_stream:
+            # A non-streamed answer comes whole once generated: a long generation is slow, not a
+            # fault of the replica's (a stopped one is ejected by its unanswered health polls).
+            raise UpstreamTimeout(
+                "The model replica did not finish the response in time.", code="response_timeout"
+            ) from e
         fleet.record_failure(replica.url, str(e))
         raise UpstreamTimeout("The model replica did not answer in time.") from e
     except (ConnectFailed, ConnectTimedOut) as e:
@@ -111,7 +118,7 @@ async def _first_event(
         fleet.record_failure(replica.url, f"stream: {e}")
         if can_go_elsewhere:
             return Retry("transport_error")
-        raise UpstreamFailed("The model replica failed before its response began.") from e
+        raise ReplicasUnavailable(replica.model) from e  # nothing reached the client: a retry is safe
     return response
 
 

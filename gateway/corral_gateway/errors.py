@@ -92,6 +92,28 @@ class Unavailable(_RetryLater):
     error_type = "service_unavailable"
 
 
+class Draining(Unavailable):
+    """The gateway is stopping: new requests, queued ones, and at the drain's end the open ones."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The gateway is shutting down; retry the request.", retry_after_s=1.0, code="draining"
+        )
+
+
+class ReplicasUnavailable(Unavailable):
+    """No replica of the model answered: every one tried refused the connection, timed it out or
+    dropped it before its response began. Nothing reached the client, so a retry is safe; 503 with
+    Retry-After is what clients (the openai library among them) read as "try later"."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"No replica of model `{model}` could answer the request; retry later.",
+            retry_after_s=2.0,
+            code="model_unavailable",
+        )
+
+
 class UpstreamTimeout(GatewayError):
     status_code = 504
     error_type = "upstream_timeout"
@@ -120,9 +142,17 @@ def error_response(exc: GatewayError) -> Response:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse_error_end(message: str, code: str = "upstream_disconnected") -> bytes:
-    """The last events of a stream whose upstream failed mid-way: an error event (the client sees
-    why it ended), then `[DONE]`, as an engine ends a stream that fails after it started (clients
-    that read until `[DONE]` would otherwise wait for it)."""
-    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+def sse_error_end(
+    message: str, code: str = "upstream_disconnected", error_type: str = "upstream_error"
+) -> bytes:
+    """The last events of a stream that could not finish (its upstream failed mid-way, or the
+    gateway's drain ran out): an error event (the client sees why it ended), then `[DONE]`, as an
+    engine ends a stream that fails after it started (clients that read until `[DONE]` would
+    otherwise wait for it)."""
+    payload = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     return b"data: " + json.dumps(payload).encode() + b"\n\n" + SSE_DONE
+
+
+def sse_draining_end() -> bytes:
+    """How a stream still open when the gateway's drain runs out ends."""
+    return sse_error_end(Draining().message, "draining", Draining.error_type)

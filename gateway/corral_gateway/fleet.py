@@ -56,6 +56,7 @@ class Fleet:
         self._registry = Registry(
             Ejection(settings.eject_after_failures, settings.ejection_s, settings.max_ejection_s)
         )
+        self._registry.on_removed.append(self._forget_metrics)
         for model, urls in settings.backends.items():
             self._set_replicas(model, urls)
         self._static_models = set(settings.backends)
@@ -90,6 +91,10 @@ class Fleet:
 
     def has_model(self, model: str) -> bool:
         return self._registry.has_model(model)
+
+    def stop_queueing(self) -> None:
+        """The gateway is draining: queued requests get 503 `draining` now, later ones never queue."""
+        self._admission.close()
 
     def has_candidates(self, model: str, exclude: Collection[str] = ()) -> bool:
         """Whether some replica of `model` outside `exclude` is in rotation (a retry could go there)."""
@@ -142,10 +147,8 @@ class Fleet:
             if model in self._static_models:
                 static = list(self.settings.backends[model])
                 urls = static + [u for u in urls if u not in static]
-            self._forget_gone(model, set(urls))
             self._set_replicas(model, urls)
         for model in self._discovered_models - set(discovered) - self._static_models:
-            self._forget_gone(model, set())
             self._registry.remove_model(model)
         self._discovered_models = set(discovered)
         self.is_synced = True
@@ -160,10 +163,14 @@ class Fleet:
         for url in urls:
             self.metrics.add_replica(model, url)
 
-    def _forget_gone(self, model: str, keep: set[str]) -> None:
-        for replica in self._registry.replicas(model):
-            if replica.url not in keep:
-                self.metrics.forget_replica(model, replica.url)
+    def _forget_metrics(self, replica: Replica) -> None:
+        """A replica left discovery: its metric series go with it."""
+        is_url_gone = not self._registry.by_url(replica.url)
+        self.metrics.forget_replica(replica.model, replica.url, is_url_gone)
+
+    def is_current(self, replica: Replica) -> bool:
+        """Whether `replica` is still in the fleet (not removed by discovery since it was leased)."""
+        return any(r is replica for r in self._registry.by_url(replica.url))
 
     def wake_timeout_s(self, model: str) -> float | None:
         """For a model with no replica in rotation: ask the operator for one and return how long

@@ -1,7 +1,8 @@
 """The gateway's own Prometheus metrics (`corral_gateway_*`), in a registry per app instance.
 
 Labels never carry API keys or prompts; replicas are labelled by URL. Every known label set gets a
-zero series as soon as its model or replica is known, so a fresh fleet's dashboards show zeros.
+zero series as soon as its model or replica is known, so a fresh fleet's dashboards show zeros, and a
+replica's series go when it leaves discovery, so pod churn does not grow the label sets for ever.
 `overhead_seconds` is the gateway's own share of a request's latency, timed inside the process
 (`OverheadPart` says which stretches). The process's own figures (`process_resident_memory_bytes`,
 CPU, file descriptors) are prometheus_client's.
@@ -128,6 +129,8 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(GcPauseCollector(GC_PAUSE_SECONDS))
+        # The statuses each replica's requests_total has series for, to remove them with it.
+        self._replica_statuses: dict[tuple[str, str], set[str]] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -143,15 +146,25 @@ class GatewayMetrics:
         for part in OVERHEAD_PARTS:
             self.overhead.labels(model, part)
 
+    def count_request(self, model: str, replica: str, status: str) -> None:
+        """One answered request; `replica` is "" for the gateway's own answers."""
+        self.requests.labels(model, replica, status).inc()
+        if replica:
+            self._replica_statuses.setdefault((model, replica), set()).add(status)
+
     def add_replica(self, model: str, url: str) -> None:
         """Zero series for a replica's counters. Its gauges are set by Fleet.update_gauges, since
         a made-up 0 there would read as "ejected" or "idle"."""
         self.requests.labels(model, url, _OK_STATUS)
+        self._replica_statuses.setdefault((model, url), set()).add(_OK_STATUS)
         self.ejections.labels(url)
 
-    def forget_replica(self, model: str, url: str) -> None:
+    def forget_replica(self, model: str, url: str, is_url_gone: bool) -> None:
+        """Remove a replica's series (it left discovery); `ejections_total`, labelled by URL alone,
+        once no model is served at that URL any more."""
         for gauge in (self.replica_score, self.replica_healthy, self.replica_inflight):
-            try:
-                gauge.remove(model, url)
-            except KeyError:
-                continue
+            gauge.remove(model, url)
+        for status in self._replica_statuses.pop((model, url), set()):
+            self.requests.remove(model, url, status)
+        if is_url_gone:
+            self.ejections.remove(url)

@@ -4,7 +4,8 @@ or unsized bodies) or read whole first (small bodies), and the bookkeeping when 
 An event stream whose replica dies or stalls ends with an SSE error event and `[DONE]`; a whole body
 that breaks off is a 502; any other body that breaks off once started ends the client's connection
 without the body's end, so the client sees it cut (never a short 200); a client that hangs up
-mid-response closes the upstream request, so the engine aborts it.
+mid-response closes the upstream request, so the engine aborts it, and so does the end of a
+gateway drain's time (a stream then ends with a `draining` error event and `[DONE]`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, Origin
-from corral_gateway.errors import SSE_DONE, UpstreamFailed, error_response, sse_error_end
+from corral_gateway.drain import Drain
+from corral_gateway.errors import SSE_DONE, UpstreamFailed, error_response, sse_draining_end, sse_error_end
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.quota import TokenUsage, UsageTail
@@ -47,14 +49,16 @@ class Exchange:
         origin: Origin,
         quota: TokenUsage | None,
         access: AccessLog,
+        drain: Drain,
     ) -> None:
         self.fleet, self.metrics, self.upstream, self.replica = fleet, metrics, upstream, replica
-        self.origin, self.quota, self.access = origin, quota, access
+        self.origin, self.quota, self.access, self.drain = origin, quota, access, drain
         self.tail = UsageTail()  # the body's end, for the usage it reports
         self.status_label = str(upstream.status_code)
         self.is_complete = False
         self.is_cut = False  # a body other than an event stream broke off: its end is not sent
         self.is_client_gone = False
+        self.is_drained = False  # ended by the end of the gateway's drain time, not the replica
         self.is_finished = False
         self.body_in_hand_s: float | None = None  # time.perf_counter() once a whole body was read
 
@@ -137,6 +141,12 @@ class Exchange:
         except UpstreamError as e:
             if self.is_client_gone:
                 return  # our own close of the upstream request, below
+            if self.is_drained:  # the same close, at the end of the gateway's drain time
+                if is_sse:
+                    yield _end_event(self.tail.end(4)) + sse_draining_end()
+                else:
+                    self.is_cut = True
+                return
             if is_sse and self.tail.end(len(SSE_DONE)) == SSE_DONE:
                 return  # the stream had ended: only the end of its body was lost
             self._broken(e, "stream")
@@ -150,12 +160,16 @@ class Exchange:
             self.finish()
 
     def _on_disconnect(self, disconnect: asyncio.Future[None]) -> None:
-        """The client hung up mid-response: close the upstream request, so the engine aborts it
-        (the pending read then fails, which ends the body)."""
+        """The client hung up mid-response, or the drain's time ran out: close the upstream
+        request, so the engine aborts it (the pending read then fails, which ends the body)."""
         if disconnect.cancelled() or self.is_finished:
             return
-        self.is_client_gone = True
-        self.status_label = "499"
+        if self.drain.is_over:
+            self.is_drained = True
+            self.status_label = "503"
+        else:
+            self.is_client_gone = True
+            self.status_label = "499"
         self.finish()
 
     def _broken(self, e: UpstreamError, what: str) -> None:
@@ -171,7 +185,9 @@ class Exchange:
         self.is_finished = True
         model = self.origin.model
         self.upstream.close(self.is_complete)
-        self.metrics.requests.labels(model, self.replica.url, self.status_label).inc()
+        # A replica that left discovery while this was open has no series any more: not made again.
+        replica_label = self.replica.url if self.fleet.is_current(self.replica) else ""
+        self.metrics.count_request(model, replica_label, self.status_label)
         self.metrics.duration.labels(model).observe(time.monotonic() - self.origin.start_s)
         reported = self.tail.reported()
         if self.quota is not None:

@@ -25,13 +25,15 @@ from corral_gateway.admission import Ask
 from corral_gateway.attempt import Outgoing, Retry, send_once
 from corral_gateway.auth import KeyStore
 from corral_gateway.disconnect import ClientGone, wait_disconnect
+from corral_gateway.drain import Drain
 from corral_gateway.errors import (
+    Draining,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
+    ReplicasUnavailable,
     Unavailable,
-    UpstreamFailed,
     error_response,
 )
 from corral_gateway.fleet import Fleet
@@ -60,6 +62,7 @@ class ProxyDeps:
     metrics: GatewayMetrics
     keys: Callable[[], KeyStore | None]
     access: AccessLog
+    drain: Drain
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +82,28 @@ class _Ticket:
 async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, deliver: Deliver) -> None:
     """Answer one proxied request through `deliver`; every error the gateway knows is answered in
     OpenAI's shape (an unexpected one propagates, for the app's last resort)."""
+    # Done when the client hangs up, or when a drain's time runs out (`deps.drain.is_over`).
+    ended = asyncio.get_running_loop().create_future()
+    with deps.drain.tracking(ended):
+        await _proxy(deps, request, path, request_id, deliver, ended)
+
+
+async def _proxy(
+    deps: ProxyDeps,
+    request: Request,
+    path: str,
+    request_id: str,
+    deliver: Deliver,
+    ended: asyncio.Future[None],
+) -> None:
     arrived_s = time.perf_counter()
     start_s = time.monotonic()
     model, key_name = "unknown", ""
     quota: TokenUsage | None = None
     span = tracing.start_request_span(request.headers, request.method, path, request_id)
     try:
+        if deps.drain.is_draining:
+            raise Draining()
         # The key first, from the headers alone: a client without one must not get the gateway to
         # read and hold a body of up to max_request_bytes (30 such uploads held ~0.9 GiB).
         keystore = deps.keys()
@@ -108,7 +127,7 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, d
         quota = TokenUsage.track(keystore, api_key, info.estimated_tokens)
         ticket = _Ticket(
             Origin(model, request_id, start_s, key_name, span),
-            Outgoing(path, raw, headers),
+            Outgoing(path, raw, headers, info.is_stream),
             info.prefix_hash,
             priority,
             api_key.key_id if api_key is not None else "",
@@ -116,16 +135,21 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, d
             arrived_s,
             info.block_hashes,
         )
-        async with _watch_disconnect(request) as disconnect:
-            await _forward(deps, ticket, disconnect, deliver)
+        async with _watch_disconnect(request, ended) as disconnect:
+            try:
+                await _forward(deps, ticket, disconnect, deliver)
+            except ClientGone:
+                if deps.drain.is_over:  # the drain's time ran out before the answer began
+                    raise Draining() from None
+                raise
     except ClientGone:
-        deps.metrics.requests.labels(model, "", "499").inc()
+        deps.metrics.count_request(model, "", "499")
         deps.access.finished(Origin(model, request_id, start_s, key_name, span), "", "499", None)
         await deliver(Response(status_code=499))
     except GatewayError as e:
         if quota is not None:
             quota.refund()  # shed, timed out or failed in the gateway: no token was served
-        deps.metrics.requests.labels(model, "", str(e.status_code)).inc()
+        deps.metrics.count_request(model, "", str(e.status_code))
         deps.metrics.rejected.labels(model, e.code or e.error_type).inc()
         origin = Origin(model, request_id, start_s, key_name, span)
         deps.access.finished(origin, "", str(e.status_code), None)
@@ -179,14 +203,16 @@ async def _forward(
             if outcome.sent_s is not None:
                 request_s = outcome.sent_s - ticket.arrived_s - excluded_s - waited_s
                 metrics.overhead.labels(model, "request").observe(max(0.0, request_s))
-            exchange = Exchange(fleet, metrics, outcome, replica, ticket.origin, ticket.quota, deps.access)
+            exchange = Exchange(
+                fleet, metrics, outcome, replica, ticket.origin, ticket.quota, deps.access, deps.drain
+            )
             try:
                 await deliver(await exchange.respond(disconnect))
                 exchange.delivered()
             finally:
                 exchange.finish()  # a no-op unless the response was cancelled before it started
             return
-    raise UpstreamFailed("No replica of the model could serve the request.")
+    raise ReplicasUnavailable(model)
 
 
 async def _attempt(
@@ -214,13 +240,23 @@ async def _attempt(
 
 
 @asynccontextmanager
-async def _watch_disconnect(request: Request) -> AsyncIterator[asyncio.Future[None]]:
-    """A future done once the client hangs up, watched for as long as the block runs."""
-    disconnect = asyncio.ensure_future(wait_disconnect(request))
+async def _watch_disconnect(
+    request: Request, ended: asyncio.Future[None]
+) -> AsyncIterator[asyncio.Future[None]]:
+    """`ended`, done from now on also once the client hangs up (watched for as long as the block
+    runs); cancelled when the block ends, or by the response once it no longer needs it."""
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+
+    def hung_up(done: asyncio.Future[None]) -> None:
+        if not done.cancelled() and not ended.done():
+            ended.set_result(None)
+
+    watcher.add_done_callback(hung_up)
     try:
-        yield disconnect
+        yield ended
     finally:
-        disconnect.cancel()
+        watcher.cancel()
+        ended.cancel()
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

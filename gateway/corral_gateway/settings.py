@@ -109,13 +109,20 @@ class GatewaySettings(BaseSettings):
 
     # Resilience.
     connect_timeout_s: float = Field(default=2.0, gt=0)
+    # For a stream: its first event (the replica's queue and the prompt's prefill), and any pause
+    # between two chunks after it. A non-streamed answer comes whole once generated: its wait is
+    # response_timeout_s (None: no limit).
     first_byte_timeout_s: float = Field(default=300.0, gt=0)
+    response_timeout_s: float | None = Field(default=3600.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     eject_after_failures: int = Field(default=3, ge=1)
     ejection_s: float = Field(default=2.0, gt=0)
     max_ejection_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=2048, ge=1)
     max_request_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # On SIGTERM: open requests get this long to finish, then end with a 503 `draining` error (a
+    # stream: an error event). The chart keeps preStop sleep + this below the pod's grace period.
+    drain_timeout_s: float = Field(default=30.0, ge=0)
 
     @field_validator("backends")
     @classmethod

@@ -7,7 +7,8 @@ proxy settings from the environment.
 
 Failures become the four exceptions below, which the proxy maps to retries and errors:
 `ConnectFailed` / `ConnectTimedOut` (nothing was sent: retry elsewhere), `Dropped` (the connection
-broke before a response: safe to retry) and `ReadTimedOut` (no first byte in time).
+broke before a response: safe to retry) and `ReadTimedOut` (no first byte in time: for a stream,
+`read_timeout_s`; for a non-streamed answer, which comes whole once generated, `response_timeout_s`).
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ class UpstreamConfig:
     max_connections: int
     connect_timeout_s: float
     read_timeout_s: float  # for the first byte, and between any two reads after it
+    # The same for a non-streamed request, whose first byte comes with the whole answer (None: none).
+    response_timeout_s: float | None = None
     keepalive_s: float = 4.0  # below uvicorn's 5 s, so a replica never closes a connection under us
 
 
@@ -175,6 +178,8 @@ class Upstream:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self._eager: eager_start.EagerStart | None = None
+        # A request's timeouts: streamed (the session's own), and not streamed.
+        self._timeouts: dict[bool, aiohttp.ClientTimeout] = {}
 
     async def __aenter__(self) -> Upstream:
         config = self.config
@@ -192,6 +197,15 @@ class Upstream:
             sock_connect=config.connect_timeout_s,
             sock_read=config.read_timeout_s,
         )
+        self._timeouts = {
+            True: timeout,
+            False: aiohttp.ClientTimeout(
+                total=None,
+                connect=config.connect_timeout_s + _POOL_WAIT_S,
+                sock_connect=config.connect_timeout_s,
+                sock_read=config.response_timeout_s,
+            ),
+        }
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=timeout,
@@ -217,10 +231,16 @@ class Upstream:
             raise RuntimeError("the upstream client is not open")
         return self._session
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """Send `body` and wait for the response head (not the body)."""
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], is_stream: bool = True
+    ) -> UpstreamResponse:
+        """Send `body` and wait for the response head (not the body); a request that is not
+        streamed (`is_stream` False) waits up to `response_timeout_s` for it."""
+        timeout = self._timeouts[is_stream]
         try:
-            response = await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+            response = await self.session.post(
+                url, data=body, headers=headers, allow_redirects=False, timeout=timeout
+            )
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _translate(e) from e
         return UpstreamResponse(response)

@@ -7,6 +7,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from tests.chart.conftest import CHART, KUBERNETES_VERSION, Helm, find
 
@@ -167,5 +168,19 @@ def test_a_stopping_gateway_keeps_serving_until_it_is_out_of_rotation(helm: Helm
     kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
     (off,) = find(helm.render({"gateway": {"preStopSleepSeconds": 0}}), "Deployment", "gateway")
     assert "lifecycle" not in off["spec"]["template"]["spec"]["containers"][0]
-    with pytest.raises(AssertionError, match="preStopSleepSeconds must be below"):
+    with pytest.raises(AssertionError, match="drainTimeoutSeconds must be below"):
         helm.render({"gateway": {"preStopSleepSeconds": 30, "terminationGracePeriodSeconds": 30}})
+
+
+def test_a_stopping_gateway_ends_open_requests_cleanly_before_its_pod_is_killed(helm: Helm) -> None:
+    """The gateway's own drain ends what is still open with a `draining` error before SIGKILL
+    would cut it: preStop sleep + drain below the grace period, checked when rendering."""
+    (config_map,) = find(helm.template(None), "ConfigMap", "gateway")
+    assert yaml.safe_load(config_map["data"]["gateway.yaml"])["drain_timeout_s"] == 50
+    values = {"gateway": {"drainTimeoutSeconds": 300, "terminationGracePeriodSeconds": 310}}
+    (config_map,) = find(helm.render(values), "ConfigMap", "gateway")
+    assert yaml.safe_load(config_map["data"]["gateway.yaml"])["drain_timeout_s"] == 300
+    with pytest.raises(AssertionError, match="drainTimeoutSeconds must be below"):
+        helm.render({"gateway": {"drainTimeoutSeconds": 55}})  # 5 + 55 is not below 60
+    with pytest.raises(AssertionError, match="drain_timeout_s"):  # the chart's to set, not config's
+        helm.render({"gateway": {"config": {"drain_timeout_s": 10}}})

@@ -43,6 +43,29 @@ def test_discovered_replicas_get_zero_series_when_they_appear() -> None:
     assert value(metrics, "corral_gateway_queue_length", model="late") == 0.0
 
 
+def test_a_replica_leaving_discovery_takes_its_series_with_it() -> None:
+    """Each pod that came and went used to leave its per-replica series behind for good: with pod
+    churn, the label sets only grew."""
+    metrics = GatewayMetrics()
+    fleet = Fleet(GatewaySettings(kubernetes={"enabled": True}), metrics)
+    fleet.apply_discovery(Discovery({"m": ["http://a", "http://b"], "n": ["http://b"]}, {}))
+    fleet.update_gauges()
+    metrics.count_request("m", "http://a", "503")
+    fleet.apply_discovery(Discovery({"m": ["http://b"]}, {}))  # a gone; b serves m only now
+    for status in ("200", "503"):
+        assert (
+            value(metrics, "corral_gateway_requests_total", model="m", replica="http://a", status=status)
+            is None
+        )
+    for gauge in ("replica_healthy", "replica_score", "replica_inflight"):
+        assert value(metrics, f"corral_gateway_{gauge}", model="m", replica="http://a") is None
+        assert value(metrics, f"corral_gateway_{gauge}", model="n", replica="http://b") is None
+    assert value(metrics, "corral_gateway_ejections_total", replica="http://a") is None
+    assert_zero_series(metrics, "m", "http://b")  # still served at that URL: its ejections stay
+    fleet.apply_discovery(Discovery({"m": ["http://a", "http://b"]}, {}))  # the URL comes back
+    assert_zero_series(metrics, "m", "http://a")
+
+
 def test_the_process_reports_its_own_memory_cpu_and_files() -> None:
     # the dashboards' Memory row reads it; prometheus_client's names, as every Python exporter's
     metrics = GatewayMetrics()

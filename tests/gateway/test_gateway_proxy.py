@@ -166,6 +166,37 @@ async def test_dead_replica_is_retried_ejected_and_readmitted_when_healthy() -> 
             await task
 
 
+async def test_every_replica_unreachable_is_a_503_to_retry_later() -> None:
+    """Nothing was served and a retry is safe: 503 with Retry-After, which clients read as "try
+    later" (it was a 502)."""
+    async with fleet([], extra_urls=[dead_url(), dead_url()]) as (client, _):
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 503 and response.headers["retry-after"] == "2"
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "model_unavailable"
+        assert error["message"] == "No replica of model `m` could answer the request; retry later."
+
+
+async def test_a_long_non_streamed_answer_waits_response_timeout_not_first_byte_timeout() -> None:
+    """A non-streamed answer comes whole once generated. first_byte_timeout_s, a stream's wait for
+    its first event, used to cut it with a 504, and count that towards ejecting the replica."""
+    engine = FakeEngine(answer_delay_s=0.6)
+    async with fleet([engine], first_byte_timeout_s=0.2) as (client, _):
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 200
+        async with client.stream(
+            "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r:
+            assert r.status_code == 504  # a stream's first byte is still bounded
+    async with fleet([engine], response_timeout_s=0.2) as (client, _):
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 504 and response.json()["error"]["code"] == "response_timeout"
+        # Slow is not broken: the replica's record shows no failure (a stopped replica is still
+        # ejected by its unanswered health polls).
+        (seen,) = (await replicas(client)).values()
+        assert seen["num_consecutive_failures"] == 0 and seen["healthy"]
+
+
 async def stream_body(client: httpx.AsyncClient) -> bytes:
     async with client.stream(
         "POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
@@ -232,10 +263,12 @@ async def test_a_client_hanging_up_before_a_streams_first_event_closes_the_upstr
         )
 
 
-async def test_a_stream_whose_only_replica_dies_before_its_first_event_is_a_502() -> None:
+async def test_a_stream_whose_only_replica_dies_before_its_first_event_is_a_503_to_retry() -> None:
+    # Nothing reached the client: as when no replica is reachable, a 503 with Retry-After.
     async with fleet([FakeEngine(mode="die_before_first_event")]) as (client, _):
         response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
-        assert response.status_code == 502 and response.json()["error"]["code"] == "bad_gateway"
+        assert response.status_code == 503 and response.json()["error"]["code"] == "model_unavailable"
+        assert response.headers["retry-after"] == "2"
 
 
 async def test_replica_dying_within_an_event_ends_that_event_before_the_error() -> None:
@@ -380,8 +413,8 @@ async def test_a_request_that_is_not_served_costs_no_tokens(tmp_path: Path) -> N
         assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 200
     async with fleet([], extra_urls=[dead_url()], api_keys_file=keys) as (client, _):
         for _ in range(4):
-            assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 502
-        assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 502
+            assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 503
+        assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 503
 
 
 async def _answer_to_a_partial_upload(client: httpx.AsyncClient, head: str) -> bytes:

@@ -30,7 +30,7 @@ else the deprecated one-namespace key, else the operator's; empty: every namespa
 {{- $gw := .Values.gateway }}
 {{- $k8s := dict "enabled" true "source" $gw.discovery.source "label_selector" $gw.discovery.labelSelector }}
 {{- with include "corral.gateway.namespaces" . | fromJsonArray }}{{ $_ := set $k8s "namespaces" . }}{{ end }}
-{{- $cfg := dict "host" "0.0.0.0" "port" ($gw.containerPort | int) "policy" $gw.policy "kubernetes" $k8s }}
+{{- $cfg := dict "host" "0.0.0.0" "port" ($gw.containerPort | int) "policy" $gw.policy "kubernetes" $k8s "drain_timeout_s" ($gw.drainTimeoutSeconds | int) }}
 {{- if $gw.apiKeys.existingSecret }}
 {{- $_ := set $cfg "api_keys_file" (printf "/etc/corral/api-keys/%s" $gw.apiKeys.secretKey) }}
 {{- end }}

@@ -26,10 +26,11 @@ from corral_cli.chartgen.pods import (
 RUNBOOK_BASE_URL = "https://github.com/corral-dev/corral/blob/main/docs/operations.md"
 
 # Settings the chart writes from its own values (the container port its probes use, discovery that
-# matches its RBAC, the mounted key file, a secret from a Secret rather than the ConfigMap):
+# matches its RBAC, the mounted key file, a secret from a Secret rather than the ConfigMap, the
+# drain that fits the pod's grace period):
 # gateway.config may not override them.
 CHART_OWNED_GATEWAY_SETTINGS = frozenset(
-    {"host", "port", "kubernetes", "api_keys_file", "policy", "upstream_api_key"}
+    {"host", "port", "kubernetes", "api_keys_file", "policy", "upstream_api_key", "drain_timeout_s"}
 )
 
 
@@ -175,7 +176,8 @@ class Gateway(PodPlacement):
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="More gateway settings (snake_case keys, see the gateway docs); not host, port, "
-        "kubernetes, api_keys_file, policy or upstream_api_key, which the chart sets from its own values.",
+        "kubernetes, api_keys_file, policy, upstream_api_key or drain_timeout_s, which the chart sets "
+        "from its own values.",
         json_schema_extra=lambda schema: schema.update(_gateway_config_schema()),
     )
     api_keys: ApiKeys = Field(default_factory=ApiKeys)
@@ -196,10 +198,18 @@ class Gateway(PodPlacement):
         description="A stopping pod keeps serving this long (a preStop sleep) while Services and "
         "load balancers stop sending to it, so a rolling update refuses no connection; 0: none.",
     )
+    drain_timeout_seconds: int = Field(
+        default=50,
+        ge=0,
+        description="After the preStop sleep, how long open requests get to finish; those still open "
+        "then end with a 503 `draining` error (a stream: an error event). With the preStop sleep, "
+        "below terminationGracePeriodSeconds, so they end cleanly before Kubernetes kills the pod.",
+    )
     termination_grace_period_seconds: int = Field(
         default=60,
         ge=1,
-        description="From SIGTERM, the preStop sleep included, to SIGKILL: what open streams get.",
+        description="From SIGTERM, the preStop sleep included, to SIGKILL: above preStopSleepSeconds "
+        "+ drainTimeoutSeconds.",
     )
 
 

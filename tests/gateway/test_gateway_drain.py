@@ -1,0 +1,161 @@
+"""The gateway stopping on SIGTERM (its server's signal handler, called as the signal would), in
+front of fake replicas on 127.0.0.1: refuse new requests, fail queued ones, let open ones finish up
+to drain_timeout_s, then end the rest with a `draining` error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from corral_gateway.app import GatewayApp, create_app
+from corral_gateway.drain import Drain, DrainingServer
+from corral_gateway.settings import GatewaySettings
+
+from tests.gateway.conftest import FakeEngine, serve
+from tests.gateway.test_gateway_proxy import eventually
+
+STREAM = {"model": "m", "prompt": "x", "stream": True}
+
+
+@dataclass
+class Gateway:
+    client: httpx.AsyncClient
+    app: GatewayApp
+    server: DrainingServer
+    task: asyncio.Task[None]
+
+    def sigterm(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)
+
+
+@asynccontextmanager
+async def gateway(engines: list[FakeEngine], **settings: Any) -> AsyncIterator[Gateway]:
+    async with AsyncExitStack() as stack:
+        urls = [(await stack.enter_async_context(serve(e.app())))[0] for e in engines]
+        app = create_app(GatewaySettings(backends={"m": urls}, poll_interval_s=0.02, **settings))
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="critical", lifespan="on", timeout_graceful_shutdown=3
+        )
+        server = DrainingServer(config, app.drain)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
+        )
+        try:
+            yield Gateway(client, app, server, task)
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 10)
+
+
+async def _done(task: asyncio.Task[Any]) -> bool:
+    return task.done()
+
+
+async def test_a_draining_gateway_refuses_new_requests_and_readiness_but_stays_alive() -> None:
+    async with gateway([FakeEngine(mode="hang")], drain_timeout_s=30) as gw:
+        stream = gw.client.stream("POST", "/v1/completions", json=STREAM)
+        async with stream as open_stream:  # keeps the drain from ending at once
+            gw.sigterm()
+            refused = await gw.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"] == {
+                "message": "The gateway is shutting down; retry the request.",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "draining",
+            }
+            # A keep-alive client is told to reconnect (through its Service, to another gateway).
+            assert refused.headers["connection"] == "close"
+            ready = await gw.client.get("/ready")
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
+            assert (await gw.client.get("/health")).status_code == 200  # liveness: still serving
+            assert open_stream.status_code == 200 and not gw.task.done()
+
+
+async def test_queued_requests_get_a_503_as_soon_as_the_drain_begins() -> None:
+    engine = FakeEngine(num_waiting=10)  # reports a long queue: saturated, requests queue
+    async with gateway([engine], queue_timeout_s=60, drain_timeout_s=30) as gw:
+
+        async def is_saturated_known() -> bool:
+            data = (await gw.client.get("/corral/replicas")).json()["models"]["m"]
+            return bool(data[0]["num_waiting"] >= 10)
+
+        await eventually(is_saturated_known)
+        queued = asyncio.create_task(gw.client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+
+        async def is_queued() -> bool:
+            metrics = (await gw.client.get("/metrics")).text
+            return 'corral_gateway_queue_length{model="m"} 1.0' in metrics
+
+        await eventually(is_queued)
+        gw.sigterm()
+        response = await asyncio.wait_for(queued, 5)  # not after queue_timeout_s nor the drain's 30 s
+        assert response.status_code == 503 and response.json()["error"]["code"] == "draining"
+        await eventually(lambda: _done(gw.task))  # nothing was open: the server stopped
+
+
+async def test_open_streams_finish_then_the_server_stops() -> None:
+    engine = FakeEngine(num_chunks=6, chunk_delay_s=0.1)
+    async with gateway([engine], drain_timeout_s=30) as gw:
+        async with gw.client.stream("POST", "/v1/completions", json=STREAM) as r:
+            chunks = r.aiter_raw()
+            first = await anext(chunks)
+            gw.sigterm()
+            body = first + b"".join([chunk async for chunk in chunks])
+        assert body.endswith(b'"i": 5, "served_by": "fake"}\n\ndata: [DONE]\n\n')
+        await eventually(lambda: _done(gw.task))
+
+
+async def test_requests_still_open_at_the_drain_timeout_end_with_a_draining_error() -> None:
+    engine = FakeEngine(mode="hang")  # a stream stalls after its first event; a whole answer never comes
+    async with gateway([engine], drain_timeout_s=0.3) as gw:
+        whole = asyncio.create_task(gw.client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+        async with gw.client.stream("POST", "/v1/completions", json=STREAM) as r:
+            chunks = r.aiter_raw()
+            first = await anext(chunks)
+            gw.sigterm()
+            body = first + b"".join([chunk async for chunk in chunks])
+        events = body.decode().split("\n\n")
+        assert events[0] == 'data: {"i": 0, "served_by": "fake"}'
+        assert events[-2:] == ["data: [DONE]", ""]
+        error = json.loads(events[-3].removeprefix("data: "))["error"]
+        assert error["code"] == "draining" and error["type"] == "service_unavailable"
+        response = await whole
+        assert response.status_code == 503 and response.json()["error"]["code"] == "draining"
+
+        async def upstreams_closed() -> bool:  # the replica aborts what nobody will read
+            return engine.num_active == 0 and engine.num_cancelled == 2
+
+        await eventually(upstreams_closed)
+        await eventually(lambda: _done(gw.task))
+
+
+def test_the_drain_ends_open_requests_only_once_its_time_is_up() -> None:
+    now = [0.0]
+    drain = Drain(10.0, clock=lambda: now[0])
+    assert not drain.poll()  # not begun
+    loop = asyncio.new_event_loop()
+    try:
+        ended = loop.create_future()
+        with drain.tracking(ended):
+            drain.begin()
+            now[0] = 9.9
+            assert not drain.poll() and not ended.done()
+            now[0] = 10.0
+            assert drain.poll() and ended.done() and drain.is_over
+    finally:
+        loop.close()
+    assert Drain(10.0).num_open == 0
