@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,41 +22,20 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+from corral_cli.listen import free_ports
 from corral_engine.sources.uri import parse_model_uri
 from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
-
-
-_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_PORTS = random.Random()
-
-
-def _first_ephemeral_port() -> int:
-    try:
-        return int(_EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default range is 32768-60999
+# A guard against a hang, not a measurement: a tiny-model engine starts in ~25 s on a busy 2-core
+# machine, and took over 120 s twice at load average 7-11 (weight prepacking alone 51 s).
+READY_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
-    """A port nothing is bound to, below the kernel's ephemeral range.
-
-    A server binds its port some time after the pick (an engine, after loading its model), and a
-    port-0 pick is an ephemeral port: in that gap the kernel can hand the same one to any port-0
-    bind or outgoing connection on the machine (a tensor-parallel engine's gloo connections took
-    one that way, and the engine's listen then failed with "address already in use"). Ports
-    below the range are only ever taken by asking for them."""
-    top = _first_ephemeral_port()
-    for _ in range(1000):
-        port = _PORTS.randrange(max(1024, top - 12000), top)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port on {HOST} below {top}")
+    """A port nothing is bound to, below the kernel's ephemeral range (corral_cli.listen.free_ports
+    says why: a server binds its port some time after the pick)."""
+    return free_ports(HOST, 1)[0]
 
 
 def flags_to_argv(flags: dict[str, Any]) -> list[str]:
@@ -99,7 +76,7 @@ class ManagedProcess:
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -175,7 +152,7 @@ def start_engine(
     *,
     log_dir: str | Path | None = None,
     env: dict[str, str] | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float = READY_TIMEOUT_S,
     **flags: Any,
 ) -> EngineProcess:
     """Start `corral engine --model DIR` with `flags` (python names: max_waiting=4) and wait for /health."""

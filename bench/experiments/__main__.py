@@ -83,8 +83,17 @@ def main(argv: list[str] | None = None) -> int:
             log.error("render needs a result.json path")
             return 2
         return _render(args.result)
-    # SIGTERM unwinds like Ctrl-C, so the engine processes of the current run are stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM unwinds like Ctrl-C, so the engine processes of the current run are stopped; the
+    # caller's handler comes back after (main runs inside pytest too, where ours outlived the test
+    # and turned a later SIGTERM to pytest into a SystemExit failing whichever test was running).
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     from bench.experiments import source as engine_source
     from bench.experiments.execute import ensure_model, run_experiment
 

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
 from corral_cli.flags import port_number
 from corral_cli.heap import freeze_startup_heap
-from corral_cli.listen import cannot_listen
+from corral_cli.listen import cannot_listen, free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the engines' logs here (default: a temporary directory, removed when the fleet "
         "stops cleanly and kept, with its path logged, when something failed)",
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
@@ -225,21 +218,6 @@ def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     return {name: [list(flags) for _ in range(_replicas(args))]}
 
 
-def _free_ports(count: int) -> list[int]:
-    """`count` consecutive free ports (a simulated fleet listens on --port and the ones after)."""
-    for _ in range(50):
-        base = _free_port()
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            return list(range(base, base + count))
-        except OSError:
-            continue
-    raise RuntimeError(f"found no {count} consecutive free ports")
-
-
 def _die_with_parent() -> None:
     """In the engine child: get SIGTERM if `corral up` itself dies (even by SIGKILL). Linux only."""
     import ctypes
@@ -282,7 +260,7 @@ class _Engine:
         log_flags: list[str],
         num_replicas: int = 1,
     ) -> None:
-        ports = _free_ports(num_replicas)
+        ports = free_ports("127.0.0.1", num_replicas)  # a simulated fleet listens on several
         self.port = ports[0]
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.log_path = log_dir / f"engine-{self.port}.log"

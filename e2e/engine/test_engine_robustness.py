@@ -161,8 +161,10 @@ async def test_fifty_streaming_clients_hanging_up_free_everything(engine: Engine
             "ignore_eos": True,
         }
         # Gone long before its answer on any CPU: 400 tokens in 0.1 s would take 250 us a step,
-        # a fraction of the step loop's own Python time at this batch size.
-        async with httpx.AsyncClient(base_url=engine.url, timeout=0.1) as client:
+        # a fraction of the step loop's own Python time at this batch size. Only the wait for the
+        # answer is that short: 0.1 s to connect, beside 50 streams opening, was a ConnectTimeout
+        # on a loaded machine.
+        async with httpx.AsyncClient(base_url=engine.url, timeout=httpx.Timeout(60, read=0.1)) as client:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(C, json=body)
 

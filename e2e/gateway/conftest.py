@@ -32,7 +32,7 @@ def start_gateway(backends: dict[str, list[str]], config_dir: Path, **settings: 
 
 def restart_engine(model_dir: Path, port: int, **flags: Any) -> EngineProcess:
     engine = EngineProcess(model_dir, port, {"served_model_name": MODEL, **flags})
-    engine.wait_ready(120)
+    engine.wait_ready()
     return engine
 
 

@@ -191,6 +191,7 @@ class KubernetesWatcher:
             self._loop.call_soon_threadsafe(self.on_change, found)
 
     def _run(self, target: Watch) -> None:
+        import urllib3
         from kubernetes import client, config, watch
 
         try:
@@ -226,7 +227,9 @@ class KubernetesWatcher:
                 else:
                     logger.warning("%s watch in %s ended (HTTP %s); re-listing", stream, scope, e.status)
                 self._stop.wait(_RETRY_DELAY_S)
-            except (OSError, ValueError) as e:  # urllib3 errors derive from OSError / ValueError
+            except (OSError, ValueError, urllib3.exceptions.HTTPError) as e:
+                # A refused connection (an API server restarting) is urllib3's MaxRetryError, no
+                # OSError: uncaught, it ended this thread and the watch with it, for good.
                 logger.warning("%s watch in %s failed: %s; retrying", stream, scope, e)
                 self._stop.wait(_RETRY_DELAY_S)
 

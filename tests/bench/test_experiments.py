@@ -166,3 +166,20 @@ def test_render_command_rewrites_table_and_plot(tmp_path, capsys):
     assert (tmp_path / "experiments-preemptions.png").is_file()
     assert "| 2 | 5 |" in capsys.readouterr().out
     assert experiments_main(["render", str(tmp_path / "missing.json")]) == 1
+
+
+def test_a_run_gives_the_callers_sigterm_handler_back(tmp_path, monkeypatch):
+    """main() runs inside pytest (e2e/bench): its SIGTERM-to-SystemExit handler outlived the run and
+    made the SIGTERM that later stopped pytest a SystemExit failing whichever test was running."""
+    import signal
+
+    from bench.experiments import execute
+
+    def no_model(*_args):
+        raise ValueError("no model here")  # the run's first step after the handler is set
+
+    monkeypatch.setattr(execute, "ensure_model", no_model)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError, match="no model here"):
+        experiments_main(["preemptions", "--quick", "--out", str(tmp_path)])
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
-from corral_cli import cmd_up
+from corral_cli import cmd_up, listen
 from corral_cli.cmd_engine import add_arguments as add_engine_arguments
 from corral_cli.cmd_engine import engine_args_from
 
@@ -65,8 +65,19 @@ def test_up_simulate_runs_every_replica_in_one_engine_process(tmp_path: Path) ->
     fleet = cmd_up._fleet(args)
     [(name, [flags])] = fleet.items()
     assert flags[-2:] == ["--simulate", "h100-llama3-8b"] and name == tmp_path.name
-    ports = cmd_up._free_ports(16)
+    ports = listen.free_ports("127.0.0.1", 16)
     assert ports == list(range(ports[0], ports[0] + 16))
+
+
+def test_engines_listen_below_the_ephemeral_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine binds its port after loading its model: an ephemeral port could meanwhile be taken
+    by an outgoing connection (another engine's gloo connections, a health poll)."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    monkeypatch.setattr(cmd_up.subprocess, "Popen", lambda *args, **kwargs: None)
+    for _ in range(20):
+        engine = cmd_up._Engine(["--model", str(tmp_path)], 1, tmp_path, [], num_replicas=4)
+        ports = [int(url.rsplit(":", 1)[1]) for url in engine.urls]
+        assert ports == list(range(engine.port, engine.port + 4)) and ports[-1] < first_ephemeral
 
 
 @pytest.mark.parametrize(

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from corral_cli.listen import free_ports
 
 
 def _up(tmp_path: Path, profile: str, model_dir: Path) -> subprocess.Popen[str]:
@@ -24,7 +18,7 @@ def _up(tmp_path: Path, profile: str, model_dir: Path) -> subprocess.Popen[str]:
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "HOME": str(tmp_path)}
     argv = [sys.executable, "-m", "corral_cli.main", "up", "--simulate", profile, "--model", str(model_dir)]
-    argv += ["--replicas", "2", "--port", str(_free_port())]
+    argv += ["--replicas", "2", "--port", str(free_ports("127.0.0.1", 1)[0])]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

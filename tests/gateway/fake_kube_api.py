@@ -94,11 +94,22 @@ def _handler(api: FakeKubeApi) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def serve(api: FakeKubeApi, directory: Path) -> Iterator[Path]:
-    """Serves `api` on a free port of 127.0.0.1; yields a kubeconfig for it."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(api))
+def serve(api: FakeKubeApi, directory: Path, listen_after: threading.Event | None = None) -> Iterator[Path]:
+    """Serves `api` on a free port of 127.0.0.1; yields a kubeconfig for it. With `listen_after`,
+    the port is bound but refuses connections (an API server restarting) until the event is set."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(api), bind_and_activate=False)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    server.server_bind()  # bound, not listening: connections are refused
+    if listen_after is None:
+        server.server_activate()
+
+    def serve_forever() -> None:
+        if listen_after is not None:
+            listen_after.wait()
+            server.server_activate()
+        server.serve_forever()
+
+    thread = threading.Thread(target=serve_forever, daemon=True)
     thread.start()
     kubeconfig = directory / "kubeconfig"
     cluster = {"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}
@@ -119,6 +130,8 @@ def serve(api: FakeKubeApi, directory: Path) -> Iterator[Path]:
         yield kubeconfig
     finally:
         api.close()
+        if listen_after is not None:
+            listen_after.set()  # shutdown() waits for serve_forever to have run
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,9 @@ def _pod(namespace: str, name: str, owner: str, ip: str) -> dict[str, Any]:
 
 
 async def _next_discovery(found: asyncio.Queue[Discovery], wanted: Callable[[Discovery], bool]) -> Discovery:
-    async with asyncio.timeout(20):  # a guard against a hang, not a measurement
+    # A guard against a hang, not a measurement: the first discovery includes importing the
+    # kubernetes client in the watcher's threads, 13 s on a loaded 2-core machine.
+    async with asyncio.timeout(60):
         while not wanted(latest := await found.get()):
             pass
     return latest
@@ -127,6 +131,34 @@ async def test_the_watcher_watches_each_namespace_and_pools_them_together(tmp_pa
         for ns in ("team-a", "team-b")
         for prefix, plural in (("/api/v1", "pods"), ("/apis/corral.dev/v1alpha1", "llmdeployments"))
     }
+
+
+async def test_the_watcher_outlives_an_api_server_that_refuses_connections(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An API server restarting refuses connections for a while: the watch retries and lists once it
+    answers (urllib3's refusal is no OSError; uncaught, it ended the watch's thread for good)."""
+    api = FakeKubeApi()
+    api.items[("team-a", "llmdeployments")] = [_llmd("team-a", "llama", "llama")]
+    api.items[("team-a", "pods")] = [_pod("team-a", "llama-0", "llama", "10.0.0.1")]
+    is_up = threading.Event()
+    found: asyncio.Queue[Discovery] = asyncio.Queue()
+    with serve(api, tmp_path, listen_after=is_up) as kubeconfig:
+        config = KubernetesDiscovery(
+            enabled=True, source="pods", namespaces=("team-a",), kubeconfig=kubeconfig
+        )
+        watcher = KubernetesWatcher(config, found.put_nowait)
+        with caplog.at_level(logging.WARNING, logger="corral_gateway.k8s_discovery"):
+            watcher.start(asyncio.get_running_loop())
+            try:
+                async with asyncio.timeout(60):  # a guard against a hang
+                    while "watch in namespace team-a failed" not in caplog.text:
+                        await asyncio.sleep(0.05)
+                is_up.set()
+                discovery = await _next_discovery(found, lambda d: True)
+            finally:
+                watcher.stop()
+    assert discovery.pools == {"llama": ["http://10.0.0.1:8100"]}
 
 
 def test_no_namespaces_is_one_watch_of_every_namespace() -> None:

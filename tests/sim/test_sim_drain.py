@@ -17,26 +17,11 @@ import sys
 
 import httpx
 import pytest
+from corral_cli.listen import free_ports
 
 # Slow steps (0.1 s each), so the stream below is still open when the signal comes.
 SLOW_PROFILE = {"kind": "fitted", "name": "slow", "num_kv_blocks": 256, "coefficients": [0.1, 0, 0, 0, 0]}
 NUM_TOKENS = 40
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` consecutive free ports on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            return list(range(base, base + count))
-        except OSError:
-            continue
-    raise RuntimeError(f"found no {count} consecutive free ports")
 
 
 def _start_fleet(
@@ -106,7 +91,7 @@ async def _health_after_signal(client: httpx.AsyncClient, url: str) -> httpx.Res
 def test_sigterm_drains_every_replica_and_lets_an_open_stream_finish(
     tmp_path: pathlib.Path, tiny_model_dir: pathlib.Path
 ) -> None:
-    ports = _free_ports(2)
+    ports = free_ports("127.0.0.1", 2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     proc = _start_fleet(tmp_path, tiny_model_dir, ports)
     try:
@@ -130,7 +115,7 @@ def test_a_stream_open_when_the_grace_period_ends_gets_an_error_and_done(
     tmp_path: pathlib.Path, tiny_model_dir: pathlib.Path, num_replicas: int
 ) -> None:
     """One replica is the engine server's own drain (`lifecycle.DrainingServer`), two the fleet's."""
-    ports = _free_ports(num_replicas)
+    ports = free_ports("127.0.0.1", num_replicas)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     proc = _start_fleet(tmp_path, tiny_model_dir, ports, drain_timeout_s=0.5)
     try:  # 200 steps of 0.1 s: far longer than the grace period
