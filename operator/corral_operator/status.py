@@ -112,7 +112,9 @@ def _restarted_after_crash(pod: Obj, cs: Obj) -> str | None:
     running = (cs.get("state") or {}).get("running")
     if cs.get("ready") or running is None or last.get("exitCode") in (None, 0):
         return None
-    ready = next((c for c in pod.get("status", {}).get("conditions") or () if c.get("type") == "Ready"), {})
+    ready: Obj = next(
+        (c for c in pod.get("status", {}).get("conditions") or () if c.get("type") == "Ready"), {}
+    )
     started, changed = running.get("startedAt"), ready.get("lastTransitionTime")
     if started and changed and changed > started:  # RFC 3339 UTC stamps compare as text
         return None
