@@ -26,16 +26,7 @@ def stream_outcome(url: str, started: cf.Future[None]) -> str:
     (then [DONE], as every stream ends)."""
     body = {"model": MODEL, "prompt": "A long story", "max_tokens": STREAM_TOKENS, "ignore_eos": True}
     body["stream_options"] = {"include_usage": True}  # a chunk may carry several tokens: count them
-    events = []
-    with (
-        httpx.Client(timeout=httpx.Timeout(60, connect=5)) as http,
-        http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r,
-    ):
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line.removeprefix("data: "))
-                if not started.done():
-                    started.set_result(None)
+    events = _stream_events(url, body, started)
     assert events[-1] == "[DONE]", events[-1]
     if "error" in json.loads(events[-2]):
         return "error"
