@@ -32,11 +32,11 @@ def test_the_startup_heap_is_collected_then_frozen_once(monkeypatch: pytest.Monk
 def test_the_gateway_command_serves_with_its_startup_heap_frozen(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import uvicorn
     from corral_cli import cmd_gateway
+    from corral_gateway.drain import DrainingServer
 
     serving_frozen: list[int] = []
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: serving_frozen.append(gc.get_freeze_count()))
+    monkeypatch.setattr(DrainingServer, "run", lambda *a, **k: serving_frozen.append(gc.get_freeze_count()))
     config = tmp_path / "gw.yaml"
     config.write_text("backends:\n  a: [http://127.0.0.1:9001]\n")
     assert cmd_gateway.run(build_parser(only="gateway").parse_args(["gateway", "--config", str(config)])) == 0

@@ -50,12 +50,12 @@ def test_up_flags_and_banner() -> None:
 def test_gateway_logs_its_effective_settings_once_without_secrets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import uvicorn
     from corral_cli import cmd_gateway
+    from corral_gateway.drain import DrainingServer
 
     config = tmp_path / "gw.yaml"
     config.write_text("backends:\n  a: [http://127.0.0.1:9001]\nupstream_api_key: sk-upstream-secret\n")
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr(DrainingServer, "run", lambda *a, **k: None)
     args = build_parser(only="gateway").parse_args(["gateway", "--config", str(config)])
     with caplog.at_level("INFO", logger=cmd_gateway.logger.name):
         assert cmd_gateway.run(args) == 0
