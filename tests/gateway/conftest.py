@@ -170,17 +170,22 @@ class FakeEngine:
         raise RuntimeError("replica died")
 
 
-@contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
-    """Run `app` with uvicorn on 127.0.0.1 and a free port inside the current event loop."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="on")
-    server = uvicorn.Server(config)
+async def start_serving(server: uvicorn.Server) -> tuple[asyncio.Task[None], int]:
+    """`server` serving in the current event loop, once it listens: (its task, its port)."""
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    return task, server.servers[0].sockets[0].getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Run `app` with uvicorn on 127.0.0.1 and a free port inside the current event loop."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="on")
+    server = uvicorn.Server(config)
+    task, port = await start_serving(server)
     try:
         yield f"http://127.0.0.1:{port}", server
     finally:

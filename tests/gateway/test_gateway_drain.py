@@ -18,7 +18,7 @@ from corral_gateway.app import GatewayApp, create_app
 from corral_gateway.drain import Drain, DrainingServer
 from corral_gateway.settings import GatewaySettings
 
-from tests.gateway.conftest import FakeEngine, serve
+from tests.gateway.conftest import FakeEngine, serve, start_serving
 from tests.gateway.test_gateway_proxy import eventually
 
 STREAM = {"model": "m", "prompt": "x", "stream": True}
@@ -44,12 +44,7 @@ async def gateway(engines: list[FakeEngine], **settings: Any) -> AsyncIterator[G
             app, host="127.0.0.1", port=0, log_level="critical", lifespan="on", timeout_graceful_shutdown=3
         )
         server = DrainingServer(config, app.drain)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
+        task, port = await start_serving(server)
         client = await stack.enter_async_context(
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
         )
