@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "by label (repeatable; the chart passes monitoring.labels)",
     )
     parser.add_argument(
+        "--monitor-interval",
+        default="15s",
+        metavar="DURATION",
+        help="how often Prometheus scrapes the engines through each LLMDeployment's ServiceMonitor "
+        "(e.g. 30s, 1m; default: 15s; the chart passes monitoring.interval)",
+    )
+    parser.add_argument(
         "--scrape-network",
         action="append",
         default=[],
@@ -105,6 +112,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         "metrics_file": args.metrics_file,
         "scrape_networks": tuple(args.scrape_network) or ANY_NETWORK,
         "monitor_labels": key_values(args.monitor_label, "--monitor-label"),
+        "monitor_interval": args.monitor_interval,
     }
     if args.priority is not None:
         given["priority"] = args.priority  # else from the start time: the newest replica works
@@ -131,7 +139,12 @@ def run(args: argparse.Namespace) -> int:
         metrics = FileSource(settings.metrics_file)
     elif settings.scrape_metrics:
         metrics = PodScrapeSource(allowed_networks=settings.scrape_networks)
-    ctx = Context(kube=Kube(), metrics=metrics, monitor_labels=settings.monitor_labels)
+    ctx = Context(
+        kube=Kube(),
+        metrics=metrics,
+        monitor_labels=settings.monitor_labels,
+        monitor_interval=settings.monitor_interval,
+    )
     if settings.metrics_port is not None:
         ctx.telemetry.serve(settings.metrics_port)
     kopf.run(

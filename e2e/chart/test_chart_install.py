@@ -82,7 +82,10 @@ def chart_operator(cluster: Cluster, rel: Release, log_dir: Path) -> Iterator[Ma
     kubeconfig = cluster.kubeconfig_for(*rel.identity("operator"))
     liveness_port = free_port()
     argv = _operator_argv(cluster, rel, kubeconfig, liveness_port)
-    with ManagedProcess(argv, liveness_port, name="operator", health_path="/healthz", log_dir=log_dir) as op:
+    env = _operator_env(cluster, rel)
+    with ManagedProcess(
+        argv, liveness_port, name="operator", health_path="/healthz", log_dir=log_dir, env=env
+    ) as op:
         op.wait_ready(60)
         yield op
         log = op.log_tail(200_000)
@@ -140,6 +143,18 @@ def _operator_argv(cluster: Cluster, rel: Release, kubeconfig: Path, liveness_po
     return argv
 
 
+def _operator_env(cluster: Cluster, rel: Release) -> dict[str, str]:
+    """The chart's operator environment, a downward-API field read from one of its (kwok) pods."""
+    (container,) = _deployment(cluster, rel, "operator")["spec"]["template"]["spec"]["containers"]
+    selector = f"app.kubernetes.io/instance={rel.name},app.kubernetes.io/component=operator"
+    pod = cluster.get_json("pods", "-n", rel.namespace, "-l", selector)["items"][0]
+    env = {}
+    for var in container.get("env") or ():
+        field = (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        env[var["name"]] = var["value"] if "value" in var else pod["metadata"][field.split(".", 1)[1]]
+    return env
+
+
 def _gateway_config(cluster: Cluster, rel: Release, kubeconfig: Path, path: Path) -> Path:
     config_map = cluster.get_json("configmap", f"{rel.name}-gateway", "-n", rel.namespace)
     settings = yaml.safe_load(config_map["data"]["gateway.yaml"])
@@ -184,6 +199,12 @@ def test_chart_operator_and_gateway_serve_the_example(
     cluster, ns = k8s_cluster, k8s_namespace
     gateway_kubeconfig = cluster.kubeconfig_for(*release.identity("gateway"))
     with chart_operator(cluster, release, tmp_path):
+        # kopf names its peer after its pod (the chart's POD_ID), not user@host/time/random
+        pod_id = _operator_env(cluster, release)["POD_ID"]
+        cluster.wait_until(
+            "the operator's peer named after its pod",
+            lambda: pod_id in (cluster.get_json("clusterkopfpeering", release.name).get("status") or {}),
+        )
         example, pod_ips = _reconcile_example(cluster, ns, replicas=2)
         port = example["spec"]["engine"]["port"]
         engine_argv = [sys.executable, "-m", "corral_cli.main", "engine", "--model", str(tiny_model_dir)]

@@ -138,8 +138,8 @@ def test_spec_change_rolls_the_deployment_and_observed_generation_follows(
     replica_sets = cluster.get_json("replicasets", "-n", ns, "-l", labels.selector_string("roll"))["items"]
     assert len({rs["metadata"]["labels"]["pod-template-hash"] for rs in replica_sets}) == 3
 
-    def rollout_events() -> list[str]:
-        selector = "involvedObject.kind=LLMDeployment,involvedObject.name=roll,reason=RollingOut"
+    def rollout_events(reason: str = "RollingOut") -> list[str]:
+        selector = f"involvedObject.kind=LLMDeployment,involvedObject.name=roll,reason={reason}"
         events = cluster.get_json("events", "-n", ns, "--field-selector", selector)["items"]
         return sorted(e["message"] for e in events)
 
@@ -148,6 +148,12 @@ def test_spec_change_rolls_the_deployment_and_observed_generation_follows(
     assert rollout_events() == [
         "generation 2: new pods for the changed engine args",
         "generation 3: new pods for the changed image",
+    ]
+    # ... and when its new pods all run and are ready (the first revision, at creation, is no rollout)
+    cluster.wait_until("RolledOut Events", lambda: len(rollout_events("RolledOut")) == 2)
+    assert rollout_events("RolledOut") == [
+        "generation 2: 1/1 replicas run the new pods and are ready",
+        "generation 3: 1/1 replicas run the new pods and are ready",
     ]
 
 
@@ -315,3 +321,33 @@ def test_scale_up_and_rollout_keep_ready_and_observed_generation_only_moves_forw
         (e["reason"], e["message"]) for e in events if e["source"].get("component") == EVENT_SOURCE
     )
     assert ours and max(ours.values()) == 1, ours
+    # the scale to 4 replaced no pods: only the rollout of generation 3 says it finished
+    rolled_out = [m for (reason, m) in ours if reason == "RolledOut"]
+    assert rolled_out == ["generation 3: 4/4 replicas run the new pods and are ready"], ours
+
+
+def test_pod_security_admission_gates_what_an_llmdeployment_may_run(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    """An LLMDeployment may ask for what a pod spec may (a hostPath here): the namespace's Pod Security
+    level is what refuses it, and status says so (examples/README.md, "Pod escape hatches"). The
+    operator's own pod defaults pass `restricted`."""
+    cluster, ns = operator_installed, k8s_namespace
+    cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
+    start_operator()
+    cluster.apply(yaml.safe_dump(llmdeployment("on-host", ns, replicas=1)))
+    on_pvc = llmdeployment("on-pvc", ns, replicas=1)
+    on_pvc["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}}
+    cluster.apply(yaml.safe_dump(on_pvc))
+
+    def refused() -> dict | None:
+        degraded = condition(get_llmd(cluster, ns, "on-host"), "Degraded")
+        return degraded if degraded.get("reason") == "ReplicaFailure" else None
+
+    degraded = cluster.wait_until("on-host refused", refused)
+    assert degraded["status"] == "True" and "PodSecurity" in degraded["message"], degraded
+    assert "hostPath" in degraded["message"], degraded
+    selector = labels.selector_string("on-pvc")
+    cluster.wait_until(
+        "on-pvc pod admitted", lambda: cluster.get_json("pods", "-n", ns, "-l", selector)["items"]
+    )

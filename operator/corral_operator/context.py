@@ -27,6 +27,7 @@ class Context:
     kube: Kube
     metrics: MetricsSource | None = None
     monitor_labels: Mapping[str, str] = field(default_factory=dict)  # OperatorSettings.monitor_labels
+    monitor_interval: str = "15s"  # OperatorSettings.monitor_interval
     telemetry: OperatorMetrics = field(default_factory=OperatorMetrics)
     _crds_checked_at: float = -1e9
     _crds: frozenset[str] = frozenset()

@@ -128,6 +128,10 @@ def _tick(
         if isinstance(generation, int) and generation < memo.get("generation", 0):
             # Read before a tick that held the lock ran on a newer spec (a timer waits here while an
             # update, often our own replicas patch, is handled): acting on it would undo that one.
+            # An update's change still happened if that tick applied this spec or a later one (a
+            # timer's replicas patch can land between the apply of a change and its update handler).
+            if change is not None and memo.get("applied_generation", 0) >= generation:
+                _post(body, [change])
             return
         try:
             state = memo.get("autoscaler") or seed_state(body.get("status") or {})
@@ -142,6 +146,8 @@ def _tick(
                 ctx, body, load=scaled.load, is_load_known=scaled.is_load_known, recorded=recorded
             )
             memo["recorded"] = {}
+            if isinstance(generation, int) and not (outcome.spec_error or outcome.apply_error):
+                memo["applied_generation"] = generation
         except (KubeError, SpecError) as e:
             ctx.telemetry.count_error(error_reason(e))
             raise to_kopf(e) from e

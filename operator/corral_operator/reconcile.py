@@ -62,7 +62,9 @@ def _apply_all(
     ctx: Context, owner: Owner, spec: LLMDeploymentSpec, now_s: float
 ) -> tuple[str | None, list[str]]:
     crds = ctx.installed_crds(now_s)
-    desired = render.desired_objects(owner, spec, crds=crds, monitor_labels=ctx.monitor_labels)
+    desired = render.desired_objects(
+        owner, spec, crds=crds, monitor_labels=ctx.monitor_labels, monitor_interval=ctx.monitor_interval
+    )
     try:
         for obj in desired:
             ctx.kube.apply(obj)
@@ -222,4 +224,5 @@ def _finish(
         log.info("%s/%s: status updated: %s", owner.namespace, owner.name, summary)
         break
     events = status_mod.transitions(obs.previous.get("conditions") or (), new_status["conditions"])
+    events += status_mod.rollout_events(obs.previous, new_status, obs.generation)
     return Outcome(new_status, events, spec_error=obs.spec_error, apply_error=obs.apply_error)

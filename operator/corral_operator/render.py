@@ -259,9 +259,11 @@ def pod_disruption_budget(owner: Owner, spec: LLMDeploymentSpec) -> Obj:
     }
 
 
-def service_monitor(owner: Owner, spec: LLMDeploymentSpec, extra_labels: Mapping[str, str] = {}) -> Obj:
-    """Scrapes the engines; `extra_labels` are what the cluster's Prometheus selects monitors by
-    (the operator's own labels win a clash)."""
+def service_monitor(
+    owner: Owner, spec: LLMDeploymentSpec, extra_labels: Mapping[str, str] = {}, interval: str = "15s"
+) -> Obj:
+    """Scrapes the engines every `interval`; `extra_labels` are what the cluster's Prometheus selects
+    monitors by (the operator's own labels win a clash)."""
     metadata = _metadata(owner, spec)
     metadata["labels"] = {**extra_labels, **metadata["labels"]}
     return {
@@ -272,7 +274,7 @@ def service_monitor(owner: Owner, spec: LLMDeploymentSpec, extra_labels: Mapping
             "selector": {"matchLabels": labels.selector(owner.name)},
             # Series say which LLMDeployment they come from (KEDA's triggers select by it).
             "podTargetLabels": [labels.INSTANCE],
-            "endpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": "15s"}],
+            "endpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": interval}],
         },
     }
 
@@ -283,13 +285,18 @@ def endpoint_url(owner: Owner, spec: LLMDeploymentSpec) -> str:
 
 
 def desired_objects(
-    owner: Owner, spec: LLMDeploymentSpec, *, crds: Collection[str], monitor_labels: Mapping[str, str] = {}
+    owner: Owner,
+    spec: LLMDeploymentSpec,
+    *,
+    crds: Collection[str],
+    monitor_labels: Mapping[str, str] = {},
+    monitor_interval: str = "15s",
 ) -> list[Obj]:
     """Everything the spec asks for; objects of optional CRDs (ServiceMonitor, ScaledObject) only
     when `crds` (installed CRD names) has them."""
     objects = [deployment(owner, spec), service(owner, spec), pod_disruption_budget(owner, spec)]
     if SERVICE_MONITOR_CRD in crds:
-        objects.append(service_monitor(owner, spec, monitor_labels))
+        objects.append(service_monitor(owner, spec, monitor_labels, monitor_interval))
     mode = spec.autoscaling.mode if spec.autoscaling else None
     if mode == "hpa":
         objects.append(autoscalers.horizontal_pod_autoscaler(_metadata(owner, spec), spec))

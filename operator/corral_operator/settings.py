@@ -48,6 +48,10 @@ class OperatorSettings(BaseSettings):
     # Labels on each LLMDeployment's ServiceMonitor: what a Prometheus selects monitors by (the
     # chart passes monitoring.labels, e.g. release: kube-prometheus-stack).
     monitor_labels: dict[str, str] = Field(default_factory=dict)
+    # How often Prometheus scrapes the engines through that ServiceMonitor (the chart passes
+    # monitoring.interval); the Prometheus Operator's duration format, checked here so a typo fails
+    # at start-up rather than every ServiceMonitor apply.
+    monitor_interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$")
 
     @field_validator("scrape_networks")
     @classmethod

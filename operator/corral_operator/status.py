@@ -26,6 +26,9 @@ Obj = dict[str, Any]
 IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 CRASH_REASONS = {"CrashLoopBackOff"}
 MAX_MESSAGE = 1000
+# Set by the Deployment controller; it moves only when the pod template changes (a new ReplicaSet),
+# never on a scale.
+REVISION_ANNOTATION = "deployment.kubernetes.io/revision"
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +232,22 @@ def progressing(obs: Observed, ready: int) -> Obj:
     return _condition("Progressing", False, "RolloutComplete", f"{want} replicas up to date")
 
 
+def rolled_out_revision(deployment: Obj | None) -> int | None:
+    """The Deployment's revision once every replica runs its pod template and is available (its
+    controller has seen its latest spec, updated == replicas == available == spec.replicas > 0);
+    None while a rollout or scale is under way, at zero replicas, or without a Deployment."""
+    if deployment is None:
+        return None
+    meta, st = deployment.get("metadata") or {}, deployment.get("status") or {}
+    revision = (meta.get("annotations") or {}).get(REVISION_ANNOTATION, "")
+    want = (deployment.get("spec") or {}).get("replicas")
+    is_current = st.get("observedGeneration", 0) >= meta.get("generation", 0)
+    counts = (st.get("updatedReplicas"), st.get("replicas"), st.get("availableReplicas"))
+    if not (revision.isdigit() and is_current and isinstance(want, int) and want > 0):
+        return None
+    return int(revision) if counts == (want, want, want) else None
+
+
 def _keep_transition_times(new: list[Obj], previous: Sequence[Obj], now: str, generation: int) -> list[Obj]:
     old = {c.get("type"): c for c in previous}
     out = []
@@ -260,6 +279,7 @@ def compute(obs: Observed, now: str) -> Obj:
         "selector": obs.selector,
         "endpoint": obs.endpoint,
         "tensorParallelSize": obs.tensor_parallel_size,
+        "rolledOutRevision": rolled_out_revision(obs.deployment) or obs.previous.get("rolledOutRevision"),
         "conditions": _keep_transition_times(
             conditions, obs.previous.get("conditions") or (), now, obs.generation
         ),
@@ -293,3 +313,15 @@ def transitions(previous: Sequence[Obj], current: Sequence[Obj]) -> list[Event]:
         elif kind == "Available" and status == "False" and old.get(kind, (None,))[0] == "True":
             events.append(Event("Warning" if reason != "ScaledToZero" else "Normal", reason, cond["message"]))
     return events
+
+
+def rollout_events(previous: Obj, current: Obj, generation: int) -> list[Event]:
+    """`RolledOut` once the pods of a new template all run and are ready: once per Deployment
+    revision, so a scale (same template) posts nothing. The first revision status records (a new
+    LLMDeployment, or one from before this field) posts nothing either: no update rolled out."""
+    before, now = previous.get("rolledOutRevision"), current.get("rolledOutRevision")
+    if before is None or now is None or now == before:
+        return []
+    n = current.get("updatedReplicas", 0)
+    message = f"generation {generation}: {n}/{n} replicas run the new pods and are ready"
+    return [Event("Normal", "RolledOut", message)]

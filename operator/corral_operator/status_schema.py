@@ -46,6 +46,11 @@ class LLMDeploymentStatus(SpecModel):
     tensor_parallel_size: int | None = Field(
         default=None, description="Ranks (GPUs) one replica spans: --tensor-parallel-size."
     )
+    rolled_out_revision: int | None = Field(
+        default=None,
+        description="The child Deployment's revision (deployment.kubernetes.io/revision) whose pods last "
+        "all ran and were ready; a new one posts a RolledOut Event.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Available, Progressing, Degraded."
     )

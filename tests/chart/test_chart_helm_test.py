@@ -81,3 +81,15 @@ def test_helm_test_pod_schedules_where_the_gateway_does(helm: Helm, tmp_path: Pa
     ]
     default = gateway_test_pod(helm.template(None))["spec"]
     assert "nodeSelector" not in default and "tolerations" not in default
+
+
+def test_helm_test_pod_resources_come_from_values(helm: Helm, tmp_path: Path) -> None:
+    """A namespace whose LimitRange or ResourceQuota asks for CPU limits refuses a pod without one."""
+    resources = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "200m", "memory": "64Mi"}}
+    (container,) = gateway_test_pod(helm.render({"tests": {"resources": resources}}))["spec"]["containers"]
+    assert container["resources"] == resources
+    (default,) = gateway_test_pod(helm.template(None))["spec"]["containers"]
+    assert default["resources"] == {
+        "requests": {"cpu": "10m", "memory": "32Mi"},
+        "limits": {"memory": "128Mi"},
+    }

@@ -129,10 +129,26 @@ def test_extra_env_reaches_both_components_with_value_from(helm: Helm) -> None:
     for component in COMPONENTS:
         (deployment,) = find(objects, "Deployment", component)
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        assert container["env"] == env
+        assert container["env"] == (OPERATOR_ENV if component == "operator" else []) + env
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
     (operator,) = find(helm.template(None), "Deployment", "operator")
-    assert "env" not in operator["spec"]["template"]["spec"]["containers"][0]
+    assert operator["spec"]["template"]["spec"]["containers"][0]["env"] == OPERATOR_ENV
+
+
+# kopf names a peer by this variable when it is set (kopf._core.engines.peering.detect_own_id).
+OPERATOR_ENV = [{"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+
+
+def test_kopf_names_each_operator_peer_after_its_pod(helm: Helm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peering records (`kubectl get clusterkopfpeering -o yaml`) read as pod names, and a restarted
+    container keeps its identity (its new record replaces its dead one)."""
+    from kopf._core.engines.peering import detect_own_id
+
+    (operator,) = find(helm.template(None), "Deployment", "operator")
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    (pod_id,) = [e for e in container["env"] if e["valueFrom"] == OPERATOR_ENV[0]["valueFrom"]]
+    monkeypatch.setenv(pod_id["name"], "corral-operator-7d9f-abcde")
+    assert detect_own_id(manual=False) == "corral-operator-7d9f-abcde"
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from corral_cli.chartgen.files import stale_files
 from corral_cli.chartgen.values import Values
+from corral_cli.cmd_operator import settings_from_args
 from corral_cli.main import build_parser
 from corral_gateway.settings import GatewaySettings
 from corral_operator import labels, rbac
@@ -376,6 +377,13 @@ def test_monitoring_labels_reach_the_operators_service_monitors(helm: Helm) -> N
     objects = helm.template(None, "--set-json", 'monitoring.labels={"release":"kube-prometheus-stack"}')
     (operator,) = find(objects, "Deployment", "operator")
     assert "--monitor-label=release=kube-prometheus-stack" in _args(operator)
+
+
+def test_monitoring_interval_reaches_the_operators_service_monitors(helm: Helm) -> None:
+    """The engines' ServiceMonitors scrape as often as the chart's own monitors."""
+    (operator,) = find(helm.template(None, "--set", "monitoring.interval=1m"), "Deployment", "operator")
+    args = build_parser().parse_args(_args(operator))
+    assert settings_from_args(args).monitor_interval == "1m"
 
 
 def test_gateway_config_takes_the_gateways_own_settings(helm: Helm) -> None:

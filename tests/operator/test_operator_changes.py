@@ -7,7 +7,7 @@ from typing import Any
 
 import kopf
 import pytest
-from corral_operator import handlers
+from corral_operator import handlers, labels
 from corral_operator.changes import update_event
 from corral_operator.status import Event
 
@@ -80,3 +80,33 @@ def test_an_update_that_is_not_applied_says_nothing_of_a_rollout(posted: list[tu
     spec["engine"]["image"] = "engine:v2"
     _update(kube, spec, 2, _diff(("spec", "engine", "image")), kopf.Memo(ctx=make_ctx(kube)))
     assert [p[1] for p in posted] == ["ApplyFailed"]
+
+
+def test_a_change_applied_by_a_tick_that_raced_its_update_handler_still_posts_rolling_out(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    """A tick took the lock first, applied generation 2 (a new image) and patched replicas (a wake
+    here): its update handler then sees an older generation than the memo's and skips the body, but
+    the rollout it describes is under way."""
+    kube = FakeKube()
+    memo = kopf.Memo(ctx=make_ctx(kube))
+    spec = valid_spec() | {"replicas": 0, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}
+    spec["engine"]["image"] = "engine:v2"
+    woken = body(spec, generation=2)
+    woken["metadata"]["annotations"] = {labels.WAKE_ANNOTATION: "1970-01-01T00:25:00Z"}
+    handlers.on_change(body=kopf.Body(woken), memo=memo, logger=logging.getLogger("test"))  # type: ignore[arg-type]
+    assert ("replicas", 1) in kube.writes and memo["generation"] == 3
+    posted.clear()
+    _update(kube, spec, 2, _diff(("spec", "engine", "image")), memo)
+    assert posted == [("Normal", "RollingOut", "generation 2: new pods for the changed image")]
+
+
+def test_a_skipped_update_whose_spec_no_tick_applied_posts_nothing(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    kube = FakeKube()
+    memo = kopf.Memo(ctx=make_ctx(kube), generation=3)  # a tick patched replicas, but its apply failed
+    spec = valid_spec()
+    spec["engine"]["image"] = "engine:v2"
+    _update(kube, spec, 2, _diff(("spec", "engine", "image")), memo)
+    assert posted == [] and kube.writes == []

@@ -454,6 +454,34 @@ def test_two_writers_from_one_read_post_a_transitions_events_once() -> None:
     assert second.events == []
 
 
+def test_the_operators_monitor_settings_reach_each_service_monitor() -> None:
+    kube = FakeKube()
+    kube.served = frozenset({"ServiceMonitor"})
+    ctx = Context(kube=kube, monitor_labels={"release": "kps"}, monitor_interval="1m")  # type: ignore[arg-type]
+    reconcile(ctx, body(valid_spec()), now_s=0)
+    monitor = kube.objects[("ServiceMonitor", "ml", "tiny")]
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["spec"]["endpoints"][0]["interval"] == "1m"
+
+
+def test_the_writer_that_records_a_finished_rollout_posts_rolled_out_once() -> None:
+    kube = FakeKube()
+    ctx = make_ctx(kube)
+    reconcile(ctx, body(valid_spec()), now_s=0)
+    running(kube, ready=2)
+    dep = kube.objects[("Deployment", "ml", "tiny")]
+    dep["metadata"]["annotations"] = {"deployment.kubernetes.io/revision": "1"}
+    dep["status"]["availableReplicas"] = 2
+    read = copy.deepcopy(kube.store_cr(body(valid_spec(), generation=2)))
+    assert "RolledOut" not in [e.reason for e in reconcile(ctx, read, apply=False, now_s=1).events]
+    dep["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "2"  # new pods, all ready
+    read = copy.deepcopy(kube.objects[("LLMDeployment", "ml", "tiny")])
+    first = reconcile(ctx, read, apply=False, now_s=2)
+    second = reconcile(ctx, read, apply=False, now_s=2)  # the Deployment-event refresh and a tick
+    assert [e.reason for e in first.events] == ["RolledOut"]
+    assert second.events == []
+
+
 def test_replicas_outside_the_autoscaling_bounds_never_reach_the_deployment() -> None:
     kube = FakeKube()
     spec = valid_spec() | {"replicas": 8, "autoscaling": {"minReplicas": 1, "maxReplicas": 1}}

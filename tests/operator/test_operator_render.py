@@ -494,6 +494,12 @@ def test_service_monitors_carry_the_labels_prometheus_selects_by() -> None:
     assert "release" not in deployment["metadata"]["labels"]
 
 
+def test_service_monitors_scrape_at_the_operators_interval() -> None:
+    objects = render.desired_objects(OWNER, _spec(), crds={render.SERVICE_MONITOR_CRD}, monitor_interval="1m")
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert [e["interval"] for e in monitor["spec"]["endpoints"]] == ["1m"]
+
+
 def test_two_deployments_of_one_model_scale_on_their_own_pods_load() -> None:
     """KEDA's engine triggers select this LLMDeployment's pods by the label its ServiceMonitor copies
     onto every series, not by the model name another LLMDeployment in the namespace may share."""

@@ -156,6 +156,14 @@ def test_events_name_the_operator_as_their_source() -> None:
     assert settings.posting.reporting_instance not in ("", "dev")
 
 
+def test_the_monitor_interval_comes_from_its_flag_and_a_typo_fails_at_start_up() -> None:
+    parse = build_parser(only="operator").parse_args
+    assert settings_from_args(parse(["operator"])).monitor_interval == "15s"
+    assert settings_from_args(parse(["operator", "--monitor-interval", "30s"])).monitor_interval == "30s"
+    with pytest.raises(ValueError, match="monitor_interval"):
+        settings_from_args(parse(["operator", "--monitor-interval", "30 seconds"]))
+
+
 def test_monitor_labels_come_from_repeated_flags() -> None:
     args = build_parser(only="operator").parse_args(
         ["operator", "--monitor-label", "release=kps", "--monitor-label", "team=a=b"]

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from corral_operator.autoscaler import Load
-from corral_operator.status import Observed, compute, transitions
+from corral_operator.status import Event, Observed, compute, rollout_events, transitions
 
 NOW = "2026-01-01T00:00:00Z"
 
@@ -289,3 +289,41 @@ def test_a_crash_looping_engine_between_back_offs_stays_degraded_without_recover
     for fine in (serving, clean, busy):
         st = compute(observed(deployment=deployment(2, 2), pods=[fine]), NOW)
         assert cond(st, "Degraded")["status"] == "False"
+
+
+def rolled(revision: int, replicas: int, updated: int, available: int, observed: int = 5) -> dict:
+    """A Deployment at `revision` (its controller's annotation) at generation 5."""
+    return {
+        "metadata": {"generation": 5, "annotations": {"deployment.kubernetes.io/revision": str(revision)}},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "updatedReplicas": updated,
+            "readyReplicas": available,
+            "availableReplicas": available,
+        },
+    }
+
+
+def test_rolled_out_once_when_every_replica_runs_the_new_template_and_is_ready() -> None:
+    before = {"rolledOutRevision": 1}
+    for partway in (rolled(2, 3, 1, 3), rolled(2, 3, 3, 2), rolled(2, 3, 3, 3, observed=4)):
+        st = compute(observed(deployment=partway, previous=before), NOW)
+        assert st["rolledOutRevision"] == 1 and rollout_events(before, st, 3) == []
+    done = compute(observed(deployment=rolled(2, 3, 3, 3), previous=before), NOW)
+    assert done["rolledOutRevision"] == 2
+    assert rollout_events(before, done, 3) == [
+        Event("Normal", "RolledOut", "generation 3: 3/3 replicas run the new pods and are ready")
+    ]
+    assert rollout_events(done, done, 3) == []  # the next tick: said once
+
+
+def test_a_scale_or_the_first_revision_seen_is_not_a_rollout() -> None:
+    settled = {"rolledOutRevision": 2}
+    scaled = compute(observed(deployment=rolled(2, 5, 5, 5), previous=settled), NOW)
+    assert scaled["rolledOutRevision"] == 2 and rollout_events(settled, scaled, 4) == []
+    created = compute(observed(deployment=rolled(1, 1, 1, 1)), NOW)
+    assert created["rolledOutRevision"] == 1 and rollout_events({}, created, 1) == []
+    asleep = compute(observed(deployment=rolled(3, 0, 0, 0), previous=settled), NOW)
+    assert asleep["rolledOutRevision"] == 2  # the new template rolls out when it wakes

@@ -296,6 +296,10 @@ class Tests(_Values):
         default="", description="Model to send the chat completion to; empty: the first listed."
     )
     api_key: TestApiKey = Field(default_factory=TestApiKey)
+    resources: dict[str, Any] = Field(
+        default_factory=lambda: {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+        description="The test pod's container resources.",
+    )
 
 
 class Values(_Values):
