@@ -16,8 +16,12 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from corral_cli.flags import checked, positive_int
+
+if TYPE_CHECKING:
+    from corral_engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +121,19 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=engine_args.max_num_batched_tokens,
         max_model_len=engine.max_model_len,
         block_size=engine_args.block_size,
+        kv_bytes_per_token=_kv_bytes_per_token(engine),
     )
     report = profile.to_json() | {"median_fit_error": statistics.median(errors), "num_steps": len(times_s)}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     log.info("wrote %s", args.out)
     return 0
+
+
+def _kv_bytes_per_token(engine: LLMEngine) -> int:
+    """K and V bytes one token takes in the engine's cache on one rank (what the engine divides
+    --kv-cache-memory by), so `--simulate PROFILE --kv-cache-memory` sizes blocks as it would."""
+    from corral_engine.model.tp_workers import ParallelRunner
+
+    runner = engine.runner
+    local = runner.local if isinstance(runner, ParallelRunner) else runner
+    return sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in local.kv_caches)  # [blocks, block, heads, dim]

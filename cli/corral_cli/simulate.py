@@ -12,7 +12,6 @@ from corral_engine.args import OPTIONS, EngineArgs, cli_flag
 from corral_engine.chat_template import load_chat_template
 from corral_engine.errors import ModelLoadError
 from corral_engine.sim.host import (
-    KV_MEMORY_OPTIONS,
     ReplicaSpec,
     build_engines,
     ignored_options,
@@ -58,8 +57,13 @@ def _ignored_text(profile: Profile, ignored: list[str]) -> str:
         "modelled or fitted for one GPU type, tensor-parallel size, dtype and engine configuration; "
         "pick or calibrate a profile for another"
     )
-    if any(name in KV_MEMORY_OPTIONS for name in ignored):
-        text += "; a fitted profile knows no KV bytes a token, so size its KV cache with --num-kv-blocks"
+    if "kv_cache_memory_bytes" in ignored:
+        text += (
+            "; this fitted profile knows no KV bytes a token (profiles `corral calibrate` writes now "
+            "record them), so size its KV cache with --num-kv-blocks"
+        )
+    elif "gpu_memory_utilization" in ignored:
+        text += "; a fitted profile knows no GPU memory: size it with --kv-cache-memory or --num-kv-blocks"
     return text
 
 

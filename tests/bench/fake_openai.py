@@ -30,6 +30,7 @@ class FakeState:
     num_tokens_sent: list[int] = field(default_factory=list)  # per stream, once it has ended
     tokens_per_chunk: int = 1  # as a server that merges the tokens of a slow consumer sends them
     api_key: str | None = None  # set: every /v1 route wants 'Authorization: Bearer api_key'
+    is_gateway: bool = False  # /metrics without the engines' counters, as a gateway's
 
 
 def _sse(obj: Any) -> str:
@@ -60,6 +61,10 @@ def build_app(state: FakeState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
+        if state.is_gateway:
+            return PlainTextResponse(
+                "# TYPE corral_gateway_queue_length gauge\ncorral_gateway_queue_length 0\n"
+            )
         text = (
             "# HELP vllm:num_preemptions_total Preemptions.\n# TYPE vllm:num_preemptions_total counter\n"
             f'vllm:num_preemptions_total{{model_name="{MODEL}"}} {float(state.num_preemptions)}\n'

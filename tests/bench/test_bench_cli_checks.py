@@ -86,6 +86,24 @@ def test_without_streaming_per_token_latencies_are_unknown(fake, tmp_path, capsy
         assert next(line for line in table if name in line).count("n/a") == 4
 
 
+def test_preemptions_against_a_gateway_read_na_with_the_reason(tmp_path, capsys):
+    # A gateway's /metrics holds its own series: n/a must say so, not pass for "none counted".
+    with serve_fake(FakeState(is_gateway=True)) as (url, _):
+        argv = [a for a in _bench_argv(url, "--result-file", str(tmp_path / "r.json")) if a != "--no-metrics"]
+        assert corral_main([*argv, "--request-rate", "200,inf"]) == 0
+        sweep = capsys.readouterr().out
+        assert corral_main(argv) == 0
+        single = capsys.readouterr().out
+    for out in (sweep, single):
+        assert "preemptions n/a:" in out and "no vllm:num_preemptions_total" in " ".join(out.split())
+        assert "--metrics-url" in out
+    [run] = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert run["num_preemptions"] is None and "a gateway?" in run["preemptions_unknown_why"]
+    with serve_fake(FakeState()) as (url, _):  # an engine's /metrics: counted, no caption
+        assert corral_main([a for a in _bench_argv(url) if a != "--no-metrics"]) == 0
+    assert "preemptions n/a" not in capsys.readouterr().out
+
+
 def test_a_non_streamed_result_has_no_tpot():
     whole = RequestResult(is_success=True, output_len=5, ttft_s=0.4, e2el_s=0.4, is_streamed=False)
     assert whole.tpot_s is None

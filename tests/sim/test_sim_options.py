@@ -15,7 +15,7 @@ from corral_cli import cmd_engine, cmd_up
 from corral_cli.simulate import replica_spec
 from corral_engine.args import OPTIONS, EngineArgs
 from corral_engine.sim.host import ignored_options, with_overrides
-from corral_engine.sim.perf_model import BUILTIN, LLAMA3_8B, Roofline
+from corral_engine.sim.perf_model import BUILTIN, LLAMA3_8B, Fitted, Profile, Roofline
 
 GIB = 1 << 30
 
@@ -65,17 +65,14 @@ def test_the_flags_a_profile_cannot_honour_are_named_in_one_warning(
         spec = replica_spec(args, engine_args)
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
     message = record.getMessage()
-    named = (
-        "--tensor-parallel-size",
-        "--speculative",
-        "--dtype",
-        "--kv-cache-memory",
-        "--gpu-memory-utilization",
-    )
+    named = ("--tensor-parallel-size", "--speculative", "--dtype", "--gpu-memory-utilization")
     assert all(flag in message for flag in named)
     assert "h100-llama3-8b-corral" in message and "--num-kv-blocks" in message
+    # The fitted built-in knows a token's KV bytes (Llama-3-8B in bf16), so it honours
+    # --kv-cache-memory; it knows no GPU memory, so not --gpu-memory-utilization.
+    assert "--kv-cache-memory" not in message.split("; ")[0]
     fitted = BUILTIN["h100-llama3-8b-corral"]
-    assert spec.profile == dataclasses.replace(fitted, max_num_seqs=8)  # its KV size unchanged
+    assert spec.profile == dataclasses.replace(fitted, max_num_seqs=8, num_kv_blocks=2048)
     # A roofline profile honours the two KV flags, so only the fixed ones are named.
     args, engine_args = _engine_args([*argv[:3], "h100-llama3-8b", *argv[4:]])
     caplog.clear()
@@ -106,3 +103,42 @@ def test_corral_up_simulate_passes_no_flag_the_profile_ignores(tmp_path: pathlib
     args, _ = _engine_args(argv)
     given = {name: getattr(args, name, None) for name in OPTIONS}
     assert ignored_options(BUILTIN["h100-llama3-8b-corral"], given) == []
+
+
+@pytest.mark.parametrize("name", ["h100-llama3-8b", "h100-llama3-8b-corral"])
+def test_block_size_alone_keeps_the_kv_memory_not_the_block_count(name: str) -> None:
+    # The engine divides the same bytes by the new block size: twice the blocks of half the size.
+    profile = BUILTIN[name]
+    tokens = profile.num_kv_blocks * profile.block_size
+    for block_size in (8, 32, 64):
+        resized = with_overrides(profile, {"block_size": block_size})
+        assert resized.block_size == block_size
+        assert resized.num_kv_blocks == tokens // block_size
+    assert with_overrides(profile, {"block_size": 32, "num_kv_blocks": 100}).num_kv_blocks == 100
+    assert with_overrides(profile, {"block_size": 16}).num_kv_blocks == profile.num_kv_blocks
+
+
+def test_a_fitted_profile_with_kv_bytes_honours_kv_cache_memory_and_one_without_names_it(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    recorded = Profile(
+        "cpu-tiny", Fitted((1e-3, 0.0, 0.0, 0.0, 0.0)), num_kv_blocks=64, kv_bytes_per_token=256
+    )
+    assert with_overrides(recorded, {"kv_cache_memory_bytes": 1 << 20}).num_kv_blocks == (1 << 20) // (
+        256 * 16
+    )
+    with pytest.raises(ValueError, match="holds no block"):
+        with_overrides(recorded, {"kv_cache_memory_bytes": 256 * 16 - 1})
+    # A profile file written before calibrate recorded the bytes keeps its size and says why.
+    old = tmp_path / "old.json"
+    old.write_text(
+        '{"kind": "fitted", "name": "old", "num_kv_blocks": 64, "coefficients": [0.001, 0, 0, 0, 0]}'
+    )
+    args, engine_args = _engine_args(
+        ["--model", str(tiny_model_dir), "--simulate", str(old), "--kv-cache-memory", "1Mi"]
+    )
+    with caplog.at_level(logging.WARNING, logger="corral_cli.simulate"):
+        spec = replica_spec(args, engine_args)
+    [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "--kv-cache-memory" in record.getMessage() and "corral calibrate" in record.getMessage()
+    assert spec.profile.num_kv_blocks == 64

@@ -50,10 +50,18 @@ async def test_greedy_siblings_are_equal_and_sampled_ones_differ(client: httpx.A
     assert len({c["message"]["content"] for c in r.json()["choices"]}) == 1  # constrained too
 
 
-def _check_descending(logprob: float, alternatives: list[float], k: int) -> None:
-    assert len(alternatives) == k and logprob < 0 and math.isclose(alternatives[0], logprob)
+def _check_descending(alternatives: list[float], k: int) -> None:
+    assert len(alternatives) == k and alternatives[0] < 0
     assert all(a > b for a, b in itertools.pairwise(alternatives))
     assert sum(math.exp(a) for a in alternatives) < 1
+
+
+def _check_rank(rank: int, logprob: float, top: list[tuple[Any, float]], token: Any) -> None:
+    """The token sits at its rank in the top k, or below the last of them when it ranks lower."""
+    if rank <= len(top):
+        assert top[rank - 1] == (token, logprob), (rank, top)
+    else:
+        assert token not in [t for t, _ in top] and logprob < top[-1][1]
 
 
 async def test_logprobs_hold_the_token_and_its_top_alternatives(client: httpx.AsyncClient) -> None:
@@ -62,26 +70,57 @@ async def test_logprobs_hold_the_token_and_its_top_alternatives(client: httpx.As
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 6
     items = zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)
     for token, logprob, top in items:
-        assert next(iter(top)) == token  # the sampled token, likeliest
-        _check_descending(logprob, list(top.values()), 2)
+        assert next(iter(top)) == token and top[token] == logprob  # greedy: the likeliest, as argmax
+        _check_descending(list(top.values()), 2)
     chat = {"model": "sim", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4}
-    r = await client.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 3})
-    content = r.json()["choices"][0]["logprobs"]["content"]
+    body = {**chat, "logprobs": True, "top_logprobs": 3, "temperature": 0}
+    content = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["logprobs"][
+        "content"
+    ]
     assert len(content) == 4
     for item in content:
         assert item["top_logprobs"][0]["token"] == item["token"]
-        _check_descending(item["logprob"], [t["logprob"] for t in item["top_logprobs"]], 3)
+        _check_descending([t["logprob"] for t in item["top_logprobs"]], 3)
+
+
+async def test_sampled_tokens_are_not_always_the_likeliest(client: httpx.AsyncClient) -> None:
+    # A real engine samples lower-ranked tokens at temperature > 0; their rank and place in the
+    # top k stay consistent (the chat format shows the top k, and the token's own logprob apart).
+    prompt = " ".join(f"w{i}" for i in range(40))
+    chat = {"model": "sim", "messages": [{"role": "user", "content": prompt}], "max_tokens": 64}
+    body = {**chat, "logprobs": True, "top_logprobs": 3, "temperature": 1.0, "seed": 7}
+    content = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["logprobs"][
+        "content"
+    ]
+    ranks = []
+    for item in content:
+        top = [(t["token"], t["logprob"]) for t in item["top_logprobs"]]
+        _check_descending([lp for _, lp in top], 3)
+        rank = next(
+            (r for r, (t, lp) in enumerate(top, 1) if (t, lp) == (item["token"], item["logprob"])), None
+        )
+        assert rank is not None or item["logprob"] < top[-1][1]
+        ranks.append(rank or 4)
+    assert ranks.count(1) > len(ranks) / 2 and any(r > 1 for r in ranks)
+    again = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["logprobs"]["content"]
+    assert again == content  # repeatable
 
 
 async def test_prompt_logprobs_score_every_prompt_token_after_the_first(client: httpx.AsyncClient) -> None:
-    r = await client.post("/tokenize", json={"prompt": "one two three four five"})
+    text = " ".join(f"w{i}" for i in range(40))
+    r = await client.post("/tokenize", json={"prompt": text})
     prompt = r.json()["tokens"]
-    out = await _complete(client, prompt_logprobs=2, max_tokens=2)
+    out = await _complete(client, prompt=text, prompt_logprobs=2, max_tokens=2)
     scored = out["choices"][0]["prompt_logprobs"]
     assert len(scored) == len(prompt) and scored[0] is None
+    ranks = []
     for token_id, entry in zip(prompt[1:], scored[1:], strict=True):
-        assert entry[str(token_id)]["rank"] == 1 and len(entry) == 2
-        _check_descending(entry[str(token_id)]["logprob"], [e["logprob"] for e in entry.values()], 2)
+        own = entry[str(token_id)]
+        top = sorted(((k, e["logprob"]) for k, e in entry.items() if e["rank"] <= 2), key=lambda kv: -kv[1])
+        _check_descending([lp for _, lp in top], 2)
+        _check_rank(own["rank"], own["logprob"], top, str(token_id))
+        ranks.append(own["rank"])
+    assert 1 in ranks and any(r > 1 for r in ranks)  # prompt text is not all the model's argmax
 
 
 async def test_tokenize_names_bos_as_the_engine_does(client: httpx.AsyncClient) -> None:

@@ -4,6 +4,7 @@ never a traceback or a replica that starts and then never serves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -27,6 +28,8 @@ def _write(tmp_path: pathlib.Path, data: object) -> str:
 def test_a_fitted_profile_round_trips(tmp_path: pathlib.Path) -> None:
     profile = Profile("cpu-tiny", Fitted((1e-3, 1e-5, 2e-5, 0.0, 0.0)), 64, max_num_seqs=8, block_size=32)
     assert load_profile(_write(tmp_path, profile.to_json() | {"median_fit_error": 0.1})) == profile
+    recorded = dataclasses.replace(profile, kv_bytes_per_token=256)  # as calibrate writes it now
+    assert load_profile(_write(tmp_path, recorded.to_json())) == recorded
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,8 @@ def test_a_fitted_profile_round_trips(tmp_path: pathlib.Path) -> None:
         ({**GOOD, "max_model_len": 1.5}, "max_model_len must be an integer"),
         ({**GOOD, "block_size": -4}, "block_size must be a power of two"),
         ({**GOOD, "block_size": True}, "block_size must be an integer"),
+        ({**GOOD, "kv_bytes_per_token": "256"}, "kv_bytes_per_token must be an integer >= 1"),
+        ({**GOOD, "kv_bytes_per_token": 0}, "kv_bytes_per_token must be an integer >= 1"),
     ],
 )
 def test_a_broken_profile_is_refused_naming_the_file_and_field(

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import math
 import random
+import time
 
 import pytest
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim import async_engine
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import NullTokenizer, SimEngine
 from corral_engine.sim.perf_model import BUILTIN, H100, LLAMA3_8B, Fitted, Profile, Roofline, StepShape
@@ -148,6 +152,53 @@ async def test_chunked_prefill_takes_the_steps_the_token_budget_allows() -> None
     profile = dataclasses.replace(PROFILE, max_num_batched_tokens=256)
     [(ttft, _)] = await _run([list(range(3, 1003))], max_tokens=2, profile=profile)
     assert _within(ttft, 4 * 0.02 + 1000 * 1e-4), ttft  # 256 + 256 + 256 + 232 tokens
+
+
+async def _step_timeline(
+    host_work_s: list[float], monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[float, float]]:
+    """(predicted end, duration) of each step of one request, the host spending host_work_s[i]
+    of its own time on step i's outputs (time.sleep: the event loop blocked, as by real work)."""
+    core = SimEngine(PROFILE, NullTokenizer(), "sim")
+    engine = AsyncSimEngine(core)
+    finish_step = core.finish_step
+
+    def slow_finish(step: object) -> object:
+        time.sleep(host_work_s[min(len(steps), len(host_work_s) - 1)])
+        return finish_step(step)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(core, "finish_step", slow_finish)
+    steps: list[tuple[float, float]] = []
+    engine.on_step = lambda duration_s, _tokens, _latencies: steps.append((engine.timeline_s, duration_s))
+    await engine.start()
+    try:
+        async for _ in engine.add_request(
+            "r", [3, 4, 5], SamplingParams(max_tokens=len(host_work_s), ignore_eos=True)
+        ):
+            pass
+    finally:
+        await engine.shutdown()
+    return steps
+
+
+async def test_the_hosts_own_work_on_each_step_does_not_slow_the_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 5 ms of host work on every 20 ms step: the next step starts when this one was due to end,
+    # not when the host got round to it (that made every TPOT the profile's plus the host's).
+    monkeypatch.setattr(async_engine, "_MAX_CATCH_UP_S", 3600.0)  # however loaded this machine is
+    steps = await _step_timeline([0.005] * 8, monkeypatch)
+    assert len(steps) == 8
+    for (end_before, _), (end, duration_s) in itertools.pairwise(steps):
+        assert math.isclose(end - end_before, duration_s, abs_tol=1e-9), steps
+
+
+async def test_a_replica_far_behind_does_not_burst_to_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The host stalls 0.3 s on step 2: more than the catch-up allowed, so the rest is lost and
+    # the steps after it are spaced by the profile again, not run back to back.
+    steps = await _step_timeline([0.0, 0.0, 0.3, 0.0, 0.0], monkeypatch)
+    gaps = [end - end_before - duration_s for (end_before, _), (end, duration_s) in itertools.pairwise(steps)]
+    assert gaps[2] >= 0.3 - async_engine._MAX_CATCH_UP_S - 0.02, gaps  # the step after the stall
 
 
 def test_outputs_cycle_through_the_prompt_and_count_prefix_hits() -> None:

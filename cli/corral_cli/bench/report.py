@@ -53,7 +53,16 @@ def run_table(summary: dict[str, Any]) -> Table:
     )
     for name, value in rows:
         table.add_row(name, value, "", "", "")
+    table.caption = _preemptions_caption([summary])
     return table
+
+
+def _preemptions_caption(summaries: list[dict[str, Any]]) -> str | None:
+    """Why the server's preemptions read n/a (against a gateway, say), so n/a is not read as none."""
+    reasons = dict.fromkeys(
+        s["preemptions_unknown_why"] for s in summaries if s.get("preemptions_unknown_why")
+    )
+    return "preemptions n/a: " + "; ".join(reasons) if reasons else None
 
 
 def _cpu_per_token_us(summary: dict[str, Any]) -> float | None:
@@ -79,6 +88,7 @@ def sweep_table(summaries: list[dict[str, Any]]) -> Table:
         table.add_column(name, justify="right", overflow="fold")
     for summary in summaries:
         table.add_row(*(cell(summary) for _, cell in columns))
+    table.caption = _preemptions_caption(summaries)
     return table
 
 

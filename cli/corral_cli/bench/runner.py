@@ -114,17 +114,40 @@ async def list_models(client: aiohttp.ClientSession, base_url: str) -> ModelList
         return ModelList([], f"the answer is not an OpenAI model list: {text[:200]!r}")
 
 
-async def scrape_counter(client: aiohttp.ClientSession, metrics_url: str | None, name: str) -> float | None:
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """A counter read from a metrics endpoint: its value, or why there is none (for the report)."""
+
+    value: float | None
+    problem: str | None = None
+
+
+async def scrape_counter(client: aiohttp.ClientSession, metrics_url: str | None, name: str) -> Scrape:
     if metrics_url is None:
-        return None
+        return Scrape(None, "not scraped (--no-metrics)")
     try:
         status, text = await _get_text(client, metrics_url)
     except (aiohttp.ClientError, TimeoutError) as e:
         log.warning("cannot scrape %s: %s: %s", metrics_url, type(e).__name__, e)
-        return None
+        return Scrape(None, f"cannot scrape {metrics_url}: {type(e).__name__}")
     if status != 200:
-        return None
-    return prom.sum_samples(text, name)
+        return Scrape(None, f"{metrics_url} answered HTTP {status}")
+    value = prom.sum_samples(text, name)
+    if value is None:
+        # A gateway's /metrics: its own series, not its engines' counters.
+        return Scrape(
+            None, f"{metrics_url} has no {name} (a gateway? --metrics-url ENGINE/metrics counts one engine's)"
+        )
+    return Scrape(value)
+
+
+def _delta(before: Scrape, after: Scrape) -> tuple[float | None, str | None]:
+    """A counter's increase over a run, or why it is unknown."""
+    problem = before.problem or after.problem
+    if problem is not None:
+        return None, problem
+    increase = prom.delta(before.value, after.value)
+    return (increase, None) if increase is not None else (None, "the counter went down (a server restarted?)")
 
 
 async def run_once(
@@ -168,6 +191,7 @@ async def run_once(
         duration_s = time.perf_counter() - start
         client_cpu_s = time.process_time() - cpu_start
     preemptions_after = await scrape_counter(client, run.metrics_url, NUM_PREEMPTIONS_TOTAL)
+    num_preemptions, preemptions_unknown_why = _delta(preemptions_before, preemptions_after)
 
     summary = {
         "request_rate": run.request_rate,
@@ -175,7 +199,8 @@ async def run_once(
         "max_concurrency": run.max_concurrency,
         "num_prompts": len(requests),
         **aggregate(results, duration_s),
-        "num_preemptions": _as_count(prom.delta(preemptions_before, preemptions_after)),
+        "num_preemptions": _as_count(num_preemptions),
+        "preemptions_unknown_why": preemptions_unknown_why,  # None when counted
         # The load generator's own CPU over the run: on a machine it shares with the server, what
         # it took from the server's cores (per output token in the report).
         "client_cpu_s": client_cpu_s,

@@ -2,8 +2,11 @@
 on the event loop, not a thread, so one process can host dozens of replicas.
 
 Each step sleeps until the time the profile predicts for its batch. The loop keeps its own
-timeline: a step starts when the previous one ended (or now, after idling), so a wake-up the event
-loop delivers late shortens the next sleep instead of slowing the replica down for good.
+timeline: a step starts when the previous one was predicted to end (or now, after idling), so a
+wake-up the event loop delivers late, and the host's own work on a step's outputs, shorten the
+next sleep instead of slowing the replica down for good. A replica at most _MAX_CATCH_UP_S behind
+catches up; beyond that (a stalled or overloaded host) the rest is lost, so a long stall is not
+followed by a burst of steps with no sleep at all.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from corral_engine.stream_front import StreamFront
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_MAX_CATCH_UP_S = 0.05
 
 
 class AsyncSimEngine(StreamFront):
@@ -85,17 +89,22 @@ class AsyncSimEngine(StreamFront):
     async def _run(self) -> None:
         engine = self.engine
         loop = asyncio.get_running_loop()
+        is_busy = False  # the previous iteration ran a step: this one starts where it was due to end
         try:
             while self._running:
                 self._drain_inputs()
                 step = engine.begin_step() if engine.has_unfinished_requests() else None
                 if step is None:
+                    is_busy = False
                     self._stats = engine.stats()
                     self._wakeup.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), _IDLE_WAIT_S)
                     continue
-                self.timeline_s = max(self.timeline_s, loop.time()) + step.duration_s
+                now = loop.time()
+                start = max(self.timeline_s, now - _MAX_CATCH_UP_S) if is_busy else max(self.timeline_s, now)
+                self.timeline_s = start + step.duration_s
+                is_busy = True
                 await asyncio.sleep(max(0.0, self.timeline_s - loop.time()))
                 self.max_lag_s = max(self.max_lag_s, loop.time() - self.timeline_s)
                 outputs = engine.finish_step(step)

@@ -189,8 +189,10 @@ class SimEngine:
             # Sampled siblings differ; greedy ones are equal, as the engine's argmax makes them.
             offset = 0 if request.params.is_greedy else seq.index
             token_id = source[(seq.num_output_tokens + offset) % len(source)]
-        if request.params.logprobs is not None and not self.is_lean:
-            seq.logprobs.append(self._logprob(token_id, request.params.logprobs))
+        num_top = request.params.logprobs
+        if num_top is not None and not self.is_lean:
+            is_greedy = request.params.is_greedy
+            seq.logprobs.append(self._logprob(token_id, num_top, is_greedy, seq.num_output_tokens))
         seq.token_ids.append(token_id)
         counts = touched.setdefault(request.request_id, {})
         counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
@@ -211,10 +213,13 @@ class SimEngine:
         if k is None or self.is_lean:
             return
         for q in scheduled.prompt_positions():
-            seq.prompt_logprobs.append(self._logprob(seq.token_ids[q + 1], k))
+            # A prompt's tokens are text, not the model's argmax: ranked like sampled ones.
+            seq.prompt_logprobs.append(self._logprob(seq.token_ids[q + 1], k, False, q + 1))
 
-    def _logprob(self, token_id: int, num_top: int) -> TokenLogprob:
-        return synthetic_logprob(token_id, num_top, self.vocab_size, self.special_ids)
+    def _logprob(self, token_id: int, num_top: int, is_greedy: bool, position: int) -> TokenLogprob:
+        return synthetic_logprob(
+            token_id, num_top, self.vocab_size, self.special_ids, is_greedy=is_greedy, position=position
+        )
 
     def _finish(self, request: Request, output: RequestOutput) -> RequestOutput:
         request.metrics.finish(self.clock())

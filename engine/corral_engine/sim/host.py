@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 # Engine options a simulated replica honours, by the profile field each overrides.
 PROFILE_OPTIONS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size")
-# Options that size the KV cache from memory: a roofline profile knows its GPUs' memory and the
-# model's KV bytes a token, so it honours them; a fitted one knows neither (--num-kv-blocks does).
+# Options that size the KV cache from memory. --kv-cache-memory needs a token's KV bytes, which a
+# roofline profile works out and a calibrated one records; --gpu-memory-utilization needs the GPUs'
+# memory and the weights' size too, which only a roofline profile knows.
 KV_MEMORY_OPTIONS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
 # Options the profile itself stands for: its step times were modelled or measured for one GPU
 # type, tensor-parallel size, dtype and engine configuration, which a replica cannot change.
@@ -48,36 +49,39 @@ PROFILE_FIXED_OPTIONS = (
 
 
 def with_overrides(profile: Profile, given: Mapping[str, Any]) -> Profile:
-    """The profile with the sizing options the user gave (`--max-num-seqs 64`, ...). On a roofline
-    profile, --kv-cache-memory (bytes per GPU) or else --gpu-memory-utilization sizes the KV cache
-    as it sizes the engine's, unless --num-kv-blocks is given (raises ValueError when the memory
-    holds no block)."""
+    """The profile with the sizing options the user gave (`--max-num-seqs 64`, ...), its KV cache
+    sized in the engine's order: --num-kv-blocks; else --kv-cache-memory (bytes per GPU) where the
+    profile knows a token's KV bytes; else --gpu-memory-utilization on a roofline profile; else the
+    profile's own KV bytes, so --block-size alone changes the block count, not the memory, as it
+    does on the engine (raises ValueError when the memory holds no block)."""
     sizes = {k: v for k, v in given.items() if k in PROFILE_OPTIONS and v is not None}
-    profile = dataclasses.replace(profile, **sizes)
-    model = profile.model
-    if "num_kv_blocks" in sizes or not isinstance(model, Roofline):
-        return profile
+    resized = dataclasses.replace(profile, **sizes)
+    if "num_kv_blocks" in sizes:
+        return resized
     kv_bytes, utilization = (given.get(k) for k in KV_MEMORY_OPTIONS)
-    if kv_bytes is not None:
-        num_blocks = model.num_kv_blocks_in(kv_bytes, profile.block_size)
+    num_blocks = None if kv_bytes is None else resized.num_kv_blocks_in(kv_bytes)
+    if num_blocks is not None:
         if num_blocks < 1:
-            per_token = model.model.kv_bytes_per_token // model.num_gpus
             raise ValueError(
-                f"kv cache memory {kv_bytes} bytes holds no block of {profile.block_size} tokens of "
-                f"{profile.name} ({per_token} bytes a token a GPU); raise it"
+                f"kv cache memory {kv_bytes} bytes holds no block of {resized.block_size} tokens of "
+                f"{profile.name} ({resized.gpu_kv_bytes_per_token()} bytes a token a GPU); raise it"
             )
-    elif utilization is not None:
-        num_blocks = model.num_kv_blocks(profile.block_size, utilization)
+    elif utilization is not None and isinstance(resized.model, Roofline):
+        num_blocks = resized.model.num_kv_blocks(resized.block_size, utilization)
+    elif resized.block_size != profile.block_size:
+        num_blocks = max(1, profile.num_kv_blocks * profile.block_size // resized.block_size)
     else:
-        return profile
-    return dataclasses.replace(profile, num_kv_blocks=num_blocks)
+        return resized
+    return dataclasses.replace(resized, num_kv_blocks=num_blocks)
 
 
 def ignored_options(profile: Profile, given: Mapping[str, Any]) -> list[str]:
     """The options given that this profile cannot honour, by field name."""
     ignored = [k for k in PROFILE_FIXED_OPTIONS if given.get(k) is not None]
-    if not isinstance(profile.model, Roofline):
-        ignored += [k for k in KV_MEMORY_OPTIONS if given.get(k) is not None]
+    if given.get("kv_cache_memory_bytes") is not None and profile.gpu_kv_bytes_per_token() is None:
+        ignored.append("kv_cache_memory_bytes")
+    if given.get("gpu_memory_utilization") is not None and not isinstance(profile.model, Roofline):
+        ignored.append("gpu_memory_utilization")
     return ignored
 
 

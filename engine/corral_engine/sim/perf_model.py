@@ -119,12 +119,6 @@ class Roofline:
         )
         return max(1, int(budget // (self.model.kv_bytes_per_token * block_size)))
 
-    def num_kv_blocks_in(self, kv_bytes_per_gpu: int, block_size: int) -> int:
-        """KV blocks in `kv_bytes_per_gpu` on each GPU, as the engine reads --kv-cache-memory (per
-        rank: each holds its share of the KV heads); 0 when not even one block fits."""
-        bytes_per_block = self.model.kv_bytes_per_token * block_size / self.num_gpus
-        return int(kv_bytes_per_gpu // bytes_per_block)
-
 
 @dataclass(frozen=True, slots=True)
 class Fitted:
@@ -169,9 +163,26 @@ class Profile:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     block_size: int = 16
+    # K and V bytes of one token on each GPU (per rank, as the engine reads --kv-cache-memory), for
+    # a fitted profile: `corral calibrate` records its engine's; None where unknown. A roofline
+    # profile works it out from its model and GPUs instead.
+    kv_bytes_per_token: int | None = None
 
     def step_time_s(self, shape: StepShape) -> float:
         return self.model.step_time_s(shape)
+
+    def gpu_kv_bytes_per_token(self) -> int | None:
+        """K and V bytes of one token on each GPU (each rank holds its share of the KV heads), or
+        None when the profile does not know them."""
+        if isinstance(self.model, Roofline):
+            return self.model.model.kv_bytes_per_token // self.model.num_gpus
+        return self.kv_bytes_per_token
+
+    def num_kv_blocks_in(self, kv_bytes_per_gpu: int) -> int | None:
+        """KV blocks of this profile's size in `kv_bytes_per_gpu` on each GPU, as the engine reads
+        --kv-cache-memory (0 when not one fits), or None when a token's KV bytes are unknown."""
+        per_token = self.gpu_kv_bytes_per_token()
+        return None if per_token is None else kv_bytes_per_gpu // (per_token * self.block_size)
 
     def to_json(self) -> dict[str, Any]:
         if not isinstance(self.model, Fitted):
@@ -204,7 +215,12 @@ BUILTIN = {
         _roofline_profile("h100-llama3-70b", H100, LLAMA3_70B, 4),
         _roofline_profile("a100-llama3-8b", A100, LLAMA3_8B, 1),
         _roofline_profile("a100-llama3-70b", A100, LLAMA3_70B, 4),
-        Profile("h100-llama3-8b-corral", H100_LLAMA3_8B_CORRAL, num_kv_blocks=26855),
+        Profile(
+            "h100-llama3-8b-corral",
+            H100_LLAMA3_8B_CORRAL,
+            num_kv_blocks=26855,
+            kv_bytes_per_token=LLAMA3_8B.kv_bytes_per_token,  # bf16, one GPU
+        ),
     )
 }
 
@@ -246,14 +262,18 @@ def _fitted_profile(path: Path, data: object) -> Profile:
         raise ValueError(f"{path}: a fitted profile needs a name (a string) and num_kv_blocks")
     sizes = {k: data[k] for k in _SIZES if k in data}
     for key, value in sizes.items():
-        problem = (
-            OPTIONS[key].problem(value)
-            if isinstance(value, int) and not isinstance(value, bool)
-            else "must be an integer"
-        )
+        problem = OPTIONS[key].problem(value) if _is_int(value) else "must be an integer"
         if problem is not None:
             raise ValueError(f"{path}: {key} {problem}, got {value!r}")
-    return Profile(data["name"], Fitted(tuple(float(c) for c in coefficients)), **sizes)  # type: ignore[arg-type]
+    kv_bytes = data.get("kv_bytes_per_token")  # absent from profiles written before calibrate recorded it
+    if kv_bytes is not None and not (_is_int(kv_bytes) and kv_bytes >= 1):
+        raise ValueError(f"{path}: kv_bytes_per_token must be an integer >= 1 or null, got {kv_bytes!r}")
+    coefs = tuple(float(c) for c in coefficients)
+    return Profile(data["name"], Fitted(coefs), **sizes, kv_bytes_per_token=kv_bytes)  # type: ignore[arg-type]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
@@ -265,4 +285,5 @@ def describe(profile: Profile) -> dict[str, Any]:
     model = profile.model
     kind = "fitted" if isinstance(model, Fitted) else "roofline"
     sizes = {f.name: getattr(profile, f.name) for f in fields(profile) if f.name != "model"}
+    sizes["kv_bytes_per_token"] = profile.gpu_kv_bytes_per_token()  # a roofline's, worked out
     return {**sizes, "kind": kind, "model": asdict(model)}
