@@ -90,6 +90,9 @@ VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/s
 # segments, so `/v1/../sleep` (or `/v1/%252e%252e/sleep`) would have reached a replica's routes
 # outside /v1, such as a vLLM replica's admin ones.
 _FORWARDABLE_PATH = re.compile(r"/v1(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)+")
+# A stored response's routes (OpenAI's Responses API): no body names a model to route them by, and
+# no replica stores responses, so the gateway answers them itself.
+_STORED_RESPONSE_PATH = re.compile(r"/v1/responses/[^/]+(/input_items|/cancel)?")
 
 
 def is_proxied(method: str, path: str) -> bool:
@@ -97,7 +100,9 @@ def is_proxied(method: str, path: str) -> bool:
     responses, audio, ... as well as completions and chat) and vLLM's own routes."""
     if path in PROXY_PATHS:
         return True
-    return method == "POST" and (_FORWARDABLE_PATH.fullmatch(path) is not None or path in VLLM_PATHS)
+    if method != "POST" or _STORED_RESPONSE_PATH.fullmatch(path) is not None:
+        return False
+    return _FORWARDABLE_PATH.fullmatch(path) is not None or path in VLLM_PATHS
 
 
 class GatewayApp:
@@ -289,6 +294,17 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
         if not fleet.has_model(fleet.resolve(model).key):
             raise ModelNotFound(model)
         return JSONResponse(fleet.model_entry(model))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.get("/v1/responses/{response_id}/input_items")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(response_id: str, request: Request) -> Response:
+        authenticate(request)
+        message = (
+            f"No response `{response_id}`: responses are not stored, so they cannot be retrieved, "
+            "listed, cancelled or deleted; send the whole conversation as input."
+        )
+        raise NotFound(message, param="response_id")
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # some load balancers probe with HEAD
     async def health() -> Response:

@@ -1,7 +1,8 @@
 """A replica's response on its way back to the client: streamed through chunk by chunk (SSE and large
 or unsized bodies) or read whole first (small bodies), and the bookkeeping when it ends.
 
-An event stream whose replica dies or stalls ends with an SSE error event and `[DONE]`; a whole body
+An event stream whose replica dies or stalls before its end (`[DONE]`, or a Responses stream's
+terminal event) ends with an SSE error event and `[DONE]`; a whole body
 that breaks off is a 502; any other body that breaks off once started ends the client's connection
 without the body's end, so the client sees it cut (never a short 200); a client that hangs up
 mid-response closes the upstream request, so the engine aborts it, and so does the end of a
@@ -20,11 +21,12 @@ from starlette.types import Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, Origin
 from corral_gateway.drain import Drain
-from corral_gateway.errors import SSE_DONE, UpstreamFailed, error_response, sse_draining_end, sse_error_end
+from corral_gateway.errors import UpstreamFailed, error_response, sse_draining_end, sse_error_end
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.quota import TokenUsage, UsageTail
 from corral_gateway.registry import Replica
+from corral_gateway.stream_end import StreamEnd
 from corral_gateway.upstream import ReadTimedOut, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class Exchange:
         self.fleet, self.metrics, self.upstream, self.replica = fleet, metrics, upstream, replica
         self.origin, self.quota, self.access, self.drain = origin, quota, access, drain
         self.tail = UsageTail()  # the body's end, for the usage it reports
+        self.stream_end = StreamEnd()  # an event stream's: had it ended when it broke?
         self.status_label = str(upstream.status_code)
         self.is_complete = False
         self.is_cut = False  # a body other than an event stream broke off: its end is not sent
@@ -129,6 +132,8 @@ class Exchange:
                         time.monotonic() - self.origin.start_s
                     )
                 self.tail.feed(chunk)
+                if is_sse:
+                    self.stream_end.feed(chunk)
                 yield chunk
                 if is_first:
                     relay_s = clock() - in_hand_s
@@ -147,7 +152,7 @@ class Exchange:
                 else:
                     self.is_cut = True
                 return
-            if is_sse and self.tail.end(len(SSE_DONE)) == SSE_DONE:
+            if is_sse and self.stream_end.has_ended():
                 return  # the stream had ended: only the end of its body was lost
             self._broken(e, "stream")
             if is_sse:

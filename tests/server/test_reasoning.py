@@ -1,6 +1,7 @@
 """--reasoning-parser's reading of replies: where a reply begins (from its prompt's end), the
 reasoning and content a whole reply splits into, the same split however its text is streamed, and
-reasoning kept apart from tool calls and grammars (which hold after the block)."""
+reasoning kept apart from tool calls and grammars (which hold after the block), and the tokens a
+reply spent in its block."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from corral_engine.server.reasoning import (
     REASONING_PARSERS,
     Reasoning,
     ReasoningPlan,
+    num_reasoning_tokens,
     plan_reasoning,
     reasoning_fields,
     split_whole,
@@ -174,3 +176,28 @@ def test_a_grammar_holds_after_the_reasoning_block(
     matcher = compiler.matcher(grammar)
     is_consumed = all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
     assert (is_consumed and matcher.is_accepting()) == is_accepted
+
+
+# Tokens of several characters, tags split across them, as real tokenizers split `</think>`.
+PIECES = ["<th", "ink>", "Hmm", ", ok", "</", "think", ">", "\n\n", "Hi", "!"]
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "ids", "expected"),
+    [
+        ("qwen3", QWEN3, list(range(10)), 7),  # through the token that ends `</think>`
+        ("qwen3", QWEN3, [8, 9], 0),  # no block: content
+        ("qwen3", QWEN3_NO_THINKING, list(range(10)), 0),  # thinking off: no block to read
+        ("deepseek_r1", R1, [2, 3, 4, 5, 6, 8], 5),  # begun in the prompt
+        ("deepseek_r1", R1, [2, 3, 4], 3),  # never closed: all of it
+    ],
+)
+def test_reasoning_tokens_are_those_through_the_blocks_end(
+    name: str, prompt: str, ids: list[int], expected: int
+) -> None:
+    plan = plan_reasoning(name, prompt)
+    assert num_reasoning_tokens(plan, _text(ids), ids, PIECES.__getitem__) == expected

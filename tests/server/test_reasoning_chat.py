@@ -1,7 +1,7 @@
 """--reasoning-parser through the server, read with the official openai client: a scripted fake
 engine (one byte a token) for the reply's shapes, streamed and not, with tool calls, thinking off,
-a block never closed and include_reasoning; a real engine on the tiny model for a JSON schema that
-holds after the reasoning block."""
+a block never closed, include_reasoning, reasoning tokens and /v1/responses' reasoning items; a
+real engine on the tiny model for a JSON schema that holds after the reasoning block."""
 
 from __future__ import annotations
 
@@ -119,14 +119,31 @@ async def test_reasoning_is_apart_from_content_and_tool_calls() -> None:
         assert got["finishes"] == ["tool_calls"]
 
 
-async def test_usage_counts_every_token_of_the_reply() -> None:
+async def test_usage_counts_every_token_of_the_reply_and_those_of_the_block() -> None:
+    """`completion_tokens_details.reasoning_tokens`: the block's tokens, its tags included (one
+    byte a token here), streamed or not; 0 without a parser or with thinking off."""
+    block = len(f"<think>\n{THOUGHT}\n</think>")
+    stream: Any = {"stream_options": {"include_usage": True}}
+    off: Any = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
     async with _client(SCRIPT) as (client, _):
         parsed = await client.chat.completions.create(**_request(SCRIPT))
+        chunks = await client.chat.completions.create(**_request(SCRIPT), stream=True, **stream)
+        [streamed] = [c.usage async for c in chunks if c.usage is not None]
+        thinking_off = await client.chat.completions.create(**_request(SCRIPT), **off)
     async with _client(SCRIPT, reasoning_parser=None) as (client, _):
         plain = await client.chat.completions.create(**_request(SCRIPT))
     assert plain.choices[0].message.content == SCRIPT
-    assert parsed.usage == plain.usage and parsed.usage is not None
-    assert parsed.usage.completion_tokens == len(SCRIPT.encode()) + 1  # and the stop string's
+    assert parsed.usage is not None and plain.usage is not None and thinking_off.usage is not None
+    assert parsed.usage.completion_tokens == plain.usage.completion_tokens == len(SCRIPT.encode()) + 1
+    for usage, reasoning in (
+        (parsed.usage, block),
+        (streamed, block),
+        (plain.usage, 0),
+        (thinking_off.usage, 0),
+    ):
+        assert usage.completion_tokens_details is not None
+        assert usage.completion_tokens_details.reasoning_tokens == reasoning
+    assert streamed == parsed.usage
 
 
 async def test_a_block_never_closed_is_all_reasoning() -> None:
@@ -138,6 +155,8 @@ async def test_a_block_never_closed_is_all_reasoning() -> None:
     choice = whole.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     assert choice.message.model_extra == reasoning_fields(script[8:30])
+    assert whole.usage is not None and whole.usage.completion_tokens_details is not None
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 30  # every token
     assert streamed[0]["reasoning"] == script[8:30] and streamed[0]["content"] in (None, "")
     assert streamed[0]["finishes"] == ["length"]
 
@@ -222,21 +241,66 @@ PERSON = {
 }
 
 
-async def test_a_responses_reply_leaves_its_reasoning_block_out() -> None:
-    """/v1/responses makes no reasoning items: the block is read off, whole and streamed, so only
-    the answer is output_text, and the function call is read from the answer."""
-    async with _client(SCRIPT, tool_call_parser="hermes") as (client, _):
+async def test_a_responses_reply_has_its_reasoning_block_as_a_reasoning_item() -> None:
+    """The block is a reasoning item before the message and the call, whole, as raw events (one
+    item open at a time, each index and sequence number in order), through the client's own
+    accumulator and `.parse()`; the call is read from the answer, its ids OpenAI's; the usage
+    counts the block; the output sent back as input gives the template the reasoning again."""
+    async with _client(SCRIPT, tool_call_parser="hermes") as (client, engine):
         tools: Any = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
         asked: Any = {
             "model": MODEL,
             "input": "Weather in Paris?",
             "tools": tools,
+            "max_output_tokens": len(SCRIPT) + 1,
             "extra_body": {"stop": [END]},
         }
-        whole = await client.responses.create(**asked, max_output_tokens=len(SCRIPT) + 1)
-        stream = await client.responses.create(**asked, max_output_tokens=len(SCRIPT) + 1, stream=True)
+        whole = await client.responses.create(**asked)
+        stream = await client.responses.create(**asked, stream=True)
         events = [e async for e in stream]
-    assert whole.output_text == "Let me check."
-    assert [i.type for i in whole.output] == ["message", "function_call"]
-    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == "Let me check." and events[-1].type == "response.completed"
+        async with client.responses.stream(**asked) as helper:
+            accumulated = await helper.get_final_response()
+        parsed = await client.responses.parse(**asked)
+        # The output sent back, as OpenAI advises: the reasoning reaches the template again.
+        rendered: list[str] = []
+        render = engine.tokenizer.apply_chat_template
+
+        def recorded(*args: Any, **kwargs: Any) -> str:
+            rendered.append(render(*args, **kwargs))
+            return rendered[-1]
+
+        engine.tokenizer.apply_chat_template = recorded  # type: ignore[method-assign]
+        call_id = whole.output[-1].call_id  # type: ignore[union-attr]
+        history: Any = [
+            {"role": "user", "content": "Weather in Paris?"},
+            *[o.model_dump(exclude_none=True) for o in whole.output],
+            {"type": "function_call_output", "call_id": call_id, "output": "sunny"},
+        ]
+        await client.responses.create(**{**asked, "input": history})
+    assert f"<assistant><think>{THOUGHT}</think>Let me check.\n<tool>sunny" in rendered[0]
+    streamed = events[-1]
+    assert streamed.type == "response.completed"
+    for response in (whole, streamed.response, accumulated, parsed):
+        assert [i.type for i in response.output] == ["reasoning", "message", "function_call"]
+        reasoning, _, call = response.output
+        assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+        assert [(c.type, c.text) for c in reasoning.content or []] == [("reasoning_text", THOUGHT)]
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+        assert response.output_text == "Let me check."
+        assert response.usage is not None
+        assert response.usage.output_tokens_details.reasoning_tokens == len(f"<think>\n{THOUGHT}\n</think>")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(e.delta for e in deltas) == THOUGHT and {e.output_index for e in deltas} == {0}
+    kinds = [(e.type, getattr(e, "output_index", None)) for e in events]
+    first_delta = kinds.index(("response.reasoning_text.delta", 0))
+    assert kinds[2:first_delta] == [("response.output_item.added", 0), ("response.content_part.added", 0)]
+    end = kinds.index(("response.output_item.added", 1))
+    assert kinds[end - 3 : end] == [
+        ("response.reasoning_text.done", 0),
+        ("response.content_part.done", 0),
+        ("response.output_item.done", 0),
+    ]
+    [done] = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == THOUGHT and done.item_id == streamed.response.output[0].id

@@ -91,6 +91,42 @@ def test_input_items_become_the_chat_conversation() -> None:
     assert [m.role for m in chat.messages] == ["system", "developer", "user", "assistant", "tool"]
 
 
+def test_a_reasoning_item_sent_back_is_its_assistant_turns_reasoning_content() -> None:
+    """As the output lists them (reasoning, message, call), and a call with only reasoning before
+    it; reasoning before a user message has no turn to go with."""
+    thought: Any = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None}
+    req = _request(
+        input=[
+            {"role": "user", "content": "Weather?"},
+            {**thought, "content": [{"type": "reasoning_text", "text": "Call it."}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Checking."}],
+            },
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {**thought, "content": [{"type": "reasoning_text", "text": "Again."}]},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_2", "output": "sunny"},
+            {**thought, "content": [{"type": "reasoning_text", "text": "Dropped."}]},
+            {"role": "user", "content": "Thanks"},
+        ],
+    )
+    messages = req.messages()
+    assert [(m["role"], m.get("reasoning_content")) for m in messages] == [
+        ("user", None),
+        ("assistant", "Call it."),
+        ("tool", None),
+        ("assistant", "Again."),
+        ("tool", None),
+        ("user", None),
+    ]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["call_1"]
+    chat = req.chat_request()
+    assert chat.template_messages()[3]["reasoning_content"] == "Again."
+
+
 def test_tools_choice_format_and_limits_map_onto_chat_fields() -> None:
     req = _request(
         input="hi",
@@ -215,6 +251,8 @@ async def test_streamed_tool_calls_add_up_to_the_whole_reply() -> None:
         assert [o.type for o in output] == ["message", "function_call", "function_call"]
         calls = [(o.name, json.loads(o.arguments)) for o in output if o.type == "function_call"]
         assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+        for o in output[1:]:  # OpenAI's id forms (chat's calls keep `chatcmpl-tool-` ids)
+            assert o.id.startswith("fc_") and o.call_id.startswith("call_")  # type: ignore[union-attr]
     pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert pieces == "".join(o.arguments for o in streamed if o.type == "function_call")
     assert whole.output_text == accumulated.output_text == "Let me check.\n"
@@ -257,8 +295,13 @@ async def test_store_is_accepted_and_nothing_is_stored() -> None:
             model=FAKE, input="hi", store=True, max_output_tokens=1, tool_choice="auto"
         )
         assert r.model_dump()["store"] is False
-        for method in ("GET", "DELETE"):
-            got = await http.request(method, f"/v1/responses/{r.id}")
+        for method, path in [
+            ("GET", r.id),
+            ("DELETE", r.id),
+            ("GET", f"{r.id}/input_items"),
+            ("POST", f"{r.id}/cancel"),
+        ]:
+            got = await http.request(method, f"/v1/responses/{path}")
             assert got.status_code == 404 and "does not store responses" in got.json()["error"]["message"]
 
 

@@ -33,7 +33,9 @@ REFUSED_RESPONSES: dict[str, Refused] = {
 }
 # Hosted tools run on OpenAI's side; here the client runs every tool.
 _FUNCTION_ONLY = "only function tools are available here (the client runs them); hosted tools such as "
-_INCLUDABLE = frozenset({"reasoning.encrypted_content"})  # asks for nothing without reasoning items
+# Stateless clients ask for encrypted reasoning to send back; reasoning items here carry their text
+# in the clear (`content`), which is what is sent back, so this asks for nothing more.
+_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 _SAMPLING = (
     "temperature",
     "top_p",
@@ -92,11 +94,22 @@ class FunctionCallOutputItem(_Strict):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
 class ReasoningItem(_Strict):
-    """A reasoning item from an earlier response: accepted and left out of the prompt, as chat
-    templates leave out earlier turns' reasoning (this server makes none of its own)."""
+    """A reasoning item from an earlier response: its text is the next assistant turn's
+    `reasoning_content`, as chat's assistant messages carry it (Qwen3's and DeepSeek's templates
+    write it back only where it matters: after the last user message, in a tool loop). Its
+    summary and encrypted content (none is made here) are ignored."""
 
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+
+    def text(self) -> str | None:
+        return "".join(part.text for part in self.content or ()) or None
 
 
 InputItem = Annotated[
@@ -218,10 +231,11 @@ class ResponsesRequest(_Request):
                 raise ValueError(f"item {i} is a reference: {_NOT_STORED}")
             if kind not in _INPUT_ITEM_TYPES:
                 raise ValueError(
-                    f"item {i} is of type {kind!r}: input items here are messages, function_call "
-                    "and function_call_output"
+                    f"item {i} is of type {kind!r}: input items here are messages, function_call, "
+                    "function_call_output and reasoning"
                 )
-            _check_parts(i, item.get("content", item.get("output")))
+            if kind != "reasoning":  # its parts are reasoning_text
+                _check_parts(i, item.get("content", item.get("output")))
             out.append(item)
         return out
 
@@ -256,18 +270,25 @@ class ResponsesRequest(_Request):
             out.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*out, {"role": "user", "content": self.input}]
+        thought = None  # a reasoning item's text, for the assistant turn it comes before
         for item in self.input:
+            if isinstance(item, ReasoningItem):
+                thought = item.text()
+                continue
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 function = {"name": item.name, "arguments": item.arguments}
                 call = {"id": item.call_id, "type": "function", "function": function}
-                if out and out[-1]["role"] == "assistant":
+                if out and out[-1]["role"] == "assistant" and thought is None:
                     out[-1].setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            if thought is not None and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"] = thought
+            thought = None
         if not out:
             raise InvalidRequestError("input holds no messages", "input")
         return out

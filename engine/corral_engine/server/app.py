@@ -173,6 +173,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
 
     app.add_route("/v1/responses", responses, methods=["POST"])
     app.add_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
+    app.add_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"])
+    app.add_route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"])
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

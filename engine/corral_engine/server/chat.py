@@ -29,6 +29,7 @@ from corral_engine.server.reasoning import (
     NUM_PROMPT_TAIL_TOKENS,
     REASONING_FIELDS,
     ReasoningPlan,
+    num_reasoning_tokens,
     plan_reasoning,
 )
 from corral_engine.server.streaming import ChunkEncoder, EngineStreamingResponse
@@ -122,7 +123,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
         "created": created,
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage(collected.finals),
+        "usage": usage(collected.finals, reasoning_tokens(ctx, reasoning, collected.finals)),
     }
     scored = collected.finals[0].prompt_logprobs if collected.finals else None
     if req.prompt_logprobs is not None and scored is not None:
@@ -141,6 +142,14 @@ def reasoning_plan(ctx: ServerContext, req: ChatCompletionRequest, prompt: list[
         return None
     tail = ctx.engine.tokenizer.decode(prompt[-NUM_PROMPT_TAIL_TOKENS:])
     return plan_reasoning(ctx.reasoning_parser, tail, req.is_reasoning_shown)
+
+
+def reasoning_tokens(ctx: ServerContext, plan: ReasoningPlan | None, finals: list[RequestOutput]) -> int:
+    """Tokens the replies wrote in their reasoning blocks (0 without a parser or a block)."""
+    if plan is None:
+        return 0
+    texts = ctx.shown_text
+    return sum(num_reasoning_tokens(plan, o.text, o.token_ids, texts) for out in finals for o in out.outputs)
 
 
 def reply_params(
@@ -173,7 +182,7 @@ class _ChatChunks:
             "created": created,
             "model": ctx.model_name,
         }
-        self.ctx, self.req = ctx, req
+        self.ctx, self.req, self.reasoning = ctx, req, reasoning
         # With include_usage every chunk carries "usage": null, and a last one the totals.
         self.encoder = ChunkEncoder(base, req.include_usage_in_stream)
         self.running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
@@ -228,4 +237,6 @@ class _ChatChunks:
     def end(self) -> list[bytes]:
         if not self.req.include_usage_in_stream:
             return []
-        return [self.encoder.chunk([], usage=usage([self.final] if self.final else []))]
+        finals = [self.final] if self.final else []
+        num_reasoning = reasoning_tokens(self.ctx, self.reasoning, finals)
+        return [self.encoder.chunk([], usage=usage(finals, num_reasoning))]

@@ -168,10 +168,19 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(finals: list[RequestOutput]) -> dict[str, int]:
+def usage(finals: list[RequestOutput], num_reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; a chat reply's has `completion_tokens_details.reasoning_tokens` (those of
+    them in reasoning blocks)."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
     completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if num_reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return body
 
 
 class RunningUsage:

@@ -14,6 +14,9 @@ to the same whatever pieces its text came in.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,6 +109,12 @@ class ReasoningSplitter:
         self._part: Literal["lead", "reasoning", "content"] = "lead"
         self._buffer = ""  # text not yet sent
         self._is_trimming = True  # at the start of a part: its leading whitespace is dropped
+        self.is_block_closed = False  # its end tag is read
+
+    @property
+    def is_in_block(self) -> bool:
+        """The reply is in its reasoning block (after `finish`: a block never closed)."""
+        return self._part == "reasoning"
 
     def feed(self, text: str) -> list[ReasoningEvent]:
         self._buffer += text
@@ -157,6 +166,7 @@ class ReasoningSplitter:
             text = self._buffer[:end].rstrip(_WHITESPACE)
             self._buffer = self._buffer[end + len(self._fmt.end) :]
             self._part, self._is_trimming = "content", True
+            self.is_block_closed = True
         else:
             cut = len(self._buffer) - _held_back(self._buffer, self._fmt.end)
             text = self._buffer[:cut].rstrip(_WHITESPACE)
@@ -178,3 +188,31 @@ def split_whole(plan: ReasoningPlan, text: str) -> tuple[str | None, str]:
     reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
     content = "".join(e.text for e in events if isinstance(e, Content))
     return reasoning or None, content
+
+
+def _read(plan: ReasoningPlan, text: str) -> ReasoningSplitter:
+    """A splitter that has read the whole of `text`."""
+    splitter = plan.splitter()
+    splitter.feed(text)
+    splitter.finish()
+    return splitter
+
+
+def num_reasoning_tokens(
+    plan: ReasoningPlan | None, text: str, token_ids: list[int], token_text: Callable[[int], str]
+) -> int:
+    """Tokens of a whole reply in its reasoning block, the end tag's included (the usage's
+    `reasoning_tokens`): all of them for a block never closed, else those up to the one that
+    completes the first end tag. A tag is often several tokens, so it is found in the tokens' own
+    texts (`token_text`, cached per token id): no decode of a reply that may be long."""
+    if plan is None:
+        return 0
+    splitter = _read(plan, text)
+    if not splitter.is_block_closed:
+        return len(token_ids) if splitter.is_in_block else 0
+    pieces = list(map(token_text, token_ids))
+    found = "".join(pieces).find(plan.format.end)
+    if found == -1:  # the tokens' texts alone do not show the tag (a tokenizer's oddity): all
+        return len(token_ids)
+    ends = list(itertools.accumulate(map(len, pieces)))  # characters through each token
+    return bisect.bisect_left(ends, found + len(plan.format.end)) + 1

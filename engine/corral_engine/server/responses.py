@@ -4,6 +4,7 @@ a response id are 404s saying so."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from starlette.requests import Request
@@ -13,7 +14,7 @@ from corral_engine.errors import InvalidRequestError
 from corral_engine.server import errors
 from corral_engine.server.api_responses import ResponsesRequest
 from corral_engine.server.api_tools import plan_tools
-from corral_engine.server.chat import reasoning_plan, render_prompt, reply_params
+from corral_engine.server.chat import reasoning_plan, reasoning_tokens, render_prompt, reply_params
 from corral_engine.server.context import ServerContext, new_id, now_s, remaining_context
 from corral_engine.server.generation import collect_unless_disconnected
 from corral_engine.server.responses_output import ResponseShell, output_items, status_of
@@ -45,21 +46,25 @@ async def _respond(ctx: ServerContext, req: ResponsesRequest, request: Request) 
     if max_tokens is None:
         max_tokens = remaining_context(ctx, [prompt], "input")
     plan = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, ctx.tool_call_parser)
-    reasoning = reasoning_plan(ctx, chat, prompt)  # a reasoning block is left out of the output
+    reasoning = reasoning_plan(ctx, chat, prompt)  # a reasoning block is a reasoning item
     params = reply_params(chat, max_tokens, plan, reasoning)
     response_id = new_id("resp").replace("-", "_", 1)  # OpenAI's `resp_` ids
     shell = ResponseShell(req, response_id, ctx.model_name, now_s())
     run = ctx.start_run(response_id, [prompt], params)
     logger.debug("request %s: responses, stream=%s", response_id, req.stream)  # INFO: the access line
     if req.stream:
-        return ResponseStreamingResponse(run, ResponseEvents(shell, plan, reasoning))
+        count = functools.partial(reasoning_tokens, ctx, reasoning)
+        return ResponseStreamingResponse(run, ResponseEvents(shell, plan, reasoning, count))
     collected = await collect_unless_disconnected(run, request.receive)
     if collected is None:
         return Response(status_code=499)
     final = collected.finals[0] if collected.finals else None
     reason = final.outputs[0].finish_reason if final is not None else None
     text = final.outputs[0].text if final is not None else ""
-    return JSONResponse(shell.body(status_of(reason), output_items(plan, text, reason, reasoning), final))
+    output = output_items(plan, text, reason, reasoning)
+    return JSONResponse(
+        shell.body(status_of(reason), output, final, reasoning_tokens(ctx, reasoning, collected.finals))
+    )
 
 
 def _renamed(e: errors.APIError | InvalidRequestError) -> errors.APIError | InvalidRequestError:

@@ -1,5 +1,6 @@
-"""A Responses API answer: its output items (an assistant message, function calls), its usage, and
-the response object that carries them, whole or as a stream's lifecycle events show it."""
+"""A Responses API answer: its output items (the reasoning, an assistant message, function calls),
+its usage, and the response object that carries them, whole or as a stream's lifecycle events show
+it."""
 
 from __future__ import annotations
 
@@ -17,8 +18,24 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def new_call_id() -> str:
+    """A function call's `call_id`, as OpenAI's look (chat's calls keep their own ids)."""
+    return new_item_id("call")
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The reply's reasoning block as a reasoning item, its text in the clear (no summary is made,
+    nothing is encrypted); `text` None while a stream has not opened its one text part."""
+    content = [] if text is None else [reasoning_part(text)]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -46,25 +63,29 @@ def status_of(finish_reason: str | None) -> str:
 def output_items(
     plan: ToolPlan, text: str, finish_reason: str | None, reasoning: ReasoningPlan | None = None
 ) -> list[dict[str, Any]]:
-    """The whole reply's items: its text as a message (left out when only whitespace stands
-    beside tool calls), then one function_call item per call. The last item is the one a token
-    limit cut short, as a stream marks it."""
+    """The whole reply's items: its reasoning block (with --reasoning-parser), its text as a
+    message (left out when only whitespace stands beside reasoning or tool calls), then one
+    function_call item per call. The last item is the one a token limit cut short, as a stream
+    marks it."""
     reply = reply_message(plan, text, reasoning)
     calls = reply.get("tool_calls") or []
     content = reply["content"] or ""
+    thought = reply.get("reasoning")
     items = []
-    if content.strip() or not calls:
+    if thought:
+        items.append(reasoning_item(new_item_id("rs"), thought, "completed"))
+    if content.strip() or not (calls or thought):
         items.append(message_item(new_item_id("msg"), content, "completed"))
     for call in calls:
         fn = call["function"]
         items.append(
-            function_call_item(new_item_id("fc"), call["id"], fn["name"], fn["arguments"], "completed")
+            function_call_item(new_item_id("fc"), new_call_id(), fn["name"], fn["arguments"], "completed")
         )
     items[-1]["status"] = status_of(finish_reason)
     return items
 
 
-def usage(final: RequestOutput | None) -> dict[str, Any]:
+def usage(final: RequestOutput | None, num_reasoning_tokens: int = 0) -> dict[str, Any]:
     if final is None:
         num_input = num_output = num_cached = 0
     else:
@@ -75,7 +96,7 @@ def usage(final: RequestOutput | None) -> dict[str, Any]:
         "input_tokens": num_input,
         "input_tokens_details": {"cached_tokens": num_cached},
         "output_tokens": num_output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
         "total_tokens": num_input + num_output,
     }
 
@@ -115,13 +136,14 @@ class ResponseShell:
         status: str,
         output: list[dict[str, Any]],
         final: RequestOutput | None = None,
+        num_reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         """`status`: "in_progress" (a stream's first events, no usage yet), "completed" or
         "incomplete" (the output ended at the token limit)."""
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         body = {**self.fields, "status": status, "error": None, "incomplete_details": incomplete}
         body["output"] = output
-        body["usage"] = usage(final) if status != "in_progress" else None
+        body["usage"] = usage(final, num_reasoning_tokens) if status != "in_progress" else None
         return body
 
 

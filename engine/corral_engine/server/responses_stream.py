@@ -10,6 +10,7 @@ response.incomplete at the token limit), without chat's `data: [DONE]`, as OpenA
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from corral_engine.outputs import RequestOutput
@@ -21,7 +22,10 @@ from corral_engine.server.responses_output import (
     ResponseShell,
     function_call_item,
     message_item,
+    new_call_id,
     new_item_id,
+    reasoning_item,
+    reasoning_part,
     status_of,
     text_part,
 )
@@ -33,13 +37,21 @@ _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 class ResponseEvents:
     """One response's events, fed the run's outputs (one prompt, one choice). At most one output
-    item is open at a time: text opens a message, a tool call's start closes what is open and opens
-    a function_call. Whitespace-only text is held until more text comes, so the whitespace a model
-    writes before a call does not become a message of its own (as the whole reply leaves it out)."""
+    item is open at a time: reasoning opens a reasoning item, text a message, a tool call's start
+    closes what is open and opens a function_call. Whitespace-only text is held until more text
+    comes, so the whitespace a model writes before a call does not become a message of its own (as
+    the whole reply leaves it out). `count_reasoning` gives the usage's reasoning tokens."""
 
-    def __init__(self, shell: ResponseShell, plan: ToolPlan, reasoning: ReasoningPlan | None = None) -> None:
+    def __init__(
+        self,
+        shell: ResponseShell,
+        plan: ToolPlan,
+        reasoning: ReasoningPlan | None = None,
+        count_reasoning: Callable[[list[RequestOutput]], int] | None = None,
+    ) -> None:
         self.shell = shell
-        self.reply = ReplyStream(plan, reasoning)  # its reasoning deltas are not read: no reasoning items
+        self.reply = ReplyStream(plan, reasoning)
+        self.count_reasoning = count_reasoning
         self.num_events = 0
         self.items: list[dict[str, Any]] = []  # the output so far; the last may be open
         self.is_open = False
@@ -64,11 +76,13 @@ class ResponseEvents:
             ]
         o = out.outputs[0]
         for delta in self.reply.feed(o.delta_text, o.finish_reason is not None):
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"])
-            for call in delta.get("tool_calls", ()):  # other keys (reasoning) make no items here
+            for call in delta.get("tool_calls", ()):
                 if "id" in call:
-                    events += self._open_call(call["id"], call["function"]["name"])
+                    events += self._open_call(call["function"]["name"])
                 events += self._arguments(call["function"]["arguments"])
         if out.finished:
             self.final, self.finish_reason = out, o.finish_reason
@@ -79,7 +93,9 @@ class ResponseEvents:
         events = self._close(status)
         if not self.items:  # a reply of nothing (or only whitespace) is still a message
             events += self._open_message(self.held) + self._close(status)
-        body = self.shell.body(status, self.items, self.final)
+        finals = [self.final] if self.final is not None else []
+        num_reasoning = self.count_reasoning(finals) if self.count_reasoning is not None else 0
+        body = self.shell.body(status, self.items, self.final, num_reasoning)
         return [*events, self.event(f"response.{status}", response=body)]
 
     def error_event(self, error: BaseException) -> bytes:
@@ -90,6 +106,25 @@ class ResponseEvents:
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        events = []
+        if not (self.is_open and self.items[-1]["type"] == "reasoning"):
+            events = self._open_reasoning()
+        self.items[-1]["content"][0]["text"] += text
+        delta = self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
+        return [*events, delta]
+
+    def _open_reasoning(self) -> list[bytes]:
+        events = self._close("completed")
+        item = reasoning_item(new_item_id("rs"), None, "in_progress")
+        self.items.append(item)
+        self.is_open = True
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=item))
+        item["content"].append(reasoning_part(""))
+        part = reasoning_part("")
+        events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
+        return events
 
     def _text(self, text: str) -> list[bytes]:
         if self.is_open and self.items[-1]["type"] == "message":
@@ -116,10 +151,10 @@ class ResponseEvents:
             self.event("response.content_part.added", **self._where(), content_index=0, part=text_part(text)),
         ]
 
-    def _open_call(self, call_id: str, name: str) -> list[bytes]:
+    def _open_call(self, name: str) -> list[bytes]:
         self.held = ""
         events = self._close("completed")
-        item = function_call_item(new_item_id("fc"), call_id, name, "", "in_progress")
+        item = function_call_item(new_item_id("fc"), new_call_id(), name, "", "in_progress")
         self.items.append(item)
         self.is_open = True
         return [
@@ -146,6 +181,12 @@ class ResponseEvents:
                 self.event(
                     "response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]
                 )
+            )
+            events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events.append(
+                self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
             )
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
         else:
