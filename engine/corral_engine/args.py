@@ -55,8 +55,8 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "native", "sdpa")
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 # corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated here so this module needs no
 # server import (tests/server/test_tool_parsers.py checks they agree).
-ToolCallParser = Literal["hermes", "llama3_json"]
-TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json")
+ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
+TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "mistral")
 # corral_engine.server.reasoning.REASONING_PARSERS' names, restated likewise.
 ReasoningParser = Literal["deepseek_r1", "qwen3"]
 REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")
@@ -220,7 +220,8 @@ class EngineArgs:
     tool_call_parser: ToolCallParser | None = _option(
         None,
         help="read tool calls out of replies in this format, which turns on tool_choice auto "
-        "(hermes: tool_call tags, Hermes and Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls)",
+        "(hermes: tool_call tags, Hermes and Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls; "
+        "mistral: [TOOL_CALLS], Mistral and Mixtral)",
         default_text="none: auto is refused; required and named tool choices work without it",
         choices=TOOL_CALL_PARSERS,
         crd="toolCallParser",

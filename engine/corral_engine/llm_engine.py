@@ -158,7 +158,9 @@ class LLMEngine:
         if self.is_closed:
             raise EngineDeadError("the engine is closed")
         token_ids = self.tokenize(prompt)
-        check_request(token_ids, params, self.max_model_len, self.model_config.vocab_size, self.block_manager)
+        params = check_request(
+            token_ids, params, self.max_model_len, self.model_config.vocab_size, self.block_manager
+        )
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -333,7 +335,10 @@ class LLMEngine:
             params = seq.request.params
             if seq.grammar is not None or params.logprobs is not None or seq.request.pending_forks:
                 return False
-            if seq.num_output_tokens + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+            if (
+                seq.num_output_tokens + 1 >= params.max_output_tokens
+                or seq.num_tokens + 1 >= self.max_model_len
+            ):
                 return False
         return True
 
@@ -426,7 +431,10 @@ class LLMEngine:
             return
         if self.args.speculative and request.params.can_speculate:
             room = (
-                min(request.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+                min(
+                    request.params.max_output_tokens - seq.num_output_tokens,
+                    self.max_model_len - seq.num_tokens,
+                )
                 - 1
             )
             seq.spec_token_ids = ngram.propose(

@@ -44,7 +44,7 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= params.max_output_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         else:
             return False

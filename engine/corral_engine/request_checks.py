@@ -3,6 +3,7 @@ cache, and token ids (prompt, logit_bias, allowed_token_ids) inside the vocabula
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +16,9 @@ class KvCapacity(Protocol):
 
     @property
     def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
 
     def blocks_for_tokens(self, num_tokens: int) -> int: ...
 
@@ -32,7 +36,9 @@ class KvShape:
 
 def check_request(
     token_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int, bm: KvCapacity
-) -> None:
+) -> SamplingParams:
+    """The request's params, refused (InvalidRequestError) where it cannot run; a max_tokens of
+    None becomes what the prompt leaves of the context and of the KV cache."""
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", "prompt")
     if any(not 0 <= t < vocab for t in token_ids):
@@ -48,7 +54,7 @@ def check_request(
             "and leaves no room for output.",
             "prompt",
         )
-    if num + params.max_tokens > max_model_len:
+    if params.max_tokens is not None and num + params.max_tokens > max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has {num} "
             f"and max_tokens asks for {params.max_tokens} more.",
@@ -61,8 +67,12 @@ def check_request(
             f"the cache has {bm.num_blocks}",
             "prompt",
         )
+    if params.max_tokens is None:  # both fit at least one output token (checked above)
+        room = min(max_model_len, bm.num_blocks * bm.block_size) - num
+        return dataclasses.replace(params, max_tokens=room)
     need = bm.blocks_for_tokens(num + params.max_tokens)
     if need > bm.num_blocks:
         raise InvalidRequestError(
             f"the request needs {need} KV blocks; the cache has {bm.num_blocks}", "max_tokens"
         )
+    return params

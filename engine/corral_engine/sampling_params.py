@@ -28,7 +28,9 @@ class SamplingError(InvalidRequestError):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    # None: as many as the context leaves after the prompt (and the KV cache holds), as vLLM's;
+    # the request's own params carry that number once it is built (request_checks).
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables top-k
@@ -82,7 +84,7 @@ class SamplingParams:
         def bad(msg: str, param: str) -> SamplingError:
             return SamplingError(msg, param)
 
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
             raise bad(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
@@ -119,12 +121,19 @@ class SamplingParams:
             raise bad("logit_bias takes at most 1024 tokens, each with a bias in [-100, 100]", "logit_bias")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise bad("allowed_token_ids must not be empty", "allowed_token_ids")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise bad(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", "prompt_logprobs")
         if self.output_kind not in OUTPUT_KINDS:
             raise bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}", "output_kind")
+
+    @property
+    def max_output_tokens(self) -> int:
+        """max_tokens of a built request (where a None became what the context leaves)."""
+        if self.max_tokens is None:
+            raise ValueError("max_tokens is None: the request was not built (request_checks.check_request)")
+        return self.max_tokens
 
     @property
     def is_greedy(self) -> bool:

@@ -135,8 +135,8 @@ def test_bad_sampling_params_raise_clear_errors(kwargs: dict, param: str) -> Non
 @pytest.mark.parametrize(
     ("kwargs", "param", "text"),
     [
-        ({"max_tokens": 2.5}, "max_tokens", "max_tokens must be int, got float 2.5"),
-        ({"max_tokens": None}, "max_tokens", "must be int"),
+        ({"max_tokens": 2.5}, "max_tokens", "max_tokens must be int or None, got float 2.5"),
+        ({"max_tokens": "8"}, "max_tokens", "must be int or None"),
         ({"temperature": "hot"}, "temperature", "temperature must be float, got str 'hot'"),
         ({"seed": "x"}, "seed", "seed must be int or None"),
         ({"n": True}, "n", "n must be int, got bool"),
@@ -155,6 +155,17 @@ def test_sampling_params_of_the_wrong_type_name_the_field(kwargs: dict, param: s
     with pytest.raises(SamplingError, match=re.escape(text)) as info:
         SamplingParams(**kwargs)
     assert info.value.param == param
+
+
+def test_max_tokens_none_generates_up_to_the_context_or_the_cache(tiny_model_dir: pathlib.Path) -> None:
+    # vLLM's meaning of max_tokens=None: as many as the context leaves after the prompt.
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10]
+    for num_kv_blocks, expected in [(256, 64 - 6), (5, 5 * 8 - 6)]:  # the context, else the cache
+        engine = make_engine(tiny_model_dir, max_model_len=64, block_size=8, num_kv_blocks=num_kv_blocks)
+        out = engine.generate([prompt], params)[0].outputs[0]
+        assert (len(out.token_ids), out.finish_reason) == (expected, "length")
+    assert params.max_tokens is None  # the caller's params are left as given
 
 
 def test_repeated_token_ids_are_kept_once_and_stop_ids_are_bounded() -> None:

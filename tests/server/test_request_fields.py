@@ -239,6 +239,43 @@ async def test_echo_text_offsets_index_the_returned_text(client: openai.AsyncOpe
             assert text[offset : offset + len(token)] == token
 
 
+def _check_offsets(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """Offsets never go back nor past the text, and a token whose text is whole (no U+FFFD: not a
+    piece of a character's bytes) sits at its offset, unless it follows a piece (the model may
+    write bytes that are no character: the text then shows them where the next token's text
+    starts)."""
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for i, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
+        if "\ufffd" not in token and (i == 0 or "\ufffd" not in tokens[i - 1]):
+            assert text[offset : offset + len(token)] == token, (token, offset)
+
+
+async def test_text_offsets_after_characters_split_over_tokens(client: openai.AsyncOpenAI) -> None:
+    # The byte-level tokenizer splits ü, ö and 日本 into byte tokens; decoded alone each is one
+    # U+FFFD, a character the returned text does not hold: counting them shifted every later offset.
+    given = "Grüße aus Köln, 日本語 ok"
+    c = await client.completions.create(
+        model=MODEL, prompt=given, max_tokens=12, temperature=0, echo=True, logprobs=1, seed=0
+    )
+    text, lp = c.choices[0].text, c.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+    assert sum("\ufffd" in t for t in lp.tokens) >= 4
+    assert lp.text_offset[:2] == [0, 0]  # the BOS the text does not hold takes no room
+    _check_offsets(text, lp.tokens[1:], lp.text_offset[1:])
+    tokens, offsets, streamed = [], [], ""
+    stream = await client.completions.create(
+        model=MODEL, prompt=given, max_tokens=12, temperature=0, logprobs=1, seed=0, stream=True
+    )
+    async for chunk in stream:
+        choice = chunk.choices[0]
+        streamed += choice.text
+        if choice.logprobs is not None:
+            tokens += choice.logprobs.tokens or []
+            offsets += choice.logprobs.text_offset or []
+    assert streamed == text[len(given) :]
+    _check_offsets(streamed, tokens, offsets)
+
+
 async def test_template_fields_reach_the_chat_template(client: openai.AsyncOpenAI) -> None:
     async def prompt_tokens(messages: Any = ASK, **body: Any) -> int:
         r = await client.chat.completions.create(

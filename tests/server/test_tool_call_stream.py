@@ -33,7 +33,15 @@ LLAMA3 = (
     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
     '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}'
 )
-CASES = [("hermes", HERMES, "Let me check both.\n"), ("llama3_json", LLAMA3, None)]
+MISTRAL = (
+    'Let me check both.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+    '[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}'
+)
+CASES = [
+    ("hermes", HERMES, "Let me check both.\n"),
+    ("llama3_json", LLAMA3, None),
+    ("mistral", MISTRAL, "Let me check both."),
+]
 
 
 @contextlib.asynccontextmanager

@@ -238,6 +238,24 @@ async def test_a_conversation_with_tool_calls_and_results_is_accepted(client: op
             "cannot be combined",
         ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+        ({"tools": [*TOOLS, TOOLS[0]]}, "tools[2] repeats the function name `get_weather`"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}},
+            "Responses API's form",
+        ),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "allowed_tools": {
+                        "mode": "auto",
+                        "tools": [{"type": "function", "function": {"name": "x"}}],
+                    },
+                },
+            },
+            "allowed_tools names `x`, which is not in tools",
+        ),
     ],
 )
 async def test_impossible_tool_requests_are_400s(
@@ -246,6 +264,23 @@ async def test_impossible_tool_requests_are_400s(
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=body)
     assert needle in str(info.value.message)
+
+
+async def test_allowed_tools_limits_the_calls_to_the_listed_functions(client: openai.AsyncOpenAI) -> None:
+    ref: Any = {"type": "function", "function": {"name": "set_alarm"}}
+    for mode in ("required", "auto"):
+        choice: Any = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [ref]}}
+        r = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=96, seed=0
+        )
+        if mode == "required":
+            calls = r.choices[0].message.tool_calls or []
+            assert calls and {c.function.name for c in calls} == {"set_alarm"}
+            for call in calls:
+                _check_call(call.function.name, call.function.arguments)
+        # every tool is still rendered: the prompt is the one "auto" over all of them gets
+        plain = await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1)
+        assert r.usage and plain.usage and r.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 async def test_auto_needs_a_parser(tiny_model_dir: pathlib.Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from corral_engine.args import TOOL_CALL_PARSERS
-from corral_engine.server.api_tools import Tool, ToolPlan, plan_tools
+from corral_engine.server.api_tools import Tool, ToolChoice, ToolPlan, plan_tools
 from corral_engine.server.tool_calls import ReplyStream, reply_message
 from corral_engine.server.tool_parsers import (
     TOOL_PARSERS,
@@ -28,6 +28,7 @@ from corral_engine.server.tool_parsers import (
     collect,
     parse_whole,
 )
+from pydantic import TypeAdapter
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
 TIME = ParsedCall("get_time", '{"tz": "Europe/Paris"}')
@@ -112,6 +113,40 @@ RECORDED: list[tuple[str, str, Parsed]] = [
         Parsed("", [TIME]),
     ),
     ("llama3_json", "<|python_tag|>print(1)", Parsed("<|python_tag|>print(1)", [])),
+    (  # Mistral v0.3: a JSON array after the marker
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+        Parsed("", [WEATHER, TIME]),
+    ),
+    (  # v11+: name[ARGS]arguments, each call after its own marker; content before the first
+        "mistral",
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+        '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"tz": "Europe/Paris"}',
+        Parsed("Checking.", [WEATHER, TIME]),
+    ),
+    (  # the markers are special tokens, which returned text leaves out
+        "mistral",
+        'get_weather{"city": "Paris", "unit": "celsius"}get_time{"tz": "Europe/Paris"}',
+        Parsed("", [WEATHER, TIME]),
+    ),
+    (
+        "mistral",
+        '[{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+        Parsed("", [TIME]),
+    ),
+    ("mistral", "[1, 2] and {x} are [TOOL", Parsed("[1, 2] and {x} are [TOOL", [])),
+    ("mistral", "Sunny, 21 degrees.", Parsed("Sunny, 21 degrees.", [])),
+    (  # cut off right after the name
+        "mistral",
+        "[TOOL_CALLS]get_time[ARGS]",
+        Parsed("", [ParsedCall("get_time", "")]),
+    ),
+    (  # cut off inside the arguments
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa',
+        Parsed("", [ParsedCall("get_weather", '{"city": "Pa')]),
+    ),
 ]
 
 
@@ -313,3 +348,38 @@ def test_without_a_parser_the_reply_is_content() -> None:
 
 def test_the_option_lists_every_parser() -> None:
     assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
+
+
+def test_mistral_calls_without_markers_must_name_an_offered_tool() -> None:
+    tools = [Tool.model_validate({"type": "function", "function": {"name": c.name}}) for c in (WEATHER, TIME)]
+    plan = plan_tools(tools, "auto", True, "mistral")
+    cases = [
+        ('[{"name": "Ada", "age": 36}]', '[{"name": "Ada", "age": 36}]', []),
+        ("print{1}", "print{1}", []),
+        (f"get_time{TIME.arguments}", "", [TIME]),
+        ('Sure.[TOOL_CALLS]rm_rf[ARGS]{"path": "/"}', "Sure.", [ParsedCall("rm_rf", '{"path": "/"}')]),
+    ]
+    for text, content, calls in cases:
+        message = reply_message(plan, text)
+        whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+        assert whole == [(c.name, c.arguments) for c in calls]
+        assert (message["content"] or "") == content
+        for pieces in _chunkings(text, seed=3):
+            streamed_content, streamed_calls = _accumulate(_reply_stream(plan, pieces))
+            assert streamed_content == content
+            assert [(c["name"], c["arguments"]) for c in streamed_calls] == whole
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
+    # Mistral's chat templates refuse a call sent back with any other id.
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_time"}})]
+    text = f"[TOOL_CALLS]get_time[ARGS]{TIME.arguments}"
+    ids = []
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+        plan = plan_tools(tools, TypeAdapter(ToolChoice).validate_python(choice), True, "mistral")
+        reply = '[{"name": "get_time", "parameters": {}}]' if choice == "required" else text
+        ids.append(reply_message(plan, reply)["tool_calls"][0]["id"])
+        ids.extend(c["id"] for c in _accumulate(_reply_stream(plan, [reply[:5], reply[5:]]))[1])
+    assert len(ids) == 6 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids), ids
+    hermes = plan_tools(tools, "auto", True, "hermes")
+    assert hermes.new_call_id().startswith("chatcmpl-tool-")

@@ -241,3 +241,26 @@ def test_lean_mode_steps_exactly_like_the_full_one() -> None:
         return events
 
     assert trace(True) == trace(False)
+
+
+def test_prefix_cache_counts_each_sibling_as_prompt_tokens_does_and_skips_scored_prompts() -> None:
+    # As vLLM v1 counts each child request of n > 1: a sibling queries its prompt and hits the
+    # full blocks it shares, so hits / queries stays a ratio of the same tokens prompt_tokens counts.
+    engine = SimEngine(PROFILE, NullTokenizer(), "sim", eos_token_ids=(2,))
+
+    def run(request_id: str, params: SamplingParams) -> None:
+        engine.add_request(request_id, list(range(3, 43)), params)
+        while engine.has_unfinished_requests():
+            step = engine.begin_step()
+            assert step is not None
+            engine.finish_step(step)
+
+    run("n3", SamplingParams(max_tokens=2, n=3, temperature=1.0, seed=0))
+    stats = engine.stats()
+    assert stats.num_prompt_tokens_total == 3 * 40
+    assert stats.num_prefix_cache_queries_total == 3 * 40
+    assert stats.num_prefix_cache_hits_total == 2 * 32  # each sibling: two full 16-token blocks
+    run("scored", SamplingParams(max_tokens=2, prompt_logprobs=0))  # computes every prompt token: no lookup
+    after = engine.stats()
+    assert after.num_prefix_cache_queries_total == stats.num_prefix_cache_queries_total
+    assert after.num_prefix_cache_hits_total == stats.num_prefix_cache_hits_total

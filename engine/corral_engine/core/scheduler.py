@@ -144,8 +144,9 @@ class Scheduler:
         """Give `seq` its cached prefix and the blocks for what it computes now (or, under
         `reserve`, for everything it may ever need). On failure nothing new is held."""
         had_blocks = bool(seq.block_table)  # a forked sibling already shares its prompt blocks
-        matched = 0
-        if not had_blocks and seq.request.params.prompt_logprobs is None:  # those score every token
+        matched = seq.num_computed_tokens  # a sibling's shared blocks: its hits, as vLLM counts a child's
+        is_scored = seq.request.params.prompt_logprobs is not None  # every token computed: no lookup
+        if not had_blocks and not is_scored:
             cached = self.bm.match_prefix(seq)
             self.bm.adopt_prefix(seq, cached)
             matched = len(cached) * self.bm.block_size
@@ -157,8 +158,9 @@ class Scheduler:
             if not had_blocks:
                 self.bm.free(seq)
             return False
-        if not had_blocks and seq.num_preemptions == 0:
+        if seq.num_preemptions == 0 and not is_scored:  # each sequence's prompt once, as prompt_tokens
             self.bm.record_prefix_query(seq.num_tokens, matched)
+        if not had_blocks and seq.num_preemptions == 0:
             seq.request.metrics.num_cached_tokens = matched  # a response's usage reports it
         return True
 

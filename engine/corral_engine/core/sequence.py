@@ -70,7 +70,7 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         """Tokens this sequence can reach: prompt + max_tokens (what `reserve` admits against)."""
-        return self.num_prompt_tokens + self.request.params.max_tokens
+        return self.num_prompt_tokens + self.request.params.max_output_tokens
 
 
 @dataclass(slots=True, eq=False)

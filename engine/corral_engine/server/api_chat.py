@@ -147,6 +147,17 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"`{name}` is not supported: {reason}")
         return kwargs
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_choice(cls, choice: Any) -> Any:
+        """The Responses API's named form is a 400 in chat, as at OpenAI, which says which to use."""
+        if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+            raise ValueError(
+                'a named tool_choice in chat is {"type": "function", "function": {"name": ...}} '
+                '({"type": "function", "name": ...} is the Responses API\'s form)'
+            )
+        return choice
+
     def check_fields(self) -> None:
         check_fields(self.model_extra or {}, REFUSED_CHAT)
         self.check_stream_options()

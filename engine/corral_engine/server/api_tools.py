@@ -3,13 +3,20 @@ ask of generation (a grammar for "required" and a named function; a parser for "
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from corral_engine.errors import InvalidRequestError
-from corral_engine.server.tool_parsers import TOOL_PARSERS, FirstCallOnly, RequiredListParser, ToolParser
+from corral_engine.server.tool_parsers import (
+    CALL_IDS,
+    TOOL_PARSERS,
+    FirstCallOnly,
+    RequiredListParser,
+    ToolParser,
+    default_call_id,
+)
 from corral_engine.structured.spec import GrammarSpec
 
 # OpenAI: "omitting parameters defines a function with an empty parameter list", so a forced
@@ -42,7 +49,20 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTools(_Strict):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Strict):
+    """Calls limited to some of `tools`, which the request still renders (so prompts stay the same
+    and cached whichever tools a turn allows)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class ToolCallFunction(_Strict):
@@ -59,17 +79,20 @@ class ToolCallItem(_Strict):
 class ToolPlan:
     """How a request's reply becomes tool calls: `grammar` (required, named) constrains it,
     `make_parser` makes the reader of each choice's calls (None: no tool calls, plain content);
-    `named` is the forced function."""
+    `named` is the forced function; `new_call_id` makes each call's id (in the form the model's
+    template accepts back)."""
 
     def __init__(
         self,
         grammar: GrammarSpec | None,
         make_parser: Callable[[], ToolParser] | None,
         named: str | None = None,
+        new_call_id: Callable[[], str] = default_call_id,
     ) -> None:
         self.grammar = grammar
         self.make_parser = make_parser
         self.named = named
+        self.new_call_id = new_call_id
 
 
 NO_TOOLS = ToolPlan(None, None)
@@ -84,9 +107,13 @@ def plan_tools(
     """The plan for these fields; InvalidRequestError for a choice the request cannot have."""
     if choice is not None and choice != "none" and not tools:
         raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+    by_name = _by_name(tools or [])
     if not tools or choice == "none":
         return NO_TOOLS
-    by_name = {t.function.name: t.function for t in tools}
+    new_call_id = CALL_IDS.get(parser_name or "", default_call_id)
+    if isinstance(choice, AllowedToolsChoice):
+        by_name = {name: by_name[name] for name in allowed_names(choice, by_name)}
+        choice = choice.allowed_tools.mode
     if isinstance(choice, NamedToolChoice):
         fn = by_name.get(choice.function.name)
         if fn is None:
@@ -94,18 +121,40 @@ def plan_tools(
                 f"tool_choice names `{choice.function.name}`, which is not in tools", "tool_choice"
             )
         grammar = GrammarSpec.json_schema(fn.parameters or NO_PARAMETERS, f"tools.{fn.name}.parameters")
-        return ToolPlan(grammar, None, fn.name)
+        return ToolPlan(grammar, None, fn.name, new_call_id)
     if choice == "required":
         schema = _required_schema(list(by_name.values()), parallel)
-        return ToolPlan(GrammarSpec.json_schema(schema, "tools"), RequiredListParser)
+        return ToolPlan(GrammarSpec.json_schema(schema, "tools"), RequiredListParser, None, new_call_id)
     if parser_name is None:  # "auto", given or by default
         raise InvalidRequestError(
             '"auto" tool choice needs the server to be started with --tool-call-parser', "tool_choice"
         )
     parser, names = TOOL_PARSERS[parser_name], frozenset(by_name)
     if not parallel:
-        return ToolPlan(None, lambda: FirstCallOnly(parser(names)))
-    return ToolPlan(None, lambda: parser(names))
+        return ToolPlan(None, lambda: FirstCallOnly(parser(names)), None, new_call_id)
+    return ToolPlan(None, lambda: parser(names), None, new_call_id)
+
+
+def _by_name(tools: list[Tool]) -> dict[str, FunctionDef]:
+    """The functions by name; two tools of one name are a 400 (which would a call mean?)."""
+    by_name: dict[str, FunctionDef] = {}
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in by_name:
+            raise InvalidRequestError(f"tools[{i}] repeats the function name `{name}`", "tools")
+        by_name[name] = tool.function
+    return by_name
+
+
+def allowed_names(choice: AllowedToolsChoice, by_name: Collection[str]) -> list[str]:
+    """The functions an allowed_tools choice allows, each of them in `tools` (else a 400)."""
+    names = [ref.function.name for ref in choice.allowed_tools.tools]
+    for name in names:
+        if name not in by_name:
+            raise InvalidRequestError(
+                f"tool_choice.allowed_tools names `{name}`, which is not in tools", "tool_choice"
+            )
+    return list(dict.fromkeys(names))
 
 
 def _required_schema(functions: list[FunctionDef], parallel: bool) -> dict[str, Any]:

@@ -59,6 +59,18 @@ class CallScanner:
         self._depth = 0
         self._in_string = False
         self._escape = False
+        self._is_bare = False  # reads an arguments value alone (see arguments_of)
+
+    @classmethod
+    def arguments_of(cls, name: str) -> CallScanner:
+        """A scanner for a call named before its arguments (Mistral's `name[ARGS]{...}`): it reads
+        the arguments value alone and is done where that value ends, taking nothing after it."""
+        scanner = cls()
+        scanner.name = name
+        scanner._key = "arguments"
+        scanner._state = _State.VALUE
+        scanner._is_bare = True
+        return scanner
 
     @property
     def is_done(self) -> bool:
@@ -156,7 +168,7 @@ class CallScanner:
             self._raw += piece
 
     def _end_value(self) -> None:
-        self._state = _State.AFTER_VALUE
+        self._state = _State.DONE if self._is_bare else _State.AFTER_VALUE
         if self._kind != "string" or self._role is _Role.OTHER:
             return
         value = _decode(self._raw)

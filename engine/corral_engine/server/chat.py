@@ -81,11 +81,11 @@ async def render_prompt(ctx: ServerContext, req: ChatCompletionRequest, check_fi
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     req = await ctx.parse(request, ChatCompletionRequest)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
     prompt = await render_prompt(ctx, req)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = remaining_context(ctx, [prompt], "messages")
-    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
     if req.prompt_logprobs is not None and req.stream:
         raise errors.invalid_request("prompt_logprobs are not streamed.", "stream")
     reasoning = reasoning_plan(ctx, req, prompt)

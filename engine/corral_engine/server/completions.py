@@ -20,7 +20,14 @@ from corral_engine.server.context import (
     usage,
 )
 from corral_engine.server.generation import Collected, GenerationRun, collect_unless_disconnected
-from corral_engine.server.logprobs import completion_logprobs, prompt_logprobs_json, unscored
+from corral_engine.server.logprobs import (
+    TextRooms,
+    TokenText,
+    completion_logprobs,
+    offsets_of,
+    prompt_logprobs_json,
+    unscored,
+)
 from corral_engine.server.streaming import ChunkEncoder, EngineStreamingResponse
 
 logger = logging.getLogger(__name__)
@@ -138,28 +145,33 @@ def _final_choice(
 ) -> dict[str, Any]:
     """A finished choice: with echo the prompt's text (and its tokens' logprobs) come first."""
     prompt = out.prompt_logprobs
-    if echo and req.logprobs is not None and prompt is not None:
-        items = [unscored(out.prompt_token_ids[0]), *(lp for lp in prompt[1:] if lp is not None), *items]
-    choice = _choice(ctx, req, index, o, echo + o.text, items, 0)
+    offsets: list[int] = []
+    if req.logprobs is not None:
+        tokenizer = ctx.engine.tokenizer
+        rooms = TextRooms(tokenizer, out.prompt_token_ids).add((lp.token_id for lp in items), True)
+        offsets = offsets_of(rooms, len(echo))
+        if echo and prompt is not None:
+            scored = [unscored(out.prompt_token_ids[0]), *(lp for lp in prompt[1:] if lp is not None)]
+            echoed = TextRooms(tokenizer, []).add((lp.token_id for lp in scored), True)
+            items, offsets = [*scored, *items], offsets_of(echoed, 0) + offsets
+    choice = _choice(req, index, o, echo + o.text, items, ctx.token_text, offsets)
     if req.prompt_logprobs is not None and prompt is not None:
         choice["prompt_logprobs"] = prompt_logprobs_json(prompt, ctx.token_text)
     return choice
 
 
 def _choice(
-    ctx: ServerContext,
     req: CompletionRequest,
     index: int,
     o: CompletionOutput,
     text: str,
     logprob_items: Any,
-    text_offset: int,
+    token_text: TokenText,
+    offsets: list[int],
 ) -> dict[str, Any]:
     logprobs = None
     if req.logprobs is not None and logprob_items is not None:
-        logprobs = completion_logprobs(
-            logprob_items, req.logprobs, ctx.token_text, ctx.shown_text, text_offset
-        )
+        logprobs = completion_logprobs(logprob_items, req.logprobs, token_text, offsets)
     return {
         "index": index,
         "text": text,
@@ -184,7 +196,9 @@ class _CompletionChunks:
         self.running = RunningUsage(run.num_prompt_tokens) if req.running_usage_in_stream else None
         self.finals: dict[int, RequestOutput] = {}
         self.sent_finish: set[int] = set()
-        self.offsets: dict[int, int] = {}
+        self.offsets: dict[int, int] = {}  # per choice: the text sent so far
+        self.rooms: dict[int, TextRooms] = {}  # per choice: where its tokens fall in its text
+        self.token_ends: dict[int, int] = {}  # per choice: the offset after its last token
 
     def feed(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
         req, offsets, events = self.req, self.offsets, []
@@ -195,7 +209,8 @@ class _CompletionChunks:
             if o.finish_reason is not None:
                 self.sent_finish.add(index)
             text = o.delta_text if index in offsets else self.echo[prompt_index] + o.delta_text
-            choice = _choice(self.ctx, req, index, o, text, o.delta_logprobs, offsets.get(index, 0))
+            token_offsets = self._token_offsets(index, out, o, len(self.echo[prompt_index]))
+            choice = _choice(req, index, o, text, o.delta_logprobs, self.ctx.token_text, token_offsets)
             offsets[index] = offsets.get(index, 0) + len(text)
             if self.running is None:
                 events.append(self.encoder.chunk([choice]))
@@ -204,6 +219,18 @@ class _CompletionChunks:
         if out.finished:
             self.finals[prompt_index] = out
         return events
+
+    def _token_offsets(self, index: int, out: RequestOutput, o: CompletionOutput, start: int) -> list[int]:
+        """The offsets of this chunk's tokens in the choice's whole text (with logprobs)."""
+        if self.req.logprobs is None or o.delta_logprobs is None:
+            return []
+        if index not in self.rooms:
+            self.rooms[index] = TextRooms(self.ctx.engine.tokenizer, out.prompt_token_ids)
+        ids = (lp.token_id for lp in o.delta_logprobs)
+        rooms = self.rooms[index].add(ids, o.finish_reason is not None)
+        start = self.token_ends.get(index, start)
+        self.token_ends[index] = start + sum(rooms)
+        return offsets_of(rooms, start)
 
     def end(self) -> list[bytes]:
         if not self.req.include_usage_in_stream:

@@ -142,12 +142,6 @@ class ServerContext:
         """token id -> its text alone (for logprobs); cached, a vocabulary is small."""
         return _token_decoder(self.engine.tokenizer)
 
-    @functools.cached_property
-    def shown_text(self) -> Any:
-        """token id -> its text as a returned text shows it: special tokens (BOS, EOS) are left out
-        of every text, as the detokenizer leaves them out (the room `text_offset` gives a token)."""
-        return _token_decoder(self.engine.tokenizer, skip_special_tokens=True)
-
 
 def _token_decoder(tokenizer: Any, **decode_kwargs: bool) -> Any:
     """token id -> `tokenizer.decode([token id], **decode_kwargs)`, cached."""

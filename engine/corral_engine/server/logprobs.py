@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from corral_engine.outputs import TokenLogprob
+from corral_engine.tokenizer import IncrementalDetokenizer
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with a large negative value.
 MIN_LOGPROB = -9999.0
@@ -23,17 +24,46 @@ def unscored(token_id: int) -> TokenLogprob:
     return TokenLogprob(token_id, math.nan, [])
 
 
+class TextRooms:
+    """Where tokens fall in the text the detokenizer makes of them (after `context`): the
+    characters each one adds there. A special token the text leaves out (echo's BOS) adds none, and
+    a character whose bytes span tokens is added by the token that completes it (decoded alone,
+    each of them is a U+FFFD, which the text does not hold)."""
+
+    def __init__(self, tokenizer: Any, context: list[int]) -> None:
+        self._text = IncrementalDetokenizer(tokenizer, context)
+
+    def add(self, token_ids: Iterable[int], is_final: bool) -> list[int]:
+        """The room of each token; at the end (`is_final`) an unfinished character goes to the last."""
+        rooms = []
+        for token_id in token_ids:
+            before = len(self._text.text)
+            self._text.add_token(token_id)
+            rooms.append(len(self._text.text) - before)
+        if is_final and rooms:
+            before = len(self._text.text)
+            self._text.flush()
+            rooms[-1] += len(self._text.text) - before
+        return rooms
+
+
+def offsets_of(rooms: list[int], start: int) -> list[int]:
+    """Each token's offset in the text, from where the first one starts and each one's room."""
+    offsets = []
+    for room in rooms:
+        offsets.append(start)
+        start += room
+    return offsets
+
+
 def completion_logprobs(
-    items: list[TokenLogprob], num_top: int, token_text: TokenText, shown_text: TokenText, text_offset: int
+    items: list[TokenLogprob], num_top: int, token_text: TokenText, offsets: list[int]
 ) -> dict[str, Any]:
-    """The `logprobs` object of a completions choice; `text_offset` is where these tokens start in
-    the choice's text. Each token's offset indexes that text: a token takes the room `shown_text`
-    gives it there, none for a special token the text leaves out (echo's BOS), though `tokens`
-    names it."""
+    """The `logprobs` object of a completions choice; `offsets` are the tokens' offsets in the
+    choice's text (see TextRooms); `tokens` names every token, the special ones too."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
-    offsets: list[int] = []
     for item in items:
         text = token_text(item.token_id)
         tokens.append(text)
@@ -45,8 +75,6 @@ def completion_logprobs(
             top = {token_text(tid): _finite(lp) for tid, lp in item.top[:num_top]}
             top.setdefault(text, _finite(item.logprob))
             top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(shown_text(item.token_id))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,

@@ -6,7 +6,6 @@ rest is read for calls."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from corral_engine.server.api_tools import ToolPlan
@@ -26,12 +25,8 @@ from corral_engine.server.tool_parsers import (
 )
 
 
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def _call_dict(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call_dict(plan: ToolPlan, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": plan.new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
@@ -54,25 +49,25 @@ def reply_message(plan: ToolPlan, text: str, reasoning: ReasoningPlan | None = N
 
 def _content_message(plan: ToolPlan, text: str) -> dict[str, Any]:
     if plan.named is not None:
-        return {"role": "assistant", "content": None, "tool_calls": [_call_dict(plan.named, text)]}
+        return {"role": "assistant", "content": None, "tool_calls": [_call_dict(plan, plan.named, text)]}
     if plan.make_parser is None:
         return {"role": "assistant", "content": text}
     parsed = parse_whole(plan.make_parser, text)
     if not parsed.calls:
         return {"role": "assistant", "content": parsed.content}
-    calls = [_call_dict(c.name, c.arguments) for c in parsed.calls]
+    calls = [_call_dict(plan, c.name, c.arguments) for c in parsed.calls]
     return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
 
 
-def _header(index: int, name: str) -> dict[str, Any]:
-    return {"tool_calls": [{"index": index, **_call_dict(name, "")}]}
+def _header(plan: ToolPlan, index: int, name: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, **_call_dict(plan, name, "")}]}
 
 
 def _arguments(index: int, text: str) -> dict[str, Any]:
     return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
 
-def event_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
+def event_deltas(plan: ToolPlan, events: list[ToolEvent]) -> list[dict[str, Any]]:
     """Chunk deltas for a feed's events: a run of content is one delta, a call's start one, and a
     run of one call's argument pieces one."""
     deltas: list[dict[str, Any]] = []
@@ -84,7 +79,7 @@ def event_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
             else:
                 deltas.append({"content": event.text})
         elif isinstance(event, CallStart):
-            deltas.append(_header(event.index, event.name))
+            deltas.append(_header(plan, event.index, event.name))
         else:
             pending = last.get("tool_calls", [{}])[0]
             if pending.get("index") == event.index and "id" not in pending:
@@ -125,7 +120,7 @@ class ReplyStream:
             deltas = []
             if self.num_calls == 0 and (delta or is_final):  # not before its reasoning is over
                 self.num_calls = 1
-                deltas.append(_header(0, self.plan.named))
+                deltas.append(_header(self.plan, 0, self.plan.named))
             if delta:
                 deltas.append(_arguments(0, delta))
             return deltas
@@ -135,4 +130,4 @@ class ReplyStream:
         if is_final:
             events += self.parser.finish()
         self.num_calls += sum(isinstance(e, CallStart) for e in events)
-        return event_deltas(events)
+        return event_deltas(self.plan, events)

@@ -92,7 +92,7 @@ class SimEngine:
             else list(prompt)
         )
         # The engine's own checks, so a replica refuses (400) what a real one refuses.
-        check_request(ids, params, self.max_model_len, self.vocab_size, self.block_manager)
+        params = check_request(ids, params, self.max_model_len, self.vocab_size, self.block_manager)
         arrival = self.clock() if arrival_time is None else arrival_time
         metrics = RequestMetrics.for_sequences(arrival, params.n)
         request = Request(request_id, ids, params, next(self._arrivals), metrics)
@@ -198,7 +198,10 @@ class SimEngine:
         counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
         self._stats.num_generation_tokens_total += 1
         if self.is_lean:
-            if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            if (
+                seq.num_output_tokens >= request.params.max_output_tokens
+                or seq.num_tokens >= self.max_model_len
+            ):
                 seq.finish_reason = "length"
                 self.scheduler.finish(seq)
         elif self.output_processor.append_token(seq, token_id):
