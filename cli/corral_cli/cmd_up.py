@@ -1,7 +1,8 @@
 """`corral up`: a local fleet on this machine - N engine processes and a gateway in front of them.
 
 Engines run as `corral engine` subprocesses on free 127.0.0.1 ports; the gateway runs in this
-process. Ctrl-C or SIGTERM stops the gateway, then every engine (SIGTERM, then SIGKILL).
+process. Ctrl-C or SIGTERM drains the gateway as a pod's SIGTERM does (open requests get
+--drain-timeout, then end with a `draining` error), then stops every engine (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from corral_engine.sources import FetchError
 
 from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
-from corral_cli.flags import port_number
+from corral_cli.flags import non_negative_float, port_number
 from corral_cli.heap import freeze_startup_heap
 from corral_cli.listen import cannot_listen, free_ports
 
@@ -36,7 +37,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path.home() / ".cache" / "corral" / "demo-model"
 DEFAULT_REPLICAS = 2
 _ENGINE_READY_TIMEOUT_S = 300.0
-_ENGINE_STOP_TIMEOUT_S = 25.0
+DEFAULT_DRAIN_TIMEOUT_S = 5.0  # a local fleet: Ctrl-C should not wait the 30 s a pod's drain gets
+# After the engines' own drain (--drain-timeout, as the gateway's): their graceful close, then SIGKILL.
+_ENGINE_STOP_MARGIN_S = 5.0
 
 
 class _Stop(Exception):
@@ -94,6 +97,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("prefix-affinity", "kv-aware", "least-requests", "round-robin", "llm-d"),
         default="prefix-affinity",
         help="gateway routing policy (default: prefix-affinity)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=non_negative_float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, time open requests get to finish before they end with a "
+        f"'draining' error; the engines get the same (default: {DEFAULT_DRAIN_TIMEOUT_S:.0f}; a second "
+        "Ctrl-C stops at once)",
     )
     parser.add_argument(
         "--log-dir",
@@ -259,6 +271,7 @@ class _Engine:
         log_dir: Path,
         log_flags: list[str],
         num_replicas: int = 1,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ) -> None:
         ports = free_ports("127.0.0.1", num_replicas)  # a simulated fleet listens on several
         self.port = ports[0]
@@ -267,6 +280,11 @@ class _Engine:
         self.has_exited_early = False
         argv = [sys.executable, "-m", "corral_cli.main", *log_flags, "engine", *engine_flags]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", str(num_threads)]
+        # As long as the gateway's drain (the engine's own default is a pod's 20 s), so that
+        # `_stop_engines` knows how long to wait; last on the line, it wins over an LLMDeployment's
+        # args. Engines stop after the gateway has drained: what they still serve then is what
+        # clients sent to them directly.
+        argv += ["--drain-timeout", str(drain_timeout_s)]
         if num_replicas > 1:
             argv += ["--replicas", str(num_replicas)]
         with self.log_path.open("wb") as log:
@@ -323,10 +341,10 @@ def _wait_ready(engines: list[_Engine]) -> None:
         time.sleep(0.2)
 
 
-def _stop_engines(engines: list[_Engine]) -> None:
+def _stop_engines(engines: list[_Engine], drain_timeout_s: float) -> None:
     for engine in engines:
         engine.terminate()
-    deadline_s = time.monotonic() + _ENGINE_STOP_TIMEOUT_S
+    deadline_s = time.monotonic() + drain_timeout_s + _ENGINE_STOP_MARGIN_S
     for engine in engines:
         engine.wait_or_kill(deadline_s)
 
@@ -352,19 +370,13 @@ Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-
 """
 
 
-GRACE_S = 5  # how long open streams get to finish once Ctrl-C (or SIGTERM) stops the fleet
-
-
 def _gateway_server(app: Any, host: str, port: int) -> Any:
-    """A uvicorn server that treats every Ctrl-C and SIGTERM as the same bounded graceful stop.
-    uvicorn's own handler turns a second Ctrl-C into a forced exit, which cancels the app's
-    shutdown halfway and prints a traceback; here shutdown never takes more than GRACE_S anyway."""
+    """The gateway's `DrainingServer`, as `corral gateway` runs it: the first Ctrl-C or SIGTERM
+    drains (new requests 503, open ones get the app's drain timeout, then an error event), a
+    second one stops at once."""
     import uvicorn
     from corral_engine.http_limits import uvicorn_options
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            self.should_exit = True
+    from corral_gateway.drain import GRACEFUL_CLOSE_S, DrainingServer
 
     config = uvicorn.Config(
         app,
@@ -373,10 +385,10 @@ def _gateway_server(app: Any, host: str, port: int) -> Any:
         log_level="warning",
         access_log=False,
         log_config=None,  # uvicorn's lines in the process's format (--log-format)
-        timeout_graceful_shutdown=GRACE_S,
+        timeout_graceful_shutdown=GRACEFUL_CLOSE_S,  # after the drain: the ended answers' last bytes
         **uvicorn_options(),  # a bound on each request's headers
     )
-    return _Server(config)
+    return DrainingServer(config, app.drain)
 
 
 async def _serve_gateway(app: Any, host: str, port: int, banner: str) -> None:
@@ -408,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         if engines:
             logger.info("stopping %d engine process%s", len(engines), "es"[: 2 * (len(engines) != 1)])
-        _stop_engines(engines)
+        _stop_engines(engines, args.drain_timeout)
         log_dir.close(has_failed=status != 0 or not all(e.has_stopped_cleanly() for e in engines))
 
 
@@ -427,7 +439,9 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
         for name, replicas in fleet.items():
             for flags in replicas:
                 num_replicas = _replicas(args) if args.simulate is not None else 1
-                engines.append(_Engine(flags, num_threads, log_path, log_flags, num_replicas))
+                engines.append(
+                    _Engine(flags, num_threads, log_path, log_flags, num_replicas, args.drain_timeout)
+                )
                 backends.setdefault(name, []).extend(engines[-1].urls)
         logger.info(
             "starting %d engine process%s (logs in %s%s)",
@@ -442,7 +456,13 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
         from corral_gateway.app import create_app
         from corral_gateway.settings import GatewaySettings
 
-        settings = GatewaySettings(host=args.host, port=args.port, policy=args.policy, backends=backends)
+        settings = GatewaySettings(
+            host=args.host,
+            port=args.port,
+            policy=args.policy,
+            backends=backends,
+            drain_timeout_s=args.drain_timeout,
+        )
         # Traces only from the OTEL_* variables here; the engines, its children, read the same ones.
         tracing.configure("corral-gateway", None)
         base_url = f"http://{args.host}:{args.port}"

@@ -77,6 +77,12 @@ HEADER_NUM_RUNNING = "x-corral-num-running"
 HEADER_NUM_WAITING = "x-corral-num-waiting"
 HEADER_KV_USAGE = "x-corral-kv-usage"  # 0-1 fraction
 
+# The largest request body the engine reads, and the gateway's default `max_request_bytes`: a body
+# the gateway forwards is one an engine reads (OpenAI's 25 MB audio uploads, for backends that take
+# them, fit). Both refuse a larger one alike: 413, code `request_too_large`.
+MAX_REQUEST_BODY_BYTES = 32 << 20
+CODE_REQUEST_TOO_LARGE = "request_too_large"
+
 # The request id: the gateway sends its own (or the client's, when valid) to the engine, which adopts
 # a valid one for its response id and logs; both answer with it. Anything else is replaced, so a
 # client cannot put arbitrary text into logs or headers.

@@ -32,6 +32,7 @@ from corral_gateway.errors import (
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
+    Unauthorized,
     Unavailable,
     error_response,
 )
@@ -283,6 +284,15 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
         if store is not None:
             store.authenticate(request.headers)
 
+    def may_see_models(request: Request) -> bool:
+        """Whether /health and /ready may name the models: to a caller /v1/models would answer.
+        Probes send no key and need only the status code (and `status`)."""
+        try:
+            authenticate(request)
+        except Unauthorized:
+            return False
+        return True
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authenticate(request)
@@ -307,12 +317,14 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
         raise NotFound(message, param="response_id")
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # some load balancers probe with HEAD
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         # Liveness (the chart's probe): 200 while the process serves, whatever its replicas do. A
         # model with no healthy replica is named, for people and monitors; restarting the gateway
         # would not bring its replicas back.
         down = fleet.models_down()
-        body = {"status": "degraded" if down else "ok", "models": fleet.models(), "models_down": down}
+        body: dict[str, object] = {"status": "degraded" if down else "ok"}
+        if may_see_models(request):
+            body.update(models=fleet.models(), models_down=down)
         return JSONResponse(body)
 
     @app.get("/version")
@@ -323,7 +335,7 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
             return JSONResponse({"version": "0+unknown"})
 
     @app.get("/ready")
-    async def ready() -> Response:
+    async def ready(request: Request) -> Response:
         if drain.is_draining:  # out of the Service's endpoints (the pod's are dropped already)
             return error_response(Draining())
         # Before discovery's first list, every model would look unknown (404): keep traffic away.
@@ -331,6 +343,8 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
             return error_response(
                 Unavailable("Replica discovery has not completed yet.", retry_after_s=1.0, code="not_ready")
             )
+        if not may_see_models(request):
+            return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "ready", "models": fleet.models()})
 
     @app.get("/metrics")

@@ -44,6 +44,10 @@ class Drain:
         for callback in self.on_begin:
             callback()
 
+    def end_now(self) -> None:
+        """The deadline is now: the next `poll` ends the requests still open."""
+        self._deadline = self.clock()
+
     @contextmanager
     def tracking(self, ended: asyncio.Future[None]) -> Iterator[None]:
         """Count a proxied request as open for the block; `ended` completes if the drain's time
@@ -79,19 +83,28 @@ GRACEFUL_CLOSE_S = 3
 class DrainingServer(uvicorn.Server):
     """uvicorn, with the first SIGTERM or SIGINT beginning a `Drain` instead of closing the
     listener (a client the Service still sends to gets a 503 it may retry, not a refused
-    connection); a second signal stops at once."""
+    connection). A second signal (Ctrl-C twice) ends the open requests at once, with the same
+    error, and stops as a drain does: uvicorn's forced exit would cut streams mid-event and skip
+    the app's shutdown (tracebacks from the tasks it leaves). A third one forces the exit."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
         self.drain = drain
+        self.num_signals = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.drain.is_draining:
-            logger.warning("second signal %d: stopping now", sig)
+        # Counted, not read from the drain: a drain with nothing open is over at once, and the
+        # second Ctrl-C of a double press must not force the exit then.
+        self.num_signals += 1
+        if self.num_signals == 1:
+            self.drain.begin()
+        elif self.num_signals == 2:
+            logger.warning("second signal %d: ending %d open requests now", sig, self.drain.num_open)
+            self.drain.end_now()
+        else:
+            logger.warning("signal %d while stopping: exiting now", sig)
             self.should_exit = True
             self.force_exit = True
-            return
-        self.drain.begin()
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit and self.drain.poll():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from corral_engine import wire
 from starlette.responses import Response
 
 
@@ -66,7 +67,7 @@ class MethodNotAllowed(InvalidRequest):
 
 
 class PayloadTooLarge(InvalidRequest):
-    status_code, code = 413, "request_too_large"
+    status_code, code = 413, wire.CODE_REQUEST_TOO_LARGE
 
 
 class _RetryLater(GatewayError):

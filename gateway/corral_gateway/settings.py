@@ -119,7 +119,7 @@ class GatewaySettings(BaseSettings):
     ejection_s: float = Field(default=2.0, gt=0)
     max_ejection_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=2048, ge=1)
-    max_request_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_request_bytes: int = Field(default=wire.MAX_REQUEST_BODY_BYTES, ge=1024)  # the engine's own limit
     # On SIGTERM: open requests get this long to finish, then end with a 503 `draining` error (a
     # stream: an error event). The chart keeps preStop sleep + this below the pod's grace period.
     drain_timeout_s: float = Field(default=30.0, ge=0)

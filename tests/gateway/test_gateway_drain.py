@@ -138,6 +138,40 @@ async def test_requests_still_open_at_the_drain_timeout_end_with_a_draining_erro
         await eventually(lambda: _done(gw.task))
 
 
+async def test_a_second_signal_ends_open_streams_at_once_with_the_error_and_stops_cleanly() -> None:
+    """Ctrl-C twice (`corral up` in a terminal): the open stream gets the `draining` error event
+    and `[DONE]` now, not after drain_timeout_s, and the server stops as a drain does, running
+    the app's shutdown. uvicorn's forced exit cut the stream mid-body and skipped the shutdown."""
+    engine = FakeEngine(mode="hang")
+    async with gateway([engine], drain_timeout_s=30) as gw:
+        async with gw.client.stream("POST", "/v1/completions", json=STREAM) as r:
+            chunks = r.aiter_raw()
+            first = await anext(chunks)
+            gw.sigterm()
+            gw.server.handle_exit(signal.SIGINT, None)
+            body = first + b"".join([chunk async for chunk in chunks])
+        events = body.decode().split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        assert json.loads(events[-3].removeprefix("data: "))["error"]["code"] == "draining"
+        await eventually(lambda: _done(gw.task))
+        assert not gw.server.force_exit
+
+
+async def test_a_double_ctrl_c_with_nothing_open_stops_cleanly() -> None:
+    """Nothing open: the first signal's drain is over at once, and the second (a terminal's
+    double press) must not turn that into a forced exit, which skips the app's shutdown."""
+    async with gateway([FakeEngine()], drain_timeout_s=30) as gw:
+        gw.sigterm()
+        await eventually(lambda: _is_stopping(gw.server))
+        gw.server.handle_exit(signal.SIGINT, None)
+        await eventually(lambda: _done(gw.task))
+        assert not gw.server.force_exit
+
+
+async def _is_stopping(server: DrainingServer) -> bool:
+    return server.should_exit
+
+
 def test_the_drain_ends_open_requests_only_once_its_time_is_up() -> None:
     now = [0.0]
     drain = Drain(10.0, clock=lambda: now[0])

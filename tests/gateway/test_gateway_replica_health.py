@@ -7,6 +7,7 @@ import asyncio
 import logging
 import re
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -232,3 +233,21 @@ def test_an_alias_is_listed_with_its_pools_card_and_an_unread_pool_with_defaults
         "created": 0,
         "owned_by": "corral",
     }
+
+
+async def test_probes_name_the_models_only_to_a_caller_with_a_key(tmp_path: Path) -> None:
+    """With API keys, /v1/models needs one; /health and /ready (open to probes) listed the same
+    names, and models_down, to anyone. Without a key they now say only their status."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-good\n")
+    async with fleet([FakeEngine()], api_keys_file=keys) as (client, _):
+        assert (await client.get("/v1/models")).status_code == 401
+        health, ready = await client.get("/health"), await client.get("/ready")
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+        wrong = await client.get("/health", headers={"authorization": "Bearer sk-bad"})
+        assert wrong.json() == {"status": "ok"}
+        auth = {"authorization": "Bearer sk-good"}
+        health = await client.get("/health", headers=auth)
+        assert health.json() == {"status": "ok", "models": ["m"], "models_down": []}
+        assert (await client.get("/ready", headers=auth)).json() == {"status": "ready", "models": ["m"]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -48,3 +49,18 @@ async def test_an_oversized_body_is_refused_before_it_is_read_whole(path: str) -
         declared = EndlessUpload(declared_length=4 * MAX_BODY_BYTES)
         assert await declared.post(app, path) == 413
         assert declared.num_read == 0
+
+
+async def test_the_engine_reads_what_the_gateway_forwards_and_refuses_alike() -> None:
+    """The default gateway forwards bodies up to its max_request_bytes; the engine behind it must
+    read those (it refused 16 MiB and more while the gateway took 32), and refuse a larger one
+    with the gateway's code (it said `code: null`)."""
+    from corral_gateway.settings import GatewaySettings
+
+    assert GatewaySettings().max_request_bytes <= MAX_BODY_BYTES
+    app = create_app(FakeEngine())
+    async with app.router.lifespan_context(app):
+        declared = EndlessUpload(declared_length=4 * MAX_BODY_BYTES)
+        assert await declared.post(app, "/v1/completions") == 413
+    body = json.loads(b"".join(m.get("body", b"") for m in declared.sent))
+    assert body["error"]["code"] == "request_too_large" and body["error"]["type"] == "invalid_request_error"

@@ -175,3 +175,25 @@ async def test_a_client_leaving_mid_stream_is_logged_with_the_request_id(
     lines = [r for r in caplog.records if r.name != ACCESS_LOGGER and "left-1" in r.getMessage()]
     assert {r.getMessage().split(":")[-1].strip() for r in lines} >= {"client disconnected mid-stream"}
     assert lines and all(r.__dict__.get("request_id") == "left-1" for r in lines)
+
+
+async def test_a_stream_whose_client_left_is_logged_with_the_tokens_it_used(
+    engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The access line (and the span's usage) count what the engine computed for a request
+    aborted by its client leaving, as the engine's token counters do: they said 0 + 0, since the
+    abort's last output comes after the request's streams are closed."""
+    app = create_app(engine)
+    body = {"model": MODEL, "prompt": "hi there", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    call = AsgiCall(app, body, headers=[(wire.HEADER_REQUEST_ID.encode(), b"left-2")])
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    async with app.router.lifespan_context(app):
+        task = asyncio.create_task(call.run("/v1/completions"))
+        while engine.stats().num_generation_tokens_total < 3:
+            assert not task.done(), call.sent
+            await asyncio.sleep(0.001)
+        call.hang_up.set()
+        await asyncio.wait_for(task, 10)
+    [record] = access_records(caplog)
+    assert record.__dict__["prompt_tokens"] == len(engine.tokenizer.encode("hi there"))
+    assert 3 <= record.__dict__["completion_tokens"] < 200

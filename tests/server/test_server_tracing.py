@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from corral_engine.server import tracing
+from corral_engine.server import create_app, tracing
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -99,3 +99,27 @@ async def test_a_request_that_is_not_a_generation_is_a_plain_http_span(
     assert not {"gen_ai.operation.name", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"} & set(
         attributes
     )
+
+
+async def test_the_span_says_which_replica_served_and_the_genai_request_and_response(
+    engine: FakeEngine, spans: InMemorySpanExporter
+) -> None:
+    """Several replicas share one service name: the address and port the request came in on tell
+    them apart. The GenAI conventions' request parameters, response id and finish reasons (vLLM
+    sets most of them) are on the span too."""
+    app = create_app(engine)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "n": 2}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)  # the scope's server: the URL's host and port
+        async with httpx.AsyncClient(transport=transport, base_url="http://10.1.2.3:8123") as client:
+            headers = {"x-request-id": "r-1"}
+            r = await client.post("/v1/completions", json={**body, "seed": 7}, headers=headers)
+    assert r.status_code == 200, r.text
+    attributes = dict(by_name(spans.get_finished_spans())[f"text_completion {MODEL}"].attributes or {})
+    assert (attributes["server.address"], attributes["server.port"]) == ("10.1.2.3", 8123)
+    assert attributes["gen_ai.response.id"] == r.json()["id"] == "cmpl-r-1"
+    assert attributes["gen_ai.request.max_tokens"] == 3
+    assert attributes["gen_ai.request.temperature"] == 0.5 and attributes["gen_ai.request.top_p"] == 0.9
+    assert attributes["gen_ai.request.seed"] == 7 and attributes["gen_ai.request.choice.count"] == 2
+    assert attributes["gen_ai.response.finish_reasons"] == ("length", "length")
+    assert "gen_ai.request.top_k" not in attributes  # not set: top-k off

@@ -12,12 +12,13 @@ import time
 import uuid
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
 from corral_engine import wire
 from corral_engine.outputs import RequestOutput
+from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import tracing
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class AccessRecord:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     span: Span | None = None  # the request's server span, while tracing
+    finish_reasons: list[str] = field(default_factory=list)  # its sequences', while tracing
 
     def ensure_id(self) -> str:
         if self.request_id is None:
@@ -40,10 +42,17 @@ class AccessRecord:
         return self.request_id
 
 
-def begin(headers: Mapping[str, str], method: str, path: str, model: str) -> AccessRecord:
-    """A record for the request now starting, current for the rest of this context."""
+def begin(
+    headers: Mapping[str, str],
+    method: str,
+    path: str,
+    model: str,
+    server: tuple[str, int | None] | None = None,
+) -> AccessRecord:
+    """A record for the request now starting, current for the rest of this context; `server` is
+    the address and port it came in on."""
     record = AccessRecord(wire.valid_request_id(headers.get(wire.HEADER_REQUEST_ID)), time.monotonic())
-    record.span = tracing.start_request_span(headers, method, path, model)
+    record.span = tracing.start_request_span(headers, method, path, model, server)
     _CURRENT.set(record)
     return record
 
@@ -74,14 +83,25 @@ def response_id(prefix: str) -> str:
     return f"{prefix}-{base}"
 
 
-def count_tokens(out: RequestOutput) -> None:
-    """Add a finished engine request's tokens to the current record."""
+def note_generation(response_id: str, params: SamplingParams) -> None:
+    """The current request's generation begins: its span gets the response id and parameters."""
+    record = _CURRENT.get()
+    if record is not None and record.span is not None:
+        tracing.add_request_params(record.span, response_id, params)
+
+
+def count_tokens(out: RequestOutput, num_completion_tokens: int | None = None) -> None:
+    """Add a finished engine request's tokens to the current record; for one ended early, its
+    latest output and the `num_completion_tokens` it had produced by then."""
     record = _CURRENT.get()
     if record is not None:
         record.num_prompt_tokens += len(out.prompt_token_ids)
-        record.num_completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+        if num_completion_tokens is None:
+            num_completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+        record.num_completion_tokens += num_completion_tokens
         if record.span is not None:
             tracing.add_phases(record.span, out.metrics)
+            record.finish_reasons.extend(o.finish_reason for o in out.outputs if o.finish_reason)
 
 
 def log_request(record: AccessRecord, method: str, path: str, model: str) -> None:
@@ -94,6 +114,7 @@ def log_request(record: AccessRecord, method: str, path: str, model: str) -> Non
             record.status,
             record.num_prompt_tokens,
             record.num_completion_tokens,
+            record.finish_reasons,
         )
     latency_s = time.monotonic() - record.start_s
     fields = {

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from corral_engine import wire
 from corral_engine.outputs import RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import access, errors
@@ -24,7 +25,7 @@ from corral_engine.tokenizer import encoder, vocabulary
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
+MAX_BODY_BYTES = wire.MAX_REQUEST_BODY_BYTES
 # A prompt of more characters is tokenized (a conversation rendered) on the tokenizer's thread:
 # ~1.5 µs a character on the demo tokenizer, so a 200 KB prompt would hold the event loop (every
 # stream, /health) for ~0.3 s; below this the thread hop (~0.1 ms) costs more than it saves.
@@ -54,7 +55,9 @@ async def read_body(request: Request) -> bytes:
 
 
 def _too_large() -> errors.APIError:
-    return errors.APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+    return errors.APIError(
+        413, f"The request body is larger than {MAX_BODY_BYTES} bytes.", code=wire.CODE_REQUEST_TOO_LARGE
+    )
 
 
 @dataclass
@@ -87,6 +90,7 @@ class ServerContext:
         return parsed
 
     def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
+        access.note_generation(request_id, params)
         return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params)
 
     @functools.cached_property
@@ -125,7 +129,7 @@ class ServerContext:
 
     def check_fits(self, text: str, param: str) -> None:
         """Refuse, without tokenizing it, a text too long for the context whatever its tokens:
-        it has at least len(text) / (longest token x _NORMALIZED_SHRINK) of them. A 16 MiB body
+        it has at least len(text) / (longest token x _NORMALIZED_SHRINK) of them. A 32 MiB body
         would otherwise cost seconds of a core to be refused."""
         if self._vocabulary is None:
             return

@@ -76,6 +76,10 @@ class GenerationRun:
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._ids: list[str] = []
         self._unfinished: set[str] = set()
+        # Each prompt's latest output and the tokens its outputs brought (a streamed output
+        # carries only its new ones): what a request ended early is counted with.
+        self._last: list[RequestOutput | None] = [None] * len(prompts)
+        self._num_tokens_seen = [0] * len(prompts)
         self._closed = False
         in_flight.enter()
         try:
@@ -115,6 +119,7 @@ class GenerationRun:
         if self._closed:
             return
         self._closed = True
+        self._count_unfinished()
         self.abort_unfinished()
         for stream in self._streams:
             aclose = getattr(stream, "aclose", None)
@@ -124,8 +129,21 @@ class GenerationRun:
                     await aclose()
         self._in_flight.leave()
 
+    def _count_unfinished(self) -> None:
+        """The access line's (and span's) tokens of the engine requests ending early (the client
+        left, the drain's time ran out, an error): what each had computed by its latest output.
+        The abort's own final output comes after the streams are closed, so it is never read; a
+        non-streamed request has no output before its end, and counts none."""
+        for index, engine_id in enumerate(self._ids):
+            last = self._last[index]
+            if last is not None and engine_id in self._unfinished:
+                access.count_tokens(last, self._num_tokens_seen[index])
+
     def _account(self, index: int, out: RequestOutput) -> None:
         """Metrics and bookkeeping for each output of prompt `index`, however it arrives."""
+        self._last[index] = out
+        for o in out.outputs:
+            self._num_tokens_seen[index] += len(o.delta_token_ids)
         if out.finished:
             self._unfinished.discard(self._ids[index])
             self.metrics.observe_finished(out)

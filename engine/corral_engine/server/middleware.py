@@ -63,7 +63,8 @@ class ServerMiddleware:
         path: str = scope["path"]
         record = None
         if path.startswith("/v1/"):
-            record = access.begin(Headers(scope=scope), scope["method"], path, self.ctx.model_name)
+            server = scope.get("server")  # (address, port) of the socket it came in on
+            record = access.begin(Headers(scope=scope), scope["method"], path, self.ctx.model_name, server)
 
         async def send_with_load(message: Message) -> None:
             nonlocal started

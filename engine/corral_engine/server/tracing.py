@@ -1,7 +1,7 @@
 """OpenTelemetry spans of one API request: a server span continuing the caller's W3C trace
 (`traceparent`), with the queue, prefill and decode phases as children, written from the engine's
 own timestamps when the request finishes, and GenAI attributes (the names vLLM uses, and the
-current semantic conventions' token counts).
+current semantic conventions' request parameters, response id, finish reasons and token counts).
 
 Only the OpenTelemetry API is used here; `corral engine --otlp-traces-endpoint` (or the OTEL_*
 variables) installs the SDK's provider. Without one, nothing is created (one check per request).
@@ -16,6 +16,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from corral_engine.outputs import RequestMetrics
+from corral_engine.sampling_params import SamplingParams
 
 _tracer = trace.get_tracer("corral_engine")
 # Path -> GenAI operation name (the span is named "<operation> <model>").
@@ -27,11 +28,18 @@ def is_enabled() -> bool:
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
-def start_request_span(headers: Mapping[str, str], method: str, path: str, model: str) -> Span | None:
+def start_request_span(
+    headers: Mapping[str, str],
+    method: str,
+    path: str,
+    model: str,
+    server: tuple[str, int | None] | None = None,
+) -> Span | None:
     """The request's server span, child of the caller's span when a valid traceparent came in. Only
     a generation is a GenAI span ("<operation> <model>"); any other request (the model list a
     gateway reads every minute) is a plain HTTP one ("GET /v1/models"), so GenAI backends do not
-    count it as a call of the model."""
+    count it as a call of the model. `server`: the address and port the request came in on (the
+    ASGI scope's), which tell the replicas of one service name apart."""
     if not is_enabled():
         return None
     operation = OPERATIONS.get(path)
@@ -39,10 +47,33 @@ def start_request_span(headers: Mapping[str, str], method: str, path: str, model
     span = _tracer.start_span(name, context=propagate.extract(headers), kind=SpanKind.SERVER)
     span.set_attribute("http.request.method", method)
     span.set_attribute("url.path", path)
+    if server is not None:
+        span.set_attribute("server.address", server[0])
+        if server[1] is not None:  # None on a Unix socket
+            span.set_attribute("server.port", server[1])
     if operation is not None:
         span.set_attribute("gen_ai.operation.name", operation)
         span.set_attribute("gen_ai.request.model", model)
     return span
+
+
+def add_request_params(span: Span, response_id: str, params: SamplingParams) -> None:
+    """The GenAI semantic conventions' request attributes (vLLM sets the first three) and the
+    response's id; never the texts (stop sequences are client text)."""
+    span.set_attribute("gen_ai.response.id", response_id)
+    span.set_attribute("gen_ai.request.max_tokens", params.max_tokens)
+    span.set_attribute("gen_ai.request.temperature", params.temperature)
+    span.set_attribute("gen_ai.request.top_p", params.top_p)
+    if params.top_k > 0:
+        span.set_attribute("gen_ai.request.top_k", params.top_k)
+    if params.seed is not None:
+        span.set_attribute("gen_ai.request.seed", params.seed)
+    if params.n != 1:
+        span.set_attribute("gen_ai.request.choice.count", params.n)
+    if params.presence_penalty:
+        span.set_attribute("gen_ai.request.presence_penalty", params.presence_penalty)
+    if params.frequency_penalty:
+        span.set_attribute("gen_ai.request.frequency_penalty", params.frequency_penalty)
 
 
 def is_generation(path: str) -> bool:
@@ -80,10 +111,13 @@ def end_request_span(
     status: int,
     num_prompt_tokens: int,
     num_completion_tokens: int,
+    finish_reasons: list[str] | None = None,
 ) -> None:
     span.set_attribute("http.response.status_code", status)
     if request_id is not None:
         span.set_attribute("gen_ai.request.id", request_id)
+    if finish_reasons:  # one per sequence, in the order they finished
+        span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
     if is_generation(path):
         span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", num_completion_tokens)
