@@ -146,6 +146,12 @@ class ServerContext:
         """token id -> its text alone (for logprobs); cached, a vocabulary is small."""
         return _token_decoder(self.engine.tokenizer)
 
+    @functools.cached_property
+    def shown_text(self) -> Any:
+        """token id -> its text as a returned text shows it (special tokens left out, as the
+        detokenizer leaves them out): where a reasoning block's end tag falls among a reply's tokens."""
+        return _token_decoder(self.engine.tokenizer, skip_special_tokens=True)
+
 
 def _token_decoder(tokenizer: Any, **decode_kwargs: bool) -> Any:
     """token id -> `tokenizer.decode([token id], **decode_kwargs)`, cached."""
