@@ -152,8 +152,8 @@ def test_spec_change_rolls_the_deployment_and_observed_generation_follows(
     # ... and when its new pods all run and are ready (the first revision, at creation, is no rollout)
     cluster.wait_until("RolledOut Events", lambda: len(rollout_events("RolledOut")) == 2)
     assert rollout_events("RolledOut") == [
-        "generation 2: 1/1 replicas run the new pods and are ready",
-        "generation 3: 1/1 replicas run the new pods and are ready",
+        "generation 2, Deployment revision 2: 1/1 replicas run the new pods and are ready",
+        "generation 3, Deployment revision 3: 1/1 replicas run the new pods and are ready",
     ]
 
 
@@ -323,7 +323,9 @@ def test_scale_up_and_rollout_keep_ready_and_observed_generation_only_moves_forw
     assert ours and max(ours.values()) == 1, ours
     # the scale to 4 replaced no pods: only the rollout of generation 3 says it finished
     rolled_out = [m for (reason, m) in ours if reason == "RolledOut"]
-    assert rolled_out == ["generation 3: 4/4 replicas run the new pods and are ready"], ours
+    assert rolled_out == [
+        "generation 3, Deployment revision 2: 4/4 replicas run the new pods and are ready"
+    ], ours
 
 
 def test_pod_security_admission_gates_what_an_llmdeployment_may_run(

@@ -7,9 +7,12 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from corral_operator import crd_drift
 from corral_operator.autoscalers import SCALED_OBJECT_CRD
-from corral_operator.kube import Forbidden, Kube
+from corral_operator.crd import expected_schema
+from corral_operator.kube import Forbidden, Kube, KubeError
 from corral_operator.metrics import MetricsSource
 from corral_operator.render import SERVICE_MONITOR_CRD
 from corral_operator.telemetry import OperatorMetrics
@@ -32,6 +35,8 @@ class Context:
     _crds_checked_at: float = -1e9
     _crds: frozenset[str] = frozenset()
     _refused_crds: frozenset[str] = frozenset()
+    _missing_fields: tuple[str, ...] = ()  # of this operator's LLMDeployment CRD, in the served one
+    _unknown_fields: tuple[str, ...] = ()  # spec fields of the served CRD this operator lacks
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _object_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
 
@@ -57,8 +62,50 @@ class Context:
                         if crd not in self._refused_crds:
                             log.warning("not allowed to read API discovery for %s: %s", kind, e.message)
                 self._crds, self._refused_crds = frozenset(served), frozenset(refused)
+                self._check_own_crd()
                 self._crds_checked_at = now_s
             return self._crds
+
+    def stale_crd(self, now_s: float) -> str | None:
+        """Why the installed LLMDeployment CRD is older than this operator's, or None (checked with
+        `installed_crds`, at most once a minute)."""
+        self.installed_crds(now_s)
+        return crd_drift.stale_message(list(self._missing_fields))
+
+    def pruned_status_fields(self, now_s: float) -> frozenset[str]:
+        """Status fields the installed CRD lacks (the API server would drop them from every patch)."""
+        self.installed_crds(now_s)
+        return crd_drift.stale_status_fields(list(self._missing_fields))
+
+    def known_spec(self, spec: Mapping[str, Any], now_s: float) -> Mapping[str, Any]:
+        """`spec` less the fields of a newer CRD this operator does not know: it runs what it knows
+        (as an older controller ignores unknown fields) rather than refuse every LLMDeployment."""
+        self.installed_crds(now_s)
+        return crd_drift.without_fields(spec, list(self._unknown_fields))
+
+    def _check_own_crd(self) -> None:
+        """Compare the served LLMDeployment schema with this operator's; say so once when it changes.
+        A failed read keeps the last answer (an outage is not an upgrade)."""
+        try:
+            served = self.kube.served_schema("LLMDeployment")
+        except KubeError as e:
+            log.debug("cannot read the served LLMDeployment schema: %s", e.message)
+            return
+        served = served or {}  # none published: nothing to compare
+        missing = tuple(crd_drift.missing_fields(expected_schema(), served)) if served else ()
+        unknown = tuple(
+            p for p in crd_drift.missing_fields(served, expected_schema()) if p.startswith("spec.")
+        )
+        if unknown != self._unknown_fields and unknown:
+            log.warning("%s", crd_drift.newer_message(list(unknown)))
+        self._unknown_fields = unknown
+        if missing != self._missing_fields:
+            message = crd_drift.stale_message(list(missing))
+            if message:
+                log.error("%s", message)
+            else:
+                log.info("the installed LLMDeployment CRD now has every field this operator uses")
+        self._missing_fields = missing
 
     def refused_crds(self) -> frozenset[str]:
         """Of OPTIONAL_CRDS, those the last lookup could not tell about (403 on API discovery)."""

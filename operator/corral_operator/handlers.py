@@ -39,6 +39,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     """Every handler on a fresh registry, configured from `settings` (nothing is read at import)."""
     registry = kopf.OperatorRegistry()
     kopf.on.startup(registry=registry)(configure)
+    kopf.on.startup(registry=registry)(check_crds)
     kopf.on.login(registry=registry)(functools.partial(login, kubeconfig=settings.kubeconfig))
     kopf.on.probe(id="alive", registry=registry)(alive)
     kopf.on.create(*RESOURCE, registry=registry)(on_change)
@@ -65,6 +66,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 30
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+
+
+def check_crds(memo: kopf.Memo, **_: Any) -> None:
+    """Look the CRDs up once at start-up, so a stale LLMDeployment CRD is logged (an ERROR line with
+    the fix) before any LLMDeployment exists; the ticks look again once a minute."""
+    ctx: Context = memo["ctx"]
+    try:
+        ctx.installed_crds(time.time())
+    except KubeError as e:  # the ticks look again; the operator must start all the same
+        log.warning("could not look the CRDs up at start-up: %s", e.message)
 
 
 def alive(**_: Any) -> bool:

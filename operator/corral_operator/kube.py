@@ -216,3 +216,14 @@ class Kube:
         prefix, plural = RESOURCES[kind]
         listing = self._request("GET", prefix)  # None: the group version is not served (404)
         return listing is not None and any(r.get("name") == plural for r in listing.get("resources") or ())
+
+    def served_schema(self, kind: str) -> Obj | None:
+        """The schema the API server validates and prunes `kind` with (its OpenAPI v3 document, which
+        every authenticated user may read, as API discovery); None when it publishes none."""
+        prefix, _ = RESOURCES[kind]
+        document = self._request("GET", "/openapi/v3" + prefix)
+        for schema in ((document or {}).get("components") or {}).get("schemas", {}).values():
+            for gvk in schema.get("x-kubernetes-group-version-kind") or ():
+                if gvk.get("kind") == kind and prefix == f"/apis/{gvk.get('group')}/{gvk.get('version')}":
+                    return dict(schema)
+        return None

@@ -126,10 +126,11 @@ def reconcile(
         endpoint=previous.get("endpoint"),
         previous=previous,
         is_refresh_only=not apply,
+        stale_crd=ctx.stale_crd(now_s),
     )
     version = body["metadata"].get("resourceVersion")
     try:
-        spec = parse_spec(raw_spec)
+        spec = parse_spec(ctx.known_spec(raw_spec, now_s))
         apply_error, pruned = _apply_all(ctx, owner, spec, now_s) if apply else (None, [])
     except SpecError as e:
         obs = _observe_unparsed(ctx, owner, raw_spec, dataclasses.replace(base, spec_error=str(e)))
@@ -209,6 +210,8 @@ def _finish(
         if not is_load_known:
             new_status.pop("load")  # keep what the last metrics tick saw
         new_status.update(recorded or {})
+        for name in ctx.pruned_status_fields(now_s) - {"conditions"}:  # a stale CRD drops them
+            new_status.pop(name, None)  # from every patch: written, they would look changed each tick
         if not _status_changed(obs.previous, new_status):
             break
         try:
@@ -224,5 +227,5 @@ def _finish(
         log.info("%s/%s: status updated: %s", owner.namespace, owner.name, summary)
         break
     events = status_mod.transitions(obs.previous.get("conditions") or (), new_status["conditions"])
-    events += status_mod.rollout_events(obs.previous, new_status, obs.generation)
+    events += status_mod.rollout_events(obs.previous, new_status)
     return Outcome(new_status, events, spec_error=obs.spec_error, apply_error=obs.apply_error)

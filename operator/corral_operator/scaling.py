@@ -70,7 +70,7 @@ def autoscale(
     """Read load (when `scrape`), decide replicas, write spec.replicas when they change."""
     owner = Owner.from_body(body)
     try:
-        spec = parse_spec(body.get("spec"))
+        spec = parse_spec(ctx.known_spec(body.get("spec") or {}, now_s))
     except SpecError:
         return ScaleOutcome(None, False, state)
     load, is_known = observe_load(ctx, owner, spec) if scrape else (None, False)

@@ -47,6 +47,7 @@ class Observed:
     missing_pvc: str | None = None
     spec_error: str | None = None
     apply_error: str | None = None
+    stale_crd: str | None = None  # why the installed CRD is older than the operator's (crd_drift)
     load: Load | None = None
     previous: Obj = field(default_factory=dict)
     is_refresh_only: bool = False  # nothing was applied: observedGeneration stays where it was
@@ -173,6 +174,8 @@ def degraded(obs: Observed) -> Obj:
     failure = _deployment_condition(obs.deployment, "ReplicaFailure")
     if failure.get("status") == "True":
         return _condition("Degraded", True, "ReplicaFailure", failure.get("message", "cannot create pods"))
+    if obs.stale_crd:  # last: the replicas serve; what the model's own team can fix comes first
+        return _condition("Degraded", True, "StaleCRD", obs.stale_crd)
     return _condition("Degraded", False, "Healthy", "no problems observed")
 
 
@@ -271,6 +274,7 @@ def compute(obs: Observed, now: str) -> Obj:
     if isinstance(prev_generation, int) and (generation is None or generation < prev_generation):
         generation = prev_generation  # never backwards (kstatus, Argo CD, `kubectl wait` read it)
     load = obs.load
+    revision = rolled_out_revision(obs.deployment)
     return {
         "observedGeneration": generation,
         "replicas": int(st.get("replicas", 0) or 0),
@@ -279,7 +283,8 @@ def compute(obs: Observed, now: str) -> Obj:
         "selector": obs.selector,
         "endpoint": obs.endpoint,
         "tensorParallelSize": obs.tensor_parallel_size,
-        "rolledOutRevision": rolled_out_revision(obs.deployment) or obs.previous.get("rolledOutRevision"),
+        "rolledOutRevision": revision or obs.previous.get("rolledOutRevision"),
+        "rolledOutGeneration": generation if revision else obs.previous.get("rolledOutGeneration"),
         "conditions": _keep_transition_times(
             conditions, obs.previous.get("conditions") or (), now, obs.generation
         ),
@@ -315,13 +320,18 @@ def transitions(previous: Sequence[Obj], current: Sequence[Obj]) -> list[Event]:
     return events
 
 
-def rollout_events(previous: Obj, current: Obj, generation: int) -> list[Event]:
+def rollout_events(previous: Obj, current: Obj) -> list[Event]:
     """`RolledOut` once the pods of a new template all run and are ready: once per Deployment
     revision, so a scale (same template) posts nothing. The first revision status records (a new
-    LLMDeployment, or one from before this field) posts nothing either: no update rolled out."""
+    LLMDeployment, or one from before this field) posts nothing either: no update rolled out.
+    The message names the generation only when it moved since the last rollout: a `kubectl rollout
+    restart` makes a new revision of the same spec."""
     before, now = previous.get("rolledOutRevision"), current.get("rolledOutRevision")
     if before is None or now is None or now == before:
         return []
     n = current.get("updatedReplicas", 0)
-    message = f"generation {generation}: {n}/{n} replicas run the new pods and are ready"
-    return [Event("Normal", "RolledOut", message)]
+    generation = current.get("rolledOutGeneration")
+    what = f"Deployment revision {now}"
+    if generation is not None and generation != previous.get("rolledOutGeneration"):
+        what = f"generation {generation}, {what}"
+    return [Event("Normal", "RolledOut", f"{what}: {n}/{n} replicas run the new pods and are ready")]

@@ -51,6 +51,11 @@ class LLMDeploymentStatus(SpecModel):
         description="The child Deployment's revision (deployment.kubernetes.io/revision) whose pods last "
         "all ran and were ready; a new one posts a RolledOut Event.",
     )
+    rolled_out_generation: int | None = Field(
+        default=None,
+        description="The observedGeneration when the pods last all ran and were ready (a RolledOut "
+        "Event names the generation only when it moved).",
+    )
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Available, Progressing, Degraded."
     )

@@ -1,9 +1,11 @@
 """Whether the cluster serves ServiceMonitors and ScaledObjects, learnt from API discovery (Kube.serves,
-Context.installed_crds) against an API stand-in on 127.0.0.1 that refuses CRD reads, as a namespaced
+Context.installed_crds), and whether its LLMDeployment CRD is older than the operator's (its OpenAPI
+v3 document), against an API stand-in on 127.0.0.1 that refuses CRD reads, as a namespaced
 operator's Roles do."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -12,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from corral_operator.context import Context
+from corral_operator.context import CRD_CACHE_S, Context
+from corral_operator.crd import expected_schema
 from corral_operator.kube import Kube
 from kubernetes import client
 
@@ -103,3 +106,45 @@ def test_refused_discovery_is_a_permission_problem_not_an_absent_kind(
     assert [r.getMessage() for r in caplog.records] == [
         "not allowed to read API discovery for ScaledObject: forbidden"
     ]
+
+
+OPENAPI = "/openapi/v3/apis/corral.dev/v1alpha1"
+
+
+def openapi_document(schema: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    gvk = [{"group": "corral.dev", "version": "v1alpha1", "kind": "LLMDeployment"}]
+    other = {"type": "object", "x-kubernetes-group-version-kind": [{**gvk[0], "kind": "LLMDeploymentList"}]}
+    schemas = {
+        "dev.corral.v1alpha1.LLMDeploymentList": other,
+        "dev.corral.v1alpha1.LLMDeployment": {**schema, "x-kubernetes-group-version-kind": gvk},
+    }
+    return 200, {"openapi": "3.0.0", "components": {"schemas": schemas}}
+
+
+def test_an_older_llmdeployment_crd_is_an_error_once_until_it_is_upgraded(
+    api: tuple[Api, Kube], caplog: pytest.LogCaptureFixture
+) -> None:
+    state, kube = api
+    older = copy.deepcopy(expected_schema())
+    del older["properties"]["status"]["properties"]["rolledOutRevision"]
+    state.routes[OPENAPI] = openapi_document(older)
+    state.routes["/apis/monitoring.coreos.com/v1"] = state.routes["/apis/keda.sh/v1alpha1"] = NOT_FOUND
+    ctx = Context(kube=kube)
+    with caplog.at_level(logging.INFO, logger="corral_operator.context"):
+        assert "lacks status.rolledOutRevision" in (ctx.stale_crd(now_s=0) or "")
+        assert ctx.pruned_status_fields(now_s=0) == {"rolledOutRevision"}
+        ctx.stale_crd(now_s=CRD_CACHE_S + 1)  # looked up again, still stale: said once
+        state.routes[OPENAPI] = openapi_document(expected_schema())
+        assert ctx.stale_crd(now_s=2 * CRD_CACHE_S + 2) is None
+        assert ctx.pruned_status_fields(now_s=2 * CRD_CACHE_S + 2) == frozenset()
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in logged] == ["ERROR", "INFO"]
+    assert "kubectl apply --server-side -f charts/corral/crds/" in logged[0][1]
+
+
+def test_an_unreadable_schema_is_not_a_stale_crd(api: tuple[Api, Kube]) -> None:
+    state, kube = api  # /openapi/v3/... answers 403, then 404 (a server that publishes none)
+    ctx = Context(kube=kube)
+    assert ctx.stale_crd(now_s=0) is None
+    state.routes[OPENAPI] = NOT_FOUND
+    assert ctx.stale_crd(now_s=CRD_CACHE_S + 1) is None

@@ -11,6 +11,7 @@ import pytest
 from corral_operator import labels
 from corral_operator.autoscaler import Load, State
 from corral_operator.context import Context
+from corral_operator.crd import expected_schema
 from corral_operator.kube import Conflict, Forbidden, Invalid
 from corral_operator.metrics import PodTarget
 from corral_operator.reconcile import reconcile
@@ -63,7 +64,11 @@ class FakeKube:
             if resource_version is not None and resource_version != cr["metadata"]["resourceVersion"]:
                 raise Conflict(409, "the object has been modified; please apply your changes again")
             merged = {**cr.get("status", {}), **status}
-            cr["status"] = {k: v for k, v in merged.items() if v is not None}
+            known = (self.schema or {}).get("properties", {}).get("status", {}).get("properties")
+            # the API server prunes what the served schema lacks
+            cr["status"] = {
+                k: v for k, v in merged.items() if v is not None and (known is None or k in known)
+            }
             cr["metadata"]["resourceVersion"] = str(int(cr["metadata"]["resourceVersion"]) + 1)
         self.writes.append(("status", dict(status)))
 
@@ -83,6 +88,11 @@ class FakeKube:
         if kind in self.refused:
             raise Forbidden(403, "forbidden")
         return kind in self.served
+
+    schema: dict[str, Any] | None = None  # the served LLMDeployment schema; None: not published
+
+    def served_schema(self, kind: str) -> dict[str, Any] | None:
+        return self.schema
 
 
 def body(spec: dict[str, Any], status: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
@@ -480,6 +490,41 @@ def test_the_writer_that_records_a_finished_rollout_posts_rolled_out_once() -> N
     second = reconcile(ctx, read, apply=False, now_s=2)  # the Deployment-event refresh and a tick
     assert [e.reason for e in first.events] == ["RolledOut"]
     assert second.events == []
+
+
+def test_a_stale_crd_degrades_every_llmdeployment_and_its_status_is_not_rewritten_each_tick() -> None:
+    kube = FakeKube()
+    kube.schema = copy.deepcopy(expected_schema())
+    del kube.schema["properties"]["status"]["properties"]["rolledOutRevision"]  # before that release
+    ctx = make_ctx(kube)
+    first = reconcile(ctx, kube.store_cr(body(valid_spec())), now_s=0)
+    degraded = next(c for c in first.status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "StaleCRD")
+    assert "lacks status.rolledOutRevision" in degraded["message"]
+    assert [(e.type, e.reason) for e in first.events if e.reason == "StaleCRD"] == [("Warning", "StaleCRD")]
+    running(kube, ready=2)
+    dep = kube.objects[("Deployment", "ml", "tiny")]
+    dep["metadata"]["annotations"] = {"deployment.kubernetes.io/revision": "1"}
+    dep["status"]["availableReplicas"] = 2
+    settled = reconcile(
+        ctx, copy.deepcopy(kube.objects[("LLMDeployment", "ml", "tiny")]), apply=False, now_s=1
+    )
+    assert settled.status["readyReplicas"] == 2 and "rolledOutRevision" not in settled.status
+    kube.writes.clear()
+    reconcile(ctx, copy.deepcopy(kube.objects[("LLMDeployment", "ml", "tiny")]), apply=False, now_s=2)
+    assert [w for w in kube.writes if w[0] == "status"] == []  # it wrote nothing the API would drop
+
+
+def test_a_newer_crds_defaulted_field_is_ignored_not_an_invalid_spec() -> None:
+    kube = FakeKube()
+    kube.schema = copy.deepcopy(expected_schema())  # applied before helm upgrade, or an operator rollback
+    kube.schema["properties"]["spec"]["properties"]["newKnob"] = {"type": "object", "default": {}}
+    spec = valid_spec() | {"newKnob": {}}  # what the API server's default puts in every read
+    outcome = reconcile(make_ctx(kube), kube.store_cr(body(spec)), now_s=0)
+    assert outcome.spec_error is None
+    assert ("Deployment", "ml", "tiny") in kube.objects
+    degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "Healthy"
 
 
 def test_replicas_outside_the_autoscaling_bounds_never_reach_the_deployment() -> None:

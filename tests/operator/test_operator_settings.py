@@ -85,7 +85,7 @@ def test_every_handler_is_registered() -> None:
         (h.id, h.reason or ("resume" if h.initial else None)) for h in registry._changing.get_all_handlers()
     }
     watching = {h.id for h in registry._watching.get_all_handlers()}
-    assert activities == {"configure", "login", "alive"}
+    assert activities == {"configure", "check_crds", "login", "alive"}
     assert changing == {("on_change", "create"), ("on_update", "update"), ("on_change", "resume")}
     assert watching == {"on_deployment_event"}
 

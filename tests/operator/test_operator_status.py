@@ -307,23 +307,36 @@ def rolled(revision: int, replicas: int, updated: int, available: int, observed:
 
 
 def test_rolled_out_once_when_every_replica_runs_the_new_template_and_is_ready() -> None:
-    before = {"rolledOutRevision": 1}
+    before = {"rolledOutRevision": 1, "rolledOutGeneration": 2}
     for partway in (rolled(2, 3, 1, 3), rolled(2, 3, 3, 2), rolled(2, 3, 3, 3, observed=4)):
         st = compute(observed(deployment=partway, previous=before), NOW)
-        assert st["rolledOutRevision"] == 1 and rollout_events(before, st, 3) == []
+        assert st["rolledOutRevision"] == 1 and st["rolledOutGeneration"] == 2
+        assert rollout_events(before, st) == []
     done = compute(observed(deployment=rolled(2, 3, 3, 3), previous=before), NOW)
-    assert done["rolledOutRevision"] == 2
-    assert rollout_events(before, done, 3) == [
-        Event("Normal", "RolledOut", "generation 3: 3/3 replicas run the new pods and are ready")
+    assert done["rolledOutRevision"] == 2 and done["rolledOutGeneration"] == 3
+    assert rollout_events(before, done) == [
+        Event(
+            "Normal",
+            "RolledOut",
+            "generation 3, Deployment revision 2: 3/3 replicas run the new pods and are ready",
+        )
     ]
-    assert rollout_events(done, done, 3) == []  # the next tick: said once
+    assert rollout_events(done, done) == []  # the next tick: said once
+
+
+def test_a_restart_of_the_same_spec_rolls_out_a_revision_not_a_generation() -> None:
+    settled = compute(observed(deployment=rolled(2, 3, 3, 3), previous={"rolledOutRevision": 1}), NOW)
+    restarted = compute(observed(deployment=rolled(3, 3, 3, 3), previous=settled), NOW)
+    assert rollout_events(settled, restarted) == [  # `kubectl rollout restart`: generation 3 still
+        Event("Normal", "RolledOut", "Deployment revision 3: 3/3 replicas run the new pods and are ready")
+    ]
 
 
 def test_a_scale_or_the_first_revision_seen_is_not_a_rollout() -> None:
     settled = {"rolledOutRevision": 2}
     scaled = compute(observed(deployment=rolled(2, 5, 5, 5), previous=settled), NOW)
-    assert scaled["rolledOutRevision"] == 2 and rollout_events(settled, scaled, 4) == []
+    assert scaled["rolledOutRevision"] == 2 and rollout_events(settled, scaled) == []
     created = compute(observed(deployment=rolled(1, 1, 1, 1)), NOW)
-    assert created["rolledOutRevision"] == 1 and rollout_events({}, created, 1) == []
+    assert created["rolledOutRevision"] == 1 and rollout_events({}, created) == []
     asleep = compute(observed(deployment=rolled(3, 0, 0, 0), previous=settled), NOW)
     assert asleep["rolledOutRevision"] == 2  # the new template rolls out when it wakes

@@ -1,0 +1,132 @@
+"""An upgrade as a platform team runs it: an operator started on an LLMDeployment CRD older than
+itself says so; the CRD applied and the operator restarted, what runs is kept (same children, same
+pods) and an edited LLMDeployment is applied in place."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import yaml
+from corral_operator.crd import build_crd
+
+from e2e.k8s.cluster import Cluster
+from e2e.operator.harness import (
+    ROOT,
+    OperatorProcess,
+    condition,
+    events_of,
+    get_llmd,
+    llmdeployment,
+    running_pods,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
+CURRENT_CRD = ROOT / "crds" / "corral.dev_llmdeployments.yaml"
+NEW_STATUS_FIELDS = ("rolledOutRevision", "rolledOutGeneration")  # what the older CRD lacks
+FIX = "kubectl apply --server-side -f charts/corral/crds/"
+
+
+def older_crd() -> dict[str, Any]:
+    crd = copy.deepcopy(build_crd())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for name in NEW_STATUS_FIELDS:
+        del status["properties"][name]
+    return crd
+
+
+def serves_status_field(cluster: Cluster, name: str) -> bool:
+    """Whether the API server publishes (and so prunes with) a schema that has status.<name>."""
+    raw = cluster.kubectl("get", "--raw", "/openapi/v3/apis/corral.dev/v1alpha1").stdout
+    schema = json.loads(raw)["components"]["schemas"]["dev.corral.v1alpha1.LLMDeployment"]
+    return name in schema["properties"]["status"]["properties"]
+
+
+@pytest.fixture
+def older_crd_installed(operator_installed: Cluster) -> Iterator[Cluster]:
+    cluster = operator_installed
+    cluster.apply(yaml.safe_dump(older_crd()))
+    cluster.wait_until("older CRD served", lambda: not serves_status_field(cluster, "rolledOutRevision"))
+    try:
+        yield cluster
+    finally:  # later tests run on this release's CRD
+        cluster.apply(CURRENT_CRD)
+        cluster.wait_until("current CRD served", lambda: serves_status_field(cluster, "rolledOutRevision"))
+
+
+def uids(cluster: Cluster, ns: str, name: str) -> dict[str, str]:
+    out = {
+        k: cluster.get_json(k, name, "-n", ns)["metadata"]["uid"] for k in ("deployment", "service", "pdb")
+    }
+    for pod in running_pods(cluster, ns, name):
+        restarts = sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or ())
+        out[f"pod/{pod['metadata']['name']}"] = f"{pod['metadata']['uid']} restarts={restarts}"
+    return out
+
+
+def test_a_stale_crd_is_reported_and_an_upgrade_keeps_what_runs(
+    older_crd_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = older_crd_installed, k8s_namespace
+    old = start_operator(priority=None)
+    cluster.apply(yaml.safe_dump(llmdeployment("up", ns, replicas=1)))
+
+    def degraded_reason() -> str | None:
+        """Degraded's reason once the model serves (StaleCRD comes after the model's own problems)."""
+        cr = get_llmd(cluster, ns, "up")
+        return (
+            condition(cr, "Degraded").get("reason")
+            if condition(cr, "Available").get("status") == "True"
+            else None
+        )
+
+    cluster.wait_until("StaleCRD on a serving model", lambda: degraded_reason() == "StaleCRD")
+    message = condition(get_llmd(cluster, ns, "up"), "Degraded")["message"]
+    assert "lacks status.rolledOutRevision, status.rolledOutGeneration" in message and FIX in message
+    errors = [line for line in old.log().splitlines() if " ERROR corral_operator" in line]
+    assert len(errors) == 1 and "older than this operator" in errors[0] and FIX in errors[0]
+    assert not any(f in (get_llmd(cluster, ns, "up") or {})["status"] for f in NEW_STATUS_FIELDS)
+    before = uids(cluster, ns, "up")
+
+    # The documented fix, then a new operator pod: the model recovers and nothing is recreated.
+    old.stop()
+    cluster.apply(CURRENT_CRD)
+    cluster.wait_until("current CRD served", lambda: serves_status_field(cluster, "rolledOutRevision"))
+    start_operator(priority=None)
+    cluster.wait_until("Recovered", lambda: degraded_reason() == "Healthy")
+    cluster.wait_until(
+        "rolledOutRevision", lambda: (get_llmd(cluster, ns, "up") or {})["status"].get("rolledOutRevision")
+    )
+    assert [e["message"] for e in events_of(cluster, ns, "up") if e["reason"] == "Recovered"] == [
+        "no longer degraded (StaleCRD)"
+    ]
+    assert uids(cluster, ns, "up") == before
+
+    # `kubectl apply` of an edited manifest (labels, rollout settings): applied in place, no new pods.
+    edited = llmdeployment("up", ns, replicas=1)
+    edited["metadata"]["labels"] = {"team": "search"}
+    edited["spec"]["rollout"] = {"maxSurge": 2}
+    cluster.apply(yaml.safe_dump(edited))
+
+    def strategy_surge() -> int | None:
+        return cluster.get_json("deployment", "up", "-n", ns)["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+
+    cluster.wait_until("maxSurge applied", lambda: strategy_surge() == 2)
+    assert uids(cluster, ns, "up") == before
+    # Generation 2 settled and recorded first, or the restart's rollout would seem to carry it.
+    cluster.wait_until(
+        "generation 2 recorded",
+        lambda: (get_llmd(cluster, ns, "up") or {})["status"].get("rolledOutGeneration") == 2,
+    )
+
+    # A restart of the same spec: RolledOut names the Deployment revision, not the unchanged generation.
+    cluster.kubectl("rollout", "restart", "deployment/up", "-n", ns)
+
+    def rolled_out() -> list[str]:
+        return [e["message"] for e in events_of(cluster, ns, "up") if e["reason"] == "RolledOut"]
+
+    cluster.wait_until("RolledOut", lambda: rolled_out() or None)
+    assert rolled_out() == ["Deployment revision 2: 1/1 replicas run the new pods and are ready"]
