@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -65,7 +66,14 @@ def record_pick(
 def start_upstream_span(parent: Span, replica: str, attempt: int) -> tuple[Span, dict[str, str]]:
     """The attempt's client span, and the headers that carry its context to the engine."""
     span = _tracer.start_span("upstream", context=trace.set_span_in_context(parent), kind=SpanKind.CLIENT)
-    span.set_attribute("server.address", replica)
+    # HTTP client conventions: the host and port apart (a backend's address groups spans by host),
+    # the replica's base URL whole.
+    where = urlsplit(replica)
+    span.set_attribute("url.full", replica)
+    if where.hostname:
+        span.set_attribute("server.address", where.hostname)
+    if where.port is not None:
+        span.set_attribute("server.port", where.port)
     span.set_attribute("corral.attempt", attempt)
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))

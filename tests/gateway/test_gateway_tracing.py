@@ -52,6 +52,9 @@ async def test_one_trace_from_client_through_gateway_to_replica(spans: InMemoryS
     assert attributes["gen_ai.request.id"] == "req-9" and attributes["corral.replica"] == urls[0]
     assert attributes["http.response.status_code"] == 200
     assert (attributes["gen_ai.usage.input_tokens"], attributes["gen_ai.usage.output_tokens"]) == (3, 5)
+    sent = dict(upstream.attributes or {})
+    host, port = urls[0].removeprefix("http://").split(":")
+    assert (sent["server.address"], sent["server.port"], sent["url.full"]) == (host, int(port), urls[0])
     pick = dict(queue.attributes or {})
     assert pick["corral.replica"] == urls[0] and pick["corral.policy"] == "prefix-affinity"
     assert [s.split("=")[0] for s in pick["corral.replica_scores"]] == [urls[0]]  # type: ignore[union-attr]
