@@ -37,6 +37,7 @@ class Context:
     _refused_crds: frozenset[str] = frozenset()
     _missing_fields: tuple[str, ...] = ()  # of this operator's LLMDeployment CRD, in the served one
     _unknown_fields: tuple[str, ...] = ()  # spec fields of the served CRD this operator lacks
+    _is_schema_refused: bool = False  # the last read of the served schema got a 403
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _object_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
 
@@ -88,9 +89,19 @@ class Context:
         A failed read keeps the last answer (an outage is not an upgrade)."""
         try:
             served = self.kube.served_schema("LLMDeployment")
+        except Forbidden as e:  # RBAC or an API server that hides its OpenAPI: no check, said once
+            if not self._is_schema_refused:
+                log.warning(
+                    "not allowed to read the served LLMDeployment schema (/openapi/v3), so a stale CRD "
+                    "cannot be detected: %s",
+                    e.message,
+                )
+            self._is_schema_refused = True
+            return
         except KubeError as e:
             log.debug("cannot read the served LLMDeployment schema: %s", e.message)
             return
+        self._is_schema_refused = False
         served = served or {}  # none published: nothing to compare
         missing = tuple(crd_drift.missing_fields(expected_schema(), served)) if served else ()
         unknown = tuple(

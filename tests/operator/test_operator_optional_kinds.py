@@ -98,6 +98,7 @@ def test_refused_discovery_is_a_permission_problem_not_an_absent_kind(
     state.routes["/apis/monitoring.coreos.com/v1"] = resource_list(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
+    state.routes[OPENAPI] = NOT_FOUND  # no schema published: nothing else to warn about
     ctx = Context(kube=kube)  # /apis/keda.sh/v1alpha1 answers 403
     with caplog.at_level(logging.WARNING, logger="corral_operator.context"):
         assert ctx.installed_crds(now_s=0) == {SERVICE_MONITORS}
@@ -142,9 +143,15 @@ def test_an_older_llmdeployment_crd_is_an_error_once_until_it_is_upgraded(
     assert "kubectl apply --server-side -f charts/corral/crds/" in logged[0][1]
 
 
-def test_an_unreadable_schema_is_not_a_stale_crd(api: tuple[Api, Kube]) -> None:
+def test_an_unreadable_schema_is_not_a_stale_crd(
+    api: tuple[Api, Kube], caplog: pytest.LogCaptureFixture
+) -> None:
     state, kube = api  # /openapi/v3/... answers 403, then 404 (a server that publishes none)
     ctx = Context(kube=kube)
-    assert ctx.stale_crd(now_s=0) is None
-    state.routes[OPENAPI] = NOT_FOUND
-    assert ctx.stale_crd(now_s=CRD_CACHE_S + 1) is None
+    with caplog.at_level(logging.WARNING, logger="corral_operator.context"):
+        assert ctx.stale_crd(now_s=0) is None
+        assert ctx.stale_crd(now_s=CRD_CACHE_S + 1) is None  # refused again: said once
+        state.routes[OPENAPI] = NOT_FOUND
+        assert ctx.stale_crd(now_s=2 * CRD_CACHE_S + 2) is None
+    refused = [r.getMessage() for r in caplog.records if "/openapi/v3" in r.getMessage()]
+    assert len(refused) == 1 and "a stale CRD cannot be detected" in refused[0]
