@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from corral_cli.listen import free_ports
+
+from tests.cli.up_process import wait_for_banner
 
 
 def _up(tmp_path: Path, profile: str, model_dir: Path) -> subprocess.Popen[str]:
@@ -25,12 +26,7 @@ def _up(tmp_path: Path, profile: str, model_dir: Path) -> subprocess.Popen[str]:
 def test_a_clean_stop_removes_the_temporary_logs(tmp_path: Path, tiny_model_dir: Path) -> None:
     up = _up(tmp_path, "h100-llama3-8b", tiny_model_dir)
     try:
-        assert up.stdout is not None
-        for line in up.stdout:  # the banner, once the gateway serves
-            if "Corral is up" in line:
-                break
-        else:
-            pytest.fail(f"corral up ended before serving: {up.communicate()[1]}")
+        wait_for_banner(up)
         assert [p.name.startswith("corral-up-") for p in (tmp_path / "tmp").iterdir()] == [True]
         up.send_signal(signal.SIGTERM)
         _, stderr = up.communicate(timeout=60)

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 from corral_cli.listen import free_ports
+
+from tests.cli.up_process import wait_for_banner
 
 
 def test_ctrl_c_ends_an_open_stream_with_the_draining_error(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -21,12 +22,7 @@ def test_ctrl_c_ends_an_open_stream_with_the_draining_error(tmp_path: Path, tiny
     argv += ["--drain-timeout", "2", "--log-dir", str(tmp_path)]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert up.stdout is not None
-        for line in up.stdout:  # the banner, once the gateway serves
-            if "Corral is up" in line:
-                break
-        else:
-            pytest.fail(f"corral up ended before serving: {up.communicate()[1]}")
+        wait_for_banner(up)
         body = {"model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 8000, "ignore_eos": True}
         url = f"http://127.0.0.1:{port}/v1/completions"
         with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
