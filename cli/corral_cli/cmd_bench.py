@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from corral_cli.flags import non_negative_float, positive_float, positive_int
+from corral_cli.flags import non_negative_float, non_negative_int, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--burstiness", type=positive_float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier"
     )
     load.add_argument("--max-concurrency", type=positive_int, help="cap on requests in flight")
+    load.add_argument(
+        "--warmup-requests",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="requests sent all at once (at most --max-concurrency in flight) and waited for before the "
+        "first run, counted in no figure: a fresh server's first requests pay its start-up (default: 0)",
+    )
 
     out = parser.add_argument_group("output")
     out.add_argument("--result-file", help="write the results as JSON here (missing folders are created)")
@@ -148,15 +156,18 @@ def request_headers(api_key: str | None, header_flags: list[str]) -> dict[str, s
     return headers
 
 
-def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[Any]], str]:
-    """The requests for each run, and where their token lengths come from.
+def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[Any]], list[Any], str]:
+    """The requests for each run, the warm-up's (`--warmup-requests`), and where their token
+    lengths come from.
 
     Random workloads get fresh prompts of the same lengths per run, so a sweep's later runs do not
-    hit the server's prefix cache with an earlier run's prompts; dataset prompts repeat as they are.
+    hit the server's prefix cache with an earlier run's prompts, and the warm-up gets prompts no run
+    sends; dataset prompts repeat as they are (the warm-up sends the dataset's first ones).
     """
     from corral_cli.bench import workload
     from corral_cli.bench.runner import BenchError
 
+    num_warmup = args.warmup_requests
     try:
         tokenizer = workload.HFTokenizer(args.tokenizer) if args.tokenizer else None
         if args.dataset:
@@ -165,7 +176,8 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
             )
             if args.endpoint_type == "chat":
                 requests = workload.as_chat_prompts(requests, tokenizer)
-            return [requests] * num_runs, "tokenizer" if tokenizer else "estimated"
+            warmup = [requests[i % len(requests)] for i in range(num_warmup)]
+            return [requests] * num_runs, warmup, "tokenizer" if tokenizer else "estimated"
         spec = workload.LengthSpec(
             args.random_input_len,
             args.random_output_len,
@@ -176,15 +188,17 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
             args.max_prompt_len,
             args.max_output_len,
         )
-        n, seed = args.num_prompts, args.seed
+        seed = args.seed
+        # Variant i for run i; variant num_runs, which no run sends, for the warm-up.
+        sizes = [args.num_prompts] * num_runs + ([num_warmup] if num_warmup else [])
         if args.endpoint_type == "chat" and tokenizer is None:
-            return [
-                workload.random_text_prompts(n, spec, seed, variant=i) for i in range(num_runs)
-            ], "estimated"
+            texts = [workload.random_text_prompts(n, spec, seed, variant=i) for i, n in enumerate(sizes)]
+            return texts[:num_runs], (texts[num_runs] if num_warmup else []), "estimated"
         ids = workload.allowed_token_ids(tokenizer, args.random_vocab_size)
         as_text = tokenizer if args.endpoint_type == "chat" else None
-        runs = [workload.sample_random(n, spec, seed, ids, as_text, variant=i) for i in range(num_runs)]
-        return runs, "exact" if as_text is None else "tokenizer"
+        runs = [workload.sample_random(n, spec, seed, ids, as_text, variant=i) for i, n in enumerate(sizes)]
+        lengths_from = "exact" if as_text is None else "tokenizer"
+        return runs[:num_runs], (runs[num_runs] if num_warmup else []), lengths_from
     except ValueError as e:
         raise BenchError(str(e)) from e
 
@@ -217,7 +231,7 @@ async def _bench(args: argparse.Namespace) -> int:
     from corral_cli.bench.runner import RunSettings, resolve_model, run_sweep
 
     rates, headers = _check_before_run(args)
-    workloads, lengths_from = _load_workloads(args, len(rates))
+    workloads, warmup, lengths_from = _load_workloads(args, len(rates))
     model = await resolve_model(args.base_url, args.model, headers)
     settings = RequestSettings(
         base_url=args.base_url,
@@ -239,7 +253,7 @@ async def _bench(args: argparse.Namespace) -> int:
         )
         for rate, w in zip(rates, workloads, strict=True)
     ]
-    outcomes = await run_sweep(settings, runs, args.request_timeout)
+    outcomes = await run_sweep(settings, runs, args.request_timeout, warmup, args.max_concurrency)
     summaries = [o.summary for o in outcomes]
     report.print_report(summaries)
     config = {
@@ -248,6 +262,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "endpoint_type": args.endpoint_type,
         "dataset": args.dataset or "random",
         "num_prompts": len(workloads[0]),
+        "warmup_requests": len(warmup),
         "prompt_lengths": lengths_from,
         "random_input_len": None if args.dataset else args.random_input_len,
         "random_output_len": None if args.dataset else args.random_output_len,

@@ -30,6 +30,7 @@ def checked(convert: Callable[[str], N], expected: str, is_ok: Callable[[N], boo
 # Counts and token lengths; seconds and spreads (NaN and inf are refused too); a temperature.
 positive_int = checked(int, "an integer >= 1", lambda v: v >= 1)
 positive_float = checked(float, "a number > 0", lambda v: math.isfinite(v) and v > 0)
+non_negative_int = checked(int, "an integer >= 0", lambda v: v >= 0)
 non_negative_float = checked(float, "a number >= 0", lambda v: math.isfinite(v) and v >= 0)
 # A TCP port: the OS would take 70000 as 4464.
 port_number = checked(int, f"a port number, 1 to {MAX_PORT}", lambda v: 1 <= v <= MAX_PORT)

@@ -96,7 +96,7 @@ class AsyncEngine(StreamFront):
     def __init__(
         self, args: EngineArgs, engine: LLMEngine | None = None, settings: EngineSettings | None = None
     ) -> None:
-        super().__init__()
+        super().__init__(args.max_num_seqs)
         self.args = args
         self.engine = engine or _build_off_thread(args, settings)
         self.tokenizer: Any = self.engine.tokenizer
@@ -127,9 +127,6 @@ class AsyncEngine(StreamFront):
         await asyncio.to_thread(self.engine.close)
         self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
-    def _num_queued(self) -> int:
-        return self._steps.num_queued
-
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, *, in_group: bool = False
@@ -142,6 +139,7 @@ class AsyncEngine(StreamFront):
         self._check_admission(request_id, None if in_group else self.args.max_waiting)
         request = self.engine.make_request(request_id, prompt, params)
         stream = self._streams.open(request_id, self.abort)
+        self._num_handed += 1  # before the step thread can take it
         self._steps.add(request)
         return stream
 

@@ -136,6 +136,7 @@ def run_core(
                 try:
                     loop.add(engine.make_request(request_id, token_ids, params, arrival_time))
                 except InvalidRequestError as e:
+                    loop.refused()  # the server counted it as handed over
                     sink.error(request_id, e)
             elif kind == "abort":
                 loop.abort(message[1])

@@ -175,7 +175,7 @@ class EngineCoreClient(StreamFront):
     def __init__(self, args: EngineArgs, settings: EngineSettings | None = None) -> None:
         from corral_engine.tokenizer import load_tokenizer
 
-        super().__init__()
+        super().__init__(args.max_num_seqs)
         self.args = args
         context = multiprocessing.get_context("spawn")
         root = logging.getLogger()
@@ -207,7 +207,6 @@ class EngineCoreClient(StreamFront):
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._prompts: dict[str, list[int]] = {}  # request id -> prompt ids, until its final output
         self._send_lock = threading.Lock()
-        self._num_sent = 0  # requests sent since the core last reported its queue
         self._reader: threading.Thread | None = None
         # Called (on the reader thread) with the reason when the core's process exits unasked, after
         # the open streams were failed: a replica without its core cannot serve (`corral engine`
@@ -248,9 +247,6 @@ class EngineCoreClient(StreamFront):
         await asyncio.to_thread(self._stop_core)  # waits for the process, closes the pipes
         self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
-    def _num_queued(self) -> int:
-        return self._num_sent
-
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, *, in_group: bool = False
@@ -259,12 +255,13 @@ class EngineCoreClient(StreamFront):
         self._check_admission(request_id, None if in_group else self.args.max_waiting)
         token_ids = self._check(prompt, params)
         self._prompts[request_id] = token_ids  # before the core can answer
+        self._num_handed += 1  # before the core can report it taken
         try:
             self._send(("add", request_id, token_ids, params, time.monotonic()))
         except EngineDeadError:
             del self._prompts[request_id]
+            self._num_handed -= 1
             raise
-        self._num_sent += 1
         # Its outputs reach the streams through this event loop, so after this returns.
         return self._streams.open(request_id, self.abort)
 
@@ -321,7 +318,6 @@ class EngineCoreClient(StreamFront):
                 message = pickle.loads(conn.recv_bytes())
                 kind = message[0]
                 if kind == "step":
-                    self._num_sent = 0
                     self._step_done(
                         self._unpack(message[1]),
                         message[2],
@@ -332,7 +328,6 @@ class EngineCoreClient(StreamFront):
                 elif kind == "out":
                     self._deliver(self._unpack(message[1]))
                 elif kind == "stats":
-                    self._num_sent = 0
                     self._stats = message[1]
                 elif kind == "error":
                     _, request_id, text, param = message

@@ -17,7 +17,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class QueueFullError(EngineError):
     """The waiting queue is at max_waiting (429); retry after `retry_after_s`. `num_waiting`: the
-    requests waiting when it refused, those handed to the step loop since its last step included."""
+    requests that would not run at the next step when it refused (`StreamFront.num_waiting_now`)."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0, num_waiting: int | None = None) -> None:
         super().__init__(message)

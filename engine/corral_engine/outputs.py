@@ -142,6 +142,9 @@ class EngineStats:
     num_spec_proposed_total: int = 0  # speculative draft tokens verified
     num_spec_accepted_total: int = 0  # ... and accepted
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Requests the step loop has taken from its front (into the scheduler, refused, or aborted
+    # before it took them in) when this snapshot was made: set by the loop, not the engine.
+    num_requests_taken_total: int = 0
 
     def observe(self, scheduler: Scheduler, block_manager: BlockManager) -> EngineStats:
         """Refresh the load fields from the scheduler and block manager, and return a snapshot the

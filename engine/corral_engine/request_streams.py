@@ -29,13 +29,16 @@ class RequestStreams(dict[str, "Queue | _Listening"]):
     """request id -> its output queue (or listener); the step loop puts outputs (or an exception)
     in, the request's consumer reads them through `stream`, or is called with them (`listen`)."""
 
-    def check_new(self, request_id: str, max_waiting: int | None, num_waiting: int) -> None:
-        """Refuse a duplicate id (400) or a full waiting queue (503 with Retry-After)."""
+    def check_new(self, request_id: str, max_waiting: int | None, num_waiting_if_admitted: int) -> None:
+        """Refuse a duplicate id (400), or a request that would take the waiting queue past
+        `max_waiting` (429 with Retry-After)."""
         if request_id in self:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        if max_waiting is not None and num_waiting >= max_waiting:
+        if max_waiting is not None and num_waiting_if_admitted > max_waiting:
             raise QueueFullError(
-                f"the engine's waiting queue is full ({max_waiting} requests)", 1.0, num_waiting
+                f"the engine's waiting queue is full ({max_waiting} requests)",
+                1.0,
+                num_waiting_if_admitted - 1,
             )
 
     def open(self, request_id: str, abort: Callable[[str], None]) -> AsyncIterator[RequestOutput]:

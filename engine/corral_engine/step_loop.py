@@ -62,11 +62,10 @@ class StepLoop:
         self._aborts: deque[str] = deque()
         self._wakeup = threading.Event()
         self._running = True
-
-    @property
-    def num_queued(self) -> int:
-        """Requests handed over and not yet taken in by the loop."""
-        return len(self._adds)
+        # Requests taken from `_adds` (each written by one thread only): the stats the loop hands on
+        # carry their sum, so the front knows which of the requests it handed over they count.
+        self._num_taken = 0
+        self._num_refused = 0  # refused before they were queued (`refused`)
 
     def add(self, request: Request) -> None:
         """Thread-safe: the request joins the engine before the next step."""
@@ -77,6 +76,16 @@ class StepLoop:
         """Thread-safe; the request's blocks are freed at the start of the next step."""
         self._aborts.append(request_id)
         self._wakeup.set()
+
+    def refused(self) -> None:
+        """From the one thread that adds: a request handed over for this loop was refused before
+        it could be added; it counts as taken."""
+        self._num_refused += 1
+
+    def _stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        stats.num_requests_taken_total = self._num_taken + self._num_refused
+        return stats
 
     def stop(self) -> None:
         """Thread-safe: `run` returns after the step in flight, with every request aborted."""
@@ -89,7 +98,7 @@ class StepLoop:
             while self._running:
                 self._drain_inputs()
                 if not engine.has_unfinished_requests():
-                    sink.stats(engine.stats())
+                    sink.stats(self._stats())
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
@@ -100,7 +109,7 @@ class StepLoop:
                     time.perf_counter() - started,
                     engine.last_step_num_tokens,
                     engine.last_step_latencies,
-                    engine.stats(),
+                    self._stats(),
                 )
             for request_id in list(engine.requests):
                 engine.abort_request(request_id)
@@ -108,22 +117,26 @@ class StepLoop:
             logger.exception("engine step loop died")
             sink.died(e)
         finally:
-            sink.stats(engine.stats())
+            sink.stats(self._stats())
 
     def _drain_inputs(self) -> None:
-        """Apply queued aborts and admissions."""
+        """Apply queued aborts and admissions. `_adds` is only ever popped here, never replaced:
+        another thread appends to it meanwhile."""
         engine = self.engine
+        dropped: set[str] = set()  # aborted while still queued: skipped below
         while self._aborts:
             request_id = self._aborts.popleft()
-            if any(r.request_id == request_id for r in self._adds):
-                self._adds = deque(r for r in self._adds if r.request_id != request_id)
             output = engine.abort_request(request_id)
             if output is not None:
                 self._sink.outputs([output])
             else:
+                dropped.add(request_id)
                 self._sink.dropped(request_id)
         while self._adds:
             request = self._adds.popleft()
+            self._num_taken += 1
+            if request.request_id in dropped:
+                continue
             try:
                 engine.insert_request(request)
             except InvalidRequestError as e:

@@ -32,8 +32,12 @@ class StreamFront:
     then writes one event of several tokens to each stream instead of catching up a token at a
     time."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_num_seqs: int = 0) -> None:
         self._streams = RequestStreams()
+        self._max_num_seqs = max_num_seqs  # the running batch's seats (0: admission counts none free)
+        # Requests handed to the step loop, ever; the loop's stats say how many of them it has taken
+        # (`EngineStats.num_requests_taken_total`): the rest are in no stats yet.
+        self._num_handed = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats = EngineStats()
         self._running = False  # between start and shutdown
@@ -70,9 +74,24 @@ class StreamFront:
         router reading that burst as a queue would hold requests the engine has room for)."""
         return self._stats
 
-    def _num_queued(self) -> int:
-        """Requests handed to the step loop that it has not taken in yet."""
-        return 0
+    def _num_unseen(self) -> int:
+        """Requests handed to the step loop that its last stats do not count yet: queued for it,
+        taken in since that step (in the scheduler, not yet stepped), or on the pipe to its
+        process."""
+        return max(0, self._num_handed - self._stats.num_requests_taken_total)
+
+    def num_waiting_now(self, num_new: int = 0) -> int:
+        """Requests the engine holds (with `num_new` more) that will not run at its next step, as
+        far as this side knows: the scheduler's waiting queue at the last step, plus those it has
+        not seen since beyond the running batch's free seats (`max_num_seqs` less the running; none
+        while requests wait already, as they go first). `--max-waiting` bounds this, so a burst
+        into an idle engine gets `max_num_seqs + max_waiting` admitted, however the steps fall
+        between its requests. The scheduler may still hold one of them back (no KV blocks, the
+        step's token budget spent), so its own waiting count can briefly read more."""
+        stats = self._stats  # one read: the step loop's thread replaces it whole
+        unseen = max(0, self._num_handed - stats.num_requests_taken_total) + num_new
+        free = 0 if stats.num_waiting else max(0, self._max_num_seqs - stats.num_running)
+        return stats.num_waiting + max(0, unseen - free)
 
     @property
     def is_running(self) -> bool:
@@ -82,7 +101,7 @@ class StreamFront:
         """EngineDeadError when nothing steps; a duplicate id or a full waiting queue refused."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        self._streams.check_new(request_id, max_waiting, self._stats.num_waiting + self._num_queued())
+        self._streams.check_new(request_id, max_waiting, self.num_waiting_now(num_new=1))
 
     def listen(self, request_id: str, listener: Listener) -> bool:
         """On the event loop: call `listener` with the request's outputs as each step delivers
@@ -93,7 +112,7 @@ class StreamFront:
     async def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self._streams and not self._num_queued():
+            if not self._streams and not self._num_unseen():
                 return True
             await asyncio.sleep(0.05)
         return not self._streams

@@ -147,6 +147,22 @@ def test_cli_sweep_writes_results_and_plot(fake, tmp_path):
     assert len(prompts) == 12 and len(set(prompts)) == 12  # each run of the sweep has fresh prompts
 
 
+def test_cli_warmup_requests_go_first_and_count_in_no_figure(fake, tmp_path):
+    url, state = fake
+    result_file = tmp_path / "r.json"
+    argv = ["bench", "--base-url", url, "--num-prompts", "6", "--random-input-len", "8"]
+    argv += ["--random-output-len", "4", "--request-rate", "200,inf", "--ignore-eos", "--no-progress"]
+    argv += ["--warmup-requests", "3", "--result-file", str(result_file)]
+    assert corral_main(argv) == 0
+    doc = json.loads(result_file.read_text())
+    assert doc["benchmark"]["warmup_requests"] == 3 and doc["benchmark"]["num_prompts"] == 6
+    for run in doc["runs"]:  # the fake server counts a preemption a request
+        assert (run["completed"], run["failed"], run["total_output_tokens"]) == (6, 0, 24)
+        assert (run["num_prompts"], run["total_input_tokens"], run["num_preemptions"]) == (6, 48, 6)
+    prompts = [tuple(body["prompt"]) for body in state.bodies]
+    assert len(prompts) == 15 and len(set(prompts)) == 15  # the warm-up's prompts are no run's
+
+
 def test_cli_no_stream_run_counts_tokens_from_each_response(fake, tmp_path):
     url, state = fake
     result_file = tmp_path / "r.json"

@@ -140,10 +140,13 @@ async def test_unknown_route_and_method_are_json_errors(client: httpx.AsyncClien
 
 async def test_a_429_counts_the_requests_it_was_refused_behind(tiny_model_dir: pathlib.Path) -> None:
     """The load headers are the last step's, but a queue-full 429 reports the queue it was refused
-    on: requests handed to the step loop since that step count (the step's count reads 0)."""
+    on: requests handed to the step loop since that step count beyond the batch's one seat (the
+    step's count reads 0)."""
     from corral_engine import AsyncEngine, EngineArgs, SamplingParams
 
-    args = EngineArgs(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_waiting=2)
+    args = EngineArgs(
+        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=1, max_waiting=2
+    )
     engine = AsyncEngine(args)
     in_step, release = threading.Event(), threading.Event()
     real_step = engine.engine.step

@@ -212,13 +212,41 @@ def _as_count(value: float | None) -> int | float | None:
     return int(value) if value is not None and value.is_integer() else value
 
 
+async def warm_up(
+    client: aiohttp.ClientSession,
+    request: RequestSettings,
+    requests: list[BenchRequest],
+    max_concurrency: int | None = None,
+) -> None:
+    """Send `requests` at once (at most `max_concurrency` in flight) and wait for them all; what
+    they measure is dropped. They open the client's connections and take a fresh server's first
+    costs (its first batches, caches, lazily built state) before any run's clock starts."""
+    if not requests:
+        return
+    slots = asyncio.Semaphore(max_concurrency or len(requests))
+
+    async def one(bench_request: BenchRequest) -> RequestResult:
+        async with slots:
+            return await send_request(client, request, bench_request)
+
+    results = await asyncio.gather(*(one(r) for r in requests))
+    failed = [r.error for r in results if not r.is_success]
+    log.info("warm-up: %d requests, %d failed", len(results), len(failed))
+    if failed:
+        log.warning("warm-up: %d of %d requests failed, e.g. %s", len(failed), len(results), failed[0])
+
+
 async def run_sweep(
     request: RequestSettings,
     runs: list[tuple[RunSettings, list[BenchRequest]]],
     request_timeout_s: float,
+    warmup: list[BenchRequest] | None = None,
+    warmup_max_concurrency: int | None = None,
 ) -> list[RunOutcome]:
-    """Run each (setting, workload) in turn, one after the other."""
+    """Send the warm-up's requests, then run each (setting, workload) in turn, one after the other,
+    on the same client (the warm-up's connections kept)."""
     async with make_client(request_timeout_s, request.headers) as client:
+        await warm_up(client, request, warmup or [], warmup_max_concurrency)
         return [await run_once(client, request, run, requests) for run, requests in runs]
 
 

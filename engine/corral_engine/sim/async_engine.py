@@ -20,7 +20,7 @@ from typing import Any
 
 from corral_engine.core.sequence import Request
 from corral_engine.errors import EngineDeadError, InvalidRequestError
-from corral_engine.outputs import RequestOutput
+from corral_engine.outputs import EngineStats, RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import Prompt, SimEngine
 from corral_engine.stream_front import StreamFront
@@ -37,7 +37,7 @@ class AsyncSimEngine(StreamFront):
 
     def __init__(self, engine: SimEngine, max_waiting: int | None = None) -> None:
         """`engine` must use the running loop's clock (`loop.time`), which `build` arranges."""
-        super().__init__()
+        super().__init__(engine.scheduler.config.max_num_seqs)
         self.engine = engine
         self.tokenizer: Any = engine.tokenizer
         self.served_model_name = engine.served_model_name
@@ -47,6 +47,7 @@ class AsyncSimEngine(StreamFront):
         self._aborts: deque[str] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._num_taken = 0  # requests taken from `_adds`: `StreamFront.num_waiting_now`
         self._stats = engine.stats()
         self.timeline_s = 0.0  # when the last step ended, on the loop's clock
         self.max_lag_s = 0.0  # the latest a step was committed after its predicted end (host resets)
@@ -67,9 +68,6 @@ class AsyncSimEngine(StreamFront):
             self._task = None
         self.end_open_streams(EngineDeadError("the engine is shutting down"))
 
-    def _num_queued(self) -> int:
-        return len(self._adds)
-
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, *, in_group: bool = False
@@ -77,6 +75,7 @@ class AsyncSimEngine(StreamFront):
         self._check_admission(request_id, None if in_group else self.max_waiting)
         request = self.engine.make_request(request_id, prompt, params)
         stream = self._streams.open(request_id, self.abort)
+        self._num_handed += 1
         self._adds.append(request)
         self._wakeup.set()
         return stream
@@ -96,7 +95,7 @@ class AsyncSimEngine(StreamFront):
                 step = engine.begin_step() if engine.has_unfinished_requests() else None
                 if step is None:
                     is_busy = False
-                    self._stats = engine.stats()
+                    self._stats = self._engine_stats()
                     self._wakeup.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), _IDLE_WAIT_S)
@@ -110,7 +109,7 @@ class AsyncSimEngine(StreamFront):
                 outputs = engine.finish_step(step)
                 if self.on_step is not None:
                     self.on_step(step.duration_s, step.shape.num_tokens, engine.last_step_latencies)
-                self._stats = engine.stats()
+                self._stats = self._engine_stats()
                 self._put_outputs(outputs)
         except asyncio.CancelledError:
             raise
@@ -119,11 +118,18 @@ class AsyncSimEngine(StreamFront):
             self._dead = e
             self.end_open_streams(EngineDeadError(f"the engine failed: {e}"))
 
+    def _engine_stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        stats.num_requests_taken_total = self._num_taken
+        return stats
+
     def _drain_inputs(self) -> None:
         engine = self.engine
         while self._aborts:
             request_id = self._aborts.popleft()
+            num_queued = len(self._adds)
             self._adds = deque(r for r in self._adds if r.request_id != request_id)
+            self._num_taken += num_queued - len(self._adds)
             output = engine.abort_request(request_id)
             if output is not None:
                 self._put_outputs([output])
@@ -131,6 +137,7 @@ class AsyncSimEngine(StreamFront):
                 self._streams.pop(request_id, None)
         while self._adds:
             request = self._adds.popleft()
+            self._num_taken += 1
             try:
                 engine.insert_request(request)
             except InvalidRequestError as e:
