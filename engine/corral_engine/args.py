@@ -200,7 +200,8 @@ class EngineArgs:
     )
     max_waiting: int | None = _option(
         None,
-        help="waiting requests before new ones get 429; a request's prompts are admitted together",
+        help="requests held that will not run at the next step (beyond the running batch's free seats) "
+        "before new ones get 429; a request's prompts are admitted together",
         default_text="unbounded",
         metavar="N",
         ge=0,
