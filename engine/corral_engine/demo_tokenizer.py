@@ -14,6 +14,9 @@ from typing import Any
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2 in this order
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
+# Mistral's tool-call control tokens, special as in Mistral's own tokenizers (ids 3, 4, 5 of the
+# mistral-arch demo models), so the text the engine returns leaves them out unless asked.
+MISTRAL_TOOL_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
 
 # Role-tagged turns; an assistant turn ends with eos so generation stops at the end of a reply.
 # With `tools`, a system turn lists them and asks for Hermes-style calls (the format of Qwen 2.5/3 and
@@ -127,8 +130,11 @@ def _single_threaded_tokenizers() -> Iterator[None]:
 
 def tokenizer_style(arch: str) -> str:
     """Qwen checkpoints load through transformers' Qwen2Tokenizer, which rebuilds a Qwen pipeline
-    (NFC, Qwen split regex, no BOS); Qwen-arch demo models use that pipeline so every loader agrees."""
-    return "qwen" if arch in ("qwen2", "qwen3") else "llama"
+    (NFC, Qwen split regex, no BOS); Qwen-arch demo models use that pipeline so every loader agrees.
+    Mistral's is Llama's plus its tool-call control tokens."""
+    if arch in ("qwen2", "qwen3"):
+        return "qwen"
+    return "mistral" if arch == "mistral" else "llama"
 
 
 def train_tokenizer(
@@ -161,7 +167,7 @@ def train_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *(MISTRAL_TOOL_TOKENS if style == "mistral" else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -169,7 +175,7 @@ def train_tokenizer(
         tok.train_from_iterator(synthetic_corpus(seed, num_words, lexicon_size), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer training reached {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    if style == "llama":
+    if style != "qwen":
         # Like Llama: encoding adds BOS (the chat template writes it itself: render, then encode
         # without special tokens).
         tok.post_processor = processors.TemplateProcessing(
@@ -187,7 +193,7 @@ def tokenizer_config(max_length: int, style: str) -> dict[str, Any]:
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "unk_token": None,  # byte-level: every input is representable
-        "add_bos_token": style == "llama",
+        "add_bos_token": style != "qwen",
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,

@@ -3,11 +3,12 @@ each request's output of a step (vLLM v1 keeps the same concept apart from the e
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.outputs import CompletionOutput, RequestOutput
-from corral_engine.tokenizer import IncrementalDetokenizer
+from corral_engine.tokenizer import IncrementalDetokenizer, special_tokens
 
 
 class OutputProcessor:
@@ -22,10 +23,26 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         params = request.params
+        skip, hidden = params.skip_special_tokens, frozenset[int]()
+        if skip and params.shown_special_tokens:
+            specials = special_tokens(self.tokenizer)
+            shown = {specials[t] for t in params.shown_special_tokens if t in specials}
+            if shown:  # the others are left out by id, so the decode itself skips none
+                skip, hidden = False, self.special_ids - shown
         for seq in request.seqs:
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
+                self.tokenizer,
+                request.prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                skip,
+                params.spaces_between_special_tokens,
+                hidden,
             )
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(special_tokens(self.tokenizer).values())
 
     def release(self, seq_id: int) -> None:
         self._detokenizers.pop(seq_id, None)
@@ -56,7 +73,10 @@ class OutputProcessor:
         the return value is how many of those tokens came after it (to drop); else None, and a
         sequence the stop tokens ended has its pending text flushed."""
         detok = self._detokenizers[seq.seq_id]
-        for i, token_id in enumerate(seq.token_ids[len(seq.token_ids) - num_new :]):
+        new_ids = seq.token_ids[len(seq.token_ids) - num_new :]
+        if self._ends_on_special_stop(seq):
+            new_ids = new_ids[:-1]
+        for i, token_id in enumerate(new_ids):
             stop_str = detok.add_token(token_id)
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
@@ -64,6 +84,17 @@ class OutputProcessor:
         if seq.finish_reason is not None:
             detok.flush()
         return None
+
+    def _ends_on_special_stop(self, seq: Sequence) -> bool:
+        """Whether `seq` ended on a special token that stops it (EOS, a stop_token_id), which its
+        text leaves out even where it shows special tokens (as vLLM), unless
+        include_stop_str_in_output asks for it. (It is the sequence's last token.)"""
+        return (
+            seq.finish_reason == "stop"
+            and not isinstance(seq.stop_reason, str)
+            and not seq.request.params.include_stop_str_in_output
+            and seq.token_ids[-1] in self.special_ids
+        )
 
     def due(self, request: Request, counts: dict[int, int], is_finished: bool) -> dict[int, int] | None:
         """The stream interval (vLLM's `--stream-interval`), after `counts` (seq_id -> tokens

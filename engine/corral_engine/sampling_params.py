@@ -60,6 +60,14 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many output tokens
     # Logprobs of the prompt's tokens (each given the ones before it), with the top k alternatives.
     prompt_logprobs: int | None = None
+    # vLLM's: special tokens (BOS, EOS, control tokens) are left out of the text, and, where kept,
+    # spaced apart (slow tokenizers only: a fast tokenizer's own decoder places them).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Special tokens the text shows even so, by their text (a tool parser's markers, such as
+    # Mistral's `[TOOL_CALLS]`): the server sets them, so the parser reads them and the client sees
+    # no other special token. Texts the tokenizer has no special token for change nothing.
+    shown_special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         respelled = _respelled(self.stop, self.stop_token_ids, self.logit_bias)

@@ -7,6 +7,7 @@ all output tokens at once. Text that could still become a stop string is held ba
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,16 +61,51 @@ def vocabulary(tokenizer: Any) -> dict[str, int] | None:
     return dict(get_vocab()) if get_vocab is not None else None
 
 
-def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """ids -> text as `tokenizer.decode(ids, skip_special_tokens=True)` gives it. For fast
-    tokenizers without space clean-up that is the Rust tokenizer's own decode, called directly:
-    transformers' wrapper around it costs ~5x the decode itself, and this runs twice per output
-    token of every running sequence, on the step thread."""
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special tokens (BOS, EOS, control tokens such as `[TOOL_CALLS]`): text -> id;
+    empty for one without a table. Read once per tokenizer: every request with a rule about them
+    asks."""
+    try:
+        return _SPECIAL_TOKENS[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable: read each time
+        return _read_special_tokens(tokenizer)
+    found = _SPECIAL_TOKENS[tokenizer] = _read_special_tokens(tokenizer)
+    return found
+
+
+def _read_special_tokens(tokenizer: Any) -> dict[str, int]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    added = backend.get_added_tokens_decoder() if backend is not None else None
+    if added is None:
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {str(t.content): int(i) for i, t in added.items() if getattr(t, "special", False)}
+
+
+_SPECIAL_TOKENS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def _decoder(
+    tokenizer: Any, skip_special_tokens: bool, spaced: bool, hidden_ids: frozenset[int]
+) -> Callable[[list[int]], str]:
+    """ids -> text as `tokenizer.decode(ids, skip_special_tokens=...)` gives it, `hidden_ids` left
+    out first. For fast tokenizers without space clean-up that is the Rust tokenizer's own decode,
+    called directly: transformers' wrapper around it costs ~5x the decode itself, and this runs
+    twice per output token of every running sequence, on the step thread."""
+    if hidden_ids:
+        shown = _decoder(tokenizer, skip_special_tokens, spaced, frozenset())
+        return lambda ids: shown([i for i in ids if i not in hidden_ids])
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         decode = backend.decode
-        return lambda ids: decode(ids, skip_special_tokens=True)
-    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+        return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+    # Only a slow tokenizer reads `spaces_between_special_tokens`; passed only when asked, as
+    # duck-typed tokenizers (the simulator's, tests') take just skip_special_tokens.
+    kwargs = {"skip_special_tokens": skip_special_tokens}
+    if not spaced:
+        kwargs["spaces_between_special_tokens"] = False
+    return lambda ids: str(tokenizer.decode(ids, **kwargs))
 
 
 class IncrementalDetokenizer:
@@ -79,7 +115,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        hidden_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`hidden_ids`: special tokens left out of a text that shows the others (see _decoder)."""
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -90,7 +130,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.holdback = self.max_stop_len - 1 if stop and not include_stop_str_in_output else 0
-        self._decode = _decoder(tokenizer)
+        self._decode = _decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens, hidden_ids)
 
     def add_token(self, token_id: int) -> str | None:
         """Append one output token; return the stop string it completed, if any."""

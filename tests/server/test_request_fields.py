@@ -48,6 +48,7 @@ IMPLEMENTED_COMMON = {
     "structured_outputs": "test_structured_outputs", "logit_bias": "here", "allowed_token_ids": "here",
     "min_tokens": "here", "truncate_prompt_tokens": "here", "max_tokens": "test_server_api",
     "logprobs": "test_server_api", "add_special_tokens": "here", "prompt_logprobs": "here",
+    "skip_special_tokens": "test_special_tokens", "spaces_between_special_tokens": "test_special_tokens",
     # Hints with nothing to do here (no stored completions, one tier, automatic prefix caching):
     "user": "here", "metadata": "here", "service_tier": "here", "prompt_cache_key": "here",
     "prompt_cache_retention": "here", "prompt_cache_options": "here", "safety_identifier": "here",
@@ -125,7 +126,7 @@ async def test_refused_fields_are_400s_naming_them(
 async def test_neutral_values_hints_and_unknown_fields_are_accepted(
     client: openai.AsyncOpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
-    body = {"skip_special_tokens": True, "use_beam_search": False, "no_such_field": 1, "modalities": ["text"]}
+    body = {"use_beam_search": False, "no_such_field": 1, "modalities": ["text"]}
     with caplog.at_level(logging.WARNING):
         r = await client.chat.completions.create(
             model=MODEL,

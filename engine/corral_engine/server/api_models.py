@@ -67,6 +67,8 @@ class _SamplingFields(_Request):
     min_tokens: int = 0
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens, top k of each
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep only the prompt's last k
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    spaces_between_special_tokens: bool = True
     # Hints with nothing for this server to do (no stored completions, one service tier, prefix
     # caching is automatic): accepted, as vLLM accepts them.
     metadata: dict[str, str] | None = None
@@ -114,6 +116,8 @@ class _SamplingFields(_Request):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "logprobs": logprobs,
             # Streams need only each step's deltas; a response written at the end needs only the
             # finished output (vLLM's FINAL_ONLY: no output, listener call or wake-up per step).

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from corral_engine.errors import InvalidRequestError
 from corral_engine.server.tool_parsers import (
     CALL_IDS,
+    MARKER_TOKENS,
     TOOL_PARSERS,
     FirstCallOnly,
     RequiredListParser,
@@ -80,7 +81,8 @@ class ToolPlan:
     """How a request's reply becomes tool calls: `grammar` (required, named) constrains it,
     `make_parser` makes the reader of each choice's calls (None: no tool calls, plain content);
     `named` is the forced function; `new_call_id` makes each call's id (in the form the model's
-    template accepts back)."""
+    template accepts back); `markers`: special tokens the parser reads, which the reply's text
+    must show."""
 
     def __init__(
         self,
@@ -88,11 +90,13 @@ class ToolPlan:
         make_parser: Callable[[], ToolParser] | None,
         named: str | None = None,
         new_call_id: Callable[[], str] = default_call_id,
+        markers: tuple[str, ...] = (),
     ) -> None:
         self.grammar = grammar
         self.make_parser = make_parser
         self.named = named
         self.new_call_id = new_call_id
+        self.markers = markers
 
 
 NO_TOOLS = ToolPlan(None, None)
@@ -130,9 +134,10 @@ def plan_tools(
             '"auto" tool choice needs the server to be started with --tool-call-parser', "tool_choice"
         )
     parser, names = TOOL_PARSERS[parser_name], frozenset(by_name)
+    markers = MARKER_TOKENS.get(parser_name, ())
     if not parallel:
-        return ToolPlan(None, lambda: FirstCallOnly(parser(names)), None, new_call_id)
-    return ToolPlan(None, lambda: parser(names), None, new_call_id)
+        return ToolPlan(None, lambda: FirstCallOnly(parser(names)), None, new_call_id, markers)
+    return ToolPlan(None, lambda: parser(names), None, new_call_id, markers)
 
 
 def _by_name(tools: list[Tool]) -> dict[str, FunctionDef]:

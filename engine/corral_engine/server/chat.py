@@ -155,8 +155,12 @@ def reasoning_tokens(ctx: ServerContext, plan: ReasoningPlan | None, finals: lis
 def reply_params(
     req: ChatCompletionRequest, max_tokens: int, plan: ToolPlan, reasoning: ReasoningPlan | None
 ) -> SamplingParams:
-    """The request's sampling; its grammar (tools, response_format) holds after the reasoning block."""
+    """The request's sampling; its grammar (tools, response_format) holds after the reasoning block,
+    and its text shows the special tokens its tool parser reads (as vLLM's mistral parser turns
+    skip_special_tokens off; here every other special token is still left out)."""
     params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
+    if plan.markers:
+        params = params.replace(shown_special_tokens=plan.markers)
     if reasoning is not None and params.grammar is not None:
         params = dataclasses.replace(params, grammar=reasoning.constrain(params.grammar))
     return params

@@ -148,7 +148,9 @@ def _final_choice(
     offsets: list[int] = []
     if req.logprobs is not None:
         tokenizer = ctx.engine.tokenizer
-        rooms = TextRooms(tokenizer, out.prompt_token_ids).add((lp.token_id for lp in items), True)
+        rooms = TextRooms(tokenizer, out.prompt_token_ids, req.skip_special_tokens).add(
+            (lp.token_id for lp in items), True
+        )
         offsets = offsets_of(rooms, len(echo))
         if echo and prompt is not None:
             scored = [unscored(out.prompt_token_ids[0]), *(lp for lp in prompt[1:] if lp is not None)]
@@ -225,7 +227,8 @@ class _CompletionChunks:
         if self.req.logprobs is None or o.delta_logprobs is None:
             return []
         if index not in self.rooms:
-            self.rooms[index] = TextRooms(self.ctx.engine.tokenizer, out.prompt_token_ids)
+            tokenizer, skip = self.ctx.engine.tokenizer, self.req.skip_special_tokens
+            self.rooms[index] = TextRooms(tokenizer, out.prompt_token_ids, skip)
         ids = (lp.token_id for lp in o.delta_logprobs)
         rooms = self.rooms[index].add(ids, o.finish_reason is not None)
         start = self.token_ends.get(index, start)

@@ -29,8 +29,6 @@ REFUSED_COMMON: dict[str, Refused] = {
     "use_beam_search": Refused(_NO_BEAMS, (None, False)),
     "length_penalty": Refused(_NO_BEAMS, (None, 1, 1.0)),
     "bad_words": Refused("bad_words is not implemented; logit_bias can ban single tokens", (None, [])),
-    "skip_special_tokens": Refused("special tokens are always left out of the text", (None, True)),
-    "spaces_between_special_tokens": Refused("special tokens are always left out of the text", (None, True)),
     "logits_processors": Refused("custom logits processors are not supported", (None, [])),
     "return_tokens_as_token_ids": Refused("tokens are returned as text", (None, False)),
     "return_token_ids": Refused("token ids are not returned", (None, False)),

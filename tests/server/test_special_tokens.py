@@ -1,0 +1,157 @@
+"""Special tokens in returned text: vLLM's skip_special_tokens (default true) and
+spaces_between_special_tokens, through the server on the engine in-process and in its own core
+process; the special token that ended a reply (EOS) stays out unless include_stop_str_in_output.
+With `--tool-call-parser mistral`, a reply's `[TOOL_CALLS]` and `[ARGS]` (special tokens in Mistral's
+tokenizers, and in the mistral demo model's) reach the parser, so calls after content are found,
+whole and streamed, and no other special token shows in `content`."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from corral_engine.demo_model import write_demo_model
+from corral_engine.demo_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, MISTRAL_TOOL_TOKENS
+from corral_engine.sampling_params import SamplingError, SamplingParams
+from corral_engine.server import create_app
+from corral_engine.settings import EngineSettings
+from corral_engine.sim.host import ReplicaSpec, build_engines
+from corral_engine.sim.perf_model import Fitted, Profile
+from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+from tests.server.real_engine import openai_client
+
+TOOL_CALLS_ID = 3  # [TOOL_CALLS] in the mistral demo tokenizer
+PROFILE = Profile("test", Fitted((1e-4, 0.0, 0.0, 0.0, 0.0)), num_kv_blocks=256, max_model_len=1024)
+TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+# The simulator's reply repeats its prompt's tokens, so this user turn is what the reply says: content,
+# then a call after the marker. The stop string ends the reply where the next turn would begin.
+SAID = 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+CHAT: Any = {"messages": [{"role": "user", "content": SAID}], "temperature": 0, "stop": ["<|assistant|>"]}
+
+
+def test_the_mistral_demo_tokenizer_has_the_tool_tokens_as_special(
+    tiny_model_dirs: Mapping[str, pathlib.Path],
+) -> None:
+    tokenizer = load_tokenizer(tiny_model_dirs["mistral"])
+    assert tokenizer.convert_ids_to_tokens([3, 4, 5]) == list(MISTRAL_TOOL_TOKENS)
+    ids = tokenizer.encode("a [TOOL_CALLS]b", add_special_tokens=False)
+    assert TOOL_CALLS_ID in ids and tokenizer.decode(ids, skip_special_tokens=True) == "a b"
+
+
+def test_hidden_ids_leave_out_those_special_tokens_and_show_the_others(
+    tiny_model_dirs: Mapping[str, pathlib.Path],
+) -> None:
+    tokenizer = load_tokenizer(tiny_model_dirs["mistral"])
+    output = [BOS_TOKEN_ID, *tokenizer.encode("Sure.[TOOL_CALLS]f[ARGS]{}", add_special_tokens=False)]
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, hidden_ids=frozenset({0, 1, 2}))
+    for token_id in output:
+        detok.add_token(token_id)
+    detok.flush()
+    assert detok.take_delta(True) == "Sure.[TOOL_CALLS]f[ARGS]{}"
+
+
+@pytest.fixture(params=["0", "1"], ids=["in-process", "core-process"])
+async def client(
+    request: pytest.FixtureRequest, tiny_model_dirs: Mapping[str, pathlib.Path]
+) -> AsyncIterator[openai.AsyncOpenAI]:
+    settings = EngineSettings(engine_process=request.param)
+    async with openai_client(tiny_model_dirs["mistral"], settings=settings) as c:
+        yield c
+
+
+async def _text(client: openai.AsyncOpenAI, allowed: list[int], **extra: Any) -> str:
+    r = await client.completions.create(
+        model="tiny-mistral",
+        prompt="hi",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"allowed_token_ids": allowed, **extra},
+    )
+    return r.choices[0].text
+
+
+async def test_skip_special_tokens_false_shows_them_but_not_the_eos_that_ended_the_reply(
+    client: openai.AsyncOpenAI,
+) -> None:
+    specials = [BOS_TOKEN_ID, TOOL_CALLS_ID]
+    assert await _text(client, specials) == ""
+    shown = await _text(client, specials, skip_special_tokens=False)
+    assert len(shown) > 4 and shown.replace("<s>", "").replace("[TOOL_CALLS]", "") == ""
+    assert await _text(client, specials, spaces_between_special_tokens=False) == ""
+    # A reply ended by EOS: its text leaves the EOS out, unless asked for the stop's text.
+    assert await _text(client, [EOS_TOKEN_ID], skip_special_tokens=False) == ""
+    eos = await _text(client, [EOS_TOKEN_ID], skip_special_tokens=False, include_stop_str_in_output=True)
+    assert eos == "</s>"
+
+
+async def test_special_token_fields_must_be_booleans(client: openai.AsyncOpenAI) -> None:
+    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model="tiny-mistral", messages=[{"role": "user", "content": "hi"}], extra_body={name: "no"}
+            )
+        assert info.value.body["param"] == name  # type: ignore[index]
+
+
+def test_sampling_params_name_a_special_token_field_of_the_wrong_type() -> None:
+    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        with pytest.raises(SamplingError) as info:
+            SamplingParams(**{name: "no"})
+        assert info.value.param == name and name in str(info.value)
+    assert SamplingParams().skip_special_tokens and SamplingParams().spaces_between_special_tokens
+
+
+@pytest.fixture(scope="module")
+def sim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The mistral demo model's tokenizer and config, all the simulator reads."""
+    return write_demo_model(tmp_path_factory.mktemp("models") / "sim-mistral", arch="mistral", weights=False)
+
+
+async def _sim_client(model_dir: pathlib.Path, parser: str | None) -> AsyncIterator[httpx.AsyncClient]:
+    [engine] = build_engines(ReplicaSpec(PROFILE, model_dir, "sim"), 1)
+    app = create_app(engine, tool_call_parser=parser)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            yield c
+
+
+@pytest.fixture
+async def mistral_sim(sim_model_dir: pathlib.Path) -> AsyncIterator[openai.AsyncOpenAI]:
+    async for http in _sim_client(sim_model_dir, "mistral"):
+        yield openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="x", http_client=http, max_retries=0)
+
+
+async def test_mistral_calls_after_content_are_found_whole_and_streamed(
+    mistral_sim: openai.AsyncOpenAI,
+) -> None:
+    whole = await mistral_sim.chat.completions.create(model="sim", tools=TOOLS, max_tokens=300, **CHAT)
+    message = whole.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    content = message.content or ""
+    assert content.endswith("<|user|>\nSure. ")
+    assert not any(t in content for t in ("<s>", "</s>", "[TOOL_CALLS]", "[ARGS]"))
+    stream = await mistral_sim.chat.completions.create(
+        model="sim", tools=TOOLS, max_tokens=300, stream=True, **CHAT
+    )
+    streamed, names, arguments = "", [], ""
+    async for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        streamed += (delta and delta.content) or ""
+        for call in (delta and delta.tool_calls) or []:
+            names += [call.function.name] if call.function and call.function.name else []
+            arguments += (call.function and call.function.arguments) or ""
+    assert (streamed, names, arguments) == (content, ["get_weather"], '{"city": "Paris"}')
+
+
+async def test_without_tools_the_markers_stay_out_of_the_text(mistral_sim: openai.AsyncOpenAI) -> None:
+    r = await mistral_sim.chat.completions.create(model="sim", max_tokens=300, **CHAT)
+    content = r.choices[0].message.content or ""
+    assert content.endswith('<|user|>\nSure. get_weather{"city": "Paris"}\n')
