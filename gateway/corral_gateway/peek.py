@@ -18,6 +18,7 @@ from typing import Any
 _CHARS_PER_TOKEN = 4
 _DEFAULT_MAX_TOKENS = 16
 _MAX_PROMPT_DEPTH = 4
+_TEXT_FIELDS = ("content", "text", "arguments", "output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,15 +145,17 @@ def _estimate_tokens(body: dict[str, Any]) -> int:
     num_prompts = 1
     if isinstance(prompt, list) and "messages" not in body and all(isinstance(p, str | list) for p in prompt):
         num_prompts = max(1, len(prompt))
-    return _num_tokens(prompt) + _num_tokens(body.get("instructions")) + 1 + num_prompts * n * max_tokens
+    num_prompt_tokens = int(_num_tokens(prompt) + _num_tokens(body.get("instructions")))
+    return num_prompt_tokens + 1 + num_prompts * n * max_tokens
 
 
-def _num_tokens(value: Any, depth: int = 0) -> int:
+def _num_tokens(value: Any, depth: int = 0) -> float:
     """About how many tokens `value` holds: text at ~4 characters a token, token ids one each,
     lists and messages (their `content`, `text` parts) summed. Messages nest four deep (list,
     message, parts, part); anything deeper is not a prompt and is not walked."""
     if isinstance(value, str):
-        return len(value) // _CHARS_PER_TOKEN
+        # Not rounded here: 300k messages of "hi" are 150k tokens, not 300k times none.
+        return len(value) / _CHARS_PER_TOKEN
     if isinstance(value, int) and not isinstance(value, bool):
         return 1
     if depth >= _MAX_PROMPT_DEPTH:
@@ -160,7 +163,7 @@ def _num_tokens(value: Any, depth: int = 0) -> int:
     if isinstance(value, list):
         return sum(_num_tokens(item, depth + 1) for item in value)
     if isinstance(value, dict):  # a message or part; a Responses function call or its output
-        return sum(_num_tokens(value.get(k), depth + 1) for k in ("content", "text", "arguments", "output"))
+        return sum(_num_tokens(value[k], depth + 1) for k in _TEXT_FIELDS if k in value)
     return 0
 
 

@@ -8,11 +8,13 @@ byte (`passthrough`). The lease on a replica is held until the answer has been d
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from corral_engine import wire
 from opentelemetry.trace import Span
@@ -49,6 +51,11 @@ logger = logging.getLogger(__name__)
 
 PRIORITY_HEADER = "x-corral-priority"
 MAX_ABS_PRIORITY = 1000
+# A body of more bytes is read (peeked at, renamed for an alias) on a worker thread: a 32 MiB
+# conversation of a million short messages is ~7 s of Python to read, and held every other
+# client's stream through this gateway, and its /health, for as long.
+OFF_LOOP_BODY_BYTES = 64 * 1024
+T = TypeVar("T")
 
 # Sends a response to the client (the caller knows, from it being called, that the response began).
 Deliver = Callable[[Response], Awaitable[None]]
@@ -112,14 +119,18 @@ async def _proxy(
         raw = await _read_body(request, deps.settings.max_request_bytes)
         settings = deps.settings
         chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
-        info = peek_request(
+        peek = functools.partial(
+            peek_request,
             raw,
             settings.affinity_block_chars,
             settings.affinity_num_blocks,
             chain,
             request.headers.get("content-type"),
         )
-        model, raw = _route_model(deps.fleet, info.model, raw)
+        info = await _off_loop(raw, peek)
+        model, upstream_name = _route_model(deps.fleet, info.model)
+        if upstream_name is not None and upstream_name != info.model:  # an alias: the served name
+            raw = await _off_loop(raw, functools.partial(with_model, raw, upstream_name))
         priority = _priority(request.headers.get(PRIORITY_HEADER))
         if keystore is not None and api_key is not None:
             keystore.admit(api_key, info.estimated_tokens, time.monotonic())
@@ -273,19 +284,26 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _route_model(fleet: Fleet, model: str | None, raw: bytes) -> tuple[str, bytes]:
-    """(the pool to route to, the body to send): an alias or a NAMESPACE/NAME is sent upstream
-    under the deployment's served name; any other body goes through byte for byte."""
+async def _off_loop(raw: bytes, fn: Callable[[], T]) -> T:
+    """fn() reading `raw`: right here for a small body, on a worker thread for a large one."""
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return fn()
+    return await asyncio.to_thread(fn)
+
+
+def _route_model(fleet: Fleet, model: str | None) -> tuple[str, str | None]:
+    """(the pool to route to, the model name to send upstream): an alias or a NAMESPACE/NAME is
+    sent under the deployment's served name; any other body goes through byte for byte."""
     if model is not None:
         route = fleet.resolve(model)
         if not fleet.has_model(route.key):
             raise ModelNotFound(model)
-        return route.key, raw if route.upstream == model else with_model(raw, route.upstream)
+        return route.key, route.upstream
     # No readable model: any replica answers with the engine's own validation error.
     models = fleet.models()
     if not models:
         raise Unavailable("No model is being served yet.", retry_after_s=5.0, code="no_models")
-    return models[0], raw
+    return models[0], None
 
 
 def _priority(value: str | None) -> int:

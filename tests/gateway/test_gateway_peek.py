@@ -106,8 +106,10 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"prompt": list(range(10000)), "max_tokens": 1}, 10000),  # token ids
         ({"prompt": ["a long prompt " * 100] * 50, "max_tokens": 100}, 50 * (350 + 100)),  # a batch
         ({"input": "word " * 8000}, 8000),  # embeddings
+        # Each message shorter than a token's ~4 characters: counted as text, not rounded away.
+        ({"messages": [{"role": "user", "content": "hi!"}] * 8000, "max_tokens": 1}, 6000),
     ],
-    ids=["prompt", "chat", "chat-parts", "token-ids", "batch", "embeddings"],
+    ids=["prompt", "chat", "chat-parts", "token-ids", "batch", "embeddings", "short-messages"],
 )
 def test_token_estimate_counts_the_whole_prompt_and_every_prompt_of_a_batch(
     body: dict[str, object], at_least: int

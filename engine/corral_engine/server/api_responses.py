@@ -66,7 +66,7 @@ Part = Annotated[InputText | Refusal, Field(discriminator="type")]
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Part]
+    content: str | Annotated[list[Part], Field(fail_fast=True)]
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -183,7 +183,7 @@ def _check_parts(index: int, content: Any) -> None:
 
 class ResponsesRequest(_Request):
     model: str = Field(min_length=1)
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Field(fail_fast=True)]  # the first error only
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from corral_engine import wire
@@ -30,6 +31,10 @@ MAX_BODY_BYTES = wire.MAX_REQUEST_BODY_BYTES
 # ~1.5 µs a character on the demo tokenizer, so a 200 KB prompt would hold the event loop (every
 # stream, /health) for ~0.3 s; below this the thread hop (~0.1 ms) costs more than it saves.
 OFF_LOOP_CHARS = 4096
+# A body of more bytes is parsed and validated on its own thread. Validation costs up to ~15 µs a
+# message or content part (the validators are Python), so a 32 MiB body of a million tiny messages
+# held the event loop (every stream, /health) for 5-10 s; a 16 KiB one costs well under 10 ms.
+OFF_LOOP_BODY_BYTES = 16 * 1024
 # Unicode normalization may shorten a text before it is split (composing marks: at most 3 code
 # points into 1); the length bound below allows for that and some.
 _NORMALIZED_SHRINK = 4
@@ -77,17 +82,27 @@ class ServerContext:
         return self.engine.served_model_name
 
     async def parse(self, request: Request, model: type[ModelT]) -> ModelT:
-        """Read and validate a JSON body; every failure is a 4xx APIError or ValidationError."""
+        """Read and validate a JSON body; every failure is a 4xx (APIError, InvalidRequestError)."""
+        return await self.parse_into(request, model, _itself)
+
+    async def parse_into(self, request: Request, model: type[ModelT], convert: Callable[[ModelT], T]) -> T:
+        """convert(the validated body): where a request is validated again as another (a
+        Responses request as chat's), that costs what the first validation did, and runs with it."""
         if self.is_draining:
             raise errors.draining()
         body = await read_body(request)
-        parsed = model.model_validate_json(body)
-        if getattr(parsed, "model", None) != self.model_name:
-            raise errors.model_not_found(str(getattr(parsed, "model", "")))
-        check_fields = getattr(parsed, "check_fields", None)
-        if check_fields is not None:  # refused fields are 400s; unknown ones are logged
-            check_fields()
-        return parsed
+        validate = functools.partial(_validated, model, body, self.model_name, convert)
+        if len(body) < OFF_LOOP_BODY_BYTES:
+            return validate()
+        # In this request's context: what check_fields logs names the request.
+        in_context = functools.partial(contextvars.copy_context().run, validate)
+        return await asyncio.get_running_loop().run_in_executor(self._body_thread, in_context)
+
+    @functools.cached_property
+    def _body_thread(self) -> ThreadPoolExecutor:
+        # Its own thread, not the tokenizer's: a large body waits behind large bodies only, and
+        # long prompts are tokenized meanwhile.
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-parse")
 
     def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
         access.note_generation(request_id, params)
@@ -151,6 +166,26 @@ class ServerContext:
         """token id -> its text as a returned text shows it (special tokens left out, as the
         detokenizer leaves them out): where a reasoning block's end tag falls among a reply's tokens."""
         return _token_decoder(self.engine.tokenizer, skip_special_tokens=True)
+
+
+def _itself(parsed: ModelT) -> ModelT:
+    return parsed
+
+
+def _validated(model: type[ModelT], body: bytes, model_name: str, convert: Callable[[ModelT], T]) -> T:
+    """convert(the body validated as `model`, for this server's model). A ValidationError becomes
+    the client's 400 here, off the loop where the body is large: reading a pydantic error list
+    costs a few µs an error."""
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as e:
+        raise errors.to_api_error(e) from None
+    if getattr(parsed, "model", None) != model_name:
+        raise errors.model_not_found(str(getattr(parsed, "model", "")))
+    check_fields = getattr(parsed, "check_fields", None)
+    if check_fields is not None:  # refused fields are 400s; unknown ones are logged
+        check_fields()
+    return convert(parsed)
 
 
 def _token_decoder(tokenizer: Any, **decode_kwargs: bool) -> Any:

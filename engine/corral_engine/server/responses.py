@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from corral_engine.errors import InvalidRequestError
 from corral_engine.server import errors
+from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_responses import ResponsesRequest
 from corral_engine.server.api_tools import plan_tools
 from corral_engine.server.chat import reasoning_plan, reasoning_tokens, render_prompt, reply_params
@@ -32,15 +33,24 @@ _PARAMS = {  # the longer first: the first whose prefix matches is taken
 
 
 async def create_response(ctx: ServerContext, request: Request) -> Response:
-    req = await ctx.parse(request, ResponsesRequest)
+    req, chat = await ctx.parse_into(request, ResponsesRequest, _with_chat)
     try:
-        return await _respond(ctx, req, request)
+        return await _respond(ctx, req, chat, request)
     except (errors.APIError, InvalidRequestError) as e:
         raise _renamed(e) from e
 
 
-async def _respond(ctx: ServerContext, req: ResponsesRequest, request: Request) -> Response:
-    chat = req.chat_request()
+def _with_chat(req: ResponsesRequest) -> tuple[ResponsesRequest, ChatCompletionRequest]:
+    """The request and the chat request it asks for, its errors named as the Responses API does."""
+    try:
+        return req, req.chat_request()
+    except (errors.APIError, InvalidRequestError) as e:
+        raise _renamed(e) from e
+
+
+async def _respond(
+    ctx: ServerContext, req: ResponsesRequest, chat: ChatCompletionRequest, request: Request
+) -> Response:
     prompt = await render_prompt(ctx, chat)
     max_tokens = chat.requested_max_tokens
     if max_tokens is None:
