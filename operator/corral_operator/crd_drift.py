@@ -48,14 +48,19 @@ def _walk(want: Mapping[str, Any], have: Mapping[str, Any] | None, path: str, ou
         _walk(want["additionalProperties"], have.get("additionalProperties"), f"{path}.*", out)
 
 
+def _listed(paths: list[str]) -> str:
+    """The first MAX_LISTED paths, and how many more."""
+    more = f" and {len(paths) - MAX_LISTED} more" if len(paths) > MAX_LISTED else ""
+    return ", ".join(paths[:MAX_LISTED]) + more
+
+
 def stale_message(missing: list[str]) -> str | None:
     """What users read (the operator's log, a Degraded condition); None when nothing is missing."""
     if not missing:
         return None
-    listed = ", ".join(missing[:MAX_LISTED])
-    more = f" and {len(missing) - MAX_LISTED} more" if len(missing) > MAX_LISTED else ""
+    listed = _listed(missing)
     return (
-        f"the installed LLMDeployment CRD is older than this operator: it lacks {listed}{more}, so the "
+        f"the installed LLMDeployment CRD is older than this operator: it lacks {listed}, so the "
         f"API server drops those fields; apply this release's CRDs: {FIX}"
     )
 
@@ -69,10 +74,9 @@ def newer_message(unknown: list[str]) -> str | None:
     """What the operator logs when the served CRD has spec fields it does not know (it ignores them)."""
     if not unknown:
         return None
-    listed = ", ".join(unknown[:MAX_LISTED])
-    more = f" and {len(unknown) - MAX_LISTED} more" if len(unknown) > MAX_LISTED else ""
+    listed = _listed(unknown)
     return (
-        f"the installed LLMDeployment CRD is newer than this operator: it ignores {listed}{more} "
+        f"the installed LLMDeployment CRD is newer than this operator: it ignores {listed} "
         "until it is upgraded to the CRDs' release"
     )
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from corral_engine.server.tool_events import held_back
 from corral_engine.server.tool_parsers import Content
 from corral_engine.structured.spec import GrammarSpec
 
@@ -88,14 +89,6 @@ def plan_reasoning(parser_name: str | None, prompt_tail: str, is_shown: bool = T
         return None
     is_inside = tail.endswith(fmt.start) or fmt.is_untagged_reasoning
     return ReasoningPlan(fmt, is_inside, is_shown)
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningSplitter:
@@ -168,7 +161,7 @@ class ReasoningSplitter:
             self._part, self._is_trimming = "content", True
             self.is_block_closed = True
         else:
-            cut = len(self._buffer) - _held_back(self._buffer, self._fmt.end)
+            cut = len(self._buffer) - held_back(self._buffer, self._fmt.end)
             text = self._buffer[:cut].rstrip(_WHITESPACE)
             self._buffer = self._buffer[len(text) :]
         if text:
