@@ -25,6 +25,10 @@ class QueueFullError(EngineError):
         self.num_waiting = num_waiting
 
 
+class RequestAbortedError(EngineError):
+    """A request aborted before the engine took it: it has no output, and its stream ends with this."""
+
+
 class EngineDeadError(EngineError):
     """The step loop died or is shutting down (503)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from corral_engine.errors import InvalidRequestError, QueueFullError
+from corral_engine.errors import InvalidRequestError, QueueFullError, RequestAbortedError
 from corral_engine.outputs import RequestOutput, merge_outputs
 
 Queue = asyncio.Queue[RequestOutput | BaseException]
@@ -62,6 +62,13 @@ class RequestStreams(dict[str, "Queue | _Listening"]):
             listener(queue.get_nowait())
         self[request_id] = _Listening(listener)
         return True
+
+    def drop(self, request_id: str) -> None:
+        """The request was aborted before the engine took it, so no final output comes: a
+        consumer still waiting (a non-streamed request reading its aborted outputs) is ended."""
+        queue = self.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted before it started"))
 
     async def _stream(
         self, request_id: str, queue: Queue, abort: Callable[[str], None]

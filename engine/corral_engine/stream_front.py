@@ -177,7 +177,7 @@ class StreamFront:
 
     def _deliver_dropped(self, request_id: str) -> None:
         if self._loop is not None:
-            self._post(functools.partial(self._streams.pop, request_id, None))
+            self._post(functools.partial(self._streams.drop, request_id))
 
     def _step_done(
         self,

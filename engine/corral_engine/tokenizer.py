@@ -108,6 +108,12 @@ def _decoder(
     return lambda ids: str(tokenizer.decode(ids, **kwargs))
 
 
+def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True, spaced: bool = True) -> str:
+    """ids -> their text with a request's special-token settings (skip_special_tokens,
+    spaces_between_special_tokens), as the detokenizer writes a reply's."""
+    return _decoder(tokenizer, skip_special_tokens, spaced, frozenset())(ids)
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,

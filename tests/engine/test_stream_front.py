@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import pytest
+from corral_engine.errors import RequestAbortedError
 from corral_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from corral_engine.stream_front import StreamFront
 
@@ -104,12 +105,29 @@ def test_steps_posted_while_the_loop_is_busy_arrive_merged_in_order_with_errors_
         ("b", "ValueError"),
         ("a", [3]),
         ("c", [7]),
+        ("c", "RequestAbortedError"),  # the drop ends a consumer still listening
         ("a", [4]),  # after the drop
     ]
     merged = seen[0][1]
     assert isinstance(merged, RequestOutput)
     assert (merged.outputs[0].text, merged.outputs[0].token_ids) == ("ab", [1, 2])
     assert front._streams.keys() == {"b"}  # the error is the stream's to end; c dropped, a finished
+
+
+def test_a_request_dropped_before_the_engine_took_it_ends_its_stream() -> None:
+    """An abort that finds the request not yet in the engine gives no final output; a consumer
+    still reading (a non-streamed request waiting for its aborted output's token counts) waited
+    for ever."""
+    front = StreamFront()
+
+    async def main() -> None:
+        stream = front._streams.open("q", lambda _: None)
+        await _posted_from_thread(front, lambda: front._deliver_dropped("q"), loop_busy=False)
+        with pytest.raises(RequestAbortedError, match="aborted before it started"):
+            await asyncio.wait_for(anext(aiter(stream)), 5)
+
+    asyncio.run(main())
+    assert not front._streams
 
 
 def test_a_post_to_a_closed_loop_raises_and_leaves_nothing_for_the_next_loop() -> None:

@@ -13,6 +13,7 @@ from corral_engine.server.api_tools import ToolPlan
 from corral_engine.server.reasoning import (
     REASONING_PARSERS,
     Reasoning,
+    ReasoningCount,
     ReasoningPlan,
     num_reasoning_tokens,
     plan_reasoning,
@@ -201,3 +202,16 @@ def test_reasoning_tokens_are_those_through_the_blocks_end(
 ) -> None:
     plan = plan_reasoning(name, prompt)
     assert num_reasoning_tokens(plan, _text(ids), ids, PIECES.__getitem__) == expected
+    if plan is None:
+        return
+    # Streamed, in steps of every size: the count so far never falls, never passes the tokens
+    # sent, and ends where the whole reply's does.
+    for size in range(1, len(ids) + 1):
+        count, counts = ReasoningCount(plan, PIECES.__getitem__), []
+        for start in range(0, len(ids), size):
+            step = ids[start : start + size]
+            count.feed(_text(step), step, start + size >= len(ids))
+            sent = min(start + size, len(ids))
+            counts.append(count.of_first(sent))
+            assert counts[-1] <= sent
+        assert counts == sorted(counts) and counts[-1] == expected, size

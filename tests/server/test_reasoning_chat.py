@@ -146,6 +146,30 @@ async def test_usage_counts_every_token_of_the_reply_and_those_of_the_block() ->
     assert streamed == parsed.usage
 
 
+async def test_continuous_usage_counts_the_reasoning_tokens_so_far_on_every_chunk() -> None:
+    """vLLM's continuous_usage_stats: each chunk's usage has the reasoning tokens of those sent so
+    far, as the final usage has all of them (0 without a parser), for each of n choices."""
+    block = len(f"<think>\n{THOUGHT}\n</think>")
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    for parser, expected in (("qwen3", block), (None, 0)):
+        async with _client(SCRIPT, reasoning_parser=parser) as (client, _):
+            stream = await client.chat.completions.create(
+                **_request(SCRIPT), n=2, stream=True, stream_options=options
+            )
+            usages = [c.usage async for c in stream if c.usage is not None]
+        *running, final = usages
+        assert final.completion_tokens_details is not None
+        assert final.completion_tokens_details.reasoning_tokens == 2 * expected
+        counts = []
+        for usage in running:
+            assert usage.completion_tokens_details is not None, usage
+            counts.append(usage.completion_tokens_details.reasoning_tokens)
+            assert counts[-1] <= usage.completion_tokens
+        assert counts == sorted(counts) and counts[-1] == 2 * expected
+        if expected:  # counted as it came, not only at the end
+            assert any(0 < count < 2 * expected for count in counts)
+
+
 async def test_a_block_never_closed_is_all_reasoning() -> None:
     script = "<think>\nHmm, let me think about this for a long time"
     async with _client(script) as (client, _):

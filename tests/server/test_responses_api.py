@@ -8,7 +8,7 @@ import contextlib
 import json
 import pathlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import jsonschema
@@ -20,6 +20,8 @@ from corral_engine.server.api_responses import ResponsesRequest
 from corral_engine.server.api_tools import NO_TOOLS, Tool, plan_tools
 from corral_engine.server.responses_output import ResponseShell, output_items
 from corral_engine.server.responses_stream import ResponseEvents, ResponseStreamingResponse
+from openai.types.shared import Reasoning as OpenAIReasoning
+from openai.types.shared import ReasoningEffort
 
 from tests.server.fake_engine import FakeEngine
 from tests.server.real_engine import openai_client
@@ -279,6 +281,12 @@ async def test_streamed_tool_calls_add_up_to_the_whole_reply() -> None:
         ({"include": ["message.output_text.logprobs"]}, "include", "not available"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "'high'"),
+        ({"reasoning": {"effort": 3}}, "reasoning.effort", "'high'"),
+        ({"reasoning": {"summary": "long"}}, "reasoning.summary", "'concise'"),
+        ({"reasoning": {"generate_summary": True}}, "reasoning.generate_summary", "'detailed'"),
+        ({"reasoning": {"context": "never"}}, "reasoning.context", "'all_turns'"),
+        ({"reasoning": "high"}, "reasoning", "an object"),
     ],
 )
 async def test_what_is_not_served_is_refused_by_name(body: dict[str, Any], param: str, words: str) -> None:
@@ -287,6 +295,15 @@ async def test_what_is_not_served_is_refused_by_name(body: dict[str, Any], param
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"]
+
+
+def test_every_reasoning_value_openai_takes_is_taken() -> None:
+    """As openai's own types list them; `effort` reaches the chat template as reasoning_effort."""
+    for effort in get_args(get_args(ReasoningEffort)[0]):
+        request = _request(input="hi", reasoning={"effort": effort})
+        assert request.chat_request().reasoning_effort == effort
+    for summary in get_args(get_args(OpenAIReasoning.model_fields["summary"].annotation)[0]):
+        _request(input="hi", reasoning={"summary": summary, "generate_summary": summary, "mode": "pro"})
 
 
 async def test_store_is_accepted_and_nothing_is_stored() -> None:

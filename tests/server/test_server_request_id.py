@@ -6,18 +6,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import pathlib
 
 import httpx
 import pytest
 from corral_cli.main import version
 from corral_engine import wire
+from corral_engine.demo_model import write_demo_model
 from corral_engine.server import create_app
+from corral_engine.sim.host import ReplicaSpec, build_engines
+from corral_engine.sim.perf_model import Fitted, Profile
 
 from tests.server.asgi_call import AsgiCall
 from tests.server.fake_engine import FakeEngine
 
 MODEL = FakeEngine.served_model_name
 ACCESS_LOGGER = "corral_engine.server.access"
+# A simulated engine taking 1 ms a step: its requests get FINAL_ONLY outputs, as the real engine's.
+SIM_PROFILE = Profile("test", Fitted((1e-3, 0.0, 0.0, 0.0, 0.0)), num_kv_blocks=256, max_model_len=1024)
 
 
 def access_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -197,3 +203,34 @@ async def test_a_stream_whose_client_left_is_logged_with_the_tokens_it_used(
     [record] = access_records(caplog)
     assert record.__dict__["prompt_tokens"] == len(engine.tokenizer.encode("hi there"))
     assert 3 <= record.__dict__["completion_tokens"] < 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+async def test_a_whole_response_whose_client_left_is_logged_with_the_tokens_it_used(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    """A request that is not streamed has no output before its last (vLLM's FINAL_ONLY, as the
+    simulator's engine gives it): its access line said 0 + 0 when its client left; the aborted
+    request's final output says what it had computed."""
+    model_dir = write_demo_model(tmp_path / "sim", arch="mistral", weights=False)
+    [engine] = build_engines(ReplicaSpec(SIM_PROFILE, model_dir, "sim"), 1)
+    app = create_app(engine)
+    asks: dict[str, dict[str, object]] = {
+        "/v1/completions": {"prompt": "hi there", "max_tokens": 900, "ignore_eos": True},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 900},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 900},
+    }
+    body = {"model": "sim", **asks[path]}
+    call = AsgiCall(app, body, headers=[(wire.HEADER_REQUEST_ID.encode(), b"left-3")])
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    async with app.router.lifespan_context(app):
+        task = asyncio.create_task(call.run(path))
+        while engine.stats().num_generation_tokens_total < 3:
+            assert not task.done(), call.sent
+            await asyncio.sleep(0.001)
+        call.hang_up.set()
+        await asyncio.wait_for(task, 10)
+    assert call.sent[0]["status"] == 499
+    [record] = access_records(caplog)
+    assert record.__dict__["prompt_tokens"] > 0
+    assert 3 <= record.__dict__["completion_tokens"] < 900

@@ -155,3 +155,37 @@ async def test_without_tools_the_markers_stay_out_of_the_text(mistral_sim: opena
     r = await mistral_sim.chat.completions.create(model="sim", max_tokens=300, **CHAT)
     content = r.choices[0].message.content or ""
     assert content.endswith('<|user|>\nSure. get_weather{"city": "Paris"}\n')
+
+
+@pytest.fixture
+async def sim(sim_model_dir: pathlib.Path) -> AsyncIterator[openai.AsyncOpenAI]:
+    async for http in _sim_client(sim_model_dir, None):
+        yield openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="x", http_client=http, max_retries=0)
+
+
+async def test_responses_take_the_special_token_fields_as_chat_does(sim: openai.AsyncOpenAI) -> None:
+    """The simulator's reply repeats its prompt, BOS included: shown only when asked, whole and
+    streamed; a value of the wrong type is a 400 naming the field."""
+    ask: Any = {"model": "sim", "input": "hi", "max_output_tokens": 6, "temperature": 0}
+    hidden = await sim.responses.create(**ask)
+    shown = await sim.responses.create(**ask, extra_body={"skip_special_tokens": False})
+    assert "<s>" not in hidden.output_text and shown.output_text == "<s>" + hidden.output_text
+    stream = await sim.responses.create(**ask, stream=True, extra_body={"skip_special_tokens": False})
+    deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == shown.output_text
+    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sim.responses.create(**ask, extra_body={name: "no"})
+        assert info.value.body["param"] == name  # type: ignore[index]
+
+
+async def test_echo_of_a_token_prompt_follows_skip_special_tokens(
+    sim: openai.AsyncOpenAI, sim_model_dir: pathlib.Path
+) -> None:
+    """The echoed prompt is decoded as the completion's text is: its BOS shown only when asked."""
+    ids = [BOS_TOKEN_ID, *load_tokenizer(sim_model_dir).encode("hi there", add_special_tokens=False)]
+    for skip, echoed in ((True, "hi there"), (False, "<s>hi there")):
+        c = await sim.completions.create(
+            model="sim", prompt=ids, max_tokens=1, echo=True, extra_body={"skip_special_tokens": skip}
+        )
+        assert c.choices[0].text.startswith(echoed) and c.choices[0].text[len(echoed) :] in ("", "<s>")

@@ -46,6 +46,8 @@ _SAMPLING = (
     "repetition_penalty",
     "seed",
     "stop",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
 )
 _INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
@@ -161,13 +163,21 @@ class TextConfig(_Strict):
     verbosity: str | None = None  # a hint for OpenAI's reasoning models; nothing to do here
 
 
+# The values OpenAI's API takes (openai's `shared.Reasoning` type): others are 400s naming the field.
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+Summary = Literal["auto", "concise", "detailed"]
+
+
 class Reasoning(_Strict):
     """OpenAI's reasoning options: `effort` reaches the chat template as `reasoning_effort`
-    (as the chat API's field does); summaries are not made, so `summary` asks for nothing."""
+    (as the chat API's field does); summaries are not made, so `summary` asks for nothing, nor do
+    `context` (reasoning items sent back are always used) and `mode`."""
 
-    effort: str | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+    effort: Effort | None = None
+    summary: Summary | None = None
+    generate_summary: Summary | None = None  # OpenAI's deprecated name for `summary`
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None
 
 
 def _check_parts(index: int, content: Any) -> None:
@@ -196,6 +206,10 @@ class ResponsesRequest(_Request):
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    # vLLM's, as on chat: special tokens left out of the reply's text (its tool parser's markers
+    # are still read).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no obfuscation is sent
     user: str | None = None

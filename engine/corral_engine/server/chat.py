@@ -28,6 +28,7 @@ from corral_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from corral_engine.server.reasoning import (
     NUM_PROMPT_TAIL_TOKENS,
     REASONING_FIELDS,
+    ReasoningCount,
     ReasoningPlan,
     num_reasoning_tokens,
     plan_reasoning,
@@ -194,6 +195,9 @@ class _ChatChunks:
         self.sent_finish: set[int] = set()
         self.pending: dict[int, int] = {}  # tokens not yet sent in a chunk (no text yet), per choice
         self.replies = [ReplyStream(plan, reasoning) for _ in range(req.n)]
+        # With continuous usage: each choice's tokens sent, and how many of them are reasoning.
+        self.num_sent = [0] * req.n
+        self.thoughts = [ReasoningCount(reasoning, ctx.shown_text) for _ in range(req.n)] if reasoning else []
         self.is_first = True
 
     def _chunk(
@@ -207,7 +211,13 @@ class _ChatChunks:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if self.running is None:
             return self.encoder.chunk([choice])
-        return self.encoder.chunk([choice], usage=self.running.add(num_tokens))
+        self.num_sent[index] += num_tokens
+        # As the final usage: the reasoning tokens of those sent so far (0 without a parser).
+        num_reasoning = sum(t.of_first(n) for t, n in zip(self.thoughts, self.num_sent, strict=False))
+        details = {"reasoning_tokens": num_reasoning}
+        return self.encoder.chunk(
+            [choice], usage={**self.running.add(num_tokens), "completion_tokens_details": details}
+        )
 
     def feed(self, prompt_index: int, out: RequestOutput) -> list[bytes]:
         req, pending, events = self.req, self.pending, []
@@ -219,6 +229,8 @@ class _ChatChunks:
             if o.index in self.sent_finish:
                 continue
             pending[o.index] = pending.get(o.index, 0) + len(o.delta_token_ids)
+            if self.running is not None and self.thoughts:
+                self.thoughts[o.index].feed(o.delta_text, o.delta_token_ids, o.finish_reason is not None)
             reply = self.replies[o.index]
             deltas = reply.feed(o.delta_text, o.finish_reason is not None)
             if not deltas and o.delta_logprobs:

@@ -29,6 +29,7 @@ from corral_engine.server.logprobs import (
     unscored,
 )
 from corral_engine.server.streaming import ChunkEncoder, EngineStreamingResponse
+from corral_engine.tokenizer import decode
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +66,20 @@ async def tokenize_prompts(
     return await ctx.off_loop(tokenize, sum(map(len, texts)))
 
 
+def _is_echo_decoded(req: CompletionRequest, prompt: str | list[int]) -> bool:
+    """Whether `echo` writes the prompt decoded from its tokens, rather than as given."""
+    return not isinstance(prompt, str) or req.truncate_prompt_tokens is not None
+
+
 def _echo_texts(ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
     """What `echo` puts before each prompt's completions: the prompt as given (text prompts, unless
-    truncated) or decoded, without special tokens as every text (a given prompt has no BOS)."""
+    truncated) or decoded with the request's special-token settings, as the completions' text is."""
     if not req.echo:
         return [""] * len(prompts)
-    given = req.prompts()
+    tokenizer, skip, spaced = ctx.engine.tokenizer, req.skip_special_tokens, req.spaces_between_special_tokens
     return [
-        p
-        if isinstance(p, str) and req.truncate_prompt_tokens is None
-        else str(ctx.engine.tokenizer.decode(ids, skip_special_tokens=True))
-        for p, ids in zip(given, prompts, strict=True)
+        decode(tokenizer, ids, skip, spaced) if _is_echo_decoded(req, p) else str(p)
+        for p, ids in zip(req.prompts(), prompts, strict=True)
     ]
 
 
@@ -154,7 +158,9 @@ def _final_choice(
         offsets = offsets_of(rooms, len(echo))
         if echo and prompt is not None:
             scored = [unscored(out.prompt_token_ids[0]), *(lp for lp in prompt[1:] if lp is not None)]
-            echoed = TextRooms(tokenizer, []).add((lp.token_id for lp in scored), True)
+            # A prompt echoed as given holds no special token its tokens have (BOS).
+            skip = req.skip_special_tokens or not _is_echo_decoded(req, req.prompts()[index // req.n])
+            echoed = TextRooms(tokenizer, [], skip).add((lp.token_id for lp in scored), True)
             items, offsets = [*scored, *items], offsets_of(echoed, 0) + offsets
     choice = _choice(req, index, o, echo + o.text, items, ctx.token_text, offsets)
     if req.prompt_logprobs is not None and prompt is not None:

@@ -24,6 +24,10 @@ from corral_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+# How long a non-streamed request whose client left waits for its aborted engine requests' final
+# outputs: the engine applies an abort before its next step, so a step's time is enough.
+ABORT_OUTPUT_WAIT_S = 5.0
+
 
 @dataclass(slots=True)
 class InFlight:
@@ -132,8 +136,9 @@ class GenerationRun:
     def _count_unfinished(self) -> None:
         """The access line's (and span's) tokens of the engine requests ending early (the client
         left, the drain's time ran out, an error): what each had computed by its latest output.
-        The abort's own final output comes after the streams are closed, so it is never read; a
-        non-streamed request has no output before its end, and counts none."""
+        A stream's abort comes as its streams are closed, so its final output is never read; a
+        non-streamed request has no output before its end, so it reads that one instead
+        (`collect_unless_disconnected`)."""
         for index, engine_id in enumerate(self._ids):
             last = self._last[index]
             if last is not None and engine_id in self._unfinished:
@@ -269,7 +274,10 @@ async def wait_for_disconnect(receive: object) -> None:
 
 
 async def collect_unless_disconnected(run: GenerationRun, receive: object) -> Collected | None:
-    """Collect a non-streaming result; None (and the run aborted) if the client hangs up first."""
+    """Collect a non-streaming result; None (and the run aborted) if the client hangs up first.
+    A non-streamed request has no output before its last: after the abort, the collector reads
+    the aborted requests' final outputs (for `ABORT_OUTPUT_WAIT_S` at most), so the access line
+    and span count the tokens they had made."""
     collector = asyncio.create_task(run.collect())
     watcher = asyncio.create_task(wait_for_disconnect(receive))
     try:
@@ -277,6 +285,10 @@ async def collect_unless_disconnected(run: GenerationRun, receive: object) -> Co
         if collector in done:
             return collector.result()
         logger.info("client disconnected from %s", run.request_id)
+        run.abort_unfinished()
+        # The engine's error (RequestAbortedError: it had not taken the request), or no output in time.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(collector), ABORT_OUTPUT_WAIT_S)
         return None
     finally:
         for task in (collector, watcher):

@@ -209,3 +209,44 @@ def num_reasoning_tokens(
         return len(token_ids)
     ends = list(itertools.accumulate(map(len, pieces)))  # characters through each token
     return bisect.bisect_left(ends, found + len(plan.format.end)) + 1
+
+
+class ReasoningCount:
+    """A streamed reply's reasoning tokens so far, read step by step: for the whole reply, what
+    `num_reasoning_tokens` says (the end tag is found in the tokens' own texts, here in each
+    step's and the end of those before, so a long reply costs no re-reading)."""
+
+    def __init__(self, plan: ReasoningPlan, token_text: Callable[[int], str]) -> None:
+        self._splitter = plan.splitter()
+        self._end_tag = plan.format.end
+        self._token_text = token_text
+        self._tail = ""  # the last characters of the tokens' texts: where an end tag may begin
+        self._num_tokens = 0
+        self._num_through_end: int | None = None  # tokens through the one completing the end tag
+        self._is_finished = False
+
+    def feed(self, text: str, token_ids: list[int], is_last: bool) -> None:
+        """One step's text and tokens; `is_last`: the reply has ended."""
+        self._splitter.feed(text)
+        if is_last:
+            self._splitter.finish()
+            self._is_finished = True
+        if self._num_through_end is None and token_ids:
+            pieces = list(map(self._token_text, token_ids))
+            joined = self._tail + "".join(pieces)
+            found = joined.find(self._end_tag)
+            if found != -1:
+                through = found + len(self._end_tag) - len(self._tail)  # characters into this step's
+                ends = list(itertools.accumulate(map(len, pieces)))
+                self._num_through_end = self._num_tokens + bisect.bisect_left(ends, through) + 1
+            self._tail = joined[max(0, len(joined) - len(self._end_tag) + 1) :]
+        self._num_tokens += len(token_ids)
+
+    def of_first(self, num_tokens: int) -> int:
+        """How many of the reply's first `num_tokens` tokens (those sent so far) are reasoning."""
+        splitter, end = self._splitter, self._num_through_end
+        if splitter.is_block_closed:
+            return num_tokens if end is None else min(num_tokens, end)
+        if not splitter.is_in_block:
+            return 0
+        return num_tokens if self._is_finished or end is None else min(num_tokens, end)

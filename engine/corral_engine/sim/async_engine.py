@@ -134,7 +134,7 @@ class AsyncSimEngine(StreamFront):
             if output is not None:
                 self._put_outputs([output])
             else:
-                self._streams.pop(request_id, None)
+                self._streams.drop(request_id)
         while self._adds:
             request = self._adds.popleft()
             self._num_taken += 1
