@@ -12,7 +12,7 @@ import httpx
 import pytest
 from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_responses import ResponsesRequest
-from corral_engine.server.context import OFF_LOOP_BODY_BYTES
+from corral_engine.server.context import OFF_LOOP_BODY_BYTES, OFF_LOOP_CHARS
 from pydantic import ValidationError
 
 from tests.server.fake_engine import FakeEngine
@@ -125,3 +125,16 @@ def test_validation_stops_at_the_first_bad_item(model: Any, body: dict[str, Any]
     errors = _errors(model, body)
     indexes = {part for e in errors for part in e["loc"] if isinstance(part, int)}
     assert indexes == {0}, errors[:3]
+
+
+def test_a_conversation_is_measured_on_the_loop_only_until_it_is_long() -> None:
+    """Whether it is rendered off the event loop is decided on it: a million parts are not all
+    counted there (that took 0.3 s), only enough to pass the bar."""
+    part = {"type": "text", "text": "hi"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [part] * 100_000}]}
+    req = ChatCompletionRequest.model_validate(body)
+    assert OFF_LOOP_CHARS <= req.num_chars(at_most=OFF_LOOP_CHARS) < OFF_LOOP_CHARS + len("hi") + 1
+    short = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert short.num_chars(at_most=OFF_LOOP_CHARS) == len(json.dumps([None, None])) + len("hi") + 1

@@ -16,6 +16,7 @@ from corral_engine.server import errors
 from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_tools import ToolPlan, plan_tools
 from corral_engine.server.context import (
+    OFF_LOOP_CHARS,
     RunningUsage,
     ServerContext,
     new_id,
@@ -52,22 +53,25 @@ def _template_errors() -> tuple[type[Exception], ...]:
 
 async def render_prompt(ctx: ServerContext, req: ChatCompletionRequest, check_fits: bool = True) -> list[int]:
     """Token ids of the conversation rendered by the chat template (--chat-template's, else the
-    model's), ready for a reply. A rendering that cannot fit the context is refused untokenized
-    (`check_fits`, unless it is to be truncated); a long conversation is rendered and tokenized
-    off the event loop."""
+    model's), ready for a reply. Messages that cannot fit the context are refused unrendered, a
+    rendering untokenized (`check_fits`, unless it is to be truncated); a long conversation is
+    rendered and tokenized off the event loop."""
     if ctx.chat_template is None and not has_chat_template(ctx.engine.tokenizer):
         raise errors.invalid_request(NO_TEMPLATE_MESSAGE, "messages")
     # --chat-template's goes to the renderer only where given: the tokenizer's own is the default.
     template = {} if ctx.chat_template is None else {"chat_template": ctx.chat_template}
+    is_checked = check_fits and req.truncate_prompt_tokens is None
 
     def render() -> list[int]:
+        if is_checked:  # before rendering: 300k short messages took seconds to render, then a 400
+            ctx.check_chars_fit(req.num_rendered_chars(), "user turns' text", "messages")
         try:
             text = ctx.engine.tokenizer.apply_chat_template(
                 req.template_messages(), tokenize=False, **template, **req.template_kwargs()
             )
         except _template_errors() as e:
             raise errors.invalid_request(f"The chat template rejected the messages: {e}", "messages") from e
-        if check_fits and req.truncate_prompt_tokens is None:
+        if is_checked:
             ctx.check_fits(str(text), "messages")
         # The template already holds any special tokens (BOS); don't add them twice unless asked.
         ids = req.truncate(
@@ -77,7 +81,7 @@ async def render_prompt(ctx: ServerContext, req: ChatCompletionRequest, check_fi
             raise errors.invalid_request("The messages render to an empty prompt.", "messages")
         return ids
 
-    return await ctx.off_loop(render, req.num_chars())
+    return await ctx.off_loop(render, req.num_chars(at_most=OFF_LOOP_CHARS))
 
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:

@@ -143,16 +143,21 @@ class ServerContext:
         return self._vocabulary[1] if self._vocabulary is not None else None
 
     def check_fits(self, text: str, param: str) -> None:
-        """Refuse, without tokenizing it, a text too long for the context whatever its tokens:
-        it has at least len(text) / (longest token x _NORMALIZED_SHRINK) of them. A 32 MiB body
-        would otherwise cost seconds of a core to be refused."""
+        """Refuse, without tokenizing it, a text too long for the context whatever its tokens.
+        A 32 MiB body would otherwise cost seconds of a core to be refused."""
+        self.check_chars_fit(len(text), "prompt", param)
+
+    def check_chars_fit(self, num_chars: int, what: str, param: str) -> None:
+        """Refuse `num_chars` characters of a prompt's text (`what` names them) too many for the
+        context whatever their tokens: they make at least num_chars / (longest token x
+        _NORMALIZED_SHRINK) tokens."""
         if self._vocabulary is None:
             return
-        at_least = len(text) // (max(self._vocabulary[0], 1) * _NORMALIZED_SHRINK)
+        at_least = num_chars // (max(self._vocabulary[0], 1) * _NORMALIZED_SHRINK)
         if at_least >= self.engine.max_model_len:
             raise errors.invalid_request(
                 f"This model's maximum context length is {self.engine.max_model_len} tokens; the "
-                f"prompt ({len(text)} characters) has at least {at_least}.",
+                f"{what} ({num_chars} characters) has at least {at_least}.",
                 param,
             )
 
