@@ -346,3 +346,13 @@ async def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(
         await client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, stream=True
         )
+
+
+async def test_an_unknown_reasoning_effort_is_refused_by_name(client: openai.AsyncOpenAI) -> None:
+    """As OpenAI's API and the Responses API here: one of openai's `ReasoningEffort` values (any
+    string reached the chat template before)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=1, extra_body={"reasoning_effort": "extreme"}
+        )
+    assert e.value.status_code == 400 and e.value.body["param"] == "reasoning_effort"  # type: ignore[index]

@@ -16,6 +16,10 @@ from corral_engine.server.api_tools import Tool, ToolCallItem, ToolChoice
 from corral_engine.server.request_fields import REFUSED_CHAT, check_fields
 
 
+# The values OpenAI's API takes (openai's `shared.ReasoningEffort`); others are 400s naming the field.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -141,7 +145,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool | None = None  # vLLM's: false leaves reasoning_content out (--reasoning-parser)
     add_special_tokens: bool = False  # the template writes BOS itself
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from corral_engine.errors import InvalidRequestError
-from corral_engine.server.api_chat import ChatCompletionRequest
+from corral_engine.server.api_chat import ChatCompletionRequest, ReasoningEffort
 from corral_engine.server.api_models import _Request, _Strict
 from corral_engine.server.request_fields import Refused, check_fields
 
@@ -164,7 +164,6 @@ class TextConfig(_Strict):
 
 
 # The values OpenAI's API takes (openai's `shared.Reasoning` type): others are 400s naming the field.
-Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Summary = Literal["auto", "concise", "detailed"]
 
 
@@ -173,7 +172,7 @@ class Reasoning(_Strict):
     (as the chat API's field does); summaries are not made, so `summary` asks for nothing, nor do
     `context` (reasoning items sent back are always used) and `mode`."""
 
-    effort: Effort | None = None
+    effort: ReasoningEffort | None = None
     summary: Summary | None = None
     generate_summary: Summary | None = None  # OpenAI's deprecated name for `summary`
     context: Literal["auto", "current_turn", "all_turns"] | None = None
