@@ -82,6 +82,9 @@ HEADER_KV_USAGE = "x-corral-kv-usage"  # 0-1 fraction
 # them, fit). Both refuse a larger one alike: 413, code `request_too_large`.
 MAX_REQUEST_BODY_BYTES = 32 << 20
 CODE_REQUEST_TOO_LARGE = "request_too_large"
+# The `code` of the engine's 429 when its own waiting queue is full (`--max-waiting`): a gateway
+# then waits for room there or elsewhere, unlike a 429 that limits the client.
+CODE_QUEUE_FULL = "rate_limit_exceeded"
 
 # The request id: the gateway sends its own (or the client's, when valid) to the engine, which adopts
 # a valid one for its response id and logs; both answer with it. Anything else is replaced, so a

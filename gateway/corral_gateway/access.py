@@ -44,9 +44,17 @@ class AccessLog:
         self.metrics = metrics
         self.is_enabled = is_enabled
 
-    def finished(self, origin: Origin, replica: str, status: str, usage: ReportedUsage | None) -> None:
-        """Record a request that has ended, however it ended (`replica` is "" when none served it):
-        its span ends, the key's tokens are counted, and its access line is written."""
+    def finished(
+        self,
+        origin: Origin,
+        replica: str,
+        status: str,
+        usage: ReportedUsage | None,
+        ended: str | None = None,
+    ) -> None:
+        """Record a request that has ended, however it ended (`replica` is "" when none served it;
+        `ended` says why a response that began ended early): its span ends, the key's tokens are
+        counted, and its access line is written."""
         prompt = usage.prompt_tokens if usage is not None else None
         completion = usage.completion_tokens if usage is not None else None
         if origin.span is not None:
@@ -63,17 +71,19 @@ class AccessLog:
             "model": origin.model,
             "replica": replica,
             "status": status,
+            "ended": ended,
             "key": origin.key_name,
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "latency_s": round(duration_s, 6),
         }
         logger.info(
-            "request %s: model %s, replica %s, status %s, %s prompt + %s completion tokens, %.3f s",
+            "request %s: model %s, replica %s, status %s%s, %s prompt + %s completion tokens, %.3f s",
             origin.request_id,
             origin.model,
             replica or "-",
             status,
+            "" if ended is None else f" (ended early: {ended})",
             "?" if prompt is None else prompt,
             "?" if completion is None else completion,
             duration_s,

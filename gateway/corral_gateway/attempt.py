@@ -1,11 +1,14 @@
 """One attempt at one leased replica: send the request and classify what came back before the first
-body byte (an event stream's first event): a response to pass through, a `Retry` elsewhere, or an
-error for the client."""
+body byte (an event stream's first event): a response to pass through, a `Retry` elsewhere (or, for
+a replica whose own queue is full, there again once it has room), or an error for the client."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
+
+from corral_engine import wire
 
 from corral_gateway.disconnect import ClientGone, race
 from corral_gateway.errors import ReplicasUnavailable, UpstreamTimeout
@@ -26,10 +29,13 @@ from corral_gateway.upstream import (
 @dataclass(frozen=True, slots=True)
 class Retry:
     """The replica gave no usable answer before the first byte: the request may go to another one.
-    Either the connection failed (`reason`) or the replica answered a retryable `status`."""
+    Either the connection failed (`reason`) or the replica answered a retryable `status`;
+    `is_full`: a 429 for its own queue being full, so not a fault of it: the request may go back
+    to it once it has room."""
 
     reason: RetryReason | None = None
     status: int | None = None
+    is_full: bool = False
 
     @property
     def label(self) -> str:
@@ -82,8 +88,15 @@ async def send_once(
         # towards ejection, so a race cannot eject a healthy replica.
         return Retry("transport_error")
     status = response.status_code
+    if status == 429 and await _is_queue_full(response, disconnect):
+        # Not a fault of the replica's: the next attempt waits, in the gateway's queue if need be,
+        # for room there or elsewhere. The last attempt's 429 is passed on.
+        fleet.record_refusal(replica, _retry_after_s(response.headers), response.headers)
+        if can_retry:
+            response.close(complete=True)
+            return Retry(status=status, is_full=True)
     can_go_elsewhere = can_retry and fleet.has_candidates(replica.model, [*exclude, replica.url])
-    is_retryable = status >= 500 or status == 429  # 429: that engine's own queue is full
+    is_retryable = status >= 500 or status == 429  # another 429 (a proxy's, say): tried elsewhere
     if is_retryable and can_go_elsewhere:
         response.close(complete=False)
         if status >= 500:
@@ -120,6 +133,40 @@ async def _first_event(
             return Retry("transport_error")
         raise ReplicasUnavailable(replica.model) from e  # nothing reached the client: a retry is safe
     return response
+
+
+# An engine's 429 is a short JSON error; a longer body is not one to read before passing it on.
+_MAX_ERROR_BYTES = 64 * 1024
+_MAX_REFUSAL_S = 10.0  # a replica's Retry-After is taken up to this long
+
+
+async def _is_queue_full(response: UpstreamResponse, disconnect: asyncio.Future[None]) -> bool:
+    """Whether a 429 says the replica's own waiting queue is full (the engine's `code`), rather than
+    a limit on the client that another try would meet too. Its body is read (and kept for the relay)."""
+    length = response.headers.get("content-length", "")
+    if not length.isdigit() or int(length) > _MAX_ERROR_BYTES:
+        return False
+    try:
+        body = await race(response.read(), disconnect, on_late=lambda _: None)
+    except ClientGone:
+        response.close(complete=False)
+        raise
+    except UpstreamError:
+        return False  # passed on: reading it again fails, and the relay answers 502
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == wire.CODE_QUEUE_FULL
+
+
+def _retry_after_s(headers: dict[str, str]) -> float:
+    value = headers.get("retry-after", "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        return 1.0  # the engine's default
+    return min(_MAX_REFUSAL_S, max(0.0, seconds))
 
 
 def _close_unread(response: UpstreamResponse) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 from corral_engine import wire
 from starlette.responses import Response
@@ -154,6 +155,32 @@ def sse_error_end(
     return b"data: " + json.dumps(payload).encode() + b"\n\n" + SSE_DONE
 
 
-def sse_draining_end() -> bytes:
-    """How a stream still open when the gateway's drain runs out ends."""
-    return sse_error_end(Draining().message, "draining", Draining.error_type)
+# (message, code, type) of the error that ends a stream still open when the gateway's drain runs out.
+DRAINING_END = (Draining().message, "draining", Draining.error_type)
+
+
+def sse_responses_error_end(
+    message: str,
+    code: str,
+    error_type: str,
+    last_sequence_number: int | None,
+    response: dict[str, Any] | None,
+) -> bytes:
+    """How a Responses stream that could not finish ends (it has no `[DONE]`): an `error` event,
+    then `response.failed` with the response its `response.created` carried, where it was kept.
+    The error event has the documented top-level fields and OpenAI's nested `error` object too,
+    which the openai library raises as an APIError."""
+    number = -1 if last_sequence_number is None else last_sequence_number
+    nested = {"message": message, "type": error_type, "param": None, "code": code}
+    error = {"type": "error", "code": code, "message": message, "param": None, "error": nested}
+    events = _typed_event("error", error, number + 1)
+    if response is not None:
+        # `code` is one of the Response object's own error codes; `message` tells what happened.
+        failed = {**response, "status": "failed", "error": {"code": "server_error", "message": message}}
+        events += _typed_event("response.failed", {"type": "response.failed", "response": failed}, number + 2)
+    return events
+
+
+def _typed_event(kind: str, payload: dict[str, Any], sequence_number: int) -> bytes:
+    data = json.dumps({**payload, "sequence_number": sequence_number})
+    return f"event: {kind}\ndata: {data}\n\n".encode()

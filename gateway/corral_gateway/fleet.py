@@ -184,6 +184,14 @@ class Fleet:
         if sample is not None:
             self._registry.observe(url, sample)
 
+    def record_refusal(self, replica: Replica, retry_after_s: float, headers: Mapping[str, str]) -> None:
+        """The replica answered that its own queue is full (`refusal.Refusal` says what may go
+        there from now on); its answer's load headers tell how many requests it held."""
+        now_s = self.clock()
+        sample = parse_load_headers(headers, now_s)
+        num_held = None if sample is None else sample.num_running + sample.num_waiting
+        replica.refusal.refused(now_s, now_s + retry_after_s, num_held)
+
     def record_success(self, url: str) -> None:
         self._registry.record_success(url)
 

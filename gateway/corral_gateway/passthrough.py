@@ -2,11 +2,12 @@
 or unsized bodies) or read whole first (small bodies), and the bookkeeping when it ends.
 
 An event stream whose replica dies or stalls before its end (`[DONE]`, or a Responses stream's
-terminal event) ends with an SSE error event and `[DONE]`; a whole body
+terminal event) ends with an SSE error event and `[DONE]` (a Responses stream: with an `error`
+event and `response.failed`, as it has no `[DONE]`); a whole body
 that breaks off is a 502; any other body that breaks off once started ends the client's connection
 without the body's end, so the client sees it cut (never a short 200); a client that hangs up
 mid-response closes the upstream request, so the engine aborts it, and so does the end of a
-gateway drain's time (a stream then ends with a `draining` error event and `[DONE]`).
+gateway drain's time (a stream then ends with a `draining` error, as above).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from starlette.types import Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, Origin
 from corral_gateway.drain import Drain
-from corral_gateway.errors import UpstreamFailed, error_response, sse_draining_end, sse_error_end
+from corral_gateway.errors import (
+    DRAINING_END,
+    UpstreamFailed,
+    error_response,
+    sse_error_end,
+    sse_responses_error_end,
+)
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.quota import TokenUsage, UsageTail
@@ -57,7 +64,10 @@ class Exchange:
         self.origin, self.quota, self.access, self.drain = origin, quota, access, drain
         self.tail = UsageTail()  # the body's end, for the usage it reports
         self.stream_end = StreamEnd()  # an event stream's: had it ended when it broke?
-        self.status_label = str(upstream.status_code)
+        self.status_label = str(upstream.status_code)  # of the request counter
+        # Why the response ended early, for the access line: "client_gone", "replica_failed" or
+        # "draining" (the client got the status sent, then an error event or a cut body).
+        self.ended: str | None = None
         self.is_complete = False
         self.is_cut = False  # a body other than an event stream broke off: its end is not sent
         self.is_client_gone = False
@@ -148,7 +158,7 @@ class Exchange:
                 return  # our own close of the upstream request, below
             if self.is_drained:  # the same close, at the end of the gateway's drain time
                 if is_sse:
-                    yield _end_event(self.tail.end(4)) + sse_draining_end()
+                    yield _end_event(self.tail.end(4)) + self._error_end(*DRAINING_END)
                 else:
                     self.is_cut = True
                 return
@@ -156,7 +166,7 @@ class Exchange:
                 return  # the stream had ended: only the end of its body was lost
             self._broken(e, "stream")
             if is_sse:
-                yield _end_event(self.tail.end(4)) + sse_error_end(*_why(e))
+                yield _end_event(self.tail.end(4)) + self._error_end(*_why(e))
             else:
                 self.is_cut = True
         finally:
@@ -164,21 +174,29 @@ class Exchange:
                 self.metrics.overhead.labels(self.origin.model, "stream").observe(later_s / num_later)
             self.finish()
 
+    def _error_end(self, message: str, code: str, error_type: str = "upstream_error") -> bytes:
+        """The events that end an event stream that could not finish, in its API's way."""
+        end = self.stream_end
+        if not end.is_responses:
+            return sse_error_end(message, code, error_type)
+        response = end.created_response()
+        return sse_responses_error_end(message, code, error_type, end.last_sequence_number, response)
+
     def _on_disconnect(self, disconnect: asyncio.Future[None]) -> None:
         """The client hung up mid-response, or the drain's time ran out: close the upstream
         request, so the engine aborts it (the pending read then fails, which ends the body)."""
         if disconnect.cancelled() or self.is_finished:
             return
         if self.drain.is_over:
-            self.is_drained = True
-            self.status_label = "503"
+            self.is_drained, self.ended = True, "draining"
+            self.status_label = "503"  # counted as the drain's 503s: the request was not served
         else:
-            self.is_client_gone = True
+            self.is_client_gone, self.ended = True, "client_gone"
             self.status_label = "499"
         self.finish()
 
     def _broken(self, e: UpstreamError, what: str) -> None:
-        self.status_label = "broken"
+        self.status_label, self.ended = "broken", "replica_failed"
         self.fleet.record_failure(self.replica.url, f"{what}: {e}")
         self.metrics.streams_broken.labels(self.origin.model).inc()
         logger.warning("request %s: replica %s failed mid-response (%s)", self.origin.request_id,
@@ -200,7 +218,9 @@ class Exchange:
                 self.quota.refund()  # an error answer serves no tokens
             else:
                 self.quota.settle(reported)
-        self.access.finished(self.origin, self.replica.url, self.status_label, reported)
+        # The access line has the status the client got: a drained stream's was sent already.
+        status = str(self.upstream.status_code) if self.is_drained else self.status_label
+        self.access.finished(self.origin, self.replica.url, status, reported, self.ended)
 
 
 def _why(e: UpstreamError) -> tuple[str, str]:

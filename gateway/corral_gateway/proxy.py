@@ -173,10 +173,13 @@ async def _forward(
     """Lease a replica and send; on a `Retry`, give it back and try another until attempts run out.
 
     The overhead histogram's `request` part leaves out the waits for a replica and whole failed
-    attempts (`excluded_s`): those are the fleet's time, not the gateway's."""
+    attempts (`excluded_s`): those are the fleet's time, not the gateway's. A replica whose own
+    queue was full is not excluded from later attempts; all attempts' waits in the gateway's queue
+    share one deadline."""
     fleet, metrics, model = deps.fleet, deps.metrics, ticket.origin.model
     tried: list[str] = []
     wake_timeout_s = fleet.wake_timeout_s(model)
+    queue_deadline_s = time.monotonic() + (wake_timeout_s or deps.settings.queue_timeout_s)
     excluded_s = 0.0
     for attempt in range(deps.settings.max_attempts):
         leasing_s = time.perf_counter()
@@ -186,7 +189,7 @@ async def _forward(
             ticket.priority,
             ticket.fairness_key,
             tried,
-            wake_timeout_s,
+            max(0.0, queue_deadline_s - time.monotonic()),
             ticket.block_hashes,
         )
         async with fleet.lease(ask, disconnect) as replica:
@@ -205,10 +208,12 @@ async def _forward(
             outcome = await _attempt(deps, replica, outgoing, disconnect, tried, can_retry, upstream_span)
             if isinstance(outcome, Retry):
                 excluded_s += time.perf_counter() - leasing_s
-                tried.append(replica.url)
+                if not outcome.is_full:
+                    tried.append(replica.url)
                 metrics.retries.labels(model, outcome.label).inc()
-                logger.warning("request %s: replica %s failed (%s); attempt %d", ticket.origin.request_id,
-                               replica.url, outcome.label, attempt + 1,
+                logger.warning("request %s: replica %s %s (%s); attempt %d", ticket.origin.request_id,
+                               replica.url, "had no room" if outcome.is_full else "failed", outcome.label,
+                               attempt + 1,
                                extra={"request_id": ticket.origin.request_id})  # fmt: skip
                 continue
             if outcome.sent_s is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral_gateway.load import LoadSample
+from corral_gateway.refusal import Refusal
 from corral_gateway.step_phase import StepPhase
 
 
@@ -34,6 +35,7 @@ class Replica:
     num_dispatched_since_sample: int = 0  # sent after the last sample was taken, so not in it
     num_finished_since_sample: int = 0  # finished after the last sample, so still counted in it
     num_first_bytes: int = 0  # responses whose first bytes came back: their prompts are computed
+    refusal: Refusal = field(default_factory=Refusal)  # since it last said its own queue is full
     step_phase: StepPhase = field(default_factory=StepPhase)  # fed with its streams' chunk times
     num_consecutive_failures: int = 0
     # The failure threshold was reached (ejected or not); cleared by a success or a re-admission.
@@ -64,10 +66,12 @@ class Replica:
             self.sample = sample
             self.num_dispatched_since_sample = 0
             self.num_finished_since_sample = 0
+            self.refusal.on_sample(sample)
 
     def on_dispatch(self) -> None:
         self.num_inflight += 1
         self.num_dispatched_since_sample += 1
+        self.refusal.on_dispatch()
 
     def on_first_byte(self) -> None:
         self.num_first_bytes += 1
@@ -75,27 +79,30 @@ class Replica:
     def on_done(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)
         self.num_finished_since_sample += 1
+        self.refusal.on_done()
 
     def load(self, now_s: float, max_age_s: float) -> ReplicaLoad:
         """The last fresh sample, moved forward by what this gateway sent and saw finish since."""
         sample = self.sample
         is_fresh = sample is not None and now_s - sample.at_s <= max_age_s
+        is_refusing = self.refusal.is_refusing(now_s, self.num_inflight)
         inputs = (  # the sample itself, not its id: a freed sample's id may come back
             sample,
             is_fresh,
+            is_refusing,
             self.num_inflight,
             self.num_dispatched_since_sample,
             self.num_finished_since_sample,
         )
         if self._load is None or inputs != self._load_inputs:
-            self._load, self._load_inputs = self._compute_load(is_fresh), inputs
+            self._load, self._load_inputs = self._compute_load(is_fresh, is_refusing), inputs
         return self._load
 
-    def _compute_load(self, is_fresh: bool) -> ReplicaLoad:
+    def _compute_load(self, is_fresh: bool, is_refusing: bool) -> ReplicaLoad:
         sample = self.sample
         if sample is None or not is_fresh:
             inflight = float(self.num_inflight)
-            return ReplicaLoad(False, inflight, 0.0, 0.0, self.num_inflight, 0.0, 0.0)
+            return ReplicaLoad(False, inflight, 0.0, 0.0, self.num_inflight, 0.0, 0.0, is_refusing)
         kv_per_request = sample.kv_usage_ratio / sample.num_running if sample.num_running >= 1 else 0.0
         # What the engine reported, less what finished since (finished requests free slots and KV).
         num_finished = self.num_finished_since_sample
@@ -112,7 +119,9 @@ class Replica:
         else:
             running += num_sent
         kv = min(1.0, max(0.0, kv_reported + num_sent * kv_per_request))
-        return ReplicaLoad(True, running, waiting, kv, self.num_inflight, waiting_reported, kv_reported)
+        return ReplicaLoad(
+            True, running, waiting, kv, self.num_inflight, waiting_reported, kv_reported, is_refusing
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +136,18 @@ class ReplicaLoad:
     # herding is bounded by the poll interval and refreshed by every response's load headers.
     num_waiting_reported: float
     kv_usage_ratio_reported: float
+    # It refused a request for its own queue being full (429) and has not made room since: an
+    # engine's `--max-waiting` may be below any threshold of `Saturation`.
+    is_refusing: bool = False
 
     def is_saturated(self, saturation: Saturation) -> bool:
         # Stale data says nothing about saturation; the gateway falls back to its in-flight counts.
-        return self.is_fresh and (
-            self.num_waiting_reported > saturation.max_waiting
-            or self.kv_usage_ratio_reported > saturation.max_kv_usage_ratio
+        return self.is_refusing or (
+            self.is_fresh
+            and (
+                self.num_waiting_reported > saturation.max_waiting
+                or self.kv_usage_ratio_reported > saturation.max_kv_usage_ratio
+            )
         )
 
     def is_full(self, saturation: Saturation) -> bool:

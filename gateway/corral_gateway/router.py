@@ -68,4 +68,6 @@ class Router:
                 return NoReplica(is_saturated=True)
         elif all(c.load.is_saturated(self.saturation) for c in candidates):
             return NoReplica(is_saturated=True)
+        else:  # one that refuses would answer 429 again; some other is not saturated, so not refusing
+            candidates = [c for c in candidates if not c.load.is_refusing]
         return self.policy.pick(candidates, prefix_hash, block_hashes).replica

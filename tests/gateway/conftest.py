@@ -33,6 +33,10 @@ class FakeEngine:
     chunk_delay_s: float = 0.0
     answer_delay_s: float = 0.0  # before answering a completion request at all
     first_event_delay_s: float = 0.0  # a stream's head is sent at once, its first event after this
+    num_queue_full: int = 0  # the next this many completion requests get the engine's queue-full 429
+    num_refused: int = 0
+    refusal_retry_after: str = "1"  # the queue-full 429's Retry-After
+    end_gate: asyncio.Event | None = None  # when given, a stream waits for it before its `[DONE]`
     bodies: list[bytes] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     num_active: int = 0  # requests being served right now
@@ -110,6 +114,17 @@ class FakeEngine:
         await asyncio.sleep(self.answer_delay_s)
         if self.mode == "error500":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if self.num_queue_full > 0:
+            self.num_queue_full -= 1
+            self.num_refused += 1
+            error = {
+                "message": "queue full",
+                "type": "rate_limit_error",
+                "param": None,
+                "code": wire.CODE_QUEUE_FULL,
+            }
+            retry_after = {"retry-after": self.refusal_retry_after}
+            return JSONResponse({"error": error}, status_code=429, headers=retry_after)
         if self.mode == "reject429":
             return JSONResponse({"error": {"message": "full"}}, status_code=429, headers={"retry-after": "1"})
         try:
@@ -155,6 +170,8 @@ class FakeEngine:
                 await asyncio.sleep(self.chunk_delay_s)
                 if self.mode == "hang":
                     await asyncio.sleep(3600)
+            if self.end_gate is not None:
+                await self.end_gate.wait()
             yield b"data: [DONE]\n\n"
             if self.mode == "die_after_done":  # the body's own end is lost
                 raise RuntimeError("replica died")

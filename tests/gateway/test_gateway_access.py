@@ -65,6 +65,18 @@ async def test_a_replica_failure_is_logged_with_the_request_id_as_a_field(
         assert record.__dict__["request_id"] in record.getMessage()
 
 
+async def test_the_access_line_says_why_a_response_that_began_ended_early(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, ACCESS_LOGGER)
+    stream = {"model": "m", "prompt": "x", "stream": True}
+    async with fleet([FakeEngine(mode="die_midstream")]) as (client, _):
+        await client.post("/v1/completions", json=stream)
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    ended = [(line["status"], line["ended"]) for line in access_lines(caplog)]
+    assert ended == [("broken", "replica_failed"), ("200", None)]
+
+
 async def test_invalid_incoming_id_is_replaced_before_it_reaches_engine_or_logs() -> None:
     engine = FakeEngine()
     async with fleet([engine]) as (client, _):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from corral_gateway.app import GatewayApp, create_app
 from corral_gateway.drain import Drain, DrainingServer
@@ -188,3 +190,22 @@ def test_the_drain_ends_open_requests_only_once_its_time_is_up() -> None:
     finally:
         loop.close()
     assert Drain(10.0).num_open == 0
+
+
+async def test_the_access_line_of_a_stream_ended_by_the_drain_has_the_status_the_client_got(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "corral_gateway.access")
+    async with gateway([FakeEngine(mode="hang")], drain_timeout_s=0.3) as gw:
+        whole = asyncio.create_task(gw.client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+        async with gw.client.stream("POST", "/v1/completions", json=STREAM) as r:
+            chunks = r.aiter_raw()
+            await anext(chunks)
+            gw.sigterm()
+            assert b'"code": "draining"' in b"".join([chunk async for chunk in chunks])
+        assert (await whole).status_code == 503
+        await eventually(lambda: _done(gw.task))
+    records = [r.__dict__ for r in caplog.records if r.name == "corral_gateway.access"]
+    lines = sorted(((r["status"], r["ended"]) for r in records), key=str)
+    assert lines == [("200", "draining"), ("503", None)]  # the stream's client got 200, then the error
+    assert "status 200 (ended early: draining)" in caplog.text

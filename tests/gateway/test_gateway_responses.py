@@ -1,13 +1,18 @@
 """OpenAI's Responses API through the gateway: a stream that ends at its terminal event (no
-`[DONE]`) and then loses its connection gets no error event after it, and a stored response's
-routes (GET, DELETE, input_items, cancel) are OpenAI-style 404s saying nothing is stored."""
+`[DONE]`) and then loses its connection gets no error event after it, one that breaks before it
+ends the Responses way (an `error` event and `response.failed`, no `[DONE]`), and a stored
+response's routes (GET, DELETE, input_items, cancel) are OpenAI-style 404s saying nothing is
+stored."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+import openai
 import pytest
 from corral_gateway.stream_end import StreamEnd
 from starlette.applications import Starlette
@@ -16,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.gateway.conftest import FakeEngine
+from tests.gateway.test_gateway_drain import gateway
 from tests.gateway.test_gateway_proxy import fleet
 
 # Longer than the gateway's usage tail (4 KiB): the terminal event carries the whole response.
@@ -26,12 +32,22 @@ def _event(kind: str, **fields: object) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
 
 
+def _events(body: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """(name, data) of each event of a Responses stream's body."""
+    events = []
+    for block in body.decode().strip().split("\n\n"):
+        name, data = block.split("\n", 1)
+        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events
+
+
 @dataclass
 class ResponsesEngine(FakeEngine):
     """A replica whose Responses stream ends with `terminal` and then its connection breaks; with
     `terminal` None it breaks after the text, before any terminal event."""
 
     terminal: str | None = "response.completed"
+    hang_s: float = 0.0  # before breaking (with no terminal event): a stream still open, for a drain
 
     def app(self) -> Starlette:
         app = super().app()
@@ -43,13 +59,20 @@ class ResponsesEngine(FakeEngine):
         return StreamingResponse(self._events(), media_type="text/event-stream")
 
     async def _events(self) -> AsyncIterator[bytes]:
-        yield _event("response.created", response={"id": "resp_1"})
+        created = {"id": "resp_1", "object": "response", "status": "in_progress", "output": []}
+        yield _event("response.created", response=created, sequence_number=0)
         # A model may write anything, an event line's look included: it is data, not an event.
-        yield _event("response.output_text.delta", delta="\nevent: response.completed\n\n")
+        yield _event(
+            "response.output_text.delta",
+            delta='\nevent: response.completed\n\n"sequence_number": 99 ',
+            sequence_number=1,
+        )
         if self.terminal is not None:
-            last = _event(self.terminal, response={"id": "resp_1", "output_text": _TEXT})
+            done = {"id": "resp_1", "output_text": _TEXT}
+            last = _event(self.terminal, response=done, sequence_number=2)
             yield last[:14]  # the event line split across chunks
             yield last[14:]
+        await asyncio.sleep(self.hang_s)
         raise RuntimeError("replica died")  # the body's own end is lost
 
 
@@ -62,19 +85,64 @@ async def test_a_stream_that_had_sent_its_terminal_event_gets_no_error_event(ter
     async with fleet([ResponsesEngine(terminal=terminal)]) as (client, _):
         async with client.stream("POST", "/v1/responses", json=_stream_body()) as r:
             body = b"".join([chunk async for chunk in r.aiter_raw()])
-        assert body.endswith(b'"}}\n\n') and f"event: {terminal}\n".encode() in body
+        assert body.endswith(b'"sequence_number": 2}\n\n') and f"event: {terminal}\n".encode() in body
         assert b'"error"' not in body and b"[DONE]" not in body
         metrics = (await client.get("/metrics")).text
         assert 'corral_gateway_streams_broken_total{model="m"} 0.0' in metrics
 
 
-async def test_a_stream_broken_before_its_terminal_event_ends_with_an_error_event() -> None:
+def _assert_failed_the_responses_way(body: bytes, code: str, error_type: str) -> None:
+    """The stream's last events are `error` and `response.failed`, numbered on from the replica's,
+    with no chat `[DONE]`."""
+    assert b"[DONE]" not in body
+    events = _events(body)
+    assert [name for name, _ in events] == [
+        "response.created",
+        "response.output_text.delta",
+        "error",
+        "response.failed",
+    ]
+    (_, error), (_, failed) = events[-2:]
+    assert error["type"] == "error" and error["code"] == code and error["param"] is None
+    assert error["error"] == {"message": error["message"], "type": error_type, "param": None, "code": code}
+    assert failed["type"] == "response.failed"
+    assert [error["sequence_number"], failed["sequence_number"]] == [2, 3]
+    response = failed["response"]
+    assert response["id"] == "resp_1" and response["status"] == "failed" and response["output"] == []
+    assert response["error"] == {"code": "server_error", "message": error["message"]}
+
+
+async def test_a_stream_broken_before_its_terminal_event_ends_the_responses_way() -> None:
     async with fleet([ResponsesEngine(terminal=None)]) as (client, _):
         async with client.stream("POST", "/v1/responses", json=_stream_body()) as r:
             body = b"".join([chunk async for chunk in r.aiter_raw()])
-        assert b'"code": "upstream_disconnected"' in body and body.endswith(b"data: [DONE]\n\n")
+        _assert_failed_the_responses_way(body, "upstream_disconnected", "upstream_error")
         metrics = (await client.get("/metrics")).text
         assert 'corral_gateway_streams_broken_total{model="m"} 1.0' in metrics
+
+
+async def test_the_openai_library_raises_a_broken_responses_stream_as_an_api_error() -> None:
+    async with fleet([ResponsesEngine(terminal=None)]) as (client, _):
+        sdk = openai.AsyncOpenAI(base_url=f"{client.base_url}/v1", api_key="unused", max_retries=0)
+        seen = []
+        stream = await sdk.responses.create(model="m", input="hi", stream=True)
+        with pytest.raises(openai.APIError) as raised:
+            async for event in stream:
+                seen.append(event.type)
+        await sdk.close()
+    assert seen == ["response.created", "response.output_text.delta"]
+    assert raised.value.message == "The model replica failed while streaming the response."
+    assert isinstance(raised.value.body, dict) and raised.value.body["code"] == "upstream_disconnected"
+
+
+async def test_a_responses_stream_open_at_the_drains_end_ends_the_responses_way() -> None:
+    async with gateway([ResponsesEngine(terminal=None, hang_s=3600)], drain_timeout_s=0.3) as gw:
+        async with gw.client.stream("POST", "/v1/responses", json=_stream_body()) as r:
+            chunks = r.aiter_raw()
+            first = await anext(chunks)
+            gw.sigterm()
+            body = first + b"".join([chunk async for chunk in chunks])
+        _assert_failed_the_responses_way(body, "draining", "service_unavailable")
 
 
 def test_stream_end_reads_event_lines_not_data() -> None:
@@ -91,6 +159,19 @@ def test_stream_end_reads_event_lines_not_data() -> None:
     assert not end.has_ended()
     end.feed(b"data: [DONE]\n\n")
     assert end.has_ended()
+
+
+def test_stream_end_keeps_a_responses_streams_created_response_and_last_number() -> None:
+    end = StreamEnd()
+    created = _event("response.created", response={"id": "r"}, sequence_number=0)
+    for piece in (created[:9], created[9:] + b'event: response.output_text.delta\ndata: {"sequence_num'):
+        end.feed(piece)
+    assert end.is_responses and end.created_response() == {"id": "r"} and end.last_sequence_number == 0
+    end.feed(b'ber": 17, "delta": "\\"sequence_number\\": 99"}\n\n')  # split key; a model's text
+    assert end.last_sequence_number == 17
+    chat = StreamEnd()
+    chat.feed(b'data: {"id": "x"}\n\n')
+    assert not chat.is_responses and chat.created_response() is None
 
 
 async def test_stored_response_routes_are_404s_saying_nothing_is_stored() -> None:

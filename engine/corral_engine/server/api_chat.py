@@ -15,7 +15,6 @@ from corral_engine.server.api_models import _SamplingFields, _Strict
 from corral_engine.server.api_tools import Tool, ToolCallItem, ToolChoice
 from corral_engine.server.request_fields import REFUSED_CHAT, check_fields
 
-
 # The values OpenAI's API takes (openai's `shared.ReasoningEffort`); others are 400s naming the field.
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
