@@ -20,6 +20,7 @@ from e2e.operator.harness import (
     condition,
     events_of,
     get_llmd,
+    is_available,
     llmdeployment,
     running_pods,
 )
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.e2e]
 CURRENT_CRD = ROOT / "crds" / "corral.dev_llmdeployments.yaml"
 NEW_STATUS_FIELDS = ("rolledOutRevision", "rolledOutGeneration")  # what the older CRD lacks
 FIX = "kubectl apply --server-side -f charts/corral/crds/"
+FUTURE_FIELD = "futureField"  # what a newer CRD adds, with a default
 
 
 def older_crd() -> dict[str, Any]:
@@ -130,3 +132,65 @@ def test_a_stale_crd_is_reported_and_an_upgrade_keeps_what_runs(
 
     cluster.wait_until("RolledOut", lambda: rolled_out() or None)
     assert rolled_out() == ["Deployment revision 2: 1/1 replicas run the new pods and are ready"]
+
+
+def newer_crd() -> dict[str, Any]:
+    """This release's CRD plus a spec field the operator does not know, defaulted by the schema."""
+    crd = copy.deepcopy(build_crd())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec["properties"][FUTURE_FIELD] = {"type": "string", "default": "on"}
+    return crd
+
+
+@pytest.fixture
+def restore_crd(operator_installed: Cluster) -> Iterator[Cluster]:
+    cluster = operator_installed
+    try:
+        yield cluster
+    finally:  # later tests run on this release's CRD
+        cluster.apply(CURRENT_CRD)
+        cluster.wait_until("current CRD served", lambda: not serves_spec_field(cluster, FUTURE_FIELD))
+
+
+def serves_spec_field(cluster: Cluster, name: str) -> bool:
+    raw = cluster.kubectl("get", "--raw", "/openapi/v3/apis/corral.dev/v1alpha1").stdout
+    schema = json.loads(raw)["components"]["schemas"]["dev.corral.v1alpha1.LLMDeployment"]
+    return name in schema["properties"]["spec"]["properties"]
+
+
+def test_describe_shows_no_bookkeeping_and_a_newer_crd_is_no_users_change(
+    restore_crd: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = restore_crd, k8s_namespace
+    first = start_operator()
+    cluster.apply(yaml.safe_dump(llmdeployment("desc", ns, replicas=1)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "desc")))
+    described = cluster.kubectl("describe", "llmd", "desc", "-n", ns).stdout
+    annotations = (get_llmd(cluster, ns, "desc") or {})["metadata"].get("annotations") or {}
+    assert not [k for k in annotations if "kopf" in k or k.startswith("operator.corral.dev/")], annotations
+    assert "last-handled-configuration" not in described and '{"' not in described, described
+
+    # A newer CRD (applied before the operator is upgraded, or with the operator rolled back): the
+    # API server serves the object with the field defaulted, at the same generation.
+    first.stop()
+    cluster.apply(yaml.safe_dump(newer_crd()))
+    cluster.wait_until("newer CRD served", lambda: serves_spec_field(cluster, FUTURE_FIELD))
+    cluster.wait_until(
+        "defaulted field served",
+        lambda: (get_llmd(cluster, ns, "desc") or {})["spec"].get(FUTURE_FIELD) == "on",
+    )
+    second = start_operator()
+    # Then a user's change: kopf handles an object's events in order, so its Event comes after any
+    # the defaulted field caused.
+    edited = llmdeployment("desc", ns, replicas=1)
+    edited["spec"]["rollout"] = {"maxSurge": 2}
+    cluster.apply(yaml.safe_dump(edited))
+
+    def updated() -> list[str]:
+        return [e["message"] for e in events_of(cluster, ns, "desc") if e["reason"] == "Updated"]
+
+    cluster.wait_until("the user's change noted", lambda: updated() or None)
+    assert updated() == ["generation 2: rollout strategy changed"]
+    # The API server answers 429 to watches while it re-initialises after a CRD update: kopf retries.
+    throttled = [line for line in (first.log() + second.log()).splitlines() if "TooManyRequests" in line]
+    assert not [line for line in throttled if " ERROR " in line], "\n".join(throttled)

@@ -42,10 +42,14 @@ def _unique(names: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def update_event(generation: object, diff: Iterable[Sequence[Any]]) -> Event | None:
-    """The Event for an update whose kopf diff is `diff` ((op, field path, old, new) items): a
-    rollout when a pod template field changed, else a note of what changed; None for a scale or a
-    change outside spec (labels, annotations such as the gateway's wake stamp)."""
+def update_event(
+    generation: object, diff: Iterable[Sequence[Any]], *, handled_generation: object = None
+) -> Event | None:
+    """The Event for an update whose kopf diff is `diff` ((op, path, old, new) items): a rollout when a
+    pod template field changed, else what changed; None for a scale, a change outside spec (the wake
+    stamp), or a diff at `handled_generation` (no user change: a newer CRD's default filled in)."""
+    if isinstance(generation, int) and generation == handled_generation:
+        return None
     rolled: list[str] = []
     other: list[str] = []
     for item in diff:

@@ -23,11 +23,13 @@ from corral_operator.context import Context
 from corral_operator.errors import error_reason, to_kopf
 from corral_operator.kube import KubeError
 from corral_operator.login import login
+from corral_operator.persistence import MemoryDiffBaseStorage, MemoryProgressStorage
 from corral_operator.reconcile import reconcile
 from corral_operator.scaling import autoscale, seed_state
 from corral_operator.settings import OperatorSettings
 from corral_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError
 from corral_operator.status import Event
+from corral_operator.watch_logs import install as install_watch_logs
 
 log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -53,9 +55,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 
 
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    # Handler progress and the last-handled spec live in annotations, so status stays ours.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
+    # Handler progress and the last-handled spec live in the operator's memory: status stays ours and
+    # `kubectl describe` shows no bookkeeping (reconcile is level-triggered, a restart loses nothing).
+    settings.persistence.progress_storage = MemoryProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = MemoryDiffBaseStorage(prefix=ANNOTATION_PREFIX)
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf's are noise
     # Events say who wrote them (`kubectl describe`'s From column): this operator, this pod.
     settings.posting.reporting_component = EVENT_SOURCE
@@ -66,6 +69,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 30
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    install_watch_logs()
 
 
 def check_crds(memo: kopf.Memo, **_: Any) -> None:
@@ -86,10 +90,13 @@ def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -
     _tick(body, memo, logger, scrape=False, is_timer=False)
 
 
-def on_update(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, diff: kopf.Diff, **_: Any) -> None:
+def on_update(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, diff: kopf.Diff, old: Any = None, **_: Any
+) -> None:
     """A spec change also says, in an Event, that it rolls out and what changed (kopf calls this once
     per change it sees, not on every tick)."""
-    change = update_event(body["metadata"].get("generation"), diff)
+    handled = ((old or {}).get("metadata") or {}).get("generation")  # persistence.py puts it there
+    change = update_event(body["metadata"].get("generation"), diff, handled_generation=handled)
     _tick(body, memo, logger, scrape=False, is_timer=False, change=change)
 
 
