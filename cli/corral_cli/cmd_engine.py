@@ -213,6 +213,11 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:  # said now, not after minutes of loading the model
         log.error("%s", problem)
         return 1
+    try:  # before the simulated branch too: a simulated fleet's spans read as an engine's
+        tracing.configure("corral-engine", args.otlp_traces_endpoint)
+    except tracing.TracingUnavailable as e:
+        log.error("%s", e)
+        return 2
     if args.simulate is not None:
         from corral_cli.simulate import run_simulated
 
@@ -235,11 +240,6 @@ def run(args: argparse.Namespace) -> int:
     except FetchError as e:
         log.error("cannot fetch the model: %s", e.one_line())
         return e.exit_code
-    try:
-        tracing.configure("corral-engine", args.otlp_traces_endpoint)
-    except tracing.TracingUnavailable as e:
-        log.error("%s", e)
-        return 2
     in_own_process = _engine_in_own_process(settings, engine_args.device)
     # The core's process inherits the environment these set; this one then never imports torch.
     _set_torch_threads(engine_args.num_threads, engine_args.tensor_parallel_size, not in_own_process)

@@ -91,11 +91,12 @@ class SpanSink:
                             )
                         )
 
-    def wait_for(self, names: set[str], timeout_s: float = 30.0) -> list[Span]:
+    def wait_for(self, names: set[str], timeout_s: float = 30.0, trace_id: str | None = None) -> list[Span]:
+        """The spans received once every name is among them (among one trace's, given `trace_id`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if names <= {s.name for s in self.spans}:
+                if names <= {s.name for s in self.spans if trace_id in (None, s.trace_id)}:
                     return list(self.spans)
             time.sleep(0.1)
         with self._lock:

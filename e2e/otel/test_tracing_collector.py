@@ -109,3 +109,31 @@ def test_one_trace_with_linked_spans_and_one_request_id(
     assert queue.attributes["corral.replica"] == engine.url
     assert engine_span.attributes["gen_ai.usage.output_tokens"] == 6
     assert engine_span.attributes["gen_ai.request.model"] == MODEL
+
+
+def test_a_simulated_replica_sends_the_engines_spans(
+    collector: tuple[str, SpanSink], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`corral engine --simulate` traces as the engine does: its server span and phases reach the
+    collector (a simulated fleet's traces were silently off)."""
+    endpoint, sink = collector
+    with start_engine(
+        tiny_model_dir,
+        simulate="h100-llama3-8b",
+        served_model_name=MODEL,
+        log_dir=tmp_path,
+        env=FAST_EXPORT,
+        otlp_traces_endpoint=endpoint,
+    ) as engine:
+        trace_id = secrets.token_hex(16)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+        r = httpx.post(engine.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        names = {f"chat {MODEL}", "prefill", "decode"}
+        spans = [s for s in sink.wait_for(names, trace_id=trace_id) if s.trace_id == trace_id]
+    engine_span = _one(spans, "corral-engine", f"chat {MODEL}")
+    assert engine_span.attributes["server.port"] == int(engine.url.rsplit(":", 1)[1])
+    assert engine_span.attributes["gen_ai.usage.output_tokens"] == 4
+    for phase in ("prefill", "decode"):
+        assert _one(spans, "corral-engine", phase).parent_span_id == engine_span.span_id, phase
