@@ -120,7 +120,11 @@ class LLMEngine:
         self._deferred: dict[str, dict[int, int]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._stats = EngineStats(block_size=args.block_size, num_kv_blocks=self.runner.num_kv_blocks)
+        self._stats = EngineStats(
+            block_size=args.block_size,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            num_spec_accepted_per_pos=[0] * (args.num_speculative_tokens if args.speculative else 0),
+        )
         self.last_step_num_tokens = 0
         # The token latencies the last step's tokens added (for the server's histograms).
         self.last_step_latencies = StepLatencies()
@@ -400,6 +404,11 @@ class LLMEngine:
         seq.num_computed_tokens += accepted  # the accepted drafts' KV is valid; the rest is dropped
         self._stats.num_spec_proposed_total += len(drafts)
         self._stats.num_spec_accepted_total += accepted
+        if drafts:
+            self._stats.num_spec_drafts_total += 1
+            per_pos = self._stats.num_spec_accepted_per_pos
+            for position in range(accepted):
+                per_pos[position] += 1
         return [*drafts[:accepted], greedy[accepted]]
 
     def _append_tokens(

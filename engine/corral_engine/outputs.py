@@ -141,6 +141,10 @@ class EngineStats:
     num_steps_total: int = 0
     num_spec_proposed_total: int = 0  # speculative draft tokens verified
     num_spec_accepted_total: int = 0  # ... and accepted
+    num_spec_drafts_total: int = 0  # sequences' drafts verified (one a sequence a step)
+    # Per draft position: the drafts whose token there was accepted (so were all before it). One
+    # entry per speculative token with --speculative, none without.
+    num_spec_accepted_per_pos: list[int] = field(default_factory=list)
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     # Requests the step loop has taken from its front (into the scheduler, refused, or aborted
     # before it took them in) when this snapshot was made: set by the loop, not the engine.
@@ -160,6 +164,7 @@ class EngineStats:
         self.num_prefix_cache_hits_total = bm.num_prefix_hits
         snapshot = dataclasses.replace(self)
         snapshot.finished_by_reason = dict(self.finished_by_reason)
+        snapshot.num_spec_accepted_per_pos = list(self.num_spec_accepted_per_pos)
         return snapshot
 
 

@@ -13,6 +13,10 @@ _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 
 # Label carried by every engine metric.
 MODEL_NAME_LABEL = "model_name"
+# vLLM's engine-core index, on every `vllm:*` series (vLLM 0.10+; a data-parallel vLLM pod has one per
+# core). A Corral engine has one core: "0". Readers that sum over label sets are unaffected.
+ENGINE_LABEL = "engine"
+ENGINE_INDEX = "0"
 
 # Gauges.
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -39,12 +43,24 @@ REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS = "vllm:request_time_per_output_token_seco
 REQUEST_PREFILL_TIME_SECONDS = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
 REQUEST_DECODE_TIME_SECONDS = "vllm:request_decode_time_seconds"  # first token -> last token
 REQUEST_INFERENCE_TIME_SECONDS = "vllm:request_inference_time_seconds"  # first scheduled -> last token
+# Per request (each of an n > 1 request's sequences): its prompt tokens less the prefix-cache hits.
+REQUEST_PREFILL_KV_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"
+# Per sequence: the max_tokens it ran with (the room the context left where the client gave none).
+REQUEST_PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
+# Per request, once its sequences have all finished: its `n`, and its longest sequence's tokens.
+REQUEST_PARAMS_N = "vllm:request_params_n"
+REQUEST_MAX_NUM_GENERATION_TOKENS = "vllm:request_max_num_generation_tokens"
 # A histogram despite the suffix (vLLM's name): tokens computed per engine step.
 ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"
 
-# Speculative decoding (n-gram drafts), counters as vLLM names them.
+# Speculative decoding (n-gram drafts), counters as vLLM names them. A draft is one sequence's
+# proposal verified in one step; mean acceptance length = 1 + accepted tokens / drafts.
+SPEC_DECODE_NUM_DRAFTS_TOTAL = "vllm:spec_decode_num_drafts_total"
 SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL = "vllm:spec_decode_num_accepted_tokens_total"
+# Drafts whose token at label `position` (0 = first) was accepted; over drafts, the acceptance rate
+# by position. A series per position up to --num-speculative-tokens, with --speculative only.
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 # Corral-specific metrics where vLLM has none.
 CORRAL_ENGINE_PREFIX = "corral_engine_"

@@ -37,6 +37,13 @@ LISTED_METRICS = [
     wire.REQUEST_QUEUE_TIME_SECONDS,
     wire.REQUEST_PROMPT_TOKENS,
     wire.REQUEST_GENERATION_TOKENS,
+    wire.REQUEST_PREFILL_KV_COMPUTED_TOKENS,
+    wire.REQUEST_PARAMS_MAX_TOKENS,
+    wire.REQUEST_PARAMS_N,
+    wire.REQUEST_MAX_NUM_GENERATION_TOKENS,
+    wire.SPEC_DECODE_NUM_DRAFTS_TOTAL,
+    wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL,
+    wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL,
 ]
 
 
@@ -55,18 +62,21 @@ async def test_metrics_parse_and_list_every_vllm_metric(client: httpx.AsyncClien
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     got = samples(r.text)
     names = {name for name, _ in got}
-    model = (wire.MODEL_NAME_LABEL, MODEL)
+    engine, model = (wire.ENGINE_LABEL, "0"), (wire.MODEL_NAME_LABEL, MODEL)
     for metric in LISTED_METRICS:
         base = metric.removesuffix("_total")
         assert names & {metric, base + "_total", base + "_count"}, metric
-    assert got[(wire.GENERATION_TOKENS_TOTAL, (model,))] == 6
-    assert got[(wire.PROMPT_TOKENS_TOTAL, (model,))] == 6
-    assert got[(wire.REQUEST_SUCCESS_TOTAL, (("finished_reason", "length"), model))] == 1
-    assert got[(wire.CACHE_CONFIG_INFO, (("block_size", "16"), model, ("num_gpu_blocks", "64")))] == 1
-    assert got[(wire.TIME_TO_FIRST_TOKEN_SECONDS + "_count", (model,))] == 1
-    assert got[(wire.INTER_TOKEN_LATENCY_SECONDS + "_count", (model,))] == 5
-    assert got[(wire.REQUEST_GENERATION_TOKENS + "_sum", (model,))] == 6
-    assert got[(wire.NUM_REQUESTS_RUNNING, (model,))] == 0
+    assert got[(wire.GENERATION_TOKENS_TOTAL, (engine, model))] == 6
+    assert got[(wire.PROMPT_TOKENS_TOTAL, (engine, model))] == 6
+    assert got[(wire.REQUEST_SUCCESS_TOTAL, (engine, ("finished_reason", "length"), model))] == 1
+    info = (("block_size", "16"), engine, model, ("num_gpu_blocks", "64"))
+    assert got[(wire.CACHE_CONFIG_INFO, info)] == 1
+    assert got[(wire.TIME_TO_FIRST_TOKEN_SECONDS + "_count", (engine, model))] == 1
+    assert got[(wire.INTER_TOKEN_LATENCY_SECONDS + "_count", (engine, model))] == 5
+    assert got[(wire.REQUEST_GENERATION_TOKENS + "_sum", (engine, model))] == 6
+    assert got[(wire.REQUEST_PARAMS_MAX_TOKENS + "_sum", (engine, model))] == 6
+    assert got[(wire.REQUEST_PARAMS_N + "_sum", (engine, model))] == 1
+    assert got[(wire.NUM_REQUESTS_RUNNING, (engine, model))] == 0
 
 
 async def test_waiting_gauge_moves_on_enqueue(client: httpx.AsyncClient, engine: FakeEngine) -> None:
@@ -75,7 +85,7 @@ async def test_waiting_gauge_moves_on_enqueue(client: httpx.AsyncClient, engine:
     while not engine.requests:
         await asyncio.sleep(0.001)
     got = samples((await client.get("/metrics")).text)
-    assert got[(wire.NUM_REQUESTS_WAITING, ((wire.MODEL_NAME_LABEL, MODEL),))] == 1
+    assert got[(wire.NUM_REQUESTS_WAITING, ((wire.ENGINE_LABEL, "0"), (wire.MODEL_NAME_LABEL, MODEL)))] == 1
     engine.gate.set()
     assert (await task).status_code == 200
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from corral_engine import wire
 from corral_engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepLatencies
+from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import create_app
 from corral_engine.server.metrics import ITERATION_TOKENS_BUCKETS, ITL_BUCKETS_S, ServerMetrics, StepHistogram
 from corral_engine.settings import EngineSettings
@@ -31,7 +32,8 @@ def families(text: str) -> dict[str, tuple[str, dict[str, float]]]:
     out: dict[str, tuple[str, dict[str, float]]] = {}
     for family in text_string_to_metric_families(text):
         values = {
-            s.name + (f"[{s.labels['le']}]" if "le" in s.labels else ""): s.value for s in family.samples
+            s.name + "".join(f"[{s.labels[k]}]" for k in ("le", "position") if k in s.labels): s.value
+            for s in family.samples
         }
         # The parser names a counter's family without `_total`; key every family by its full name.
         name = family.name + "_total" if family.type == "counter" else family.name
@@ -254,13 +256,23 @@ async def test_served_tiny_model_metrics(
     drafts = got[wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL][1][wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL]
     accepted = got[wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL][1][wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL]
     assert (drafts, accepted) == (stats.num_spec_proposed_total, stats.num_spec_accepted_total)
+    num_drafts = got[wire.SPEC_DECODE_NUM_DRAFTS_TOTAL][1][wire.SPEC_DECODE_NUM_DRAFTS_TOTAL]
+    assert num_drafts == stats.num_spec_drafts_total
+    per_pos_name = wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL
     if speculative is None:
-        assert drafts == accepted == 0
+        assert drafts == accepted == num_drafts == 0
+        assert per_pos_name not in got  # as vLLM: no positions without speculative decoding
         # The prompt's 32 tokens, then one fed-back token per decode step for the 23 after the first.
         assert iteration[base + "_sum"] == 32 + 23
         assert iteration[base + "_count"] == 24
     else:
         assert drafts > 0 and 0 <= accepted <= drafts
+        # A draft holds 1-4 tokens (fewer as max_tokens nears); a position's acceptances never
+        # exceed the one before it's, and they add up to the accepted tokens.
+        assert num_drafts <= drafts <= 4 * num_drafts
+        per_pos = [got[per_pos_name][1][f"{per_pos_name}[{p}]"] for p in range(4)]
+        assert num_drafts >= per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3]
+        assert sum(per_pos) == accepted and per_pos == stats.num_spec_accepted_per_pos
         # Each step verifies 4 drafts and yields at least one token: at most 24 steps.
         assert iteration[base + "_count"] <= 24
 
@@ -353,3 +365,84 @@ async def test_request_counts_agree_for_n_1_and_n_3(
                 assert delta[(wire.REQUEST_GENERATION_TOKENS + "_sum", "")] == n * 4
                 assert delta[(wire.GENERATION_TOKENS_TOTAL, "")] == n * 4
                 assert delta[(wire.INTER_TOKEN_LATENCY_SECONDS + "_count", "")] == n * 3
+
+
+def test_request_parameter_histograms_as_vllm_records_them() -> None:
+    """vllm:request_params_max_tokens and vllm:request_prefill_kv_computed_tokens per sequence (a
+    child request in vLLM; the sequences share one prefill, so only the first computed it), and
+    vllm:request_params_n and vllm:request_max_num_generation_tokens once per request; a request
+    without max_tokens counts the room its context left, as vLLM's default does."""
+    metrics = ServerMetrics(EngineStats, MODEL, 64)
+    times = RequestMetrics.for_sequences(0.0, 3)
+    times.num_cached_tokens = 4  # of a 10-token prompt
+    times.finish(1.0)
+    outputs = [CompletionOutput(i, "x", [1] * (2 + i), "", [], finish_reason="length") for i in range(3)]
+    prompt = list(range(10))
+    metrics.observe_finished(
+        RequestOutput("r", prompt, outputs, True, times), SamplingParams(n=3, max_tokens=8)
+    )
+    single = finished(5, scheduled=1.0, first=1.5, last=3.5)  # a 3-token prompt, nothing cached
+    metrics.observe_finished(single, SamplingParams(max_tokens=None))
+    aborted = finished(2, scheduled=1.0, first=1.5, last=2.0)
+    aborted.outputs[0].finish_reason = "abort"
+    metrics.observe_finished(aborted, SamplingParams(max_tokens=9))
+    got = families(metrics.render().decode())
+
+    def count_sum(name: str) -> tuple[float, float]:
+        assert got[name][0] == "histogram", name
+        return got[name][1][name + "_count"], got[name][1][name + "_sum"]
+
+    assert count_sum(wire.REQUEST_PARAMS_MAX_TOKENS) == (4, 3 * 8 + (64 - 3))
+    assert count_sum(wire.REQUEST_PREFILL_KV_COMPUTED_TOKENS) == (4, (10 - 4) + 0 + 0 + 3)
+    assert count_sum(wire.REQUEST_PARAMS_N) == (2, 3 + 1)
+    assert count_sum(wire.REQUEST_MAX_NUM_GENERATION_TOKENS) == (2, 4 + 5)
+    n = got[wire.REQUEST_PARAMS_N][1]
+    assert [k[len(wire.REQUEST_PARAMS_N + "_bucket") :] for k in n if "_bucket" in k] == [
+        "[1.0]",
+        "[2.0]",
+        "[5.0]",
+        "[10.0]",
+        "[20.0]",
+        "[+Inf]",
+    ]
+    assert (n[wire.REQUEST_PARAMS_N + "_bucket[2.0]"], n[wire.REQUEST_PARAMS_N + "_bucket[5.0]"]) == (1, 2)
+    # Token-count bounds are vLLM's 1-2-5 series up to max_model_len.
+    bounds = [k for k in got[wire.REQUEST_PARAMS_MAX_TOKENS][1] if "_bucket" in k]
+    assert bounds[-2:] == [
+        wire.REQUEST_PARAMS_MAX_TOKENS + "_bucket[50.0]",
+        wire.REQUEST_PARAMS_MAX_TOKENS + "_bucket[+Inf]",
+    ]
+
+
+def test_every_vllm_series_carries_vllms_labels() -> None:
+    """vLLM labels each of its series model_name and engine (the engine core's index): a query or
+    recording rule written for a vLLM fleet (`sum by (model_name, engine)`) reads a Corral engine
+    alike. Corral's own series keep model_name alone."""
+    stats = EngineStats(num_spec_accepted_per_pos=[3, 1])
+    text = ServerMetrics(lambda: stats, MODEL, 64).render().decode()
+    vllm_samples = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vllm:")
+    ]
+    names = {s.name for s in vllm_samples}
+    for name in (
+        wire.NUM_REQUESTS_RUNNING,
+        wire.CACHE_CONFIG_INFO,
+        wire.REQUEST_SUCCESS_TOTAL,
+        wire.TIME_TO_FIRST_TOKEN_SECONDS + "_count",
+        wire.E2E_REQUEST_LATENCY_SECONDS + "_count",
+        wire.SPEC_DECODE_NUM_DRAFTS_TOTAL,
+        wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
+    ):
+        assert name in names, name
+    for s in vllm_samples:
+        assert (s.labels.get(wire.MODEL_NAME_LABEL), s.labels.get(wire.ENGINE_LABEL)) == (MODEL, "0"), s
+    per_pos = {
+        s.labels["position"]: s.value
+        for s in vllm_samples
+        if s.name == wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL
+    }
+    assert per_pos == {"0": 3, "1": 1}
+    assert f'{wire.NUM_STEPS_TOTAL}{{model_name="{MODEL}"}} 0.0' in text

@@ -85,6 +85,6 @@ async def test_completions_match_with_the_engine_core_apart(tiny_model_dir: path
         )
         assert choice.choices[0].text in ("yes", "no")
         metrics = (await client._client.get("http://127.0.0.1/metrics")).text
-        assert 'vllm:num_requests_running{model_name="tiny-llama"} 0.0' in metrics
-        assert re.search(r'vllm:generation_tokens_total\{model_name="tiny-llama"\} [1-9]', metrics)
+        assert 'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0' in metrics
+        assert re.search(r'vllm:generation_tokens_total\{engine="0",model_name="tiny-llama"\} [1-9]', metrics)
         assert re.search(r"corral_engine_step_duration_seconds_count\{[^}]*\} [1-9]", metrics)

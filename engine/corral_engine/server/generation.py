@@ -151,7 +151,7 @@ class GenerationRun:
             self._num_tokens_seen[index] += len(o.delta_token_ids)
         if out.finished:
             self._unfinished.discard(self._ids[index])
-            self.metrics.observe_finished(out)
+            self.metrics.observe_finished(out, self.params)
             access.count_tokens(out)
 
     async def _follow(self, index: int) -> AsyncIterator[tuple[int, RequestOutput]]:

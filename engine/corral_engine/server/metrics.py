@@ -5,6 +5,7 @@ never stale (as of the last engine step). Time to first token and inter-token la
 per step from the latencies the engine took as it made the tokens (`StepLatencies`); the other
 latency and size histograms from each request's RequestOutput.metrics when it finishes. Every
 known label set has a series from the first scrape, at zero, so dashboards show zeros, not "No data".
+The `vllm:*` series carry vLLM's labels, `model_name` and `engine` (one engine core: "0").
 The process's own figures (`process_resident_memory_bytes`, CPU, file descriptors) are
 prometheus_client's, as on vLLM's /metrics: the serving process's, which holds the model on CPU
 (with the engine core in a process of its own, on GPUs, not the core's).
@@ -27,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 from corral_engine import wire
 from corral_engine.gc_pauses import GcPauseCollector
 from corral_engine.outputs import EngineStats, FinishReason, RequestMetrics, RequestOutput, StepLatencies
+from corral_engine.sampling_params import SamplingParams
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
@@ -59,6 +61,8 @@ VLLM_REQUEST_BUCKETS_S: tuple[float, ...] = (
 # wait read as 0.15 s at p50 and 0.3 s at p99, and so did a 20 ms prefill. The bounds below 0.3 s
 # are Corral's; the rest are vLLM's, so a query on one of vLLM's bounds (le="0.5") reads the same.
 REQUEST_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, *VLLM_REQUEST_BUCKETS_S)
+N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)  # vLLM's, for `vllm:request_params_n`
+VLLM_LABELS = [wire.MODEL_NAME_LABEL, wire.ENGINE_LABEL]
 
 
 def token_buckets(max_value: int) -> tuple[float, ...]:
@@ -105,9 +109,11 @@ class StepHistogram(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             counts, total = list(self._counts), self._sum
-        family = HistogramMetricFamily(self._name, self._doc, labels=[wire.MODEL_NAME_LABEL])
+        family = HistogramMetricFamily(self._name, self._doc, labels=VLLM_LABELS)
         family.add_metric(
-            [self._model], list(zip(self._les, itertools.accumulate(counts), strict=True)), total
+            [self._model, wire.ENGINE_INDEX],
+            list(zip(self._les, itertools.accumulate(counts), strict=True)),
+            total,
         )
         yield family
 
@@ -122,68 +128,91 @@ class _SnapshotCollector(Collector):
     def describe(self) -> list[Metric]:
         return []
 
+    def _gauge(self, name: str, doc: str, value: float, is_vllm: bool = True) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS if is_vllm else [wire.MODEL_NAME_LABEL])
+        family.add_metric([self._model, wire.ENGINE_INDEX] if is_vllm else [self._model], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float, is_vllm: bool = True) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=VLLM_LABELS if is_vllm else [wire.MODEL_NAME_LABEL])
+        family.add_metric([self._model, wire.ENGINE_INDEX] if is_vllm else [self._model], value)
+        return family
+
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
-        labels = [wire.MODEL_NAME_LABEL]
-        model = [self._model]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(model, value)
-            return family
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(model, value)
-            return family
-
-        yield gauge(wire.NUM_REQUESTS_RUNNING, "Requests being generated now.", s.num_running)
-        yield gauge(wire.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge(
-            wire.KV_CACHE_USAGE_PERC,
-            "KV usage 0-1; unreferenced cached blocks are free.",
-            s.kv_usage_ratio,
+        model = [self._model, wire.ENGINE_INDEX]
+        yield self._gauge(wire.NUM_REQUESTS_RUNNING, "Requests being generated now.", s.num_running)
+        yield self._gauge(wire.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.", s.num_waiting)
+        yield self._gauge(
+            wire.KV_CACHE_USAGE_PERC, "KV usage 0-1; unreferenced cached blocks are free.", s.kv_usage_ratio
         )
         info = GaugeMetricFamily(
             wire.CACHE_CONFIG_INFO,
             "KV-cache configuration.",
-            labels=[wire.MODEL_NAME_LABEL, "block_size", "num_gpu_blocks"],
+            labels=[*VLLM_LABELS, "block_size", "num_gpu_blocks"],
         )
-        info.add_metric([self._model, str(s.block_size), str(s.num_kv_blocks)], 1.0)
+        info.add_metric([*model, str(s.block_size), str(s.num_kv_blocks)], 1.0)
         yield info
-        yield counter(wire.NUM_PREEMPTIONS_TOTAL, "Preemptions of running requests.", s.num_preemptions_total)
-        yield counter(wire.PROMPT_TOKENS_TOTAL, "Prompt tokens processed.", s.num_prompt_tokens_total)
-        yield counter(wire.GENERATION_TOKENS_TOTAL, "Tokens generated.", s.num_generation_tokens_total)
+        yield self._counter(
+            wire.NUM_PREEMPTIONS_TOTAL, "Preemptions of running requests.", s.num_preemptions_total
+        )
+        yield self._counter(wire.PROMPT_TOKENS_TOTAL, "Prompt tokens processed.", s.num_prompt_tokens_total)
+        yield self._counter(wire.GENERATION_TOKENS_TOTAL, "Tokens generated.", s.num_generation_tokens_total)
         success = CounterMetricFamily(
-            wire.REQUEST_SUCCESS_TOTAL, "Finished requests by reason.", labels=[*labels, "finished_reason"]
+            wire.REQUEST_SUCCESS_TOTAL,
+            "Finished requests by reason.",
+            labels=[*VLLM_LABELS, "finished_reason"],
         )
         reasons = dict.fromkeys(FINISH_REASONS, 0) | dict(s.finished_by_reason)
         for reason, count in sorted(reasons.items()):
-            success.add_metric([self._model, reason], count)
+            success.add_metric([*model, reason], count)
         yield success
-        yield counter(
+        yield self._counter(
             wire.PREFIX_CACHE_QUERIES_TOTAL,
             "Prompt tokens looked up in the prefix cache.",
             s.num_prefix_cache_queries_total,
         )
-        yield counter(
-            wire.PREFIX_CACHE_HITS_TOTAL,
-            "Prompt tokens found cached.",
-            s.num_prefix_cache_hits_total,
+        yield self._counter(
+            wire.PREFIX_CACHE_HITS_TOTAL, "Prompt tokens found cached.", s.num_prefix_cache_hits_total
         )
-        yield gauge(wire.NUM_KV_BLOCKS_FREE, "Free KV blocks (cached included).", s.num_free_blocks)
-        yield gauge(wire.NUM_KV_BLOCKS_CACHED, "KV blocks holding cached prefixes.", s.num_cached_blocks)
-        yield counter(wire.NUM_STEPS_TOTAL, "Engine steps run.", s.num_steps_total)
-        yield counter(
+        yield self._gauge(
+            wire.NUM_KV_BLOCKS_FREE, "Free KV blocks (cached included).", s.num_free_blocks, is_vllm=False
+        )
+        yield self._gauge(
+            wire.NUM_KV_BLOCKS_CACHED,
+            "KV blocks holding cached prefixes.",
+            s.num_cached_blocks,
+            is_vllm=False,
+        )
+        yield self._counter(wire.NUM_STEPS_TOTAL, "Engine steps run.", s.num_steps_total, is_vllm=False)
+        yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (zeros without --speculative, but for positions)."""
+        yield self._counter(
+            wire.SPEC_DECODE_NUM_DRAFTS_TOTAL,
+            "Speculative drafts verified: one per sequence per step it had drafts.",
+            s.num_spec_drafts_total,
+        )
+        yield self._counter(
             wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL,
             "Speculative draft tokens verified (0 without --speculative).",
             s.num_spec_proposed_total,
         )
-        yield counter(
+        yield self._counter(
             wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL,
             "Speculative draft tokens accepted.",
             s.num_spec_accepted_total,
         )
+        per_pos = CounterMetricFamily(
+            wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
+            "Drafts whose token at this position was accepted.",
+            labels=[*VLLM_LABELS, "position"],
+        )
+        for position, count in enumerate(s.num_spec_accepted_per_pos):
+            per_pos.add_metric([self._model, wire.ENGINE_INDEX, str(position)], count)
+        if s.num_spec_accepted_per_pos:
+            yield per_pos
 
 
 class ServerMetrics:
@@ -192,10 +221,12 @@ class ServerMetrics:
         self.registry.register(_SnapshotCollector(stats, model_name))
         self.registry.register(GcPauseCollector(wire.GC_PAUSE_SECONDS, {wire.MODEL_NAME_LABEL: model_name}))
         ProcessCollector(registry=self.registry)
-        labels = [wire.MODEL_NAME_LABEL]
+        self._model, self._max_model_len = model_name, max_model_len
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            """A vLLM-named histogram's one series (this model, engine core 0)."""
+            family = Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=self.registry)
+            return family.labels(model_name, wire.ENGINE_INDEX)
 
         tokens = token_buckets(max_model_len)
         self._ttft = StepHistogram(
@@ -206,50 +237,53 @@ class ServerMetrics:
         )
         self.registry.register(self._ttft)
         self.registry.register(self._itl)
-        self._e2e = hist(wire.E2E_REQUEST_LATENCY_SECONDS, "Arrival to finish.", REQUEST_BUCKETS_S)
-        self._queue = hist(wire.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS_S)
-        self._prompt = hist(wire.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", tokens)
-        self._generation = hist(wire.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", tokens)
-        self._tpot = hist(
+        self._e2e_m = hist(wire.E2E_REQUEST_LATENCY_SECONDS, "Arrival to finish.", REQUEST_BUCKETS_S)
+        self._queue_m = hist(
+            wire.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS_S
+        )
+        self._prompt_m = hist(wire.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", tokens)
+        self._generation_m = hist(wire.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", tokens)
+        self._tpot_m = hist(
             wire.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
             "Decode time over output tokens after the first, per request of two tokens or more.",
             ITL_BUCKETS_S,
         )
-        self._prefill = hist(
+        self._prefill_m = hist(
             wire.REQUEST_PREFILL_TIME_SECONDS, "First scheduled to first token.", REQUEST_BUCKETS_S
         )
-        self._decode = hist(wire.REQUEST_DECODE_TIME_SECONDS, "First token to last token.", REQUEST_BUCKETS_S)
-        self._inference = hist(
+        self._decode_m = hist(
+            wire.REQUEST_DECODE_TIME_SECONDS, "First token to last token.", REQUEST_BUCKETS_S
+        )
+        self._inference_m = hist(
             wire.REQUEST_INFERENCE_TIME_SECONDS, "First scheduled to last token.", REQUEST_BUCKETS_S
         )
-        self._iteration_tokens = hist(
+        self._kv_computed_m = hist(
+            wire.REQUEST_PREFILL_KV_COMPUTED_TOKENS, "Prompt tokens computed, prefix-cache hits not.", tokens
+        )
+        self._max_tokens_m = hist(
+            wire.REQUEST_PARAMS_MAX_TOKENS, "The max_tokens a request ran with.", tokens
+        )
+        self._n_m = hist(wire.REQUEST_PARAMS_N, "The n request parameter.", N_BUCKETS)
+        self._max_generation_m = hist(
+            wire.REQUEST_MAX_NUM_GENERATION_TOKENS,
+            "The longest of a request's n sequences, in tokens.",
+            tokens,
+        )
+        self._iteration_tokens_m = hist(
             wire.ITERATION_TOKENS_TOTAL, "Tokens computed per engine step.", ITERATION_TOKENS_BUCKETS
         )
-        self._step = Histogram(
+        self._step_m = Histogram(
             wire.STEP_DURATION_SECONDS,
             "Wall time of one engine step (schedule, forward, sample, detokenize).",
-            labels,
+            [wire.MODEL_NAME_LABEL],
             buckets=STEP_BUCKETS_S,
             registry=self.registry,
-        )
+        ).labels(model_name)
         self._rejected = Counter(
             wire.NUM_REQUESTS_REJECTED_TOTAL,
             "Requests refused before reaching the engine, by reason.",
-            [*labels, "reason"],
+            [wire.MODEL_NAME_LABEL, "reason"],
             registry=self.registry,
-        )
-        self._model = model_name
-        self._step_m = self._step.labels(model_name)
-        self._iteration_tokens_m = self._iteration_tokens.labels(model_name)
-        self._tpot_m, self._prefill_m = self._tpot.labels(model_name), self._prefill.labels(model_name)
-        self._decode_m, self._inference_m = (
-            self._decode.labels(model_name),
-            self._inference.labels(model_name),
-        )
-        self._e2e_m, self._queue_m = self._e2e.labels(model_name), self._queue.labels(model_name)
-        self._prompt_m, self._generation_m = (
-            self._prompt.labels(model_name),
-            self._generation.labels(model_name),
         )
         for reason in REJECTION_REASONS:
             self._rejected.labels(model_name, reason)
@@ -273,12 +307,20 @@ class ServerMetrics:
     def count_rejected(self, reason: RejectionReason) -> None:
         self._rejected.labels(self._model, reason).inc()
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(self, out: RequestOutput, params: SamplingParams | None = None) -> None:
         """A finished request's latencies and sizes, once per sequence: vLLM v1 runs an n > 1
         request as n child requests and records each as a request, so these histograms' counts
         add up to `vllm:request_success_total`'s stop and length series. Aborted sequences are
-        left out (their latencies say when the client left, not how fast the engine was)."""
+        left out (their latencies say when the client left, not how fast the engine was). `n` and
+        the longest sequence are the parent request's, once; `params` gives max_tokens."""
         now = time.monotonic()
+        num_prompt = len(out.prompt_token_ids)
+        # The sequences share one prefill: the first observed computed it, the rest computed none.
+        kv_computed = max(0, num_prompt - out.metrics.num_cached_tokens)
+        max_tokens = None
+        if params is not None:
+            max_tokens = params.max_tokens or max(0, self._max_model_len - num_prompt)
+        longest = None
         for o in out.outputs:
             if o.finish_reason == "abort":
                 continue
@@ -287,9 +329,17 @@ class ServerMetrics:
             self._e2e_m.observe(max(0.0, finished - child.arrival_time))
             if child.first_scheduled_time is not None:
                 self._queue_m.observe(max(0.0, child.first_scheduled_time - child.arrival_time))
-            self._prompt_m.observe(len(out.prompt_token_ids))
+            self._prompt_m.observe(num_prompt)
             self._generation_m.observe(len(o.token_ids))
+            self._kv_computed_m.observe(kv_computed)
+            kv_computed = 0
+            if max_tokens:
+                self._max_tokens_m.observe(max_tokens)
+            longest = max(longest or 0, len(o.token_ids))
             self._observe_phases(child, len(o.token_ids))
+        if longest is not None:
+            self._n_m.observe(len(out.outputs))
+            self._max_generation_m.observe(longest)
 
     def _observe_phases(self, m: RequestMetrics, num_tokens: int) -> None:
         """Prefill, decode and inference time (vLLM's split) and the mean time per output token."""
