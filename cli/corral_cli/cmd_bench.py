@@ -56,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--random-output-len", type=positive_int, default=128, help="tokens to generate")
     work.add_argument("--random-range-ratio", type=float, default=0.0, help="length spread, in [0, 1)")
     work.add_argument(
-        "--random-vocab-size", type=positive_int, help="token ids for random prompts are drawn below it"
+        "--random-vocab-size",
+        type=positive_int,
+        help="token ids for random prompts are drawn from 3 to below it (default: 259, ids any byte-level "
+        "vocabulary has; with --tokenizer, its vocabulary less its special tokens)",
     )
     work.add_argument(
         "--random-dist",

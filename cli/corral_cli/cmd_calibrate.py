@@ -32,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint the engine runs")
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     parser.add_argument("--device", default="cpu", help="engine device (default: cpu)")
-    parser.add_argument("--dtype", default="auto", help="engine dtype (default: the model's)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="engine dtype: auto, bfloat16, float16 or float32 (default: auto, as `corral engine` picks it)",
+    )
     parser.add_argument(
         "--output-tokens",
         type=checked(int, "an integer >= 2", lambda v: v >= 2),  # a step after the first token
@@ -40,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens generated per sequence",
     )
     parser.add_argument("--repeats", type=positive_int, default=2, help="times each batch shape runs")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' random token ids")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -131,8 +131,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--simulate",
         metavar="PROFILE",
         help="serve a simulated engine instead of the model: the real scheduler and server, step times "
-        "from PROFILE (h100-llama3-8b, h100-llama3-70b, a100-llama3-8b, a100-llama3-70b, or a fitted "
-        "profile's JSON file); --model gives only the tokenizer; no torch (docs/simulator.md)",
+        "from PROFILE (h100-llama3-8b, h100-llama3-70b, a100-llama3-8b, a100-llama3-70b, "
+        "h100-llama3-8b-corral, or a fitted profile's JSON file); --model gives only the tokenizer; "
+        "no torch (docs/simulator.md)",
     )
     parser.add_argument(
         "--replicas",

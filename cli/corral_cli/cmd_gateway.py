@@ -22,7 +22,14 @@ POLICY_CHOICES = typing.get_args(PolicyName)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=None, help="port to listen on (default: 8000)")
-    parser.add_argument("--config", type=Path, default=None, help="YAML settings file (see docs)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="YAML settings file: the fields of corral_gateway/settings.py's GatewaySettings, snake_case "
+        "(e.g. backends, policy, queue_timeout_s); the flags win over it",
+    )
     parser.add_argument(
         "--backend",
         action="append",

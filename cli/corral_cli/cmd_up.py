@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any
 
 from corral_engine.args import DEFAULT_GPU_MEMORY_UTILIZATION
-from corral_engine.sources import FetchError
+from corral_engine.sources import FetchError, parse_model_uri
 
 from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
@@ -149,6 +149,20 @@ def _write_demo_model(demo_dir: Path, preset: str, has_weights: bool) -> None:
 def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     """Served model name -> one `corral engine` flag list per replica."""
     return _share_the_card(_fleet_flags(args))
+
+
+def _check_model_dirs(fleet: dict[str, list[list[str]]], *, is_from_file: bool) -> None:
+    """Refuse a local model directory that is not there: said now, not once every engine has loaded
+    torch (an hf:// or s3:// model of `-f` is fetched by the engines themselves)."""
+    for replicas in fleet.values():
+        for flags in replicas:
+            if "--model" not in flags:
+                continue
+            model = flags[flags.index("--model") + 1]
+            if parse_model_uri(model).scheme == "local" and not Path(model).is_dir():
+                problem = "is not a directory" if Path(model).exists() else "does not exist"
+                hint = " (--model-path DIR serves another in its place)" if is_from_file else ""
+                raise ValueError(f"model directory '{model}' {problem}{hint}")
 
 
 def _share_the_card(fleet: dict[str, list[list[str]]]) -> dict[str, list[list[str]]]:
@@ -429,6 +443,7 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
     until Ctrl-C or SIGTERM; the exit status."""
     try:
         fleet = _fleet(args)
+        _check_model_dirs(fleet, is_from_file=args.file is not None)
         problem = cannot_listen(args.host, [args.port])
         if problem is not None:  # said now, not once every engine has loaded its model
             raise ValueError(f"the gateway {problem}")

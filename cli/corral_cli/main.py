@@ -71,7 +71,10 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def has_shown_default(action: argparse.Action) -> bool:
     """Whether `--help` should show the option's default (flags and "no value" defaults do not)."""
-    return bool(action.option_strings) and action.default not in (None, False, True, argparse.SUPPRESS)
+    # By identity: `0 in (False,)` and `1.0 in (True,)` hold, which would hide defaults of 0 and 1.
+    default = action.default
+    is_shown = default is not None and not isinstance(default, bool) and default is not argparse.SUPPRESS
+    return bool(action.option_strings) and is_shown
 
 
 def _help_for_every_default(parser: argparse.ArgumentParser) -> None:

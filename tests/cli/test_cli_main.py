@@ -63,6 +63,44 @@ def test_every_default_is_shown_in_help(command: str) -> None:
     assert "(default: INFO)" in text
 
 
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser(only=command)
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "shown"),
+    [
+        ("bench", "--seed", "(default: 0)"),
+        ("bench", "--burstiness", "(default: 1.0)"),
+        ("bench", "--temperature", "(default: 0.0)"),
+        ("calibrate", "--seed", "(default: 0)"),
+    ],
+)
+def test_defaults_of_zero_and_one_are_shown(command: str, flag: str, shown: str) -> None:
+    # 0 == False and 1.0 == True in Python: a check by equality once hid these defaults.
+    sub = _subparser(command)
+    action = sub._option_string_actions[flag]
+    assert has_shown_default(action)
+    assert shown in " ".join(sub._get_formatter()._expand_help(action).split())
+
+
+def test_engine_help_names_every_builtin_profile() -> None:
+    from corral_engine.sim.perf_model import BUILTIN
+
+    text = _subparser("engine")._option_string_actions["--simulate"].help or ""
+    assert set(BUILTIN) <= set(text.replace(",", " ").replace("(", " ").split())
+
+
+def test_bench_help_states_the_random_vocabulary_it_draws_from() -> None:
+    from corral_cli.bench.workload import allowed_token_ids
+
+    ids = allowed_token_ids(None, None)
+    text = _subparser("bench")._option_string_actions["--random-vocab-size"].help or ""
+    assert f"from {ids.min()} to below it (default: {ids.max() + 1}," in text
+
+
 def test_missing_extra_is_one_line_naming_the_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: object
 ) -> None:

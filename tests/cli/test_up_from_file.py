@@ -96,3 +96,19 @@ def test_engines_listen_below_the_ephemeral_range(tmp_path: Path, monkeypatch: p
 def test_flags_the_file_would_overrule_are_refused(argv: list[str], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         cmd_up._fleet(_args(*argv))
+
+
+@pytest.mark.parametrize("source", ["--model", "--model-path"])
+def test_a_missing_model_directory_is_refused_before_any_engine_starts(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_engine(*_: object, **__: object) -> None:
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(cmd_up, "_Engine", no_engine)
+    missing = tmp_path / "missing"
+    from_file = ["-f", str(EXAMPLE), "--model-path", str(missing)]
+    args = _args(*(["--model", str(missing)] if source == "--model" else from_file))
+    args.log_level, args.log_format = "INFO", "text"
+    assert cmd_up.run(args) == 1
+    assert f"model directory '{missing}' does not exist" in caplog.text
