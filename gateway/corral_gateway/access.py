@@ -14,8 +14,8 @@ from corral_engine import wire
 from opentelemetry.trace import Span
 
 from corral_gateway import tracing
+from corral_gateway.body_reader import ReportedUsage
 from corral_gateway.metrics import GatewayMetrics
-from corral_gateway.quota import ReportedUsage
 
 logger = logging.getLogger(__name__)
 

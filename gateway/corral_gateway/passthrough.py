@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, Origin
+from corral_gateway.body_reader import BodyReader
 from corral_gateway.drain import Drain
 from corral_gateway.errors import (
     DRAINING_END,
@@ -31,9 +32,8 @@ from corral_gateway.errors import (
 )
 from corral_gateway.fleet import Fleet
 from corral_gateway.metrics import GatewayMetrics
-from corral_gateway.quota import TokenUsage, UsageTail
+from corral_gateway.quota import TokenUsage
 from corral_gateway.registry import Replica
-from corral_gateway.stream_end import StreamEnd
 from corral_gateway.upstream import ReadTimedOut, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,9 @@ class Exchange:
     ) -> None:
         self.fleet, self.metrics, self.upstream, self.replica = fleet, metrics, upstream, replica
         self.origin, self.quota, self.access, self.drain = origin, quota, access, drain
-        self.tail = UsageTail()  # the body's end, for the usage it reports
-        self.stream_end = StreamEnd()  # an event stream's: had it ended when it broke?
+        self.is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        # What the body's bytes told: its usage, and an event stream's: had it ended when it broke?
+        self.reader = BodyReader(is_events=self.is_sse)
         self.status_label = str(upstream.status_code)  # of the request counter
         # Why the response ended early, for the access line: "client_gone", "replica_failed" or
         # "draining" (the client got the status sent, then an error event or a cut body).
@@ -85,8 +86,7 @@ class Exchange:
             self.fleet.record_success(self.replica.url)
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers["x-request-id"] = origin.request_id
-        is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        length = upstream.headers.get("content-length", "")
+        is_sse, length = self.is_sse, upstream.headers.get("content-length", "")
         if is_sse or not length.isdigit() or int(length) > _WHOLE_BODY_MAX_BYTES:
             disconnect.add_done_callback(self._on_disconnect)
             return PassThrough(
@@ -107,7 +107,7 @@ class Exchange:
         except UpstreamError as e:
             self._broken(e, "body")
         finally:
-            self.tail.feed(content)
+            self.reader.feed(content)
             self.finish()
         if not self.is_complete:
             failed = error_response(UpstreamFailed("The model replica failed while sending the response."))
@@ -141,9 +141,7 @@ class Exchange:
                     self.metrics.ttfb.labels(self.origin.model).observe(
                         time.monotonic() - self.origin.start_s
                     )
-                self.tail.feed(chunk)
-                if is_sse:
-                    self.stream_end.feed(chunk)
+                self.reader.feed(chunk)
                 yield chunk
                 if is_first:
                     relay_s = clock() - in_hand_s
@@ -158,15 +156,15 @@ class Exchange:
                 return  # our own close of the upstream request, below
             if self.is_drained:  # the same close, at the end of the gateway's drain time
                 if is_sse:
-                    yield _end_event(self.tail.end(4)) + self._error_end(*DRAINING_END)
+                    yield _end_event(self.reader.end(4)) + self._error_end(*DRAINING_END)
                 else:
                     self.is_cut = True
                 return
-            if is_sse and self.stream_end.has_ended():
+            if is_sse and self.reader.has_ended():
                 return  # the stream had ended: only the end of its body was lost
             self._broken(e, "stream")
             if is_sse:
-                yield _end_event(self.tail.end(4)) + self._error_end(*_why(e))
+                yield _end_event(self.reader.end(4)) + self._error_end(*_why(e))
             else:
                 self.is_cut = True
         finally:
@@ -176,7 +174,7 @@ class Exchange:
 
     def _error_end(self, message: str, code: str, error_type: str = "upstream_error") -> bytes:
         """The events that end an event stream that could not finish, in its API's way."""
-        end = self.stream_end
+        end = self.reader
         if not end.is_responses:
             return sse_error_end(message, code, error_type)
         response = end.created_response()
@@ -212,7 +210,7 @@ class Exchange:
         replica_label = self.replica.url if self.fleet.is_current(self.replica) else ""
         self.metrics.count_request(model, replica_label, self.status_label)
         self.metrics.duration.labels(model).observe(time.monotonic() - self.origin.start_s)
-        reported = self.tail.reported()
+        reported = self.reader.reported()
         if self.quota is not None:
             if reported is None and self.upstream.status_code >= 400:
                 self.quota.refund()  # an error answer serves no tokens

@@ -196,15 +196,7 @@ async def _forward(
             waited_s = time.perf_counter() - leasing_s
             metrics.queue_wait.labels(model).observe(waited_s)
             can_retry = attempt + 1 < deps.settings.max_attempts
-            outgoing, upstream_span = ticket.outgoing, None
-            if ticket.origin.span is not None:
-                policy, scores = deps.settings.policy, fleet.scores(model)
-                queued_s = time.monotonic() - waited_s
-                tracing.record_pick(ticket.origin.span, queued_s, policy, replica.url, scores, attempt + 1)
-                upstream_span, carrier = tracing.start_upstream_span(
-                    ticket.origin.span, replica.url, attempt + 1
-                )
-                outgoing = replace(outgoing, headers={**outgoing.headers, **carrier})
+            outgoing, upstream_span = _traced(deps, ticket, replica, attempt + 1, waited_s)
             outcome = await _attempt(deps, replica, outgoing, disconnect, tried, can_retry, upstream_span)
             if isinstance(outcome, Retry):
                 excluded_s += time.perf_counter() - leasing_s
@@ -229,6 +221,22 @@ async def _forward(
                 exchange.finish()  # a no-op unless the response was cancelled before it started
             return
     raise ReplicasUnavailable(model)
+
+
+def _traced(
+    deps: ProxyDeps, ticket: _Ticket, replica: Replica, attempt: int, waited_s: float
+) -> tuple[Outgoing, Span | None]:
+    """The attempt's request and its upstream span: when the request is traced, the pick is
+    recorded on its span and the request carries the upstream span's context to the replica."""
+    span = ticket.origin.span
+    if span is None:
+        return ticket.outgoing, None
+    scores = deps.fleet.scores(ticket.origin.model)
+    queued_s = time.monotonic() - waited_s
+    tracing.record_pick(span, queued_s, deps.settings.policy, replica.url, scores, attempt)
+    upstream_span, carrier = tracing.start_upstream_span(span, replica.url, attempt)
+    outgoing = ticket.outgoing
+    return replace(outgoing, headers={**outgoing.headers, **carrier}), upstream_span
 
 
 async def _attempt(

@@ -1,58 +1,13 @@
-"""The usage a response reports, read from its last bytes, and token quotas settled from it: a
-token-limited key is charged an estimate on admission, then the difference once the response's
-`usage` (at the end of its body) has passed through."""
+"""Token quotas settled from the usage a response reports: a token-limited key is charged an
+estimate on admission, then the difference once the response's `usage` (at the end of its body,
+read by `body_reader`) has passed through."""
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass
 
 from corral_gateway.auth import ApiKey, KeyStore
-
-_TAIL_BYTES = 4096  # enough for the usage object at the end of a response
-# Chat's and completions' names, and the Responses API's (`input_tokens`, `output_tokens`).
-_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
-_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
-
-
-@dataclass(frozen=True, slots=True)
-class ReportedUsage:
-    """The last `usage` object of a response (a stream's last one holds the totals)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class UsageTail:
-    """A response body's last bytes, kept as they pass through, to read its `usage` at the end."""
-
-    __slots__ = ("_tail",)
-
-    def __init__(self) -> None:
-        self._tail = bytearray()
-
-    def feed(self, chunk: bytes) -> None:
-        self._tail.extend(chunk)
-        if len(self._tail) > _TAIL_BYTES:
-            del self._tail[:-_TAIL_BYTES]
-
-    def end(self, num_bytes: int) -> bytes:
-        """The body's last `num_bytes` bytes so far (fewer while it is shorter)."""
-        return bytes(self._tail[-num_bytes:])
-
-    def reported(self) -> ReportedUsage | None:
-        """None when the body reported no usage (a stream without `include_usage`, an error)."""
-        tail = bytes(self._tail)
-        total = _TOTAL_TOKENS.findall(tail)
-        if not total:
-            return None
-        prompt, completion = _PROMPT_TOKENS.findall(tail), _COMPLETION_TOKENS.findall(tail)
-        return ReportedUsage(
-            int(prompt[-1]) if prompt else 0, int(completion[-1]) if completion else 0, int(total[-1])
-        )
+from corral_gateway.body_reader import ReportedUsage
 
 
 class TokenUsage:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from corral_engine import wire
-from corral_gateway.quota import ReportedUsage, UsageTail
+from corral_gateway.body_reader import BodyReader, ReportedUsage
 
 from tests.gateway.conftest import FakeEngine
 from tests.gateway.test_gateway_proxy import fleet
@@ -150,7 +150,7 @@ async def test_tokens_are_counted_per_key_name_never_the_key(
 
 
 def test_usage_tail_reads_the_last_usage_of_a_stream() -> None:
-    tail = UsageTail()
+    tail = BodyReader()
     assert tail.reported() is None
     tail.feed(b'data: {"usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}\n\n')
     tail.feed(b"x" * 10_000)  # only the end is kept
@@ -162,7 +162,7 @@ def test_usage_tail_reads_the_last_usage_of_a_stream() -> None:
 def test_usage_tail_reads_a_responses_usage() -> None:
     """The Responses API names the counts input_tokens and output_tokens (a stream's last event,
     response.completed, carries them)."""
-    tail = UsageTail()
+    tail = BodyReader()
     usage = {
         "input_tokens": 7,
         "input_tokens_details": {"cached_tokens": 0},

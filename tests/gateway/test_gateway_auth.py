@@ -6,8 +6,9 @@ import time
 
 import pytest
 from corral_gateway.auth import TokenBucket, parse_keys
+from corral_gateway.body_reader import ReportedUsage
 from corral_gateway.errors import RateLimited, Unauthorized
-from corral_gateway.quota import ReportedUsage, TokenUsage
+from corral_gateway.quota import TokenUsage
 
 
 def test_plain_file_one_key_per_line() -> None:

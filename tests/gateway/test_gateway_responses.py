@@ -14,7 +14,7 @@ from typing import Any
 
 import openai
 import pytest
-from corral_gateway.stream_end import StreamEnd
+from corral_gateway.body_reader import BodyReader, ReportedUsage
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -146,7 +146,7 @@ async def test_a_responses_stream_open_at_the_drains_end_ends_the_responses_way(
 
 
 def test_stream_end_reads_event_lines_not_data() -> None:
-    end = StreamEnd()
+    end = BodyReader()
     for piece in (
         b"event: response.created\ndata: {}\n\n",
         b'data: {"delta": "\\nevent: response.completed"}\n\n',
@@ -162,16 +162,81 @@ def test_stream_end_reads_event_lines_not_data() -> None:
 
 
 def test_stream_end_keeps_a_responses_streams_created_response_and_last_number() -> None:
-    end = StreamEnd()
+    end = BodyReader()
     created = _event("response.created", response={"id": "r"}, sequence_number=0)
     for piece in (created[:9], created[9:] + b'event: response.output_text.delta\ndata: {"sequence_num'):
         end.feed(piece)
     assert end.is_responses and end.created_response() == {"id": "r"} and end.last_sequence_number == 0
     end.feed(b'ber": 17, "delta": "\\"sequence_number\\": 99"}\n\n')  # split key; a model's text
     assert end.last_sequence_number == 17
-    chat = StreamEnd()
+    chat = BodyReader()
     chat.feed(b'data: {"id": "x"}\n\n')
     assert not chat.is_responses and chat.created_response() is None
+
+
+def test_body_reader_numbers_on_from_the_last_whole_event_of_a_chunk() -> None:
+    """A chunk of whole events that ends inside the next one's number: the last whole event's
+    number is the one to go on from (not an older chunk's), so no number is sent twice."""
+    reader = BodyReader()
+    reader.feed(_event("response.created", response={"id": "r"}, sequence_number=0))
+    deltas = [_event("response.output_text.delta", delta="a", sequence_number=n) for n in (1, 2, 3)]
+    reader.feed(deltas[0] + deltas[1] + deltas[2][: deltas[2].index(b": 3") + 2])
+    assert reader.last_sequence_number == 2
+    reader.feed(deltas[2][deltas[2].index(b": 3") + 2 :])
+    assert reader.last_sequence_number == 3 and not reader.has_ended()
+
+
+def test_body_reader_reads_a_terminal_event_larger_than_its_tail_in_one_chunk() -> None:
+    reader = BodyReader()
+    reader.feed(_event("response.created", response={"id": "r"}, sequence_number=0))
+    for n in range(1, 200):  # long enough for the kept bytes to be cut back many times
+        reader.feed(_event("response.output_text.delta", delta="word " * 10, sequence_number=n))
+    usage = {"input_tokens": 7, "output_tokens": 199, "total_tokens": 206}
+    done = {"id": "r", "output_text": _TEXT * 3, "usage": usage}
+    reader.feed(_event("response.completed", response=done, sequence_number=200))
+    assert reader.has_ended() and reader.is_responses and reader.last_sequence_number == 200
+    assert reader.created_response() == {"id": "r"} and reader.reported() == ReportedUsage(7, 199, 206)
+    assert reader.end(4) == b"0}\n\n"
+
+
+def test_body_reader_end_is_only_the_bytes_the_body_sent() -> None:
+    reader = BodyReader(is_events=False)
+    assert reader.end(4) == b""
+    reader.feed(b"da")
+    assert reader.end(4) == b"da" and not reader.has_ended()
+    reader.feed(b"ta: [DONE]\n\n")
+    assert reader.end(4) == b"E]\n\n" and reader.has_ended() and not reader.is_responses
+
+
+def test_body_reader_keeps_a_first_event_whose_end_is_split_across_chunks() -> None:
+    reader = BodyReader()
+    created = _event("response.created", response={"id": "r"}, sequence_number=0)
+    for piece in (created[:-1], created[-1:], _event("response.in_progress", sequence_number=1)):
+        reader.feed(piece)
+    assert reader.created_response() == {"id": "r"} and reader.last_sequence_number == 1
+
+
+@dataclass
+class PackedResponsesEngine(ResponsesEngine):
+    """Sends whole events and the start of the next in one chunk, cut inside its number, then dies."""
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        yield _event("response.created", response={"id": "resp_1", "output": []}, sequence_number=0)
+        deltas = [_event("response.output_text.delta", delta="a", sequence_number=n) for n in (1, 2, 3)]
+        yield deltas[0] + deltas[1] + deltas[2][: deltas[2].index(b": 3") + 2]
+        raise RuntimeError("replica died")
+
+
+async def test_a_stream_broken_inside_an_events_number_numbers_its_error_events_on() -> None:
+    async with (
+        fleet([PackedResponsesEngine(terminal=None)]) as (client, _),
+        client.stream("POST", "/v1/responses", json=_stream_body()) as r,
+    ):
+        body = b"".join([chunk async for chunk in r.aiter_raw()])
+    whole = [block for block in body.decode().split("\n\n") if block.rstrip().endswith("}")]
+    numbers = [json.loads(block.split("data: ", 1)[1])["sequence_number"] for block in whole]
+    assert [block.split("\n", 1)[0] for block in whole[-2:]] == ["event: error", "event: response.failed"]
+    assert numbers == [0, 1, 2, 3, 4]  # each number once, in order
 
 
 async def test_stored_response_routes_are_404s_saying_nothing_is_stored() -> None:
