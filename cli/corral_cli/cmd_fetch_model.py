@@ -41,7 +41,10 @@ def add_source_arguments(parser: argparse.ArgumentParser, cache_flag: str = "--c
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "uri", metavar="URI", help="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH"
+        "uri",
+        metavar="URI",
+        help="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH, or a directory (checked: "
+        "it exists and holds config.json)",
     )
     parser.add_argument("--revision", help="the Hub revision: a branch, tag or commit (hf:// only)")
     add_source_arguments(parser)

@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any
 
 from corral_engine.args import DEFAULT_GPU_MEMORY_UTILIZATION
-from corral_engine.sources import FetchError, parse_model_uri
+from corral_engine.sources import FetchError, local_model_problem, parse_model_uri
 
 from corral_cli import malloc, tracing
 from corral_cli.cmd_fetch_model import fetch
@@ -120,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     """The checkpoint directory and its default served name (the demo model's is 'demo')."""
     if args.model is not None:
+        uri = parse_model_uri(args.model)
+        if args.simulate is not None and uri.scheme == "local":  # a tokenizer will do: no config.json needed
+            return Path(args.model), uri.default_served_name
         # Once here, with the progress on this terminal, rather than in every engine process.
         resolved = fetch(args.model)
         return resolved.path, resolved.uri.default_served_name
@@ -152,17 +155,22 @@ def _fleet(args: argparse.Namespace) -> dict[str, list[list[str]]]:
 
 
 def _check_model_dirs(fleet: dict[str, list[list[str]]], *, is_from_file: bool) -> None:
-    """Refuse a local model directory that is not there: said now, not once every engine has loaded
-    torch (an hf:// or s3:// model of `-f` is fetched by the engines themselves)."""
+    """Refuse a local model directory that is not one (a simulated replica reads only a tokenizer):
+    said now, not once every engine has loaded torch (an hf:// or s3:// model of `-f` is fetched by
+    the engines themselves)."""
     for replicas in fleet.values():
         for flags in replicas:
             if "--model" not in flags:
                 continue
             model = flags[flags.index("--model") + 1]
-            if parse_model_uri(model).scheme == "local" and not Path(model).is_dir():
-                problem = "is not a directory" if Path(model).exists() else "does not exist"
+            if parse_model_uri(model).scheme != "local":
+                continue
+            problem = local_model_problem(
+                Path(model), "tokenizer.json" if "--simulate" in flags else "config.json"
+            )
+            if problem is not None:
                 hint = " (--model-path DIR serves another in its place)" if is_from_file else ""
-                raise ValueError(f"model directory '{model}' {problem}{hint}")
+                raise FetchError("not_found", f"{problem}{hint}")
 
 
 def _share_the_card(fleet: dict[str, list[list[str]]]) -> dict[str, list[list[str]]]:
@@ -214,6 +222,10 @@ def _replicas(args: argparse.Namespace) -> int:
 def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     if args.file is not None and args.simulate is not None:
         raise ValueError("--simulate runs the demo model's fleet; it does not combine with -f")
+    if args.simulate is not None:
+        from corral_engine.sim.perf_model import load_profile
+
+        load_profile(args.simulate)  # a bad name or file is said now, not by the engine it would start
     if args.file is not None:
         # The file says these, as on a cluster; a flag quietly overruled by it would mislead.
         for flag, value in (("--replicas", args.replicas), ("--served-model-name", args.served_model_name)):

@@ -102,10 +102,11 @@ def test_bench_help_states_the_random_vocabulary_it_draws_from() -> None:
 
 
 def test_missing_extra_is_one_line_naming_the_install(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: object
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
 ) -> None:
     # Simulate an install without the engine extra: importing torch fails as it would.
     monkeypatch.setitem(sys.modules, "torch", None)
+    (tmp_path / "config.json").write_text("{}")  # a model directory, as far as the early check sees
     assert main(["engine", "--model", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [

@@ -110,5 +110,5 @@ def test_a_missing_model_directory_is_refused_before_any_engine_starts(
     from_file = ["-f", str(EXAMPLE), "--model-path", str(missing)]
     args = _args(*(["--model", str(missing)] if source == "--model" else from_file))
     args.log_level, args.log_format = "INFO", "text"
-    assert cmd_up.run(args) == 1
+    assert cmd_up.run(args) == 3  # fetch-model's "not found" code, as `corral engine` exits with
     assert f"model directory '{missing}' does not exist" in caplog.text

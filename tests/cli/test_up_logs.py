@@ -38,8 +38,12 @@ def test_a_clean_stop_removes_the_temporary_logs(tmp_path: Path, tiny_model_dir:
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
-def test_a_failed_engine_keeps_its_logs_and_says_where(tmp_path: Path, tiny_model_dir: Path) -> None:
-    up = _up(tmp_path, "no-such-profile", tiny_model_dir)
+def test_a_failed_engine_keeps_its_logs_and_says_where(tmp_path: Path) -> None:
+    # `corral up` checks the profile and that tokenizer.json is there; only the engine reads it.
+    model_dir = tmp_path / "broken-tokenizer"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text("not a tokenizer")
+    up = _up(tmp_path, "h100-llama3-8b", model_dir)
     try:
         _, stderr = up.communicate(timeout=120)
     finally:
@@ -50,4 +54,4 @@ def test_a_failed_engine_keeps_its_logs_and_says_where(tmp_path: Path, tiny_mode
     (log_dir,) = (tmp_path / "tmp").iterdir()
     assert f"engine logs kept in {log_dir}" in stderr
     (log,) = log_dir.iterdir()
-    assert "no-such-profile" in log.read_text()
+    assert "tokenizer.json" in log.read_text()

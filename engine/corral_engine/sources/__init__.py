@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from corral_engine.sources.errors import KINDS, FetchError
-    from corral_engine.sources.fetch import FetchOptions, ResolvedModel, parse, resolve_model
+    from corral_engine.sources.fetch import (
+        FetchOptions,
+        ResolvedModel,
+        local_model_problem,
+        parse,
+        resolve_model,
+    )
     from corral_engine.sources.uri import ModelUri, ModelUriError, parse_model_uri
 
 _LAZY = {
@@ -19,6 +25,7 @@ _LAZY = {
     "FetchError": "corral_engine.sources.errors",
     "FetchOptions": "corral_engine.sources.fetch",
     "ResolvedModel": "corral_engine.sources.fetch",
+    "local_model_problem": "corral_engine.sources.fetch",
     "parse": "corral_engine.sources.fetch",
     "resolve_model": "corral_engine.sources.fetch",
     "ModelUri": "corral_engine.sources.uri",
@@ -33,6 +40,7 @@ __all__ = [
     "ModelUri",
     "ModelUriError",
     "ResolvedModel",
+    "local_model_problem",
     "parse",
     "parse_model_uri",
     "resolve_model",

@@ -1,7 +1,8 @@
 """From a model URI to a local checkpoint directory. hf:// and s3:// go through the cache: an entry
 already complete is returned without any network access; otherwise, under the entry's lock, the
 source lists the files, downloads them, the files are verified and the entry is marked complete.
-pvc:// reads <pvc_root>/CLAIM/PATH where the claim is mounted; a local path is used as it is."""
+pvc:// reads <pvc_root>/CLAIM/PATH where the claim is mounted; a local path is used where it lies, once
+it is seen to be a checkpoint directory."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def resolve_model(
 ) -> ResolvedModel:
     """The local directory holding `uri`'s checkpoint, downloading it first if it is remote."""
     if uri.scheme == "local":
+        problem = local_model_problem(Path(uri.location))
+        if problem is not None:
+            raise FetchError("not_found", problem)
         return ResolvedModel(uri, Path(uri.location), was_downloaded=False)
     if uri.scheme == "pvc":
         path = settings.pvc_root / uri.location / uri.path
@@ -77,6 +81,19 @@ def resolve_model(
     finally:
         cache.remove_empty(new_dirs)  # a complete entry keeps them
     return ResolvedModel(uri, entry, was_downloaded=True)
+
+
+def local_model_problem(path: Path, marker: str = "config.json") -> str | None:
+    """Why the local `path` is no model directory (missing, a file, no `marker` file in it), else None:
+    a stat or two, so callers say it before anything loads torch."""
+    if path.is_file():
+        where = f"give the directory that holds {marker}"
+        return f"model path {str(path)!r} is a file, not a checkpoint directory ({where})"
+    if not path.is_dir():
+        return f"model directory {str(path)!r} does not exist"
+    if not (path / marker).is_file():
+        return f"model directory {str(path)!r} has no {marker}"
+    return None
 
 
 def _download(uri: ModelUri, settings: SourceSettings, options: FetchOptions, entry: Path) -> None:
