@@ -217,3 +217,31 @@ def test_a_spec_the_api_server_cannot_type_is_degraded_apply_failed_with_its_mes
                     '[{"op": "remove", "path": "/spec/pod"}]')  # fmt: skip
     cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "bad-pod-spec")))
     assert condition(get_llmd(cluster, ns, "bad-pod-spec"), "Degraded")["status"] == "False"
+
+
+def test_an_event_for_a_model_whose_namespace_is_being_deleted_is_no_error(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    operator = start_operator()
+    doc = llmdeployment("held", ns, replicas=1)
+    # Another controller's finalizer: the model outlives its Deployment in the terminating namespace.
+    doc["metadata"]["finalizers"] = ["example.com/hold"]
+    cluster.apply(yaml.safe_dump(doc))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "held")))
+    try:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+        cluster.kubectl("delete", "deployment", "held", "-n", ns, "--wait=false", check=False)
+
+        def refused_posts() -> list[str]:
+            lines = operator.log().splitlines()
+            return [line for line in lines if "posting" in line and "being terminated" in line]
+
+        # The model's status change (its Deployment went) is an Event the API server refuses: kopf
+        # retries it, at DEBUG.
+        cluster.wait_until("an Event refused", refused_posts)
+        assert not [line for line in refused_posts() if " DEBUG " not in line], refused_posts()[:3]
+    finally:
+        cluster.kubectl(
+            "patch", "llmd", "held", "-n", ns, "--type", "merge", "-p", '{"metadata":{"finalizers":null}}'
+        )

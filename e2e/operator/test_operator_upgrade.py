@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from corral_operator.crd import build_crd
+from corral_operator.handlers import FINALIZER, OLD_FINALIZER
 
 from e2e.k8s.cluster import Cluster
 from e2e.operator.harness import (
@@ -194,3 +195,48 @@ def test_describe_shows_no_bookkeeping_and_a_newer_crd_is_no_users_change(
     # The API server answers 429 to watches while it re-initialises after a CRD update: kopf retries.
     throttled = [line for line in (first.log() + second.log()).splitlines() if "TooManyRequests" in line]
     assert not [line for line in throttled if " ERROR " in line], "\n".join(throttled)
+
+
+def test_a_newer_crd_applied_under_a_running_operator_is_no_invalid_spec(
+    restore_crd: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = restore_crd, k8s_namespace
+    operator = start_operator()
+    cluster.apply(yaml.safe_dump(llmdeployment("newer", ns, replicas=1)))
+    cluster.wait_until("Available", lambda: is_available(get_llmd(cluster, ns, "newer")))
+    cluster.apply(yaml.safe_dump(newer_crd()))  # the operator read the served schema a moment ago
+    cluster.wait_until(
+        "the newer CRD's field ignored",
+        lambda: "newer than this operator: it ignores spec.futureField" in operator.log(),
+    )
+    cluster.wait_until(  # the ticks on the defaulted spec
+        "defaulted field served", lambda: (get_llmd(cluster, ns, "newer") or {})["spec"].get(FUTURE_FIELD)
+    )
+    reasons = [e["reason"] for e in events_of(cluster, ns, "newer")]
+    assert "InvalidSpec" not in reasons and "Recovered" not in reasons, reasons
+    assert condition(get_llmd(cluster, ns, "newer"), "Degraded")["reason"] == "Healthy"
+    errors = [line for line in operator.log().splitlines() if " ERROR " in line]
+    assert not errors, "\n".join(errors)
+
+
+def test_an_older_operators_finalizer_is_replaced_and_deleting_never_hangs(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    # What an operator before the Corral finalizer left: its kopf finalizer on every LLMDeployment,
+    # and a deletion that waits for an operator.
+    for name in ("kept", "going"):
+        manifest = llmdeployment(name, ns, replicas=1)
+        manifest["metadata"]["finalizers"] = [OLD_FINALIZER]
+        cluster.apply(yaml.safe_dump(manifest))
+    cluster.kubectl("delete", "llmd", "going", "-n", ns, "--wait=false")
+    assert (get_llmd(cluster, ns, "going") or {})["metadata"].get("deletionTimestamp")
+
+    start_operator()
+    cluster.wait_until("the pending deletion done", lambda: get_llmd(cluster, ns, "going") is None)
+    cluster.wait_until(
+        "the Corral finalizer instead",
+        lambda: (get_llmd(cluster, ns, "kept") or {})["metadata"].get("finalizers") == [FINALIZER],
+    )
+    cluster.kubectl("delete", "llmd", "kept", "-n", ns, "--timeout=60s")  # returns once it is gone
+    assert get_llmd(cluster, ns, "kept") is None

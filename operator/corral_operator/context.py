@@ -19,6 +19,9 @@ from corral_operator.telemetry import OperatorMetrics
 
 log = logging.getLogger(__name__)
 CRD_CACHE_S = 60.0
+# A spec field this operator does not know can only come from a newer CRD (a structural schema
+# prunes the rest), so the served schema is re-read at once, but at most this often.
+SPEC_RECHECK_S = 5.0
 # Objects of these kinds only if the cluster serves them: CRD name -> kind (kube.RESOURCES).
 OPTIONAL_CRDS = {SERVICE_MONITOR_CRD: "ServiceMonitor", SCALED_OBJECT_CRD: "ScaledObject"}
 
@@ -33,6 +36,7 @@ class Context:
     monitor_interval: str = "15s"  # OperatorSettings.monitor_interval
     telemetry: OperatorMetrics = field(default_factory=OperatorMetrics)
     _crds_checked_at: float = -1e9
+    _spec_rechecked_at: float = -1e9
     _crds: frozenset[str] = frozenset()
     _refused_crds: frozenset[str] = frozenset()
     _missing_fields: tuple[str, ...] = ()  # of this operator's LLMDeployment CRD, in the served one
@@ -53,19 +57,23 @@ class Context:
         discovery the operator may not read counts as absent, and is in `refused_crds`."""
         with self._lock:
             if now_s - self._crds_checked_at > CRD_CACHE_S:
-                served, refused = set(), set()
-                for crd, kind in OPTIONAL_CRDS.items():
-                    try:
-                        if self.kube.serves(kind):
-                            served.add(crd)
-                    except Forbidden as e:
-                        refused.add(crd)
-                        if crd not in self._refused_crds:
-                            log.warning("not allowed to read API discovery for %s: %s", kind, e.message)
-                self._crds, self._refused_crds = frozenset(served), frozenset(refused)
-                self._check_own_crd()
-                self._crds_checked_at = now_s
+                self._look_up(now_s)
             return self._crds
+
+    def _look_up(self, now_s: float) -> None:
+        """Read API discovery and the served LLMDeployment schema (under `_lock`)."""
+        served, refused = set(), set()
+        for crd, kind in OPTIONAL_CRDS.items():
+            try:
+                if self.kube.serves(kind):
+                    served.add(crd)
+            except Forbidden as e:
+                refused.add(crd)
+                if crd not in self._refused_crds:
+                    log.warning("not allowed to read API discovery for %s: %s", kind, e.message)
+        self._crds, self._refused_crds = frozenset(served), frozenset(refused)
+        self._check_own_crd()
+        self._crds_checked_at = now_s
 
     def stale_crd(self, now_s: float) -> str | None:
         """Why the installed LLMDeployment CRD is older than this operator's, or None (checked with
@@ -80,9 +88,20 @@ class Context:
 
     def known_spec(self, spec: Mapping[str, Any], now_s: float) -> Mapping[str, Any]:
         """`spec` less the fields of a newer CRD this operator does not know: it runs what it knows
-        (as an older controller ignores unknown fields) rather than refuse every LLMDeployment."""
-        self.installed_crds(now_s)
-        return crd_drift.without_fields(spec, list(self._unknown_fields))
+        (as an older controller ignores unknown fields) rather than refuse every LLMDeployment. A
+        field not seen before has the served schema read again at once (at most every SPEC_RECHECK_S)."""
+        undeclared = set(crd_drift.undeclared_fields(spec, expected_schema()["properties"]["spec"]))
+        with self._lock:
+            is_due = now_s - self._crds_checked_at > CRD_CACHE_S
+            # A CRD applied since the last look-up: the model would be an InvalidSpec until the next.
+            is_new = bool(undeclared - set(self._unknown_fields))
+            if is_new and now_s - self._spec_rechecked_at > SPEC_RECHECK_S:
+                self._spec_rechecked_at = now_s
+                is_due = True
+            if is_due:
+                self._look_up(now_s)
+            unknown = list(self._unknown_fields)
+        return crd_drift.without_fields(spec, unknown)
 
     def _check_own_crd(self) -> None:
         """Compare the served LLMDeployment schema with this operator's; say so once when it changes.

@@ -48,6 +48,28 @@ def _walk(want: Mapping[str, Any], have: Mapping[str, Any] | None, path: str, ou
         _walk(want["additionalProperties"], have.get("additionalProperties"), f"{path}.*", out)
 
 
+def undeclared_fields(value: Any, schema: Mapping[str, Any], path: str = "spec") -> list[str]:
+    """Paths of the fields in `value` (an object's spec) that `schema` (its spec schema) does not
+    declare, in `missing_fields`' form; one under an open object or map is declared."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    out: list[str] = []
+    if isinstance(value, Mapping):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for name, child in value.items():
+            if name in props:
+                out += undeclared_fields(child, props[name], f"{path}.{name}")
+            elif isinstance(extra, Mapping):
+                out += undeclared_fields(child, extra, f"{path}.*")
+            elif extra is not True:
+                out.append(f"{path}.{name}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for item in value:
+            out += undeclared_fields(item, schema["items"], f"{path}[]")
+    return sorted(set(out))
+
+
 def _listed(paths: list[str]) -> str:
     """The first MAX_LISTED paths, and how many more."""
     more = f" and {len(paths) - MAX_LISTED} more" if len(paths) > MAX_LISTED else ""

@@ -1,10 +1,11 @@
 """kopf handlers for LLMDeployment: the operator's table of contents (`build_registry` lists them all).
 
 create / update / resume / timer run one idempotent tick (autoscale, reconcile, one status patch);
-children go with their owner (owner references), so there is no delete handler. kopf still puts its
-finalizer on every LLMDeployment because of the timer: it stops an object's timer task on deletion,
-and kopf offers no timer without one. So deleting an LLMDeployment waits for a running operator
-(docs/operations.md, "Deleting LLMDeployments and uninstalling").
+children go with their owner (owner references), so there is no delete handler. kopf still puts a
+finalizer (FINALIZER) on every LLMDeployment because of the timer: it stops an object's timer task on
+deletion, and kopf offers no timer without one (kopf.timer's handler requires_finalizer). So deleting
+an LLMDeployment waits for a running operator (docs/operations.md, "Deleting LLMDeployments and
+uninstalling").
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from corral_operator import labels
 from corral_operator.changes import update_event
 from corral_operator.context import Context
 from corral_operator.errors import error_reason, to_kopf
+from corral_operator.kopf_logs import install as install_kopf_logs
 from corral_operator.kube import KubeError
 from corral_operator.login import login
 from corral_operator.persistence import MemoryDiffBaseStorage, MemoryProgressStorage
@@ -29,12 +31,15 @@ from corral_operator.scaling import autoscale, seed_state
 from corral_operator.settings import OperatorSettings
 from corral_operator.spec import GROUP, KIND, PLURAL, VERSION, SpecError
 from corral_operator.status import Event
-from corral_operator.watch_logs import install as install_watch_logs
 
 log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
 ANNOTATION_PREFIX = "operator.corral.dev"
 EVENT_SOURCE = "corral-operator"
+FINALIZER = f"{ANNOTATION_PREFIX}/finalizer"
+# What operators before FINALIZER put on: removed from every LLMDeployment, even one being deleted
+# (kopf knows one finalizer only; left there, it would block that deletion for ever).
+OLD_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -51,6 +56,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     kopf.timer(*RESOURCE, interval=resync_s, initial_delay=resync_s, registry=registry)(on_timer)
     managed = {labels.MANAGED_BY: labels.MANAGED_BY_VALUE}
     kopf.on.event("apps", "v1", "deployments", labels=managed, registry=registry)(on_deployment_event)
+    kopf.on.event(*RESOURCE, registry=registry)(drop_old_finalizer)
     return registry
 
 
@@ -59,6 +65,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # `kubectl describe` shows no bookkeeping (reconcile is level-triggered, a restart loses nothing).
     settings.persistence.progress_storage = MemoryProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = MemoryDiffBaseStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf's are noise
     # Events say who wrote them (`kubectl describe`'s From column): this operator, this pod.
     settings.posting.reporting_component = EVENT_SOURCE
@@ -69,7 +76,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 30
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    install_watch_logs()
+    install_kopf_logs()
 
 
 def check_crds(memo: kopf.Memo, **_: Any) -> None:
@@ -102,6 +109,18 @@ def on_update(
 
 def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     _tick(body, memo, logger, scrape=True, is_timer=True)
+
+
+def drop_old_finalizer(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """An older operator's finalizer goes in the patch kopf applies after this event (a JSON patch of
+    this one entry: other controllers' finalizers stay)."""
+    if OLD_FINALIZER in (body.metadata.get("finalizers") or ()):
+        patch.fns.append(_without_old_finalizer)
+
+
+def _without_old_finalizer(raw: Any) -> None:
+    finalizers = raw.get("metadata", {}).get("finalizers") or []
+    raw["metadata"]["finalizers"] = [f for f in finalizers if f != OLD_FINALIZER]
 
 
 def on_deployment_event(body: kopf.Body, memo: kopf.Memo, type: str | None, **_: Any) -> None:

@@ -66,3 +66,12 @@ def test_a_newer_crds_spec_fields_are_named_and_dropped_before_parsing() -> None
     assert crd_drift.without_fields(spec, unknown) == {"replicas": 1, "tolerations": [{"key": "gpu"}]}
     assert spec["newKnob"] == {"level": 3}  # the body kopf holds is not changed
     assert crd_drift.without_fields(spec, []) is spec
+
+
+def test_a_specs_fields_the_schema_does_not_declare_are_named_like_missing_fields() -> None:
+    schema = expected_schema()["properties"]["spec"]
+    spec = {"replicas": 1, "newKnob": {"level": 3}, "tolerations": [{"key": "gpu", "newKey": "x"}]}
+    assert crd_drift.undeclared_fields(spec, schema) == ["spec.newKnob", "spec.tolerations[].newKey"]
+    assert crd_drift.undeclared_fields({"replicas": 1}, schema) == []
+    open_map = {"properties": {"labels": {"type": "object", "additionalProperties": {"type": "string"}}}}
+    assert crd_drift.undeclared_fields({"labels": {"any": "x"}}, open_map) == []  # a map's keys are free

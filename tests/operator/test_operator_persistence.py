@@ -11,8 +11,8 @@ import kopf
 import pytest
 from corral_operator import handlers
 from corral_operator.handlers import ANNOTATION_PREFIX
-from corral_operator.watch_logs import WATCH_LOGGER
-from kopf._cogs.clients.errors import APITooManyRequestsError
+from corral_operator.kopf_logs import POSTING_LOGGER, WATCH_LOGGER
+from kopf._cogs.clients.errors import APIForbiddenError, APITooManyRequestsError
 from kopf._cogs.structs.diffs import diff as kopf_diff  # kopf exports the Diff type, not the function
 
 from tests.operator.invalid_cases import valid_spec
@@ -112,3 +112,39 @@ def test_a_throttled_watch_is_a_warning_not_an_error(
         watch_log.error(f"Request attempt #1/9 failed; will retry: {url} -> {throttled!r}")
         watch_log.error(f"Request attempt #1/9 failed; will retry: {url} -> boom")
     assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]  # other failures stay errors
+
+
+def test_an_event_into_a_namespace_being_deleted_is_not_an_error(
+    settings: kopf.OperatorSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    message = (
+        'events "corral-x" is forbidden: unable to create new content in namespace ml because it is '
+        "being terminated"
+    )
+    terminating = APIForbiddenError({"message": message, "code": 403}, status=403, headers={})  # type: ignore[arg-type]
+    url = "POST https://127.0.0.1:6443/api/v1/namespaces/ml/events"
+    posting_log = logging.getLogger(POSTING_LOGGER)
+    with caplog.at_level(logging.DEBUG, logger=POSTING_LOGGER):
+        # What kopf's request retry loop and its Event poster log (kopf/_cogs/clients/{api,events}.py).
+        posting_log.error(f"Request attempt #1/9 failed; will retry: {url} -> {terminating!r}")
+        posting_log.error(f"Request attempt #9/9 failed; escalating: {url} -> {terminating!r}")
+        posting_log.warning(
+            f"Failed to post an event. Ignoring and continuing. Code: 403. Message: {message}."
+        )
+        posting_log.error(f"Request attempt #1/9 failed; will retry: {url} -> forbidden by RBAC")
+    assert [r.levelname for r in caplog.records] == ["DEBUG", "DEBUG", "DEBUG", "ERROR"]
+
+
+def test_the_finalizer_has_a_corral_name_and_an_older_operators_is_removed(
+    settings: kopf.OperatorSettings,
+) -> None:
+    assert settings.persistence.finalizer == handlers.FINALIZER == "operator.corral.dev/finalizer"
+    raw = body(valid_spec())
+    raw["metadata"]["finalizers"] = ["example.com/keep", handlers.OLD_FINALIZER]
+    raw["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"  # even one being deleted
+    patch = kopf.Patch()
+    handlers.drop_old_finalizer(body=kopf.Body(raw), patch=patch)  # type: ignore[arg-type]
+    assert patch.as_json_patch(raw) == [{"op": "remove", "path": "/metadata/finalizers/1"}]
+    patch = kopf.Patch()
+    handlers.drop_old_finalizer(body=kopf.Body(body(valid_spec())), patch=patch)  # type: ignore[arg-type]
+    assert not patch

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from corral_operator import labels
 from corral_operator.autoscaler import Load, State
-from corral_operator.context import Context
+from corral_operator.context import SPEC_RECHECK_S, Context
 from corral_operator.crd import expected_schema
 from corral_operator.kube import Conflict, Forbidden, Invalid
 from corral_operator.metrics import PodTarget
@@ -525,6 +525,35 @@ def test_a_newer_crds_defaulted_field_is_ignored_not_an_invalid_spec() -> None:
     assert ("Deployment", "ml", "tiny") in kube.objects
     degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "Healthy"
+
+
+def test_a_crd_made_newer_under_a_running_operator_is_read_at_once_not_an_invalid_spec(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kube = FakeKube()
+    kube.schema = copy.deepcopy(expected_schema())
+    ctx = make_ctx(kube)
+    reconcile(ctx, kube.store_cr(body(valid_spec())), now_s=0)  # the schema is read and cached
+    kube.schema["properties"]["spec"]["properties"]["newKnob"] = {"type": "object", "default": {}}
+    with caplog.at_level(logging.WARNING, logger="corral_operator.context"):
+        outcome = reconcile(ctx, kube.store_cr(body(valid_spec() | {"newKnob": {}})), now_s=1)
+    assert outcome.spec_error is None
+    assert not [e for e in outcome.events if e.reason in ("InvalidSpec", "Recovered")]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "newer than this operator: it ignores spec.newKnob" in caplog.records[0].getMessage()
+
+
+def test_an_unknown_spec_field_rereads_the_served_schema_at_most_every_few_seconds() -> None:
+    kube = FakeKube()
+    kube.schema = copy.deepcopy(expected_schema())
+    reads = []
+    served = kube.served_schema
+    kube.served_schema = lambda kind: reads.append(kind) or served(kind)  # type: ignore[method-assign]
+    ctx = make_ctx(kube)
+    spec = valid_spec() | {"notInAnyCrd": 1}  # an API server without pruning could let one through
+    for now_s in (0, 1, 2, SPEC_RECHECK_S + 1.5):
+        assert ctx.known_spec(spec, now_s) == spec
+    assert len(reads) == 2  # at 0, then once SPEC_RECHECK_S had passed
 
 
 def test_replicas_outside_the_autoscaling_bounds_never_reach_the_deployment() -> None:

@@ -87,7 +87,7 @@ def test_every_handler_is_registered() -> None:
     watching = {h.id for h in registry._watching.get_all_handlers()}
     assert activities == {"configure", "check_crds", "login", "alive"}
     assert changing == {("on_change", "create"), ("on_update", "update"), ("on_change", "resume")}
-    assert watching == {"on_deployment_event"}
+    assert watching == {"on_deployment_event", "drop_old_finalizer"}
 
 
 def test_login_reads_the_named_kubeconfig(tmp_path: Path) -> None:
