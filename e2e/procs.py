@@ -4,14 +4,18 @@
         httpx.get(engine.url + "/v1/models")
         engine.metric("vllm:num_requests_running")
 
-Logs go to a file (`.log_path`, its tail is in every startup error). Leaving the `with` block sends
+Logs go to a file (`.log_path`, its tail is in every startup error): in the test's `log_dir`, else
+under one directory of the test run's, removed when it ends. Leaving the `with` block sends
 SIGTERM, waits, then SIGKILLs, so no test leaves a process behind.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +34,15 @@ HOST = "127.0.0.1"
 # A guard against a hang, not a measurement: a tiny-model engine starts in ~25 s on a busy 2-core
 # machine, and took over 120 s twice at load average 7-11 (weight prepacking alone 51 s).
 READY_TIMEOUT_S = 300.0
+
+
+@functools.cache
+def _run_log_root() -> Path:
+    """Where the logs of processes started without a `log_dir` go: one directory for the test run
+    (each process's in its own below it), removed when the run ends, so no run leaves them behind."""
+    root = Path(tempfile.mkdtemp(prefix="corral-e2e-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 def free_port() -> int:
@@ -66,7 +79,7 @@ class ManagedProcess:
         self.port = port
         self.url = f"http://{HOST}:{port}"
         self.health_path = health_path
-        log_root = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="corral-e2e-"))
+        log_root = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(dir=_run_log_root()))
         log_root.mkdir(parents=True, exist_ok=True)
         self.log_path = log_root / f"{name}-{port}.log"
         self._log = self.log_path.open("wb")

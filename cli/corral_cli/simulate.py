@@ -101,7 +101,7 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             )
             runner.run(fleet)
     except ModelLoadError as e:
-        log.error("cannot load the tokenizer: %s", e)
+        log.error("cannot load the model: %s", e)
         return 1
     return 0
 

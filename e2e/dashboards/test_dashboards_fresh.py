@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from corral_cli.chartgen.queries import HISTOGRAM_SUFFIXES, dashboard_queries, metric_names
+from corral_engine.wire import SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL
 from corral_gateway.metrics import KEY_TOKENS_TOTAL
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +26,8 @@ MODEL = "tiny-llama"
 NOT_ON_A_FRESH_FLEET: frozenset[str] = frozenset(
     {
         KEY_TOKENS_TOTAL,  # labelled by API key name: none without a keys file (this fleet has none)
+        # A series per draft position only with --speculative (this engine runs without).
+        SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
     }
 )
 

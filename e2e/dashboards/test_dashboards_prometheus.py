@@ -37,6 +37,11 @@ MODEL = "tiny-llama"
 API_KEY, KEY_NAME = "sk-dashboards-e2e", "e2e-team"
 SHARED_PREFIX = "You are a helpful assistant for the Corral project. Answer briefly and precisely. "
 _DATA_TIMEOUT_S = 90.0
+# Panels without data on this fleet, each with why; every other query must return data, and every
+# other metric queried must be exported here.
+NO_DATA_HERE = {
+    "Acceptance rate by draft position": "a series per draft position only with --speculative",
+}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -189,7 +194,7 @@ def _wait_for_all_data(prometheus_url: str, model: str) -> list[promcheck.QueryR
     deadline = time.monotonic() + _DATA_TIMEOUT_S
     while True:
         results = promcheck.check_dashboards(prometheus_url, model, rate_interval="30s")
-        empty = [r for r in results if r.num_series == 0]
+        empty = [r for r in results if r.num_series == 0 and r.query.panel not in NO_DATA_HERE]
         if not empty or time.monotonic() > deadline:
             return results
         time.sleep(1.0)
@@ -198,8 +203,14 @@ def _wait_for_all_data(prometheus_url: str, model: str) -> list[promcheck.QueryR
 @pytest.mark.parametrize("model", [MODEL, ".*"], ids=["model-selected", "all-models"])
 def test_every_dashboard_query_returns_data(prometheus: ManagedProcess, load: list[int], model: str) -> None:
     results = _wait_for_all_data(prometheus.url, model)
-    empty = [f"{r.query.dashboard}: {r.query.panel}: {r.query.expr}" for r in results if not r.num_series]
+    empty = [
+        f"{r.query.dashboard}: {r.query.panel}: {r.query.expr}"
+        for r in results
+        if not r.num_series and r.query.panel not in NO_DATA_HERE
+    ]
     assert not empty, "queries without data:\n" + "\n".join(empty)
+    with_data = {r.query.panel for r in results if r.num_series} & set(NO_DATA_HERE)
+    assert not with_data, f"exempt panels with data now (drop them from NO_DATA_HERE): {with_data}"
     assert len(load) > 0
     by_panel = {(r.query.panel, r.query.legend): r for r in results}
     # Spot checks that the numbers mean what the panels say.
@@ -220,7 +231,8 @@ def test_every_dashboard_metric_is_exported_by_a_live_process(
                 exported.add(line.split()[2])
             elif line and not line.startswith("#"):
                 exported.add(line.split("{")[0].split(" ")[0])
-    named = set().union(*(metric_names(q.expr) for q in dashboard_queries()))
+    queries = [q for q in dashboard_queries() if q.panel not in NO_DATA_HERE]
+    named = set().union(*(metric_names(q.expr) for q in queries))
     missing = {name for name in named if name not in exported and name + "_bucket" not in exported}
     assert not missing, f"dashboards query metrics no live engine or gateway exports: {sorted(missing)}"
 
@@ -239,10 +251,12 @@ def test_promcheck_commands_a_user_runs(
     assert jobs["corral-gateway"] == [gateway.url.removeprefix("http://")]
     assert len(jobs["corral-engines"]) == 3  # the gateway's replicas, the broken one included
     _wait_for_all_data(prometheus.url, MODEL)
+    # 0: the panels without data here are event-driven ones, which the check does not fail on.
     assert promcheck.main(["check", "--prometheus", prometheus.url, "--model", MODEL]) == 0
     report = capsys.readouterr().out
     total = len(dashboard_queries())
-    assert f"{total} of {total} queries returned data" in report
+    num_exempt = sum(q.panel in NO_DATA_HERE for q in dashboard_queries())
+    assert f"{total - num_exempt} of {total} queries returned data" in report
 
 
 def test_every_alert_rule_loads_and_evaluates(prometheus: ManagedProcess, load: list[int]) -> None:

@@ -100,3 +100,53 @@ def test_drilldown_has_per_replica_panels() -> None:
     per_replica = [q for q in drill if "instance" in q.expr or "replica" in q.expr]
     assert len(per_replica) >= 8
     assert all(isinstance(q, Query) for q in drill)
+
+
+def test_speculative_acceptance_panels_compute_what_vllm_defines(promtool: str, tmp_path: Path) -> None:
+    """promtool evaluates the two panels over counters growing by known amounts: model m's two
+    replicas verify 4 + 4 drafts a minute and accept 12 tokens, 6 at position 0 and 4 at position 1."""
+    by_panel = {q.panel: q.expr for q in dashboard_queries(rate_interval="5m")}
+    labels = 'model_name="{}",engine="0",instance="{}"'
+    series = {
+        f"vllm:spec_decode_num_drafts_total{{{labels.format('m', 'a')}}}": 4,
+        f"vllm:spec_decode_num_drafts_total{{{labels.format('m', 'b')}}}": 4,
+        f"vllm:spec_decode_num_drafts_total{{{labels.format('n', 'c')}}}": 4,
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels.format('m', 'a')}}}": 12,
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels.format('n', 'c')}}}": 2,
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels.format("m", "a")},position="0"}}': 6,
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels.format("m", "a")},position="1"}}': 4,
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels.format("n", "c")},position="0"}}': 2,
+    }
+    expected = {
+        "Mean acceptance length": {'{model_name="m"}': 2.5, '{model_name="n"}': 1.5},
+        "Acceptance rate by draft position": {
+            '{model_name="m",position="0"}': 0.75,
+            '{model_name="m",position="1"}': 0.5,
+            '{model_name="n",position="0"}': 0.5,
+        },
+    }
+    tests = [
+        {
+            "expr": by_panel[panel],
+            "eval_time": "10m",
+            "exp_samples": [{"labels": k, "value": v} for k, v in samples.items()],
+        }
+        for panel, samples in expected.items()
+    ]
+    unit = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": f"0+{n}x10"} for s, n in series.items()],
+                "promql_expr_test": tests,
+            }
+        ],
+    }
+    path = tmp_path / "acceptance_test.yaml"
+    path.write_text(yaml.safe_dump(unit))
+    result = subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,10 +1,17 @@
 """The simulated replicas' tokenizer (no transformers) renders chats and encodes as transformers does,
-tools and chat_template_kwargs included, so a simulated replica answers chat requests like a real one."""
+tools and chat_template_kwargs included, so a simulated replica answers chat requests like a real one;
+a corrupt checkpoint file ends `corral engine --simulate` with one error line, as a bad real model does."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import pathlib
+import shutil
 
+import pytest
+from corral_cli import cmd_engine
+from corral_cli.simulate import run_simulated
 from corral_engine.sim.tokenizer import LightTokenizer
 from transformers import AutoTokenizer
 
@@ -51,3 +58,32 @@ def test_decode_keeps_special_tokens_unless_told_as_transformers_does(tiny_model
     assert light.decode(ids[:1]) == reference.decode(ids[:1]) == "<s>"  # /tokenize's token_strs
     assert light.decode(ids) == reference.decode(ids)
     assert light.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    ("file", "text"),
+    [
+        ("tokenizer.json", "not json {"),
+        ("tokenizer.json", '{"a": 1}'),  # JSON, not a tokenizer
+        ("tokenizer_config.json", "nope"),
+        ("tokenizer_config.json", "[1, 2]"),
+        ("config.json", "{"),
+    ],
+)
+def test_a_corrupt_checkpoint_file_is_one_error_line_and_exit_1(
+    tiny_model_dir: pathlib.Path,
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+    file: str,
+    text: str,
+) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / file).write_text(text)
+    parser = argparse.ArgumentParser()
+    cmd_engine.add_arguments(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--simulate", "h100-llama3-8b"])
+    with caplog.at_level(logging.ERROR, logger="corral_cli.simulate"):
+        assert run_simulated(args, cmd_engine.engine_args_from(args)) == 1
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert str(model_dir / file) in record.getMessage() and record.exc_info is None

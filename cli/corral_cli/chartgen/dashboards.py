@@ -101,8 +101,10 @@ def _phases_row() -> Row:
                 ),
                 unit="percentunit",
                 max_value=1.0,
+                width=6,
                 is_event_driven=True,
             ),
+            *_acceptance_panels(),
             Panel(
                 "Speculative drafts/s",
                 "Draft tokens verified and accepted per second.",
@@ -116,7 +118,36 @@ def _phases_row() -> Row:
                         "{{instance}} accepted",
                     ),
                 ),
+                width=6,
             ),
+        ),
+    )
+
+
+def _acceptance_panels() -> tuple[Panel, Panel]:
+    """Mean acceptance length and acceptance rate by draft position, per model, as vLLM defines them."""
+    m = ENGINE_MODEL
+    drafts = sum_by(m, rate(_engine(wire.SPEC_DECODE_NUM_DRAFTS_TOTAL)))
+    accepted = sum_by(m, rate(_engine(wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL)))
+    per_pos = sum_by(f"{m}, position", rate(_engine(wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL)))
+    return (
+        Panel(
+            "Mean acceptance length",
+            "Tokens a verified draft yields: 1 + accepted tokens / drafts (NaN without --speculative).",
+            (Target(f"1 + {accepted} / {drafts}", "{{model_name}}"),),
+            width=6,
+            is_event_driven=True,
+        ),
+        Panel(
+            "Acceptance rate by draft position",
+            "Share of drafts whose token at this position was accepted (0 = first; no series without "
+            "--speculative).",
+            # group_left: each position's rate over its model's one drafts rate.
+            (Target(f"{per_pos} / on ({m}) group_left {drafts}", "{{model_name}} position {{position}}"),),
+            unit="percentunit",
+            max_value=1.0,
+            width=6,
+            is_event_driven=True,
         ),
     )
 

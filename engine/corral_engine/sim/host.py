@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from corral_engine.errors import ModelLoadError
 from corral_engine.http_limits import uvicorn_options
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
@@ -89,7 +90,13 @@ def eos_token_ids(model_dir: Path, tokenizer: LightTokenizer) -> tuple[int, ...]
     """config.json's eos_token_id (one id or a list), else the tokenizer's eos token."""
     config_path = model_dir / "config.json"
     if config_path.is_file():
-        eos = json.loads(config_path.read_text()).get("eos_token_id")
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ModelLoadError(f"{config_path} is not a JSON object")
+        eos = config.get("eos_token_id")
         if isinstance(eos, int):
             return (eos,)
         if isinstance(eos, list):

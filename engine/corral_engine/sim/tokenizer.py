@@ -25,9 +25,11 @@ class LightTokenizer:
         path = Path(model_dir)
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError(f"{path} has no tokenizer.json (the simulator reads only that format)")
-        self.backend_tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config_path = path / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            self.backend_tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # `tokenizers` raises a bare Exception for unparsable files
+            raise ModelLoadError(f"{path / 'tokenizer.json'} is not a valid tokenizer: {e}") from e
+        config = _read_config(path / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template: str | None = config.get("chat_template")
@@ -73,6 +75,19 @@ class LightTokenizer:
             )
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_config(config_path: Path) -> dict[str, Any]:
+    """tokenizer_config.json as a dict ({} when absent); ModelLoadError when it is not a JSON object."""
+    if not config_path.is_file():
+        return {}
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{config_path} cannot be read as JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path} is not a JSON object")
+    return config
 
 
 def _token_text(token: Any) -> str | None:
