@@ -207,8 +207,13 @@ def num_reasoning_tokens(
     found = "".join(pieces).find(plan.format.end)
     if found == -1:  # the tokens' texts alone do not show the tag (a tokenizer's oddity): all
         return len(token_ids)
+    return _num_tokens_through(pieces, found + len(plan.format.end))
+
+
+def _num_tokens_through(pieces: list[str], num_chars: int) -> int:
+    """How many of the tokens (their texts, `pieces`) it takes to reach `num_chars` characters."""
     ends = list(itertools.accumulate(map(len, pieces)))  # characters through each token
-    return bisect.bisect_left(ends, found + len(plan.format.end)) + 1
+    return bisect.bisect_left(ends, num_chars) + 1
 
 
 class ReasoningCount:
@@ -237,8 +242,7 @@ class ReasoningCount:
             found = joined.find(self._end_tag)
             if found != -1:
                 through = found + len(self._end_tag) - len(self._tail)  # characters into this step's
-                ends = list(itertools.accumulate(map(len, pieces)))
-                self._num_through_end = self._num_tokens + bisect.bisect_left(ends, through) + 1
+                self._num_through_end = self._num_tokens + _num_tokens_through(pieces, through)
             self._tail = joined[max(0, len(joined) - len(self._end_tag) + 1) :]
         self._num_tokens += len(token_ids)
 

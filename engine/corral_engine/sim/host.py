@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import signal
 from collections.abc import Callable, Iterator, Mapping
@@ -15,13 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from corral_engine.errors import ModelLoadError
 from corral_engine.http_limits import uvicorn_options
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.perf_model import Profile, Roofline
-from corral_engine.sim.tokenizer import LightTokenizer
+from corral_engine.sim.tokenizer import LightTokenizer, read_json_object
 
 if TYPE_CHECKING:
     from corral_engine.server.lifecycle import Drain
@@ -88,19 +86,11 @@ def ignored_options(profile: Profile, given: Mapping[str, Any]) -> list[str]:
 
 def eos_token_ids(model_dir: Path, tokenizer: LightTokenizer) -> tuple[int, ...]:
     """config.json's eos_token_id (one id or a list), else the tokenizer's eos token."""
-    config_path = model_dir / "config.json"
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise ModelLoadError(f"{config_path} is not a JSON object")
-        eos = config.get("eos_token_id")
-        if isinstance(eos, int):
-            return (eos,)
-        if isinstance(eos, list):
-            return tuple(int(e) for e in eos)
+    eos = read_json_object(model_dir / "config.json").get("eos_token_id")
+    if isinstance(eos, int):
+        return (eos,)
+    if isinstance(eos, list):
+        return tuple(int(e) for e in eos)
     return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
 
 

@@ -29,7 +29,7 @@ class LightTokenizer:
             self.backend_tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # `tokenizers` raises a bare Exception for unparsable files
             raise ModelLoadError(f"{path / 'tokenizer.json'} is not a valid tokenizer: {e}") from e
-        config = _read_config(path / "tokenizer_config.json")
+        config = read_json_object(path / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template: str | None = config.get("chat_template")
@@ -77,8 +77,9 @@ class LightTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _read_config(config_path: Path) -> dict[str, Any]:
-    """tokenizer_config.json as a dict ({} when absent); ModelLoadError when it is not a JSON object."""
+def read_json_object(config_path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, tokenizer_config.json) as a dict ({} when absent);
+    ModelLoadError when it is not a JSON object."""
     if not config_path.is_file():
         return {}
     try:
