@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import pytest
 import yaml
 from corral_cli.chartgen.dashboards import DASHBOARDS
 from corral_cli.chartgen.queries import Query, dashboard_queries, declared_metric_names, metric_names
+from corral_engine import wire
 
-from tests.chart.conftest import CHART
+from tests.chart.conftest import CHART, ROOT
 
 
 def _check_rules(promtool: str, exprs: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -150,3 +152,30 @@ def test_speculative_acceptance_panels_compute_what_vllm_defines(promtool: str, 
         [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_speculative_rate_panels_name_what_they_count() -> None:
+    """vLLM tells drafts (one per sequence per verify step) from draft tokens (up to k each): a panel
+    plotting draft tokens a second says tokens, and one titled drafts a second plots drafts."""
+    draft_tokens, drafts = wire.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, wire.SPEC_DECODE_NUM_DRAFTS_TOTAL
+    panels = [p for build in DASHBOARDS.values() for p in build().panels()]
+    plain_rates = [p for p in panels if any(" / " not in t.expr for t in p.targets)]
+    counted = [p for p in plain_rates if any(draft_tokens in metric_names(t.expr) for t in p.targets)]
+    assert counted, "no panel plots draft tokens a second"
+    for panel in counted:
+        assert "draft tokens" in panel.title.lower(), panel.title
+    for panel in panels:
+        if "drafts/s" in panel.title.lower():
+            assert all(drafts in metric_names(t.expr) for t in panel.targets), panel.title
+
+
+def test_docs_sample_counts_every_query() -> None:
+    """docs/dashboards.md's sample of `promcheck check` ends with the count of every dashboard query."""
+    text = (ROOT / "docs" / "dashboards.md").read_text()
+    counts = re.findall(r"(\d+) of (\d+) queries returned data", text)
+    assert counts, "docs/dashboards.md has no promcheck summary line"
+    num_queries = len(dashboard_queries())
+    num_event_driven = sum(q.is_event_driven for q in dashboard_queries())
+    for with_data, total in counts:
+        assert int(total) == num_queries
+        assert num_queries - num_event_driven <= int(with_data) <= num_queries

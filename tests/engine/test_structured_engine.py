@@ -105,3 +105,37 @@ def test_invalid_grammars_are_refused_when_the_request_is_built(tiny_model_dir: 
         engine.add_request("x", "hi", SamplingParams(grammar=bad))
     assert info.value.param == "response_format"
     assert not engine.has_unfinished_requests()
+
+
+def test_unique_items_false_constrains_nothing_and_true_is_refused_by_name(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    """`uniqueItems: false` is JSON Schema's default: compiled as if absent (llguidance refuses the
+    keyword at any value). `true` a grammar cannot enforce: a 400 naming it, as vLLM's guidance gives."""
+    engine = make_engine(tiny_model_dir)
+    tags = {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}
+
+    def schema(unique: bool) -> dict[str, object]:
+        listed = {**tags, "uniqueItems": unique}
+        # In $defs, and beside a property that is *named* uniqueItems (data, not the keyword).
+        return {
+            "type": "object",
+            "properties": {"tags": {"$ref": "#/$defs/tags"}, "uniqueItems": {"type": "boolean"}},
+            "required": ["tags", "uniqueItems"],
+            "additionalProperties": False,
+            "$defs": {"tags": listed},
+        }
+
+    allowed = GrammarSpec.json_schema(schema(False), "response_format")
+    engine.add_request("ok", "hi", SamplingParams(max_tokens=60, seed=0, grammar=allowed))
+    (text,) = _texts(engine, ["ok"])
+    jsonschema.validate(json.loads(text), schema(False))
+    assert '"maxItems":3}' in allowed.text and '"uniqueItems":false' not in allowed.text
+    # A property named uniqueItems whose schema is `false` (it must be absent) is no keyword: kept.
+    named = {"type": "object", "properties": {"uniqueItems": False}}
+    assert json.loads(GrammarSpec.json_schema(named, "x").text) == named
+    refused = GrammarSpec.json_schema(schema(True), "response_format")
+    with pytest.raises(InvalidRequestError, match="uniqueItems") as info:
+        engine.add_request("no", "hi", SamplingParams(grammar=refused))
+    assert info.value.param == "response_format"
+    assert not engine.has_unfinished_requests()

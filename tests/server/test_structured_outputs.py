@@ -148,6 +148,15 @@ async def test_grammar_and_json_on_completions(client: openai.AsyncOpenAI) -> No
             },
             "nope",
         ),
+        # A keyword the grammar cannot enforce is named (`uniqueItems: false`, the default, is dropped).
+        (
+            {
+                "structured_outputs": {
+                    "json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+                }
+            },
+            "uniqueItems",
+        ),
         ({"structured_outputs": {"regex": "[a-"}}, "regex"),
         ({"structured_outputs": {"json": "{not json"}}, "not JSON"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),

@@ -34,7 +34,7 @@ class GrammarSpec:
     def json_schema(
         schema: dict[str, Any] | str, param: str, whitespace_pattern: str | None = None
     ) -> GrammarSpec:
-        value = json.loads(schema) if isinstance(schema, str) else schema
+        value = _without_no_ops(json.loads(schema) if isinstance(schema, str) else schema)
         text = json.dumps(value, separators=(",", ":"))  # key order kept: it orders the output
         return GrammarSpec("json", text, whitespace_pattern, param)
 
@@ -44,3 +44,32 @@ class GrammarSpec:
 
     def after_reasoning(self, end: str, start: str | None) -> GrammarSpec:
         return replace(self, reasoning_end=end, reasoning_start=start)
+
+
+# Where a JSON schema holds subschemas (2020-12, and draft-07's `definitions`, `additionalItems` and
+# list-valued `items`): a schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA = frozenset(
+    {"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else"}
+    | {"propertyNames", "unevaluatedItems", "unevaluatedProperties"}
+)
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _without_no_ops(schema: Any) -> Any:
+    """`schema` less every `"uniqueItems": false`: the default, so it constrains nothing, but
+    llguidance refuses the keyword whatever its value (`true` stays, and is refused: 400)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "uniqueItems" and value is False:
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _without_no_ops(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [_without_no_ops(sub) for sub in value]
+        elif key in _SUBSCHEMA:
+            value = _without_no_ops(value)
+        out[key] = value
+    return out
