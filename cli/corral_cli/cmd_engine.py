@@ -121,6 +121,12 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"on SIGTERM, time running requests get to finish (default: {DEFAULT_DRAIN_TIMEOUT_S:.0f})",
     )
     parser.add_argument(
+        "--log-probe-requests",
+        action="store_true",
+        help="write access lines for successful GET/HEAD /health, /metrics and /v1/models too "
+        "(default: only their failures; probes, scrapes and the gateway repeat them all day)",
+    )
+    parser.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         metavar="URL",
@@ -269,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=engine_args.tool_call_parser,
         chat_template=chat_template,
         reasoning_parser=engine_args.reasoning_parser,
+        log_probe_requests=args.log_probe_requests,
     )
     freeze_startup_heap()
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)

@@ -228,7 +228,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     app.state.fleet = fleet
     app.state.metrics = metrics
     _add_error_handlers(app)
-    _add_routes(app, fleet, keys, metrics, drain)
+    _add_routes(app, fleet, keys, metrics, drain, settings.metrics_require_auth)
     return GatewayApp(app, state, drain)
 
 
@@ -276,8 +276,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(err)
 
 
-def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetrics, drain: Drain) -> None:
-    """Every route but the two proxied ones (GatewayApp sends those to the proxy)."""
+def _add_routes(
+    app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetrics, drain: Drain, is_metrics_keyed: bool
+) -> None:
+    """Every route but the two proxied ones (GatewayApp sends those to the proxy); /metrics wants a
+    key only when `is_metrics_keyed` (metrics_require_auth)."""
 
     def authenticate(request: Request) -> None:
         store = keys.get()
@@ -348,7 +351,9 @@ def _add_routes(app: FastAPI, fleet: Fleet, keys: KeysFile, metrics: GatewayMetr
         return JSONResponse({"status": "ready", "models": fleet.models()})
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
+        if is_metrics_keyed:
+            authenticate(request)
         fleet.update_gauges()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -95,6 +95,21 @@ async def proxy(deps: ProxyDeps, request: Request, path: str, request_id: str, d
         await _proxy(deps, request, path, request_id, deliver, ended)
 
 
+@dataclass(slots=True)
+class _Caller:
+    """Who a request is for, as admission learns it: what its access line names however it ends."""
+
+    request_id: str
+    start_s: float  # time.monotonic() as the handler started: the access line's latency origin
+    span: Span | None
+    model: str = "unknown"
+    key_name: str = ""
+    quota: TokenUsage | None = None  # its tokens counted against its key, once admitted
+
+    def origin(self) -> Origin:
+        return Origin(self.model, self.request_id, self.start_s, self.key_name, self.span)
+
+
 async def _proxy(
     deps: ProxyDeps,
     request: Request,
@@ -104,48 +119,12 @@ async def _proxy(
     ended: asyncio.Future[None],
 ) -> None:
     arrived_s = time.perf_counter()
-    start_s = time.monotonic()
-    model, key_name = "unknown", ""
-    quota: TokenUsage | None = None
     span = tracing.start_request_span(request.headers, request.method, path, request_id)
+    caller = _Caller(request_id, time.monotonic(), span)
     try:
         if deps.drain.is_draining:
             raise Draining()
-        # The key first, from the headers alone: a client without one must not get the gateway to
-        # read and hold a body of up to max_request_bytes (30 such uploads held ~0.9 GiB).
-        keystore = deps.keys()
-        api_key = keystore.authenticate(request.headers) if keystore is not None else None
-        key_name = api_key.name if api_key is not None else ""
-        raw = await _read_body(request, deps.settings.max_request_bytes)
-        settings = deps.settings
-        chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
-        peek = functools.partial(
-            peek_request,
-            raw,
-            settings.affinity_block_chars,
-            settings.affinity_num_blocks,
-            chain,
-            request.headers.get("content-type"),
-        )
-        info = await _off_loop(raw, peek)
-        model, upstream_name = _route_model(deps.fleet, info.model)
-        if upstream_name is not None and upstream_name != info.model:  # an alias: the served name
-            raw = await _off_loop(raw, functools.partial(with_model, raw, upstream_name))
-        priority = _priority(request.headers.get(PRIORITY_HEADER))
-        if keystore is not None and api_key is not None:
-            keystore.admit(api_key, info.estimated_tokens, time.monotonic())
-        headers = _upstream_headers(request, request_id, deps.settings, keystore is not None)
-        quota = TokenUsage.track(keystore, api_key, info.estimated_tokens)
-        ticket = _Ticket(
-            Origin(model, request_id, start_s, key_name, span),
-            Outgoing(path, raw, headers, info.is_stream),
-            info.prefix_hash,
-            priority,
-            api_key.key_id if api_key is not None else "",
-            quota,
-            arrived_s,
-            info.block_hashes,
-        )
+        ticket = await _admit(deps, request, path, caller, arrived_s)
         async with _watch_disconnect(request, ended) as disconnect:
             try:
                 await _forward(deps, ticket, disconnect, deliver)
@@ -154,17 +133,56 @@ async def _proxy(
                     raise Draining() from None
                 raise
     except ClientGone:
-        deps.metrics.count_request(model, "", "499")
-        deps.access.finished(Origin(model, request_id, start_s, key_name, span), "", "499", None)
+        deps.metrics.count_request(caller.model, "", "499")
+        deps.access.finished(caller.origin(), "", "499", None)
         await deliver(Response(status_code=499))
     except GatewayError as e:
-        if quota is not None:
-            quota.refund()  # shed, timed out or failed in the gateway: no token was served
-        deps.metrics.count_request(model, "", str(e.status_code))
-        deps.metrics.rejected.labels(model, e.code or e.error_type).inc()
-        origin = Origin(model, request_id, start_s, key_name, span)
-        deps.access.finished(origin, "", str(e.status_code), None)
+        if caller.quota is not None:
+            caller.quota.refund()  # shed, timed out or failed in the gateway: no token was served
+        deps.metrics.count_request(caller.model, "", str(e.status_code))
+        deps.metrics.rejected.labels(caller.model, e.code or e.error_type).inc()
+        deps.access.finished(caller.origin(), "", str(e.status_code), None)
         await deliver(with_request_id(error_response(e), request_id))
+
+
+async def _admit(deps: ProxyDeps, request: Request, path: str, caller: _Caller, arrived_s: float) -> _Ticket:
+    """Admit the request (API key, body size, model, priority, rate limits) and read what its
+    attempts need; `caller` learns its model, key and quota as they become known."""
+    # The key first, from the headers alone: a client without one must not get the gateway to
+    # read and hold a body of up to max_request_bytes (30 such uploads held ~0.9 GiB).
+    keystore = deps.keys()
+    api_key = keystore.authenticate(request.headers) if keystore is not None else None
+    caller.key_name = api_key.name if api_key is not None else ""
+    raw = await _read_body(request, deps.settings.max_request_bytes)
+    settings = deps.settings
+    chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
+    peek = functools.partial(
+        peek_request,
+        raw,
+        settings.affinity_block_chars,
+        settings.affinity_num_blocks,
+        chain,
+        request.headers.get("content-type"),
+    )
+    info = await _off_loop(raw, peek)
+    caller.model, upstream_name = _route_model(deps.fleet, info.model)
+    if upstream_name is not None and upstream_name != info.model:  # an alias: the served name
+        raw = await _off_loop(raw, functools.partial(with_model, raw, upstream_name))
+    priority = _priority(request.headers.get(PRIORITY_HEADER))
+    if keystore is not None and api_key is not None:
+        keystore.admit(api_key, info.estimated_tokens, time.monotonic())
+    headers = _upstream_headers(request, caller.request_id, deps.settings, keystore is not None)
+    caller.quota = TokenUsage.track(keystore, api_key, info.estimated_tokens)
+    return _Ticket(
+        caller.origin(),
+        Outgoing(path, raw, headers, info.is_stream),
+        info.prefix_hash,
+        priority,
+        api_key.key_id if api_key is not None else "",
+        caller.quota,
+        arrived_s,
+        info.block_hashes,
+    )
 
 
 async def _forward(

@@ -14,7 +14,7 @@ class Refusal:
     """After a refusal, a request goes there only into a place freed since (one of this gateway's
     requests there ending), so a freed place takes one queued request, not all of them. The
     refusal ends once its Retry-After has passed with nothing of this gateway's there, or once a
-    later load sample shows the engine holding fewer requests than when it refused."""
+    later load sample shows more room than the places this gateway already knows were freed."""
 
     until_s: float | None = None  # its Retry-After, from the last refusal; None: not refusing
     at_s: float = 0.0  # when it refused
@@ -49,5 +49,7 @@ class Refusal:
     def on_sample(self, sample: LoadSample) -> None:
         if self.until_s is None or self.num_held is None or sample.at_s <= self.at_s:
             return
-        if sample.num_running + sample.num_waiting < self.num_held:
+        # A poll between one of ours ending and the next send sees the place that freed, which
+        # lets one request through already: only a place beyond those says others' requests ended.
+        if sample.num_running + sample.num_waiting < self.num_held - self.num_freed:
             self.until_s = None  # others' requests there ended: it has room

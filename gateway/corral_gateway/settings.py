@@ -81,6 +81,9 @@ class GatewaySettings(BaseSettings):
     upstream_api_key: str | None = None
     # One log line per request (id, model, replica, status, tokens, latency; never prompts or keys).
     access_log: bool = True
+    # /metrics answers only a key of api_keys_file (Prometheus sends one): it names the models,
+    # the keys and the replicas' addresses, and an Ingress or HTTPRoute reaches every path.
+    metrics_require_auth: bool = False
 
     # Admission: per-model queue used while every replica of the model is saturated.
     max_queue_len: int = Field(default=256, ge=0)
@@ -123,6 +126,12 @@ class GatewaySettings(BaseSettings):
     # On SIGTERM: open requests get this long to finish, then end with a 503 `draining` error (a
     # stream: an error event). The chart keeps preStop sleep + this below the pod's grace period.
     drain_timeout_s: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _metrics_key_source(self) -> GatewaySettings:
+        if self.metrics_require_auth and self.api_keys_file is None:
+            raise ValueError("metrics_require_auth needs api_keys_file: the keys /metrics accepts")
+        return self
 
     @field_validator("backends")
     @classmethod

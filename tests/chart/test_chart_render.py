@@ -263,6 +263,19 @@ def test_monitors_only_when_the_crds_exist_or_asked_for(helm: Helm, rendered: Re
     (monitor,) = find(with_crd, "ServiceMonitor")
     (service,) = find(with_crd, "Service", "gateway")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert "authorization" not in monitor["spec"]["endpoints"][0]  # the gateway's /metrics is open
+    keyed = helm.template(
+        None,
+        "--api-versions=monitoring.coreos.com/v1/ServiceMonitor",
+        "--set=gateway.apiKeys.existingSecret=api-keys",
+        "--set=gateway.config.metrics_require_auth=true",
+        "--set=monitoring.gatewayApiKey.existingSecret=metrics-key",
+    )
+    (keyed_monitor,) = find(keyed, "ServiceMonitor")
+    assert keyed_monitor["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "metrics-key", "key": "api-key"},
+    }
     # a cluster serving ServiceMonitor alone gets no PodMonitor or PrometheusRule it would refuse
     assert not find(with_crd, "PodMonitor") and not find(with_crd, "PrometheusRule")
     every = ("ServiceMonitor", "PodMonitor", "PrometheusRule")

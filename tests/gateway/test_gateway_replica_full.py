@@ -36,11 +36,37 @@ def test_a_refusing_replica_takes_one_request_per_place_freed_there() -> None:
     assert not replica.load(0.5, 5.0).is_saturated(saturation)
     replica.on_dispatch()  # it takes that place: the next waits again
     assert replica.load(0.5, 5.0).is_saturated(saturation)
-    replica.on_done()
-    replica.observe(LoadSample(num_running=0, num_waiting=0, kv_usage_ratio=0.0, at_s=3.0))
+    replica.on_done()  # ended too: room for one again
+    assert not replica.load(0.5, 5.0).is_saturated(saturation)
+
+
+def test_a_poll_that_sees_only_the_place_ours_freed_lets_one_request_through() -> None:
+    """A load poll landing between our request's end and the next send used to end the refusal,
+    so every queued request went there and all but one got the engine's 429 again."""
+    replica, saturation = Replica("m", "http://a"), Saturation()
+    replica.on_dispatch()  # a request it serves
+    replica.on_dispatch()  # the request it refuses, holding that one
+    replica.refusal.refused(now_s=0.0, until_s=1.0, num_held=1)
+    replica.on_done()  # the refused request's own lease
+    replica.on_done()  # the request served there ended: room for one
+    replica.observe(LoadSample(num_running=0, num_waiting=0, kv_usage_ratio=0.0, at_s=0.5))
+    assert not replica.load(0.5, 5.0).is_saturated(saturation)
+    replica.on_dispatch()  # it takes that place: the next waits again
+    assert replica.load(0.5, 5.0).is_saturated(saturation)
+
+
+def test_a_poll_that_sees_more_room_than_ours_freed_ends_the_refusal() -> None:
+    replica, saturation = Replica("m", "http://a"), Saturation()
     replica.on_dispatch()
-    replica.on_dispatch()  # the engine said it holds fewer than when it refused: no limit any more
-    assert not replica.load(3.0, 5.0).is_saturated(saturation)
+    replica.on_dispatch()
+    replica.refusal.refused(now_s=0.0, until_s=1.0, num_held=2)  # ours and another gateway's
+    replica.on_done()
+    replica.on_done()  # ours ended: one place
+    replica.observe(LoadSample(num_running=0, num_waiting=0, kv_usage_ratio=0.0, at_s=0.5))  # both gone
+    replica.on_dispatch()
+    replica.on_dispatch()
+    assert not replica.load(0.5, 5.0).is_saturated(saturation)
+    assert replica.refusal.until_s is None
 
 
 def test_a_refusal_runs_out_after_its_retry_after_with_nothing_of_ours_there() -> None:

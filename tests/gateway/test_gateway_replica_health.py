@@ -19,6 +19,7 @@ from corral_gateway.k8s_names import Served, naming
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.served_names import parse_model_ids
 from corral_gateway.settings import GatewaySettings
+from pydantic import ValidationError
 
 from tests.gateway.conftest import FakeEngine
 from tests.gateway.test_gateway_proxy import dead_url, eventually, fleet, replicas
@@ -251,3 +252,30 @@ async def test_probes_name_the_models_only_to_a_caller_with_a_key(tmp_path: Path
         health = await client.get("/health", headers=auth)
         assert health.json() == {"status": "ok", "models": ["m"], "models_down": []}
         assert (await client.get("/ready", headers=auth)).json() == {"status": "ready", "models": ["m"]}
+
+
+async def test_metrics_stay_open_to_a_keyless_scrape_by_default(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-good\n")
+    async with fleet([FakeEngine()], api_keys_file=keys) as (client, _):
+        assert (await client.get("/metrics")).status_code == 200
+
+
+async def test_metrics_require_auth_answers_only_a_key(tmp_path: Path) -> None:
+    """/metrics names the models, the keys and the replicas' addresses; an Ingress reaches it."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-good\n")
+    async with fleet([FakeEngine()], api_keys_file=keys, metrics_require_auth=True) as (client, _):
+        for headers in ({}, {"authorization": "Bearer sk-bad"}):
+            refused = await client.get("/metrics", headers=headers)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["type"] == "invalid_request_error"
+            assert "corral_gateway" not in refused.text
+        scraped = await client.get("/metrics", headers={"authorization": "Bearer sk-good"})
+        assert scraped.status_code == 200 and "corral_gateway_requests_total" in scraped.text
+        assert (await client.get("/health")).status_code == 200  # probes stay keyless
+
+
+def test_metrics_require_auth_needs_a_keys_file() -> None:
+    with pytest.raises(ValidationError, match="metrics_require_auth needs api_keys_file"):
+        GatewaySettings(metrics_require_auth=True)

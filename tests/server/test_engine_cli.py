@@ -58,6 +58,8 @@ def test_server_flags_and_defaults() -> None:
         ["--model", "m", "--api-key", "k", "--port", "9", "--drain-timeout", "3", "--log-interval", "1"]
     )
     assert (ns.api_key, ns.port, ns.drain_timeout, ns.log_interval) == ("k", 9, 3.0, 1.0)
+    assert not ns.log_probe_requests
+    assert parse(["--model", "m", "--log-probe-requests"]).log_probe_requests
 
 
 def test_byte_sizes_and_exclusive_kv_flags() -> None:

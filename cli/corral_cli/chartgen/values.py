@@ -213,6 +213,15 @@ class Gateway(PodPlacement):
     )
 
 
+class ScrapeApiKey(_Values):
+    existing_secret: str = Field(
+        default="",
+        description="Secret holding a key of gateway.apiKeys the gateway's ServiceMonitor sends, for "
+        "gateway.config.metrics_require_auth; empty: send none.",
+    )
+    secret_key: str = Field(default="api-key", min_length=1, description="Key of the API key in the Secret.")
+
+
 class Monitoring(_Values):
     create: Literal["auto", "always", "never"] = Field(
         default="auto",
@@ -223,6 +232,7 @@ class Monitoring(_Values):
     engines: bool = Field(
         default=False, description="Also a PodMonitor for engines (the operator makes ServiceMonitors)."
     )
+    gateway_api_key: ScrapeApiKey = Field(default_factory=ScrapeApiKey)
 
 
 class PeerSelector(_Values):

@@ -1,5 +1,6 @@
 """One API request's access record: its id (a valid incoming x-request-id, else one minted here),
-status, tokens and latency, logged as one line when the response ends.
+status, tokens and latency, logged as one line when the response ends. A probe or scrape that
+succeeds writes no line unless asked for; one that fails (or never answers) always does.
 
 The record lives in a context variable set by the middleware, so the handlers (and the tasks they
 start, which copy the context) reach it without passing it down. Never holds prompts or keys.
@@ -24,6 +25,12 @@ from corral_engine.server import tracing
 logger = logging.getLogger(__name__)
 
 _CURRENT: ContextVar[AccessRecord | None] = ContextVar("corral_access_record", default=None)
+# Reads that kubelet, Prometheus and routers repeat all day: the gateway lists each replica's
+# models every minute and polls its /health whenever it is idle. vLLM leaves such lines out with
+# --disable-access-log-for-endpoints, which OpenShift AI's KServe template sets to /health,
+# /metrics and /ping.
+PROBE_PATHS = frozenset({"/health", "/metrics", "/v1/models"})
+_PROBE_METHODS = frozenset({"GET", "HEAD"})
 
 
 @dataclass(slots=True)
@@ -104,8 +111,14 @@ def count_tokens(out: RequestOutput, num_completion_tokens: int | None = None) -
             record.finish_reasons.extend(o.finish_reason for o in out.outputs if o.finish_reason)
 
 
-def log_request(record: AccessRecord, method: str, path: str, model: str) -> None:
-    """The request's access line (and the end of its span)."""
+def is_probe(method: str, path: str) -> bool:
+    """A read of /health, /metrics or the model list (or one entry of it)."""
+    return method in _PROBE_METHODS and (path in PROBE_PATHS or path.startswith("/v1/models/"))
+
+
+def log_request(record: AccessRecord, method: str, path: str, model: str, log_probes: bool = False) -> None:
+    """The request's access line (and the end of its span): a probe's only when it failed, or
+    when `log_probes` (the engine's --log-probe-requests)."""
     if record.span is not None:
         tracing.end_request_span(
             record.span,
@@ -116,6 +129,8 @@ def log_request(record: AccessRecord, method: str, path: str, model: str) -> Non
             record.num_completion_tokens,
             record.finish_reasons,
         )
+    if not log_probes and 0 < record.status < 400 and is_probe(method, path):
+        return  # a probe that succeeded
     latency_s = time.monotonic() - record.start_s
     fields = {
         "request_id": record.request_id,
@@ -129,7 +144,7 @@ def log_request(record: AccessRecord, method: str, path: str, model: str) -> Non
     }
     logger.info(
         "request %s: %s %s %d, %d prompt + %d completion tokens, %.3f s",
-        record.request_id,
+        record.request_id or "-",  # a probe's: it has no id
         method,
         path,
         record.status,

@@ -56,11 +56,13 @@ def create_app(
     tool_call_parser: str | None = None,
     chat_template: str | None = None,
     reasoning_parser: str | None = None,
+    log_probe_requests: bool = False,
 ) -> FastAPI:
     """An app serving `engine`; its lifespan starts the engine's loop and shuts it down.
     `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto".
     `chat_template`: a template's text (`load_chat_template`), used in place of the tokenizer's.
-    `reasoning_parser`: a name in REASONING_PARSERS: chat replies' reasoning is read out of them."""
+    `reasoning_parser`: a name in REASONING_PARSERS: chat replies' reasoning is read out of them.
+    `log_probe_requests`: successful reads of /health, /metrics and /v1/models get access lines too."""
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}")
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
@@ -71,6 +73,7 @@ def create_app(
         tool_call_parser=tool_call_parser,
         chat_template=chat_template,
         reasoning_parser=reasoning_parser,
+        log_probe_requests=log_probe_requests,
     )
     if chat_template is None and not has_chat_template(engine.tokenizer):
         logger.warning("%s: %s", engine.served_model_name, NO_TEMPLATE_MESSAGE)  # said once, not per request

@@ -73,6 +73,7 @@ class ServerContext:
     tool_call_parser: str | None = None  # --tool-call-parser: enables tool_choice "auto"
     chat_template: str | None = None  # --chat-template, read: rendered in place of the tokenizer's
     reasoning_parser: str | None = None  # --reasoning-parser: chat replies' reasoning_content
+    log_probe_requests: bool = False  # --log-probe-requests: access lines for successful probes too
     in_flight: InFlight = field(default_factory=InFlight)
     is_ready: bool = False
     is_draining: bool = False

@@ -1,5 +1,5 @@
 """The outermost ASGI layer: load headers on every response, API-key auth, last-resort errors, and
-the request id and access log line of every /v1 request.
+the request id and access log line of every /v1 request (and of a failed probe or scrape).
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming bodies and client disconnects pass through untouched.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -62,9 +63,13 @@ class ServerMiddleware:
         started = False
         path: str = scope["path"]
         record = None
-        if path.startswith("/v1/"):
+        is_api = path.startswith("/v1/")
+        if is_api:
             server = scope.get("server")  # (address, port) of the socket it came in on
             record = access.begin(Headers(scope=scope), scope["method"], path, self.ctx.model_name, server)
+        elif access.is_probe(scope["method"], path):
+            # Its line only, should it fail: no id, span or context for /health and /metrics.
+            record = access.AccessRecord(None, time.monotonic())
 
         async def send_with_load(message: Message) -> None:
             nonlocal started
@@ -73,9 +78,10 @@ class ServerMiddleware:
                 self._load_headers(message)
                 if record is not None:
                     record.status = message["status"]
-                    MutableHeaders(scope=message)[wire.HEADER_REQUEST_ID] = record.ensure_id()
+                    if is_api:
+                        MutableHeaders(scope=message)[wire.HEADER_REQUEST_ID] = record.ensure_id()
                 reason = REJECTION_REASON_BY_STATUS.get(message["status"])
-                if reason is not None and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+                if reason is not None and scope["method"] == "POST" and is_api:
                     self.ctx.metrics.count_rejected(reason)
             await send(message)
 
@@ -91,4 +97,6 @@ class ServerMiddleware:
             await errors.error_response(e)(scope, receive, send_with_load)
         finally:
             if record is not None:
-                access.log_request(record, scope["method"], path, self.ctx.model_name)
+                access.log_request(
+                    record, scope["method"], path, self.ctx.model_name, self.ctx.log_probe_requests
+                )
