@@ -6,9 +6,11 @@ reply spent in its block."""
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 from corral_engine.args import REASONING_PARSERS as PARSER_NAMES
+from corral_engine.demo_model import write_demo_model
 from corral_engine.server.api_tools import ToolPlan
 from corral_engine.server.reasoning import (
     REASONING_PARSERS,
@@ -176,6 +178,51 @@ def test_a_grammar_holds_after_the_reasoning_block(
     grammar = _plan("qwen3", prompt).constrain(GrammarSpec.json_schema(SCHEMA, "response_format"))
     matcher = compiler.matcher(grammar)
     is_consumed = all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    assert (is_consumed and matcher.is_accepting()) == is_accepted
+
+
+@pytest.fixture(scope="module")
+def special_tags_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The demo tokenizer with `<think>` and `</think>` added as special tokens, as some reasoning
+    models' tokenizers have them."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import AutoTokenizer
+
+    model_dir = write_demo_model(tmp_path_factory.mktemp("models") / "think", arch="llama", weights=False)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(tag, special=True) for tag in ("<think>", "</think>")])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "text", "is_accepted"),
+    [
+        ("qwen3", QWEN3, '<think>\nCount.</think>\n{"n":4}', True),
+        ("qwen3", QWEN3, '<think></think>{"n":4}', True),
+        ("qwen3", QWEN3, '{"n":4}', True),
+        ("qwen3", QWEN3, 'Count.</think>{"n":4}', False),
+        ("qwen3", QWEN3, '<think>a</think>b</think>{"n":4}', False),
+        ("deepseek_r1", R1, 'Count.\n</think>\n\n{"n":4}', True),
+        ("deepseek_r1", R1, '</think>{"n":4}', True),
+        ("deepseek_r1", R1, '{"n":4}', False),
+    ],
+)
+def test_a_grammar_holds_after_a_block_whose_tags_are_special_tokens(
+    special_tags_tokenizer: Any, name: str, prompt: str, text: str, is_accepted: bool
+) -> None:
+    """A tag that is a special token is written as that token, which text never holds: the
+    grammar reads it by id, as vLLM's parsers do."""
+    from corral_engine.structured.compiler import GrammarCompiler
+
+    tokenizer = special_tags_tokenizer
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(tokenizer.encode("<think></think>", add_special_tokens=False)) == 2  # a token each
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    matcher = compiler.matcher(
+        _plan(name, prompt).constrain(GrammarSpec.json_schema(SCHEMA, "response_format"))
+    )
+    is_consumed = all(matcher.consume_token(t) for t in ids)
     assert (is_consumed and matcher.is_accepting()) == is_accepted
 
 

@@ -14,13 +14,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from corral_engine.demo_model import write_demo_model
 from corral_engine.server import create_app
 from corral_engine.server.reasoning import reasoning_fields
+from corral_engine.sim.host import ReplicaSpec, build_engines
+from corral_engine.sim.perf_model import Fitted, Profile
+from tokenizers import AddedToken, Tokenizer
 
 from tests.server.fake_engine import FakeEngine, FakeTokenizer
 from tests.server.real_engine import openai_client
 
 MODEL = "fake-model"
+PROFILE = Profile("test", Fitted((1e-4, 0.0, 0.0, 0.0, 0.0)), num_kv_blocks=256, max_model_len=1024)
 END = "#"  # the script's stop string
 ASK: Any = [{"role": "user", "content": "Weather in Paris?"}]
 TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -42,11 +47,14 @@ class ThinkingTokenizer(FakeTokenizer):
         tokenize: bool = True,
         tools: list[dict[str, Any]] | None = None,
         enable_thinking: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         text = ""
         for m in messages:
             thought = m.get("reasoning_content")
             text += f"<{m['role']}>" + (f"<think>{thought}</think>" if thought else "") + f"{m['content']}\n"
+        if continue_final_message:  # the prompt ends where the final message's text does
+            text = text.removesuffix("\n")
         if add_generation_prompt:
             text += "<assistant>" + ("" if enable_thinking else "<think>\n\n</think>\n\n")
         return text
@@ -206,6 +214,25 @@ async def test_a_prompt_that_opens_the_block_starts_the_reply_inside_it() -> Non
     assert (streamed[0]["reasoning"], streamed[0]["content"]) == ("Two and two.", "Four.")
 
 
+async def test_continuing_a_final_message_left_in_its_block_continues_the_block() -> None:
+    """continue_final_message on an assistant turn whose block is open: the reply goes on with the
+    reasoning, and its end tag is not content (as vLLM's qwen3 parser reads a reply that only
+    closes a block); a turn whose block is closed, or that has none, is continued as before."""
+    script = "and two is four.\n</think>\n\nFour."
+    partial: Any = [*ASK, {"role": "assistant", "content": "<think>\nTwo"}]
+    extra: Any = {"add_generation_prompt": False, "continue_final_message": True}
+    async with _client(script) as (client, _):
+        request = _request(script, messages=partial, extra_body=extra)
+        whole = await client.chat.completions.create(**request)
+        streamed = await _streamed(client, **request)
+        closed: Any = [*ASK, {"role": "assistant", "content": "<think>Two</think>Four"}]
+        after = await client.chat.completions.create(**_request(script, messages=closed, extra_body=extra))
+    assert whole.choices[0].message.model_extra == reasoning_fields("and two is four.")
+    assert whole.choices[0].message.content == "Four."
+    assert (streamed[0]["reasoning"], streamed[0]["content"]) == ("and two is four.", "Four.")
+    assert after.choices[0].message.content == script  # qwen3: a reply that opens no block is content
+
+
 async def test_include_reasoning_false_leaves_it_out() -> None:
     async with _client(SCRIPT) as (client, _):
         request = _request(SCRIPT, extra_body={"include_reasoning": False})
@@ -328,3 +355,46 @@ async def test_a_responses_reply_has_its_reasoning_block_as_a_reasoning_item() -
     ]
     [done] = [e for e in events if e.type == "response.reasoning_text.done"]
     assert done.text == THOUGHT and done.item_id == streamed.response.output[0].id
+
+
+@pytest.fixture(scope="module")
+def special_think_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The demo model's tokenizer with `<think>` and `</think>` added as special tokens (as some
+    reasoning models' tokenizers have them), and its config: all the simulator reads."""
+    model_dir = write_demo_model(tmp_path_factory.mktemp("models") / "think", arch="llama", weights=False)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(tag, special=True) for tag in ("<think>", "</think>")])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
+async def test_think_tags_that_are_special_tokens_still_split_the_reply(
+    special_think_dir: pathlib.Path,
+) -> None:
+    """skip_special_tokens (on by default) leaves special tokens out of a reply's text, but not the
+    tags the reasoning parser reads (vLLM's parsers find them by token id): whole, streamed, in
+    /v1/responses, and in the usage. The simulator's reply repeats its prompt, here the user's turn."""
+    said = "<think>I ponder.</think>The answer."
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    [engine] = build_engines(ReplicaSpec(PROFILE, special_think_dir, MODEL), 1)
+    ids = engine.tokenizer.encode(said, add_special_tokens=False)
+    assert len(engine.tokenizer.encode("<think></think>", add_special_tokens=False)) == 2  # one token each
+    app = create_app(engine, reasoning_parser="qwen3", chat_template=template)
+    request: Any = {"model": MODEL, "messages": [{"role": "user", "content": said}], "max_tokens": len(ids)}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            client = openai.AsyncOpenAI(
+                base_url="http://127.0.0.1/v1", api_key="x", http_client=http, max_retries=0
+            )
+            whole = await client.chat.completions.create(**request)
+            streamed = await _streamed(client, **request)
+            response = await client.responses.create(model=MODEL, input=said, max_output_tokens=len(ids))
+    assert whole.choices[0].message.model_extra == reasoning_fields("I ponder.")
+    assert whole.choices[0].message.content == "The answer."
+    assert (streamed[0]["reasoning"], streamed[0]["content"]) == ("I ponder.", "The answer.")
+    assert whole.usage is not None and whole.usage.completion_tokens_details is not None
+    through_end = engine.tokenizer.encode("<think>I ponder.</think>", add_special_tokens=False)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == len(through_end)
+    assert [o.type for o in response.output] == ["reasoning", "message"]
+    assert response.output_text == "The answer."

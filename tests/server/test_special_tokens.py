@@ -21,7 +21,8 @@ from corral_engine.server import create_app
 from corral_engine.settings import EngineSettings
 from corral_engine.sim.host import ReplicaSpec, build_engines
 from corral_engine.sim.perf_model import Fitted, Profile
-from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from corral_engine.sim.tokenizer import LightTokenizer
+from corral_engine.tokenizer import IncrementalDetokenizer, load_tokenizer, special_tokens
 
 from tests.server.real_engine import openai_client
 
@@ -189,3 +190,56 @@ async def test_echo_of_a_token_prompt_follows_skip_special_tokens(
             model="sim", prompt=ids, max_tokens=1, echo=True, extra_body={"skip_special_tokens": skip}
         )
         assert c.choices[0].text.startswith(echoed) and c.choices[0].text[len(echoed) :] in ("", "<s>")
+
+
+class SlowStyleTokenizer(LightTokenizer):
+    """The simulator's tokenizer decoding as transformers 4's slow tokenizers do: special tokens
+    spaced apart unless `spaces_between_special_tokens` is false (fast ones, and transformers 5's,
+    ignore it, so no tokenizer here shows the difference)."""
+
+    clean_up_tokenization_spaces = True  # no direct Rust decode: every decode comes here
+
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True
+    ) -> str:
+        specials = set(special_tokens(self).values())
+        pieces: list[list[int]] = []
+        for token_id in ids:
+            if token_id in specials:
+                pieces += [[token_id]] if not skip_special_tokens else []
+                pieces.append([])
+            elif pieces and pieces[-1]:
+                pieces[-1].append(token_id)
+            else:
+                pieces.append([token_id])
+        texts = [super(SlowStyleTokenizer, self).decode(p) for p in pieces if p]
+        return (" " if spaces_between_special_tokens else "").join(texts)
+
+
+async def test_text_offsets_index_the_text_written_without_spaces_between_special_tokens(
+    sim_model_dir: pathlib.Path,
+) -> None:
+    """With spaces_between_special_tokens false the text leaves out the spaces a slow tokenizer
+    puts around special tokens; each token's text_offset is where it stands in that text, whole
+    and streamed. The simulator's reply repeats its prompt, here special tokens among words."""
+    [engine] = build_engines(ReplicaSpec(PROFILE, sim_model_dir, "sim"), 1)
+    tokenizer = SlowStyleTokenizer(sim_model_dir)
+    engine.tokenizer = engine.engine.tokenizer = engine.engine.output_processor.tokenizer = tokenizer
+    words = tokenizer.encode("hi there", add_special_tokens=False)
+    prompt = [*words, TOOL_CALLS_ID, TOOL_CALLS_ID, *words]
+    app = create_app(engine)
+    ask: Any = {"model": "sim", "prompt": prompt, "max_tokens": len(prompt), "logprobs": 0}
+    body: Any = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            client = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="x", http_client=http)
+            whole = await client.completions.create(**ask, extra_body=body)
+            chunks = [c async for c in await client.completions.create(**ask, stream=True, extra_body=body)]
+    text, lp = whole.choices[0].text, whole.choices[0].logprobs
+    assert text == "hi there[TOOL_CALLS][TOOL_CALLS]hi there"
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        assert text[offset : offset + len(token)] == token, (token, offset)
+    streamed = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []]
+    assert streamed == lp.text_offset

@@ -5,6 +5,7 @@ a corrupt checkpoint file ends `corral engine --simulate` with one error line, a
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import pathlib
 import shutil
@@ -58,6 +59,40 @@ def test_decode_keeps_special_tokens_unless_told_as_transformers_does(tiny_model
     assert light.decode(ids[:1]) == reference.decode(ids[:1]) == "<s>"  # /tokenize's token_strs
     assert light.decode(ids) == reference.decode(ids)
     assert light.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
+NAMED_TEMPLATES = [
+    {"name": "default", "template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"},
+    {"name": "tool_use", "template": "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}"},
+]
+
+
+def _with_templates(model_dir: pathlib.Path, to: pathlib.Path, templates: object) -> pathlib.Path:
+    """A copy of `model_dir`'s tokenizer whose tokenizer_config.json holds `templates`."""
+    to.mkdir()
+    for name in ("tokenizer.json", "config.json"):
+        shutil.copy(model_dir / name, to / name)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (to / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": templates}))
+    return to
+
+
+def test_named_chat_templates_are_chosen_as_transformers_chooses(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """transformers' list form of `chat_template`: "default", or "tool_use" when tools are given,
+    or one named in place of a template; a list with no default renders nothing."""
+    named = _with_templates(tiny_model_dir, tmp_path / "named", NAMED_TEMPLATES)
+    light, reference = LightTokenizer(named), AutoTokenizer.from_pretrained(named)
+    for kwargs in ({}, {"tools": TOOLS}, {"chat_template": "tool_use", "tools": TOOLS}):
+        want = reference.apply_chat_template(MESSAGES[:2], tokenize=False, **kwargs)
+        assert light.apply_chat_template(MESSAGES[:2], **kwargs) == want
+    assert light.apply_chat_template(MESSAGES[:2]) == "<system>Be brief.<user>Weather in Oslo?"
+    assert light.apply_chat_template(MESSAGES[:2], tools=TOOLS) == "[get_weather]"
+    no_default = _with_templates(tiny_model_dir, tmp_path / "no-default", NAMED_TEMPLATES[1:])
+    for tokenizer in (LightTokenizer(no_default), AutoTokenizer.from_pretrained(no_default)):
+        with pytest.raises(ValueError, match="default"):
+            tokenizer.apply_chat_template(MESSAGES[:2], tokenize=False)
 
 
 @pytest.mark.parametrize(

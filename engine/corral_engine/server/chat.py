@@ -146,7 +146,9 @@ def reasoning_plan(ctx: ServerContext, req: ChatCompletionRequest, prompt: list[
             )
         return None
     tail = ctx.engine.tokenizer.decode(prompt[-NUM_PROMPT_TAIL_TOKENS:])
-    return plan_reasoning(ctx.reasoning_parser, tail, req.is_reasoning_shown)
+    # A continued final message may have opened its block further back than the tail reaches.
+    continued = req.messages[-1].text() if req.continue_final_message else ""
+    return plan_reasoning(ctx.reasoning_parser, tail, req.is_reasoning_shown, continued)
 
 
 def reasoning_tokens(ctx: ServerContext, plan: ReasoningPlan | None, finals: list[RequestOutput]) -> int:
@@ -161,11 +163,12 @@ def reply_params(
     req: ChatCompletionRequest, max_tokens: int, plan: ToolPlan, reasoning: ReasoningPlan | None
 ) -> SamplingParams:
     """The request's sampling; its grammar (tools, response_format) holds after the reasoning block,
-    and its text shows the special tokens its tool parser reads (as vLLM's mistral parser turns
-    skip_special_tokens off; here every other special token is still left out)."""
+    and its text shows the special tokens its parsers read, tool markers and reasoning tags (as
+    vLLM's mistral parser turns skip_special_tokens off; every other special token is left out)."""
     params = req.to_sampling_params(max_tokens, req.num_logprobs, plan.grammar)
-    if plan.markers:
-        params = params.replace(shown_special_tokens=plan.markers)
+    tags = () if reasoning is None else (reasoning.format.start, reasoning.format.end)
+    if plan.markers or tags:
+        params = params.replace(shown_special_tokens=(*plan.markers, *tags))
     if reasoning is not None and params.grammar is not None:
         params = dataclasses.replace(params, grammar=reasoning.constrain(params.grammar))
     return params

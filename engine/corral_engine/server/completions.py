@@ -151,8 +151,8 @@ def _final_choice(
     prompt = out.prompt_logprobs
     offsets: list[int] = []
     if req.logprobs is not None:
-        tokenizer = ctx.engine.tokenizer
-        rooms = TextRooms(tokenizer, out.prompt_token_ids, req.skip_special_tokens).add(
+        tokenizer, spaced = ctx.engine.tokenizer, req.spaces_between_special_tokens
+        rooms = TextRooms(tokenizer, out.prompt_token_ids, req.skip_special_tokens, spaced).add(
             (lp.token_id for lp in items), True
         )
         offsets = offsets_of(rooms, len(echo))
@@ -160,7 +160,7 @@ def _final_choice(
             scored = [unscored(out.prompt_token_ids[0]), *(lp for lp in prompt[1:] if lp is not None)]
             # A prompt echoed as given holds no special token its tokens have (BOS).
             skip = req.skip_special_tokens or not _is_echo_decoded(req, req.prompts()[index // req.n])
-            echoed = TextRooms(tokenizer, [], skip).add((lp.token_id for lp in scored), True)
+            echoed = TextRooms(tokenizer, [], skip, spaced).add((lp.token_id for lp in scored), True)
             items, offsets = [*scored, *items], offsets_of(echoed, 0) + offsets
     choice = _choice(req, index, o, echo + o.text, items, ctx.token_text, offsets)
     if req.prompt_logprobs is not None and prompt is not None:
@@ -233,8 +233,9 @@ class _CompletionChunks:
         if self.req.logprobs is None or o.delta_logprobs is None:
             return []
         if index not in self.rooms:
-            tokenizer, skip = self.ctx.engine.tokenizer, self.req.skip_special_tokens
-            self.rooms[index] = TextRooms(tokenizer, out.prompt_token_ids, skip)
+            req, tokenizer = self.req, self.ctx.engine.tokenizer
+            spaced = req.spaces_between_special_tokens
+            self.rooms[index] = TextRooms(tokenizer, out.prompt_token_ids, req.skip_special_tokens, spaced)
         ids = (lp.token_id for lp in o.delta_logprobs)
         rooms = self.rooms[index].add(ids, o.finish_reason is not None)
         start = self.token_ends.get(index, start)

@@ -22,7 +22,8 @@ from corral_engine.server import access, errors
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.generation import GenerationRun, InFlight
 from corral_engine.server.metrics import ServerMetrics
-from corral_engine.tokenizer import encoder, vocabulary
+from corral_engine.server.reasoning import REASONING_PARSERS
+from corral_engine.tokenizer import encoder, special_tokens, vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +171,16 @@ class ServerContext:
     @functools.cached_property
     def shown_text(self) -> Any:
         """token id -> its text as a returned text shows it (special tokens left out, as the
-        detokenizer leaves them out): where a reasoning block's end tag falls among a reply's tokens."""
-        return _token_decoder(self.engine.tokenizer, skip_special_tokens=True)
+        detokenizer leaves them out, but for the reasoning tags it shows): where a reasoning
+        block's end tag falls among a reply's tokens."""
+        hidden = _token_decoder(self.engine.tokenizer, skip_special_tokens=True)
+        fmt = REASONING_PARSERS.get(self.reasoning_parser or "")
+        specials = special_tokens(self.engine.tokenizer)
+        tags = {specials[t] for t in (fmt.start, fmt.end) if t in specials} if fmt else set()
+        if not tags:
+            return hidden
+        shown = self.token_text
+        return lambda token_id: shown(token_id) if token_id in tags else hidden(token_id)
 
 
 def _itself(parsed: ModelT) -> ModelT:

@@ -30,8 +30,13 @@ class TextRooms:
     a character whose bytes span tokens is added by the token that completes it (decoded alone,
     each of them is a U+FFFD, which the text does not hold)."""
 
-    def __init__(self, tokenizer: Any, context: list[int], skip_special_tokens: bool = True) -> None:
-        self._text = IncrementalDetokenizer(tokenizer, context, skip_special_tokens=skip_special_tokens)
+    def __init__(
+        self, tokenizer: Any, context: list[int], skip_special_tokens: bool = True, spaced: bool = True
+    ) -> None:
+        """`spaced`: the request's spaces_between_special_tokens, as its text was written with it."""
+        self._text = IncrementalDetokenizer(
+            tokenizer, context, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaced
+        )
 
     def add(self, token_ids: Iterable[int], is_final: bool) -> list[int]:
         """The room of each token; at the end (`is_final`) an unfinished character goes to the last."""

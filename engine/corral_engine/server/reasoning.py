@@ -78,16 +78,20 @@ class ReasoningPlan:
         return grammar.after_reasoning(self.format.end, start)
 
 
-def plan_reasoning(parser_name: str | None, prompt_tail: str, is_shown: bool = True) -> ReasoningPlan | None:
+def plan_reasoning(
+    parser_name: str | None, prompt_tail: str, is_shown: bool = True, continued: str = ""
+) -> ReasoningPlan | None:
     """The plan for a reply to a prompt ending in `prompt_tail`; None when it has no block to read
-    (no parser, or the prompt closed the block: thinking is off)."""
+    (no parser, or the prompt closed the block: thinking is off). `continued`: the text of a final
+    message the reply continues (continue_final_message), inside its block if it left one open."""
     if parser_name is None:
         return None
     fmt = REASONING_PARSERS[parser_name]
     tail = prompt_tail.rstrip(_WHITESPACE)
     if tail.endswith(fmt.end):
         return None
-    is_inside = tail.endswith(fmt.start) or fmt.is_untagged_reasoning
+    is_left_open = continued.rfind(fmt.start) > continued.rfind(fmt.end)
+    is_inside = tail.endswith(fmt.start) or fmt.is_untagged_reasoning or is_left_open
     return ReasoningPlan(fmt, is_inside, is_shown)
 
 

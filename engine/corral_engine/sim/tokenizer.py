@@ -32,7 +32,7 @@ class LightTokenizer:
         config = read_json_object(path / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template = _chat_templates(config.get("chat_template"))
         self.eos_token_id = self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self.backend_tokenizer.get_vocab_size()
         self._template: Any = None
@@ -57,9 +57,7 @@ class LightTokenizer:
     ) -> str | list[int]:
         """As transformers renders it: `chat_template` in place of the tokenizer's; `tools` and any
         other keyword (chat_template_kwargs) reach the template as variables."""
-        source = chat_template or self.chat_template
-        if source is None:
-            raise ValueError("this tokenizer has no chat template")
+        source = _pick_template(self.chat_template, chat_template, tools)
         if self._template is None or self._source != source:
             self._template, self._source = template_environment().from_string(source), source
         text = str(
@@ -75,6 +73,34 @@ class LightTokenizer:
             )
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _chat_templates(value: Any) -> str | dict[str, str] | None:
+    """tokenizer_config.json's `chat_template`: one template, or transformers' list of named ones
+    ({"name", "template"} each), read as a name -> template dict as transformers reads it."""
+    if isinstance(value, list):
+        return {str(t["name"]): str(t["template"]) for t in value if isinstance(t, dict) and "name" in t}
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(
+    own: str | dict[str, str] | None, chat_template: str | None, tools: list[dict[str, Any]] | None
+) -> str:
+    """The template a render uses, chosen as transformers' `get_chat_template` chooses it: the one
+    given (a template, or the name of one of the tokenizer's), else the tokenizer's; of named
+    ones "tool_use" where tools are given and it exists, else "default"."""
+    if isinstance(own, dict):
+        if chat_template is not None:
+            return own.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in own:
+            return own["tool_use"]
+        if "default" in own:
+            return own["default"]
+        raise ValueError(f"this tokenizer's chat templates {sorted(own)} name no default")
+    source = chat_template or own
+    if source is None:
+        raise ValueError("this tokenizer has no chat template")
+    return source
 
 
 def read_json_object(config_path: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 from corral_engine.core.sequence import Request
 from corral_engine.errors import InvalidRequestError
 from corral_engine.structured.spec import GrammarSpec
+from corral_engine.tokenizer import special_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class GrammarCompiler:
 
         what = _WHAT[spec.kind]
         try:
-            grammar = _grammar_text(spec)
+            grammar = _grammar_text(spec, special_tokens(self._hf_tokenizer))
         except ValueError as e:
             raise InvalidRequestError(f"Invalid {what}: {e}", spec.param) from e
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
@@ -100,12 +101,13 @@ class GrammarCompiler:
         return matcher
 
 
-def _grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar for `spec`; ValueError when it cannot even be translated."""
+def _grammar_text(spec: GrammarSpec, specials: dict[str, int]) -> str:
+    """The llguidance grammar for `spec` (`specials`: the tokenizer's special tokens, text -> id);
+    ValueError when it cannot even be translated."""
     text = _constraint_text(spec)
     if spec.reasoning_end is None:
         return text
-    return _after_reasoning(text, spec.reasoning_end, spec.reasoning_start)
+    return _after_reasoning(text, spec.reasoning_end, spec.reasoning_start, specials)
 
 
 def _constraint_text(spec: GrammarSpec) -> str:
@@ -133,12 +135,13 @@ _REASONING_GRAMMAR = "corral_reasoning"
 _GAP = r"/[ \t\r\n]{0,4}/"
 
 
-def _after_reasoning(text: str, end: str, start: str | None) -> str:
+def _after_reasoning(text: str, end: str, start: str | None, specials: dict[str, int]) -> str:
     """A top-level llguidance grammar: a reasoning block (any text up to the first `end`; opened
     by `start` where given, and then optional), a short gap, then the grammar `text` (a top-level
     grammar's JSON, or lark). The block is one lexeme that cannot hold `end` before its own end,
     so it ends exactly where the model first writes `end`. Nothing precedes the document where
-    the reply opens no block, so an unreasoned reply matches as it would without a parser."""
+    the reply opens no block, so an unreasoned reply matches as it would without a parser. A tag
+    that is a special token is that token (text never holds one), as vLLM's parsers read it."""
     try:
         inner = json.loads(text)
     except json.JSONDecodeError:
@@ -147,12 +150,22 @@ def _after_reasoning(text: str, end: str, start: str | None) -> str:
         inner = {"grammars": [{"name": "constraint", "lark_grammar": text}]}
     grammars = [dict(g) for g in inner["grammars"]]
     grammars[0]["name"] = name = grammars[0].get("name") or "constraint"
-    opening = "" if start is None else _regex_literal(start)
-    block = f"/{opening}(?s:.*){_regex_literal(end)}/ & ~/(?s:.*){_regex_literal(end)}(?s:.+)/"
-    rule = f"start: BLOCK {_GAP} @{name}" if start is None else f"start: (BLOCK {_GAP})? @{name}"
+    opening = "" if start is None else _tag(start, specials)
+    if end in specials:  # any text, then the end tag's token (which no text lexeme holds)
+        block, body = "/(?s:.+)/", f"{opening} BLOCK? {_tag(end, specials)} {_GAP}"
+    else:  # one lexeme, the opening too where it is text
+        head = "" if start is None or start in specials else _regex_literal(start)
+        block = f"/{head}(?s:.*){_regex_literal(end)}/ & ~/(?s:.*){_regex_literal(end)}(?s:.+)/"
+        body = f"{'' if head else opening} BLOCK {_GAP}"
+    rule = f"start: {body} @{name}" if start is None else f"start: ({body})? @{name}"
     lark = f"{rule}\nBLOCK: {block}\n"
     inner["grammars"] = [{"name": _REASONING_GRAMMAR, "lark_grammar": lark}, *grammars]
     return json.dumps(inner)
+
+
+def _tag(tag: str, specials: dict[str, int]) -> str:
+    """A reasoning tag in lark: its special token by id, or its text."""
+    return f"<[{specials[tag]}]>" if tag in specials else f"/{_regex_literal(tag)}/"
 
 
 def _regex_literal(text: str) -> str:
