@@ -32,8 +32,11 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Special tokens decode to nothing, asked to or not."""
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True
+    ) -> str:
+        """Special tokens decode to nothing, asked to or not, so nothing is spaced apart either;
+        the keywords are a real tokenizer's (the detokenizer passes the second only when false)."""
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def get_vocab(self) -> dict[str, int]:

@@ -119,6 +119,17 @@ async def test_completion_logprobs_shape(client: httpx.AsyncClient) -> None:
     assert all(len(top) == 2 for top in lp["top_logprobs"])
 
 
+async def test_unspaced_special_tokens_decode_the_echo_and_the_logprobs(client: httpx.AsyncClient) -> None:
+    """spaces_between_special_tokens false reaches the tokenizer's decode (the echoed prompt's and
+    the logprobs' text offsets), as on a slow tokenizer; the fake's BOS decodes to nothing."""
+    body = {"model": MODEL, "prompt": [256, 104, 105], "max_tokens": 3, "echo": True, "logprobs": 0}
+    for spaced in (True, False):
+        r = await client.post("/v1/completions", json={**body, "spaces_between_special_tokens": spaced})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "hihel" and choice["logprobs"]["text_offset"][-3:] == [2, 3, 4]
+
+
 async def test_chat_completion(client: httpx.AsyncClient) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hey"}], "max_completion_tokens": 5}
     r = await client.post("/v1/chat/completions", json=body)

@@ -95,6 +95,62 @@ def test_named_chat_templates_are_chosen_as_transformers_chooses(
             tokenizer.apply_chat_template(MESSAGES[:2], tokenize=False)
 
 
+def _saved_by_transformers(model_dir: pathlib.Path, to: pathlib.Path, templates: object) -> pathlib.Path:
+    """`model_dir`'s tokenizer with `templates`, written by transformers' own save_pretrained."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = templates
+    tokenizer.save_pretrained(to)
+    return to
+
+
+def _assert_renders_as_transformers(model_dir: pathlib.Path, *calls: dict[str, object]) -> None:
+    light, reference = LightTokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    for kwargs in calls:
+        want = reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert light.apply_chat_template(MESSAGES, add_generation_prompt=True, **kwargs) == want
+
+
+def test_templates_saved_as_jinja_files_render_as_transformers_renders_them(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """transformers >= 4.43 saves a template as chat_template.jinja, and named ones in
+    additional_chat_templates/, leaving tokenizer_config.json without one: a modern checkpoint."""
+    own = AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
+    one = _saved_by_transformers(tiny_model_dir, tmp_path / "one", own)
+    assert (one / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((one / "tokenizer_config.json").read_text())
+    _assert_renders_as_transformers(one, {}, {"tools": TOOLS, "enable_thinking": False})
+    named = {t["name"]: t["template"] for t in NAMED_TEMPLATES} | {"brief": "{{ messages | length }}"}
+    many = _saved_by_transformers(tiny_model_dir, tmp_path / "many", named)
+    extra = sorted(p.name for p in (many / "additional_chat_templates").iterdir())
+    assert extra == ["brief.jinja", "tool_use.jinja"] and (many / "chat_template.jinja").is_file()
+    _assert_renders_as_transformers(many, {}, {"tools": TOOLS}, {"chat_template": "brief"})
+    assert LightTokenizer(many).apply_chat_template(MESSAGES, chat_template="brief") == "4"
+
+
+def test_template_files_take_precedence_over_tokenizer_config_as_in_transformers(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Any template file replaces tokenizer_config.json's entry whole; a folder template named
+    "default" replaces chat_template.jinja; a folder without one leaves no default."""
+    model_dir = _with_templates(tiny_model_dir, tmp_path / "model", "config:{{ messages | length }}")
+    (model_dir / "chat_template.jinja").write_text("file:{{ messages[0]['content'] }}")
+    _assert_renders_as_transformers(model_dir, {})
+    assert LightTokenizer(model_dir).apply_chat_template(MESSAGES) == "file:Be brief."
+    (model_dir / "additional_chat_templates").mkdir()
+    (model_dir / "additional_chat_templates" / "default.jinja").write_text("folder:{{ messages[1]['role'] }}")
+    _assert_renders_as_transformers(model_dir, {})
+    assert LightTokenizer(model_dir).apply_chat_template(MESSAGES) == "folder:user"
+    (model_dir / "chat_template.jinja").unlink()
+    (model_dir / "additional_chat_templates" / "default.jinja").rename(
+        model_dir / "additional_chat_templates" / "tool_use.jinja"
+    )
+    _assert_renders_as_transformers(model_dir, {"tools": TOOLS})
+    for tokenizer in (LightTokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)):
+        with pytest.raises(ValueError, match="default"):
+            tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+
+
 @pytest.mark.parametrize(
     ("file", "text"),
     [

@@ -1,4 +1,4 @@
-"""A tokenizer for the simulated engine from a checkpoint's tokenizer.json and chat template, with
+"""A tokenizer for the simulated engine from a checkpoint's tokenizer.json and chat templates, with
 the Hugging Face `tokenizers` library and jinja2 alone: transformers imports torch, the simulator
 must not (64 replicas share one process and one tokenizer)."""
 
@@ -10,6 +10,11 @@ from typing import Any
 
 from corral_engine.chat_template import template_environment
 from corral_engine.errors import ModelLoadError
+
+# Where transformers' save_pretrained (>= 4.43) writes templates instead of tokenizer_config.json:
+# the default one in the file, other named ones as NAME.jinja in the folder.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
 class LightTokenizer:
@@ -32,7 +37,8 @@ class LightTokenizer:
         config = read_json_object(path / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        self.chat_template = _chat_templates(config.get("chat_template"))
+        saved = _template_files(path)
+        self.chat_template = _chat_templates(config.get("chat_template")) if saved is None else saved
         self.eos_token_id = self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self.backend_tokenizer.get_vocab_size()
         self._template: Any = None
@@ -73,6 +79,26 @@ class LightTokenizer:
             )
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _template_files(model_dir: Path) -> str | dict[str, str] | None:
+    """The templates saved as files, which replace tokenizer_config.json's entry whole when any
+    exists, as transformers loads them: a folder template named "default" wins over the file."""
+    paths = {"default": model_dir / CHAT_TEMPLATE_FILE} if (model_dir / CHAT_TEMPLATE_FILE).is_file() else {}
+    if (model_dir / CHAT_TEMPLATE_DIR).is_dir():
+        paths |= {p.name.removesuffix(".jinja"): p for p in (model_dir / CHAT_TEMPLATE_DIR).glob("*.jinja")}
+    templates = {name: _read_template(p) for name, p in paths.items()}
+    if list(templates) == ["default"]:
+        return templates["default"]
+    return templates or None
+
+
+def _read_template(path: Path) -> str:
+    """A template file's text, read as transformers reads it (UTF-8, universal newlines)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} cannot be read as a chat template: {e}") from e
 
 
 def _chat_templates(value: Any) -> str | dict[str, str] | None:
