@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def tiny_model_dirs(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: pathlib.Path
 ) -> Mapping[str, pathlib.Path]:
-    """arch -> tiny checkpoint dir for llama, mistral, qwen2, qwen3 (each built when first used)."""
+    """arch -> tiny checkpoint dir for each demo architecture (each built when first used)."""
     return _LazyModelDirs(tmp_path_factory.mktemp("models-by-arch"), {"llama": tiny_model_dir})
 
 

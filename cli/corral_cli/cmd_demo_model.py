@@ -9,7 +9,7 @@ log = logging.getLogger(__name__)
 
 # Kept in step with corral_engine.demo_model (not imported here: the engine side pulls in torch).
 _PRESETS = ("tiny", "small", "llama3-8b")
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer (default: 0)")
-    parser.add_argument("--arch", choices=_ARCHS, default="llama", help="model architecture (default: llama)")
+    parser.add_argument(
+        "--arch",
+        choices=_ARCHS,
+        default="llama",
+        help="model architecture; mixtral and qwen3-moe: 4 experts, 2 per token, tiny and small presets "
+        "only (default: llama)",
+    )
     parser.add_argument(
         "--device",
         default="cpu",
@@ -55,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:  # a file in the way, no permission, a full disk
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
+    except ValueError as e:  # a preset without that architecture (llama3-8b has no experts)
+        log.error("%s", e)
+        return 2
     what = "tokenizer and config" if args.no_weights else "checkpoint"
     log.info("wrote %s %s (%s, seed %d) to %s", args.preset, what, args.arch, args.seed, out)
     return 0

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,10 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3-moe": "Qwen3MoeForCausalLM",
 }
+MOE_ARCHS = ("mixtral", "qwen3-moe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,11 @@ class Preset:
     lexicon_size: int  # distinct synthetic words
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # Mixture-of-experts archs: experts per layer, picked per token, and Qwen3-MoE's expert size
+    # (Mixtral's experts take `intermediate_size`). 0: this preset has no MoE variant.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
     # Largest safetensors file; bigger checkpoints are split into shards with an index, as HF does.
     max_shard_bytes: int | None = None
 
@@ -85,6 +94,8 @@ _PRESETS: dict[str, Preset] = {
         qwen3_head_dim=32,
         num_corpus_words=20_000,
         lexicon_size=3_000,
+        num_experts=4,
+        moe_intermediate_size=64,
     ),
     # For benchmarks: a ~107M-parameter Llama (tied embeddings) shaped like llama2.c's stories110M
     # with grouped-query attention.
@@ -103,6 +114,8 @@ _PRESETS: dict[str, Preset] = {
         qwen3_head_dim=64,
         num_corpus_words=400_000,
         lexicon_size=60_000,
+        num_experts=4,
+        moe_intermediate_size=768,
     ),
     # For GPU benchmarks: Llama-3-8B's shapes (8.03B parameters, 16 GB in bf16, untied LM head).
     # The tokenizer is trained to the full 128,256 entries (~6 s) rather than padding the embedding
@@ -164,8 +177,18 @@ def build_config_dict(
     }
     if arch == "mistral":
         cfg["sliding_window"] = None  # like Mistral v0.2+: full attention
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3-moe"):
         cfg["head_dim"] = p.qwen3_head_dim
+    if arch in MOE_ARCHS:
+        if not p.num_experts:
+            raise ValueError(f"preset {preset!r} has no mixture-of-experts variant (tiny and small do)")
+        cfg["num_experts_per_tok"] = p.num_experts_per_tok
+    if arch == "mixtral":
+        cfg["num_local_experts"] = p.num_experts
+        cfg["sliding_window"] = None
+    if arch == "qwen3-moe":  # every layer sparse, top-k renormalised: as Qwen3-30B-A3B
+        cfg.update(num_experts=p.num_experts, moe_intermediate_size=p.moe_intermediate_size)
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     cfg.update(copy.deepcopy(config_overrides or {}))  # transformers mutates nested dicts it is given
     return cfg
 
@@ -180,12 +203,25 @@ def count_parameters(config: dict[str, Any]) -> int:
     attn = h * q + 2 * h * kv + q * h
     if arch == "Qwen2ForCausalLM" or config.get("attention_bias"):
         attn += q + 2 * kv + (q if config.get("attention_bias") and arch != "Qwen2ForCausalLM" else 0)
-    if arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         attn += 2 * head_dim  # q_norm, k_norm
-    mlp = 3 * h * int(config["intermediate_size"])
-    layer = attn + mlp + 2 * h
+    num_layers = int(config["num_hidden_layers"])
+    mlps = [3 * h * int(config["intermediate_size"])] * num_layers
+    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        mlps = _moe_mlp_parameters(config, arch, h, num_layers)
     embeddings = v * h * (1 if config.get("tie_word_embeddings") else 2)
-    return int(config["num_hidden_layers"]) * layer + embeddings + h
+    return sum(mlps) + num_layers * (attn + 2 * h) + embeddings + h
+
+
+def _moe_mlp_parameters(config: dict[str, Any], arch: str, h: int, num_layers: int) -> list[int]:
+    """Per layer: the router and experts' parameters, or the dense MLP's (Qwen3-MoE's MLP-only layers)."""
+    num_experts = int(config.get("num_local_experts") or config["num_experts"])
+    if arch == "MixtralForCausalLM":
+        return [num_experts * (3 * h * int(config["intermediate_size"]) + h)] * num_layers
+    step, dense = int(config.get("decoder_sparse_step", 1)), config.get("mlp_only_layers") or []
+    sparse = num_experts * (3 * h * int(config["moe_intermediate_size"]) + h)
+    mlp = 3 * h * int(config["intermediate_size"])
+    return [sparse if i not in dense and (i + 1) % step == 0 else mlp for i in range(num_layers)]
 
 
 def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
@@ -257,7 +293,8 @@ def _write_weights(
     steps: _Steps,
 ) -> None:
     """Draw every parameter in sorted-name order from one seeded generator on `device` (independent
-    of transformers' own init), one shard at a time, so host memory holds at most one shard."""
+    of transformers' own init), one shard at a time, so host memory holds at most one shard.
+    Mixture-of-experts models are written whole by transformers' save_pretrained (see _save_moe)."""
     import torch
     from safetensors.torch import save_file
 
@@ -269,6 +306,11 @@ def _write_weights(
     files = shard_file_names(len(shards))
     std = float(getattr(model.config, "initializer_range", p.initializer_range))
     gen = torch.Generator(device=device).manual_seed(seed)
+    if model.config.architectures[0] in (ARCHITECTURES[a] for a in MOE_ARCHS):
+        steps.advance("writing the experts through save_pretrained")
+        state = {n: _draw(n, shape, gen, std, p, device).to(torch_dtype).cpu() for n, shape in shapes.items()}
+        _save_moe(model, state, out, max_shard_bytes)
+        return
     weight_map: dict[str, str] = {}
     with torch.no_grad():
         for file, names in zip(files, shards, strict=True):
@@ -280,6 +322,27 @@ def _write_weights(
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
         _write_json(out / "model.safetensors.index.json", index)
+
+
+def _save_moe(model: Any, state: dict[str, Any], out: pathlib.Path, max_shard_bytes: int | None) -> None:
+    """transformers v5 holds experts fused in memory ([E, 2I, H]); its save_pretrained writes them
+    expert by expert under each model's hub names (Mixtral's block_sparse_moe.experts.N.w1/w2/w3,
+    Qwen3-MoE's mlp.experts.N.gate_proj/up_proj/down_proj), the layout real checkpoints have."""
+    model.load_state_dict(state, strict=True, assign=True)  # off the meta device, onto the drawn tensors
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    from transformers.utils import logging as hf_logging
+
+    shard = f"{max_shard_bytes}B" if max_shard_bytes else "50GB"
+    was_shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its own bar; this writer shows progress (or not) through _Steps
+    try:
+        model.save_pretrained(str(out), max_shard_size=shard)
+    finally:
+        if was_shown:
+            hf_logging.enable_progress_bar()
+    for weights in out.glob("*.safetensors"):  # save_pretrained's are owner-only; the rest are not
+        shutil.copymode(out / "tokenizer.json", weights)
 
 
 def write_demo_model(

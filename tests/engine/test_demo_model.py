@@ -18,7 +18,8 @@ from corral_engine.demo_model import (
 from corral_engine.demo_tokenizer import EOS_TOKEN_ID
 from corral_engine.sim.host import eos_token_ids
 from corral_engine.sim.tokenizer import LightTokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 FILES = (
     "config.json",
@@ -189,3 +190,42 @@ def test_cli_says_in_one_line_why_it_cannot_write(tmp_path, caplog):
     in_the_way.write_text("x")
     assert corral_main(["demo-model", str(in_the_way), "--quiet"]) == 1
     assert "cannot write the checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("arch", "expert_tensor"),
+    [
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+        ("qwen3-moe", "model.layers.1.mlp.experts.3.down_proj.weight"),
+    ],
+)
+def test_moe_checkpoints_hold_the_hubs_expert_by_expert_layout(
+    tmp_path, tiny_model_dirs, arch, expert_tensor
+):
+    """What transformers' save_pretrained writes and hub checkpoints hold, not v5's fused in-memory
+    tensors; the same seed writes the same bytes."""
+    out = tmp_path / "cli"
+    assert corral_main(["demo-model", str(out), "--arch", arch, "--quiet"]) == 0
+    assert _digests(out) == _digests(tiny_model_dirs[arch])
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert expert_tensor in names
+    assert not any(name.endswith("experts.gate_up_proj") for name in names)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("num_local_experts", config.get("num_experts")) == 4
+    assert config["num_experts_per_tok"] == 2
+
+
+def test_qwen3_moe_parameter_count_with_dense_layers():
+    cfg = build_config_dict("tiny", "qwen3-moe", {"mlp_only_layers": [1]})
+    config = AutoConfig.for_model("qwen3_moe", **{k: v for k, v in cfg.items() if k != "dtype"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg)
+
+
+def test_a_preset_without_experts_is_refused(tmp_path, caplog):
+    with pytest.raises(ValueError, match="no mixture-of-experts variant"):
+        build_config_dict("llama3-8b", "mixtral")
+    assert corral_main(["demo-model", str(tmp_path / "m"), "--preset", "llama3-8b", "--arch", "mixtral"]) == 2
+    assert "no mixture-of-experts variant" in caplog.text

@@ -12,7 +12,7 @@ from corral_engine.settings import EngineSettings
 
 from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe"]
 MAX_NEW = 12
 
 

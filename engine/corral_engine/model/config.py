@@ -14,7 +14,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +42,64 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]  # per layer
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (model/moe.py); none of it for dense models.
+    moe: MoeConfig | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` routes through experts (else a dense MLP)."""
+        return self.moe is not None and self.moe.sparse_layers[layer_idx]
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    num_experts: int
+    num_experts_per_tok: int  # top-k
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    # Mixtral scales each expert's output by its float32 weight; Qwen3-MoE rounds the weights to the
+    # model dtype first (transformers' order in each, so bf16 outputs round alike).
+    is_weight_fp32: bool
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP (False)
+
+
+def _positive_int(hf: Any, names: tuple[str, ...], what: str, where: Path) -> int:
+    value = next((getattr(hf, n) for n in names if getattr(hf, n, None) is not None), None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(
+            f"{where}: {what} ({' or '.join(names)}) must be a positive integer, got {value!r}"
+        )
+    return value
+
+
+def _moe_config(arch: str, hf: Any, num_layers: int, where: Path) -> MoeConfig:
+    """The experts' shape and routing, checked: a bad value is a ModelLoadError naming it."""
+    num_experts = _positive_int(hf, ("num_local_experts", "num_experts"), "the number of experts", where)
+    top_k = _positive_int(hf, ("num_experts_per_tok",), "the experts per token", where)
+    if top_k > num_experts:
+        raise ModelLoadError(
+            f"{where}: num_experts_per_tok {top_k} is more than the {num_experts} experts there are"
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{where}: hidden_act {hf.hidden_act!r} is not supported (only silu)")
+    if arch == "MixtralForCausalLM":
+        size = _positive_int(hf, ("intermediate_size",), "the experts' intermediate size", where)
+        return MoeConfig(num_experts, top_k, size, True, True, (True,) * num_layers)
+    size = _positive_int(hf, ("moe_intermediate_size",), "the experts' intermediate size", where)
+    step = _positive_int(hf, ("decoder_sparse_step",), "decoder_sparse_step", where)
+    dense = getattr(hf, "mlp_only_layers", None) or []  # a list of ints: transformers checks its type
+    # transformers' rule: a layer is sparse unless listed as MLP-only or off the sparse step.
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    norm = bool(getattr(hf, "norm_topk_prob", False))
+    return MoeConfig(num_experts, top_k, size, norm, False, sparse)
 
 
 def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
@@ -85,11 +141,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"unsupported architecture {archs or raw.get('model_type')!r} in {config_file}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+    # StrictDataclassError: transformers v5 checks each field's type (e.g. a string for a list).
+    except (OSError, ValueError, KeyError, StrictDataclassError) as e:
         raise ModelLoadError(f"{config_file}: transformers cannot parse it: {e}") from e
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -101,7 +159,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         if layer_types:
             is_sliding = layer_types[i] == "sliding_attention"
         else:
-            is_sliding = arch == "MistralForCausalLM"
+            # These three apply a config-wide `sliding_window` to every layer (None: full attention).
+            is_sliding = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
         windows.append(window if is_sliding and window else None)
     is_qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -120,10 +179,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         max_position_embeddings=hf.max_position_embeddings,
         sliding_windows=tuple(windows),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
         eos_token_ids=_eos_ids(path, hf),
+        moe=_moe_config(arch, hf, num_layers, config_file) if arch in MOE_ARCHITECTURES else None,
     )

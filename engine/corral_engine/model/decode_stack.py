@@ -20,7 +20,7 @@ from corral_engine.model.attention import AttentionContext
 from corral_engine.model.native import MAX_BLOCK_SIZE, NativeKernelError
 
 if TYPE_CHECKING:
-    from corral_engine.model.llama import CausalLM, DecoderLayer, Linear
+    from corral_engine.model.llama import MLP, CausalLM, DecoderLayer, Linear
 
 _ptr = ctypes.c_void_p
 
@@ -95,7 +95,7 @@ class DecodeStack:
         layers = _layers(model)
         self._layers = (_Layer * len(layers))()
         for entry, layer, (k_cache, v_cache) in zip(self._layers, layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, _mlp(layer)
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             entry.qkv, entry.qkv_bias = _weights(attn.qkv_proj)
@@ -160,6 +160,8 @@ def unsupported(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     """Why the stack cannot run `model` (empty: it can)."""
     if model.tp is not None:
         return "tensor parallelism"
+    if model.config.is_moe:  # the C decoder runs one dense MLP a layer; it has no router or experts
+        return "mixture-of-experts layers"
     params = [p for p in model.parameters() if p.numel()]
     if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in params):
         return "weights other than bf16 on the CPU"
@@ -179,8 +181,13 @@ def _layers(model: CausalLM) -> list[DecoderLayer]:
     return cast("list[DecoderLayer]", list(model.model.layers))
 
 
+def _mlp(layer: DecoderLayer) -> MLP:
+    """The layer's dense MLP: a model with experts never gets here (`unsupported`)."""
+    return cast("MLP", layer.mlp)
+
+
 def _linears(layer: DecoderLayer) -> tuple[Linear, ...]:
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = layer.self_attn, _mlp(layer)
     return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
 

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with the experts of
+model/moe.py in place of the MLP) over a flattened token batch.
 
 All sequences of a step are one [T, hidden] batch for every matmul; only attention is per sequence.
 q/k/v and gate/up projections are fused at load time (fewer, larger matmuls); each fused parameter
@@ -16,6 +17,7 @@ from torch import nn
 
 from corral_engine.model.attention import AttentionContext, paged_attention
 from corral_engine.model.config import ModelConfig
+from corral_engine.model.moe import SparseMoeBlock
 from corral_engine.model.native import FusedOps
 from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
 
@@ -259,7 +261,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp)
-        self.mlp = MLP(config, tp)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(config) if config.is_sparse_layer(layer_idx) else MLP(config, tp)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

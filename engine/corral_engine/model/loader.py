@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,11 +15,28 @@ from safetensors import safe_open
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM, FusedLinear
+from corral_engine.model.moe import Experts
 from corral_engine.model.parallel import ShardPlan
 
 logger = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection as hub checkpoints (and transformers' save_pretrained) hold them: Mixtral's
+# block_sparse_moe.experts.N.w1 (gate) / w3 (up) / w2 (down), Qwen3-MoE's mlp.experts.N.gate_proj /
+# up_proj / down_proj. transformers v5's fused in-memory layout (mlp.experts.gate_up_proj, [E, 2I, H])
+# needs no mapping: those are this engine's parameter names.
+_EXPERT = re.compile(
+    r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_EXPERT_PART = {
+    "w1": "gate",
+    "gate_proj": "gate",
+    "w3": "up",
+    "up_proj": "up",
+    "w2": "down",
+    "down_proj": "down",
+}
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -78,6 +96,37 @@ def _fused_target(name: str) -> tuple[str, str] | None:
     return None
 
 
+def _expert_target(
+    name: str, modules: dict[str, torch.nn.Module], params: dict[str, torch.nn.Parameter]
+) -> tuple[torch.Tensor, str] | None:
+    """Per-expert tensor `name` -> (its rows of the fused expert parameter, the loaded key); None
+    for any other tensor."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    prefix = f"{match['layer']}.mlp.experts"
+    module = modules.get(prefix)
+    if not isinstance(module, Experts):
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint: that layer has no experts")
+    expert, part = int(match["expert"]), _EXPERT_PART[match["proj"]]
+    num_experts = module.gate_up_proj.shape[0]
+    if expert >= num_experts:
+        raise ModelLoadError(f"tensor {name!r} names expert {expert}; the config has {num_experts} experts")
+    if part == "down":
+        return params[f"{prefix}.down_proj"][expert], f"{prefix}.down_proj:{expert}"
+    start = 0 if part == "gate" else module.size
+    dest = params[f"{prefix}.gate_up_proj"][expert, start : start + module.size]
+    return dest, f"{prefix}.gate_up_proj:{expert}:{part}"
+
+
+def _expert_keys(name: str, module: Experts) -> set[str]:
+    """The per-expert keys that together fill parameter `name` of `module`."""
+    experts = range(module.gate_up_proj.shape[0])
+    if name.endswith(".down_proj"):
+        return {f"{name}:{e}" for e in experts}
+    return {f"{name}:{e}:{part}" for e in experts for part in ("gate", "up")}
+
+
 def load_weights(model: CausalLM, config: ModelConfig, plan: ShardPlan | None = None) -> None:
     """Fill `model`'s parameters from the checkpoint: all of them, or this rank's shards (`plan`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -91,8 +140,12 @@ def load_weights(model: CausalLM, config: ModelConfig, plan: ShardPlan | None = 
                 continue
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target = _fused_target(name)
-            if target is not None:
+            name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
+            expert = _expert_target(name, modules, params)
+            target = None if expert is not None else _fused_target(name)
+            if expert is not None:
+                dest, key = expert
+            elif target is not None:
                 fused_name, shard = target
                 module = modules.get(fused_name.rsplit(".", 1)[0])
                 param = params.get(fused_name)
@@ -130,7 +183,9 @@ def _missing(expected: set[str], loaded: set[str], modules: dict[str, torch.nn.M
     out = set()
     for name in expected:
         module = modules.get(name.rsplit(".", 1)[0])
-        if isinstance(module, FusedLinear):
+        if isinstance(module, Experts) and name not in loaded:  # whole, or expert by expert
+            out |= _expert_keys(name, module) - loaded
+        elif isinstance(module, FusedLinear):
             out |= {f"{name}:{s}" for s in module.shard_offsets if f"{name}:{s}" not in loaded}
         elif name not in loaded:
             out.add(name)

@@ -97,6 +97,13 @@ class ShardPlan:
 
 def check_shardable(config: ModelConfig, size: int) -> None:
     """Raise ModelLoadError unless `size` ranks can split this model's heads and MLP evenly."""
+    if config.is_moe and size > 1:
+        # Not built yet: each expert's intermediate rows would shard like the MLP's, but the loader's
+        # slicing and the fused expert tensors do not do it, so a split model would load wrong.
+        raise ModelLoadError(
+            f"--tensor-parallel-size {size}: mixture-of-experts models ({config.architecture}) run on "
+            "one rank only; use --tensor-parallel-size 1"
+        )
     problems = []
     if config.num_heads % size:
         problems.append(f"the {config.num_heads} attention heads")

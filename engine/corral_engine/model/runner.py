@@ -142,8 +142,18 @@ class ModelRunner:
             self.attention_backend,
             self._prompt_path(),
         )
+        if config.moe is not None:
+            logger.info(
+                "mixture of experts: %d experts, %d per token; no decode graphs or native decode stack",
+                config.moe.num_experts,
+                config.moe.num_experts_per_tok,
+            )
         self.model.decode_stack = self._decode_stack()
-        if self.attention_backend == "triton" and not args.enforce_eager and tp is None:
+        # No decode graphs for mixture-of-experts models: routing reads each expert's row count on
+        # the host every layer (its matmul shapes depend on the batch's data), which a graph cannot
+        # record; their decodes run eagerly.
+        is_graphable = tp is None and not config.is_moe
+        if self.attention_backend == "triton" and not args.enforce_eager and is_graphable:
             if graph_capture is None and self.device.type == "cuda":
                 graph_capture = CudaGraphCapture()
             if graph_capture is not None:
