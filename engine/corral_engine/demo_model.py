@@ -328,6 +328,8 @@ def _save_moe(model: Any, state: dict[str, Any], out: pathlib.Path, max_shard_by
     """transformers v5 holds experts fused in memory ([E, 2I, H]); its save_pretrained writes them
     expert by expert under each model's hub names (Mixtral's block_sparse_moe.experts.N.w1/w2/w3,
     Qwen3-MoE's mlp.experts.N.gate_proj/up_proj/down_proj), the layout real checkpoints have."""
+    if model.config.tie_word_embeddings:  # one drawn tensor (named_parameters lists it once) for both
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
     model.load_state_dict(state, strict=True, assign=True)  # off the meta device, onto the drawn tensors
     if model.config.tie_word_embeddings:
         model.tie_weights()

@@ -229,3 +229,14 @@ def test_a_preset_without_experts_is_refused(tmp_path, caplog):
         build_config_dict("llama3-8b", "mixtral")
     assert corral_main(["demo-model", str(tmp_path / "m"), "--preset", "llama3-8b", "--arch", "mixtral"]) == 2
     assert "no mixture-of-experts variant" in caplog.text
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe"])
+def test_moe_checkpoints_with_tied_embeddings_are_written(tmp_path, arch):
+    """The small preset ties its embeddings: a mixture-of-experts checkpoint of it is written (the
+    head was missing from the state transformers loads) and holds no separate head."""
+    out = write_demo_model(tmp_path / arch, "tiny", arch=arch, config_overrides={"tie_word_embeddings": True})
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names
+    assert "lm_head.weight" not in names
