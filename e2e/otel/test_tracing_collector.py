@@ -37,8 +37,8 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, S
 
 
 def _access_lines(log_path: Path, logger: str) -> list[dict[str, object]]:
-    """The access lines of chat requests (the gateway also reads each engine's /v1/models; its own
-    lines, all of proxied requests, name no path)."""
+    """The access lines of chat requests (an engine logs a read of its /v1/models only when it
+    fails; the gateway's own lines, all of proxied requests, name no path)."""
     lines = []
     for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith("{"):

@@ -4,6 +4,7 @@ under preemption and with prefix-cache hits; and the shard arithmetic on its own
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 from collections.abc import Iterator, Mapping
@@ -19,6 +20,8 @@ from corral_engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+# Each expert's intermediate rows split like the MLP's, the router whole on every rank.
+MOE_ARCHS = ["mixtral", "qwen3-moe"]
 MAX_NEW = 12
 PARAMS = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
@@ -41,6 +44,24 @@ def test_shards_of_a_gqa_model(tiny_model_dir: pathlib.Path) -> None:
     # A row-parallel bias is added once, by rank 0.
     assert plans[0].checkpoint_slice("model.layers.0.mlp.down_proj.bias") is None
     assert plans[1].checkpoint_slice("model.layers.0.mlp.down_proj.bias") is False
+
+
+def test_shards_of_the_experts(tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
+    # tiny qwen3-moe: 4 experts of intermediate size 64; mixtral's take the MLP's 128
+    plans = [_plan(tiny_model_dirs["qwen3-moe"], r, 2) for r in range(2)]
+    assert [p.expert_intermediate_size for p in plans] == [32, 32]
+    layer = "model.layers.1.mlp"
+    assert plans[1].checkpoint_slice(f"{layer}.experts.3.gate_proj.weight") == (0, 32, 32)
+    assert plans[1].checkpoint_slice(f"{layer}.experts.3.down_proj.weight") == (1, 32, 32)
+    assert plans[1].checkpoint_slice(f"{layer}.gate.weight") is None  # the router: replicated
+    # transformers v5's fused layout: [E, 2I, H] (gate rows, then up rows) and [E, H, I]
+    assert plans[1].checkpoint_slice(f"{layer}.experts.gate_up_proj") == [(1, 32, 32), (1, 96, 32)]
+    assert plans[1].checkpoint_slice(f"{layer}.experts.down_proj") == (2, 32, 32)
+    mixtral = _plan(tiny_model_dirs["mixtral"], 0, 2)
+    layer = "model.layers.0.block_sparse_moe"
+    assert mixtral.checkpoint_slice(f"{layer}.experts.0.w3.weight") == (0, 0, 64)
+    assert mixtral.checkpoint_slice(f"{layer}.experts.0.w2.weight") == (1, 0, 64)
+    assert mixtral.checkpoint_slice(f"{layer}.gate.weight") is None
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated(tiny_model_dir: pathlib.Path) -> None:
@@ -122,15 +143,40 @@ def odd_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pathlib.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [*ARCHS, "odd"])
+@pytest.mark.parametrize("arch", [*ARCHS, "odd", *MOE_ARCHS])
 def test_two_ranks_match_one_rank_and_transformers(
     arch: str, tiny_model_dirs: Mapping[str, pathlib.Path], odd_model_dir: pathlib.Path
 ) -> None:
     model_dir = odd_model_dir if arch == "odd" else tiny_model_dirs[arch]
     expected = _references(model_dir)
-    if arch == "odd":  # the demo models' one-rank equality is test_engine_matches_transformers.py's
+    if arch in ("odd", *MOE_ARCHS):  # the dense demos' one-rank equality: test_engine_matches_transformers
         assert _workload(model_dir) == expected
     assert _workload(model_dir, tensor_parallel_size=2) == expected
+
+
+def test_experts_that_do_not_divide_are_refused(tmp_path: pathlib.Path) -> None:
+    from corral_engine.demo_model import write_demo_model
+
+    overrides = {"moe_intermediate_size": 63}
+    model_dir = write_demo_model(tmp_path / "m", preset="tiny", arch="qwen3-moe", config_overrides=overrides)
+    message = "--tensor-parallel-size 2 must divide the experts' intermediate size 63"
+    with pytest.raises(ModelLoadError, match=message):
+        make_engine(model_dir, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("mlp_only_layers", [[], [0]], ids=["all-sparse", "one-dense"])
+def test_the_dense_intermediate_size_counts_only_where_a_layer_is_dense(
+    tiny_model_dirs: Mapping[str, pathlib.Path], tmp_path: pathlib.Path, mlp_only_layers: list[int]
+) -> None:
+    """Qwen3-MoE's `intermediate_size` is its dense MLP's: unused when every layer has experts."""
+    config = json.loads((tiny_model_dirs["qwen3-moe"] / "config.json").read_text())
+    config.update(intermediate_size=127, mlp_only_layers=mlp_only_layers)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if not mlp_only_layers:
+        check_shardable(load_model_config(tmp_path), 2)
+        return
+    with pytest.raises(ModelLoadError, match=r"must divide the MLP's intermediate size 127$"):
+        check_shardable(load_model_config(tmp_path), 2)
 
 
 def test_a_size_the_model_cannot_split_fails_before_any_worker_starts(tiny_model_dir: pathlib.Path) -> None:

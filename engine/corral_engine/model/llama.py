@@ -262,7 +262,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp)
         self.mlp: MLP | SparseMoeBlock = (
-            SparseMoeBlock(config) if config.is_sparse_layer(layer_idx) else MLP(config, tp)
+            SparseMoeBlock(config, tp) if config.is_sparse_layer(layer_idx) else MLP(config, tp)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -8,6 +8,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -16,7 +17,7 @@ from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM, FusedLinear
 from corral_engine.model.moe import Experts
-from corral_engine.model.parallel import ShardPlan
+from corral_engine.model.parallel import Cut, ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-Slicer = Callable[[str], tuple[int, int, int] | bool | None]
+Slicer = Callable[[str], Cut | list[Cut] | bool | None]
 
 
 def iter_tensors(files: list[Path], slicer: Slicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, or with `slicer` only the part it names for each: (dim,
-    start, length) reads those rows (dim 0) or columns (dim 1) from the file; None the whole
-    tensor; False skips it."""
+    start, length) reads that range of dimension `dim` from the file, several such pieces are read
+    and concatenated; None the whole tensor; False skips it."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -76,11 +77,16 @@ def iter_tensors(files: list[Path], slicer: Slicer | None = None) -> Iterator[tu
                     if cut is None or cut is True:
                         yield name, f.get_tensor(name)
                         continue
-                    dim, start, length = cut
-                    part = f.get_slice(name)
-                    yield name, part[start : start + length] if dim == 0 else part[:, start : start + length]
+                    yield name, _read_cut(f.get_slice(name), cut)
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from e
+
+
+def _read_cut(part: Any, cut: Cut | list[Cut]) -> torch.Tensor:
+    """The ranges `cut` names of a safetensors slice, read from the file (never the whole tensor)."""
+    pieces = cut if isinstance(cut, list) else [cut]
+    read = [part[(slice(None),) * dim + (slice(start, start + length),)] for dim, start, length in pieces]
+    return read[0] if len(read) == 1 else torch.cat(read, dim=pieces[0][0])
 
 
 def _fused_target(name: str) -> tuple[str, str] | None:

@@ -4,7 +4,8 @@ A router picks each token's top-k experts; every expert multiplies only the rows
 (index_select in, index_add_ out), in ascending expert order as transformers does, so float32
 outputs match it and bf16 ones round alike. Parameter names are transformers v5's in-memory
 ones (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); the loader fills
-them from per-expert checkpoint tensors too.
+them from per-expert checkpoint tensors too. Under tensor parallelism each rank holds every expert's
+slice of the intermediate size (as the dense MLP's) and the router whole.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corral_engine.model.config import ModelConfig, MoeConfig
+from corral_engine.model.parallel import TensorParallel
 
 
 class Router(nn.Module):
@@ -38,11 +40,10 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Every expert's gate and up projections fused ([E, 2I, hidden], gate rows first) and its down
-    projection ([E, hidden, I])."""
+    projection ([E, hidden, I]); I is this rank's share of the intermediate size."""
 
-    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+    def __init__(self, hidden_size: int, num: int, size: int) -> None:
         super().__init__()
-        num, size = moe.num_experts, moe.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num, hidden_size, size))
         self.size = size
@@ -72,15 +73,20 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """A layer's MLP replaced by routed experts (no tensor parallelism: model/parallel.py refuses)."""
+    """A layer's MLP replaced by routed experts; under tensor parallelism every rank routes alike
+    (the router and its input are the same on each) and one all-reduce sums the experts' partial
+    outputs, as after the dense MLP."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         if config.moe is None:
             raise ValueError("SparseMoeBlock needs a mixture-of-experts config")
+        self.tp = tp
         self.gate = Router(config.hidden_size, config.moe)
-        self.experts = Experts(config.hidden_size, config.moe)
+        size = config.moe.intermediate_size if tp is None else tp.plan.expert_intermediate_size
+        self.experts = Experts(config.hidden_size, config.moe.num_experts, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, experts = self.gate(x)
-        return self.experts(x, weights, experts)
+        out = self.experts(x, weights, experts)
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -4,7 +4,8 @@ its forward pass needs.
 Rank r of N holds: query heads [r H/N, (r+1) H/N); KV heads [r KVH/N, ...) when KVH >= N, else
 KV head r KVH / N, replicated on the N / KVH ranks whose query heads use it; rows of the
 intermediate size (gate/up are column-parallel, down row-parallel); rows of the vocabulary
-(embedding and LM head; the last rank's slice is padded). o_proj and down_proj each end in one
+(embedding and LM head; the last rank's slice is padded); and every expert's rows of the experts'
+intermediate size, the router whole. o_proj, down_proj and the expert block each end in one
 all-reduce; their bias is held by rank 0 alone so the sum adds it once. With one rank none of
 this exists: the model is built without a `TensorParallel` and runs no collective.
 """
@@ -32,6 +33,14 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
+# One expert's projections as checkpoints name them (Mixtral's w1/w3/w2, Qwen3-MoE's): gate and up
+# are column-parallel, down row-parallel, all over the experts' intermediate size.
+_EXPERT_COLUMN = ("w1", "w3", "gate_proj", "up_proj")
+_EXPERT_ROW = ("w2", "down_proj")
+
+# How a rank reads one checkpoint tensor: (dim, start, length), or a list of such pieces concatenated
+# along their dim (a fused gate/up tensor's gate rows and up rows).
+Cut = tuple[int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,7 @@ class ShardPlan:
     kv_head_start: int
     head_dim: int
     intermediate_size: int  # local
+    expert_intermediate_size: int  # local, each expert's; 0 without experts
     vocab_size: int  # local, padded: every rank holds the same number of rows
     full_vocab_size: int
 
@@ -60,6 +70,7 @@ class ShardPlan:
             kv_head_start=rank * kv_heads // size,
             head_dim=config.head_dim,
             intermediate_size=config.intermediate_size // size,
+            expert_intermediate_size=0 if config.moe is None else config.moe.intermediate_size // size,
             vocab_size=-(-config.vocab_size // size),
             full_vocab_size=config.vocab_size,
         )
@@ -79,11 +90,14 @@ class ShardPlan:
         start = self.vocab_start  # "vocab": clipped to the real rows (the padding stays zero)
         return start, max(0, min(self.vocab_size, self.full_vocab_size - start))
 
-    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | bool | None:
-        """How this rank reads checkpoint tensor `name`: (dim, start, length); None to read it
-        whole (replicated); False to skip it (a row-parallel bias on ranks other than 0)."""
+    def checkpoint_slice(self, name: str) -> Cut | list[Cut] | bool | None:
+        """How this rank reads checkpoint tensor `name`: (dim, start, length), or such pieces
+        concatenated; None to read it whole (replicated); False to skip it (a row-parallel bias on
+        ranks other than 0)."""
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+        if "experts" in parts:
+            return self._expert_slice(module, kind)
         if module in _COLUMN:
             return (0, *self._range(_COLUMN[module]))
         if module in _ROW:
@@ -94,24 +108,37 @@ class ShardPlan:
             return (0, *self._range("vocab"))
         return None
 
+    def _expert_slice(self, module: str, kind: str) -> Cut | list[Cut] | None:
+        """An expert tensor's cut: per expert ([I, H] gate/up, [H, I] down) or fused over the
+        experts ([E, 2I, H] gate rows then up rows, [E, H, I] down)."""
+        size = self.expert_intermediate_size
+        start = self.rank * size
+        if kind != "weight" and module != "experts":
+            return None  # no expert of these architectures has a bias: the loader names it
+        if module in _EXPERT_COLUMN:
+            return (0, start, size)
+        if module in _EXPERT_ROW:
+            return (1, start, size)
+        if module == "experts" and kind == "gate_up_proj":
+            return [(1, start, size), (1, self.size * size + start, size)]
+        if module == "experts" and kind == "down_proj":
+            return (2, start, size)
+        return None  # not an expert projection: the loader names it if unexpected
+
 
 def check_shardable(config: ModelConfig, size: int) -> None:
-    """Raise ModelLoadError unless `size` ranks can split this model's heads and MLP evenly."""
-    if config.is_moe and size > 1:
-        # Not built yet: each expert's intermediate rows would shard like the MLP's, but the loader's
-        # slicing and the fused expert tensors do not do it, so a split model would load wrong.
-        raise ModelLoadError(
-            f"--tensor-parallel-size {size}: mixture-of-experts models ({config.architecture}) run on "
-            "one rank only; use --tensor-parallel-size 1"
-        )
+    """Raise ModelLoadError unless `size` ranks can split this model's heads, MLP and experts evenly."""
     problems = []
     if config.num_heads % size:
         problems.append(f"the {config.num_heads} attention heads")
     kv = config.num_kv_heads
     if (kv >= size and kv % size) or (kv < size and size % kv):
         problems.append(f"the {kv} KV heads (or be a multiple of them)")
-    if config.intermediate_size % size:
+    has_dense_mlp = not all(config.is_sparse_layer(i) for i in range(config.num_layers))
+    if has_dense_mlp and config.intermediate_size % size:
         problems.append(f"the MLP's intermediate size {config.intermediate_size}")
+    if config.moe is not None and config.moe.intermediate_size % size:
+        problems.append(f"the experts' intermediate size {config.moe.intermediate_size}")
     if problems:
         raise ModelLoadError(f"--tensor-parallel-size {size} must divide {', '.join(problems)}")
 
