@@ -25,6 +25,7 @@ from corral_engine.demo_tokenizer import (
     tokenizer_style,
     train_tokenizer,
 )
+from corral_engine.model.config import MOE_ARCHITECTURES, sparse_layers
 
 __all__ = [
     "ARCHITECTURES",
@@ -207,7 +208,7 @@ def count_parameters(config: dict[str, Any]) -> int:
         attn += 2 * head_dim  # q_norm, k_norm
     num_layers = int(config["num_hidden_layers"])
     mlps = [3 * h * int(config["intermediate_size"])] * num_layers
-    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in MOE_ARCHITECTURES:
         mlps = _moe_mlp_parameters(config, arch, h, num_layers)
     embeddings = v * h * (1 if config.get("tie_word_embeddings") else 2)
     return sum(mlps) + num_layers * (attn + 2 * h) + embeddings + h
@@ -221,7 +222,7 @@ def _moe_mlp_parameters(config: dict[str, Any], arch: str, h: int, num_layers: i
     step, dense = int(config.get("decoder_sparse_step", 1)), config.get("mlp_only_layers") or []
     sparse = num_experts * (3 * h * int(config["moe_intermediate_size"]) + h)
     mlp = 3 * h * int(config["intermediate_size"])
-    return [sparse if i not in dense and (i + 1) % step == 0 else mlp for i in range(num_layers)]
+    return [sparse if is_sparse else mlp for is_sparse in sparse_layers(num_layers, step, dense)]
 
 
 def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
@@ -306,7 +307,7 @@ def _write_weights(
     files = shard_file_names(len(shards))
     std = float(getattr(model.config, "initializer_range", p.initializer_range))
     gen = torch.Generator(device=device).manual_seed(seed)
-    if model.config.architectures[0] in (ARCHITECTURES[a] for a in MOE_ARCHS):
+    if model.config.architectures[0] in MOE_ARCHITECTURES:
         steps.advance("writing the experts through save_pretrained")
         state = {n: _draw(n, shape, gen, std, p, device).to(torch_dtype).cpu() for n, shape in shapes.items()}
         _save_moe(model, state, out, max_shard_bytes)

@@ -96,10 +96,14 @@ def _moe_config(arch: str, hf: Any, num_layers: int, where: Path) -> MoeConfig:
     size = _positive_int(hf, ("moe_intermediate_size",), "the experts' intermediate size", where)
     step = _positive_int(hf, ("decoder_sparse_step",), "decoder_sparse_step", where)
     dense = getattr(hf, "mlp_only_layers", None) or []  # a list of ints: transformers checks its type
-    # transformers' rule: a layer is sparse unless listed as MLP-only or off the sparse step.
-    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     norm = bool(getattr(hf, "norm_topk_prob", False))
-    return MoeConfig(num_experts, top_k, size, norm, False, sparse)
+    return MoeConfig(num_experts, top_k, size, norm, False, sparse_layers(num_layers, step, dense))
+
+
+def sparse_layers(num_layers: int, decoder_sparse_step: int, mlp_only_layers: list[int]) -> tuple[bool, ...]:
+    """Qwen3-MoE's layers with experts, by transformers' rule: each unless listed as MLP-only or
+    off the sparse step."""
+    return tuple(i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 for i in range(num_layers))
 
 
 def _eos_ids(path: Path, hf_config: Any) -> tuple[int, ...]:

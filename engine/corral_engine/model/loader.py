@@ -17,7 +17,7 @@ from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM, FusedLinear
 from corral_engine.model.moe import Experts
-from corral_engine.model.parallel import Cut, ShardPlan
+from corral_engine.model.parallel import EXPERT_PARTS, Cut, ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +28,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # needs no mapping: those are this engine's parameter names.
 _EXPERT = re.compile(
     r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
-    r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+    rf"(?P<proj>{'|'.join(EXPERT_PARTS)})\.weight$"
 )
-_EXPERT_PART = {
-    "w1": "gate",
-    "gate_proj": "gate",
-    "w3": "up",
-    "up_proj": "up",
-    "w2": "down",
-    "down_proj": "down",
-}
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -114,7 +106,7 @@ def _expert_target(
     module = modules.get(prefix)
     if not isinstance(module, Experts):
         raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint: that layer has no experts")
-    expert, part = int(match["expert"]), _EXPERT_PART[match["proj"]]
+    expert, part = int(match["expert"]), EXPERT_PARTS[match["proj"]]
     num_experts = module.gate_up_proj.shape[0]
     if expert >= num_experts:
         raise ModelLoadError(f"tensor {name!r} names expert {expert}; the config has {num_experts} experts")

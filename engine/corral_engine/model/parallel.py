@@ -33,10 +33,17 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
-# One expert's projections as checkpoints name them (Mixtral's w1/w3/w2, Qwen3-MoE's): gate and up
-# are column-parallel, down row-parallel, all over the experts' intermediate size.
-_EXPERT_COLUMN = ("w1", "w3", "gate_proj", "up_proj")
-_EXPERT_ROW = ("w2", "down_proj")
+# One expert's projections as checkpoints name them (Mixtral's w1/w3/w2, Qwen3-MoE's) -> which part
+# of the expert each is: gate and up are column-parallel, down row-parallel, all over the experts'
+# intermediate size. The loader maps per-expert tensors into the fused parameters by it too.
+EXPERT_PARTS = {
+    "w1": "gate",
+    "gate_proj": "gate",
+    "w3": "up",
+    "up_proj": "up",
+    "w2": "down",
+    "down_proj": "down",
+}
 
 # How a rank reads one checkpoint tensor: (dim, start, length), or a list of such pieces concatenated
 # along their dim (a fused gate/up tensor's gate rows and up rows).
@@ -115,9 +122,10 @@ class ShardPlan:
         start = self.rank * size
         if kind != "weight" and module != "experts":
             return None  # no expert of these architectures has a bias: the loader names it
-        if module in _EXPERT_COLUMN:
+        part = EXPERT_PARTS.get(module)
+        if part in ("gate", "up"):
             return (0, start, size)
-        if module in _EXPERT_ROW:
+        if part == "down":
             return (1, start, size)
         if module == "experts" and kind == "gate_up_proj":
             return [(1, start, size), (1, self.size * size + start, size)]
