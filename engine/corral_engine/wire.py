@@ -62,6 +62,14 @@ SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL = "vllm:spec_decode_num_accepted_tokens_to
 # by position. A series per position up to --num-speculative-tokens, with --speculative only.
 SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
+# LoRA adapters, as vLLM reports them (the Gateway API Inference Extension's LoRA affinity reads
+# it): one gauge whose value is the time (Unix seconds) of its latest change and whose labels carry
+# the state, adapter names comma-separated.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+LORA_MAX_LABEL = "max_lora"  # adapters one step may run
+LORA_RUNNING_LABEL = "running_lora_adapters"  # adapters of the running requests
+LORA_WAITING_LABEL = "waiting_lora_adapters"  # adapters of the waiting requests
+
 # Corral-specific metrics where vLLM has none.
 CORRAL_ENGINE_PREFIX = "corral_engine_"
 NUM_KV_BLOCKS_FREE = "corral_engine_kv_blocks_free"
