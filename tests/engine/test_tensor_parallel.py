@@ -5,7 +5,10 @@ under preemption and with prefix-cache hits; and the shard arithmetic on its own
 from __future__ import annotations
 
 import json
+import multiprocessing
 import pathlib
+import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 
@@ -204,6 +207,54 @@ def test_a_dead_rank_fails_the_next_step_naming_it(tiny_model_dir: pathlib.Path)
         assert failures and "rank 1" in failures[0]
     finally:
         runner.close()
+
+
+def _kill_first_worker(killed: list[int]) -> None:
+    """Kill the first tensor-parallel worker as soon as it exists (it is still importing torch:
+    it dies before the ranks meet)."""
+    while True:
+        workers = [p for p in multiprocessing.active_children() if p.name.startswith("corral-tp-rank")]
+        if workers:
+            killed.append(workers[0].pid or 0)
+            workers[0].kill()
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120, method="thread")  # a hang guard: rank 0 waited out the rendezvous in C
+def test_a_rank_that_dies_during_start_up_fails_it_naming_the_rank(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the rendezvous directory goes
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_first_worker, args=(killed,), daemon=True)
+    killer.start()
+    with pytest.raises(ModelLoadError, match=r"tensor-parallel rank 1 \(pid [0-9]+\) exited with code -9"):
+        make_engine(tiny_model_dir, tensor_parallel_size=2)
+    assert killed
+    assert not list(tmp_path.glob("corral-tp-*"))
+
+
+@pytest.mark.slow
+def test_workers_remove_the_rendezvous_directory_when_rank_0_is_gone(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed engine runs no clean-up; its workers, seeing rank 0's pipe close, remove it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    engine = make_engine(tiny_model_dir, tensor_parallel_size=2)
+    runner = engine.runner
+    assert isinstance(runner, ParallelRunner)
+    (store_dir,) = tmp_path.glob("corral-tp-*")
+    (pipe,) = runner._pipes
+    runner._closing = True  # as if rank 0 died: the pipe closes with no stop message
+    pipe.close()
+    (worker,) = runner.workers
+    worker.join(60)
+    assert worker.exitcode == 0
+    assert not store_dir.exists()
+    runner._pipes = []
+    runner.close()
 
 
 @pytest.mark.slow

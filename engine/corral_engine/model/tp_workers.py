@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import shutil
 import signal
 import tempfile
 import threading
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 5.0
 _DEATH_WAIT_S = 2.0  # how long a failed collective waits for the watchdog to name the dead rank
+_START_POLL_S = 0.1  # how often start-up looks for a dead rank while rank 0 builds its shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +177,13 @@ class ParallelRunner:
             self._pipes.append(send)
         self._watchdog = threading.Thread(target=self._watch, name="corral-tp-watchdog", daemon=True)
         self._watchdog.start()
-        try:
+
+        def build() -> ModelRunner:
             tp = TensorParallel(plan, make_group(store, 0, size, device), device)
-            self.local = ModelRunner(config, args, max_model_len, settings, tp=tp)
+            return ModelRunner(config, args, max_model_len, settings, tp=tp)
+
+        try:
+            self.local = self._start(build)
         except RuntimeError as e:  # the group did not form, or a rank died while loading
             self._wait_for_death()
             self.close()
@@ -190,6 +196,30 @@ class ParallelRunner:
         self.batches = self.local.batches
         self.model = self.local.model
         logger.info("tensor parallel: %d ranks (worker pids %s)", size, [w.pid for w in self.workers])
+
+    def _start(self, build: Callable[[], ModelRunner]) -> ModelRunner:
+        """Rank 0's group and shard, built on a thread of its own: a rank that dies first (before
+        the ranks meet, or under a collective that would wait out its timeout) fails start-up as
+        soon as the watchdog sees it, not minutes later when the wait times out."""
+        built: list[ModelRunner] = []
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                built.append(build())
+            except BaseException as e:  # handed to the caller below (or dropped: start-up failed)
+                raised.append(e)
+
+        # A daemon: a thread stuck in a wait that cannot be interrupted must not hold up the exit.
+        thread = threading.Thread(target=run, name="corral-tp-start", daemon=True)
+        thread.start()
+        while thread.is_alive() and not self._failed.is_set():
+            thread.join(_START_POLL_S)
+        if self._failed.is_set():
+            raise ModelLoadError(self.failure or "a tensor-parallel rank died during start-up")
+        if raised:
+            raise raised[0]
+        return built[0]
 
     def execute(self, scheduled: list[ScheduledSeq], fill: TokenFill | None = None) -> torch.Tensor:
         if fill is not None:
@@ -249,6 +279,7 @@ class ParallelRunner:
                 for other in self.workers:
                     if other.is_alive():
                         other.terminate()
+                self._store_dir.cleanup()  # `on_failure` may end the process without close()
                 if self.on_failure is not None:
                     self.on_failure(self.failure)
 
@@ -270,6 +301,22 @@ def run_worker(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        _serve(args, settings, max_model_len, rank, store, pipe)
+    finally:
+        # Rank 0 removes the rendezvous directory when it closes; when it was killed, the workers
+        # do on their way out (the ranks met long ago, or start-up has failed anyway).
+        shutil.rmtree(store.parent, ignore_errors=True)
+
+
+def _serve(
+    args: EngineArgs,
+    settings: EngineSettings,
+    max_model_len: int,
+    rank: int,
+    store: Path,
+    pipe: multiprocessing.connection.Connection,
+) -> None:
     config = load_model_config(args.model)
     device = rank_device(args.device, rank)
     plan = ShardPlan.build(config, rank, args.tensor_parallel_size)
