@@ -47,6 +47,8 @@ def sample(name: str) -> Any:
         return 0.5 if default != 0.5 else 0.75
     if kind is int:
         return (option.ge or 0) + 2 if default != (option.ge or 0) + 2 else (option.ge or 0) + 3
+    if engine_options.is_list(name):  # --lora-modules: NAME=PATH items
+        return ("x=/adapters/x", "y=/adapters/y")
     return "/models/x" if name == "model" else "x"
 
 
@@ -116,13 +118,15 @@ def test_bounds_are_enforced_by_the_engine() -> None:
 
 # A value of the wrong type for each kind of option (an int that is not whole, a number as text).
 _WRONG = {int: ("8", 2.5, True), float: ("0.5", False), bool: ("yes", 1), str: (5, ["m"])}
+_WRONG_LIST = ("x=/a", [5])  # a list option takes a list of str, not one str
 
 
 def test_every_option_refuses_a_value_of_the_wrong_type_naming_it() -> None:
     """Checked against the declaration's type: range checks alone let `max_model_len="100"`
     through to fail inside the engine."""
     for name in OPTIONS:
-        for value in _WRONG[engine_options.value_type(name)]:
+        wrong = _WRONG_LIST if engine_options.is_list(name) else _WRONG[engine_options.value_type(name)]
+        for value in wrong:
             with pytest.raises(ArgumentError, match=f"^{name} must be .*, got {type(value).__name__}"):
                 EngineArgs(model="m").replace(**{name: value})
 

@@ -43,9 +43,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the tokenizer and config only, in seconds and without torch: what `--simulate` reads",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument(
+        "--lora-adapter",
+        metavar="ADAPTER_DIR",
+        help="instead of a checkpoint, write a PEFT LoRA adapter for the demo checkpoint already in "
+        "DIR to ADAPTER_DIR: random non-zero A and B on every projection, drawn from --seed, so a "
+        "request naming it generates differently from the base model",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=8, metavar="R", help="the adapter's rank (default: 8)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lora_adapter is not None:
+        return _write_adapter(args)
     from corral_engine.demo_model import write_demo_model
 
     try:
@@ -66,4 +78,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     what = "tokenizer and config" if args.no_weights else "checkpoint"
     log.info("wrote %s %s (%s, seed %d) to %s", args.preset, what, args.arch, args.seed, out)
+    return 0
+
+
+def _write_adapter(args: argparse.Namespace) -> int:
+    from corral_engine.demo_adapter import write_demo_adapter
+
+    if args.lora_rank < 1:
+        log.error("--lora-rank must be at least 1")
+        return 2
+    try:
+        out = write_demo_adapter(args.dir, args.lora_adapter, rank=args.lora_rank, seed=args.seed)
+    except FileNotFoundError:
+        log.error("%s holds no checkpoint: write one first with `corral demo-model %s`", args.dir, args.dir)
+        return 1
+    except OSError as e:
+        log.error("cannot write the adapter to %s: %s", args.lora_adapter, e)
+        return 1
+    except ValueError as e:  # a mixture-of-experts checkpoint
+        log.error("%s", e)
+        return 2
+    log.info("wrote a rank-%d LoRA adapter for %s (seed %d) to %s", args.lora_rank, args.dir, args.seed, out)
     return 0

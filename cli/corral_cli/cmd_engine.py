@@ -24,10 +24,12 @@ from corral_engine.args import (
     Exclusive,
     cli_flag,
     default_text,
+    is_list,
     parse_bytes,
     value_type,
 )
 from corral_engine.chat_template import load_chat_template
+from corral_engine.lora import AdapterRegistry, startup_adapters
 from corral_engine.settings import EngineSettings
 from corral_engine.sources import FetchError
 from pydantic import ValidationError
@@ -85,6 +87,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             type=_flag_type(name),
             choices=option.choices,
             metavar=option.metavar,
+            nargs="+" if is_list(name) else None,  # --lora-modules a=/x b=/y
             help=help_text,
         )
 
@@ -127,6 +130,12 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: only their failures; probes, scrapes and the gateway repeat them all day)",
     )
     parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="with --enable-lora, serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(default: only when $VLLM_ALLOW_RUNTIME_LORA_UPDATING is true, as in vLLM)",
+    )
+    parser.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         metavar="URL",
@@ -161,6 +170,14 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags; flags not given keep EngineArgs' defaults."""
     given = {name: getattr(ns, name) for name in OPTIONS if getattr(ns, name, None) is not None}
     return EngineArgs(**given)
+
+
+def lora_registry(engine_args: EngineArgs) -> AdapterRegistry | None:
+    """The adapters the server lists and names with --enable-lora (the engine core registers the
+    same ones, with the same ids, from the same arguments); None without it."""
+    if not engine_args.enable_lora:
+        return None
+    return AdapterRegistry(startup_adapters(engine_args.lora_modules))
 
 
 def _with_local_model(args: argparse.Namespace, engine_args: EngineArgs) -> EngineArgs:
@@ -276,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         reasoning_parser=engine_args.reasoning_parser,
         log_probe_requests=args.log_probe_requests,
+        adapters=lora_registry(engine_args),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating or settings.allow_runtime_lora_updating,
     )
     freeze_startup_heap()
     serve(app.state.ctx, app, args.host, args.port, args.drain_timeout)

@@ -7,10 +7,13 @@ import asyncio
 import importlib.util
 import logging
 from pathlib import Path
+from typing import Any
 
 from corral_engine.args import OPTIONS, EngineArgs, cli_flag
 from corral_engine.chat_template import load_chat_template
 from corral_engine.errors import ModelLoadError
+from corral_engine.lora import read_adapter_config, startup_adapters
+from corral_engine.settings import EngineSettings
 from corral_engine.sim.host import (
     ReplicaSpec,
     build_engines,
@@ -47,7 +50,25 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         chat_template=load_chat_template(engine_args.chat_template),
         reasoning_parser=engine_args.reasoning_parser,
         stream_interval=engine_args.stream_interval,
+        **_lora_fields(args, engine_args),
     )
+
+
+def _lora_fields(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
+    """The replica's LoRA settings; each --lora-modules adapter's config read and checked as the
+    engine checks it (raises AdapterError, a ValueError), its weights not read."""
+    if not engine_args.enable_lora:
+        return {}
+    adapters = tuple(startup_adapters(engine_args.lora_modules))
+    for lora in adapters:
+        read_adapter_config(lora.name, lora.path, engine_args.max_lora_rank)
+    return {
+        "max_loras": engine_args.max_loras,
+        "max_lora_rank": engine_args.max_lora_rank,
+        "adapters": adapters,
+        "allow_runtime_lora_updating": getattr(args, "allow_runtime_lora_updating", False)
+        or EngineSettings().allow_runtime_lora_updating,  # vLLM's switch, as the engine reads it
+    }
 
 
 def _ignored_text(profile: Profile, ignored: list[str]) -> str:

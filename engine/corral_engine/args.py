@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from corral_engine.field_types import WrongType, checker, describe, got
+from corral_engine.lora import parse_lora_module
 from corral_engine.options import (
     BYTES_PATTERN,
     ArgumentError,
@@ -43,6 +44,7 @@ __all__ = [
     "broken_rule",
     "cli_flag",
     "default_text",
+    "is_list",
     "parse_bytes",
     "value_type",
 ]
@@ -290,6 +292,39 @@ class EngineArgs:
         vllm=Vllm("--speculative-config", "prompt_lookup_max"),
     )
 
+    enable_lora: bool = _option(
+        False,
+        help="serve LoRA adapters: --lora-modules at start, or loaded at run time (dense models; "
+        "no CUDA decode graphs, native decode stack or tensor parallelism with it)",
+        vllm=Vllm("--enable-lora"),
+    )
+    lora_modules: tuple[str, ...] | None = _option(
+        None,
+        help="LoRA adapters to serve, each NAME=PATH (a PEFT adapter directory) or vLLM's JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; needs --enable-lora',
+        default_text="none",
+        metavar="NAME=PATH",
+        vllm=Vllm("--lora-modules"),
+    )
+    max_loras: int = _option(
+        4,
+        help="distinct LoRA adapters one step may run (device slots); requests of others wait",
+        metavar="N",
+        ge=1,
+        le=256,
+        crd="maxLoras",
+        vllm=Vllm("--max-loras"),
+    )
+    max_lora_rank: int = _option(
+        16,
+        help="largest LoRA rank served; an adapter of a larger rank is refused",
+        metavar="R",
+        ge=1,
+        le=1024,
+        crd="maxLoraRank",
+        vllm=Vllm("--max-lora-rank"),
+    )
+
     def __post_init__(self) -> None:
         self._conform_types()
         self.validate()
@@ -317,6 +352,20 @@ class EngineArgs:
         rule = broken_rule({name: getattr(self, name) for name in OPTIONS}, RULES)
         if rule is not None:
             raise ArgumentError(rule.message())
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ArgumentError("lora_modules needs enable_lora (--enable-lora), as in vLLM")
+        names: set[str] = set()
+        for item in self.lora_modules or ():
+            try:
+                name, _, _ = parse_lora_module(item)
+            except ValueError as e:
+                raise ArgumentError(str(e)) from None
+            if name in names:
+                raise ArgumentError(f"lora_modules names adapter {name!r} twice")
+            names.add(name)
 
     def replace(self, **changes: object) -> EngineArgs:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -330,6 +379,8 @@ class EngineArgs:
                 continue
             if isinstance(value, bool):
                 out.append(cli_flag(name))  # a bool flag says "not the default"
+            elif isinstance(value, tuple):
+                out += [cli_flag(name), *map(str, value)]  # a list flag takes its items after it
             else:
                 out += [cli_flag(name), str(value)]
         return out
@@ -363,5 +414,19 @@ def default_text(name: str) -> str:
 
 def value_type(name: str) -> type:
     """The Python type of option `name`'s values: bool, int, float or str (a Literal's values are
-    str)."""
+    str; a list option's, its items' type)."""
     return scalar_type(_TYPE_HINTS[name])
+
+
+def is_list(name: str) -> bool:
+    """Whether option `name` takes several values (a tuple: `--lora-modules A=/a B=/b`)."""
+    return typing.get_origin(_non_none(_TYPE_HINTS[name])) is tuple
+
+
+def _non_none(hint: Any) -> Any:
+    """X from `X | None`; any other annotation as it is."""
+    args = typing.get_args(hint)
+    if type(None) not in args:
+        return hint
+    (kind,) = [a for a in args if a is not type(None)]
+    return kind

@@ -21,6 +21,7 @@ from typing import Any
 from corral_engine.args import EngineArgs
 from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.llm_engine import LLMEngine, Prompt
+from corral_engine.lora import LoraRequest
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
@@ -129,15 +130,22 @@ class AsyncEngine(StreamFront):
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, *, in_group: bool = False
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        in_group: bool = False,
+        lora: LoraRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (raising InvalidRequestError / QueueFullError / EngineDeadError) and return
         the request's output stream. Leaving the stream early aborts the request. `in_group`: a
         later prompt of one HTTP request whose first was admitted; the waiting-queue limit
         (`max_waiting`) admits or refuses a request's prompts together, so a request with more
-        prompts than the limit still gets in once the queue has room."""
+        prompts than the limit still gets in once the queue has room. `lora`: the adapter it
+        generates with."""
         self._check_admission(request_id, None if in_group else self.args.max_waiting)
-        request = self.engine.make_request(request_id, prompt, params)
+        request = self.engine.make_request(request_id, prompt, params, lora=lora)
         stream = self._streams.open(request_id, self.abort)
         self._num_handed += 1  # before the step thread can take it
         self._steps.add(request)
@@ -146,3 +154,10 @@ class AsyncEngine(StreamFront):
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks are freed at the start of the next step."""
         self._steps.abort(request_id)
+
+    async def add_lora(self, lora: LoraRequest) -> None:
+        """Read and register an adapter off the event loop (AdapterError when it cannot be served)."""
+        await asyncio.to_thread(self.engine.add_lora, lora)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.engine.remove_lora(lora_id)

@@ -17,8 +17,9 @@ from typing import Any
 
 from corral_engine.args import EngineArgs
 from corral_engine.engine_core import LOG_FORMAT, PROTOCOL, CoreInfo, pack_outputs
-from corral_engine.errors import InvalidRequestError, ModelLoadError
+from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from corral_engine.llm_engine import LLMEngine
+from corral_engine.lora import AdapterError, LoraRequest
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
 from corral_engine.settings import EngineSettings
 from corral_engine.step_loop import StepLoop
@@ -132,14 +133,18 @@ def run_core(
                 return
             kind = message[0]
             if kind == "add":
-                _, request_id, token_ids, params, arrival_time = message
+                _, request_id, token_ids, params, arrival_time, lora = message
                 try:
-                    loop.add(engine.make_request(request_id, token_ids, params, arrival_time))
+                    loop.add(engine.make_request(request_id, token_ids, params, arrival_time, lora))
                 except InvalidRequestError as e:
                     loop.refused()  # the server counted it as handed over
                     sink.error(request_id, e)
             elif kind == "abort":
                 loop.abort(message[1])
+            elif kind == "add_lora":
+                sink.send(("lora_added", message[1].lora_id, _add_lora(engine, message[1])))
+            elif kind == "remove_lora":
+                engine.remove_lora(message[1])
             elif kind == "stop":
                 loop.stop()
                 return
@@ -148,6 +153,16 @@ def run_core(
     loop.run()
     engine.close()
     sink.send(("stopped",))
+
+
+def _add_lora(engine: LLMEngine, lora: LoraRequest) -> str | None:
+    """Register an adapter on the input thread (reading it does not hold up the steps); None, or
+    why it cannot be served."""
+    try:
+        engine.add_lora(lora)
+    except (AdapterError, EngineDeadError) as e:
+        return str(e)
+    return None
 
 
 def _exit_on_rank_failure(message: str) -> None:

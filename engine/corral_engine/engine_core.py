@@ -9,12 +9,13 @@ unfinished; the server's process keeps HTTP, tokenizing, request checks and stre
 
 Between them, two one-way pipes of pickled tuples (`multiprocessing.connection`: length-prefixed
 messages, no extra dependency):
-- to the core: ("add", id, prompt token ids, params, arrival time), ("abort", id), ("stop",);
+- to the core: ("add", id, prompt token ids, params, arrival time, LoraRequest or None), ("abort",
+  id), ("add_lora", LoraRequest), ("remove_lora", lora id), ("stop",);
 - from the core: ("ready", `CoreInfo`) or ("failed", kind, message) once at start, then per step
   ("step", outputs, duration_s, batched tokens, times to first token, inter-token gaps, stats),
   and ("out", outputs) for an aborted request's last output, ("stats", stats) when idle, ("error",
-  id, message, param) for a request the core refused, ("dropped", id), ("dead", message),
-  ("stopped",).
+  id, message, param) for a request the core refused, ("dropped", id), ("lora_added", lora id,
+  None or the error's message), ("dead", message), ("stopped",).
 Outputs travel as plain tuples without their prompt token ids (the server's side has them), so a
 step's message grows with the tokens it produced, not with the prompts.
 
@@ -30,6 +31,7 @@ The child's main is in `core_process`; this module, the server's side, imports n
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -47,6 +49,7 @@ from typing import Any
 
 from corral_engine.args import EngineArgs
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from corral_engine.lora import AdapterError, LoraRequest
 from corral_engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -207,6 +210,7 @@ class EngineCoreClient(StreamFront):
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._prompts: dict[str, list[int]] = {}  # request id -> prompt ids, until its final output
         self._send_lock = threading.Lock()
+        self._lora_replies: dict[int, concurrent.futures.Future[str | None]] = {}  # by lora id
         self._reader: threading.Thread | None = None
         # Called (on the reader thread) with the reason when the core's process exits unasked, after
         # the open streams were failed: a replica without its core cannot serve (`corral engine`
@@ -249,7 +253,13 @@ class EngineCoreClient(StreamFront):
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, in_group: bool = False
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        in_group: bool = False,
+        lora: LoraRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As `AsyncEngine.add_request`: checked here, at once, then sent to the core."""
         self._check_admission(request_id, None if in_group else self.args.max_waiting)
@@ -257,7 +267,7 @@ class EngineCoreClient(StreamFront):
         self._prompts[request_id] = token_ids  # before the core can answer
         self._num_handed += 1  # before the core can report it taken
         try:
-            self._send(("add", request_id, token_ids, params, time.monotonic()))
+            self._send(("add", request_id, token_ids, params, time.monotonic(), lora))
         except EngineDeadError:
             del self._prompts[request_id]
             self._num_handed -= 1
@@ -268,6 +278,22 @@ class EngineCoreClient(StreamFront):
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead core holds nothing to free
             self._send(("abort", request_id))
+
+    async def add_lora(self, lora: LoraRequest) -> None:
+        """Have the core read and register an adapter; AdapterError with its reason if it cannot."""
+        done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
+        self._lora_replies[lora.lora_id] = done
+        try:
+            self._send(("add_lora", lora))
+            problem = await asyncio.wrap_future(done)
+        finally:
+            self._lora_replies.pop(lora.lora_id, None)
+        if problem is not None:
+            raise AdapterError(problem)
+
+    def remove_lora(self, lora_id: int) -> None:
+        with contextlib.suppress(EngineDeadError):
+            self._send(("remove_lora", lora_id))
 
     def _check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """What `LLMEngine.make_request` refuses, refused here (the core builds the request)."""
@@ -336,6 +362,10 @@ class EngineCoreClient(StreamFront):
                 elif kind == "dropped":
                     self._prompts.pop(message[1], None)
                     self._deliver_dropped(message[1])
+                elif kind == "lora_added":
+                    reply = self._lora_replies.get(message[1])
+                    if reply is not None and not reply.done():
+                        reply.set_result(message[2])
                 elif kind == "dead":
                     failure = f"the engine failed: {message[1]}"
                     self._die(failure)
@@ -359,3 +389,6 @@ class EngineCoreClient(StreamFront):
         logger.error("%s", reason)
         self._dead = EngineDeadError(reason)
         self._fail_all(self._dead)
+        for reply in list(self._lora_replies.values()):
+            if not reply.done():
+                reply.set_exception(self._dead)

@@ -14,6 +14,7 @@ import itertools
 import logging
 import multiprocessing.util
 import time
+from collections import deque
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -23,7 +24,8 @@ from corral_engine.core import ngram
 from corral_engine.core.block_manager import BlockManager
 from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from corral_engine.core.sequence import Request, Sequence
-from corral_engine.errors import EngineDeadError, InvalidRequestError
+from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from corral_engine.lora import AdapterError, LoraRequest, startup_adapters
 from corral_engine.model.batch import PENDING_TOKEN, TokenFill
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
@@ -70,6 +72,8 @@ class LLMEngine:
             )  # fmt: skip
         self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
         self.eos_token_ids = self.model_config.eos_token_ids
+        if args.enable_lora and args.tensor_parallel_size > 1:  # the adapters are not sharded yet
+            raise ModelLoadError("--enable-lora is not supported with --tensor-parallel-size above 1 yet")
         self.runner = make_runner(self.model_config, args, self.max_model_len, self.settings, graph_capture)
         # The runner is closed (workers stopped, model freed) by close(), when the engine is
         # collected, or at exit when it was left open: multiprocessing runs this before it
@@ -86,10 +90,20 @@ class LLMEngine:
                 "that is refused (give the cache more memory or set --max-model-len %d)",
                 kv_tokens, self.max_model_len, kv_tokens,
             )  # fmt: skip
+        max_loras = args.max_loras if args.enable_lora else 0
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy, max_loras),
             self.block_manager,
         )
+        for lora in startup_adapters(args.lora_modules):
+            try:
+                self.runner.add_lora(lora)
+            except AdapterError as e:
+                self._close_runner()
+                raise ModelLoadError(str(e)) from None
+        # Adapters unloaded (thread-safe queue), dropped once no request of theirs is left.
+        self._lora_removals: deque[int] = deque()
+        self._removing_loras: set[int] = set()
         # On CPU the sampler's noise comes from the native exponential race (CORRAL_NATIVE_ATTENTION=0:
         # PyTorch's exponential_, 5-10x slower).
         fused_ops = load_fused_ops(self.settings) if self.runner.device.type == "cpu" else None
@@ -124,6 +138,7 @@ class LLMEngine:
             block_size=args.block_size,
             num_kv_blocks=self.runner.num_kv_blocks,
             num_spec_accepted_per_pos=[0] * (args.num_speculative_tokens if args.speculative else 0),
+            max_loras=max_loras,
         )
         self.last_step_num_tokens = 0
         # The token latencies the last step's tokens added (for the server's histograms).
@@ -156,9 +171,15 @@ class LLMEngine:
         return list(prompt)
 
     def make_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora: LoraRequest | None = None,
     ) -> Request:
-        """Validate and build a request without touching engine state (safe from any thread)."""
+        """Validate and build a request without touching engine state (safe from any thread);
+        `lora`: the adapter it generates with (registered with `add_lora`)."""
         if self.is_closed:
             raise EngineDeadError("the engine is closed")
         token_ids = self.tokenize(prompt)
@@ -171,6 +192,7 @@ class LLMEngine:
             params=params,
             arrival_order=next(self._arrivals),
             metrics=RequestMetrics.for_sequences(arrival_time or time.monotonic(), params.n),
+            lora=lora,
         )
         request.seqs = [
             Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))
@@ -180,11 +202,35 @@ class LLMEngine:
         return request
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora: LoraRequest | None = None,
     ) -> Request:
-        request = self.make_request(request_id, prompt, params, arrival_time)
+        request = self.make_request(request_id, prompt, params, arrival_time, lora)
         self.insert_request(request)
         return request
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def add_lora(self, lora: LoraRequest) -> None:
+        """Read and register an adapter (from any thread); AdapterError when it cannot be served."""
+        if self.is_closed:
+            raise EngineDeadError("the engine is closed")
+        self.runner.add_lora(lora)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Unregister an adapter (from any thread); its weights go once its requests are done."""
+        self._lora_removals.append(lora_id)
+
+    def _drop_unused_loras(self) -> None:
+        while self._lora_removals:
+            self._removing_loras.add(self._lora_removals.popleft())
+        in_use = {r.lora.lora_id for r in self.requests.values() if r.lora is not None}
+        for lora_id in self._removing_loras - in_use:
+            self.runner.remove_lora(lora_id)
+        self._removing_loras &= in_use
 
     def insert_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -220,6 +266,8 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._lora_removals or self._removing_loras:
+            self._drop_unused_loras()
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_batched_tokens
         self.last_step_latencies = StepLatencies()

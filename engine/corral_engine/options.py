@@ -120,9 +120,11 @@ def broken_rule(values: dict[str, Any], rules: tuple[Exclusive | AtMost, ...]) -
 
 def scalar_type(hint: Any) -> type:
     """bool, int, float or str from an option's annotation (`X | None` is X; a Literal is its
-    values' type)."""
+    values' type; `tuple[X, ...]` is X)."""
     is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
     (kind,) = [a for a in (typing.get_args(hint) if is_union else (hint,)) if a is not type(None)]
     if typing.get_origin(kind) is Literal:
         return type(typing.get_args(kind)[0])
+    if typing.get_origin(kind) is tuple:  # a list option: its items' type
+        return scalar_type(typing.get_args(kind)[0])
     return kind  # type: ignore[no-any-return]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -149,6 +150,12 @@ class EngineStats:
     # Requests the step loop has taken from its front (into the scheduler, refused, or aborted
     # before it took them in) when this snapshot was made: set by the loop, not the engine.
     num_requests_taken_total: int = 0
+    # LoRA (vllm:lora_requests_info): slots a step has (0: LoRA off), the running and waiting
+    # requests' adapters (comma-separated names), and the Unix time either last changed.
+    max_loras: int = 0
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
+    lora_changed_time_s: float = 0.0
 
     def observe(self, scheduler: Scheduler, block_manager: BlockManager) -> EngineStats:
         """Refresh the load fields from the scheduler and block manager, and return a snapshot the
@@ -162,6 +169,12 @@ class EngineStats:
         self.num_preemptions_total = scheduler.num_preemptions
         self.num_prefix_cache_queries_total = bm.num_prefix_queries
         self.num_prefix_cache_hits_total = bm.num_prefix_hits
+        if self.max_loras:
+            names = scheduler.lora_names()
+            known = (self.running_lora_adapters, self.waiting_lora_adapters)
+            if names != known or not self.lora_changed_time_s:
+                self.running_lora_adapters, self.waiting_lora_adapters = names
+                self.lora_changed_time_s = time.time()
         snapshot = dataclasses.replace(self)
         snapshot.finished_by_reason = dict(self.finished_by_reason)
         snapshot.num_spec_accepted_per_pos = list(self.num_spec_accepted_per_pos)

@@ -62,6 +62,11 @@ class EngineSettings(BaseSettings):
     # Where compiled kernels are cached (default ~/.cache/corral/kernels) and which compiler builds
     # them (default: cc, else gcc).
     kernel_cache_dir: Path | None = Field(default=None, validation_alias="CORRAL_KERNEL_CACHE")
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: vLLM's switch for POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter (with --enable-lora; `corral engine --allow-runtime-lora-updating` too).
+    allow_runtime_lora_updating: bool = Field(
+        default=False, validation_alias="VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+    )
     compiler: str | None = Field(default=None, validation_alias="CC")
 
     def describe(self) -> str:

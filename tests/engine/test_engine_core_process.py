@@ -176,7 +176,7 @@ def _reader_of(*messages: tuple[object, ...], close: bool = False) -> tuple[Engi
     reader, writer = multiprocessing.Pipe(duplex=False)
     client = EngineCoreClient.__new__(EngineCoreClient)
     client._from_core, client._process, client._loop = reader, _GoneProcess(), None  # type: ignore[assignment]
-    client._running, client._dead, client._prompts = True, None, {}
+    client._running, client._dead, client._prompts, client._lora_replies = True, None, {}, {}
     exits: list[str] = []
     client.on_core_exit = exits.append
     for message in messages:

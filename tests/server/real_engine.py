@@ -21,8 +21,10 @@ async def openai_client(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     settings: EngineSettings | None = None,
+    app_kwargs: dict[str, Any] | None = None,
     **args: Any,
 ) -> AsyncIterator[openai.AsyncOpenAI]:
+    """`app_kwargs`: create_app's further arguments (LoRA adapters, the load endpoints)."""
     args.setdefault("num_kv_blocks", 256)
     engine_args = EngineArgs(model=str(model_dir), dtype="float32", **args)
     engine: AsyncEngine | EngineCoreClient
@@ -30,7 +32,9 @@ async def openai_client(
         engine = EngineCoreClient(engine_args, settings=settings)
     else:
         engine = AsyncEngine(engine_args, settings=settings)
-    app = create_app(engine, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    app = create_app(
+        engine, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, **(app_kwargs or {})
+    )
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:

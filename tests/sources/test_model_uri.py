@@ -72,6 +72,18 @@ def test_pvc_resolves_under_the_mount_root(tiny_model_dir: Path, tmp_path: Path)
     assert e.value.reason == "ModelNotFound"
 
 
+def test_a_lora_adapter_is_a_complete_checkpoint_of_its_own(tmp_path: Path) -> None:
+    """PEFT's layout: adapter_config.json and adapter_model.safetensors, no tokenizer."""
+    adapter = tmp_path / "claim" / "adapters" / "sql"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    settings = SourceSettings(CORRAL_PVC_ROOT=str(tmp_path))
+    with pytest.raises(FetchError, match=r"not a complete LoRA adapter: no adapter_model\.safetensors"):
+        resolve_model(parse("pvc://claim/adapters/sql"), settings)
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    assert resolve_model(parse("pvc://claim/adapters/sql"), settings).path == adapter
+
+
 def test_verify_files_checks_sizes_digests_and_shards(tiny_model_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "m"
     shutil.copytree(tiny_model_dir, model)

@@ -1,7 +1,8 @@
 """The paged KV block pool: allocation with reference counts and a prefix cache.
 
 Blocks hold `block_size` tokens of KV. A full block is identified by a hash chained over the
-token ids of every block before it, so equal hashes mean equal prefixes. Blocks nothing references
+token ids of every block before it (and over the request's LoRA adapter, whose KV differs from the
+base model's for the same tokens), so equal hashes mean equal prefixes. Blocks nothing references
 but whose content is cached stay reusable until reclaimed (LRU); they count as free.
 """
 
@@ -18,6 +19,12 @@ _ROOT_HASH = 0x9E3779B97F4A7C15  # parent hash of the first block
 
 def chain_hash(parent_hash: int, token_ids: Iterable[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
+
+
+def root_hash(seq: Sequence) -> int:
+    """The parent hash of a sequence's first block: the adapter's own chain for a LoRA request."""
+    lora = seq.request.lora
+    return _ROOT_HASH if lora is None else hash((_ROOT_HASH, "lora", lora.lora_id))
 
 
 @dataclass(slots=True)
@@ -98,7 +105,7 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(seq)
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -183,7 +190,10 @@ class BlockManager:
             for i, block_id in enumerate(seq.block_table):
                 refs[block_id] += 1
                 other = owners.setdefault(block_id, seq)
-                if other is not seq and other.token_ids[: (i + 1) * bs] != seq.token_ids[: (i + 1) * bs]:
+                if other is not seq and (
+                    other.token_ids[: (i + 1) * bs] != seq.token_ids[: (i + 1) * bs]
+                    or root_hash(other) != root_hash(seq)
+                ):
                     raise AssertionError(f"block {block_id} shared by sequences with different prefixes")
         for block in self.blocks:
             if block.ref_count != refs[block.block_id]:

@@ -4,6 +4,9 @@ Running sequences go first (decodes and unfinished prompt chunks, oldest first),
 FCFS, the last admitted possibly as a chunk (chunked prefill). Under `preempt`, a step that runs out
 of blocks preempts the newest running sequence (its KV is recomputed later); under `reserve`, a
 sequence is admitted only with blocks for prompt + max_tokens, so nothing is ever preempted.
+With LoRA, the running sequences use at most `max_loras` distinct adapters: a waiting one whose
+adapter would be one too many waits at the head of the queue (in order: nothing overtakes it)
+until a running adapter's sequences finish.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_policy: Literal["preempt", "reserve"] = "preempt"
+    max_loras: int = 0  # distinct LoRA adapters among the running sequences; 0: LoRA is off
 
 
 @dataclass(slots=True)
@@ -131,6 +135,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if not self._has_lora_room(seq):
+                break  # its adapter waits for a slot; FCFS, as below
             if not self._admit(seq, budget) and not self._admit_after_release(seq, budget):
                 break  # FCFS: nothing overtakes the head of the queue
             self.waiting.popleft()
@@ -139,6 +145,20 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
+
+    def _has_lora_room(self, seq: Sequence) -> bool:
+        """Whether `seq` may join the running ones without more than max_loras adapters among them."""
+        lora = seq.request.lora
+        if lora is None or not self.config.max_loras:
+            return True
+        running = {s.request.lora.lora_id for s in self.running if s.request.lora is not None}
+        return lora.lora_id in running or len(running) < self.config.max_loras
+
+    def lora_names(self) -> tuple[str, str]:
+        """(running, waiting) adapters' names, each comma-separated in first-seen order."""
+        running = {s.request.lora.name: None for s in self.running if s.request.lora is not None}
+        waiting = {s.request.lora.name: None for s in self.waiting if s.request.lora is not None}
+        return ",".join(running), ",".join(waiting)
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Give `seq` its cached prefix and the blocks for what it computes now (or, under

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral_engine.lora import LoraRequest
 from corral_engine.outputs import FinishReason, RequestMetrics, TokenLogprob
 from corral_engine.sampling_params import SamplingParams
 
@@ -81,6 +82,7 @@ class Request:
     arrival_order: int
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
+    lora: LoraRequest | None = None  # the adapter it generates with; None: the base model
     # n > 1: siblings wait here until the first sequence has computed its prompt, then fork
     # from it and share its full prompt blocks.
     pending_forks: list[Sequence] = field(default_factory=list)

@@ -18,6 +18,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import ModelLoadError
+from corral_engine.lora import AdapterError, LoraRequest
 from corral_engine.model.attention import prompt_block_rows
 from corral_engine.model.batch import BatchBuilder, TokenFill
 from corral_engine.model.config import ModelConfig
@@ -40,6 +41,7 @@ from corral_engine.model.kv_cache import (
 )
 from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, rope_parameters
 from corral_engine.model.loader import load_weights
+from corral_engine.model.lora import LoraSlots
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
@@ -148,11 +150,13 @@ class ModelRunner:
                 config.moe.num_experts,
                 config.moe.num_experts_per_tok,
             )
-        self.model.decode_stack = self._decode_stack()
+        self.lora = self._lora_slots()
+        # The native decode stack and decode graphs know nothing of adapters: off with LoRA.
+        self.model.decode_stack = None if args.enable_lora else self._decode_stack()
         # No decode graphs for mixture-of-experts models: routing reads each expert's row count on
         # the host every layer (its matmul shapes depend on the batch's data), which a graph cannot
         # record; their decodes run eagerly.
-        is_graphable = tp is None and not config.is_moe
+        is_graphable = tp is None and not config.is_moe and not args.enable_lora
         if self.attention_backend == "triton" and not args.enforce_eager and is_graphable:
             if graph_capture is None and self.device.type == "cuda":
                 graph_capture = CudaGraphCapture()
@@ -168,6 +172,29 @@ class ModelRunner:
                     )
         if self.attention_backend == "triton" and self.device.type == "cuda" and tp is None:
             self._warm_up_attention()
+
+    def _lora_slots(self) -> LoraSlots | None:
+        """The adapters' device slots with --enable-lora (dense models only), else None."""
+        if not self.args.enable_lora:
+            return None
+        if self.config.is_moe:
+            raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
+        logger.info(
+            "LoRA: %d adapter slots of rank %d; no decode graphs or native decode stack",
+            self.args.max_loras,
+            self.args.max_lora_rank,
+        )
+        return LoraSlots(self.model, self.args.max_loras, self.args.max_lora_rank, self.dtype, self.device)
+
+    def add_lora(self, lora: LoraRequest) -> None:
+        """Read and register an adapter (AdapterError when it cannot be served)."""
+        if self.lora is None:
+            raise AdapterError("LoRA is off: start the engine with --enable-lora")
+        self.lora.add(lora)
+
+    def remove_lora(self, lora_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_id)
 
     def _warm_up_attention(self) -> None:
         """Every attention variant a batch can launch, compiled before the first request."""
@@ -296,6 +323,8 @@ class ModelRunner:
         """Run one step; return float32 logits for the sequences that sample, in order: one row
         each, plus one per draft token of speculating sequences. `fill`: input tokens the last
         step sampled that are still on the device (their sequences hold PENDING_TOKEN)."""
+        if self.lora is not None:
+            self.lora.prepare(scheduled)
         if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1]:
             host = self.batches.prepare_unified(scheduled)
             if host.is_plain_decode:

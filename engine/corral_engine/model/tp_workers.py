@@ -28,6 +28,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import EngineDeadError, ModelLoadError
+from corral_engine.lora import AdapterError, LoraRequest
 from corral_engine.model.batch import TokenFill
 from corral_engine.model.config import ModelConfig, load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
@@ -239,6 +240,13 @@ class ParallelRunner:
     def release(self, seq_id: int) -> None:
         self.local.release(seq_id)
         self._released.append(seq_id)
+
+    def add_lora(self, lora: LoraRequest) -> None:
+        """EngineArgs refuses LoRA with tensor parallelism; an adapter cannot get here."""
+        raise AdapterError(f"adapter {lora.name!r}: LoRA is not supported with tensor parallelism")
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Nothing to remove: no adapter is ever registered here."""
 
     def close(self) -> None:
         """Stop every worker (asked first, then terminated) and free rank 0's shard, idempotently."""

@@ -16,12 +16,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
+from corral_engine.lora import AdapterRegistry
 from corral_engine.server import errors, tokens
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
 from corral_engine.server.context import ServerContext
 from corral_engine.server.engine_client import EngineClient
 from corral_engine.server.lifecycle import log_throughput
+from corral_engine.server.lora_routes import adapter_cards, add_lora_routes
 from corral_engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from corral_engine.server.middleware import ServerMiddleware
 from corral_engine.server.reasoning import REASONING_PARSERS
@@ -57,12 +59,17 @@ def create_app(
     chat_template: str | None = None,
     reasoning_parser: str | None = None,
     log_probe_requests: bool = False,
+    adapters: AdapterRegistry | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """An app serving `engine`; its lifespan starts the engine's loop and shuts it down.
     `tool_call_parser`: a name in TOOL_PARSERS, which turns on tool_choice "auto".
     `chat_template`: a template's text (`load_chat_template`), used in place of the tokenizer's.
     `reasoning_parser`: a name in REASONING_PARSERS: chat replies' reasoning is read out of them.
-    `log_probe_requests`: successful reads of /health, /metrics and /v1/models get access lines too."""
+    `log_probe_requests`: successful reads of /health, /metrics and /v1/models get access lines too.
+    `adapters`: with --enable-lora, the LoRA adapters served (listed, and named by requests);
+    `allow_runtime_lora_updating`: the load and unload endpoints too (--allow-runtime-lora-updating
+    or VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}")
     metrics = ServerMetrics(engine.stats, engine.served_model_name, engine.max_model_len)
@@ -74,6 +81,7 @@ def create_app(
         chat_template=chat_template,
         reasoning_parser=reasoning_parser,
         log_probe_requests=log_probe_requests,
+        adapters=adapters or AdapterRegistry(),
     )
     if chat_template is None and not has_chat_template(engine.tokenizer):
         logger.warning("%s: %s", engine.served_model_name, NO_TEMPLATE_MESSAGE)  # said once, not per request
@@ -111,6 +119,8 @@ def create_app(
     # Any origin, no credentials: vLLM's default; the API key is a bearer token, not a cookie.
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     _add_routes(app, ctx, created)
+    if adapters is not None and allow_runtime_lora_updating:
+        add_lora_routes(app, ctx)
     return app
 
 
@@ -123,6 +133,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
             "object": "model",
             "created": created,
             "owned_by": "corral",
+            "root": engine.served_model_name,
+            "parent": None,  # adapters name this one
             "max_model_len": engine.max_model_len,
         }
 
@@ -150,13 +162,16 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(), *adapter_cards(ctx, created)]})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> JSONResponse:
-        if model != engine.served_model_name:
-            raise errors.model_not_found(model)
-        return JSONResponse(model_card())
+        if model == engine.served_model_name:
+            return JSONResponse(model_card())
+        for card in adapter_cards(ctx, created):
+            if card["id"] == model:
+                return JSONResponse(card)
+        raise errors.model_not_found(model)
 
     # The generation routes are Starlette's plain routes: each handler parses its own body, so
     # FastAPI's per-request dependency solving and exit stacks would be pure cost (about a tenth

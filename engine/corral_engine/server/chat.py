@@ -96,7 +96,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     reasoning = reasoning_plan(ctx, req, prompt)
     params = reply_params(req, max_tokens, plan, reasoning)
     request_id = new_id("chatcmpl")
-    run = ctx.start_run(request_id, [prompt], params)
+    run = ctx.start_run(request_id, [prompt], params, req.model)
     logger.debug("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)  # INFO: the access line
     created = now_s()
     if req.stream:
@@ -126,7 +126,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
         "id": request_id,
         "object": "chat.completion",
         "created": created,
-        "model": ctx.model_name,
+        "model": req.model,  # the base model or the adapter asked for
         "choices": choices,
         "usage": usage(collected.finals, reasoning_tokens(ctx, reasoning, collected.finals)),
     }
@@ -192,7 +192,7 @@ class _ChatChunks:
             "id": run.request_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": ctx.model_name,
+            "model": req.model,  # the base model or the adapter asked for
         }
         self.ctx, self.req, self.reasoning = ctx, req, reasoning
         # With include_usage every chunk carries "usage": null, and a last one the totals.

@@ -111,7 +111,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     params = req.to_sampling_params(max_tokens, logprobs).replace(n=best_of, prompt_logprobs=prompt_k)
     echo = _echo_texts(ctx, req, prompts)
     request_id = new_id("cmpl")
-    run = ctx.start_run(request_id, prompts, params)
+    run = ctx.start_run(request_id, prompts, params, req.model)
     # DEBUG, as vLLM logs arrivals only when asked: the access line at the end is the INFO one.
     logger.debug("request %s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
     created = now_s()
@@ -125,7 +125,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": ctx.model_name,
+            "model": req.model,  # the base model or the adapter asked for
             "choices": [
                 _final_choice(ctx, req, i * req.n + j, out, o, echo[i], collected.logprobs_of(i, o.index))
                 for i, out in enumerate(collected.finals)
@@ -197,7 +197,7 @@ class _CompletionChunks:
         self, ctx: ServerContext, req: CompletionRequest, run: GenerationRun, created: int, echo: list[str]
     ) -> None:
         base = {"id": run.request_id, "object": "text_completion", "created": created}
-        base["model"] = ctx.model_name
+        base["model"] = req.model  # the base model or the adapter asked for
         self.ctx, self.req, self.echo = ctx, req, echo
         # With include_usage every chunk carries "usage": null, and a last one the totals.
         self.encoder = ChunkEncoder(base, req.include_usage_in_stream)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from corral_engine import wire
+from corral_engine.lora import AdapterRegistry
 from corral_engine.outputs import RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import access, errors
@@ -75,6 +76,7 @@ class ServerContext:
     chat_template: str | None = None  # --chat-template, read: rendered in place of the tokenizer's
     reasoning_parser: str | None = None  # --reasoning-parser: chat replies' reasoning_content
     log_probe_requests: bool = False  # --log-probe-requests: access lines for successful probes too
+    adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # served LoRA adapters
     in_flight: InFlight = field(default_factory=InFlight)
     is_ready: bool = False
     is_draining: bool = False
@@ -93,7 +95,7 @@ class ServerContext:
         if self.is_draining:
             raise errors.draining()
         body = await read_body(request)
-        validate = functools.partial(_validated, model, body, self.model_name, convert)
+        validate = functools.partial(_validated, model, body, self.serves, convert)
         if len(body) < OFF_LOOP_BODY_BYTES:
             return validate()
         # In this request's context: what check_fields logs names the request.
@@ -106,9 +108,21 @@ class ServerContext:
         # long prompts are tokenized meanwhile.
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-parse")
 
-    def start_run(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationRun:
+    def serves(self, model: object) -> bool:
+        """Whether `model` names the base model or one of the adapters served."""
+        return model == self.model_name or model in self.adapters
+
+    def start_run(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, model: str | None = None
+    ) -> GenerationRun:
+        """The request's engine requests; `model`: the name it asked for (an adapter's runs it)."""
         access.note_generation(request_id, params)
-        return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params)
+        lora = None
+        if model is not None and model != self.model_name:
+            lora = self.adapters.get(model)
+            if lora is None:  # unloaded since its body was checked: never the base model instead
+                raise errors.model_not_found(model)
+        return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params, lora)
 
     @functools.cached_property
     def encode(self) -> Callable[[str], list[int]]:
@@ -187,7 +201,9 @@ def _itself(parsed: ModelT) -> ModelT:
     return parsed
 
 
-def _validated(model: type[ModelT], body: bytes, model_name: str, convert: Callable[[ModelT], T]) -> T:
+def _validated(
+    model: type[ModelT], body: bytes, serves: Callable[[object], bool], convert: Callable[[ModelT], T]
+) -> T:
     """convert(the body validated as `model`, for this server's model). A ValidationError becomes
     the client's 400 here, off the loop where the body is large: reading a pydantic error list
     costs a few µs an error."""
@@ -195,7 +211,7 @@ def _validated(model: type[ModelT], body: bytes, model_name: str, convert: Calla
         parsed = model.model_validate_json(body)
     except ValidationError as e:
         raise errors.to_api_error(e) from None
-    if getattr(parsed, "model", None) != model_name:
+    if not serves(getattr(parsed, "model", None)):
         raise errors.model_not_found(str(getattr(parsed, "model", "")))
     check_fields = getattr(parsed, "check_fields", None)
     if check_fields is not None:  # refused fields are 400s; unknown ones are logged

@@ -13,9 +13,10 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from corral_engine.errors import InvalidRequestError
+from corral_engine.lora import LoraRequest
 from corral_engine.outputs import RequestOutput, TokenLogprob
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import access
@@ -69,8 +70,11 @@ class GenerationRun:
         request_id: str,
         prompts: list[list[int]],
         params: SamplingParams,
+        lora: LoraRequest | None = None,
     ) -> None:
         self.engine = engine
+        # The adapter goes to the engine only when there is one: test engines need not take it.
+        self._lora: dict[str, Any] = {} if lora is None else {"lora": lora}
         self.metrics = metrics
         self.request_id = request_id
         self.params = params
@@ -98,14 +102,14 @@ class GenerationRun:
 
     def _add(self, engine_id: str, prompt: list[int], params: SamplingParams, in_group: bool) -> None:
         try:
-            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group)
+            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
         except InvalidRequestError as e:
             if e.param != "request_id":
                 raise
             # A client reused an x-request-id that is still running here: the response keeps the
             # id it asked for; only the engine's own key gets a suffix.
             engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
-            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group)
+            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
         self._streams.append(stream)
         self._ids.append(engine_id)
         self._unfinished.add(engine_id)

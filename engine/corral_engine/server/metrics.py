@@ -186,6 +186,16 @@ class _SnapshotCollector(Collector):
         )
         yield self._counter(wire.NUM_STEPS_TOTAL, "Engine steps run.", s.num_steps_total, is_vllm=False)
         yield from self._spec_decode(s)
+        if s.max_loras:  # --enable-lora: vLLM's one series, the latest state, valued at its time
+            lora = GaugeMetricFamily(
+                wire.LORA_REQUESTS_INFO,
+                "Running stats on LoRA requests.",
+                labels=[wire.LORA_MAX_LABEL, wire.LORA_RUNNING_LABEL, wire.LORA_WAITING_LABEL],
+            )
+            lora.add_metric(
+                [str(s.max_loras), s.running_lora_adapters, s.waiting_lora_adapters], s.lora_changed_time_s
+            )
+            yield lora
 
     def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (zeros without --speculative, but for positions)."""

@@ -59,8 +59,8 @@ async def _respond(
     reasoning = reasoning_plan(ctx, chat, prompt)  # a reasoning block is a reasoning item
     params = reply_params(chat, max_tokens, plan, reasoning)
     response_id = new_id("resp").replace("-", "_", 1)  # OpenAI's `resp_` ids
-    shell = ResponseShell(req, response_id, ctx.model_name, now_s())
-    run = ctx.start_run(response_id, [prompt], params)
+    shell = ResponseShell(req, response_id, chat.model, now_s())  # the base model or the adapter
+    run = ctx.start_run(response_id, [prompt], params, chat.model)
     logger.debug("request %s: responses, stream=%s", response_id, req.stream)  # INFO: the access line
     if req.stream:
         count = functools.partial(reasoning_tokens, ctx, reasoning)

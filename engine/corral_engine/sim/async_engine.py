@@ -20,6 +20,7 @@ from typing import Any
 
 from corral_engine.core.sequence import Request
 from corral_engine.errors import EngineDeadError, InvalidRequestError
+from corral_engine.lora import LoraRequest, read_adapter_config
 from corral_engine.outputs import EngineStats, RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import Prompt, SimEngine
@@ -35,7 +36,7 @@ class AsyncSimEngine(StreamFront):
     """The streams, admission checks and running state are `StreamFront`'s, as the real engine's
     fronts have them; only the step loop differs (a task on this loop, outputs put directly)."""
 
-    def __init__(self, engine: SimEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: SimEngine, max_waiting: int | None = None, max_lora_rank: int = 16) -> None:
         """`engine` must use the running loop's clock (`loop.time`), which `build` arranges."""
         super().__init__(engine.scheduler.config.max_num_seqs)
         self.engine = engine
@@ -43,6 +44,7 @@ class AsyncSimEngine(StreamFront):
         self.served_model_name = engine.served_model_name
         self.max_model_len = engine.max_model_len
         self.max_waiting = max_waiting
+        self.max_lora_rank = max_lora_rank
         self._adds: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._wakeup = asyncio.Event()
@@ -70,10 +72,16 @@ class AsyncSimEngine(StreamFront):
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, *, in_group: bool = False
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        in_group: bool = False,
+        lora: LoraRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self._check_admission(request_id, None if in_group else self.max_waiting)
-        request = self.engine.make_request(request_id, prompt, params)
+        request = self.engine.make_request(request_id, prompt, params, lora=lora)
         stream = self._streams.open(request_id, self.abort)
         self._num_handed += 1
         self._adds.append(request)
@@ -83,6 +91,13 @@ class AsyncSimEngine(StreamFront):
     def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
         self._wakeup.set()
+
+    async def add_lora(self, lora: LoraRequest) -> None:
+        """Check the adapter's config, as the engine does (no weights here; AdapterError)."""
+        read_adapter_config(lora.name, lora.path, self.max_lora_rank)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Nothing held: a simulated adapter is only its name on requests."""
 
     # -- the step loop --------------------------------------------------------------------------
     async def _run(self) -> None:

@@ -19,6 +19,7 @@ from corral_engine.core.block_manager import BlockManager
 from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
+from corral_engine.lora import LoraRequest
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies, TokenLogprob
 from corral_engine.request_checks import check_request
@@ -51,12 +52,14 @@ class SimEngine:
         is_lean: bool = False,
         stream_interval: int = 1,
         grammars: SimGrammars | None = None,
+        max_loras: int = 0,
     ) -> None:
         """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
         `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
         context length, no text, and an output only when a request gets its first token or ends.
         `stream_interval`: as the engine's `--stream-interval`. `grammars`: the structured outputs
-        of replicas sharing this tokenizer (this engine's own when not given)."""
+        of replicas sharing this tokenizer (this engine's own when not given). `max_loras`: as the
+        engine's --max-loras with --enable-lora (0: LoRA off); adapters cost no step time here."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -69,7 +72,7 @@ class SimEngine:
         self.special_ids = frozenset(eos_token_ids) | _special_ids(tokenizer)  # no logprob alternative
         self.block_manager = BlockManager(profile.num_kv_blocks, profile.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens, kv_policy),  # type: ignore[arg-type]
+            SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens, kv_policy, max_loras),  # type: ignore[arg-type]
             self.block_manager,
         )
         self.requests: dict[str, Request] = {}
@@ -77,13 +80,20 @@ class SimEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
-        self._stats = EngineStats(block_size=profile.block_size, num_kv_blocks=profile.num_kv_blocks)
+        self._stats = EngineStats(
+            block_size=profile.block_size, num_kv_blocks=profile.num_kv_blocks, max_loras=max_loras
+        )
         self.last_step_num_tokens = 0
         self.last_step_latencies = StepLatencies()  # what the last finished step's tokens added
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora: LoraRequest | None = None,
     ) -> Request:
         """Validate and build a request without touching engine state (as LLMEngine.make_request)."""
         ids = (
@@ -95,7 +105,7 @@ class SimEngine:
         params = check_request(ids, params, self.max_model_len, self.vocab_size, self.block_manager)
         arrival = self.clock() if arrival_time is None else arrival_time
         metrics = RequestMetrics.for_sequences(arrival, params.n)
-        request = Request(request_id, ids, params, next(self._arrivals), metrics)
+        request = Request(request_id, ids, params, next(self._arrivals), metrics, lora=lora)
         request.seqs = [
             Sequence(next(self._seq_ids), request, i, list(ids), len(ids)) for i in range(params.n)
         ]

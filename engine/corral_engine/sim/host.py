@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from corral_engine.http_limits import uvicorn_options
+from corral_engine.lora import AdapterRegistry, LoraRequest
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
@@ -22,6 +23,8 @@ from corral_engine.sim.perf_model import Profile, Roofline
 from corral_engine.sim.tokenizer import LightTokenizer, read_json_object
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from corral_engine.server.lifecycle import Drain
 
 logger = logging.getLogger(__name__)
@@ -106,6 +109,10 @@ class ReplicaSpec:
     chat_template: str | None = None  # as --chat-template, read: in place of the tokenizer's
     reasoning_parser: str | None = None  # as --reasoning-parser: reasoning_content is read with it
     stream_interval: int = 1  # as --stream-interval
+    max_loras: int = 0  # as --max-loras with --enable-lora; 0: LoRA off
+    max_lora_rank: int = 16  # as --max-lora-rank
+    adapters: tuple[LoraRequest, ...] = ()  # as --lora-modules (configs checked by the caller)
+    allow_runtime_lora_updating: bool = False  # as --allow-runtime-lora-updating
 
 
 def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
@@ -124,9 +131,26 @@ def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
             kv_policy=spec.kv_policy,
             stream_interval=spec.stream_interval,
             grammars=grammars,
+            max_loras=spec.max_loras,
         )
-        engines.append(AsyncSimEngine(core, spec.max_waiting))
+        engines.append(AsyncSimEngine(core, spec.max_waiting, spec.max_lora_rank))
     return engines
+
+
+def replica_app(engine: AsyncSimEngine, spec: ReplicaSpec, api_key: str | None = None) -> FastAPI:
+    """The engine server's app over one simulated replica, configured as `spec` says."""
+    from corral_engine.server import create_app
+
+    return create_app(
+        engine,
+        api_key=api_key,
+        log_interval_s=60.0,
+        tool_call_parser=spec.tool_call_parser,
+        chat_template=spec.chat_template,
+        reasoning_parser=spec.reasoning_parser,
+        adapters=AdapterRegistry(list(spec.adapters)) if spec.max_loras else None,
+        allow_runtime_lora_updating=spec.allow_runtime_lora_updating,
+    )
 
 
 class _FleetServer(uvicorn.Server):
@@ -148,21 +172,13 @@ async def serve_fleet(
     """Serve one simulated replica per port until SIGINT/SIGTERM, then drain them all as one
     engine drains (`lifecycle.Drain`): 503 to new requests and /health, open ones run to their
     end for up to `drain_timeout_s`; a second signal exits at once."""
-    from corral_engine.server import create_app
     from corral_engine.server.lifecycle import Drain
 
     loop = asyncio.get_running_loop()
     engines = build_engines(spec, len(ports))
     servers, contexts = [], []
     for engine, port in zip(engines, ports, strict=True):
-        app = create_app(
-            engine,
-            api_key=api_key,
-            log_interval_s=60.0,
-            tool_call_parser=spec.tool_call_parser,
-            chat_template=spec.chat_template,
-            reasoning_parser=spec.reasoning_parser,
-        )
+        app = replica_app(engine, spec, api_key)
         config = uvicorn.Config(
             app,
             host=host,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from corral_engine import lora
 from corral_engine.sources.errors import FetchError
 from corral_engine.sources.uri import ModelUri, cache_subdir
 
@@ -176,9 +177,16 @@ def verify_files(directory: Path, expected: list[ExpectedFile]) -> None:
 
 
 def verify_checkpoint(directory: Path) -> None:
-    """A config, weights in safetensors (every shard an index names) and a tokenizer."""
+    """A config, weights in safetensors (every shard an index names) and a tokenizer; or a LoRA
+    adapter in PEFT's layout (its config and weights: it has no tokenizer of its own)."""
     if not directory.is_dir():
         raise FetchError("not_found", f"{directory} is not a directory")
+    if (directory / lora.CONFIG_FILE).is_file():
+        if not (directory / lora.WEIGHTS_FILE).is_file():
+            raise FetchError(
+                "not_found", f"{directory} is not a complete LoRA adapter: no {lora.WEIGHTS_FILE}"
+            )
+        return
     missing = []
     if not (directory / "config.json").is_file():
         missing.append("config.json")

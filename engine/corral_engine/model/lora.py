@@ -1,0 +1,220 @@
+"""LoRA adapters in the model: PEFT weights read and checked against the base model, kept in host
+memory, and copied into `max_loras` device slots that the forward pass applies to the rows of a
+mixed batch (each target linear: y += scale * (x @ A^T) @ B^T for the rows of each active slot).
+
+Each target Linear gets a `LoraLayer` (stacked A [slots, R, in] and B [slots, out, R] per
+checkpoint projection; R = max_lora_rank, a smaller rank zero-padded), its forward wrapped on the
+instance. A step with no adapter active leaves `LoraSlots.groups` empty and each layer returns its
+output untouched; an engine without --enable-lora wraps nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from corral_engine.core.scheduler import ScheduledSeq
+from corral_engine.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, LoraRequest, read_adapter_config
+from corral_engine.model.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT may keep the adapter's
+# name, "default", before .weight in files saved from a live model).
+_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_EXPERTS = re.compile(r"\.experts\.|\.block_sparse_moe\.")
+# checkpoint projection -> (its module in the layer, the fused Linear holding it)
+_HOLDERS = {
+    "q_proj": ("self_attn", "qkv_proj"),
+    "k_proj": ("self_attn", "qkv_proj"),
+    "v_proj": ("self_attn", "qkv_proj"),
+    "o_proj": ("self_attn", "o_proj"),
+    "gate_proj": ("mlp", "gate_up_proj"),
+    "up_proj": ("mlp", "gate_up_proj"),
+    "down_proj": ("mlp", "down_proj"),
+}
+
+
+@dataclass(slots=True)
+class AdapterWeights:
+    """One adapter's weights in host memory: (layer, projection) -> (A [r, in], B [out, r])."""
+
+    lora: LoraRequest
+    config: AdapterConfig
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class LoraLayer:
+    """The adapters of one Linear: per projection it holds, its output columns and stacked weights."""
+
+    def __init__(self, slots: LoraSlots, in_features: int, parts: dict[str, tuple[int, int]]) -> None:
+        self.slots = slots
+        self.in_features = in_features
+        self.parts = parts  # projection -> (first output column, columns)
+        n, r, dtype, device = slots.max_loras, slots.max_rank, slots.dtype, slots.device
+        self.a = {p: torch.zeros((n, r, in_features), dtype=dtype, device=device) for p in parts}
+        self.b = {p: torch.zeros((n, size, r), dtype=dtype, device=device) for p, (_, size) in parts.items()}
+
+    def wrap(self, forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The Linear's forward with this layer's deltas added in steps that run an adapter. Set
+        on the instance only with --enable-lora, so an engine without it runs Linear unchanged."""
+        slots = self.slots
+
+        def forward_with_lora(x: torch.Tensor) -> torch.Tensor:
+            out = forward(x)
+            return self.add(x, out) if slots.groups else out
+
+        return forward_with_lora
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out ([T, out]) plus each active slot's delta on its rows of x ([T, in])."""
+        for slot, rows, scale in self.slots.groups:
+            xs = x.index_select(0, rows)  # [n, in]
+            for part, (offset, size) in self.parts.items():
+                delta = (xs @ self.a[part][slot].T) @ self.b[part][slot].T  # [n, size]
+                out[:, offset : offset + size].index_add_(0, rows, delta, alpha=scale)
+        return out
+
+
+class LoraSlots:
+    """Registered adapters (host) and the `max_loras` device slots the forward pass reads."""
+
+    def __init__(
+        self, model: CausalLM, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.dtype, self.device = dtype, device
+        self.adapters: dict[int, AdapterWeights] = {}
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
+        self._free = list(range(max_loras - 1, -1, -1))
+        # The step's active slots: (slot, its rows of the batch [n] on the device, scale).
+        self.groups: list[tuple[int, torch.Tensor, float]] = []
+        self.layers: dict[tuple[int, str], LoraLayer] = {}  # (layer, projection) -> its LoraLayer
+        for i, layer in enumerate(model.model.layers):
+            for module_name, linear_name in dict.fromkeys(_HOLDERS.values()):
+                linear = getattr(getattr(layer, module_name), linear_name)
+                # o_proj and down_proj hold one projection each, of their own name
+                offsets = getattr(linear, "shard_offsets", None) or {linear_name: (0, linear.out_features)}
+                lora_layer = LoraLayer(self, linear.in_features, offsets)
+                linear.forward = lora_layer.wrap(linear.forward)  # type: ignore[method-assign]
+                for part in offsets:
+                    self.layers[(i, part)] = lora_layer
+
+    # -- adapters -------------------------------------------------------------------------------
+    def add(self, lora: LoraRequest) -> None:
+        """Read, check and register an adapter (raises AdapterError)."""
+        if lora.lora_id in self.adapters:
+            raise AdapterError(f"adapter {lora.name!r} is already loaded")
+        self.adapters[lora.lora_id] = self.read(lora)
+        logger.info("LoRA adapter %r (id %d) registered from %s", lora.name, lora.lora_id, lora.path)
+
+    def remove(self, lora_id: int) -> None:
+        self.adapters.pop(lora_id, None)
+        slot = self._slot_of.pop(lora_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def read(self, lora: LoraRequest) -> AdapterWeights:
+        config = read_adapter_config(lora.name, lora.path, self.max_rank)
+        path = pathlib.Path(lora.path) / WEIGHTS_FILE
+        if not path.is_file():
+            raise AdapterError(f"adapter {lora.name!r}: {path} is missing")
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    layer, part, which = self._key(lora.name, key, config)
+                    pairs.setdefault((layer, part), {})[which] = f.get_tensor(key)
+        except (OSError, RuntimeError, ValueError) as e:
+            if isinstance(e, AdapterError):
+                raise
+            raise AdapterError(f"adapter {lora.name!r}: cannot read {path}: {e}") from None
+        tensors = {where: self._checked(lora.name, where, ab, config) for where, ab in pairs.items()}
+        if not tensors:
+            raise AdapterError(f"adapter {lora.name!r}: {path} holds no LoRA weights")
+        return AdapterWeights(lora, config, tensors)
+
+    def _key(self, name: str, key: str, config: AdapterConfig) -> tuple[int, str, str]:
+        if _EXPERTS.search(key):
+            raise AdapterError(f"adapter {name!r}: mixture-of-experts targets are not supported ({key})")
+        match = _KEY.search(key)
+        if match is None:
+            raise AdapterError(f"adapter {name!r}: unexpected tensor {key}")
+        layer, module, part, which = int(match[1]), match[2], match[3], match[4]
+        if part not in config.target_modules or _HOLDERS.get(part, ("",))[0] != module:
+            raise AdapterError(f"adapter {name!r}: tensor {key} is not one of its target modules")
+        if (layer, part) not in self.layers:
+            raise AdapterError(f"adapter {name!r}: tensor {key} names a layer the base model lacks")
+        return layer, part, which
+
+    def _checked(
+        self, name: str, where: tuple[int, str], ab: dict[str, torch.Tensor], config: AdapterConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, part = where
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r}: layer {layer} {part} lacks its lora_{'AB'[len(ab) % 2]}")
+        lora_layer = self.layers[where]
+        want_a = (config.rank, lora_layer.in_features)
+        want_b = (lora_layer.parts[part][1], config.rank)
+        if tuple(ab["A"].shape) != want_a or tuple(ab["B"].shape) != want_b:
+            raise AdapterError(
+                f"adapter {name!r}: layer {layer} {part} has lora_A {tuple(ab['A'].shape)} and lora_B "
+                f"{tuple(ab['B'].shape)}; the base model needs {want_a} and {want_b}"
+            )
+        return ab["A"].to(self.dtype), ab["B"].to(self.dtype)
+
+    # -- a step ---------------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSeq]) -> None:
+        """Set `groups` for this step's batch (rows in `scheduled` order), loading any adapter
+        not in a slot into a free one, or into the least recently used slot no row needs."""
+        rows: dict[int, list[int]] = {}
+        row = 0
+        for s in scheduled:
+            lora = s.seq.request.lora
+            if lora is not None:
+                rows.setdefault(lora.lora_id, []).extend(range(row, row + s.num_new_tokens))
+            row += s.num_new_tokens
+        if not rows:
+            self.groups = []
+            return
+        groups = []
+        for lora_id, ids in rows.items():
+            slot = self._slot(lora_id, rows)
+            scale = self.adapters[lora_id].config.scale
+            groups.append((slot, torch.tensor(ids, dtype=torch.long).to(self.device), scale))
+        self.groups = groups
+
+    def _slot(self, lora_id: int, needed: dict[int, list[int]]) -> int:
+        slot = self._slot_of.get(lora_id)
+        if slot is not None:
+            self._slot_of.move_to_end(lora_id)
+            return slot
+        weights = self.adapters.get(lora_id)
+        if weights is None:
+            raise AdapterError(f"adapter id {lora_id} is not loaded")
+        if self._free:
+            slot = self._free.pop()
+        else:  # the scheduler runs at most max_loras adapters a step, so one is idle
+            victim = next(i for i in self._slot_of if i not in needed)
+            slot = self._slot_of.pop(victim)
+        self._load(slot, weights)
+        self._slot_of[lora_id] = slot
+        return slot
+
+    def _load(self, slot: int, weights: AdapterWeights) -> None:
+        rank = weights.config.rank
+        for lora_layer in dict.fromkeys(self.layers.values()):
+            for part in lora_layer.parts:
+                lora_layer.a[part][slot].zero_()
+                lora_layer.b[part][slot].zero_()
+        for (layer, part), (a, b) in weights.tensors.items():
+            lora_layer = self.layers[(layer, part)]
+            lora_layer.a[part][slot, :rank].copy_(a)
+            lora_layer.b[part][slot, :, :rank].copy_(b)
