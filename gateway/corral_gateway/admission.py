@@ -4,6 +4,7 @@ every replica of the model is saturated. Waiters are woken by `pump` when load c
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
@@ -35,12 +36,14 @@ class _Waiter:
     prefix_hash: int | None
     exclude: frozenset[str] = field(default_factory=frozenset)
     block_hashes: tuple[int, ...] = ()
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """One request's claim on a replica: its model, its prompt prefix (for affinity), its place in
-    the queue, the replicas it must not get again, and how long it may wait (None: the default)."""
+    """One request's claim on a replica: its model (the pool), its prompt prefix (for affinity), its
+    place in the queue, the replicas it must not get again, how long it may wait (None: the
+    default), and the LoRA adapter it asks for (None: the base model)."""
 
     model: str
     prefix_hash: int | None = None
@@ -49,6 +52,7 @@ class Ask:
     exclude: Collection[str] = ()
     timeout_s: float | None = None
     block_hashes: tuple[int, ...] = ()  # the prompt's chained block hashes (for the llm-d scorer)
+    adapter: str | None = None
 
 
 class Admission:
@@ -69,28 +73,31 @@ class Admission:
         it ends (return, error, cancellation). Waits in the queue when the fleet is saturated; a
         `disconnect` that completes first ends the wait with ClientGone, and a replica handed out
         just then goes straight back."""
-        replica = self.try_acquire(ask.model, ask.prefix_hash, ask.exclude, ask.block_hashes)
+        replica = self.try_acquire(ask.model, ask.prefix_hash, ask.exclude, ask.block_hashes, ask.adapter)
+        release = functools.partial(self.release, adapter=ask.adapter)
         if replica is None:
             waiting = self.acquire(ask)
-            replica = await (waiting if disconnect is None else race(waiting, disconnect, self.release))
+            replica = await (waiting if disconnect is None else race(waiting, disconnect, release))
         try:
             yield replica
         finally:
-            self.release(replica)
+            release(replica)
 
     async def acquire(self, ask: Ask) -> Replica:
         """A replica already marked dispatched; the caller must `release` it when done (`lease`
         does both)."""
         model = ask.model
         timeout_s = self.timeout_s if ask.timeout_s is None else ask.timeout_s
-        replica = self.try_acquire(model, ask.prefix_hash, ask.exclude, ask.block_hashes)
+        replica = self.try_acquire(model, ask.prefix_hash, ask.exclude, ask.block_hashes, ask.adapter)
         if replica is not None:
             return replica
         if self.is_closed:
             raise Draining()
         queue = self._queues[model]
         future = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(future, ask.prefix_hash, frozenset(ask.exclude), tuple(ask.block_hashes))
+        waiter = _Waiter(
+            future, ask.prefix_hash, frozenset(ask.exclude), tuple(ask.block_hashes), ask.adapter
+        )
         evicted = queue.evict_for(ask.priority, ask.fairness_key)
         if evicted is not None and not evicted.future.done():
             # The key holding most of the queue gives up its newest place: one API key's burst
@@ -119,14 +126,15 @@ class Admission:
         prefix_hash: int | None,
         exclude: Collection[str] = (),
         block_hashes: tuple[int, ...] = (),
+        adapter: str | None = None,
     ) -> Replica | None:
         """The fast path, without waiting: a dispatched replica, or None when the request must queue."""
         queue = self._queues.setdefault(model, FairQueue(self.max_queue_len))
         if queue:
             return None  # others are waiting: queue behind them
-        routed = self.router.route(model, prefix_hash, exclude, block_hashes=block_hashes)
+        routed = self.router.route(model, prefix_hash, exclude, block_hashes=block_hashes, adapter=adapter)
         if isinstance(routed, Replica):
-            routed.on_dispatch()
+            routed.on_dispatch(adapter)
             return routed
         if exclude and not routed.is_saturated:
             raise ReplicasUnavailable(model)  # every replica left failed this request
@@ -145,12 +153,12 @@ class Admission:
         self._queues[model].remove(waiter)
         future = waiter.future
         if future.done() and not future.cancelled() and future.exception() is None:
-            self.release(future.result())  # handed a replica just as the caller gave up
+            self.release(future.result(), waiter.adapter)  # handed a replica just as the caller gave up
         else:
             waiter.future.cancel()
 
-    def release(self, replica: Replica) -> None:
-        replica.on_done()
+    def release(self, replica: Replica, adapter: str | None = None) -> None:
+        replica.on_done(adapter)
         self.pump(replica.model)
 
     def pump(self, model: str) -> None:
@@ -164,12 +172,17 @@ class Admission:
                 queue.pop()
                 continue
             routed = self.router.route(
-                model, waiter.prefix_hash, waiter.exclude, from_queue=True, block_hashes=waiter.block_hashes
+                model,
+                waiter.prefix_hash,
+                waiter.exclude,
+                from_queue=True,
+                block_hashes=waiter.block_hashes,
+                adapter=waiter.adapter,
             )
             if isinstance(routed, NoReplica):
                 break
             queue.pop()
-            routed.on_dispatch()
+            routed.on_dispatch(waiter.adapter)
             waiter.future.set_result(routed)
 
     def pump_all(self) -> None:

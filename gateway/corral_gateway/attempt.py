@@ -51,6 +51,7 @@ class Outgoing:
     body: bytes
     headers: dict[str, str]
     is_stream: bool = False  # the body asks for a stream (`"stream": true`)
+    adapter: str | None = None  # the LoRA adapter it asks for: only replicas listing it may take it
 
 
 async def send_once(
@@ -95,7 +96,9 @@ async def send_once(
         if can_retry:
             response.close(complete=True)
             return Retry(status=status, is_full=True)
-    can_go_elsewhere = can_retry and fleet.has_candidates(replica.model, [*exclude, replica.url])
+    can_go_elsewhere = can_retry and fleet.has_candidates(
+        replica.model, [*exclude, replica.url], request.adapter
+    )
     is_retryable = status >= 500 or status == 429  # another 429 (a proxy's, say): tried elsewhere
     if is_retryable and can_go_elsewhere:
         response.close(complete=False)

@@ -59,6 +59,18 @@ class AmbiguousModel(InvalidRequest):
         )
 
 
+class AmbiguousAdapter(InvalidRequest):
+    status_code, code = 400, "model_ambiguous"
+
+    def __init__(self, model: str, bases: list[str]) -> None:
+        listed = ", ".join(f"`{b}`" for b in bases)
+        super().__init__(
+            f"The adapter `{model}` is served for several models ({listed}); it needs a name of its own "
+            "for each.",
+            param="model",
+        )
+
+
 class NotFound(InvalidRequest):
     status_code, code = 404, "not_found"
 

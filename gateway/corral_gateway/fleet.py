@@ -11,18 +11,19 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
+from corral_gateway.adapters import AdapterTable, Affinity, adapters_of
 from corral_gateway.admission import Admission
-from corral_gateway.errors import AmbiguousModel
+from corral_gateway.errors import AmbiguousAdapter, AmbiguousModel
 from corral_gateway.health_probe import HealthProbe
 from corral_gateway.k8s_discovery import Discovery
 from corral_gateway.k8s_names import Naming, Route
 from corral_gateway.k8s_wake import Waker
-from corral_gateway.load import parse_load_headers, parse_metrics_text
+from corral_gateway.load import LoraState, parse_load_headers, parse_lora_info, parse_metrics_text
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Replica, Saturation
 from corral_gateway.router import Router
-from corral_gateway.served_names import parse_model_list
+from corral_gateway.served_names import CARD_FIELDS, parse_model_list
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import (
     ConnectFailed,
@@ -44,6 +45,12 @@ _SILENT_S = 3.0
 # A replica's model list is read on first contact, after each outage (the address may now hold
 # another engine) and at this interval.
 _NAMES_CHECK_INTERVAL_S = 60.0
+# A replica serving LoRA adapters (it lists one, or reports their state) is asked more often: adapters
+# are loaded and unloaded at runtime. An engine that sends load headers (Corral's) is not polled on
+# /metrics, so the adapter state of one that lists adapters is read then too (one /metrics render
+# every 2 s, not 13 a second); between reads, the adapter requests this gateway has in flight there
+# say where an adapter is active.
+_ADAPTERS_CHECK_INTERVAL_S = 2.0
 
 
 class Fleet:
@@ -73,7 +80,9 @@ class Fleet:
             settings.affinity_step_blocks_per_s,
             settings.affinity_queued_block_weight,
         )
-        self._router = Router(self._registry, policy, saturation, settings.load_max_age_s, clock)
+        self._router = Router(
+            self._registry, policy, saturation, settings.load_max_age_s, clock, self._count_affinity
+        )
         self._admission = Admission(self._router, settings.max_queue_len, settings.queue_timeout_s)
         # `async with fleet.lease(Ask(...)) as replica:` a replica, given back exactly once when the
         # block ends (Admission.lease).
@@ -83,6 +92,8 @@ class Fleet:
         self._names = Naming()  # served names and aliases from the LLMDeployments
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._metrics_only: set[str] = set()  # replicas without load headers (vLLM): poll /metrics
+        self._adapters = AdapterTable()
+        self._registry.on_removed.append(lambda _: self._index_adapters())
 
     # ---- what the proxy asks --------------------------------------------------------------------
 
@@ -96,15 +107,17 @@ class Fleet:
         """The gateway is draining: queued requests get 503 `draining` now, later ones never queue."""
         self._admission.close()
 
-    def has_candidates(self, model: str, exclude: Collection[str] = ()) -> bool:
-        """Whether some replica of `model` outside `exclude` is in rotation (a retry could go there)."""
-        return bool(self._router.candidates(model, exclude))
+    def has_candidates(self, model: str, exclude: Collection[str] = (), adapter: str | None = None) -> bool:
+        """Whether some replica of `model` (listing `adapter`, if given) outside `exclude` is in
+        rotation (a retry could go there)."""
+        return bool(self._router.candidates(model, exclude, adapter))
 
     # ---- inputs -------------------------------------------------------------------------------
 
     def resolve(self, requested: str) -> Route:
         """The pool a requested name goes to and the name the engine serves it under; a name served
-        in several namespaces must be qualified (AmbiguousModel lists the choices)."""
+        in several namespaces must be qualified (AmbiguousModel lists the choices). A name no model
+        or alias has may be a LoRA adapter a replica lists: its base model's pool."""
         if requested in self._static_models:
             return Route(requested, requested)
         route = self._names.routes.get(requested)
@@ -113,7 +126,22 @@ class Fleet:
         choices = self._names.ambiguous.get(requested)
         if choices:
             raise AmbiguousModel(requested, choices)
+        if not self._registry.has_model(requested):
+            pools = self._adapters.pools(requested)
+            if len(pools) > 1:
+                raise AmbiguousAdapter(requested, pools)
+            if pools:  # a LoRA adapter: its base's pool, and the engine is sent the adapter's name
+                return Route(pools[0], requested, adapter=requested)
         return Route(requested, requested)
+
+    def is_taken(self, name: str) -> bool:
+        """Whether a client asking for `name` means a model or an alias (an adapter may not take it)."""
+        return (
+            name in self._static_models
+            or name in self._names.routes
+            or name in self._names.ambiguous
+            or self._registry.has_model(name)
+        )
 
     def model_entry(self, listed: str) -> dict[str, Any]:
         """`listed`'s entry in the gateway's /v1/models: OpenAI's fields, with what its replicas'
@@ -121,18 +149,22 @@ class Fleet:
         said), so a client sizing its prompts from the list finds the context length there too."""
         entry: dict[str, Any] = {"id": listed, "object": "model", "created": 0, "owned_by": "corral"}
         try:
-            key = self.resolve(listed).key
-        except AmbiguousModel:
+            route = self.resolve(listed)
+        except (AmbiguousModel, AmbiguousAdapter):
             return entry
+        key = route.key
         replicas = sorted(self._registry.replicas(key), key=lambda r: not self.is_healthy(r))
+        if route.adapter is not None:
+            return self._adapters.entry(listed, replicas, key)
         card = next((r.model_card for r in replicas if r.model_card is not None), None)
         return entry | (card or {})
 
     def listed_models(self) -> list[str]:
         """What /v1/models lists: every pool (a served name, or NAMESPACE/NAME where the name is
-        ambiguous) and every alias of a known pool."""
+        ambiguous), every alias of a known pool, and every adapter its replicas list, once."""
         pools = set(self.models())
-        return sorted(pools | {alias for alias, key in self._names.aliases.items() if key in pools})
+        aliases = {alias for alias, key in self._names.aliases.items() if key in pools}
+        return sorted(pools | aliases | set(self._adapters.names(self.is_taken)))
 
     def apply_discovery(self, discovery: Discovery) -> None:
         """What Kubernetes discovery found: names first (a request never sees a pool without its
@@ -141,6 +173,7 @@ class Fleet:
         if self.waker is not None:
             self.waker.set_owners(discovery.owners)
         self._apply_pools(discovery.pools)
+        self._index_adapters()  # a name may have become a model's or an alias
 
     def _apply_pools(self, discovered: Mapping[str, list[str]]) -> None:
         for model, urls in discovered.items():
@@ -207,14 +240,23 @@ class Fleet:
                                reason)  # fmt: skip
 
     def observe_served_names(self, url: str, listed: Mapping[str, dict[str, Any]]) -> None:
-        """What the replica at `url` serves (its /v1/models: id -> the entry's fields); a pool whose
-        name is not among them is warned about once per change: its requests there get the
-        engine's 404."""
+        """What the replica at `url` serves (its /v1/models: id -> the entry's fields): its pool's
+        name, and the LoRA adapters listed with that name as `parent`. A pool whose name is not
+        among them is warned about once per change: its requests there get the engine's 404."""
         names = tuple(sorted(listed))
+        is_adapters_changed = False
         for replica in self._registry.by_url(url):
             was_misnamed, is_changed = self.is_misnamed(replica), replica.served_names != names
             replica.served_names = names
-            replica.model_card = listed.get(self.upstream_name(replica.model))
+            base = self.upstream_name(replica.model)
+            card = listed.get(base)
+            replica.model_card = None if card is None else {k: card[k] for k in CARD_FIELDS if k in card}
+            adapters = adapters_of(listed, base)
+            if adapters.keys() != replica.adapters.keys():
+                is_adapters_changed = True
+                logger.info("backend %r: replica %s lists adapters %s", replica.model, url,
+                            ", ".join(map(repr, sorted(adapters))) or "none")  # fmt: skip
+            replica.adapters = adapters
             served = ", ".join(repr(n) for n in names) or "no model"
             if self.is_misnamed(replica) and is_changed:
                 logger.warning(
@@ -224,6 +266,23 @@ class Fleet:
                 )  # fmt: skip
             elif was_misnamed and not self.is_misnamed(replica):
                 logger.info("backend %r: replica %s now serves %s", replica.model, url, served)
+        if is_adapters_changed:
+            self._index_adapters()
+
+    def observe_lora(self, url: str, lora: LoraState) -> None:
+        """The replica's running / waiting adapters, from its `vllm:lora_requests_info`."""
+        for replica in self._registry.by_url(url):
+            replica.lora = lora
+
+    def _index_adapters(self) -> None:
+        self._adapters.rebuild(self._registry.all_replicas(), self.is_taken)
+
+    def _count_affinity(self, model: str, tier: Affinity) -> None:
+        self.metrics.adapter_routes.labels(model, tier.label).inc()
+
+    def is_serving_adapters(self, url: str) -> bool:
+        """Whether the replica lists adapters or reports their state (LoRA is on there)."""
+        return any(r.adapters or r.lora is not None for r in self._registry.by_url(url))
 
     # ---- background I/O -----------------------------------------------------------------------
 
@@ -260,7 +319,9 @@ class Fleet:
                 if is_healthy is False:
                     names_due_s = self.clock()  # it may come back as another engine: ask then
                 elif is_healthy and self.clock() >= names_due_s and await self._check_names(upstream, url):
-                    names_due_s = self.clock() + _NAMES_CHECK_INTERVAL_S
+                    is_lora = self.is_serving_adapters(url)
+                    interval_s = _ADAPTERS_CHECK_INTERVAL_S if is_lora else _NAMES_CHECK_INTERVAL_S
+                    names_due_s = self.clock() + interval_s
                 self._admission.pump_all()
                 await asyncio.sleep(self.settings.poll_interval_s)
         finally:
@@ -303,9 +364,13 @@ class Fleet:
         if fetched is None:
             return False
         if fetched.status == 200:
-            sample = parse_metrics_text(fetched.body.decode("utf-8", "replace"), self.clock())
+            text = fetched.body.decode("utf-8", "replace")
+            sample = parse_metrics_text(text, self.clock())
             if sample is not None:
                 self._registry.observe(url, sample)
+            lora = parse_lora_info(text)
+            if lora is not None:
+                self.observe_lora(url, lora)
         return self._poll_succeeded(url, fetched.status)
 
     def is_silent(self, url: str) -> bool:
@@ -377,7 +442,20 @@ class Fleet:
             logger.debug("model list of %s not read: HTTP %d", url, fetched.status)
             return True
         self.observe_served_names(url, listed)
+        if url not in self._metrics_only and any(r.adapters for r in self._registry.by_url(url)):
+            await self._check_lora(upstream, url)  # its load polls do not read /metrics
         return True
+
+    async def _check_lora(self, upstream: Upstream, url: str) -> None:
+        """Read the replica's LoRA state from its /metrics (an engine that sends load headers)."""
+        try:
+            fetched = await upstream.get(url + "/metrics", _POLL_READ_TIMEOUT_S)
+        except UpstreamError as e:
+            logger.debug("LoRA state of %s not read: %s", url, e)
+            return
+        lora = parse_lora_info(fetched.body.decode("utf-8", "replace")) if fetched.status == 200 else None
+        if lora is not None:
+            self.observe_lora(url, lora)
 
     def upstream_name(self, key: str) -> str:
         """The name the replicas of pool `key` are sent requests under (what they must serve)."""
@@ -449,6 +527,10 @@ class Fleet:
                         # includes the name its requests carry.
                         "served_names": list(r.served_names) if r.served_names is not None else None,
                         "serves_model": None if r.served_names is None else not self.is_misnamed(r),
+                        # Its LoRA adapters, and those it runs or queues (reported or in flight).
+                        "adapters": sorted(r.adapters),
+                        "active_adapters": sorted(r.active_adapters()),
+                        "max_lora": r.lora.max_lora if r.lora is not None else None,
                         "load_fresh": load.is_fresh,
                         "num_running": load.num_running,
                         "num_waiting": load.num_waiting,

@@ -31,6 +31,7 @@ class Served:
 class Route:
     key: str  # the registry's pool
     upstream: str  # the model name the engine serves (what the request body is sent with)
+    adapter: str | None = None  # a LoRA adapter of the pool's model (then also `upstream`)
 
 
 @dataclass(frozen=True, slots=True)

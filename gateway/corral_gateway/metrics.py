@@ -37,6 +37,7 @@ STREAMS_BROKEN_TOTAL = PREFIX + "streams_broken_total"
 KEY_TOKENS_TOTAL = PREFIX + "key_tokens_total"
 OVERHEAD_SECONDS = PREFIX + "overhead_seconds"
 GC_PAUSE_SECONDS = PREFIX + "gc_pause_seconds"
+ADAPTER_ROUTES_TOTAL = PREFIX + "adapter_routes_total"
 
 # Why a request left a replica before its first byte without an answer (label `reason` of
 # retries_total). A retried HTTP answer is labelled `http_<status>` instead: open-ended, so its
@@ -52,6 +53,11 @@ RETRY_REASONS: tuple[RetryReason, ...] = get_args(RetryReason)
 #   mean over its chunks).
 OverheadPart = Literal["request", "first_byte", "stream"]
 OVERHEAD_PARTS: tuple[OverheadPart, ...] = get_args(OverheadPart)
+# Where LoRA affinity sent an adapter request (label `affinity` of adapter_routes_total, with the
+# base model's pool as `model`: adapters are not labels, so the series stay few): to a replica
+# that already ran or queued the adapter, to one with a free adapter slot, or to a full one.
+AffinityLabel = Literal["active", "free_slot", "full"]
+AFFINITY_LABELS: tuple[AffinityLabel, ...] = get_args(AffinityLabel)
 # The status a replica's zero series of requests_total carries (the "Requests/s" panels sum it).
 _OK_STATUS = "200"
 
@@ -126,6 +132,13 @@ class GatewayMetrics:
             "to the client; stream: the mean over a stream's later chunks).",
             ["model", "part"],
             buckets=_OVERHEAD_BUCKETS_S,
+            registry=r,
+        )
+        self.adapter_routes = Counter(
+            ADAPTER_ROUTES_TOTAL,
+            "LoRA adapter requests routed, by base model and where the adapter stood on the replica "
+            "picked: active (running or queued there), free_slot, or full.",
+            ["model", "affinity"],
             registry=r,
         )
         r.register(GcPauseCollector(GC_PAUSE_SECONDS))

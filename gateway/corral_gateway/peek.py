@@ -11,7 +11,7 @@ import email.policy
 import hashlib
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Rough characters per token, for token rate limits charged before the real usage is known.
@@ -199,6 +199,19 @@ def peek_request(
         prefix_hash=None if prefix is None else block_prefix_hash(prefix, block_chars, num_blocks),
         estimated_tokens=_estimate_tokens(body),
         block_hashes=chain,
+    )
+
+
+def for_adapter(info: RequestInfo, adapter: str) -> RequestInfo:
+    """`info` for a request of LoRA adapter `adapter`: its prefix hashes mixed with the adapter's
+    name, since an engine caches an adapter's KV apart from the base model's and other adapters'
+    (the same prompt is another prefix there). Mixing every hash with one value keeps the chain's
+    property: two prompts of the adapter share the first k hashes exactly when they share k blocks."""
+    salt = int.from_bytes(hashlib.blake2b(adapter.encode("utf-8", "replace"), digest_size=8).digest(), "big")
+    return replace(
+        info,
+        prefix_hash=None if info.prefix_hash is None else info.prefix_hash ^ salt,
+        block_hashes=tuple(h ^ salt for h in info.block_hashes),
     )
 
 

@@ -39,9 +39,10 @@ from corral_gateway.errors import (
     error_response,
 )
 from corral_gateway.fleet import Fleet
+from corral_gateway.k8s_names import Route
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.passthrough import Exchange
-from corral_gateway.peek import peek_request, with_model
+from corral_gateway.peek import for_adapter, peek_request, with_model
 from corral_gateway.quota import TokenUsage
 from corral_gateway.registry import Replica
 from corral_gateway.settings import GatewaySettings
@@ -165,9 +166,12 @@ async def _admit(deps: ProxyDeps, request: Request, path: str, caller: _Caller, 
         request.headers.get("content-type"),
     )
     info = await _off_loop(raw, peek)
-    caller.model, upstream_name = _route_model(deps.fleet, info.model)
-    if upstream_name is not None and upstream_name != info.model:  # an alias: the served name
-        raw = await _off_loop(raw, functools.partial(with_model, raw, upstream_name))
+    route = _route_model(deps.fleet, info.model)
+    caller.model = route.key
+    if info.model is not None and route.upstream != info.model:  # an alias: the served name
+        raw = await _off_loop(raw, functools.partial(with_model, raw, route.upstream))
+    if route.adapter is not None:  # its KV cache is not the base model's: nor its prefix hashes
+        info = for_adapter(info, route.adapter)
     priority = _priority(request.headers.get(PRIORITY_HEADER))
     if keystore is not None and api_key is not None:
         keystore.admit(api_key, info.estimated_tokens, time.monotonic())
@@ -175,7 +179,7 @@ async def _admit(deps: ProxyDeps, request: Request, path: str, caller: _Caller, 
     caller.quota = TokenUsage.track(keystore, api_key, info.estimated_tokens)
     return _Ticket(
         caller.origin(),
-        Outgoing(path, raw, headers, info.is_stream),
+        Outgoing(path, raw, headers, info.is_stream, route.adapter),
         info.prefix_hash,
         priority,
         api_key.key_id if api_key is not None else "",
@@ -209,6 +213,7 @@ async def _forward(
             tried,
             max(0.0, queue_deadline_s - time.monotonic()),
             ticket.block_hashes,
+            ticket.outgoing.adapter,
         )
         async with fleet.lease(ask, disconnect) as replica:
             waited_s = time.perf_counter() - leasing_s
@@ -322,19 +327,20 @@ async def _off_loop(raw: bytes, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn)
 
 
-def _route_model(fleet: Fleet, model: str | None) -> tuple[str, str | None]:
-    """(the pool to route to, the model name to send upstream): an alias or a NAMESPACE/NAME is
-    sent under the deployment's served name; any other body goes through byte for byte."""
+def _route_model(fleet: Fleet, model: str | None) -> Route:
+    """The pool to route to, the model name to send upstream and the LoRA adapter asked for: an
+    alias or a NAMESPACE/NAME is sent under the deployment's served name, an adapter under its
+    own; any other body goes through byte for byte."""
     if model is not None:
         route = fleet.resolve(model)
         if not fleet.has_model(route.key):
             raise ModelNotFound(model)
-        return route.key, route.upstream
+        return route
     # No readable model: any replica answers with the engine's own validation error.
     models = fleet.models()
     if not models:
         raise Unavailable("No model is being served yet.", retry_after_s=5.0, code="no_models")
-    return models[0], None
+    return Route(models[0], models[0])
 
 
 def _priority(value: str | None) -> int:

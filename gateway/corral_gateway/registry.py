@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral_gateway.load import LoadSample
+from corral_gateway.load import LoadSample, LoraState
 from corral_gateway.refusal import Refusal
 from corral_gateway.step_phase import StepPhase
 
@@ -47,6 +47,12 @@ class Replica:
     served_names: tuple[str, ...] | None = None
     # Its /v1/models entry for the name it is routed under (max_model_len, created, owned_by).
     model_card: dict[str, Any] | None = None
+    # The LoRA adapters of its base model it lists (name -> the entry's fields a listing passes on).
+    adapters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lora: LoraState | None = None  # its running / waiting adapters, as it last reported them
+    # Adapter requests this gateway is proxying to it now, by adapter: they hold the adapter
+    # there whatever the last report said.
+    num_inflight_by_adapter: dict[str, int] = field(default_factory=dict)
     # The last `load` and what it was computed from: every request ranks every replica, and between
     # two requests most replicas' inputs have not changed (64 replicas: 6% of the gateway's CPU).
     _load_inputs: tuple[object, ...] = field(default=(), repr=False, compare=False)
@@ -68,18 +74,30 @@ class Replica:
             self.num_finished_since_sample = 0
             self.refusal.on_sample(sample)
 
-    def on_dispatch(self) -> None:
+    def on_dispatch(self, adapter: str | None = None) -> None:
         self.num_inflight += 1
         self.num_dispatched_since_sample += 1
         self.refusal.on_dispatch()
+        if adapter is not None:
+            self.num_inflight_by_adapter[adapter] = self.num_inflight_by_adapter.get(adapter, 0) + 1
 
     def on_first_byte(self) -> None:
         self.num_first_bytes += 1
 
-    def on_done(self) -> None:
+    def on_done(self, adapter: str | None = None) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)
         self.num_finished_since_sample += 1
         self.refusal.on_done()
+        if adapter is not None:
+            left = self.num_inflight_by_adapter.pop(adapter, 0) - 1
+            if left > 0:
+                self.num_inflight_by_adapter[adapter] = left
+
+    def active_adapters(self) -> frozenset[str]:
+        """The adapters it runs or queues now: as last reported, and those of the adapter requests
+        this gateway has in flight there."""
+        reported = self.lora.active if self.lora is not None else frozenset()
+        return reported | self.num_inflight_by_adapter.keys()
 
     def load(self, now_s: float, max_age_s: float) -> ReplicaLoad:
         """The last fresh sample, moved forward by what this gateway sent and saw finish since."""

@@ -1,4 +1,5 @@
-"""Pick a replica for a request from live load: admission check, then the routing policy (pure).
+"""Pick a replica for a request from live load: admission check, LoRA affinity for an adapter
+request, then the routing policy (pure).
 
 The clock is injected so the router stays I/O-free and testable.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from corral_gateway.adapters import Affinity, affinity
 from corral_gateway.policies import Candidate, Policy
 from corral_gateway.registry import Registry, Replica, Saturation
 
@@ -27,12 +29,15 @@ class Router:
         saturation: Saturation,
         max_age_s: float,
         clock: Callable[[], float],
+        on_affinity: Callable[[str, Affinity], None] | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.saturation = saturation
         self.max_age_s = max_age_s
         self.clock = clock
+        # Told (pool, tier) for each adapter request routed: what the affinity achieved.
+        self.on_affinity = on_affinity
         registry.on_removed.append(self._forget)
 
     def _forget(self, replica: Replica) -> None:
@@ -40,12 +45,16 @@ class Router:
         model is still served there)."""
         self.policy.forget(replica, is_url_gone=not self.registry.by_url(replica.url))
 
-    def candidates(self, model: str, exclude: Collection[str] = ()) -> list[Candidate]:
+    def candidates(
+        self, model: str, exclude: Collection[str] = (), adapter: str | None = None
+    ) -> list[Candidate]:
+        """The model's replicas in rotation outside `exclude`; for an adapter request, only those
+        that list the adapter (another would answer 404)."""
         now_s = self.clock()
         return [
             Candidate(r, r.load(now_s, self.max_age_s))
             for r in self.registry.candidates(model)
-            if r.url not in exclude
+            if r.url not in exclude and (adapter is None or adapter in r.adapters)
         ]
 
     def route(
@@ -55,11 +64,13 @@ class Router:
         exclude: Collection[str] = (),
         from_queue: bool = False,
         block_hashes: Sequence[int] = (),
+        adapter: str | None = None,
     ) -> Replica | NoReplica:
         """A replica to send to (not yet marked dispatched), or why there is none. A request leaving
         the gateway's queue (`from_queue`) only goes where room remains after what was sent since
-        the last load sample (`ReplicaLoad.is_full`)."""
-        candidates = self.candidates(model, exclude)
+        the last load sample (`ReplicaLoad.is_full`). An adapter request goes to the best
+        `Affinity` tier among the replicas with room (`_by_affinity`)."""
+        candidates = self.candidates(model, exclude, adapter)
         if not candidates:
             return NoReplica(is_saturated=False)
         if from_queue:
@@ -70,4 +81,17 @@ class Router:
             return NoReplica(is_saturated=True)
         else:  # one that refuses would answer 429 again; some other is not saturated, so not refusing
             candidates = [c for c in candidates if not c.load.is_refusing]
+        if adapter is not None:
+            candidates = self._by_affinity(model, candidates, adapter)
         return self.policy.pick(candidates, prefix_hash, block_hashes).replica
+
+    def _by_affinity(self, model: str, candidates: list[Candidate], adapter: str) -> list[Candidate]:
+        """The unsaturated candidates of the best tier: where the adapter is active, else where a
+        slot is free, else the rest; the policy then weighs their load (and prompt prefix) as for
+        any request. Saturated ones only compete when all are (the policy's own fallback)."""
+        roomy = [c for c in candidates if not c.load.is_saturated(self.saturation)] or candidates
+        tiers = [affinity(c.replica, adapter) for c in roomy]
+        best = min(tiers)
+        if self.on_affinity is not None:
+            self.on_affinity(model, best)
+        return [c for c, tier in zip(roomy, tiers, strict=True) if tier == best]

@@ -45,6 +45,9 @@ class FakeEngine:
     health_has_load: bool = False  # like Corral's engine: load headers on /health too
     num_metrics_scrapes: int = 0
     served_names: tuple[str, ...] = ("m",)  # what its /v1/models lists
+    # LoRA adapters it lists too (name -> root), as children of its first served name.
+    adapters: dict[str, str] = field(default_factory=dict)
+    lora_info: str = ""  # extra /metrics lines (vllm:lora_requests_info)
     num_model_lists: int = 0
     models_authorization: str | None = None  # the last model list request's
 
@@ -77,10 +80,10 @@ class FakeEngine:
     async def models(self, request: Request) -> Response:
         self.num_model_lists += 1
         self.models_authorization = request.headers.get("authorization")
-        data = [
-            {"id": name, "object": "model", "created": 1700000000, "owned_by": "fake", "max_model_len": 4096}
-            for name in self.served_names
-        ]
+        card = {"object": "model", "created": 1700000000, "owned_by": "fake", "max_model_len": 4096}
+        data = [{"id": name, **card, "root": f"/models/{name}", "parent": None} for name in self.served_names]
+        base = self.served_names[0] if self.served_names else None
+        data += [{"id": name, **card, "root": root, "parent": base} for name, root in self.adapters.items()]
         return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:
@@ -91,7 +94,7 @@ class FakeEngine:
             wire.KV_CACHE_USAGE_PERC: self.kv_usage,
         }
         text = "".join(f'# TYPE {n} gauge\n{n}{{model_name="m"}} {v}\n' for n, v in values.items())
-        return PlainTextResponse(text)
+        return PlainTextResponse(text + self.lora_info)
 
     async def echo(self, request: Request) -> Response:
         """Any other POST route: what arrived (path, body length, content type) and who answered."""

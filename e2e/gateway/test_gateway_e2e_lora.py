@@ -1,0 +1,93 @@
+"""LoRA adapters through the gateway, with real engine processes and the official openai client: an
+adapter one replica serves is listed by the gateway under its base model, its requests go to that
+replica only and answer as the replica does directly, and an adapter loaded (and unloaded) at run
+time comes and goes from the gateway's routes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from corral_engine.demo_adapter import write_demo_adapter
+
+from e2e.gateway.conftest import MODEL, replica_state, start_gateway, wait_for
+from e2e.procs import EngineProcess, ManagedProcess, start_engine
+
+PROMPT = "one two three four"
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: write_demo_adapter(tiny_model_dir, root / name, seed=seed)
+        for seed, name in enumerate(("sql", "late"))
+    }
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_model_dir: Path, adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ManagedProcess, EngineProcess, EngineProcess]]:
+    """Replica `with_sql` serves adapter sql from its start; `plain` none (runtime loading on)."""
+    lora = {"served_model_name": MODEL, "enable_lora": True, "allow_runtime_lora_updating": True}
+    with (
+        start_engine(tiny_model_dir, lora_modules=f"sql={adapter_dirs['sql']}", **lora) as with_sql,
+        start_engine(tiny_model_dir, **lora) as plain,
+        start_gateway({MODEL: [with_sql.url, plain.url]}, tmp_path_factory.mktemp("gateway")) as gateway,
+    ):
+        yield gateway, with_sql, plain
+
+
+def _complete(base_url: str, model: str) -> str:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0)
+    assert reply.model == model
+    return reply.choices[0].text
+
+
+def _successes(engine: EngineProcess) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
+
+
+def test_an_adapter_is_listed_and_served_by_the_replica_that_has_it(
+    fleet: tuple[ManagedProcess, EngineProcess, EngineProcess],
+) -> None:
+    gateway, with_sql, plain = fleet
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    wait_for("sql listed", lambda: "sql" in {m.id for m in client.models.list()})
+    sql = client.models.retrieve("sql")
+    assert sql.model_extra is not None and sql.model_extra["parent"] == MODEL
+    direct = _complete(with_sql.url, "sql")
+    assert direct != _complete(with_sql.url, MODEL)  # the adapter changes the greedy text
+    plain_before = _successes(plain)
+    for _ in range(6):
+        assert _complete(gateway.url, "sql") == direct
+    assert _successes(plain) == plain_before  # never sent to the replica without the adapter
+    with pytest.raises(openai.NotFoundError):
+        _complete(gateway.url, "late")
+
+
+def test_an_adapter_loaded_at_run_time_becomes_routable(
+    fleet: tuple[ManagedProcess, EngineProcess, EngineProcess], adapter_dirs: dict[str, Path]
+) -> None:
+    gateway, with_sql, _ = fleet
+    body = {"lora_name": "late", "lora_path": str(adapter_dirs["late"])}
+    assert httpx.post(with_sql.url + "/v1/load_lora_adapter", json=body, timeout=30).status_code == 200
+    direct = _complete(with_sql.url, "late")
+    # A replica that lists adapters has its model list read every few seconds.
+    wait_for("late listed", lambda: "late" in replica_state(gateway)[with_sql.url]["adapters"], 30)
+    assert _complete(gateway.url, "late") == direct
+    unload = httpx.post(with_sql.url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=30)
+    assert unload.status_code == 200
+    wait_for("late gone", lambda: "late" not in replica_state(gateway)[with_sql.url]["adapters"], 30)
+    with pytest.raises(openai.NotFoundError):
+        _complete(gateway.url, "late")

@@ -1,0 +1,99 @@
+"""LoRA adapter requests through a running gateway in front of fake replicas that list adapters (as
+vLLM's `/v1/models` does, `parent` naming the base model) and report `vllm:lora_requests_info`."""
+
+from __future__ import annotations
+
+import pytest
+from corral_gateway import fleet as fleet_module
+
+from tests.gateway.conftest import FakeEngine
+from tests.gateway.test_gateway_proxy import eventually, fleet, replicas
+
+LORA_INFO = (
+    "# TYPE vllm:lora_requests_info gauge\n"
+    'vllm:lora_requests_info{{max_lora="2",waiting_lora_adapters="",running_lora_adapters="{}"}} 1.7e+09\n'
+)
+
+
+@pytest.fixture(autouse=True)
+def _quick_adapter_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_module, "_ADAPTERS_CHECK_INTERVAL_S", 0.05)
+
+
+async def test_an_adapter_request_goes_to_a_replica_listing_it_with_its_body_unchanged() -> None:
+    with_sql = FakeEngine(name="with-sql", adapters={"sql": "/adapters/sql"})
+    without = FakeEngine(name="without")
+    async with fleet([with_sql, without]) as (client, _):
+
+        async def is_listed() -> bool:
+            return "sql" in [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+
+        await eventually(is_listed)
+        raw = b'{"model": "sql",  "prompt": "select", "max_tokens": 3}'
+        for _ in range(4):
+            response = await client.post(
+                "/v1/completions", content=raw, headers={"content-type": "application/json"}
+            )
+            assert response.status_code == 200 and response.json()["served_by"] == "with-sql"
+        assert with_sql.bodies == [raw] * 4 and without.bodies == []
+        listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+        card = {"object": "model", "created": 1700000000, "owned_by": "fake", "max_model_len": 4096}
+        assert listed == {
+            "m": {"id": "m", **card},
+            "sql": {"id": "sql", **card, "root": "/adapters/sql", "parent": "m"},
+        }
+        assert (await client.get("/v1/models/sql")).json() == listed["sql"]
+        unknown = await client.post("/v1/completions", json={"model": "chat", "prompt": "x"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_adapter_routes_total{affinity="free_slot",model="m"} 4.0' in metrics
+        chat = {"model": "sql", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        streamed = await client.post("/v1/chat/completions", json=chat)
+        assert streamed.status_code == 200 and '"served_by": "with-sql"' in streamed.text
+        # A failing replica is not retried where the adapter is not: the engine's own error.
+        with_sql.mode = "error500"
+        failed = await client.post("/v1/completions", json={"model": "sql", "prompt": "x"})
+        assert failed.status_code == 500 and without.bodies == []
+
+
+async def test_adapters_loaded_and_unloaded_at_runtime_come_and_go() -> None:
+    engine = FakeEngine(adapters={"sql": "/adapters/sql"})
+    async with fleet([engine]) as (client, _):
+
+        async def status(model: str) -> int:
+            return (await client.post("/v1/completions", json={"model": model, "prompt": "x"})).status_code
+
+        async def chat_routes() -> bool:
+            return await status("chat") == 200
+
+        async def sql_is_gone() -> bool:
+            return await status("sql") == 404
+
+        async def sql_routes() -> bool:
+            return await status("sql") == 200
+
+        await eventually(sql_routes)
+        engine.adapters = {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+        await eventually(chat_routes)
+        engine.adapters = {"chat": "/adapters/chat"}
+        await eventually(sql_is_gone)
+        assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == ["chat", "m"]
+
+
+@pytest.mark.parametrize("has_load_headers", [True, False])  # Corral's engine, vLLM
+async def test_adapter_requests_go_where_the_adapter_runs(has_load_headers: bool) -> None:
+    idle = FakeEngine(name="idle", adapters={"sql": "/a"}, health_has_load=has_load_headers)
+    running = FakeEngine(name="running", adapters={"sql": "/a"}, health_has_load=has_load_headers)
+    idle.lora_info, running.lora_info = LORA_INFO.format("chat"), LORA_INFO.format("sql,chat")
+    async with fleet([idle, running]) as (client, urls):
+
+        async def is_known() -> bool:
+            seen = await replicas(client)
+            return seen[urls[1]]["active_adapters"] == ["chat", "sql"] and seen[urls[0]]["max_lora"] == 2
+
+        await eventually(is_known)
+        for _ in range(4):
+            response = await client.post("/v1/completions", json={"model": "sql", "prompt": "x"})
+            assert response.json()["served_by"] == "running"
+        metrics = (await client.get("/metrics")).text
+        assert 'corral_gateway_adapter_routes_total{affinity="active",model="m"} 4.0' in metrics
