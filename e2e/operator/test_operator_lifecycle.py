@@ -275,6 +275,39 @@ def test_a_hub_model_gets_a_fetch_init_container_and_its_token_stays_in_its_secr
     assert token not in seen
 
 
+def test_adapters_get_their_own_fetchers_and_reach_the_engine_as_lora_modules(
+    operator_installed: Cluster, start_operator: Callable[..., OperatorProcess], k8s_namespace: str
+) -> None:
+    cluster, ns = operator_installed, k8s_namespace
+    start_operator()
+    doc = llmdeployment("lora", ns, replicas=1)
+    doc["spec"]["model"] = {"name": "org/tiny", "uri": "hf://org/tiny", "cache": {"sizeLimit": "1Gi"}}
+    doc["spec"]["adapters"] = [
+        {"name": "sql-lora", "uri": "hf://org/sql-lora@v1"},
+        {"name": "support", "uri": "pvc://loras/support"},
+    ]
+    cluster.apply(yaml.safe_dump(doc))  # the API server accepts the schema and its CEL rules
+
+    def template() -> dict | None:
+        found = cluster.kubectl("get", "deployment", "lora", "-n", ns, "-o", "json", check=False)
+        return yaml.safe_load(found.stdout)["spec"]["template"]["spec"] if found.returncode == 0 else None
+
+    pod = cluster.wait_until("the Deployment", template)
+    assert [c["name"] for c in pod["initContainers"]] == ["fetch-model", "fetch-adapter-0"]
+    assert pod["initContainers"][1]["command"][:3] == ["corral", "fetch-model", "hf://org/sql-lora@v1"]
+    command = pod["containers"][0]["command"]
+    modules = command[command.index("--lora-modules") + 1 : command.index("--host")]
+    assert "--enable-lora" in command
+    assert modules == ["sql-lora=/models-cache/hf/org/sql-lora/v1", "support=/mnt/pvc/loras/support"]
+    claim = {"claimName": "loras", "readOnly": True}
+    assert {"name": "adapters-1", "persistentVolumeClaim": claim} in pod["volumes"]
+    # no such claim here: status says which one is missing, as for the model's
+    cluster.wait_until(
+        "Degraded for the adapters' claim",
+        lambda: "'loras'" in condition(get_llmd(cluster, ns, "lora"), "Degraded").get("message", ""),
+    )
+
+
 def test_scale_up_and_rollout_keep_ready_and_observed_generation_only_moves_forward(
     operator_installed: Cluster,
     start_operator: Callable[..., OperatorProcess],

@@ -17,6 +17,7 @@ POD_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("engine", "extraArgs"), "engine args"),
     (("engine",), "engine"),
     (("model",), "model"),
+    (("adapters",), "adapters"),
     (("resources",), "resources"),
     (("nodeSelector",), "placement"),
     (("tolerations",), "placement"),

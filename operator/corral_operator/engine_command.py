@@ -39,9 +39,35 @@ def model_path_in_pod(spec: LLMDeploymentSpec) -> str:
     return MODEL_MOUNT_PATH
 
 
-def fetch_command(spec: LLMDeploymentSpec) -> list[str]:
-    """The init container's argv: download the model into the cache volume (docs/models.md)."""
-    return ["corral", "fetch-model", str(spec.model.uri), "--cache-dir", MODEL_CACHE_PATH]
+def adapter_paths_in_pod(spec: LLMDeploymentSpec) -> list[tuple[str, str]]:
+    """(served name, directory) of each LoRA adapter inside the container, for either engine kind:
+    its cache entry (hf://, s3://, filled by its init container) or its place on its claim (pvc://)."""
+    out = []
+    for adapter in spec.adapters:
+        uri = parse_model_uri(adapter.uri)
+        if uri.scheme == "pvc":
+            path = posixpath.join(PVC_ROOT, uri.location, uri.path)
+        else:
+            path = posixpath.join(MODEL_CACHE_PATH, str(cache_subdir(uri, spec.model.s3_endpoint)))
+        out.append((adapter.name, path))
+    return out
+
+
+def lora_flags(spec: LLMDeploymentSpec) -> list[str]:
+    """`--enable-lora --lora-modules NAME=PATH ...` (vLLM's flags, which the bundled engine shares),
+    or nothing without adapters. vLLM reads an item with a `,` or a second `=` (an S3 key such as
+    dt=2024) as JSON, so such a path goes in its JSON form."""
+    modules = [
+        json.dumps({"name": name, "path": path}) if "=" in path or "," in path else f"{name}={path}"
+        for name, path in adapter_paths_in_pod(spec)
+    ]
+    return ["--enable-lora", "--lora-modules", *modules] if modules else []
+
+
+def fetch_command(spec: LLMDeploymentSpec, uri: str | None = None) -> list[str]:
+    """An init container's argv: download the model (or the adapter at `uri`) into the cache volume
+    (docs/models.md)."""
+    return ["corral", "fetch-model", uri or str(spec.model.uri), "--cache-dir", MODEL_CACHE_PATH]
 
 
 def engine_args(spec: LLMDeploymentSpec, model_path: str) -> EngineArgs:
@@ -57,6 +83,7 @@ def corral_command(spec: LLMDeploymentSpec, model_path: str, host: str, port: in
     args = engine_args(spec, model_path).to_cli_args()
     if spec.model.is_downloaded:
         args += ["--model-cache-dir", MODEL_CACHE_PATH]
+    args += lora_flags(spec)
     return ["corral", "engine", *args, "--host", host, "--port", str(port), *spec.engine.extra_args]
 
 
@@ -64,7 +91,7 @@ def vllm_args(spec: LLMDeploymentSpec, model_path: str, port: int) -> list[str]:
     """Arguments for the vllm/vllm-openai image's entrypoint (its OpenAI API server): only the
     options the spec sets, so vLLM's own defaults hold for the rest."""
     engine_args(spec, model_path)  # the engine's own checks hold for either engine kind
-    flags = vllm_flags(_given(spec, model_path))
+    flags = vllm_flags(_given(spec, model_path)) + lora_flags(spec)
     return [*flags, "--host", "0.0.0.0", "--port", str(port), *spec.engine.extra_args]
 
 
@@ -80,6 +107,8 @@ def vllm_flags(given: dict[str, object]) -> list[str]:
             json_flags.setdefault(vllm.flag, {})[vllm.json_key] = value
         elif isinstance(value, bool):  # vLLM's boolean flags take a --no- form
             out.append(vllm.flag if value else "--no-" + vllm.flag.removeprefix("--"))
+        elif isinstance(value, list | tuple):  # a list option: its items after the one flag
+            out += [*vllm.also, vllm.flag, *map(str, value)]
         else:
             out += [*vllm.also, vllm.flag, str(value)]
     for flag, obj in json_flags.items():

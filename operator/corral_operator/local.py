@@ -47,6 +47,11 @@ def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> L
     if not re.fullmatch(NAME_PATTERN, name) or len(name) > 63:  # as the cluster's CRD refuses it
         raise SpecError(f"{NAME_MESSAGE}; got {name!r}")
     spec = parse_spec(document.get("spec"))
+    if spec.adapters:  # refused rather than dropped: requests naming an adapter would find no model
+        raise SpecError(
+            "spec.adapters: corral up does not serve LoRA adapters yet; run `corral engine --enable-lora "
+            "--lora-modules NAME=DIR` (docs/models.md) or apply the file to a cluster"
+        )
     source = spec.model.source
     path = model_path
     if path is None and spec.model.is_downloaded:

@@ -1,5 +1,5 @@
-"""`spec.model`: the served names and where the checkpoint comes from (a model URI, downloaded by an
-init container into a cache volume, or a volume already holding it)."""
+"""`spec.model` and `spec.adapters`: the served names and where the checkpoint and its LoRA adapters
+come from (a URI, downloaded by an init container into a cache volume, or a volume already holding it)."""
 
 from __future__ import annotations
 
@@ -116,10 +116,7 @@ class ModelSpec(SpecModel):
         if (self.uri is None) == (self.source is None):
             raise ValueError(ONE_SOURCE_MESSAGE)
         if self.uri is not None:
-            try:
-                parse_model_uri(self.uri)
-            except ModelUriError as e:
-                raise ValueError(f"model.uri: {e}") from e
+            _check_uri("model.uri", self.uri)
         return self
 
     @property
@@ -135,3 +132,32 @@ class ModelSpec(SpecModel):
         if self.uri is not None:
             return [self.cache.claim_name] if self.cache.claim_name else []
         return [self.source.pvc.claim_name] if self.source is not None and self.source.pvc is not None else []
+
+
+def _check_uri(where: str, uri: str) -> None:
+    try:
+        parse_model_uri(uri)
+    except ModelUriError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+class AdapterSpec(SpecModel):
+    """A LoRA adapter (PEFT: adapter_config.json, adapter_model.safetensors) served under its own name."""
+
+    name: ServedName = Field(description="Served name of the adapter (the OpenAI `model` that selects it).")
+    uri: str = Field(
+        pattern=URI_PATTERN,
+        max_length=2048,
+        description="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or pvc://CLAIM/PATH, as model.uri; "
+        "fetched with the model's credentials, S3 endpoint and cache.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AdapterSpec:
+        _check_uri(f"adapters {self.name}: uri", self.uri)
+        return self
+
+    @property
+    def is_downloaded(self) -> bool:
+        """hf:// and s3:// adapters come through the model cache, as such models do."""
+        return not self.uri.startswith("pvc://")

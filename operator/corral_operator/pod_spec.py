@@ -23,6 +23,7 @@ OPEN_OBJECT: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-
 # these lists cover what they render). A user's volume or mount may not take them: the Deployment's
 # lists are keyed by them, so a clash would be a duplicate the API server refuses.
 RESERVED_VOLUME_NAMES = ("model", "model-cache", "tmp", "dshm")
+RESERVED_VOLUME_PREFIX = "adapters-"  # the claims of pvc:// adapters: adapters-0, adapters-1, ...
 RESERVED_MOUNT_PATHS = ("/models", "/models-cache", "/tmp", "/dev/shm")
 
 
@@ -31,8 +32,8 @@ def _quoted(names: tuple[str, ...]) -> str:
 
 
 VOLUME_NAMES_MESSAGE = (
-    f"pod.volumes may not use the names {', '.join(RESERVED_VOLUME_NAMES)}, which the operator's own"
-    " volumes have"
+    f"pod.volumes may not use the names {', '.join(RESERVED_VOLUME_NAMES)} or {RESERVED_VOLUME_PREFIX}*,"
+    " which the operator's own volumes have"
 )
 MOUNT_PATHS_MESSAGE = (
     f"pod.volumeMounts may not use the paths {', '.join(RESERVED_MOUNT_PATHS)}, where the operator's"
@@ -131,9 +132,14 @@ class PodSpecOverrides(SpecModel):
         default_factory=list,
         max_length=64,
         description="Extra pod volumes (core/v1 Volume; not named "
-        f"{', '.join(RESERVED_VOLUME_NAMES)}: the operator's own).",
+        f"{', '.join(RESERVED_VOLUME_NAMES)} or {RESERVED_VOLUME_PREFIX}*: the operator's own).",
         json_schema_extra=_list_map(
-            "name", cel(f"self.all(v, !(v.name in {_quoted(RESERVED_VOLUME_NAMES)}))", VOLUME_NAMES_MESSAGE)
+            "name",
+            cel(
+                f"self.all(v, !(v.name in {_quoted(RESERVED_VOLUME_NAMES)})"
+                f" && !v.name.startsWith('{RESERVED_VOLUME_PREFIX}'))",
+                VOLUME_NAMES_MESSAGE,
+            ),
         ),
     )
     volume_mounts: list[VolumeMount] = Field(
@@ -198,7 +204,8 @@ class PodSpecOverrides(SpecModel):
             if key.startswith(("app.kubernetes.io/", "corral.dev/")):
                 raise ValueError(f"pod.labels may not set {key}; the operator owns that key")
         _check_keys("pod.env", [e.name for e in self.env], ())
-        _check_keys("pod.volumes", [v.get("name") for v in self.volumes], RESERVED_VOLUME_NAMES)
+        volumes = [v.get("name") for v in self.volumes]
+        _check_keys("pod.volumes", volumes, RESERVED_VOLUME_NAMES, prefix=RESERVED_VOLUME_PREFIX)
         mounts = [m.get("mountPath") for m in self.volume_mounts]
         _check_keys("pod.volumeMounts", mounts, RESERVED_MOUNT_PATHS, key="mountPath")
         if any(not isinstance(m.get("name"), str) or not m["name"] for m in self.volume_mounts):
@@ -206,12 +213,16 @@ class PodSpecOverrides(SpecModel):
         return self
 
 
-def _check_keys(where: str, keys: list[Any], reserved: tuple[str, ...], key: str = "name") -> None:
-    """Every item has its key, no two share it, and none takes one the operator reserves."""
+def _check_keys(
+    where: str, keys: list[Any], reserved: tuple[str, ...], key: str = "name", prefix: str | None = None
+) -> None:
+    """Every item has its key, no two share it, and none takes one the operator reserves (one of
+    `reserved`, or one starting with `prefix`)."""
     if any(not isinstance(k, str) or not k for k in keys):
         raise ValueError(f"{where}: every item needs a {key}")
     if dup := next((k for i, k in enumerate(keys) if k in keys[:i]), None):
         raise ValueError(f"{where}: Duplicate value: two items have {key} {dup}")  # the API server's words
-    if clash := sorted(set(keys) & set(reserved)):
+    clash = sorted({k for k in keys if k in reserved or (prefix is not None and k.startswith(prefix))})
+    if clash:
         message = VOLUME_NAMES_MESSAGE if key == "name" else MOUNT_PATHS_MESSAGE
         raise ValueError(f"{message} ({', '.join(clash)})")

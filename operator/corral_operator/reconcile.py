@@ -147,7 +147,7 @@ def reconcile(
 def _observe(ctx: Context, owner: Owner, spec: LLMDeploymentSpec, base: Observed) -> Observed:
     """What status depends on, read from the API: the Deployment, its Pods, the model's PVCs."""
     missing_pvc = next(
-        (c for c in spec.model.claims if ctx.kube.get("PersistentVolumeClaim", owner.namespace, c) is None),
+        (c for c in spec.claims if ctx.kube.get("PersistentVolumeClaim", owner.namespace, c) is None),
         None,
     )
     return dataclasses.replace(

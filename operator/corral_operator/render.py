@@ -12,7 +12,7 @@ from typing import Any
 
 from corral_operator import autoscalers, labels
 from corral_operator.engine_command import corral_command, model_path_in_pod, vllm_args
-from corral_operator.model_volumes import fetch_container, model_volumes, s3_env
+from corral_operator.model_volumes import fetch_containers, model_volumes, s3_env
 from corral_operator.pod_spec import ProbeTiming
 from corral_operator.spec import API_VERSION, KIND, LLMDeploymentSpec
 
@@ -118,13 +118,12 @@ def _container_security(spec: LLMDeploymentSpec) -> Obj:
 
 
 def _init_containers(spec: LLMDeploymentSpec) -> list[Obj]:
-    """The model download, sized like the engine without its GPUs (it needs none)."""
+    """The model's and adapters' downloads, sized like the engine without its GPUs (they need none)."""
     resources = {
         k: {r: v for r, v in amounts.items() if r != "nvidia.com/gpu"}
         for k, amounts in _resources(spec).items()
     }
-    fetch = fetch_container(spec, _container_security(spec), resources)
-    return [fetch] if fetch is not None else []
+    return fetch_containers(spec, _container_security(spec), resources)
 
 
 def engine_container(spec: LLMDeploymentSpec) -> Obj:

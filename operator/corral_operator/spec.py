@@ -12,11 +12,12 @@ from typing import Annotated, Literal
 
 from corral_engine import wire
 from corral_engine.args import OPTIONS
+from corral_engine.sources.uri import parse_model_uri
 from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from corral_operator import spec_base
 from corral_operator.engine_args_spec import EngineArgsSpec, corral_only_fields, given_options
-from corral_operator.model_spec import ModelSpec
+from corral_operator.model_spec import AdapterSpec, ModelSpec
 from corral_operator.placement import Affinity, Toleration
 from corral_operator.pod_spec import PodSpecOverrides
 from corral_operator.spec_base import SpecError, SpecModel, cel, validations
@@ -224,9 +225,12 @@ class RolloutSpec(SpecModel):
 
 
 FETCHER_MESSAGE = (
-    "model.fetcherImage is required for hf:// and s3:// models on vllm (its image has no corral)"
+    "model.fetcherImage is required for hf:// and s3:// models and adapters on vllm (its image has no corral)"
 )
 GPU_ONLY_MESSAGE = "engine.args.gpuMemoryUtilization applies to GPU pods: set resources.gpu"
+ADAPTER_NAMES_MESSAGE = "adapters must have distinct names"
+ADAPTER_MODEL_NAME_MESSAGE = "adapters' names must differ from model.name and model.aliases"
+MAX_ADAPTERS = 16
 
 
 class LLMDeploymentSpec(SpecModel):
@@ -238,9 +242,15 @@ class LLMDeploymentSpec(SpecModel):
                 GPU_ONLY_MESSAGE,
             ),
             cel(
-                "self.engine.kind != 'vllm' || !has(self.model.uri) || self.model.uri.startsWith('pvc://')"
-                " || has(self.model.fetcherImage)",
+                "self.engine.kind != 'vllm' || has(self.model.fetcherImage) ||"
+                " ((!has(self.model.uri) || self.model.uri.startsWith('pvc://'))"
+                " && (!has(self.adapters) || self.adapters.all(a, a.uri.startsWith('pvc://'))))",
                 FETCHER_MESSAGE,
+            ),
+            cel(
+                "!has(self.adapters) || self.adapters.all(a, a.name != self.model.name"
+                " && (!has(self.model.aliases) || !(a.name in self.model.aliases)))",
+                ADAPTER_MODEL_NAME_MESSAGE,
             ),
         )
     )
@@ -267,15 +277,44 @@ class LLMDeploymentSpec(SpecModel):
     )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     pod: PodSpecOverrides = Field(default_factory=PodSpecOverrides)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters served beside the model, each under its own name (a request naming it "
+        "generates with it); fetched before the engine starts (docs/models.md).",
+        json_schema_extra=validations(
+            cel("self.all(a, self.exists_one(b, b.name == a.name))", ADAPTER_NAMES_MESSAGE)
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LLMDeploymentSpec:
         share = getattr(self.engine.args, "gpu_memory_utilization", None)  # a derived model's field
         if share is not None and not self.resources.gpu:
             raise ValueError(GPU_ONLY_MESSAGE)
-        if self.engine.kind == "vllm" and self.model.is_downloaded and self.model.fetcher_image is None:
+        if self.engine.kind == "vllm" and self.model.fetcher_image is None and self.is_any_downloaded:
             raise ValueError(FETCHER_MESSAGE)
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(ADAPTER_NAMES_MESSAGE)
+        if {self.model.name, *self.model.aliases} & set(names):
+            raise ValueError(ADAPTER_MODEL_NAME_MESSAGE)
         return self
+
+    @property
+    def is_any_downloaded(self) -> bool:
+        """The model or an adapter comes through the cache (so the pods get it and a fetcher)."""
+        return self.model.is_downloaded or any(a.is_downloaded for a in self.adapters)
+
+    @property
+    def claims(self) -> list[str]:
+        """Every PersistentVolumeClaim the engine pods mount: the model's, the cache's when an adapter
+        is downloaded, and the claims pvc:// adapters are on (each once)."""
+        claims = list(self.model.claims)
+        if self.is_any_downloaded and self.model.cache.claim_name:
+            claims.append(self.model.cache.claim_name)
+        claims += [parse_model_uri(a.uri).location for a in self.adapters if not a.is_downloaded]
+        return list(dict.fromkeys(claims))
 
     @property
     def bounded_replicas(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 from corral_engine import wire
 
 from corral_operator.autoscaler import Load
+from corral_operator.model_volumes import ADAPTER_FETCH_PREFIX
 
 Obj = dict[str, Any]
 IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
@@ -76,11 +77,17 @@ def _deployment_condition(deployment: Obj | None, kind: str) -> Obj:
     return {}
 
 
+def _is_fetcher(name: object) -> bool:
+    """The model's init container, or an adapter's."""
+    return name == wire.FETCH_CONTAINER or str(name).startswith(ADAPTER_FETCH_PREFIX)
+
+
 def fetch_failure(pod: Obj) -> tuple[str, str] | None:
-    """(reason, message) when the pod's model download failed: the reason from its exit code, the
-    message from its termination message's last line (the fetcher's one-line error, no secrets)."""
+    """(reason, message) when the pod's model or adapter download failed: the reason from its exit
+    code, the message from its termination message's last line (the fetcher's one-line error, which
+    names the URI, no secrets)."""
     for cs in pod.get("status", {}).get("initContainerStatuses") or ():
-        if cs.get("name") != wire.FETCH_CONTAINER:
+        if not _is_fetcher(cs.get("name")):
             continue
         state = cs.get("state") or {}
         if "running" in state:
@@ -92,18 +99,18 @@ def fetch_failure(pod: Obj) -> tuple[str, str] | None:
         lines = (terminated.get("message") or "").strip().splitlines()
         detail = lines[-1] if lines else f"exit code {code}"
         name = pod.get("metadata", {}).get("name", "?")
-        return wire.FETCH_EXIT_REASONS.get(
-            code, "FetchFailed"
-        ), f"pod {name}: cannot fetch the model: {detail}"
+        what = "the model" if cs.get("name") == wire.FETCH_CONTAINER else f"an adapter ({cs.get('name')})"
+        return wire.FETCH_EXIT_REASONS.get(code, "FetchFailed"), f"pod {name}: cannot fetch {what}: {detail}"
     return None
 
 
 def fetching(pods: Sequence[Obj]) -> str | None:
-    """The first pod downloading its model now, if any."""
+    """What the first pod downloading its model or an adapter now is fetching, if any."""
     for pod in pods:
         for cs in pod.get("status", {}).get("initContainerStatuses") or ():
-            if cs.get("name") == wire.FETCH_CONTAINER and "running" in (cs.get("state") or {}):
-                return str(pod.get("metadata", {}).get("name", "?"))
+            if _is_fetcher(cs.get("name")) and "running" in (cs.get("state") or {}):
+                what = "the model" if cs["name"] == wire.FETCH_CONTAINER else f"an adapter ({cs['name']})"
+                return f"pod {pod.get('metadata', {}).get('name', '?')}: downloading {what}"
     return None
 
 
@@ -227,7 +234,7 @@ def progressing(obs: Observed, ready: int) -> Obj:
     total = st.get("replicas", 0) or 0
     want = obs.desired_replicas
     if downloading := fetching(obs.pods):
-        return _condition("Progressing", True, "FetchingModel", f"pod {downloading}: downloading the model")
+        return _condition("Progressing", True, "FetchingModel", downloading)
     if not is_current or updated < want or ready < want or total > want:
         return _condition(
             "Progressing", True, "RollingOut", f"{updated}/{want} updated, {ready}/{want} ready, {total} pods"

@@ -189,4 +189,45 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "Duplicate value",
     ),
     ("env-from-unknown-field", _with("pod", {"envFrom": [{"bogus": 1}]}), "bogus"),
+    (
+        "volume-named-like-an-adapters-claim",
+        _with("pod", {"volumes": [{"name": "adapters-0", "emptyDir": {}}]}),
+        "may not use the names model, model-cache, tmp, dshm or adapters-*",
+    ),
+    (
+        "two-adapters-one-name",
+        _with("adapters", [{"name": "sql", "uri": "hf://org/a"}, {"name": "sql", "uri": "hf://org/b"}]),
+        "adapters must have distinct names",
+    ),
+    (
+        "adapter-named-like-the-model",
+        _with("adapters", [{"name": "tiny-llama", "uri": "hf://org/a"}]),
+        "adapters' names must differ from model.name and model.aliases",
+    ),
+    (
+        "adapter-named-like-an-alias",
+        {
+            **_with("adapters", [{"name": "tiny", "uri": "pvc://loras/a"}]),
+            "model": {**valid_spec()["model"], "aliases": ["tiny"]},
+        },
+        "adapters' names must differ from model.name and model.aliases",
+    ),
+    ("adapter-name-not-a-model-id", _with("adapters", [{"name": "sql lora", "uri": "hf://o/a"}]), "name"),
+    ("adapter-uri-scheme", _with("adapters", [{"name": "sql", "uri": "gs://bucket/a"}]), "uri"),
+    ("adapter-without-uri", _with("adapters", [{"name": "sql"}]), "uri"),
+    (
+        "too-many-adapters",
+        _with("adapters", [{"name": f"a{i}", "uri": f"hf://org/a{i}"} for i in range(17)]),
+        "adapters",
+    ),
+    (
+        "vllm-hf-adapter-without-fetcher",
+        {
+            **valid_spec(),
+            "model": {"name": "m", "uri": "pvc://weights/m"},
+            "engine": {"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0"},
+            "adapters": [{"name": "sql", "uri": "s3://bucket/sql"}],
+        },
+        "fetcherImage is required",
+    ),
 ]

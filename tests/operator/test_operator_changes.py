@@ -32,6 +32,13 @@ def test_a_pod_template_change_says_it_rolls_out_and_names_what_changed() -> Non
     )
 
 
+def test_an_adapter_change_rolls_out_as_it_changes_the_pod_template() -> None:
+    # kopf's diff of a list: the whole list when an item is added or removed
+    assert update_event(6, _diff(("spec", "adapters"))) == Event(
+        "Normal", "RollingOut", "generation 6: new pods for the changed adapters"
+    )
+
+
 def test_a_change_no_pod_sees_is_noted_and_a_scale_or_metadata_change_is_not() -> None:
     assert update_event(2, _diff(("spec", "autoscaling", "maxReplicas"))) == Event(
         "Normal", "Updated", "generation 2: autoscaling changed"

@@ -458,14 +458,20 @@ def test_replicas_are_rendered_inside_the_autoscaling_bounds(
 
 
 def test_the_reserved_volume_names_and_mount_paths_cover_what_the_operator_renders() -> None:
-    from corral_operator.pod_spec import RESERVED_MOUNT_PATHS, RESERVED_VOLUME_NAMES
+    from corral_operator.pod_spec import RESERVED_MOUNT_PATHS, RESERVED_VOLUME_NAMES, RESERVED_VOLUME_PREFIX
 
     hub = valid_spec()
     hub["model"] = {"name": "m", "uri": "hf://org/m"}
     hub["resources"] = {"gpu": 1}
-    for raw in (valid_spec(), hub):
+    with_adapters = valid_spec()  # a volume's model, an adapter through the cache, one on a claim
+    with_adapters["adapters"] = [{"name": "a", "uri": "hf://org/a"}, {"name": "b", "uri": "pvc://loras/b"}]
+    for raw in (valid_spec(), hub, with_adapters):
         pod = render.deployment(OWNER, parse_spec(raw))["spec"]["template"]["spec"]
-        assert {v["name"] for v in pod["volumes"]} <= set(RESERVED_VOLUME_NAMES)
+        names = {v["name"] for v in pod["volumes"]}
+        assert {n for n in names if not n.startswith(RESERVED_VOLUME_PREFIX)} <= set(RESERVED_VOLUME_NAMES)
+        if raw is with_adapters:
+            assert "adapters-1" in names and "model-cache" in names
+            continue  # pvc:// claims mount under /mnt/pvc, as a pvc:// model's does
         mounts = [m for c in pod["containers"] + pod.get("initContainers", []) for m in c["volumeMounts"]]
         assert {m["mountPath"] for m in mounts} <= set(RESERVED_MOUNT_PATHS)
 
