@@ -295,7 +295,7 @@ class EngineArgs:
     enable_lora: bool = _option(
         False,
         help="serve LoRA adapters: --lora-modules at start, or loaded at run time (dense models; "
-        "no CUDA decode graphs, native decode stack or tensor parallelism with it)",
+        "no CUDA decode graphs or native decode stack with it)",
         vllm=Vllm("--enable-lora"),
     )
     lora_modules: tuple[str, ...] | None = _option(

@@ -72,8 +72,8 @@ class LLMEngine:
             )  # fmt: skip
         self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
         self.eos_token_ids = self.model_config.eos_token_ids
-        if args.enable_lora and args.tensor_parallel_size > 1:  # the adapters are not sharded yet
-            raise ModelLoadError("--enable-lora is not supported with --tensor-parallel-size above 1 yet")
+        if args.enable_lora and self.model_config.is_moe:  # before any tensor-parallel worker starts
+            raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
         self.runner = make_runner(self.model_config, args, self.max_model_len, self.settings, graph_capture)
         # The runner is closed (workers stopped, model freed) by close(), when the engine is
         # collected, or at exit when it was left open: multiprocessing runs this before it

@@ -13,9 +13,26 @@ from corral_engine.settings import EngineSettings
 from bench.gpu import reference
 from bench.gpu.reference import random_prompts
 
-__all__ = ["GREEDY", "make_engine", "random_prompts", "run_checked", "transformers_greedy"]
+__all__ = [
+    "GREEDY",
+    "ODD_MODEL_OVERRIDES",
+    "make_engine",
+    "peft_greedy",
+    "random_prompts",
+    "run_checked",
+    "transformers_greedy",
+]
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# The tiny Llama made awkward for two ranks: one KV head (replicated), biases on every projection
+# (o_proj's and down_proj's added by rank 0 alone), tied embeddings, a vocabulary split unevenly.
+ODD_MODEL_OVERRIDES = {
+    "num_key_value_heads": 1,
+    "attention_bias": True,
+    "mlp_bias": True,
+    "tie_word_embeddings": True,
+    "vocab_size": 1023,
+}
 
 
 def transformers_greedy(
@@ -25,6 +42,30 @@ def transformers_greedy(
     GPU acceptance run)."""
     model = reference.load_model(model_dir, torch.device("cpu"), torch.float32)
     return reference.transformers_greedy(model, prompts, max_new_tokens)
+
+
+def peft_greedy(
+    model_dir: pathlib.Path, adapter: pathlib.Path | None, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' (with peft's adapter) greedy tokens, one prompt at a time, in float32."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                min_new_tokens=max_new_tokens,
+            )
+            out.append(ids[0, len(prompt) :].tolist())
+    return out
 
 
 def make_engine(

@@ -9,7 +9,6 @@ import pathlib
 from collections.abc import Mapping
 
 import pytest
-import torch
 from corral_engine.args import ArgumentError, EngineArgs
 from corral_engine.demo_adapter import write_demo_adapter
 from corral_engine.errors import ModelLoadError
@@ -17,7 +16,7 @@ from corral_engine.lora import AdapterError, LoraRequest, read_adapter_config
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 
-from tests.engine.helpers import make_engine, random_prompts, run_checked
+from tests.engine.helpers import make_engine, peft_greedy, random_prompts, run_checked
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -41,33 +40,12 @@ def prompts() -> list[list[int]]:
     return random_prompts(6, 500, seed=7)
 
 
-def _reference(
-    model_dir: pathlib.Path, adapter: pathlib.Path | None, prompts: list[list[int]]
-) -> list[list[int]]:
-    """transformers' (with peft's adapter) greedy tokens, one prompt at a time, in float32."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, min_new_tokens=MAX_NEW
-            )
-            out.append(ids[0, len(prompt) :].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def expected(
     tiny_model_dir: pathlib.Path, adapters: dict[str, pathlib.Path], prompts: list[list[int]]
 ) -> dict[str | None, list[list[int]]]:
-    refs = {name: _reference(tiny_model_dir, path, prompts) for name, path in adapters.items()}
-    refs[None] = _reference(tiny_model_dir, None, prompts)
+    refs = {name: peft_greedy(tiny_model_dir, path, prompts, MAX_NEW) for name, path in adapters.items()}
+    refs[None] = peft_greedy(tiny_model_dir, None, prompts, MAX_NEW)
     assert refs["all"] != refs[None] and refs["some"] != refs[None]  # the adapters change outputs
     return refs
 
@@ -224,10 +202,10 @@ def test_lora_argument_rules(tiny_model_dir, tiny_model_dirs) -> None:  # type: 
         EngineArgs(model=str(tiny_model_dir), lora_modules=("a=/x",))
     with pytest.raises(ArgumentError, match="NAME=PATH"):
         EngineArgs(model=str(tiny_model_dir), enable_lora=True, lora_modules=("nameonly",))
-    with pytest.raises(ModelLoadError, match="--tensor-parallel-size"):
-        make_engine(tiny_model_dir, enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ModelLoadError, match="mixture-of-experts"):
         make_engine(tiny_model_dirs["mixtral"], enable_lora=True)
+    with pytest.raises(ModelLoadError, match="mixture-of-experts"):  # refused before a worker starts
+        make_engine(tiny_model_dirs["mixtral"], enable_lora=True, tensor_parallel_size=2)
     args = EngineArgs(
         model="/m", enable_lora=True, lora_modules=("a=/x", '{"name": "b", "path": "/y"}'), max_loras=2
     )

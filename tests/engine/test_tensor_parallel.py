@@ -20,7 +20,13 @@ from corral_engine.model.parallel import ShardPlan, check_shardable
 from corral_engine.model.tp_workers import ParallelRunner
 from corral_engine.sampling_params import SamplingParams
 
-from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
+from tests.engine.helpers import (
+    ODD_MODEL_OVERRIDES,
+    make_engine,
+    random_prompts,
+    run_checked,
+    transformers_greedy,
+)
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # Each expert's intermediate rows split like the MLP's, the router whole on every rank.
@@ -129,19 +135,15 @@ def _references(model_dir: pathlib.Path) -> tuple[list[list[int]], ...]:
 
 @pytest.fixture(scope="module")
 def odd_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pathlib.Path]:
-    """One KV head for two ranks (replicated), biases on every projection (o_proj's and
-    down_proj's added by rank 0 alone), tied embeddings and a vocabulary two ranks split unevenly."""
+    """The tiny Llama with ODD_MODEL_OVERRIDES: one KV head for two ranks, biases, tied embeddings
+    and a vocabulary two ranks split unevenly."""
     from corral_engine.demo_model import write_demo_model
 
-    overrides = {
-        "num_key_value_heads": 1,
-        "attention_bias": True,
-        "mlp_bias": True,
-        "tie_word_embeddings": True,
-        "vocab_size": 1023,
-    }
     yield write_demo_model(
-        tmp_path_factory.mktemp("tp") / "odd", preset="tiny", arch="llama", config_overrides=overrides
+        tmp_path_factory.mktemp("tp") / "odd",
+        preset="tiny",
+        arch="llama",
+        config_overrides=ODD_MODEL_OVERRIDES,
     )
 
 

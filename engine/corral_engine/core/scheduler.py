@@ -44,6 +44,11 @@ class ScheduledSeq:
         start = max(self.start, len(seq.prompt_logprobs))
         return range(start, min(self.start + self.num_new_tokens - self.num_spec, seq.num_prompt_tokens - 1))
 
+    def lora_id(self) -> int | None:
+        """The adapter this chunk runs with (its LoraRequest's id), None for the base model."""
+        lora = self.seq.request.lora
+        return None if lora is None else lora.lora_id
+
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the sequence's last known token, so a new one is sampled."""

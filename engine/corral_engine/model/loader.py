@@ -69,12 +69,12 @@ def iter_tensors(files: list[Path], slicer: Slicer | None = None) -> Iterator[tu
                     if cut is None or cut is True:
                         yield name, f.get_tensor(name)
                         continue
-                    yield name, _read_cut(f.get_slice(name), cut)
+                    yield name, read_cut(f.get_slice(name), cut)
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from e
 
 
-def _read_cut(part: Any, cut: Cut | list[Cut]) -> torch.Tensor:
+def read_cut(part: Any, cut: Cut | list[Cut]) -> torch.Tensor:
     """The ranges `cut` names of a safetensors slice, read from the file (never the whole tensor)."""
     pieces = cut if isinstance(cut, list) else [cut]
     read = [part[(slice(None),) * dim + (slice(start, start + length),)] for dim, start, length in pieces]

@@ -6,6 +6,10 @@ Each target Linear gets a `LoraLayer` (stacked A [slots, R, in] and B [slots, ou
 checkpoint projection; R = max_lora_rank, a smaller rank zero-padded), its forward wrapped on the
 instance. A step with no adapter active leaves `LoraSlots.groups` empty and each layer returns its
 output untouched; an engine without --enable-lora wraps nothing.
+
+Under tensor parallelism each rank reads its shard of every adapter, cut as the base weight is
+(ShardPlan.checkpoint_slice): a column-parallel projection's B rows, a row-parallel one's A
+columns. A row-parallel delta is then a partial sum, completed by the layer's own all-reduce.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, LoraRequest, read_adapter_config
+from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM
+from corral_engine.model.loader import read_cut
+from corral_engine.model.parallel import Cut
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,8 @@ class LoraSlots:
     ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype, self.device = dtype, device
+        self.config = model.config
+        self.plan = None if model.tp is None else model.tp.plan  # this rank's shard, or None: whole
         self.adapters: dict[int, AdapterWeights] = {}
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
         self._free = list(range(max_loras - 1, -1, -1))
@@ -126,17 +136,18 @@ class LoraSlots:
         path = pathlib.Path(lora.path) / WEIGHTS_FILE
         if not path.is_file():
             raise AdapterError(f"adapter {lora.name!r}: {path} is missing")
-        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         try:
             with safe_open(str(path), framework="pt") as f:
+                # Slices: a rank reads only its shard's bytes (see _checked).
+                pairs: dict[tuple[int, str], dict[str, Any]] = {}
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     layer, part, which = self._key(lora.name, key, config)
-                    pairs.setdefault((layer, part), {})[which] = f.get_tensor(key)
+                    pairs.setdefault((layer, part), {})[which] = f.get_slice(key)
+                tensors = {where: self._checked(lora.name, where, ab, config) for where, ab in pairs.items()}
         except (OSError, RuntimeError, ValueError) as e:
             if isinstance(e, AdapterError):
                 raise
             raise AdapterError(f"adapter {lora.name!r}: cannot read {path}: {e}") from None
-        tensors = {where: self._checked(lora.name, where, ab, config) for where, ab in pairs.items()}
         if not tensors:
             raise AdapterError(f"adapter {lora.name!r}: {path} holds no LoRA weights")
         return AdapterWeights(lora, config, tensors)
@@ -155,31 +166,48 @@ class LoraSlots:
         return layer, part, which
 
     def _checked(
-        self, name: str, where: tuple[int, str], ab: dict[str, torch.Tensor], config: AdapterConfig
+        self, name: str, where: tuple[int, str], ab: dict[str, Any], config: AdapterConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of one projection, checked against the whole model's shapes (the same check and
+        message on every rank), then read: this rank's shard of them under tensor parallelism."""
         layer, part = where
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: layer {layer} {part} lacks its lora_{'AB'[len(ab) % 2]}")
-        lora_layer = self.layers[where]
-        want_a = (config.rank, lora_layer.in_features)
-        want_b = (lora_layer.parts[part][1], config.rank)
-        if tuple(ab["A"].shape) != want_a or tuple(ab["B"].shape) != want_b:
+        out_features, in_features = _full_shape(self.config, part)
+        want_a, want_b = (config.rank, in_features), (out_features, config.rank)
+        shape_a, shape_b = tuple(ab["A"].get_shape()), tuple(ab["B"].get_shape())
+        if shape_a != want_a or shape_b != want_b:
             raise AdapterError(
-                f"adapter {name!r}: layer {layer} {part} has lora_A {tuple(ab['A'].shape)} and lora_B "
-                f"{tuple(ab['B'].shape)}; the base model needs {want_a} and {want_b}"
+                f"adapter {name!r}: layer {layer} {part} has lora_A {shape_a} and lora_B "
+                f"{shape_b}; the base model needs {want_a} and {want_b}"
             )
-        return ab["A"].to(self.dtype), ab["B"].to(self.dtype)
+        cut_a, cut_b = self._cuts(layer, part)
+        a = ab["A"][:] if cut_a is None else read_cut(ab["A"], cut_a)  # [r, in] or this rank's columns
+        b = ab["B"][:] if cut_b is None else read_cut(ab["B"], cut_b)  # [out, r] or this rank's rows
+        return a.to(self.dtype), b.to(self.dtype)
+
+    def _cuts(self, layer: int, part: str) -> tuple[Cut | None, Cut | None]:
+        """How this rank reads (lora_A, lora_B): the base weight's own cut, on the dimension each
+        shares with it. Column-parallel (dim 0, the rank's output rows) cuts B's rows [out, r];
+        row-parallel (dim 1, its input columns) cuts A's columns [r, in]. None: read it whole."""
+        if self.plan is None:
+            return None, None
+        cut = self.plan.checkpoint_slice(f"model.layers.{layer}.{_HOLDERS[part][0]}.{part}.weight")
+        if not isinstance(cut, tuple):  # every dense projection is cut; nothing else is a target
+            raise AdapterError(f"{part} has no tensor-parallel shard")
+        return (cut, None) if cut[0] == 1 else (None, cut)
 
     # -- a step ---------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> None:
         """Set `groups` for this step's batch (rows in `scheduled` order), loading any adapter
-        not in a slot into a free one, or into the least recently used slot no row needs."""
+        not in a slot into a free one, or into the least recently used slot no row needs. Slots
+        depend only on the steps, adds and removes, so every tensor-parallel rank picks the same."""
         rows: dict[int, list[int]] = {}
         row = 0
         for s in scheduled:
-            lora = s.seq.request.lora
-            if lora is not None:
-                rows.setdefault(lora.lora_id, []).extend(range(row, row + s.num_new_tokens))
+            lora_id = s.lora_id()  # a worker's mirrored chunk carries rank 0's
+            if lora_id is not None:
+                rows.setdefault(lora_id, []).extend(range(row, row + s.num_new_tokens))
             row += s.num_new_tokens
         if not rows:
             self.groups = []
@@ -218,3 +246,18 @@ class LoraSlots:
             lora_layer = self.layers[(layer, part)]
             lora_layer.a[part][slot, :rank].copy_(a)
             lora_layer.b[part][slot, :, :rank].copy_(b)
+
+
+def _full_shape(config: ModelConfig, part: str) -> tuple[int, int]:
+    """(out_features, in_features) of projection `part` in the whole (unsharded) model."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (q, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }[part]

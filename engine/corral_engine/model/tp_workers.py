@@ -2,6 +2,10 @@
 each step's inputs down a pipe to every other rank, and runs its own shard of the step; all ranks
 meet in the model's collectives (model/parallel.py), and rank 0 alone gets the logits.
 
+LoRA adapters go down the same pipes, in order with the steps: each worker reads its own shard
+of an adapter and answers whether it took it, so every rank holds the same adapters and, seeing the
+same steps, puts them in the same slots.
+
 A rank that dies ends the group: the collectives of the others fail at once (its sockets close),
 rank 0 names the dead rank in the error, and a watchdog thread calls `on_failure` even when no step
 is running. Workers exit when rank 0 says stop or its pipe closes (rank 0 gone), so none outlives it.
@@ -18,7 +22,6 @@ import signal
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,7 +29,6 @@ import torch
 
 from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
-from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import EngineDeadError, ModelLoadError
 from corral_engine.lora import AdapterError, LoraRequest
 from corral_engine.model.batch import TokenFill
@@ -35,6 +37,7 @@ from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.device import select_device
 from corral_engine.model.parallel import ShardPlan, TensorParallel, make_group
 from corral_engine.model.runner import ModelRunner
+from corral_engine.model.step_mirror import SequenceMirror, StepSeq, encode_step
 from corral_engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -42,77 +45,6 @@ logger = logging.getLogger(__name__)
 _STOP_WAIT_S = 5.0
 _DEATH_WAIT_S = 2.0  # how long a failed collective waits for the watchdog to name the dead rank
 _START_POLL_S = 0.1  # how often start-up looks for a dead rank while rank 0 builds its shard
-
-
-@dataclass(frozen=True, slots=True)
-class StepSeq:
-    """What another rank needs of one scheduled sequence to build the same batch."""
-
-    seq_id: int
-    start: int
-    num_new_tokens: int
-    num_spec: int
-    samples: bool
-    tokens: list[int]  # the chunk's tokens, drafts last
-    block_table: list[int]
-    prompt_positions: range  # positions whose logits score prompt tokens (prompt_logprobs)
-
-
-@dataclass(slots=True)
-class MirroredSeq(ScheduledSeq):
-    """A scheduled chunk on a worker: its prompt-logprob positions come from rank 0 (the request's
-    parameters stay there)."""
-
-    positions: range = range(0)
-
-    def prompt_positions(self) -> range:
-        return self.positions
-
-
-def encode_step(scheduled: list[ScheduledSeq]) -> list[StepSeq]:
-    out = []
-    for s in scheduled:
-        seq, end = s.seq, s.start + s.num_new_tokens
-        tokens = seq.token_ids[s.start : end - s.num_spec] + seq.spec_token_ids[: s.num_spec]
-        positions = s.prompt_positions()
-        args = (s.start, s.num_new_tokens, s.num_spec, s.samples, tokens, seq.block_table, positions)
-        out.append(StepSeq(seq.seq_id, *args))
-    return out
-
-
-class SequenceMirror:
-    """A worker's stand-ins for rank 0's sequences: the same ids, block tables and new tokens, so
-    its BatchBuilder makes the same batch (block-table lists are extended in place, as the block
-    manager does, so the persistent table rows are only appended to)."""
-
-    def __init__(self) -> None:
-        self.seqs: dict[int, Sequence] = {}
-
-    def scheduled(self, steps: list[StepSeq]) -> list[ScheduledSeq]:
-        out: list[ScheduledSeq] = []
-        for st in steps:
-            seq = self.seqs.get(st.seq_id)
-            if seq is None:
-                seq = Sequence(st.seq_id, cast(Request, None), 0, [], 0)
-                self.seqs[st.seq_id] = seq
-            table = seq.block_table
-            if len(table) <= len(st.block_table) and st.block_table[: len(table)] == table:
-                table.extend(st.block_table[len(table) :])
-            else:
-                seq.block_table = list(st.block_table)
-            real = st.num_new_tokens - st.num_spec
-            tokens = seq.token_ids
-            del tokens[st.start :]
-            tokens.extend([0] * (st.start - len(tokens)))  # positions this rank never saw (cached)
-            tokens.extend(st.tokens[:real])
-            if not st.samples:
-                tokens.append(0)  # a prompt chunk short of the end: more tokens follow, none sampled
-            seq.spec_token_ids = st.tokens[real:]
-            out.append(MirroredSeq(seq, st.start, st.num_new_tokens, st.num_spec, st.prompt_positions))
-        return out
-
-    def release(self, seq_id: int) -> None:
-        self.seqs.pop(seq_id, None)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -159,23 +91,25 @@ class ParallelRunner:
         self._failed = threading.Event()  # set once `failure` names the dead rank
         self._closing = False
         self._released: list[int] = []
+        self._send_lock = threading.Lock()  # adapters are added from other threads than the steps
+        self._lora_lock = threading.Lock()  # one adapter added at a time: its answers are read in turn
         self._store_dir = tempfile.TemporaryDirectory(prefix="corral-tp-")
         store = Path(self._store_dir.name) / "store"
         ctx = multiprocessing.get_context("spawn")
         self.workers: list[Any] = []
         self._pipes: list[multiprocessing.connection.Connection] = []
         for rank in range(1, size):
-            recv, send = ctx.Pipe(duplex=False)
+            ours, theirs = ctx.Pipe()  # duplex: a worker answers each adapter it is sent
             worker = ctx.Process(
                 target=run_worker,
-                args=(args, settings, max_model_len, rank, store, recv),
+                args=(args, settings, max_model_len, rank, store, theirs),
                 name=f"corral-tp-rank{rank}",
                 daemon=True,  # terminated at the engine's exit, whatever path it takes
             )
             worker.start()
-            recv.close()
+            theirs.close()
             self.workers.append(worker)
-            self._pipes.append(send)
+            self._pipes.append(ours)
         self._watchdog = threading.Thread(target=self._watch, name="corral-tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -225,13 +159,10 @@ class ParallelRunner:
     def execute(self, scheduled: list[ScheduledSeq], fill: TokenFill | None = None) -> torch.Tensor:
         if fill is not None:
             raise ValueError("tensor parallelism builds every rank's inputs on the host: no TokenFill")
-        if self.failure is not None or self._closing:
-            raise EngineDeadError(self.failure or "the engine is closed")
-        message = pickle.dumps((self._released, encode_step(scheduled)))
+        message = ("step", self._released, encode_step(scheduled))
         self._released = []
+        self._send(message)
         try:
-            for pipe in self._pipes:
-                pipe.send_bytes(message)
             return self.local.execute(scheduled)
         except (OSError, RuntimeError) as e:
             self._wait_for_death()
@@ -242,11 +173,57 @@ class ParallelRunner:
         self._released.append(seq_id)
 
     def add_lora(self, lora: LoraRequest) -> None:
-        """EngineArgs refuses LoRA with tensor parallelism; an adapter cannot get here."""
-        raise AdapterError(f"adapter {lora.name!r}: LoRA is not supported with tensor parallelism")
+        """Every rank reads its shard of the adapter. If any refuses it, the ranks that took it
+        drop it (all keep the same adapters) and the first refusal, rank 0's or else the lowest
+        worker's, is raised as an AdapterError."""
+        with self._lora_lock:
+            self._send(("add_lora", lora))
+            refused: dict[int, str] = {}
+            try:
+                self.local.add_lora(lora)
+            except AdapterError as e:
+                refused[0] = str(e)
+            for rank, pipe in enumerate(self._pipes, start=1):
+                answer = self._answer(rank, pipe)
+                if answer is not None:
+                    refused[rank] = answer
+            if not refused:
+                return
+            if 0 not in refused:
+                self.local.remove_lora(lora.lora_id)
+            took = [pipe for rank, pipe in enumerate(self._pipes, start=1) if rank not in refused]
+            self._send(("remove_lora", lora.lora_id), took)  # it never had a slot: no step ran it
+            raise AdapterError(refused[min(refused)])
 
     def remove_lora(self, lora_id: int) -> None:
-        """Nothing to remove: no adapter is ever registered here."""
+        """Drop the adapter on every rank, between the same two steps (the slots stay alike)."""
+        self.local.remove_lora(lora_id)
+        self._send(("remove_lora", lora_id))
+
+    def _send(
+        self, message: object, pipes: list[multiprocessing.connection.Connection] | None = None
+    ) -> None:
+        if self.failure is not None or self._closing:
+            raise EngineDeadError(self.failure or "the engine is closed")
+        data = pickle.dumps(message)
+        try:
+            with self._send_lock:
+                for pipe in self._pipes if pipes is None else pipes:
+                    pipe.send_bytes(data)
+        except OSError as e:
+            self._wait_for_death()
+            raise EngineDeadError(self.failure or f"a tensor-parallel rank's pipe failed: {e}") from e
+
+    def _answer(self, rank: int, pipe: multiprocessing.connection.Connection) -> str | None:
+        """Worker `rank`'s answer to an adapter sent to it: None (taken) or why it refused."""
+        try:
+            while not pipe.poll(_START_POLL_S):  # a rank that dies while reading is seen here
+                if self._failed.is_set():
+                    raise EngineDeadError(self.failure or f"tensor-parallel rank {rank} died")
+            return cast(str | None, pipe.recv())
+        except (EOFError, OSError) as e:
+            self._wait_for_death()
+            raise EngineDeadError(self.failure or f"tensor-parallel rank {rank} is gone: {e}") from e
 
     def close(self) -> None:
         """Stop every worker (asked first, then terminated) and free rank 0's shard, idempotently."""
@@ -338,12 +315,29 @@ def _serve(
             return  # rank 0 is gone
         if message is None:
             return
-        released, steps = message
-        for seq_id in released:
-            mirror.release(seq_id)
-            runner.release(seq_id)
-        try:
-            runner.execute(mirror.scheduled(steps))
-        except RuntimeError as e:  # a collective failed: another rank is gone
-            logger.error("step failed, leaving the group: %s", e)
-            raise SystemExit(1) from e
+        if message[0] == "add_lora":
+            pipe.send(_add_lora(runner, message[1]))
+        elif message[0] == "remove_lora":
+            runner.remove_lora(message[1])
+        else:
+            _step(runner, mirror, *message[1:])
+
+
+def _step(runner: ModelRunner, mirror: SequenceMirror, released: list[int], steps: list[StepSeq]) -> None:
+    for seq_id in released:
+        mirror.release(seq_id)
+        runner.release(seq_id)
+    try:
+        runner.execute(mirror.scheduled(steps))
+    except RuntimeError as e:  # a collective failed: another rank is gone
+        logger.error("step failed, leaving the group: %s", e)
+        raise SystemExit(1) from e
+
+
+def _add_lora(runner: ModelRunner, lora: LoraRequest) -> str | None:
+    """This rank's shard of the adapter read and registered: None, or why it was refused."""
+    try:
+        runner.add_lora(lora)
+    except AdapterError as e:
+        return str(e)
+    return None
