@@ -1,13 +1,15 @@
 """LoRA adapters (pure): which pool each adapter name goes to, from what the replicas' `/v1/models`
-list under their base model, and how well a replica suits an adapter request (LoRA affinity)."""
+list under their base model and what their LLMDeployments declare, and how well a replica suits an
+adapter request (LoRA affinity)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from enum import IntEnum
 from typing import Any
 
+from corral_gateway.k8s_names import Naming, Route
 from corral_gateway.registry import Replica
 from corral_gateway.served_names import CARD_FIELDS
 
@@ -25,6 +27,12 @@ class Affinity(IntEnum):
     @property
     def label(self) -> str:
         return self.name.lower()
+
+
+def takes_adapter(replica: Replica, adapter: str, declared: Collection[str]) -> bool:
+    """Whether `replica` gets requests of `adapter`: it lists it, or it has not said what it serves
+    yet and its deployment declares it (as it counts as serving its model's name until it says)."""
+    return adapter in replica.adapters or (replica.served_names is None and adapter in declared)
 
 
 def affinity(replica: Replica, adapter: str) -> Affinity:
@@ -51,43 +59,73 @@ def adapters_of(listed: Mapping[str, Mapping[str, Any]], base: str) -> dict[str,
 
 
 class AdapterTable:
-    """Adapter name -> the pools whose replicas list it; rebuilt when a replica's list changes or
-    replicas come and go. A name a client already means otherwise (a pool, an alias) is not taken
-    over: `is_taken` says which, and each such name is warned about once."""
+    """Adapter name -> a route per pool serving it: pools whose replicas list it, and pools whose
+    LLMDeployments declare it (`Naming.adapters`: routed, woken and listed before any replica says);
+    rebuilt when a replica's list changes, replicas come and go, or the names change. A name a
+    client already means otherwise (a pool, an alias) is not taken over: `is_taken` says which, and
+    each such name is warned about once."""
 
     def __init__(self) -> None:
-        self._pools: dict[str, list[str]] = {}
+        self._routes: dict[str, list[Route]] = {}
+        self._declared: dict[str, frozenset[str]] = {}  # pool -> the adapters its deployments declare
+        self._ambiguous: Mapping[str, list[str]] = {}  # declared in several namespaces -> qualified
         self._warned: set[str] = set()
 
-    def rebuild(self, replicas: Iterable[Replica], is_taken: Callable[[str], bool]) -> None:
-        pools: dict[str, set[str]] = {}
+    def rebuild(self, replicas: Iterable[Replica], is_taken: Callable[[str], bool], names: Naming) -> None:
+        routes: dict[str, set[Route]] = {}
         for replica in replicas:
             for name in replica.adapters:
-                pools.setdefault(name, set()).add(replica.model)
-        self._pools = {name: sorted(keys) for name, keys in pools.items()}
-        for name, keys in self._pools.items():
-            if name in self._warned:
-                continue
+                routes.setdefault(name, set()).add(Route(replica.model, name, adapter=name))
+        declared: dict[str, set[str]] = {}
+        for name, declared_routes in names.adapters.items():
+            routes.setdefault(name, set()).update(declared_routes)
+            for route in declared_routes:
+                declared.setdefault(route.key, set()).add(route.upstream)
+        self._routes = {name: sorted(rs, key=lambda r: r.key) for name, rs in routes.items()}
+        self._declared = {pool: frozenset(adapters) for pool, adapters in declared.items()}
+        self._ambiguous = names.ambiguous_adapters
+        for name, name_routes in self._routes.items():
+            keys = [r.key for r in name_routes]
+            if name in self._warned or not self._is_listable(name, name_routes):
+                continue  # a NAMESPACE/NAME of a bare name warned about (or fine): said once
             if is_taken(name):
                 self._warned.add(name)
                 logger.warning("adapter %r of %s is not routed: the name is a model's or an alias; "
                                "rename the adapter", name, ", ".join(map(repr, keys)))  # fmt: skip
             elif len(keys) > 1:
                 self._warned.add(name)
-                logger.warning("adapter %r is listed under several models (%s); its requests are "
+                logger.warning("adapter %r is served for several models (%s); its requests are "
                                "refused until each has a name of its own", name, ", ".join(keys))  # fmt: skip
 
-    def pools(self, name: str) -> list[str]:
-        """The pools whose replicas list adapter `name` (several: an ambiguous name)."""
-        return self._pools.get(name, [])
+    def routes(self, name: str) -> list[Route]:
+        """Where adapter `name` goes: one route per pool serving it (several: an ambiguous name)."""
+        return self._routes.get(name, [])
+
+    def choices(self, name: str) -> list[str]:
+        """The NAMESPACE/NAME a client must use for an adapter declared in several namespaces."""
+        return self._ambiguous.get(name, [])
+
+    def declared(self, pool: str) -> frozenset[str]:
+        """The adapters (as the engine serves them) the LLMDeployments of `pool` declare."""
+        return self._declared.get(pool, frozenset())
 
     def names(self, is_taken: Callable[[str], bool]) -> list[str]:
-        """The adapter names a client may ask for: listed under one pool, not taken."""
-        return sorted(n for n, keys in self._pools.items() if len(keys) == 1 and not is_taken(n))
+        """The adapter names /v1/models lists: served for one pool, not taken, bare, or NAMESPACE/NAME
+        where the bare name is declared in several namespaces (as pools are listed)."""
+        return sorted(
+            name
+            for name, routes in self._routes.items()
+            if len(routes) == 1 and not is_taken(name) and self._is_listable(name, routes)
+        )
 
-    def entry(self, name: str, replicas: Iterable[Replica], parent: str) -> dict[str, Any]:
-        """`name`'s entry in the gateway's /v1/models, as an engine lists an adapter: the first
+    def _is_listable(self, name: str, routes: list[Route]) -> bool:
+        """A bare name (unless declared in several namespaces), or such a name's NAMESPACE/NAME."""
+        upstream = routes[0].upstream
+        return name not in self._ambiguous and (upstream == name or upstream in self._ambiguous)
+
+    def entry(self, listed: str, upstream: str, replicas: Iterable[Replica], parent: str) -> dict[str, Any]:
+        """`listed`'s entry in the gateway's /v1/models, as an engine lists an adapter: the first
         listing replica's fields (`root` as it said, or none) and `parent`, the base's public name."""
-        card = next((r.adapters[name] for r in replicas if name in r.adapters), {})
-        entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "corral"}
+        card = next((r.adapters[upstream] for r in replicas if upstream in r.adapters), {})
+        entry: dict[str, Any] = {"id": listed, "object": "model", "created": 0, "owned_by": "corral"}
         return entry | card | {"parent": parent}

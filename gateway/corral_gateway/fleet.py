@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-from corral_gateway.adapters import AdapterTable, Affinity, adapters_of
+from corral_gateway.adapters import AdapterTable, Affinity, adapters_of, takes_adapter
 from corral_gateway.admission import Admission
 from corral_gateway.errors import AmbiguousAdapter, AmbiguousModel
 from corral_gateway.health_probe import HealthProbe
@@ -80,8 +80,15 @@ class Fleet:
             settings.affinity_step_blocks_per_s,
             settings.affinity_queued_block_weight,
         )
+        self._adapters = AdapterTable()
         self._router = Router(
-            self._registry, policy, saturation, settings.load_max_age_s, clock, self._count_affinity
+            self._registry,
+            policy,
+            saturation,
+            settings.load_max_age_s,
+            clock,
+            self._count_affinity,
+            self._adapters.declared,
         )
         self._admission = Admission(self._router, settings.max_queue_len, settings.queue_timeout_s)
         # `async with fleet.lease(Ask(...)) as replica:` a replica, given back exactly once when the
@@ -92,7 +99,6 @@ class Fleet:
         self._names = Naming()  # served names and aliases from the LLMDeployments
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._metrics_only: set[str] = set()  # replicas without load headers (vLLM): poll /metrics
-        self._adapters = AdapterTable()
         self._registry.on_removed.append(lambda _: self._index_adapters())
 
     # ---- what the proxy asks --------------------------------------------------------------------
@@ -117,7 +123,8 @@ class Fleet:
     def resolve(self, requested: str) -> Route:
         """The pool a requested name goes to and the name the engine serves it under; a name served
         in several namespaces must be qualified (AmbiguousModel lists the choices). A name no model
-        or alias has may be a LoRA adapter a replica lists: its base model's pool."""
+        or alias has may be a LoRA adapter a replica lists or an LLMDeployment declares: its base
+        model's pool, sent under the adapter's own name (NAMESPACE/NAME too)."""
         if requested in self._static_models:
             return Route(requested, requested)
         route = self._names.routes.get(requested)
@@ -127,12 +134,25 @@ class Fleet:
         if choices:
             raise AmbiguousModel(requested, choices)
         if not self._registry.has_model(requested):
-            pools = self._adapters.pools(requested)
-            if len(pools) > 1:
-                raise AmbiguousAdapter(requested, pools)
-            if pools:  # a LoRA adapter: its base's pool, and the engine is sent the adapter's name
-                return Route(pools[0], requested, adapter=requested)
+            choices = self._adapters.choices(requested)  # declared in several namespaces
+            if choices:
+                raise AmbiguousModel(requested, choices)
+            routes = self._adapters.routes(requested)
+            if len(routes) > 1:
+                raise AmbiguousAdapter(requested, [r.key for r in routes])
+            if routes:
+                return routes[0]
         return Route(requested, requested)
+
+    def is_unserved(self, route: Route) -> bool:
+        """Whether `route` names an adapter no replica of its pool takes while the pool has
+        replicas, all of which have said what they serve (old replicas during a rollout adding it):
+        its request would wait in the base model's queue for nothing, so it gets 404 as before."""
+        replicas = self._registry.replicas(route.key)
+        if route.adapter is None or not replicas:
+            return False
+        declared = self._adapters.declared(route.key)
+        return not any(takes_adapter(r, route.adapter, declared) for r in replicas)
 
     def is_taken(self, name: str) -> bool:
         """Whether a client asking for `name` means a model or an alias (an adapter may not take it)."""
@@ -155,13 +175,14 @@ class Fleet:
         key = route.key
         replicas = sorted(self._registry.replicas(key), key=lambda r: not self.is_healthy(r))
         if route.adapter is not None:
-            return self._adapters.entry(listed, replicas, key)
+            return self._adapters.entry(listed, route.adapter, replicas, key)
         card = next((r.model_card for r in replicas if r.model_card is not None), None)
         return entry | (card or {})
 
     def listed_models(self) -> list[str]:
         """What /v1/models lists: every pool (a served name, or NAMESPACE/NAME where the name is
-        ambiguous), every alias of a known pool, and every adapter its replicas list, once."""
+        ambiguous), every alias of a known pool, and every adapter its replicas list or its
+        LLMDeployments declare (at zero replicas too), once."""
         pools = set(self.models())
         aliases = {alias for alias, key in self._names.aliases.items() if key in pools}
         return sorted(pools | aliases | set(self._adapters.names(self.is_taken)))
@@ -275,7 +296,7 @@ class Fleet:
             replica.lora = lora
 
     def _index_adapters(self) -> None:
-        self._adapters.rebuild(self._registry.all_replicas(), self.is_taken)
+        self._adapters.rebuild(self._registry.all_replicas(), self.is_taken, self._names)
 
     def _count_affinity(self, model: str, tier: Affinity) -> None:
         self.metrics.adapter_routes.labels(model, tier.label).inc()

@@ -1,6 +1,7 @@
 """Kubernetes discovery: watch EndpointSlices (or Pods) selected by label, and the LLMDeployments
 that own them, in every namespace or in each of a list; ready endpoints become replicas of the
-deployment's served name (k8s_names.py).
+deployment's served name (k8s_names.py), which with its aliases and declared LoRA adapters
+routes there.
 
 `discover` is the pure translation (tested without a cluster). The watcher runs the synchronous
 `kubernetes` client in daemon threads and hands each new result to the event loop, so replicas and
@@ -182,9 +183,10 @@ class KubernetesWatcher:
                 port_name=self.config.port_name,
                 served=served_from_deployments(self._objects_of("deployments")),
             )
-            ambiguous = frozenset(found.names.ambiguous)
+            qualify = found.names.ambiguous_adapters | found.names.ambiguous  # adapters too
+            ambiguous = frozenset(qualify)
             if ambiguous - self._ambiguous:
-                choices = {n: found.names.ambiguous[n] for n in sorted(ambiguous - self._ambiguous)}
+                choices = {n: qualify[n] for n in sorted(ambiguous - self._ambiguous)}
                 logger.warning("served in several namespaces; clients must qualify them: %s", choices)
             self._ambiguous = ambiguous
         if self._loop is not None and not self._loop.is_closed():

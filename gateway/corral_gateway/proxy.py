@@ -333,7 +333,7 @@ def _route_model(fleet: Fleet, model: str | None) -> Route:
     own; any other body goes through byte for byte."""
     if model is not None:
         route = fleet.resolve(model)
-        if not fleet.has_model(route.key):
+        if not fleet.has_model(route.key) or fleet.is_unserved(route):
             raise ModelNotFound(model)
         return route
     # No readable model: any replica answers with the engine's own validation error.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from corral_gateway.adapters import Affinity, affinity
+from corral_gateway.adapters import Affinity, affinity, takes_adapter
 from corral_gateway.policies import Candidate, Policy
 from corral_gateway.registry import Registry, Replica, Saturation
 
@@ -30,6 +30,7 @@ class Router:
         max_age_s: float,
         clock: Callable[[], float],
         on_affinity: Callable[[str, Affinity], None] | None = None,
+        declared: Callable[[str], Collection[str]] = lambda pool: (),
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -38,6 +39,7 @@ class Router:
         self.clock = clock
         # Told (pool, tier) for each adapter request routed: what the affinity achieved.
         self.on_affinity = on_affinity
+        self.declared = declared  # pool -> the adapters its LLMDeployments declare
         registry.on_removed.append(self._forget)
 
     def _forget(self, replica: Replica) -> None:
@@ -49,12 +51,13 @@ class Router:
         self, model: str, exclude: Collection[str] = (), adapter: str | None = None
     ) -> list[Candidate]:
         """The model's replicas in rotation outside `exclude`; for an adapter request, only those
-        that list the adapter (another would answer 404)."""
+        that take the adapter (`takes_adapter`: another would answer 404)."""
         now_s = self.clock()
+        declared = self.declared(model) if adapter is not None else ()
         return [
             Candidate(r, r.load(now_s, self.max_age_s))
             for r in self.registry.candidates(model)
-            if r.url not in exclude and (adapter is None or adapter in r.adapters)
+            if r.url not in exclude and (adapter is None or takes_adapter(r, adapter, declared))
         ]
 
     def route(

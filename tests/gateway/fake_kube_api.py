@@ -1,7 +1,7 @@
 """A Kubernetes API stand-in on 127.0.0.1 for the gateway's watcher: namespaced lists and watches of
 pods and LLMDeployments, answered from a dict; cluster-wide paths are 403, as for a gateway bound
 only by Roles. Watches stay open and stream what `push` queues until `end` (that watch: the client
-lists again) or `close` (all of them)."""
+lists again) or `close` (all of them). Patches of one object (the gateway's wake-ups) are recorded."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 NAMESPACED = re.compile(r"^/(?:api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)$")
+OBJECT = re.compile(r"^/(?:api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)/([^/]+)$")
 _CLOSE = object()
 _END = object()
 
@@ -29,6 +30,9 @@ class FakeKubeApi:
     # (namespace, plural) -> items the list returns
     items: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
     requests: list[tuple[str, bool]] = field(default_factory=list)  # (path, is_watch)
+    patches: list[tuple[str, str, str, dict[str, Any]]] = field(
+        default_factory=list
+    )  # ns, plural, name, body
     _events: dict[tuple[str, str], queue.Queue[Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -67,6 +71,15 @@ def _handler(api: FakeKubeApi) -> type[BaseHTTPRequestHandler]:
                 return self._stream(api.events(*key))
             listed = {"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}}
             self._send(200, {**listed, "items": api.items.get(key, [])})
+
+        def do_PATCH(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            match = OBJECT.match(urlsplit(self.path).path)
+            if match is None:
+                return self._send(403, {"kind": "Status", "code": 403, "reason": "Forbidden"})
+            namespace, plural, name = match.groups()
+            api.patches.append((namespace, plural, name, body))
+            self._send(200, {"metadata": {"namespace": namespace, "name": name}})
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()

@@ -112,3 +112,47 @@ def test_a_deployment_with_no_objects_is_a_known_empty_pool_with_its_owner() -> 
     )
     assert found.pools == {"org/m": []}
     assert found.owners == {"org/m": ("ml", "z")}
+
+
+def test_deployments_declared_adapters_are_read_beside_the_model_name() -> None:
+    spec = {
+        "model": {"name": "m", "aliases": ["chat"]},
+        # A duplicate, a name the model has (both refused by the API server), no name, not a string.
+        "adapters": [{"name": "sql"}, {"name": "sql"}, {"name": "chat"}, {"uri": "hf://x"}, {"name": 3}, "x"],
+    }
+    items = [{"metadata": {"namespace": "ml", "name": "a"}, "spec": spec}]
+    assert served_from_deployments(items)[0].adapters == ("sql",)
+    broken = [
+        {"metadata": {"namespace": "ml", "name": "b"}, "spec": {"model": {"name": "m"}, "adapters": {}}}
+    ]
+    assert served_from_deployments(broken)[0].adapters == ()
+
+
+def test_declared_adapters_route_to_their_deployments_pool_by_the_names_rule() -> None:
+    served = [
+        Served("team-a", "x", "llama", adapters=("sql", "chat")),
+        Served("team-b", "y", "llama", adapters=("sql",)),
+        Served("team-b", "z", "qwen", adapters=("summary",)),
+    ]
+    names = naming(served)
+    sql_a, sql_b = Route("team-a/llama", "sql", adapter="sql"), Route("team-b/llama", "sql", adapter="sql")
+    assert names.adapters == {
+        "team-a/sql": (sql_a,),
+        "team-b/sql": (sql_b,),
+        "team-a/chat": (Route("team-a/llama", "chat", adapter="chat"),),
+        "chat": (Route("team-a/llama", "chat", adapter="chat"),),
+        "team-b/summary": (Route("qwen", "summary", adapter="summary"),),
+        "summary": (Route("qwen", "summary", adapter="summary"),),
+    }
+    # Declared in two namespaces: NAMESPACE/NAME only, as for a model's name.
+    assert names.ambiguous_adapters == {"sql": ["team-a/sql", "team-b/sql"]}
+    assert "sql" not in names.routes and "sql" not in names.ambiguous  # not a model's name
+    # Two pools of one namespace declaring one name: both routes, for the fleet to refuse.
+    names = naming(
+        [Served("ml", "a", "llama", adapters=("sql",)), Served("ml", "b", "qwen", adapters=("sql",))]
+    )
+    assert (
+        [r.key for r in names.adapters["sql"]]
+        == [r.key for r in names.adapters["ml/sql"]]
+        == ["llama", "qwen"]
+    )
