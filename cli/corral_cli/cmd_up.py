@@ -31,6 +31,7 @@ from corral_cli.cmd_fetch_model import fetch
 from corral_cli.flags import non_negative_float, port_number
 from corral_cli.heap import freeze_startup_heap
 from corral_cli.listen import cannot_listen, free_ports
+from corral_cli.local_adapters import AdapterFetchError, adapter_flags
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,9 @@ def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
         for f in fleets:
             if f.engine_kind != "corral":
                 raise ValueError(f"{f.name}: engine kind {f.engine_kind!r} cannot run locally; use 'corral'")
-            flags = [*f.engine_args.to_cli_args(), *f.extra_args]  # includes --served-model-name
+            # As a pod's command line: the engine arguments (with --served-model-name), the LoRA
+            # flags, then extraArgs.
+            flags = [*f.engine_args.to_cli_args(), *adapter_flags(f), *f.extra_args]
             out.setdefault(f.served_model_name, []).extend([list(flags) for _ in range(f.replicas)])
         return out
     if _replicas(args) < 1:
@@ -505,5 +508,6 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
         logger.error("%s", e)
         return 1
     except FetchError as e:
-        logger.error("cannot fetch the model: %s", e.one_line())
+        what = "an adapter" if isinstance(e, AdapterFetchError) else "the model"
+        logger.error("cannot fetch %s: %s", what, e.one_line())
         return e.exit_code

@@ -54,12 +54,17 @@ def adapter_paths_in_pod(spec: LLMDeploymentSpec) -> list[tuple[str, str]]:
 
 
 def lora_flags(spec: LLMDeploymentSpec) -> list[str]:
-    """`--enable-lora --lora-modules NAME=PATH ...` (vLLM's flags, which the bundled engine shares),
-    or nothing without adapters. vLLM reads an item with a `,` or a second `=` (an S3 key such as
-    dt=2024) as JSON, so such a path goes in its JSON form."""
+    """The engine's LoRA flags for the adapters' directories inside the container."""
+    return lora_module_flags(adapter_paths_in_pod(spec))
+
+
+def lora_module_flags(adapters: list[tuple[str, str]]) -> list[str]:
+    """`--enable-lora --lora-modules NAME=PATH ...` for (served name, directory) pairs (vLLM's flags,
+    which the bundled engine shares), or nothing without adapters. vLLM reads an item with a `,` or a
+    second `=` (an S3 key such as dt=2024) as JSON, so such a path goes in its JSON form."""
     modules = [
         json.dumps({"name": name, "path": path}) if "=" in path or "," in path else f"{name}={path}"
-        for name, path in adapter_paths_in_pod(spec)
+        for name, path in adapters
     ]
     return ["--enable-lora", "--lora-modules", *modules] if modules else []
 

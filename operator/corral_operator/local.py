@@ -30,14 +30,16 @@ class LocalFleet:
     replicas: int
     engine_args: EngineArgs
     extra_args: tuple[str, ...]
+    adapters: tuple[tuple[str, str], ...] = ()  # spec.adapters: (served name, hf:// or s3:// URI)
+    s3_endpoint: str | None = None  # spec.model.s3Endpoint: the adapters' too, as on a cluster
 
 
 def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> LocalFleet:
     """Map one LLMDeployment document to local fleet parameters.
 
     The weights come from `model_path` when given, else from spec.model.uri (hf://, s3://) or
-    spec.model.source.hostPath (a PVC has no local meaning). Replicas: spec.replicas, raised to
-    autoscaling.minReplicas and to at least 1.
+    spec.model.source.hostPath (a PVC has no local meaning; nor has a pvc:// adapter). Replicas:
+    spec.replicas, raised to autoscaling.minReplicas and to at least 1.
     """
     if document.get("apiVersion") != API_VERSION or document.get("kind") != KIND:
         raise SpecError(f"expected apiVersion {API_VERSION} and kind {KIND}")
@@ -47,11 +49,12 @@ def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> L
     if not re.fullmatch(NAME_PATTERN, name) or len(name) > 63:  # as the cluster's CRD refuses it
         raise SpecError(f"{NAME_MESSAGE}; got {name!r}")
     spec = parse_spec(document.get("spec"))
-    if spec.adapters:  # refused rather than dropped: requests naming an adapter would find no model
-        raise SpecError(
-            "spec.adapters: corral up does not serve LoRA adapters yet; run `corral engine --enable-lora "
-            "--lora-modules NAME=DIR` (docs/models.md) or apply the file to a cluster"
-        )
+    for adapter in spec.adapters:  # refused rather than dropped: its requests would find no model
+        if not adapter.is_downloaded:
+            raise SpecError(
+                f"spec.adapters {adapter.name}: {adapter.uri} is on a PVC, which has no local equivalent; "
+                "give it as hf:// or s3://, or run `corral engine --enable-lora --lora-modules NAME=DIR`"
+            )
     source = spec.model.source
     path = model_path
     if path is None and spec.model.is_downloaded:
@@ -73,6 +76,8 @@ def local_fleet(document: Mapping[str, Any], model_path: str | None = None) -> L
         replicas=max(spec.replicas, floor, 1),
         engine_args=engine_args(spec, path),
         extra_args=tuple(spec.engine.extra_args),
+        adapters=tuple((a.name, a.uri) for a in spec.adapters),
+        s3_endpoint=spec.model.s3_endpoint,
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from corral_operator import render, status
+from corral_operator import engine_command, render, status
 from corral_operator.local import local_fleet
 from corral_operator.spec import SpecError, parse_spec
 
@@ -171,11 +171,25 @@ def test_a_failed_adapter_fetch_degrades_with_the_fetchers_reason_and_line() -> 
     )
 
 
-def test_corral_up_refuses_adapters_rather_than_dropping_them() -> None:
+def test_corral_up_takes_hub_and_s3_adapters_and_refuses_pvc_ones_rather_than_dropping_them() -> None:
     doc = {"apiVersion": "corral.dev/v1alpha1", "kind": "LLMDeployment", "metadata": {"name": "m"}}
-    raw = _raw({"name": "m", "source": {"hostPath": {"path": "/models/m"}}}, HUB_ADAPTERS)
-    with pytest.raises(SpecError, match="does not serve LoRA adapters"):
-        local_fleet({**doc, "spec": raw})
+    model = {"name": "m", "source": {"hostPath": {"path": "/models/m"}}, "s3Endpoint": "http://minio:9000"}
+    fleet = local_fleet({**doc, "spec": _raw(model, HUB_ADAPTERS)})
+    assert fleet.adapters == (("sql-lora", "hf://org/sql-lora@v2"), ("org/chat-lora", "s3://loras/chat"))
+    assert fleet.s3_endpoint == "http://minio:9000"  # the adapters are fetched from the model's store
+    with pytest.raises(SpecError, match=r"spec\.adapters support-lora: pvc://lora/support is on a PVC"):
+        local_fleet({**doc, "spec": _raw(model, [{"name": "support-lora", "uri": "pvc://lora/support"}])})
+
+
+def test_local_adapter_flags_are_rendered_as_a_pods() -> None:
+    """`corral up -f` hands its local directories to the same rendering as the pods' cache paths."""
+    assert engine_command.lora_module_flags([("a", "/c/a"), ("b", "/c/dt=1")]) == [
+        "--enable-lora",
+        "--lora-modules",
+        "a=/c/a",
+        '{"name": "b", "path": "/c/dt=1"}',
+    ]
+    assert engine_command.lora_module_flags([]) == []
 
 
 def test_the_adapters_example_renders_fetchers_and_lora_flags() -> None:
