@@ -287,26 +287,19 @@ def run_worker(
         level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
     )
     try:
-        _serve(args, settings, max_model_len, rank, store, pipe)
+        config = load_model_config(args.model)
+        device = rank_device(args.device, rank)
+        plan = ShardPlan.build(config, rank, args.tensor_parallel_size)
+        tp = TensorParallel(plan, make_group(store, rank, args.tensor_parallel_size, device), device)
+        _serve(ModelRunner(config, args, max_model_len, settings, tp=tp), pipe)
     finally:
         # Rank 0 removes the rendezvous directory when it closes; when it was killed, the workers
         # do on their way out (the ranks met long ago, or start-up has failed anyway).
         shutil.rmtree(store.parent, ignore_errors=True)
 
 
-def _serve(
-    args: EngineArgs,
-    settings: EngineSettings,
-    max_model_len: int,
-    rank: int,
-    store: Path,
-    pipe: multiprocessing.connection.Connection,
-) -> None:
-    config = load_model_config(args.model)
-    device = rank_device(args.device, rank)
-    plan = ShardPlan.build(config, rank, args.tensor_parallel_size)
-    tp = TensorParallel(plan, make_group(store, rank, args.tensor_parallel_size, device), device)
-    runner = ModelRunner(config, args, max_model_len, settings, tp=tp)
+def _serve(runner: ModelRunner, pipe: multiprocessing.connection.Connection) -> None:
+    """Run every step (and adapter change) rank 0 sends, until it says stop or is gone."""
     mirror = SequenceMirror()
     while True:
         try:
