@@ -1,7 +1,7 @@
 """LoRA adapters through the gateway, with real engine processes and the official openai client: an
 adapter one replica serves is listed by the gateway under its base model, its requests go to that
 replica only and answer as the replica does directly, and an adapter loaded (and unloaded) at run
-time comes and goes from the gateway's routes."""
+time comes and goes from the gateway's routes, on a replica that listed none within seconds too."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     root = tmp_path_factory.mktemp("adapters")
     return {
         name: write_demo_adapter(tiny_model_dir, root / name, seed=seed)
-        for seed, name in enumerate(("sql", "late"))
+        for seed, name in enumerate(("sql", "late", "fresh"))
     }
 
 
@@ -91,3 +91,20 @@ def test_an_adapter_loaded_at_run_time_becomes_routable(
     wait_for("late gone", lambda: "late" not in replica_state(gateway)[with_sql.url]["adapters"], 30)
     with pytest.raises(openai.NotFoundError):
         _complete(gateway.url, "late")
+
+
+def test_an_adapter_loaded_on_a_replica_listing_none_routes_within_seconds(
+    fleet: tuple[ManagedProcess, EngineProcess, EngineProcess], adapter_dirs: dict[str, Path]
+) -> None:
+    gateway, _, plain = fleet
+    wait_for("plain's list read", lambda: replica_state(gateway)[plain.url]["served_names"] is not None)
+    body = {"lora_name": "fresh", "lora_path": str(adapter_dirs["fresh"])}
+    assert httpx.post(plain.url + "/v1/load_lora_adapter", json=body, timeout=30).status_code == 200
+    direct = _complete(plain.url, "fresh")
+    # Its list is read again as soon as its load headers carry a new models version, not at the
+    # periodic read a minute away that a replica listing no adapter gets.
+    wait_for("fresh listed", lambda: "fresh" in replica_state(gateway)[plain.url]["adapters"], 15)
+    assert _complete(gateway.url, "fresh") == direct
+    unload = httpx.post(plain.url + "/v1/unload_lora_adapter", json={"lora_name": "fresh"}, timeout=30)
+    assert unload.status_code == 200
+    wait_for("fresh gone", lambda: "fresh" not in replica_state(gateway)[plain.url]["adapters"], 15)

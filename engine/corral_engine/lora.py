@@ -7,6 +7,7 @@ The weights themselves are read and applied by model/lora.py, in the process tha
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -131,6 +132,7 @@ class AdapterRegistry:
     def __init__(self, startup: list[LoraRequest] | None = None) -> None:
         self._by_name = {lora.name: lora for lora in startup or ()}
         self._ids = itertools.count(max((lora.lora_id for lora in startup or ()), default=0) + 1)
+        self.version = self._digest()
 
     def new(self, name: str, path: str, base_model_name: str | None = None) -> LoraRequest:
         """A request for a new adapter, not registered yet (see `add`)."""
@@ -138,9 +140,19 @@ class AdapterRegistry:
 
     def add(self, lora: LoraRequest) -> None:
         self._by_name[lora.name] = lora
+        self.version = self._digest()
 
     def remove(self, name: str) -> LoraRequest | None:
-        return self._by_name.pop(name, None)
+        lora = self._by_name.pop(name, None)
+        self.version = self._digest()
+        return lora
+
+    def _digest(self) -> str:
+        """A short hash of the served (name, id) pairs: it changes with every load and unload (ids
+        are never reused, so unloading and reloading a name changes it too), and an engine started
+        again with the same `--lora-modules` has the same one."""
+        served = sorted((lora.name, lora.lora_id) for lora in self._by_name.values())
+        return hashlib.sha256(json.dumps(served).encode()).hexdigest()[:12]
 
     def get(self, name: str) -> LoraRequest | None:
         return self._by_name.get(name)

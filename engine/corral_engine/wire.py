@@ -100,6 +100,9 @@ FETCH_EXIT_REASONS = {
 HEADER_NUM_RUNNING = "x-corral-num-running"
 HEADER_NUM_WAITING = "x-corral-num-waiting"
 HEADER_KV_USAGE = "x-corral-kv-usage"  # 0-1 fraction
+# With --enable-lora only: a short hash of the adapters served, which changes whenever one is loaded
+# or unloaded, so a gateway reads the engine's /v1/models again as soon as it sees a new value.
+HEADER_MODELS_VERSION = "x-corral-models-version"
 
 # The largest request body the engine reads, and the gateway's default `max_request_bytes`: a body
 # the gateway forwards is one an engine reads (OpenAI's 25 MB audio uploads, for backends that take

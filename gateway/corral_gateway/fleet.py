@@ -1,12 +1,11 @@
 """The live fleet: registry + router + admission behind one narrow interface (models, leases,
-health reports), fed by /metrics polls, /health probes of ejected replicas, response load headers,
-each replica's model list and discovery updates. Owns the gateway's background I/O."""
+health reports), fed by the replica pollers (`replica_poller.py`: load, probes, model lists),
+response load headers and discovery updates. Runs the pollers and the per-replica gauges."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
@@ -14,43 +13,22 @@ from typing import Any
 from corral_gateway.adapters import AdapterTable, Affinity, adapters_of, takes_adapter
 from corral_gateway.admission import Admission
 from corral_gateway.errors import AmbiguousAdapter, AmbiguousModel
-from corral_gateway.health_probe import HealthProbe
 from corral_gateway.k8s_discovery import Discovery
 from corral_gateway.k8s_names import Naming, Route
 from corral_gateway.k8s_wake import Waker
-from corral_gateway.load import LoraState, parse_load_headers, parse_lora_info, parse_metrics_text
+from corral_gateway.load import LoraState, parse_load_headers
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Replica, Saturation
+from corral_gateway.replica_poller import ReplicaPollers
 from corral_gateway.router import Router
-from corral_gateway.served_names import CARD_FIELDS, parse_model_list
+from corral_gateway.served_names import CARD_FIELDS
 from corral_gateway.settings import GatewaySettings
-from corral_gateway.upstream import (
-    ConnectFailed,
-    ConnectTimedOut,
-    Fetched,
-    ReadTimedOut,
-    Upstream,
-    UpstreamError,
-)
+from corral_gateway.upstream import Upstream
 
 logger = logging.getLogger(__name__)
 
-_STOP_RECHECK_S = 0.5  # how long a cancelled poller may take before it is cancelled again
 _GAUGE_INTERVAL_S = 0.5
-_POLL_READ_TIMEOUT_S = 1.0
-# A /health poll unanswered counts as a failure once the replica has sent nothing for this long: a
-# busy engine's answers and streams still come, a stopped one's do not.
-_SILENT_S = 3.0
-# A replica's model list is read on first contact, after each outage (the address may now hold
-# another engine) and at this interval.
-_NAMES_CHECK_INTERVAL_S = 60.0
-# A replica serving LoRA adapters (it lists one, or reports their state) is asked more often: adapters
-# are loaded and unloaded at runtime. An engine that sends load headers (Corral's) is not polled on
-# /metrics, so the adapter state of one that lists adapters is read then too (one /metrics render
-# every 2 s, not 13 a second); between reads, the adapter requests this gateway has in flight there
-# say where an adapter is active.
-_ADAPTERS_CHECK_INTERVAL_S = 2.0
 
 
 class Fleet:
@@ -97,8 +75,7 @@ class Fleet:
         self._scorer = KvAware(saturation)
         self.waker: Waker | None = None  # set when Kubernetes discovery may wake models at zero
         self._names = Naming()  # served names and aliases from the LLMDeployments
-        self._pollers: dict[str, asyncio.Task[None]] = {}
-        self._metrics_only: set[str] = set()  # replicas without load headers (vLLM): poll /metrics
+        self.pollers = ReplicaPollers(self._registry, settings, clock, self, self._admission.pump_all)
         self._registry.on_removed.append(lambda _: self._index_adapters())
 
     # ---- what the proxy asks --------------------------------------------------------------------
@@ -237,6 +214,7 @@ class Fleet:
         sample = parse_load_headers(headers, self.clock())
         if sample is not None:
             self._registry.observe(url, sample)
+        self.pollers.observe_headers(url, headers)  # a new models version: its list is read again
 
     def record_refusal(self, replica: Replica, retry_after_s: float, headers: Mapping[str, str]) -> None:
         """The replica answered that its own queue is full (`refusal.Refusal` says what may go
@@ -301,182 +279,17 @@ class Fleet:
     def _count_affinity(self, model: str, tier: Affinity) -> None:
         self.metrics.adapter_routes.labels(model, tier.label).inc()
 
-    def is_serving_adapters(self, url: str) -> bool:
-        """Whether the replica lists adapters or reports their state (LoRA is on there)."""
-        return any(r.adapters or r.lora is not None for r in self._registry.by_url(url))
-
     # ---- background I/O -----------------------------------------------------------------------
 
     async def run(self, upstream: Upstream) -> None:
         """Keep one poller per replica URL and refresh the per-replica gauges; runs until cancelled."""
         try:
             while True:
-                urls = self._registry.urls()
-                for url in urls - set(self._pollers):
-                    poll = self._poll_loop(upstream, url)
-                    self._pollers[url] = asyncio.create_task(poll, name=f"poll {url}")
-                for url in set(self._pollers) - urls:
-                    self._pollers.pop(url).cancel()
-                    self._metrics_only.discard(url)  # the address may next belong to another engine
+                self.pollers.sync(upstream, self._registry.urls())
                 self.update_gauges()
                 await asyncio.sleep(_GAUGE_INTERVAL_S)
         finally:
-            await _stop_all(self._pollers.values())
-            self._pollers.clear()
-
-    async def _poll_loop(self, upstream: Upstream, url: str) -> None:
-        probe = HealthProbe(url) if url.startswith("http://") else None
-        names_due_s = self.clock()  # when to read the replica's model list next
-        try:
-            while True:
-                is_healthy: bool | None = None  # None: not asked this turn
-                if any(r.is_ejected for r in self._registry.by_url(url)):
-                    if self._registry.is_due_for_probe(url, self.clock()):
-                        is_healthy = await self._probe(upstream, url)
-                elif self.is_due_for_load_poll(url):
-                    is_healthy = await self._poll_load(upstream, url, probe)
-                else:
-                    is_healthy = True  # a response brought its load within the interval
-                if is_healthy is False:
-                    names_due_s = self.clock()  # it may come back as another engine: ask then
-                elif is_healthy and self.clock() >= names_due_s and await self._check_names(upstream, url):
-                    is_lora = self.is_serving_adapters(url)
-                    interval_s = _ADAPTERS_CHECK_INTERVAL_S if is_lora else _NAMES_CHECK_INTERVAL_S
-                    names_due_s = self.clock() + interval_s
-                self._admission.pump_all()
-                await asyncio.sleep(self.settings.poll_interval_s)
-        finally:
-            if probe is not None:
-                probe.close()
-
-    def is_due_for_load_poll(self, url: str) -> bool:
-        """Whether the replica's load is older than a poll interval. Every response brings its
-        load headers, so a replica answering requests needs no poll; one poll costs the gateway
-        ~0.4 ms of CPU, which at 13 polls a second per replica took 0.1 cores for 16 replicas
-        whether or not they had traffic."""
-        now_s, interval_s = self.clock(), self.settings.poll_interval_s
-        return not any(
-            r.sample is not None and now_s - r.sample.at_s < interval_s for r in self._registry.by_url(url)
-        )
-
-    async def _poll_load(self, upstream: Upstream, url: str, probe: HealthProbe | None = None) -> bool:
-        """One load sample: from the load headers on a GET /health where the engine sends them
-        (Corral's engine does, on every response), else from /metrics (vLLM's names; vLLM itself).
-        Rendering and parsing a /metrics page, histograms and all, ten times a second costs the
-        engine and the gateway CPU that on a shared node comes out of serving.
-
-        Returns whether the replica answered healthy. A 5xx /health (an engine starting, draining,
-        or whose loop died) counts as a failure, as a refused connection does."""
-        if url not in self._metrics_only:
-            fetched = await self._poll_get(upstream, url, "/health", probe)
-            if fetched is None:
-                return False
-            sample = parse_load_headers(fetched.headers, self.clock())
-            if sample is not None:
-                self._registry.observe(url, sample)
-            if fetched.status >= 500:
-                self.record_failure(url, f"load poll: /health answered {fetched.status}")
-                return False
-            if sample is not None:
-                return self._poll_succeeded(url, fetched.status)
-            if fetched.status == 200:
-                self._metrics_only.add(url)  # healthy, but says nothing about its load
-        fetched = await self._poll_get(upstream, url, "/metrics")
-        if fetched is None:
-            return False
-        if fetched.status == 200:
-            text = fetched.body.decode("utf-8", "replace")
-            sample = parse_metrics_text(text, self.clock())
-            if sample is not None:
-                self._registry.observe(url, sample)
-            lora = parse_lora_info(text)
-            if lora is not None:
-                self.observe_lora(url, lora)
-        return self._poll_succeeded(url, fetched.status)
-
-    def is_silent(self, url: str) -> bool:
-        """Whether nothing has come from the replica for `_SILENT_S`: no response's load headers,
-        no answered poll, no streamed chunk."""
-        heard_s = -math.inf
-        for replica in self._registry.by_url(url):
-            if replica.sample is not None:
-                heard_s = max(heard_s, replica.sample.at_s)
-            heard_s = max(heard_s, replica.step_phase.last_chunk_s)
-        return self.clock() - heard_s > _SILENT_S
-
-    def _poll_succeeded(self, url: str, status: int) -> bool:
-        if status != 200:
-            return False
-        for replica in self._registry.poll_succeeded(url):
-            logger.info("replica %s of model %s answers again", url, replica.model)
-        return True
-
-    async def _poll_get(
-        self, upstream: Upstream, url: str, path: str, probe: HealthProbe | None = None
-    ) -> Fetched | None:
-        try:
-            if probe is not None:
-                return await probe.get(_POLL_READ_TIMEOUT_S, self.settings.connect_timeout_s)
-            return await upstream.get(url + path, _POLL_READ_TIMEOUT_S)
-        except (ConnectFailed, ConnectTimedOut) as e:
-            self.record_failure(url, f"load poll: {e}")
-        except ReadTimedOut as e:
-            if path == "/health" and self.is_silent(url):
-                # Nothing from the replica at all, its streams included: a stopped or wedged process,
-                # whose kernel still takes connections, so nothing else notices. Counted like a
-                # failed request, so a run of them ejects it; a response to a request clears it.
-                self.record_failure(url, f"load poll: no answer for {_SILENT_S:g} s")
-                return None
-            # A busy server may answer slowly while its streams flow: load, not a failure.
-            logger.debug("load poll of %s%s failed: %s", url, path, e)
-        except UpstreamError as e:
-            logger.debug("load poll of %s%s failed: %s", url, path, e)
-        return None
-
-    async def _probe(self, upstream: Upstream, url: str) -> bool:
-        try:
-            is_healthy = (await upstream.get(f"{url}/health", _POLL_READ_TIMEOUT_S)).status == 200
-        except UpstreamError:
-            is_healthy = False
-        if is_healthy:
-            if self._registry.readmit(url):
-                logger.info("replica %s is healthy again; back in rotation", url)
-        else:
-            self._registry.probe_failed(url, self.clock())
-        return is_healthy
-
-    async def _check_names(self, upstream: Upstream, url: str) -> bool:
-        """Read the names the replica serves (its /v1/models). Returns False when the replica could
-        not be reached (ask again on the next turn); an answer that lists nothing (say, 401: the
-        engine wants a key the gateway lacks) leaves its names unknown."""
-        key = self.settings.upstream_api_key
-        headers = {"authorization": f"Bearer {key}"} if key else None
-        try:
-            fetched = await upstream.get(url + "/v1/models", _POLL_READ_TIMEOUT_S, headers)
-        except (ConnectFailed, ConnectTimedOut):
-            return False
-        except UpstreamError as e:
-            logger.debug("model list of %s not read: %s", url, e)
-            return True
-        listed = parse_model_list(fetched.body) if fetched.status == 200 else None
-        if listed is None:
-            logger.debug("model list of %s not read: HTTP %d", url, fetched.status)
-            return True
-        self.observe_served_names(url, listed)
-        if url not in self._metrics_only and any(r.adapters for r in self._registry.by_url(url)):
-            await self._check_lora(upstream, url)  # its load polls do not read /metrics
-        return True
-
-    async def _check_lora(self, upstream: Upstream, url: str) -> None:
-        """Read the replica's LoRA state from its /metrics (an engine that sends load headers)."""
-        try:
-            fetched = await upstream.get(url + "/metrics", _POLL_READ_TIMEOUT_S)
-        except UpstreamError as e:
-            logger.debug("LoRA state of %s not read: %s", url, e)
-            return
-        lora = parse_lora_info(fetched.body.decode("utf-8", "replace")) if fetched.status == 200 else None
-        if lora is not None:
-            self.observe_lora(url, lora)
+            await self.pollers.stop()
 
     def upstream_name(self, key: str) -> str:
         """The name the replicas of pool `key` are sent requests under (what they must serve)."""
@@ -565,13 +378,3 @@ class Fleet:
                     }
                 )
         return out
-
-
-async def _stop_all(tasks: Iterable[asyncio.Task[None]]) -> None:
-    """Cancel the tasks and wait for them, cancelling again any that lost a cancel (a library
-    call that swallows one: see `HealthProbe`), so a gateway told to stop always stops."""
-    pending = set(tasks)
-    while pending:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=_STOP_RECHECK_S)

@@ -49,6 +49,8 @@ class FakeEngine:
     adapters: dict[str, str] = field(default_factory=dict)
     lora_info: str = ""  # extra /metrics lines (vllm:lora_requests_info)
     num_model_lists: int = 0
+    num_health_polls: int = 0
+    models_version: str | None = None  # like Corral's engine with LoRA on: on every load header set
     models_authorization: str | None = None  # the last model list request's
 
     def app(self) -> Starlette:
@@ -65,13 +67,16 @@ class FakeEngine:
         )
 
     def load_headers(self) -> dict[str, str]:
+        version = {} if self.models_version is None else {wire.HEADER_MODELS_VERSION: self.models_version}
         return {
             wire.HEADER_NUM_RUNNING: str(self.num_running),
             wire.HEADER_NUM_WAITING: str(self.num_waiting),
             wire.HEADER_KV_USAGE: str(self.kv_usage),
+            **version,
         }
 
     async def health(self, request: Request) -> Response:
+        self.num_health_polls += 1
         headers = self.load_headers() if self.health_has_load else None
         return JSONResponse(
             {"ok": self.is_healthy}, status_code=200 if self.is_healthy else 503, headers=headers

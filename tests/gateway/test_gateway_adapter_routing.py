@@ -4,7 +4,7 @@ vLLM's `/v1/models` does, `parent` naming the base model) and report `vllm:lora_
 from __future__ import annotations
 
 import pytest
-from corral_gateway import fleet as fleet_module
+from corral_gateway import replica_poller
 
 from tests.gateway.conftest import FakeEngine
 from tests.gateway.test_gateway_proxy import eventually, fleet, replicas
@@ -17,7 +17,7 @@ LORA_INFO = (
 
 @pytest.fixture(autouse=True)
 def _quick_adapter_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fleet_module, "_ADAPTERS_CHECK_INTERVAL_S", 0.05)
+    monkeypatch.setattr(replica_poller, "_ADAPTERS_CHECK_INTERVAL_S", 0.05)
 
 
 async def test_an_adapter_request_goes_to_a_replica_listing_it_with_its_body_unchanged() -> None:

@@ -20,19 +20,19 @@ def test_a_replica_whose_responses_carry_its_load_is_not_polled() -> None:
     now = [100.0]
     settings = GatewaySettings(backends={"m": ["http://a", "http://b"]}, poll_interval_s=0.075)
     fleet = Fleet(settings, GatewayMetrics(), clock=lambda: now[0])
-    assert fleet.is_due_for_load_poll("http://a")  # nothing known yet
+    assert fleet.pollers.is_due_for_load_poll("http://a")  # nothing known yet
     fleet.observe_headers("http://a", HEADERS)  # a response's load headers
     now[0] += 0.05
-    assert not fleet.is_due_for_load_poll("http://a")
-    assert fleet.is_due_for_load_poll("http://b")
+    assert not fleet.pollers.is_due_for_load_poll("http://a")
+    assert fleet.pollers.is_due_for_load_poll("http://b")
     now[0] += 0.03  # the sample is now older than a poll interval
-    assert fleet.is_due_for_load_poll("http://a")
+    assert fleet.pollers.is_due_for_load_poll("http://a")
 
 
 async def test_stopping_the_pollers_outlasts_a_lost_cancel() -> None:
     # Python 3.11's asyncio.wait_for could lose a cancel that landed as a connect failed; a poller
     # that lost one polled on, and the gateway never stopped.
-    from corral_gateway.fleet import _stop_all
+    from corral_gateway.replica_poller import _stop_all
 
     async def loses_one_cancel() -> None:
         with contextlib.suppress(asyncio.CancelledError):  # lost, as inside wait_for
@@ -67,11 +67,11 @@ async def test_an_unanswered_health_poll_counts_only_while_the_replica_is_silent
     for _ in range(5):  # its streams' chunks keep coming
         now[0] += 1.0
         fleet._registry.by_url("http://a")[0].step_phase.on_chunk(now[0])
-        assert await fleet._poll_get(upstream, "http://a", "/health") is None
+        assert await fleet.pollers._poll_get(upstream, "http://a", "/health") is None
     assert _failures(fleet, "http://a") == 0
     now[0] += 3.5  # then nothing
-    await fleet._poll_get(upstream, "http://a", "/health")
-    await fleet._poll_get(upstream, "http://a", "/health")
+    await fleet.pollers._poll_get(upstream, "http://a", "/health")
+    await fleet.pollers._poll_get(upstream, "http://a", "/health")
     assert next(r for r in fleet.snapshot()["m"] if r["url"] == "http://a")["ejected"] is True
-    await fleet._poll_get(upstream, "http://b", "/metrics")  # a slow /metrics page is load
+    await fleet.pollers._poll_get(upstream, "http://b", "/metrics")  # a slow /metrics page is load
     assert _failures(fleet, "http://b") == 0

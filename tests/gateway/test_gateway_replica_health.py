@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from corral_gateway import fleet as fleet_module
+from corral_gateway import replica_poller
 from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import Discovery
 from corral_gateway.k8s_names import Served, naming
@@ -93,7 +93,7 @@ async def test_a_wedged_replica_is_ejected_and_requests_go_elsewhere(monkeypatch
     """A stopped process (SIGSTOP, a deadlock) whose kernel still accepts connections: its /health
     polls go unanswered. Left in rotation, it showed healthy and took a share of the requests,
     each waiting first_byte_timeout_s (300 s by default) for nothing."""
-    monkeypatch.setattr(fleet_module, "_POLL_READ_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(replica_poller, "_POLL_READ_TIMEOUT_S", 0.1)
     with socket.socket() as wedged:
         wedged.bind(("127.0.0.1", 0))
         wedged.listen(64)  # connections are taken by the kernel, never answered
@@ -119,7 +119,7 @@ async def _negate(predicate: object) -> bool:
 async def test_a_replica_serving_another_name_is_flagged_once_and_kept_in_rotation(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(fleet_module, "_NAMES_CHECK_INTERVAL_S", 0.05)  # read its list often
+    monkeypatch.setattr(replica_poller, "_NAMES_CHECK_INTERVAL_S", 0.05)  # read its list often
     engine = FakeEngine(served_names=("model",))  # `--backend m=URL` in front of `model`
     async with fleet([engine]) as (client, urls):
         url = urls[0]

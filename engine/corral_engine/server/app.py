@@ -82,6 +82,7 @@ def create_app(
         reasoning_parser=reasoning_parser,
         log_probe_requests=log_probe_requests,
         adapters=adapters or AdapterRegistry(),
+        is_lora_enabled=adapters is not None,
     )
     if chat_template is None and not has_chat_template(engine.tokenizer):
         logger.warning("%s: %s", engine.served_model_name, NO_TEMPLATE_MESSAGE)  # said once, not per request

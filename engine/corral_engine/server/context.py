@@ -77,6 +77,7 @@ class ServerContext:
     reasoning_parser: str | None = None  # --reasoning-parser: chat replies' reasoning_content
     log_probe_requests: bool = False  # --log-probe-requests: access lines for successful probes too
     adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # served LoRA adapters
+    is_lora_enabled: bool = False  # --enable-lora: responses carry the adapters' version
     in_flight: InFlight = field(default_factory=InFlight)
     is_ready: bool = False
     is_draining: bool = False

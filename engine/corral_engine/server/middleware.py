@@ -1,5 +1,6 @@
-"""The outermost ASGI layer: load headers on every response, API-key auth, last-resort errors, and
-the request id and access log line of every /v1 request (and of a failed probe or scrape).
+"""The outermost ASGI layer: load headers (and, with LoRA, the adapters' version) on every response,
+API-key auth, last-resort errors, and the request id and access log line of every /v1 request (and
+of a failed probe or scrape).
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming bodies and client disconnects pass through untouched.
 """
@@ -55,6 +56,8 @@ class ServerMiddleware:
         headers.setdefault(wire.HEADER_NUM_RUNNING, str(stats.num_running))
         headers.setdefault(wire.HEADER_NUM_WAITING, str(stats.num_waiting))
         headers.setdefault(wire.HEADER_KV_USAGE, f"{stats.kv_usage_ratio:.4f}")
+        if self.ctx.is_lora_enabled:  # a gateway re-reads /v1/models when it changes
+            headers.setdefault(wire.HEADER_MODELS_VERSION, self.ctx.adapters.version)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
