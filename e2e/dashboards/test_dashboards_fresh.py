@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from corral_cli.chartgen.queries import HISTOGRAM_SUFFIXES, dashboard_queries, metric_names
-from corral_engine.wire import SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL
-from corral_gateway.metrics import KEY_TOKENS_TOTAL
+from corral_engine.wire import LORA_REQUESTS_INFO, SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL
+from corral_gateway.metrics import ADAPTER_ROUTES_TOTAL, KEY_TOKENS_TOTAL
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.procs import HOST, EngineProcess, ManagedProcess, free_port, start_engine
@@ -28,6 +28,9 @@ NOT_ON_A_FRESH_FLEET: frozenset[str] = frozenset(
         KEY_TOKENS_TOTAL,  # labelled by API key name: none without a keys file (this fleet has none)
         # A series per draft position only with --speculative (this engine runs without).
         SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
+        LORA_REQUESTS_INFO,  # only with --enable-lora (this engine runs without)
+        # Labelled by where LoRA affinity sent an adapter request: none before the first one.
+        ADAPTER_ROUTES_TOTAL,
     }
 )
 

@@ -1,9 +1,10 @@
 """Every dashboard query returns data from a real Prometheus scraping a real local fleet under load,
 and that Prometheus loads and evaluates every alert rule of the chart.
 
-Two `corral engine` processes and a `corral gateway` process; a third "replica" answers every
-completion with 503 (a broken replica), so the gateway's retry and ejection panels have something to
-show. Prometheus (Debian's binary) scrapes every second; the openai client sends the load.
+Two `corral engine` processes, each serving a LoRA adapter besides the model, and a `corral gateway`
+process; a third "replica" answers every completion with 503 (a broken replica), so the gateway's
+retry and ejection panels have something to show. Prometheus (Debian's binary) scrapes every second;
+the openai client sends the load, some of it to the adapter.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from corral_cli.chartgen import alerts, promcheck
 from corral_cli.chartgen.files import ALERT_RULES
 from corral_cli.chartgen.queries import dashboard_queries, metric_names
 from corral_engine import wire
+from corral_engine.demo_adapter import write_demo_adapter
 
 from e2e.procs import HOST, EngineProcess, ManagedProcess, free_port, start_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "tiny-llama"
+ADAPTER = "sql"  # a LoRA adapter of MODEL on both engines, for the adapter panels
 # The gateway checks API keys, so the per-key token panel has a key to show.
 API_KEY, KEY_NAME = "sk-dashboards-e2e", "e2e-team"
 SHARED_PREFIX = "You are a helpful assistant for the Corral project. Answer briefly and precisely. "
@@ -83,8 +86,10 @@ def broken_replica() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path) -> Iterator[list[EngineProcess]]:
+def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
+    adapter = write_demo_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapters") / ADAPTER)
     flags: dict[str, Any] = {"served_model_name": MODEL, "num_threads": 1, "max_num_seqs": 4}
+    flags |= {"enable_lora": True, "lora_modules": f"{ADAPTER}={adapter}"}
     with start_engine(tiny_model_dir, **flags) as a, start_engine(tiny_model_dir, **flags) as b:
         yield [a, b]
 
@@ -151,13 +156,14 @@ def _one_request(client: openai.OpenAI, i: int) -> None:
         except openai.BadRequestError:
             return
         raise AssertionError("max_tokens=-1 was accepted")
+    model = ADAPTER if i % 7 == 1 else MODEL
     if i % 2:
         stream = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, stream=True
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=12, stream=True
         )
         assert list(stream)
     else:
-        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=12)
         assert reply.usage is not None and reply.usage.completion_tokens > 0
 
 
@@ -219,6 +225,11 @@ def test_every_dashboard_query_returns_data(prometheus: ManagedProcess, load: li
     assert by_panel[("Tokens/s by model", "{{model_name}} generated")].sample > 0
     assert by_panel[("Retries/s by reason", "{{model}} {{reason}}")].num_series >= 1
     assert by_panel[("Tokens/s by API key", "{{key}} {{kind}}")].num_series == 2  # prompt, completion
+    adapters = by_panel[("Adapters per replica", "{{instance}}")]
+    assert adapters.num_series == 2  # one row per engine; the broken replica reports no LoRA state
+    assert adapters.sample is not None and 0 < adapters.sample / 1000 <= time.time()  # a change, in ms
+    assert by_panel[("Adapter requests/s by model", "{{model}}")].sample > 0
+    assert 0 <= by_panel[("Adapter requests finding their adapter active", "{{model}}")].sample <= 1
 
 
 def test_every_dashboard_metric_is_exported_by_a_live_process(

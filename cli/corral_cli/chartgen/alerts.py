@@ -26,6 +26,7 @@ M = wire.MODEL_NAME_LABEL
 # Gateway statuses that are the fleet's fault: 5xx and streams a replica broke (not 4xx, not 429).
 ERROR_STATUSES = "5..|broken"
 SHEDDING_REASONS = "queue_full|queue_timeout"
+FULL_SLOTS = '{affinity="full"}'  # adapter requests that found every slot of their replica taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,9 @@ def alerts(t: Mapping[str, str]) -> list[Alert]:
 
     def pauses(histogram: str) -> str:
         return f"sum by (job, instance) (rate({histogram}_sum[{RATE}]))"
+
+    def adapter_routes(matchers: str = "") -> str:
+        return f"sum by (model) (rate({gw.ADAPTER_ROUTES_TOTAL}{matchers}[{RATE}]))"
 
     return [
         Alert(
@@ -138,6 +142,16 @@ def alerts(t: Mapping[str, str]) -> list[Alert]:
             "A serving process spends much of its time in garbage-collector passes",
             "{{ $labels.instance }} ({{ $labels.job }}) has spent {{ $value | humanizePercentage }} of its "
             "time in Python's collector passes for 15 minutes; its steps and streams wait during each.",
+        ),
+        Alert(
+            "CorralAdapterSlotsFull",
+            # Share of adapter requests the gateway's LoRA affinity could only send to a full replica.
+            f"({adapter_routes(FULL_SLOTS)} / {adapter_routes()}) > {t['adapterFullRatio']}",
+            "15m",
+            "warning",
+            "LoRA adapter requests wait for adapter slots",
+            "{{ $value | humanizePercentage }} of {{ $labels.model }} adapter requests went to replicas "
+            "whose adapter slots were all taken, for 15 minutes; they wait for a slot to free.",
         ),
         Alert(
             "CorralOperatorReconcileErrors",

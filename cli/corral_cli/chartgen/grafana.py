@@ -71,6 +71,10 @@ class Panel:
     max_value: float | None = None
     # Series appear only once such events happen (errors, retries, ejections): empty on a healthy fleet.
     is_event_driven: bool = False
+    no_value: str | None = None  # shown instead of "No data" (a feature the fleet may not use)
+    # kind "table": a row per series of an instant query; (field, header) columns in this order,
+    # a field being a label or "Value" (the sample's value).
+    columns: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +105,32 @@ class Dashboard:
         return [p for row in self.rows for p in row.panels]
 
 
+def _table_json(panel: Panel) -> dict[str, Any]:
+    """A table's options, and the transformation that hides the sample time and names the columns."""
+    order = [label for label, _ in panel.columns]
+    return {
+        "options": {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}},
+        "transformations": [
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True},
+                    "indexByName": {label: i for i, label in enumerate(order)},
+                    "renameByName": dict(panel.columns),
+                },
+            }
+        ],
+    }
+
+
 def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
     defaults: dict[str, Any] = {"unit": panel.unit}
     if panel.max_value is not None:
         defaults["min"] = 0
         defaults["max"] = panel.max_value
+    if panel.no_value is not None:
+        defaults["noValue"] = panel.no_value
+    is_table = panel.kind == "table"
     out: dict[str, Any] = {
         "id": panel_id,
         "type": panel.kind,
@@ -124,11 +149,14 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
                 "datasource": DATASOURCE,
                 "expr": t.expr,
                 "legendFormat": t.legend,
-                "range": True,
+                # A table shows each series' latest sample (its labels are the content).
+                **({"format": "table", "instant": True, "range": False} if is_table else {"range": True}),
             }
             for i, t in enumerate(panel.targets)
         ],
     }
+    if is_table:
+        out.update(_table_json(panel))
     return out
 
 

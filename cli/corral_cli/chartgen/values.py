@@ -284,6 +284,12 @@ class Alerts(_Values):
         le=1,
         description="CorralCollectorPauses: share of a process's time in collector passes above this.",
     )
+    adapter_full_ratio: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="CorralAdapterSlotsFull: share of adapter requests routed to full replicas above this.",
+    )
     runbook_base_url: str = Field(
         default=RUNBOOK_BASE_URL,
         pattern=r"^https?://",

@@ -1,11 +1,13 @@
 """The deployment dashboard: one served model, chosen with the `model` variable; each replica's load,
-latency and cache, request phases, the gateway's view, and the serving processes' collector and memory."""
+latency and cache, request phases, the gateway's view, LoRA adapters, and the serving processes'
+collector and memory."""
 
 from __future__ import annotations
 
 from corral_engine import wire
 from corral_gateway import metrics as gw
 
+from corral_cli.chartgen.dashboards.adapters import adapters_row
 from corral_cli.chartgen.dashboards.panels import (
     ENGINE_MODEL,
     GATEWAY_MODEL,
@@ -39,7 +41,15 @@ def deployment_drilldown() -> Dashboard:
         uid="corral-deployment",
         title="Corral / Deployment",
         description="One served model: each replica's load, latency and cache, and the gateway's view.",
-        rows=(_replicas_row(), _latency_row(), phases_row(), _gateway_row(), collector_row(), memory_row()),
+        rows=(
+            _replicas_row(),
+            _latency_row(),
+            phases_row(),
+            _gateway_row(),
+            adapters_row(),
+            collector_row(),
+            memory_row(),
+        ),
         variables=(Variable("model", "Model", MODEL_VARIABLE_QUERY),),
     )
 

@@ -1,11 +1,12 @@
-"""The fleet overview dashboard: every model served, one row each for traffic, latency, capacity and
-the gateway's resilience; a multi-select `model` variable filters every panel."""
+"""The fleet overview dashboard: every model served, one row each for traffic, latency, capacity, the
+gateway's resilience and LoRA adapters; a multi-select `model` variable filters every panel."""
 
 from __future__ import annotations
 
 from corral_engine import wire
 from corral_gateway import metrics as gw
 
+from corral_cli.chartgen.dashboards.adapters import fleet_adapters_row
 from corral_cli.chartgen.dashboards.panels import (
     ENGINE_MODEL,
     GATEWAY_MODEL,
@@ -30,12 +31,12 @@ from corral_cli.chartgen.grafana import (
 
 
 def fleet_overview() -> Dashboard:
-    """Every model at once: traffic, latency, capacity and the gateway's resilience."""
+    """Every model at once: traffic, latency, capacity, the gateway's resilience and LoRA adapters."""
     return Dashboard(
         uid="corral-fleet",
         title="Corral / Fleet overview",
         description="Every model served by Corral: traffic, latency, capacity and gateway resilience.",
-        rows=(_traffic_row(), _latency_row(), _capacity_row(), _resilience_row()),
+        rows=(_traffic_row(), _latency_row(), _capacity_row(), _resilience_row(), fleet_adapters_row()),
         variables=(Variable("model", "Model", MODEL_VARIABLE_QUERY, is_multi=True, include_all=True),),
     )
 
