@@ -162,28 +162,49 @@ class Admission:
         self.pump(replica.model)
 
     def pump(self, model: str) -> None:
-        """Hand replicas to queued waiters, best first, while some replica has room."""
+        """Hand replicas to queued waiters, in the queue's order, while some replica has room. A
+        waiter only some replicas may take (an adapter's, or one excluding replicas that failed it)
+        is passed over while none of those has room: it keeps its place (`FairQueue.hold`) and goes
+        first when one has, and the waiters behind it are served meanwhile."""
         queue = self._queues.get(model)
-        while queue:
-            waiter = queue.peek()
-            if waiter is None:
-                break
+        # What no replica with room takes in this pump, as (adapter, exclude): each hand-out only
+        # adds load, so it stays so until the pump ends.
+        blocked: set[tuple[str | None, frozenset[str]]] = set()
+        while queue and self._pump_once(model, queue, blocked):
+            pass
+
+    def _pump_once(
+        self, model: str, queue: FairQueue[_Waiter], blocked: set[tuple[str | None, frozenset[str]]]
+    ) -> bool:
+        """One walk down the queue's order; True when it stopped at a waiter it newly held, whose
+        key's turns now go to the key's other waiters: the order changed, walk it again."""
+        for waiter in queue.ordered():
             if waiter.future.done():
-                queue.pop()
+                queue.remove(waiter)
                 continue
-            routed = self.router.route(
-                model,
-                waiter.prefix_hash,
-                waiter.exclude,
-                from_queue=True,
-                block_hashes=waiter.block_hashes,
-                adapter=waiter.adapter,
-            )
-            if isinstance(routed, NoReplica):
-                break
-            queue.pop()
-            routed.on_dispatch(waiter.adapter)
-            waiter.future.set_result(routed)
+            needs = (waiter.adapter, waiter.exclude)
+            routed = NoReplica(is_saturated=True) if needs in blocked else self._route(model, waiter)
+            if isinstance(routed, Replica):
+                queue.take(waiter)
+                routed.on_dispatch(waiter.adapter)
+                waiter.future.set_result(routed)
+            elif needs == (None, frozenset()):
+                return False  # any replica may take it: none has room for anyone
+            else:
+                blocked.add(needs)
+                if queue.hold(waiter):
+                    return True
+        return False
+
+    def _route(self, model: str, waiter: _Waiter) -> Replica | NoReplica:
+        return self.router.route(
+            model,
+            waiter.prefix_hash,
+            waiter.exclude,
+            from_queue=True,
+            block_hashes=waiter.block_hashes,
+            adapter=waiter.adapter,
+        )
 
     def pump_all(self) -> None:
         for model in list(self._queues):

@@ -3,15 +3,38 @@
 Higher priority first; within one priority, keys take turns (round-robin), FIFO within a key, so
 one key's burst cannot starve another key's single request. Nor can it take every place: a
 request arriving at a full queue may take the place of a lower priority's, or at its own priority
-that of the newest request of a key holding more places than its own (`evict_for`).
+that of the newest request of a key holding more places than its own (`evict_for`). An item the
+queue's user could not take while it took later ones is held (`hold`): it keeps its place, first
+at its priority, until taken.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+
+def _in_turns(queues: Sequence[Sequence[T]], is_skipped: Callable[[T], bool]) -> Iterator[T]:
+    """Keys taking turns: each key's first item not skipped, in key order, then each one's next, and
+    so on. The caller may remove the item just given from its queue: the walk goes on as it was."""
+    cursors = [0] * len(queues)
+    is_given = True
+    while is_given:
+        is_given = False
+        for n, items in enumerate(queues):
+            at = cursors[n]
+            while at < len(items) and is_skipped(items[at]):
+                at += 1
+            if at < len(items):
+                item = items[at]
+                yield item
+                is_given = True
+                if at < len(items) and items[at] is item:  # still there: step past it
+                    at += 1
+            cursors[n] = at
 
 
 class FairQueue(Generic[T]):
@@ -20,6 +43,7 @@ class FairQueue(Generic[T]):
         self._levels: dict[int, OrderedDict[str, deque[T]]] = {}
         self._where: dict[int, tuple[int, str]] = {}  # id(item) -> (priority, key)
         self._num_by_key: dict[str, int] = {}  # queued items per key, every priority together
+        self._held: dict[int, T] = {}  # id(item) -> item: those passed over (`hold`), in that order
 
     def __len__(self) -> int:
         return len(self._where)
@@ -57,34 +81,56 @@ class FairQueue(Generic[T]):
         self.remove(victim)
         return victim
 
+    def ordered(self) -> Iterator[T]:
+        """Every item, lazily, in the order successive `pop`s give them: higher priority first;
+        within one, the held items (keys taking turns, each key's in the order held), then the
+        others (keys taking turns, FIFO within a key). The caller may take or remove the item just
+        given and go on."""
+        for priority in sorted(self._levels, reverse=True):
+            keys = self._levels.get(priority)
+            if keys is None:
+                continue
+            held: dict[str, list[T]] = {}
+            for item in self._held.values():
+                at, key = self._where[id(item)]
+                if at == priority:
+                    held.setdefault(key, []).append(item)
+            yield from _in_turns([held[k] for k in keys if k in held], lambda item: False)
+            yield from _in_turns(list(keys.values()), lambda item: id(item) in self._held)
+
     def peek(self) -> T | None:
-        if not self._levels:
-            return None
-        keys = self._levels[max(self._levels)]
-        return next(iter(keys.values()))[0]
+        return next(self.ordered(), None)
 
     def pop(self) -> T | None:
-        if not self._levels:
-            return None
-        priority = max(self._levels)
-        keys = self._levels[priority]
-        key, items = next(iter(keys.items()))
-        item = items.popleft()
-        del self._where[id(item)]
-        self._forget_one(key)
-        if items:
-            keys.move_to_end(key)  # this key had its turn
-        else:
-            del keys[key]
-        if not keys:
-            del self._levels[priority]
+        item = self.peek()
+        if item is not None:
+            self.take(item)
         return item
+
+    def take(self, item: T) -> None:
+        """Remove a queued `item` as served: its key has had its turn, and goes behind the other
+        keys waiting at its priority."""
+        priority, key = self._where[id(item)]
+        self.remove(item)
+        keys = self._levels.get(priority)
+        if keys is not None and key in keys:
+            keys.move_to_end(key)
+
+    def hold(self, item: T) -> bool:
+        """`item` could not be taken while later ones may be: it keeps its place ahead of the items
+        of its priority not held, however keys take turns, and leaves its key's turns to the key's
+        other items, until it is taken or removed. False when it was held already."""
+        if id(item) in self._held or id(item) not in self._where:
+            return False
+        self._held[id(item)] = item
+        return True
 
     def remove(self, item: T) -> bool:
         where = self._where.pop(id(item), None)
         if where is None:
             return False
         priority, key = where
+        self._held.pop(id(item), None)
         self._forget_one(key)
         keys = self._levels[priority]
         items = keys[key]

@@ -3,6 +3,10 @@ vLLM's `/v1/models` does, `parent` naming the base model) and report `vllm:lora_
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import httpx
 import pytest
 from corral_gateway import replica_poller
 
@@ -97,3 +101,37 @@ async def test_adapter_requests_go_where_the_adapter_runs(has_load_headers: bool
             assert response.json()["served_by"] == "running"
         metrics = (await client.get("/metrics")).text
         assert 'corral_gateway_adapter_routes_total{affinity="active",model="m"} 4.0' in metrics
+
+
+async def test_a_waiting_adapter_request_does_not_hold_up_base_requests() -> None:
+    """The adapter's only replica is saturated: its request waits in the pool's queue while base
+    requests behind it go to the other replica; when its replica has room, it goes first."""
+    lora = FakeEngine(name="lora", adapters={"sql": "/a"}, num_waiting=10)
+    base = FakeEngine(name="base")
+    async with fleet([lora, base], queue_timeout_s=20) as (client, urls):
+
+        async def is_known(num_waiting: int) -> bool:
+            seen = await replicas(client)
+            return seen[urls[0]]["adapters"] == ["sql"] and seen[urls[1]]["num_waiting"] == num_waiting
+
+        await eventually(lambda: is_known(0))
+        adapter = asyncio.create_task(client.post("/v1/completions", json={"model": "sql", "prompt": "a"}))
+        await eventually(lambda: is_queued(client, 1))
+        for _ in range(3):
+            request = client.post("/v1/completions", json={"model": "m", "prompt": "b"})
+            served = await asyncio.wait_for(request, 5)  # before: queued behind the adapter request
+            assert served.json()["served_by"] == "base"
+        assert not adapter.done() and lora.bodies == []
+        base.num_waiting = 10  # the base replica saturates too: a base request queues behind
+        await eventually(lambda: is_known(10))
+        waiting = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "w"}))
+        await eventually(lambda: is_queued(client, 2))
+        lora.num_waiting = 5  # room for one request there, which either could take
+        assert (await adapter).json()["served_by"] == "lora"
+        assert (await waiting).json()["served_by"] == "lora"  # after the adapter's, room again
+        assert [json.loads(b)["model"] for b in lora.bodies] == ["sql", "m"]
+
+
+async def is_queued(client: httpx.AsyncClient, num_requests: int) -> bool:
+    metric = f'corral_gateway_queue_length{{model="m"}} {float(num_requests)}'
+    return metric in (await client.get("/metrics")).text

@@ -10,7 +10,7 @@ from corral_gateway.errors import RateLimited, Unavailable
 from corral_gateway.fair_queue import FairQueue
 from corral_gateway.load import LoadSample
 from corral_gateway.policies import make_policy
-from corral_gateway.registry import Registry, Saturation
+from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import Router
 
 
@@ -191,3 +191,88 @@ async def test_one_keys_burst_cannot_shut_another_key_out_of_a_full_queue() -> N
     await asyncio.wait_for(asyncio.gather(burst[0], other), 1)
     assert not burst[1].done()
     burst[1].cancel()
+
+
+def test_a_held_item_keeps_its_place_and_leaves_its_keys_turns_to_the_keys_other_items() -> None:
+    queue: FairQueue[str] = FairQueue(max_len=10)
+    for item in ("a1", "a2", "a3", "b1", "b2"):
+        queue.push(item, key=item[0])
+    assert list(queue.ordered()) == ["a1", "b1", "a2", "b2", "a3"]
+    assert queue.hold("a1") and not queue.hold("a1")
+    assert list(queue.ordered()) == ["a1", "a2", "b1", "a3", "b2"]
+    queue.take("a2")  # key a had its turn
+    assert list(queue.ordered()) == ["a1", "b1", "a3", "b2"]
+    queue.take("b1")
+    queue.push("urgent", priority=5, key="b")
+    assert list(queue.ordered()) == ["urgent", "a1", "a3", "b2"]  # held, but only first at its priority
+    assert queue.pop() == "urgent" and queue.pop() == "a1"
+    assert list(queue.ordered()) == ["b2", "a3"]  # no longer held: key a had its turn
+    assert not queue.hold("a1")  # gone
+
+
+def pool_with_adapter_replica(now: list[float]) -> tuple[Router, Replica, Replica]:
+    """Pool m: replica a lists adapter sql, b does not; both saturated (9 waiting)."""
+    registry = Registry()
+    registry.set_replicas("m", ["http://a", "http://b"])
+    for url in ("http://a", "http://b"):
+        registry.observe(url, LoadSample(8, 9, 0.5, at_s=now[0]))
+    a, b = registry.replicas("m")
+    a.adapters = {"sql": {}}
+    return Router(registry, make_policy("kv-aware", SAT), SAT, 2.0, clock=lambda: now[0]), a, b
+
+
+def make_room(router: Router, replica: Replica, num_requests: int) -> None:
+    """A fresh sample with room for `num_requests` before it is full again (over 5 waiting)."""
+    router.registry.observe(replica.url, LoadSample(8, 6 - num_requests, 0.5, at_s=router.clock()))
+
+
+async def test_a_queued_adapter_request_does_not_hold_up_the_requests_behind_it() -> None:
+    """The adapter's only replica is saturated: requests behind its request go to the other replica
+    as it makes room, in the queue's order (key a's turn passes to its base request), and the
+    adapter request keeps its place: it takes the first room on its replica, before a base request."""
+    now = [100.0]
+    router, a, b = pool_with_adapter_replica(now)
+    admission = Admission(router, max_queue_len=8, timeout_s=5.0)
+    asks = {
+        "c1": Ask("m", fairness_key="c"),  # first: the adapter request queues behind it
+        "sql": Ask("m", fairness_key="a", adapter="sql"),
+        "a2": Ask("m", fairness_key="a"),
+        "b1": Ask("m", fairness_key="b"),
+        "b2": Ask("m", fairness_key="b"),
+    }
+    tasks = {name: asyncio.create_task(admission.acquire(ask)) for name, ask in asks.items()}
+    await asyncio.sleep(0.01)
+    assert admission.queue_len("m") == 5
+    make_room(router, b, 2)
+    admission.pump("m")
+    await asyncio.sleep(0.01)
+    assert [name for name, task in tasks.items() if task.done()] == ["c1", "a2"]
+    assert tasks["a2"].result() is b
+    make_room(router, b, 1)
+    admission.pump("m")
+    await asyncio.wait_for(tasks["b1"], 1)
+    assert not tasks["sql"].done() and not tasks["b2"].done()
+    make_room(router, a, 1)  # room for one on a, which b2 could take too
+    admission.pump("m")
+    assert await asyncio.wait_for(tasks["sql"], 1) is a
+    await asyncio.sleep(0.01)
+    assert not tasks["b2"].done() and admission.queue_len("m") == 1
+    tasks["b2"].cancel()
+
+
+async def test_a_request_excluding_a_replica_does_not_hold_up_those_behind_it() -> None:
+    """A retried request may not go back to the replica that failed it; while every other replica
+    is full, requests behind it still get that one."""
+    now = [100.0]
+    router, a, b = pool_with_adapter_replica(now)
+    admission = Admission(router, max_queue_len=8, timeout_s=5.0)
+    retried = asyncio.create_task(admission.acquire(Ask("m", exclude=["http://b"])))
+    later = asyncio.create_task(admission.acquire(Ask("m")))
+    await asyncio.sleep(0.01)
+    make_room(router, b, 1)
+    admission.pump("m")
+    assert await asyncio.wait_for(later, 1) is b
+    assert not retried.done()
+    make_room(router, a, 1)
+    admission.pump("m")
+    assert await asyncio.wait_for(retried, 1) is a
