@@ -10,41 +10,36 @@ and waiting for its tokens, so the host works while the device computes; outputs
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing.util
 import time
-from collections import deque
 from collections.abc import Sequence as SequenceABC
 
-import torch
-
 from corral_engine.args import EngineArgs
-from corral_engine.core import ngram
 from corral_engine.core.block_manager import BlockManager
 from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from corral_engine.core.sequence import Request, Sequence
+from corral_engine.engine_adapters import EngineAdapters
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from corral_engine.lora import AdapterError, LoraRequest, startup_adapters
-from corral_engine.model.batch import PENDING_TOKEN, TokenFill
+from corral_engine.model.batch import TokenFill
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.native import load_fused_ops
-from corral_engine.model.sampler import PendingSample, Sampler, SampleResult, token_logprob
+from corral_engine.model.sampler import PendingSample, Sampler, record_prompt_logprobs
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
-from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies
-from corral_engine.request_checks import check_request
+from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
+from corral_engine.request_builder import Prompt, RequestBuilder
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.sources.uri import parse_model_uri
 from corral_engine.structured.compiler import GrammarCompiler
-from corral_engine.structured.masks import StepMasks, advance
+from corral_engine.structured.masks import StepMasks
+from corral_engine.token_appender import TokenAppender, Touched
 from corral_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 class LLMEngine:
@@ -95,15 +90,13 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy, max_loras),
             self.block_manager,
         )
+        self.adapters = EngineAdapters(self.runner)
         for lora in startup_adapters(args.lora_modules):
             try:
-                self.runner.add_lora(lora)
+                self.adapters.add(lora)
             except AdapterError as e:
                 self._close_runner()
                 raise ModelLoadError(str(e)) from None
-        # Adapters unloaded (thread-safe queue), dropped once no request of theirs is left.
-        self._lora_removals: deque[int] = deque()
-        self._removing_loras: set[int] = set()
         # On CPU the sampler's noise comes from the native exponential race (CORRAL_NATIVE_ATTENTION=0:
         # PyTorch's exponential_, 5-10x slower).
         fused_ops = load_fused_ops(self.settings) if self.runner.device.type == "cpu" else None
@@ -112,38 +105,51 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.grammar_masks = StepMasks(self.grammars)
         self.requests: dict[str, Request] = {}
+        self.request_builder = RequestBuilder(
+            self.tokenizer,
+            self.max_model_len,
+            self.model_config.vocab_size,
+            self.block_manager,
+            self.grammars,
+        )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, args.stream_interval
         )
-        # On CPU the forward pass runs inside runner.execute: no idle device to overlap with.
-        overlap = self.settings.overlap_output
-        self.overlaps_output = overlap == "1" or (overlap == "auto" and self.runner.device.type == "cuda")
-        logger.info("output overlap: %s", "on" if self.overlaps_output else "off")
-        mode = self.settings.async_scheduling
-        self.schedules_ahead = (
-            (mode == "1" or (mode == "auto" and self.runner.device.type == "cuda"))
-            and self.runner.fills_inputs_on_device
-            and not args.speculative
-        )
-        logger.info("async scheduling: %s", "on" if self.schedules_ahead else "off")
+        self.overlaps_output, self.schedules_ahead = self._pipelining()
         # Async scheduling: the last step's sampling, not waited for yet; its sequences hold
         # PENDING_TOKEN as their newest token until this step has launched.
         self._inflight: PendingSample | None = None
         # The last step's text half, when it waits for this step (request id -> seq id -> new tokens).
         # Its requests stay in `requests` until their outputs are out.
-        self._deferred: dict[str, dict[int, int]] = {}
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
+        self._deferred: Touched = {}
         self._stats = EngineStats(
             block_size=args.block_size,
             num_kv_blocks=self.runner.num_kv_blocks,
             num_spec_accepted_per_pos=[0] * (args.num_speculative_tokens if args.speculative else 0),
             max_loras=max_loras,
         )
+        self._appender = TokenAppender(
+            self.scheduler, self.output_processor, self._stats, args, self.max_model_len
+        )
         self.last_step_num_tokens = 0
         # The token latencies the last step's tokens added (for the server's histograms).
         self.last_step_latencies = StepLatencies()
         self.last_schedule: list[ScheduledSeq] = []  # the last step's batch (the simulator's calibration)
+
+    def _pipelining(self) -> tuple[bool, bool]:
+        """Whether the output overlap and async scheduling are on (logged); auto: on CUDA. On CPU
+        the forward pass runs inside runner.execute: no idle device to overlap with."""
+        on_cuda = self.runner.device.type == "cuda"
+        overlap, mode = self.settings.overlap_output, self.settings.async_scheduling
+        overlaps_output = overlap == "1" or (overlap == "auto" and on_cuda)
+        logger.info("output overlap: %s", "on" if overlaps_output else "off")
+        schedules_ahead = (
+            (mode == "1" or (mode == "auto" and on_cuda))
+            and self.runner.fills_inputs_on_device
+            and not self.args.speculative
+        )
+        logger.info("async scheduling: %s", "on" if schedules_ahead else "off")
+        return overlaps_output, schedules_ahead
 
     # -- life cycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -166,9 +172,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        return list(prompt)
+        return self.request_builder.tokenize(prompt)
 
     def make_request(
         self,
@@ -182,24 +186,7 @@ class LLMEngine:
         `lora`: the adapter it generates with (registered with `add_lora`)."""
         if self.is_closed:
             raise EngineDeadError("the engine is closed")
-        token_ids = self.tokenize(prompt)
-        params = check_request(
-            token_ids, params, self.max_model_len, self.model_config.vocab_size, self.block_manager
-        )
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_order=next(self._arrivals),
-            metrics=RequestMetrics.for_sequences(arrival_time or time.monotonic(), params.n),
-            lora=lora,
-        )
-        request.seqs = [
-            Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))
-            for i in range(params.n)
-        ]
-        self.grammars.attach(request)
-        return request
+        return self.request_builder.build(request_id, prompt, params, arrival_time, lora)
 
     def add_request(
         self,
@@ -218,19 +205,11 @@ class LLMEngine:
         """Read and register an adapter (from any thread); AdapterError when it cannot be served."""
         if self.is_closed:
             raise EngineDeadError("the engine is closed")
-        self.runner.add_lora(lora)
+        self.adapters.add(lora)
 
     def remove_lora(self, lora_id: int) -> None:
         """Unregister an adapter (from any thread); its weights go once its requests are done."""
-        self._lora_removals.append(lora_id)
-
-    def _drop_unused_loras(self) -> None:
-        while self._lora_removals:
-            self._removing_loras.add(self._lora_removals.popleft())
-        in_use = {r.lora.lora_id for r in self.requests.values() if r.lora is not None}
-        for lora_id in self._removing_loras - in_use:
-            self.runner.remove_lora(lora_id)
-        self._removing_loras &= in_use
+        self.adapters.remove(lora_id)
 
     def insert_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -244,10 +223,8 @@ class LLMEngine:
         if request is None:
             return None
         counts = self._deferred.pop(request_id, {})
-        for seq in request.seqs:  # a token still on the device is dropped with the request
-            if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
-                seq.token_ids.pop()
-        self._detokenize(request, counts)  # the tokens it has: a stop string may have ended it
+        self._appender.drop_places(request.seqs)  # a token still on the device goes with it
+        self._appender.detokenize(request, counts)  # the tokens it has: a stop string may have ended it
         self.scheduler.abort(request)
         counts = self.output_processor.due(request, counts, True) or {}  # with any held back
         return self._finish_request(
@@ -266,8 +243,8 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._lora_removals or self._removing_loras:
-            self._drop_unused_loras()
+        if self.adapters.has_removals:
+            self.adapters.drop_unused(self.requests.values())
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_batched_tokens
         self.last_step_latencies = StepLatencies()
@@ -275,7 +252,7 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if sched.is_empty:
             outputs = self._emit(self._take_deferred())
-            return outputs + self._emit(self._settle(inflight))
+            return outputs + self._emit(self._appender.settle(inflight, self.last_step_latencies))
         now = time.monotonic()
         for s in sched.scheduled:
             metrics = s.seq.request.metrics
@@ -292,24 +269,10 @@ class LLMEngine:
         else:  # this step's inputs take the last step's tokens on the device
             rows = {seq.seq_id: row for row, seq in enumerate(inflight.seqs)}
             logits = self.runner.execute(sched.scheduled, TokenFill(inflight.tokens, rows))
-        plain: list[Sequence] = []
-        plain_rows: list[int] = []
-        drafts: list[tuple[ScheduledSeq, int]] = []  # (scheduled, first logits row)
-        row = 0
-        for s in sched.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens - s.num_spec  # drafts count once verified
-            if not s.samples:
-                continue
-            if s.num_spec:
-                drafts.append((s, row))
-            else:
-                plain.append(seq)
-                plain_rows.append(row)
-            row += 1 + s.num_spec
+        plain, plain_rows, drafts, row = _sampling_rows(sched.scheduled)
         # The last step's tokens (async scheduling), now that this step is queued behind them;
         # full blocks join the prefix cache only once their tokens are known.
-        settled = self._settle(inflight)
+        settled = self._appender.settle(inflight, self.last_step_latencies)
         for s in sched.scheduled:
             self.block_manager.register_computed(s.seq)
         sampled = logits[:row] if len(plain_rows) == row else logits[plain_rows]
@@ -319,92 +282,34 @@ class LLMEngine:
         # schedule, and the device's reads of freed blocks are ordered before any later step's.
         outputs = self._emit(self._take_deferred())
         outputs += self._emit(settled)
-        if self._can_schedule_ahead(plain, drafts, scored):
+        if self.schedules_ahead and not drafts and not scored and self._appender.can_defer(plain):
             # The next step is scheduled before these tokens reach the host: each sequence holds
             # a placeholder, which the next step's inputs replace on the device.
-            for seq in plain:
-                if not seq.is_finished:
-                    seq.token_ids.append(PENDING_TOKEN)
+            self._appender.hold_places(plain)
             self._inflight = pending
             self._stats.num_steps_total += 1
             return outputs
         result = pending.wait()
         if len(logits) > row:  # prompt_logprobs rows follow the sampling rows
-            self._record_prompt_logprobs(scored, logits[row:])
-        touched = self._append_sampled(plain, result, drafts, logits)
+            record_prompt_logprobs(scored, logits[row:])
+        touched = self._appender.append_sampled(plain, result, drafts, logits, self.last_step_latencies)
         self._stats.num_steps_total += 1
         if self.overlaps_output:
             self._deferred = touched
             return outputs
         return outputs + self._emit(touched)
 
-    def _append_sampled(
-        self,
-        plain: list[Sequence],
-        result: SampleResult,
-        drafts: list[tuple[ScheduledSeq, int]],
-        logits: torch.Tensor | None,
-    ) -> dict[str, dict[int, int]]:
-        """Append the step's new tokens; request id -> seq id -> how many each sequence gained."""
-        now = time.monotonic()
-        touched: dict[str, dict[int, int]] = {}
-        for seq, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
-            if seq.is_finished:
-                continue  # a stop string in the last step's text ended it: this token is dropped
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            self._append_tokens(seq, [token_id], now, touched)
-        for s, first_row in drafts:
-            assert logits is not None
-            if not s.seq.is_finished:
-                tokens = self._verify(s, logits[first_row : first_row + 1 + s.num_spec])
-                self._append_tokens(s.seq, tokens, now, touched)
-        return touched
-
-    def _settle(self, inflight: PendingSample | None) -> dict[str, dict[int, int]]:
-        """Wait for the last step's tokens (`inflight`: async scheduling) and append them in
-        place of their placeholders; what `_append_sampled` returns."""
-        if inflight is None:
-            return {}
-        result = inflight.wait()
-        for seq in inflight.seqs:
-            if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
-                seq.token_ids.pop()
-        return self._append_sampled(inflight.seqs, result, [], None)
-
-    def _can_schedule_ahead(
-        self,
-        plain: list[Sequence],
-        drafts: list[tuple[ScheduledSeq, int]],
-        scored: list[tuple[Sequence, range]],
-    ) -> bool:
-        """Whether the next step may be scheduled before this step's tokens are known: only when
-        nothing the next schedule or batch reads depends on them (grammars, drafts, logprobs) and
-        no sequence ends by length with this token (it would be scheduled once more for nothing)."""
-        if not self.schedules_ahead or not plain or drafts or scored:
-            return False
-        for seq in plain:
-            params = seq.request.params
-            if seq.grammar is not None or params.logprobs is not None or seq.request.pending_forks:
-                return False
-            if (
-                seq.num_output_tokens + 1 >= params.max_output_tokens
-                or seq.num_tokens + 1 >= self.max_model_len
-            ):
-                return False
-        return True
-
-    def _take_deferred(self) -> dict[str, dict[int, int]]:
+    def _take_deferred(self) -> Touched:
         deferred, self._deferred = self._deferred, {}
         return deferred
 
-    def _emit(self, touched: dict[str, dict[int, int]]) -> list[RequestOutput]:
+    def _emit(self, touched: Touched) -> list[RequestOutput]:
         """A step's text half: `touched` (request id -> seq id -> its new tokens) detokenized,
         stop strings applied, and an output per request (finished ones released)."""
         outputs = []
         for request_id, counts in touched.items():
             request = self.requests[request_id]
-            self._detokenize(request, counts)
+            self._appender.detokenize(request, counts)
             is_finished = request.is_finished
             due = self.output_processor.due(request, counts, is_finished)
             if due is None:  # the stream interval holds it for a later step
@@ -412,94 +317,6 @@ class LLMEngine:
             output = self.output_processor.build_output(request, due, is_finished)
             outputs.append(self._finish_request(request, output) if is_finished else output)
         return outputs
-
-    def _detokenize(self, request: Request, counts: dict[int, int]) -> None:
-        """Detokenize the request's new tokens; a stop string ends its sequence there, and any
-        tokens after it (accepted drafts) are dropped, as if they had never been appended."""
-        children = request.metrics.children
-        for seq in request.seqs:
-            num_new = counts.get(seq.seq_id, 0)
-            num_dropped = self.output_processor.detokenize(seq, num_new) if num_new else None
-            if num_dropped is not None:
-                if num_dropped:
-                    del seq.token_ids[-num_dropped:]
-                    del seq.logprobs[seq.num_output_tokens :]
-                    counts[seq.seq_id] = num_new - num_dropped
-                    self._stats.num_generation_tokens_total -= num_dropped
-                if not seq.is_finished:
-                    self.scheduler.finish(seq)
-            if children is not None and num_new and seq.is_finished:
-                # A child request (n > 1) ends with its text, as the request does in _finish_request.
-                children[seq.index].finished_time = time.monotonic()
-
-    def _record_prompt_logprobs(self, scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
-        raw = torch.log_softmax(logits, dim=-1).cpu()  # [rows, V]
-        i = 0
-        for seq, positions in scored:
-            k = seq.request.params.prompt_logprobs or 0
-            for q in positions:
-                seq.prompt_logprobs.append(token_logprob(raw[i], seq.token_ids[q + 1], k))
-                i += 1
-
-    def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
-        """Greedy verification: keep the drafts the model agrees with, plus its own next token."""
-        seq = s.seq
-        greedy = logits.argmax(dim=-1).tolist()  # [1 + num_spec]
-        drafts = seq.spec_token_ids[: s.num_spec]
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
-            accepted += 1
-        seq.num_computed_tokens += accepted  # the accepted drafts' KV is valid; the rest is dropped
-        self._stats.num_spec_proposed_total += len(drafts)
-        self._stats.num_spec_accepted_total += accepted
-        if drafts:
-            self._stats.num_spec_drafts_total += 1
-            per_pos = self._stats.num_spec_accepted_per_pos
-            for position in range(accepted):
-                per_pos[position] += 1
-        return [*drafts[:accepted], greedy[accepted]]
-
-    def _append_tokens(
-        self, seq: Sequence, tokens: list[int], now: float, touched: dict[str, dict[int, int]]
-    ) -> None:
-        request = seq.request
-        if seq.index == 0 and request.pending_forks:
-            self.scheduler.fork_siblings(request)
-        counts = touched.setdefault(request.request_id, {})
-        seq.spec_token_ids = []
-        num_appended = 0
-        for token_id in tokens:
-            seq.token_ids.append(token_id)
-            num_appended += 1
-            if seq.grammar is not None:
-                advance(seq, token_id)
-            if self.output_processor.check_stop_token(seq, token_id):  # stop strings: _detokenize
-                self.scheduler.finish(seq)
-            if seq.is_finished:
-                break
-        counts[seq.seq_id] = counts.get(seq.seq_id, 0) + num_appended
-        self._stats.num_generation_tokens_total += num_appended
-        if self.last_step_latencies.tokens_made(request.metrics, now, num_appended, seq.index):
-            # Counted once its prefill is done, as vLLM does: the counter's rate is prefill work,
-            # not arrivals (a burst of 200 requests would otherwise look like one busy interval).
-            # Once per sequence, as vLLM v1 counts each child request's prompt.
-            self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
-        if seq.is_finished:
-            return
-        if self.args.speculative and request.params.can_speculate:
-            room = (
-                min(
-                    request.params.max_output_tokens - seq.num_output_tokens,
-                    self.max_model_len - seq.num_tokens,
-                )
-                - 1
-            )
-            seq.spec_token_ids = ngram.propose(
-                seq.token_ids,
-                min(self.args.num_speculative_tokens, room),
-                min_ngram=self.args.prompt_lookup_min,
-                max_ngram=self.args.prompt_lookup_max,
-            )
 
     def _finish_request(self, request: Request, output: RequestOutput) -> RequestOutput:
         request.metrics.finish(time.monotonic())
@@ -530,7 +347,7 @@ class LLMEngine:
         param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompt_list):
             raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} SamplingParams")
-        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompt_list))]
+        ids = [f"gen-{self.request_builder.next_arrival()}-{i}" for i in range(len(prompt_list))]
         requests = [
             self.make_request(i, p, sp) for i, p, sp in zip(ids, prompt_list, param_list, strict=True)
         ]
@@ -545,3 +362,27 @@ class LLMEngine:
 
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
+
+
+def _sampling_rows(
+    scheduled: list[ScheduledSeq],
+) -> tuple[list[Sequence], list[int], list[tuple[ScheduledSeq, int]], int]:
+    """Count a step's computed tokens (drafts once verified) and lay out its logits rows: the
+    sequences sampling one token and their rows, those with drafts (scheduled, first row), and
+    how many rows sample."""
+    plain: list[Sequence] = []
+    plain_rows: list[int] = []
+    drafts: list[tuple[ScheduledSeq, int]] = []
+    row = 0
+    for s in scheduled:
+        seq = s.seq
+        seq.num_computed_tokens += s.num_new_tokens - s.num_spec
+        if not s.samples:
+            continue
+        if s.num_spec:
+            drafts.append((s, row))
+        else:
+            plain.append(seq)
+            plain_rows.append(row)
+        row += 1 + s.num_spec
+    return plain, plain_rows, drafts, row

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
-from corral_engine import llm_engine
+from corral_engine import token_appender
 from corral_engine.demo_model import write_demo_model
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.attention import AttentionContext
@@ -179,7 +179,7 @@ def test_draft_rows_of_speculative_decoding_match_too(
         drafts = truth[len(token_ids) : len(token_ids) + max_proposals]
         return [*drafts[:-1], (drafts[-1] + 1) % 500] if drafts else []
 
-    monkeypatch.setattr(llm_engine.ngram, "propose", half_right)
+    monkeypatch.setattr(token_appender.ngram, "propose", half_right)
     engine = make_engine(
         tiny_model_dir,
         dtype="bfloat16",

@@ -9,7 +9,7 @@ import pathlib
 import re
 
 import pytest
-from corral_engine import llm_engine
+from corral_engine import token_appender
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import RequestOutput
@@ -207,7 +207,7 @@ def test_stop_strings_inside_accepted_drafts(
         num_dropped.append(dropped or 0)
         return dropped
 
-    monkeypatch.setattr(llm_engine.ngram, "propose", oracle)
+    monkeypatch.setattr(token_appender.ngram, "propose", oracle)
     monkeypatch.setattr(OutputProcessor, "detokenize", counting)
     for settings in (OFF, ON):
         engine = make_engine(tiny_model_dir, settings=settings, speculative="ngram", num_speculative_tokens=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from corral_engine import llm_engine
+from corral_engine import token_appender
 from corral_engine.args import ArgumentError, EngineArgs
 from corral_engine.core import ngram
 from corral_engine.core.ngram import propose
@@ -86,13 +86,13 @@ def test_accepted_drafts_cut_steps_and_rejected_ones_change_nothing(
                 return full[n : n + max_proposals]
         return []
 
-    monkeypatch.setattr(llm_engine.ngram, "propose", oracle)
+    monkeypatch.setattr(token_appender.ngram, "propose", oracle)
     spec, stats = _run(tiny_model_dir, prompts, speculative="ngram", num_speculative_tokens=4)
     assert spec == plain
     assert stats.num_spec_accepted_total == stats.num_spec_proposed_total > 0  # type: ignore[attr-defined]
     assert stats.num_steps_total * 3 < plain_stats.num_steps_total  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(llm_engine.ngram, "propose", lambda ids, k, **_: [(ids[-1] + 1) % 500] * k)
+    monkeypatch.setattr(token_appender.ngram, "propose", lambda ids, k, **_: [(ids[-1] + 1) % 500] * k)
     spec, stats = _run(tiny_model_dir, prompts, speculative="ngram", num_speculative_tokens=4)
     assert spec == plain
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import pytest
 from corral_engine.errors import ModelLoadError
 from corral_engine.model import runner as runner_module
+from corral_engine.model.attention import choose_attention_backend
 from corral_engine.model.cuda_graphs import EagerCapture, capture_sizes
 from corral_engine.model.kv_cache import (
     GpuMemoryProfile,
@@ -23,7 +24,6 @@ from corral_engine.model.kv_cache import (
     profile_gpu_memory,
     used_outside_torch,
 )
-from corral_engine.model.runner import choose_attention_backend
 from corral_engine.model.sampler import sample_rows
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings

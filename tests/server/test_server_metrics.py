@@ -192,11 +192,11 @@ def test_aborted_requests_are_not_observed() -> None:
 async def test_served_tiny_model_metrics(
     tiny_model_dir: pathlib.Path, speculative: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from corral_engine import AsyncEngine, EngineArgs, llm_engine
+    from corral_engine import AsyncEngine, EngineArgs, token_appender
 
     # A random-weight model rarely repeats itself: propose 4 drafts every step (accepted only
     # where the model happens to agree), so the draft count is known.
-    monkeypatch.setattr(llm_engine.ngram, "propose", lambda ids, k, **_: [(ids[-1] + 1) % 500] * k)
+    monkeypatch.setattr(token_appender.ngram, "propose", lambda ids, k, **_: [(ids[-1] + 1) % 500] * k)
 
     args = EngineArgs(
         model=str(tiny_model_dir),

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from corral_engine.errors import ModelLoadError
 from corral_engine.model.native import PagedDecode
 
 # In place on a prompt block's [KVH, rows * G, cols] scores: (scores, rows, first, window); native.FusedOps.
@@ -216,6 +217,29 @@ def prompt_block_rows(
     if mode == "1":
         return rows
     return rows if dtype == torch.bfloat16 and has_native_bf16 else 0
+
+
+def choose_attention_backend(
+    requested: str, device_type: str, has_native: bool, triton_interpret: bool
+) -> str:
+    """The attention backend for `requested` (EngineArgs.attention_backend) on this device:
+    auto is triton on CUDA, else native where its kernel built (and takes this dtype), else sdpa.
+    A backend that cannot run here is an error that says why."""
+    if requested == "auto":
+        return "triton" if device_type == "cuda" else "native" if has_native else "sdpa"
+    if requested == "triton" and device_type != "cuda" and not triton_interpret:
+        raise ModelLoadError(
+            "attention backend triton runs on CUDA, or on the CPU under Triton's interpreter "
+            "(TRITON_INTERPRET=1; slow, for tests)"
+        )
+    if requested == "native" and not has_native:
+        why = (
+            "it is a CPU kernel"
+            if device_type != "cpu"
+            else "its kernel did not build here or takes no such dtype"
+        )
+        raise ModelLoadError(f"attention backend native is unavailable: {why}; use auto or sdpa")
+    return requested
 
 
 def matmul_prompt_attention(

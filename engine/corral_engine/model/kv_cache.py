@@ -2,8 +2,8 @@
 
 On CPU the cache gets a fixed budget (1 GiB unless told). On CUDA it gets what the card has left
 once the weights and a maximal step fit under --gpu-memory-utilization, vLLM's rule: the runner
-profiles one step of max_num_batched_tokens tokens (profile_gpu_memory) and gpu_kv_cache_bytes
-turns the figures into the cache's size.
+profiles one step of max_num_batched_tokens tokens (maximal_step, under profile_gpu_memory) and
+gpu_kv_cache_bytes turns the figures into the cache's size.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from typing import Protocol
 import torch
 
 from corral_engine.args import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineArgs
+from corral_engine.core.scheduler import ScheduledSeq
+from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import ModelLoadError
+from corral_engine.outputs import RequestMetrics
+from corral_engine.sampling_params import SamplingParams
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [blocks, block_size, KVH, D]
 
@@ -153,3 +157,24 @@ def profile_gpu_memory(
     total = memory.mem_get_info()[1]
     added = max(0, used_outside_torch(memory) - others_bytes)
     return GpuMemoryProfile(total, peak, added, others_bytes)
+
+
+def maximal_step(args: EngineArgs, max_model_len: int) -> tuple[list[ScheduledSeq], int]:
+    """The largest step the scheduler allows (max_num_batched_tokens tokens over up to
+    max_num_seqs prefilling sequences) and the KV blocks it fills, numbered from 0: the step the
+    memory profile runs. Its sequences' ids are negative, apart from any real one's."""
+    bs = args.block_size
+    num_seqs = max(1, min(args.max_num_seqs, args.max_num_batched_tokens))
+    num_tokens = min(args.max_num_batched_tokens, num_seqs * max_model_len)
+    lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+    lengths = [n for n in lengths if n > 0]
+    scheduled, next_block = [], 0
+    for i, n in enumerate(lengths):
+        blocks = list(range(next_block, next_block + -(-n // bs)))
+        next_block += len(blocks)
+        params = SamplingParams(max_tokens=1)
+        request = Request(f"memory-profile-{i}", [0] * n, params, i, RequestMetrics(0.0))
+        seq = Sequence(-1 - i, request, 0, [0] * n, n, block_table=blocks)
+        request.seqs.append(seq)
+        scheduled.append(ScheduledSeq(seq, 0, n))
+    return scheduled, next_block

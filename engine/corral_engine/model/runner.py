@@ -16,10 +16,9 @@ import torch
 
 from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
-from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import ModelLoadError
 from corral_engine.lora import AdapterError, LoraRequest
-from corral_engine.model.attention import prompt_block_rows
+from corral_engine.model.attention import choose_attention_backend, prompt_block_rows
 from corral_engine.model.batch import BatchBuilder, TokenFill
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
@@ -35,6 +34,7 @@ from corral_engine.model.kv_cache import (
     TorchCudaMemory,
     allocate_kv_caches,
     gpu_kv_cache_bytes,
+    maximal_step,
     num_kv_blocks,
     profile_gpu_memory,
     used_outside_torch,
@@ -46,7 +46,6 @@ from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
 from corral_engine.model.sampler import sample_rows
-from corral_engine.outputs import RequestMetrics
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 
@@ -380,21 +379,8 @@ class ModelRunner:
         """One step as large as the scheduler allows (max_num_batched_tokens tokens over up to
         max_num_seqs sequences, each sampling with top_k, top_p and min_p), over a KV cache just
         big enough: the peak activation memory the KV cache must leave room for."""
-        args, bs = self.args, self.block_size
-        num_seqs = max(1, min(args.max_num_seqs, args.max_num_batched_tokens))
-        num_tokens = min(args.max_num_batched_tokens, num_seqs * self.max_model_len)
-        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        lengths = [n for n in lengths if n > 0]
-        scheduled, next_block = [], 0
-        for i, n in enumerate(lengths):
-            blocks = list(range(next_block, next_block + -(-n // bs)))
-            next_block += len(blocks)
-            params = SamplingParams(max_tokens=1)
-            request = Request(f"memory-profile-{i}", [0] * n, params, i, RequestMetrics(0.0))
-            seq = Sequence(-1 - i, request, 0, [0] * n, n, block_table=blocks)
-            request.seqs.append(seq)
-            scheduled.append(ScheduledSeq(seq, 0, n))
-        shape = (next_block, bs, self.num_kv_heads, self.config.head_dim)
+        scheduled, num_blocks = maximal_step(self.args, self.max_model_len)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim)
         self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.dtype, self.device)
         try:
             logits = self.execute(scheduled)  # [num_seqs, V]; [0, V] on tensor-parallel ranks > 0
@@ -404,26 +390,3 @@ class ModelRunner:
             for s in scheduled:
                 self.release(s.seq.seq_id)
             del self.kv_caches  # the real cache is sized from this step's figures
-
-
-def choose_attention_backend(
-    requested: str, device_type: str, has_native: bool, triton_interpret: bool
-) -> str:
-    """The attention backend for `requested` (EngineArgs.attention_backend) on this device:
-    auto is triton on CUDA, else native where its kernel built (and takes this dtype), else sdpa.
-    A backend that cannot run here is an error that says why."""
-    if requested == "auto":
-        return "triton" if device_type == "cuda" else "native" if has_native else "sdpa"
-    if requested == "triton" and device_type != "cuda" and not triton_interpret:
-        raise ModelLoadError(
-            "attention backend triton runs on CUDA, or on the CPU under Triton's interpreter "
-            "(TRITON_INTERPRET=1; slow, for tests)"
-        )
-    if requested == "native" and not has_native:
-        why = (
-            "it is a CPU kernel"
-            if device_type != "cpu"
-            else "its kernel did not build here or takes no such dtype"
-        )
-        raise ModelLoadError(f"attention backend native is unavailable: {why}; use auto or sdpa")
-    return requested

@@ -314,3 +314,15 @@ def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     logprob = row[token_id]
     rank = int((row > logprob).sum()) + 1
     return TokenLogprob(token_id=token_id, logprob=float(logprob), top=top, rank=rank)
+
+
+def record_prompt_logprobs(scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
+    """Append to each scored sequence the logprobs of its prompt tokens at `positions` (logits:
+    [rows, V], a row per position, in order; each row predicts the token after its position)."""
+    raw = torch.log_softmax(logits, dim=-1).cpu()  # [rows, V]
+    i = 0
+    for seq, positions in scored:
+        k = seq.request.params.prompt_logprobs or 0
+        for q in positions:
+            seq.prompt_logprobs.append(token_logprob(raw[i], seq.token_ids[q + 1], k))
+            i += 1
