@@ -98,6 +98,8 @@ async def test_metrics_hold_what_the_gateway_and_the_dashboards_read(client: htt
     queried = set().union(*(metric_names(q.expr) for q in dashboard_queries()))
     # A series per draft position comes only with --speculative, which a simulated replica ignores.
     queried.discard(wire.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL)
+    # The LoRA gauge comes only with --enable-lora (tests/sim/test_sim_lora.py reads it there).
+    queried.discard(wire.LORA_REQUESTS_INFO)
     for name in sorted(n for n in queried if n.startswith("vllm:")):
         assert any(e == name or e.startswith(name + "_") for e in exported), name
     ttft_count = next(
