@@ -142,6 +142,35 @@ def test_max_loras_one_runs_two_adapters_in_turn(tiny_model_dir, adapters, promp
     assert [final[f"r{i}"] for i in range(len(names))] == [expected[n][i] for i, n in enumerate(names)]
 
 
+def test_max_loras_one_runs_base_requests_beside_an_adapter_and_does_not_starve_the_other(  # type: ignore[no-untyped-def]
+    tiny_model_dir, adapters, prompts, expected
+) -> None:
+    """Adapter "all" runs, "some" waits for the one slot: a base request passes and finishes then;
+    "all"'s requests, arriving every step, pass "some"'s only for a while, then "some" runs."""
+    engine = _lora_engine(tiny_model_dir, adapters, max_loras=1)
+    loras = _loras(adapters)
+    asked = {"a0": ("all", 0), "b": ("some", 1), "base": (None, 2)}
+    for request_id, (name, i) in asked.items():
+        engine.add_request(request_id, prompts[i], GREEDY, lora=loras[name])
+    final: dict[str, list[int]] = {}
+    adapters_when_base_finished = None  # (running, waiting) adapters' names
+    for step in range(1, 500):
+        if not any(s.request.request_id == "b" for s in engine.scheduler.waiting):
+            break  # "some" got the slot
+        asked[f"a{step}"] = ("all", step % len(prompts))  # "all" keeps getting work
+        engine.add_request(f"a{step}", prompts[step % len(prompts)], GREEDY, lora=loras["all"])
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        if "base" in final and adapters_when_base_finished is None:
+            adapters_when_base_finished = engine.scheduler.lora_names()
+    else:
+        raise AssertionError('"some" never got the slot')
+    assert adapters_when_base_finished == ("all", "some")
+    final.update(run_checked(engine))
+    assert {r: final[r] for r in asked} == {r: expected[name][i] for r, (name, i) in asked.items()}
+
+
 def test_runtime_added_adapter_and_removal(tiny_model_dir, adapters, prompts, expected) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(tiny_model_dir, enable_lora=True)
     lora = LoraRequest("late", 7, str(adapters["some"]))

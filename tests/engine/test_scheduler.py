@@ -7,7 +7,8 @@ import random
 import pytest
 from corral_engine.core.block_manager import BlockManager
 from corral_engine.core.scheduler import Scheduler, SchedulerConfig
-from corral_engine.core.sequence import Request, Sequence
+from corral_engine.core.sequence import Request, Sequence, SequenceStatus
+from corral_engine.lora import LoraRequest
 from corral_engine.outputs import RequestMetrics
 from corral_engine.sampling_params import SamplingParams
 
@@ -23,18 +24,20 @@ class Sim:
         max_seqs: int = 8,
         budget: int = 32,
         prefix_caching: bool = True,
+        max_loras: int = 0,
+        max_lora_skip_steps: int = 64,
     ):
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.sched = Scheduler(SchedulerConfig(max_seqs, budget, policy), self.bm)  # type: ignore[arg-type]
+        config = SchedulerConfig(max_seqs, budget, policy, max_loras, max_lora_skip_steps)  # type: ignore[arg-type]
+        self.sched = Scheduler(config, self.bm)
         self.rng = random.Random(0)
         self.requests: dict[str, Request] = {}
         self.num_ids = 0
 
-    def add(self, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1, lora: str | None = None) -> Request:
         rid = f"r{len(self.requests)}"
-        request = Request(
-            rid, prompt, SamplingParams(max_tokens=max_tokens, n=n), len(self.requests), RequestMetrics(0)
-        )
+        params = SamplingParams(max_tokens=max_tokens, n=n)
+        request = Request(rid, prompt, params, len(self.requests), RequestMetrics(0), lora=_lora(lora))
         for i in range(n):
             request.seqs.append(Sequence(self.num_ids, request, i, list(prompt), len(prompt)))
             self.num_ids += 1
@@ -72,6 +75,11 @@ class Sim:
                 return
             self.step()
         raise AssertionError("did not finish")
+
+
+def _lora(name: str | None) -> LoraRequest | None:
+    """An adapter named by one letter ("A" has id 65), or the base model for None."""
+    return None if name is None else LoraRequest(name, ord(name), f"/adapters/{name}")
 
 
 def test_decodes_run_before_new_prompts_and_prompts_are_chunked() -> None:
@@ -176,5 +184,90 @@ def test_requests_that_each_fit_the_cache_always_finish(policy: str, prefix_cach
         prompt = [rng.randrange(1000) for _ in range(num_prompt)]
         sim.add(prompt, rng.randint(1, capacity - num_prompt), n=rng.choice([1, 2, 3]))
     sim.run(max_steps=2_000)
+    assert all(r.is_finished for r in sim.requests.values())
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def _running_loras(sim: Sim) -> set[str]:
+    return {s.request.lora.name for s in sim.sched.running if s.request.lora is not None}
+
+
+def test_a_request_without_an_adapter_slot_lets_those_needing_none_pass() -> None:
+    """max_loras 1 with A running: B's request keeps its place at the head while a base request
+    and A's next one run; the metric still counts B as waiting."""
+    sim = Sim(64, 4, "preempt", max_loras=1)
+    sim.add([1, 2, 3], 50, lora="A")
+    sim.step()
+    b = sim.add([4, 5, 6], 4, lora="B")
+    base = sim.add([7, 8, 9], 4)
+    a2 = sim.add([10, 11, 12], 4, lora="A")
+    out = sim.sched.schedule()
+    admitted = [s.seq for s in out.scheduled[1:]]
+    assert admitted == [base.seqs[0], a2.seqs[0]]
+    assert list(sim.sched.waiting) == [b.seqs[0]]
+    assert sim.sched.lora_names() == ("A", "B")
+
+
+def test_one_short_of_blocks_still_stops_admission_behind_a_skipped_one() -> None:
+    """FCFS for everything but adapter slots: A's request passes B's, the next (too big for the
+    free blocks) stops admission, so the small one behind it waits too."""
+    sim = Sim(6, 4, "preempt", max_loras=1)
+    sim.add([1, 2, 3], 20, lora="A")
+    sim.step()
+    b = sim.add([4, 5, 6], 4, lora="B")
+    a2 = sim.add([7, 8], 4, lora="A")
+    big = sim.add(list(range(30)), 4)
+    small = sim.add([9], 4)
+    out = sim.sched.schedule()
+    assert [s.seq for s in out.scheduled[1:]] == [a2.seqs[0]]
+    assert list(sim.sched.waiting) == [b.seqs[0], big.seqs[0], small.seqs[0]]
+
+
+def test_a_skipped_adapter_is_not_starved_by_a_running_adapters_stream() -> None:
+    """A's requests keep arriving: they pass B's for max_lora_skip_steps steps, then queue behind
+    it so A drains and B runs; base requests pass it all along (they hold no slot)."""
+    bound = 3
+    sim = Sim(256, 4, "preempt", max_seqs=64, budget=256, max_loras=1, max_lora_skip_steps=bound)
+    sim.add([1, 2], 6, lora="A")
+    sim.step()
+    b = sim.add([3, 4], 2, lora="B")
+    passed_at: dict[str | None, list[int]] = {"A": [], None: []}  # steps its new request ran in
+    for step in range(1, 40):
+        new = [sim.add([step, 5], 6, lora="A"), sim.add([step, 6], 1)]
+        sim.step()
+        for request in new:
+            if request.seqs[0].status is not SequenceStatus.WAITING:
+                passed_at[request.lora.name if request.lora else None].append(step)
+        if b.seqs[0].status is not SequenceStatus.WAITING:
+            break
+        assert _running_loras(sim) <= {"A"}
+    else:
+        raise AssertionError("B's request never ran")
+    assert passed_at["A"] == list(range(1, bound + 1))  # A passes B only until the bound
+    assert passed_at[None] == list(range(1, step + 1))  # base requests pass all along
+    assert _running_loras(sim) == {"B"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_adapter_traffic_keeps_max_loras_and_finishes(seed: int) -> None:
+    rng = random.Random(seed)
+    max_loras = rng.randint(1, 2)
+    sim = Sim(
+        rng.randint(16, 40),
+        4,
+        rng.choice(["preempt", "reserve"]),
+        max_seqs=rng.randint(2, 8),
+        budget=rng.randint(8, 64),
+        max_loras=max_loras,
+        max_lora_skip_steps=rng.randint(0, 8),
+    )
+    for step in range(300):
+        if step < 150 and rng.random() < 0.5:
+            prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 12))]
+            lora = rng.choice([None, "A", "B", "C"])
+            sim.add(prompt, rng.randint(1, 10), n=rng.choice([1, 1, 2]), lora=lora)
+        sim.step()
+        assert len(_running_loras(sim)) <= max_loras
+    sim.run()
     assert all(r.is_finished for r in sim.requests.values())
     assert sim.bm.num_free_blocks == sim.bm.num_blocks

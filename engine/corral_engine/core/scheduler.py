@@ -5,8 +5,9 @@ FCFS, the last admitted possibly as a chunk (chunked prefill). Under `preempt`, 
 of blocks preempts the newest running sequence (its KV is recomputed later); under `reserve`, a
 sequence is admitted only with blocks for prompt + max_tokens, so nothing is ever preempted.
 With LoRA, the running sequences use at most `max_loras` distinct adapters: a waiting one whose
-adapter would be one too many waits at the head of the queue (in order: nothing overtakes it)
-until a running adapter's sequences finish.
+adapter would be one too many is skipped, keeping its place, and those behind it that need no new
+adapter slot may go (as vLLM does); once it has waited `max_lora_skip_steps` steps, the running
+adapters' requests stop overtaking it, so those adapters drain and it gets a slot.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     kv_policy: Literal["preempt", "reserve"] = "preempt"
     max_loras: int = 0  # distinct LoRA adapters among the running sequences; 0: LoRA is off
+    # Steps a request may wait at its turn for an adapter slot while running adapters' requests
+    # overtake it; after that they queue behind it. 64 decode steps (a second or two on a GPU) let
+    # a running adapter's burst join its batch yet add little beside the drain it waits for anyway.
+    max_lora_skip_steps: int = 64
 
 
 @dataclass(slots=True)
@@ -138,26 +143,42 @@ class Scheduler:
         return num_spec
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._has_lora_room(seq):
-                break  # its adapter waits for a slot; FCFS, as below
+        loras = self._running_loras() if self.config.max_loras else set()
+        num_skipped = 0  # those passed over this step: always the queue's first ones, in order
+        is_guarded = False  # one ahead waited too long for a slot: running adapters' requests wait
+        while num_skipped < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[num_skipped]
+            lora = seq.request.lora
+            if not self._has_lora_room(seq, loras):
+                seq.num_lora_skips += 1  # it keeps its place; those behind it needing no slot may go
+                is_guarded = is_guarded or seq.num_lora_skips > self.config.max_lora_skip_steps
+                num_skipped += 1
+                continue
+            if is_guarded and lora is not None:
+                num_skipped += 1  # a running adapter's (no slot is free): it lets that adapter drain
+                continue
             if not self._admit(seq, budget) and not self._admit_after_release(seq, budget):
-                break  # FCFS: nothing overtakes the head of the queue
-            self.waiting.popleft()
+                break  # FCFS: nothing overtakes one short of blocks
+            del self.waiting[num_skipped]
             seq.status = SequenceStatus.RUNNING
+            seq.num_lora_skips = 0  # a preempted one waits afresh
             self.running.append(seq)
+            if lora is not None:
+                loras.add(lora.lora_id)
             num_new = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
 
-    def _has_lora_room(self, seq: Sequence) -> bool:
-        """Whether `seq` may join the running ones without more than max_loras adapters among them."""
+    def _running_loras(self) -> set[int]:
+        return {s.request.lora.lora_id for s in self.running if s.request.lora is not None}
+
+    def _has_lora_room(self, seq: Sequence, loras: set[int]) -> bool:
+        """Whether `seq` may join the running ones (whose adapters' ids are `loras`) without more
+        than max_loras adapters among them."""
         lora = seq.request.lora
         if lora is None or not self.config.max_loras:
             return True
-        running = {s.request.lora.lora_id for s in self.running if s.request.lora is not None}
-        return lora.lora_id in running or len(running) < self.config.max_loras
+        return lora.lora_id in loras or len(loras) < self.config.max_loras
 
     def lora_names(self) -> tuple[str, str]:
         """(running, waiting) adapters' names, each comma-separated in first-seen order."""

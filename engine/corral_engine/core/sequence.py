@@ -38,6 +38,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # Steps it has waited at its turn for a LoRA adapter slot since it last ran (the scheduler's
+    # starvation guard reads it).
+    num_lora_skips: int = 0
     # Draft tokens proposed for the next step (speculative decoding); verified, never trusted.
     spec_token_ids: list[int] = field(default_factory=list)
     # Filled by the engine's output side (detokenizer); the core never reads them.
