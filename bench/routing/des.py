@@ -5,7 +5,9 @@ What the gateway does, restated without I/O: route on arrival (queue FIFO while 
 saturated), poll each replica's load every `poll_interval_s` (each on its own phase), read the load
 headers of a response and count its first byte as its first token arrives, see a replica's
 streams' chunks at each of its step ends that gives any request a token (`Replica.step_phase`),
-and hand queued requests out after each poll and each finished request. Network and gateway latency are not
+and hand queued requests out after each poll and each finished request. With LoRA (`FleetLora`), each
+poll also reads the replica's running and waiting adapters, and adapter requests are routed by the
+router's LoRA affinity (or, to measure it, without). Network and gateway latency are not
 modelled (the gateway bench measures them). A run of minutes of fleet time takes seconds to a
 minute of CPU.
 """
@@ -15,15 +17,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from corral_engine.lora import LoraRequest
 from corral_engine.outputs import EngineStats
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import NullTokenizer, SimEngine, SimStep
+from corral_engine.sim.lora_cost import LoraCost
 from corral_engine.sim.perf_model import Profile
-from corral_gateway.load import LoadSample
+from corral_gateway.adapters import Affinity
+from corral_gateway.load import LoadSample, LoraState
 from corral_gateway.policies import QUEUED_BLOCK_WEIGHT, STEP_WAIT_BLOCKS_PER_S, make_policy
 from corral_gateway.registry import Registry, Replica, Saturation
 from corral_gateway.router import NoReplica, Router
@@ -43,6 +48,7 @@ class Outcome:
     replica: int = -1
     first_token_s: float | None = None
     finish_s: float | None = None
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,18 @@ class GatewayModel:
     queued_block_weight: float = QUEUED_BLOCK_WEIGHT  # prefix affinity's, per request not started (0: off)
 
 
+@dataclass(frozen=True, slots=True)
+class FleetLora:
+    """LoRA on every replica: each lists `adapters`, runs at most `max_loras` of them at once and
+    reports its running / waiting ones at each load poll (vLLM's `lora_requests_info` on /metrics).
+    `is_affinity` False: the router is not told a request's adapter (no LoRA affinity)."""
+
+    adapters: tuple[str, ...]
+    max_loras: int = 4
+    cost: LoraCost | None = None
+    is_affinity: bool = True
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -65,16 +83,34 @@ class _Clock:
 
 class FleetSim:
     def __init__(
-        self, profiles: list[Profile], gateway: GatewayModel, seed: int = 0, trace: bool = False
+        self,
+        profiles: list[Profile],
+        gateway: GatewayModel,
+        seed: int = 0,
+        trace: bool = False,
+        lora: FleetLora | None = None,
     ) -> None:
-        """`trace`: keep where each request's time to first token went (`tracer`), at some CPU."""
+        """`trace`: keep where each request's time to first token went (`tracer`), at some CPU.
+        `lora`: the replicas serve adapters (requests name theirs in `SimRequest.adapter`)."""
         self.clock = _Clock()
         tokenizer = NullTokenizer()
-        self.engines = [SimEngine(p, tokenizer, MODEL, clock=self.clock, is_lean=True) for p in profiles]
+        max_loras, cost = (lora.max_loras, lora.cost) if lora is not None else (0, None)
+        self.engines = [
+            SimEngine(
+                p, tokenizer, MODEL, clock=self.clock, is_lean=True, max_loras=max_loras, lora_cost=cost
+            )
+            for p in profiles
+        ]
         self.urls = [f"http://replica-{i}" for i in range(len(profiles))]
         self._index = {url: i for i, url in enumerate(self.urls)}
         self.registry = Registry()
         self.registry.set_replicas(MODEL, self.urls)
+        self.lora = lora
+        names = lora.adapters if lora is not None else ()
+        self._loras = {name: LoraRequest(name, k + 1, "") for k, name in enumerate(names)}
+        for replica in self.registry.replicas(MODEL):
+            replica.adapters = {name: {} for name in names}
+        self.affinity_counts: Counter[Affinity] = Counter()  # adapter requests routed, by tier
         policy = make_policy(
             gateway.policy,
             gateway.saturation,
@@ -82,7 +118,14 @@ class FleetSim:
             step_wait_blocks_per_s=gateway.step_blocks_per_s,
             queued_block_weight=gateway.queued_block_weight,
         )
-        self.router = Router(self.registry, policy, gateway.saturation, gateway.load_max_age_s, self.clock)
+        self.router = Router(
+            self.registry,
+            policy,
+            gateway.saturation,
+            gateway.load_max_age_s,
+            self.clock,
+            on_affinity=lambda _, tier: self.affinity_counts.update((tier,)),
+        )
         self.gateway = gateway
         self._replicas = {r.url: r for r in self.registry.replicas(MODEL)}
         self._steps: list[SimStep | None] = [None] * len(profiles)
@@ -133,12 +176,21 @@ class FleetSim:
 
     def _arrive(self, request: SimRequest) -> None:
         self.outcomes[request.request_id] = Outcome(
-            request.request_id, request.arrival_s, request.output_len, request.is_counted
+            request.request_id,
+            request.arrival_s,
+            request.output_len,
+            request.is_counted,
+            adapter=request.adapter,
         )
         if self._queue:
             self._enqueue(request)
             return
-        routed = self.router.route(MODEL, request.prefix_hash, block_hashes=request.block_hashes)
+        routed = self.router.route(
+            MODEL,
+            request.prefix_hash,
+            block_hashes=request.block_hashes,
+            adapter=self._routed_adapter(request),
+        )
         if isinstance(routed, NoReplica):
             self._enqueue(request)
         else:
@@ -152,15 +204,24 @@ class FleetSim:
         while self._queue:
             request = self._queue[0]
             routed = self.router.route(
-                MODEL, request.prefix_hash, from_queue=True, block_hashes=request.block_hashes
+                MODEL,
+                request.prefix_hash,
+                from_queue=True,
+                block_hashes=request.block_hashes,
+                adapter=self._routed_adapter(request),
             )
             if isinstance(routed, NoReplica):
                 return
             self._queue.popleft()
             self._dispatch(request, routed)
 
+    def _routed_adapter(self, request: SimRequest) -> str | None:
+        """The adapter the router is told of: none without LoRA affinity (every replica lists
+        every adapter here, so it only decides the affinity tiers)."""
+        return request.adapter if self.lora is not None and self.lora.is_affinity else None
+
     def _dispatch(self, request: SimRequest, replica: Replica) -> None:
-        replica.on_dispatch()
+        replica.on_dispatch(request.adapter)
         i = self._index[replica.url]
         self.outcomes[request.request_id].replica = i
         if self.tracer is not None:
@@ -168,7 +229,9 @@ class FleetSim:
             step_end_s = now if step is None else self._step_ends_s[i]
             self.tracer.on_dispatch(request.request_id, request.prompt, i, now, step, step_end_s)
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
-        self.engines[i].add_request(request.request_id, request.prompt, params)
+        lora = None if request.adapter is None else self._loras[request.adapter]
+        engine = self.engines[i]
+        engine.insert_request(engine.make_request(request.request_id, request.prompt, params, lora=lora))
         if self._steps[i] is None:
             self._start_step(i)
 
@@ -199,7 +262,7 @@ class FleetSim:
                 self._observe(i)  # a streamed response's load headers
             if out.finished:
                 outcome.finish_s = now
-                self._replicas[self.urls[i]].on_done()
+                self._replicas[self.urls[i]].on_done(outcome.adapter)
                 num_finished += 1
                 if self.on_finish is not None:
                     self.on_finish(outcome)
@@ -208,14 +271,22 @@ class FleetSim:
             self._pump()
         return num_finished
 
-    def _observe(self, i: int) -> None:
+    def _observe(self, i: int) -> EngineStats:
         stats = self.engines[i].stats()
         sample = LoadSample(stats.num_running, stats.num_waiting, stats.kv_usage_ratio, self.clock.now)
         self.registry.observe(self.urls[i], sample)
+        return stats
 
     def _poll(self, i: int) -> None:
-        self._observe(i)
+        stats = self._observe(i)
+        if self.lora is not None:  # a poll of /metrics reads its lora_requests_info too
+            running, waiting = stats.running_lora_adapters, stats.waiting_lora_adapters
+            self._replicas[self.urls[i]].lora = LoraState(_names(running), _names(waiting), stats.max_loras)
         if self.tracer is not None:
             self.tracer.on_poll(i)
         self._pump()
         self._at(self.clock.now + self.gateway.poll_interval_s, "poll", i)
+
+
+def _names(joined: str) -> frozenset[str]:
+    return frozenset(n for n in joined.split(",") if n)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from corral_cli.bench.arrivals import arrival_offsets_s
-from corral_gateway.peek import block_hash_chain, block_prefix_hash, prompt_prefix
+from corral_gateway.peek import RequestInfo, block_hash_chain, block_prefix_hash, for_adapter, prompt_prefix
 
 WORKLOADS = ("sharegpt", "chat", "rag")
 VOCAB = 32_000
@@ -36,14 +36,18 @@ class SimRequest:
     is_counted: bool = True  # False: sent during the warm-up, left out of the figures
     prefix_hash: int | None = None
     block_hashes: tuple[int, ...] = field(default_factory=tuple)
+    adapter: str | None = None  # the LoRA adapter it names as its model; None: the base model
 
     def hash_prefix(self) -> None:
-        """What the gateway's peek computes for `{"prompt": ids}`."""
+        """What the gateway's peek computes for `{"prompt": ids}` (mixed with its adapter's name)."""
         body = {"prompt": self.prompt}
         head = prompt_prefix(body, BLOCK_CHARS * NUM_BLOCKS)
         self.prefix_hash = None if head is None else block_prefix_hash(head, BLOCK_CHARS, NUM_BLOCKS)
         chain_text = prompt_prefix(body, BLOCK_CHARS * CHAIN_BLOCKS) or ""
         self.block_hashes = block_hash_chain(chain_text, BLOCK_CHARS, CHAIN_BLOCKS)
+        if self.adapter is not None:
+            info = for_adapter(RequestInfo(None, True, self.prefix_hash, 0, self.block_hashes), self.adapter)
+            self.prefix_hash, self.block_hashes = info.prefix_hash, info.block_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,3 +175,29 @@ def _rag(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
         prompt = system + docs[d] + _ids(rng, _lognormal(rng, 40, 0.6, 4, 300))
         out.append(SimRequest(f"r{i}", at, prompt, _lognormal(rng, 80, 0.7, 4, 600)))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterMix:
+    """Which LoRA adapter requests name: `num_adapters` of Zipf(`zipf_s`) popularity, and a
+    `base_share` of requests for the base model."""
+
+    num_adapters: int = 64
+    zipf_s: float = 1.0
+    base_share: float = 0.2
+    seed: int = 0
+
+    def names(self) -> list[str]:
+        return [f"adapter-{k}" for k in range(self.num_adapters)]
+
+
+def with_adapters(requests: list[SimRequest], mix: AdapterMix) -> list[SimRequest]:
+    """`requests` (in place, and returned) each naming an adapter of `mix` or the base model, their
+    prefix hashes mixed with it as the gateway mixes them."""
+    rng = random.Random(mix.seed + 11)
+    names = mix.names()
+    weights = [1.0 / (k + 1) ** mix.zipf_s for k in range(len(names))]
+    for r in requests:
+        r.adapter = None if rng.random() < mix.base_share else rng.choices(names, weights)[0]
+        r.hash_prefix()
+    return requests

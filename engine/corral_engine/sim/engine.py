@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from corral_engine.request_checks import check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.logprobs import synthetic_logprob
+from corral_engine.sim.lora_cost import LoraCost
 from corral_engine.sim.perf_model import Profile, StepShape
 
 Prompt = str | list[int]
@@ -53,13 +55,15 @@ class SimEngine:
         stream_interval: int = 1,
         grammars: SimGrammars | None = None,
         max_loras: int = 0,
+        lora_cost: LoraCost | None = None,
     ) -> None:
         """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
         `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
         context length, no text, and an output only when a request gets its first token or ends.
         `stream_interval`: as the engine's `--stream-interval`. `grammars`: the structured outputs
         of replicas sharing this tokenizer (this engine's own when not given). `max_loras`: as the
-        engine's --max-loras with --enable-lora (0: LoRA off); adapters cost no step time here."""
+        engine's --max-loras with --enable-lora (0: LoRA off). `lora_cost`: what adapters add to a step
+        (slot loads, their products); None: nothing."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -85,6 +89,11 @@ class SimEngine:
         )
         self.last_step_num_tokens = 0
         self.last_step_latencies = StepLatencies()  # what the last finished step's tokens added
+        self.lora_cost = lora_cost if max_loras else None
+        # The device slots as the engine's LoraSlots keeps them: lora id -> None, least recent first.
+        self._lora_slots: OrderedDict[int, None] = OrderedDict()
+        self.max_loras = max_loras
+        self.num_lora_loads_total = 0  # adapters copied into a slot
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(
@@ -153,7 +162,32 @@ class SimEngine:
             if s.seq.request.metrics.first_scheduled_time is None:
                 s.seq.request.metrics.first_scheduled_time = now
         shape = StepShape.of(sched.scheduled)
-        return SimStep(sched, shape, self.profile.step_time_s(shape))
+        duration_s = self.profile.step_time_s(shape)
+        if self.lora_cost is not None:
+            duration_s += self._lora_time_s(self.lora_cost, sched)
+        return SimStep(sched, shape, duration_s)
+
+    def _lora_time_s(self, cost: LoraCost, sched: SchedulerOutput) -> float:
+        """What the step's adapters add: each not in a slot is copied into the least recently used
+        one (the scheduler keeps a step's adapters within max_loras, so one not in this step frees)."""
+        tokens: dict[int, int] = {}
+        for s in sched.scheduled:
+            lora_id = s.lora_id()
+            if lora_id is not None:
+                tokens[lora_id] = tokens.get(lora_id, 0) + s.num_new_tokens
+        num_loads = 0
+        for lora_id in tokens:
+            if lora_id in self._lora_slots:
+                self._lora_slots.move_to_end(lora_id)
+                continue
+            if len(self._lora_slots) >= self.max_loras:
+                victim = next((i for i in self._lora_slots if i not in tokens), None)
+                if victim is not None:
+                    del self._lora_slots[victim]
+            self._lora_slots[lora_id] = None
+            num_loads += 1
+        self.num_lora_loads_total += num_loads
+        return cost.step_time_s(num_loads, len(tokens), sum(tokens.values()))
 
     def finish_step(self, step: SimStep) -> list[RequestOutput]:
         """Commit a step begun by `begin_step` (its requests may have been aborted since)."""
