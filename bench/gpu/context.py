@@ -60,6 +60,7 @@ class Profile:
     num_threads: int | None  # torch CPU threads (smoke: one, so a busy second core does not stall it)
     served_rates: tuple[float, ...]  # the served phase's Poisson arrival rates, requests a second
     served_requests: int  # how many of W2's requests it sends at each rate
+    lora_steps: int  # the lora phase's timed decode steps per arm and batch (overhead_batches)
 
 
 GPU = Profile(
@@ -88,6 +89,7 @@ GPU = Profile(
     num_threads=None,
     served_rates=(10.0, 20.0),  # W2 offline on an H200: ~4,700 tok/s, ~30 of its requests a second
     served_requests=200,
+    lora_steps=50,
 )
 SMOKE = Profile(
     device="cpu",
@@ -115,6 +117,7 @@ SMOKE = Profile(
     num_threads=1,
     served_rates=(50.0,),
     served_requests=6,
+    lora_steps=3,
 )
 
 

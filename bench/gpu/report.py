@@ -154,4 +154,22 @@ def _summary(name: str, f: dict[str, Any]) -> str:
             )
             for rate, v in f["rates"].items()
         )
+    if name == "lora":
+        return _lora_summary(f)
     return ", ".join(f"{k} {_fmt(v)}" for k, v in f.items() if not isinstance(v, dict | list))
+
+
+def _lora_summary(f: dict[str, Any]) -> str:
+    eq = f["equality"]
+    refs = ", ".join(
+        f"{name} {r['num_equal']}/{eq['num_prompts']}" if "error" not in r else f"{name} -"
+        for name, r in eq["references"].items()
+    )
+    speed = f["speed"]
+    steps = "; ".join(
+        f"batch {b}: step "
+        + ", ".join(f"{arm} {v['batches'][b]['step_ms']:.2f} ms" for arm, v in speed["arms"].items())
+        + f" (lora-base {r['lora_base_over_no_lora']:.2f}x, lora-4 {r['lora_4_over_no_lora']:.2f}x)"
+        for b, r in speed["ratios"].items()
+    )
+    return f"mixed batch (2 adapters + base) {'equal' if eq['passed'] else 'NOT equal'}: {refs}; {steps}"

@@ -5,7 +5,7 @@
 # opentelemetry-api, with anyio and sniffio at the versions Starlette wants. Everything else the
 # engine, bench/gpu and serve_ab's client import (torch, triton, transformers, tokenizers,
 # safetensors, numpy, jinja2, matplotlib, rich, aiohttp, uvloop, httpx, prometheus-client,
-# huggingface_hub, pyyaml) is in that image (its package list: the device tool's KINDS.md). Downloads into .whl/ at the repo root, which git ignores
+# huggingface_hub, pyyaml, and peft for the lora phase's reference) is in that image (its package list: the device tool's KINDS.md). Downloads into .whl/ at the repo root, which git ignores
 # through .git/info/exclude; the device call carries it (carry: [".whl"]) and installs it with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 # Versions: this repo's .venv at the time of writing; pydantic pins pydantic-core exactly, and needs

@@ -78,6 +78,27 @@ def test_equality_passes_for_every_architecture(smoke: tuple[dict, Path]) -> Non
         assert all(v["num_equal"] == arch["num_prompts"] for v in arch["variants"])
 
 
+def test_lora_phase_equality_and_step_times(smoke: tuple[dict, Path]) -> None:
+    lora = smoke[0]["phases"]["lora"]
+    equality = lora["equality"]
+    assert equality["passed"] and equality["dtype"] == "float32"
+    assert equality["adapters"] == ["all7", "qvd", "base"]  # two adapters and the base model, mixed
+    for name in ("engine-cpu", "peft"):  # peft is a dev dependency here, and in the GPU image
+        assert equality["references"][name]["num_equal"] == equality["num_prompts"]
+    speed = lora["speed"]
+    assert list(speed["arms"]) == ["no-lora", "lora-base", "lora-4"]
+    for arm in speed["arms"].values():
+        assert all(v["step_ms"] > 0 and v["rows_last_step"] == int(b) for b, v in arm["batches"].items())
+    assert set(speed["ratios"]) == {"1", "8"}
+    assert all(
+        r["lora_base_over_no_lora"] > 0 and r["lora_4_over_no_lora"] > 0 for r in speed["ratios"].values()
+    )
+    assert (
+        "| lora | mixed batch (2 adapters + base) equal: engine-cpu 3/3, peft 3/3;"
+        in (smoke[1] / "table.md").read_text()
+    )
+
+
 def test_plots_table_and_merge(smoke: tuple[dict, Path], tmp_path: Path) -> None:
     results, out = smoke
     for name in ("equality", "batch1", "throughput", "overhead"):
