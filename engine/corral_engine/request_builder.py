@@ -60,7 +60,9 @@ class RequestBuilder:
             prompt_token_ids=token_ids,
             params=params,
             arrival_order=self.next_arrival(),
-            metrics=RequestMetrics.for_sequences(arrival_time or time.monotonic(), params.n),
+            metrics=RequestMetrics.for_sequences(
+                time.monotonic() if arrival_time is None else arrival_time, params.n
+            ),
             lora=lora,
         )
         request.seqs = [

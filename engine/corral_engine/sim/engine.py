@@ -9,7 +9,6 @@ the two; the fleet benchmark advances a virtual clock instead.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,8 +21,8 @@ from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.lora import LoraRequest
 from corral_engine.output_processor import OutputProcessor
-from corral_engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepLatencies, TokenLogprob
-from corral_engine.request_checks import check_request
+from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies, TokenLogprob
+from corral_engine.request_builder import RequestBuilder
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.logprobs import synthetic_logprob
@@ -81,8 +80,9 @@ class SimEngine:
         )
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len, stream_interval)
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
+        self._requests = RequestBuilder(
+            tokenizer, self.max_model_len, self.vocab_size, self.block_manager, self.grammars
+        )
         self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
         self._stats = EngineStats(
             block_size=profile.block_size, num_kv_blocks=profile.num_kv_blocks, max_loras=max_loras
@@ -104,22 +104,10 @@ class SimEngine:
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
     ) -> Request:
-        """Validate and build a request without touching engine state (as LLMEngine.make_request)."""
-        ids = (
-            self.tokenizer.encode(prompt, add_special_tokens=True)
-            if isinstance(prompt, str)
-            else list(prompt)
-        )
-        # The engine's own checks, so a replica refuses (400) what a real one refuses.
-        params = check_request(ids, params, self.max_model_len, self.vocab_size, self.block_manager)
+        """Validate and build a request without touching engine state (LLMEngine's own builder:
+        a replica refuses (400) what a real one refuses); its arrival on the simulation's clock."""
         arrival = self.clock() if arrival_time is None else arrival_time
-        metrics = RequestMetrics.for_sequences(arrival, params.n)
-        request = Request(request_id, ids, params, next(self._arrivals), metrics, lora=lora)
-        request.seqs = [
-            Sequence(next(self._seq_ids), request, i, list(ids), len(ids)) for i in range(params.n)
-        ]
-        self.grammars.attach(request)  # a constraint that does not compile is the engine's 400
-        return request
+        return self._requests.build(request_id, prompt, params, arrival, lora)
 
     def insert_request(self, request: Request) -> None:
         if request.request_id in self.requests:
