@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral_engine.args import DEFAULT_GPU_MEMORY_UTILIZATION
 from corral_engine.sources import FetchError, local_model_problem, parse_model_uri
@@ -32,6 +32,9 @@ from corral_cli.flags import non_negative_float, port_number
 from corral_cli.heap import freeze_startup_heap
 from corral_cli.listen import cannot_listen, free_ports
 from corral_cli.local_adapters import AdapterFetchError, adapter_flags
+
+if TYPE_CHECKING:
+    from corral_operator.local import LocalFleet
 
 logger = logging.getLogger(__name__)
 
@@ -244,9 +247,9 @@ def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
         for f in fleets:
             if f.engine_kind != "corral":
                 raise ValueError(f"{f.name}: engine kind {f.engine_kind!r} cannot run locally; use 'corral'")
-            # As a pod's command line: the engine arguments (with --served-model-name), the LoRA
-            # flags, then extraArgs.
-            flags = [*f.engine_args.to_cli_args(), *adapter_flags(f), *f.extra_args]
+            # As a pod's command line: the engine arguments (with --served-model-name), where the
+            # model comes from, the LoRA flags, then extraArgs.
+            flags = [*f.engine_args.to_cli_args(), *model_source_flags(f), *adapter_flags(f), *f.extra_args]
             out.setdefault(f.served_model_name, []).extend([list(flags) for _ in range(f.replicas)])
         return out
     if _replicas(args) < 1:
@@ -257,6 +260,14 @@ def _fleet_flags(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     if args.simulate is not None:  # one process serves every replica
         return {name: [[*flags, "--simulate", args.simulate]]}
     return {name: [list(flags) for _ in range(_replicas(args))]}
+
+
+def model_source_flags(fleet: LocalFleet) -> list[str]:
+    """`--s3-endpoint` where the file's model is on S3 behind spec.model.s3Endpoint: each engine
+    fetches the model itself, from where a pod's init container would."""
+    if fleet.s3_endpoint and fleet.engine_args.model.startswith("s3://"):
+        return ["--s3-endpoint", fleet.s3_endpoint]
+    return []
 
 
 def _die_with_parent() -> None:

@@ -112,3 +112,21 @@ def test_a_missing_model_directory_is_refused_before_any_engine_starts(
     args.log_level, args.log_format = "INFO", "text"
     assert cmd_up.run(args) == 3  # fetch-model's "not found" code, as `corral engine` exits with
     assert f"model directory '{missing}' does not exist" in caplog.text
+
+
+def test_a_model_on_s3_is_fetched_from_the_files_endpoint(tmp_path: Path) -> None:
+    """spec.model.s3Endpoint reaches each local engine, which fetches the model itself (as a pod's
+    init container does); a model elsewhere gets no such flag."""
+    text = EXAMPLE.read_text()
+    source = "    source:\n      hostPath:\n        path: /var/lib/corral/models/tiny-llama\n"
+    doc = text.replace(source, "    uri: s3://bucket/tiny\n    s3Endpoint: http://127.0.0.1:9000\n")
+    assert doc != text
+    path = tmp_path / "s3.yaml"
+    path.write_text(doc)
+    (flags, *_) = cmd_up._fleet(_args("-f", str(path)))["tiny-llama"]
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    parsed = parser.parse_args(flags)
+    assert parsed.model == "s3://bucket/tiny" and parsed.s3_endpoint == "http://127.0.0.1:9000"
+    (plain, *_) = cmd_up._fleet(_args("-f", str(EXAMPLE), "--model-path", "/models/x"))["tiny-llama"]
+    assert "--s3-endpoint" not in plain
