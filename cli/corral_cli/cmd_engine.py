@@ -34,7 +34,7 @@ from corral_engine.settings import EngineSettings
 from corral_engine.sources import FetchError
 from pydantic import ValidationError
 
-from corral_cli import cmd_fetch_model, malloc, tracing
+from corral_cli import cmd_fetch_model, malloc, termination, tracing
 from corral_cli.flags import port_number
 from corral_cli.heap import freeze_startup_heap
 from corral_cli.listen import cannot_listen
@@ -228,6 +228,22 @@ def _log_memory_setup(device: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until shut down; a start-up failure's reason also goes to the termination message."""
+    last = termination.LastError()
+    log.addHandler(last)
+    try:
+        code = _run(args)
+    except Exception as e:  # a bug's traceback goes to the log as ever; its one line goes here too
+        termination.write(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        log.removeHandler(last)
+    if code:
+        termination.write(last.message or f"the engine exited with code {code}")
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         engine_args = engine_args_from(args)
     except ArgumentError as e:
@@ -346,5 +362,6 @@ def _exit_on_rank_failure(message: str) -> None:
     """A tensor-parallel rank died (the others are stopped already): the replica cannot serve, so
     it exits at once with an error, for its supervisor (Kubernetes, `corral up`) to restart."""
     log.error("%s; exiting", message)
+    termination.write(message)
     logging.shutdown()
     os._exit(1)

@@ -136,6 +136,15 @@ def _restarted_after_crash(pod: Obj, cs: Obj) -> str | None:
     )
 
 
+def _last_words(cs: Obj) -> str:
+    """': REASON' from the last line of the engine's termination message (the bundled engine
+    writes why it could not start there: a model it cannot load, a bad argument), or nothing."""
+    state = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated")
+    terminated = state or {}
+    lines = (terminated.get("message") or "").strip().splitlines()
+    return f": {lines[-1]}" if lines else ""
+
+
 def pod_problem(pods: Sequence[Obj]) -> tuple[str, str] | None:
     """(reason, message) for the first pod whose model download failed, that cannot pull its image,
     crash-loops or cannot schedule."""
@@ -151,9 +160,10 @@ def pod_problem(pods: Sequence[Obj]) -> tuple[str, str] | None:
                 return "ImagePullFailed", f"pod {name}: cannot pull image {cs.get('image', '')}: {detail}"
             if reason in CRASH_REASONS:
                 restarts = cs.get("restartCount", 0)
-                return "CrashLooping", f"pod {name}: engine keeps crashing ({restarts} restarts): {reason}"
+                why = f"engine keeps crashing ({restarts} restarts): {reason}"
+                return "CrashLooping", f"pod {name}: {why}{_last_words(cs)}"
             if crashed := _restarted_after_crash(pod, cs):
-                return "CrashLooping", f"pod {name}: {crashed}"
+                return "CrashLooping", f"pod {name}: {crashed}{_last_words(cs)}"
         for cond in pod.get("status", {}).get("conditions") or ():
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
                 return (

@@ -340,3 +340,20 @@ def test_a_scale_or_the_first_revision_seen_is_not_a_rollout() -> None:
     assert created["rolledOutRevision"] == 1 and rollout_events({}, created) == []
     asleep = compute(observed(deployment=rolled(3, 0, 0, 0), previous=settled), NOW)
     assert asleep["rolledOutRevision"] == 2  # the new template rolls out when it wakes
+
+
+def test_a_crashing_engine_says_why_in_the_status() -> None:
+    """The bundled engine writes why it could not start to its termination message; Degraded's
+    message ends with that line, in back-off and while restarting alike."""
+    words = "Traceback...\ncannot load the model: quantization method 'awq' is not supported"
+    last_run = {"terminated": {"exitCode": 1, "reason": "Error", "message": words}}
+    backing_off = pod("CrashLoopBackOff")
+    backing_off["status"]["containerStatuses"][0]["lastState"] = last_run
+    loading = {"image": "img:1", "restartCount": 6, "ready": False, "state": {"running": {}}}
+    restarted = pod(containerStatuses=[loading | {"lastState": last_run}])
+    for p in (backing_off, restarted):
+        message = cond(compute(observed(deployment=deployment(2, 0), pods=[p]), NOW), "Degraded")["message"]
+        assert message.endswith(": cannot load the model: quantization method 'awq' is not supported")
+    quiet = observed(deployment=deployment(2, 0), pods=[pod("CrashLoopBackOff")])
+    silent = cond(compute(quiet, NOW), "Degraded")
+    assert silent["message"] == "pod p-1: engine keeps crashing (5 restarts): CrashLoopBackOff"
