@@ -29,7 +29,7 @@ NOT_ON_A_FRESH_FLEET: frozenset[str] = frozenset(
         # A series per draft position only with --speculative (this engine runs without).
         SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
         LORA_REQUESTS_INFO,  # only with --enable-lora (this engine runs without)
-        # Labelled by where LoRA affinity sent an adapter request: none before the first one.
+        # Zero series only for a pool serving adapters (this engine runs without LoRA).
         ADAPTER_ROUTES_TOTAL,
     }
 )

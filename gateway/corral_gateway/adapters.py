@@ -71,11 +71,22 @@ class AdapterTable:
         self._ambiguous: Mapping[str, list[str]] = {}  # declared in several namespaces -> qualified
         self._warned: set[str] = set()
 
-    def rebuild(self, replicas: Iterable[Replica], is_taken: Callable[[str], bool], names: Naming) -> None:
+    def rebuild(
+        self,
+        replicas: Iterable[Replica],
+        is_taken: Callable[[str], bool],
+        names: Naming,
+        runtime: Mapping[str, Collection[str]] | None = None,
+    ) -> None:
+        """`runtime`: pool -> the adapters loaded on it through the gateway, routed (at zero
+        replicas too) like declared ones, though no replica takes one before listing it."""
         routes: dict[str, set[Route]] = {}
         for replica in replicas:
             for name in replica.adapters:
                 routes.setdefault(name, set()).add(Route(replica.model, name, adapter=name))
+        for pool, loaded in (runtime or {}).items():
+            for name in loaded:
+                routes.setdefault(name, set()).add(Route(pool, name, adapter=name))
         declared: dict[str, set[str]] = {}
         for name, declared_routes in names.adapters.items():
             routes.setdefault(name, set()).update(declared_routes)
@@ -100,6 +111,10 @@ class AdapterTable:
     def routes(self, name: str) -> list[Route]:
         """Where adapter `name` goes: one route per pool serving it (several: an ambiguous name)."""
         return self._routes.get(name, [])
+
+    def pools(self) -> set[str]:
+        """The pools some adapter routes to (listed, declared or loaded through the gateway)."""
+        return {route.key for routes in self._routes.values() for route in routes}
 
     def choices(self, name: str) -> list[str]:
         """The NAMESPACE/NAME a client must use for an adapter declared in several namespaces."""

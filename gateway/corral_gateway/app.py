@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, request_id_for
+from corral_gateway.adapter_fanout import AdapterFanout
 from corral_gateway.auth import KeyStore, load_keys_file
 from corral_gateway.drain import Drain
 from corral_gateway.errors import (
@@ -40,7 +41,8 @@ from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import KubernetesWatcher
 from corral_gateway.k8s_wake import Waker
 from corral_gateway.metrics import GatewayMetrics
-from corral_gateway.proxy import ProxyDeps, proxy, with_request_id
+from corral_gateway.proxy import ProxyDeps, proxy, read_body, with_request_id
+from corral_gateway.runtime_adapters import LOAD_PATH, UNLOAD_PATH
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import Upstream, UpstreamConfig
 
@@ -85,6 +87,8 @@ class KeysFile:
 PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # POST only: other methods 405
 # vLLM's POST routes outside /v1, forwarded like /v1's (the body's `model` picks the replicas).
 VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank"})
+# vLLM's runtime LoRA routes: answered by the gateway, which sends them to every replica of a pool.
+ADAPTER_PATHS = frozenset({LOAD_PATH, UNLOAD_PATH})
 
 
 # The paths forwarded as they are: the URL library re-reads `%` escapes and resolves `.` and `..`
@@ -101,7 +105,7 @@ def is_proxied(method: str, path: str) -> bool:
     responses, audio, ... as well as completions and chat) and vLLM's own routes."""
     if path in PROXY_PATHS:
         return True
-    if method != "POST" or _STORED_RESPONSE_PATH.fullmatch(path) is not None:
+    if method != "POST" or path in ADAPTER_PATHS or _STORED_RESPONSE_PATH.fullmatch(path) is not None:
         return False
     return _FORWARDABLE_PATH.fullmatch(path) is not None or path in VLLM_PATHS
 
@@ -207,6 +211,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     fleet = Fleet(settings, metrics)
     keys = KeysFile(settings.api_keys_file)
     state: dict[str, ProxyDeps] = {}
+    fanouts: dict[str, AdapterFanout] = {}  # the one, once the upstream client is open
     drain = Drain(settings.drain_timeout_s)
     drain.on_begin.append(fleet.stop_queueing)
 
@@ -215,7 +220,13 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         async with _background(settings, fleet, keys) as upstream:
             access = AccessLog(metrics, settings.access_log)
             state["deps"] = ProxyDeps(settings, fleet, upstream, metrics, keys.get, access, drain)
-            yield
+            fanout = fanouts["fanout"] = AdapterFanout(fleet, upstream, settings)
+            fleet.on_lacking_adapters = fanout.restore_soon
+            try:
+                yield
+            finally:
+                fleet.on_lacking_adapters = None
+                await fanout.close()
 
     app = FastAPI(
         title="Corral gateway",
@@ -229,6 +240,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_routes(app, fleet, keys, metrics, drain, settings.metrics_require_auth)
+    _add_adapter_routes(app, keys, fanouts, settings.max_request_bytes)
     return GatewayApp(app, state, drain)
 
 
@@ -361,3 +373,30 @@ def _add_routes(
     async def replicas(request: Request) -> Response:
         authenticate(request)
         return JSONResponse({"time_s": time.monotonic(), "models": fleet.snapshot()})
+
+
+def _add_adapter_routes(
+    app: FastAPI, keys: KeysFile, fanouts: dict[str, AdapterFanout], max_bytes: int
+) -> None:
+    """vLLM's runtime LoRA routes, sent to every replica of a pool (`adapter_fanout.py`). The
+    gateway's keys have no roles: any key its API takes may load and unload adapters."""
+
+    async def fan_out(request: Request, is_load: bool) -> Response:
+        store = keys.get()
+        if store is not None:
+            store.authenticate(request.headers)
+        fanout = fanouts.get("fanout")
+        if fanout is None:
+            raise Unavailable("The gateway is starting.", retry_after_s=1.0, code="not_ready")
+        raw = await read_body(request, max_bytes)
+        if is_load:
+            return await fanout.load(raw, request.headers)
+        return await fanout.unload(raw, request.headers)
+
+    @app.post(LOAD_PATH)
+    async def load_lora_adapter(request: Request) -> Response:
+        return await fan_out(request, is_load=True)
+
+    @app.post(UNLOAD_PATH)
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await fan_out(request, is_load=False)

@@ -45,8 +45,8 @@ class Unauthorized(InvalidRequest):
 class ModelNotFound(InvalidRequest):
     status_code, code = 404, "model_not_found"
 
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.", param="model")
+    def __init__(self, model: str, param: str = "model") -> None:
+        super().__init__(f"The model `{model}` does not exist.", param=param)
 
 
 class AmbiguousModel(InvalidRequest):
@@ -138,6 +138,26 @@ class UpstreamFailed(GatewayError):
     status_code = 502
     error_type = "upstream_error"
     code = "bad_gateway"
+
+
+class FanoutFailed(GatewayError):
+    """A call the gateway sent to every replica of a pool (loading a LoRA adapter) failed on some:
+    the first failure's status, type, param and code, with a message naming each failed replica."""
+
+    def __init__(self, message: str, status_code: int, upstream: dict[str, Any] | None) -> None:
+        upstream = upstream or {}
+        param, code = upstream.get("param"), upstream.get("code")
+        super().__init__(
+            message,
+            param=param if isinstance(param, str) else None,
+            code=code if isinstance(code, str) else "replica_failed",
+        )
+        self.status_code = status_code
+        error_type = upstream.get("type")
+        if isinstance(error_type, str) and error_type:
+            self.error_type = error_type
+        else:
+            self.error_type = "invalid_request_error" if status_code < 500 else "upstream_error"
 
 
 def error_body(exc: GatewayError) -> dict[str, dict[str, str | None]]:

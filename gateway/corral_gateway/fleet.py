@@ -22,6 +22,7 @@ from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Replica, Saturation
 from corral_gateway.replica_poller import ReplicaPollers
 from corral_gateway.router import Router
+from corral_gateway.runtime_adapters import RuntimeAdapters
 from corral_gateway.served_names import CARD_FIELDS
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import Upstream
@@ -59,6 +60,9 @@ class Fleet:
             settings.affinity_queued_block_weight,
         )
         self._adapters = AdapterTable()
+        self.runtime_adapters = RuntimeAdapters()  # loaded through the gateway (adapter_fanout.py)
+        # Told the URL of a replica whose list lacks some of them (set by the app: it loads them).
+        self.on_lacking_adapters: Callable[[str], None] | None = None
         self._router = Router(
             self._registry,
             policy,
@@ -126,8 +130,8 @@ class Fleet:
         replicas, all of which have said what they serve (old replicas during a rollout adding it):
         its request would wait in the base model's queue for nothing, so it gets 404 as before."""
         replicas = self._registry.replicas(route.key)
-        if route.adapter is None or not replicas:
-            return False
+        if route.adapter is None or not replicas or route.adapter in self.runtime_adapters.names(route.key):
+            return False  # one loaded through the gateway is loaded on each replica lacking it
         declared = self._adapters.declared(route.key)
         return not any(takes_adapter(r, route.adapter, declared) for r in replicas)
 
@@ -267,6 +271,11 @@ class Fleet:
                 logger.info("backend %r: replica %s now serves %s", replica.model, url, served)
         if is_adapters_changed:
             self._index_adapters()
+        replicas = self._registry.by_url(url)
+        if self.on_lacking_adapters is not None and any(
+            self.runtime_adapters.missing(r.model, r.adapters) for r in replicas
+        ):
+            self.on_lacking_adapters(url)
 
     def observe_lora(self, url: str, lora: LoraState) -> None:
         """The replica's running / waiting adapters, from its `vllm:lora_requests_info`."""
@@ -274,7 +283,33 @@ class Fleet:
             replica.lora = lora
 
     def _index_adapters(self) -> None:
-        self._adapters.rebuild(self._registry.all_replicas(), self.is_taken, self._names)
+        runtime = self.runtime_adapters.by_pool()
+        self._adapters.rebuild(self._registry.all_replicas(), self.is_taken, self._names, runtime)
+        for pool in self._adapters.pools():
+            self.metrics.add_adapter_pool(pool)  # dashboards show 0 there, not "no data"
+
+    def index_adapters(self) -> None:
+        """The adapters loaded through the gateway changed: route them anew."""
+        self._index_adapters()
+
+    def replicas(self, pool: str) -> list[Replica]:
+        return self._registry.replicas(pool)
+
+    def replicas_at(self, url: str) -> list[Replica]:
+        return self._registry.by_url(url)
+
+    def adapter_pools(self, name: str) -> list[str]:
+        """The pools adapter `name` routes to (listed, declared or loaded through the gateway)."""
+        return [route.key for route in self._adapters.routes(name)]
+
+    def lora_pools(self) -> list[str]:
+        """Pools with LoRA on: an adapter routes there, or a replica reports LoRA (a Corral engine's
+        models version header, vLLM's `vllm:lora_requests_info`)."""
+        pools = self._adapters.pools()
+        for replica in self._registry.all_replicas():
+            if self.pollers.is_lora_enabled(replica.url):
+                pools.add(replica.model)
+        return sorted(pools)
 
     def _count_affinity(self, model: str, tier: Affinity) -> None:
         self.metrics.adapter_routes.labels(model, tier.label).inc()

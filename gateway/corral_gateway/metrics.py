@@ -159,6 +159,11 @@ class GatewayMetrics:
         for part in OVERHEAD_PARTS:
             self.overhead.labels(model, part)
 
+    def add_adapter_pool(self, model: str) -> None:
+        """Zero series of adapter_routes_total for a pool serving adapters, one per affinity tier."""
+        for tier in AFFINITY_LABELS:
+            self.adapter_routes.labels(model, tier)
+
     def count_request(self, model: str, replica: str, status: str) -> None:
         """One answered request; `replica` is "" for the gateway's own answers."""
         self.requests.labels(model, replica, status).inc()

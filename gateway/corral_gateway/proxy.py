@@ -154,7 +154,7 @@ async def _admit(deps: ProxyDeps, request: Request, path: str, caller: _Caller, 
     keystore = deps.keys()
     api_key = keystore.authenticate(request.headers) if keystore is not None else None
     caller.key_name = api_key.name if api_key is not None else ""
-    raw = await _read_body(request, deps.settings.max_request_bytes)
+    raw = await read_body(request, deps.settings.max_request_bytes)
     settings = deps.settings
     chain = settings.affinity_chain_blocks if settings.policy in ("prefix-affinity", "llm-d") else 0
     peek = functools.partial(
@@ -306,7 +306,7 @@ async def _watch_disconnect(
         ended.cancel()
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:  # refused before a byte of it is read
         raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes.")

@@ -153,6 +153,12 @@ class ReplicaPollers:
         """Whether the replica lists adapters or reports their state (LoRA is on there)."""
         return any(r.adapters or r.lora is not None for r in self._registry.by_url(url))
 
+    def is_lora_enabled(self, url: str) -> bool:
+        """Whether the replica serves LoRA: it sends a models version (a Corral engine with LoRA
+        on), lists adapters or reports their state."""
+        watch = self._watches.get(url)
+        return (watch is not None and watch.models_version is not None) or self.is_serving_adapters(url)
+
     def is_due_for_load_poll(self, url: str) -> bool:
         """Whether the replica's load is older than a poll interval. Every response brings its
         load headers, so a replica answering requests needs no poll; one poll costs the gateway

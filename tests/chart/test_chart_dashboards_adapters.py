@@ -106,6 +106,24 @@ def test_adapter_routing_panels_compute_rates_and_the_active_share(promtool: str
     _promtool_test(promtool, tmp_path, series, expected)
 
 
+def test_adapter_routing_panels_read_zero_and_no_share_before_any_adapter_request(
+    promtool: str, tmp_path: Path
+) -> None:
+    """The gateway's zero series of a pool serving adapters: the rates read 0 and the share has
+    no value (its panel says why), not NaN."""
+    routes = gw.ADAPTER_ROUTES_TOTAL + '{{job="gateway",instance="g",model="m",affinity="{}"}}'
+    series = {routes.format(tier): "0x10" for tier in gw.AFFINITY_LABELS}
+    share = "Adapter requests finding their adapter active"
+    expected = {
+        f"{DEPLOYMENT}: Adapter requests/s by affinity": {
+            f'{{affinity="{t}"}}': 0.0 for t in gw.AFFINITY_LABELS
+        },
+        f"{DEPLOYMENT}: {share}": {},
+        f"{FLEET}: {share}": {},
+    }
+    _promtool_test(promtool, tmp_path, series, expected)
+
+
 def test_adapter_panels_query_the_lora_metrics_and_say_when_lora_is_off() -> None:
     """Each dashboard has LoRA panels; they have no series without LoRA, so they are event-driven
     (promcheck does not fail a fleet without adapters) and say why instead of "No data"."""

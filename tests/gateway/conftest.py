@@ -52,6 +52,8 @@ class FakeEngine:
     num_health_polls: int = 0
     models_version: str | None = None  # like Corral's engine with LoRA on: on every load header set
     models_authorization: str | None = None  # the last model list request's
+    lora_load_status: int = 200  # what a runtime adapter load answers (vLLM's routes); 200: it loads
+    lora_calls: list[tuple[str, str]] = field(default_factory=list)  # (load | unload, lora_name)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -62,6 +64,8 @@ class FakeEngine:
                 Route("/health", self.health),
                 Route("/v1/models", self.models),
                 Route("/tokenize", self.echo, methods=["POST"]),
+                Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
                 Route("/v1/{rest:path}", self.echo, methods=["POST"]),
             ]
         )
@@ -90,6 +94,35 @@ class FakeEngine:
         base = self.served_names[0] if self.served_names else None
         data += [{"id": name, **card, "root": root, "parent": base} for name, root in self.adapters.items()]
         return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora(self, request: Request) -> Response:
+        """vLLM's runtime load: 400 for a name it serves already, else `lora_load_status`."""
+        body = json.loads(await request.body())
+        name = body["lora_name"]
+        self.lora_calls.append(("load", name))
+        if name in self.adapters:
+            error = {
+                "message": f"The lora adapter '{name}' has already been loaded.",
+                "type": "BadRequestError",
+            }
+            return JSONResponse({"error": {**error, "param": "lora_name", "code": 400}}, status_code=400)
+        if self.lora_load_status != 200:
+            error = {
+                "message": "No adapter found",
+                "type": "NotFoundError",
+                "param": "lora_path",
+                "code": "x",
+            }
+            return JSONResponse({"error": error}, status_code=self.lora_load_status)
+        self.adapters[name] = body["lora_path"]
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, request: Request) -> Response:
+        name = json.loads(await request.body())["lora_name"]
+        self.lora_calls.append(("unload", name))
+        if self.adapters.pop(name, None) is None:
+            return JSONResponse({"error": {"message": "not found"}}, status_code=404)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def metrics(self, request: Request) -> Response:
         self.num_metrics_scrapes += 1

@@ -33,9 +33,10 @@ def adapter_routes(by: str, **matchers: str) -> str:
 
 def active_share() -> str:
     """Per model, the share of adapter requests routed to a replica already running or queueing
-    their adapter (no adapter to swap in)."""
+    their adapter (no adapter to swap in); none without adapter requests (the gateway's zero
+    series would make it 0/0, NaN, which Grafana shows as a value)."""
     active = adapter_routes(GATEWAY_MODEL, **{AFFINITY: '="active"'})
-    return f"{active} / {adapter_routes(GATEWAY_MODEL)}"
+    return f"{active} / ({adapter_routes(GATEWAY_MODEL)} > 0)"
 
 
 def active_share_panel(width: int) -> Panel:
