@@ -61,6 +61,11 @@ class Profile:
     served_rates: tuple[float, ...]  # the served phase's Poisson arrival rates, requests a second
     served_requests: int  # how many of W2's requests it sends at each rate
     lora_steps: int  # the lora phase's timed decode steps per arm and batch (overhead_batches)
+    quant_preset: str  # the quant phase's agreement checkpoint (its speed runs on batch1_preset)
+    quant_prompts: int
+    quant_new_tokens: int  # greedy tokens compared per prompt
+    quant_steps: int  # timed decode steps per arm and batch (overhead_batches)
+    quant_budget_s: float | None  # W2 throughput runs only while the phase is within this
 
 
 GPU = Profile(
@@ -90,6 +95,11 @@ GPU = Profile(
     served_rates=(10.0, 20.0),  # W2 offline on an H200: ~4,700 tok/s, ~30 of its requests a second
     served_requests=200,
     lora_steps=50,
+    quant_preset="small",
+    quant_prompts=4,
+    quant_new_tokens=32,
+    quant_steps=50,
+    quant_budget_s=120.0,
 )
 SMOKE = Profile(
     device="cpu",
@@ -118,6 +128,11 @@ SMOKE = Profile(
     served_rates=(50.0,),
     served_requests=6,
     lora_steps=3,
+    quant_preset="tiny",
+    quant_prompts=2,
+    quant_new_tokens=8,
+    quant_steps=3,
+    quant_budget_s=None,
 )
 
 

@@ -156,6 +156,8 @@ def _summary(name: str, f: dict[str, Any]) -> str:
         )
     if name == "lora":
         return _lora_summary(f)
+    if name == "quant":
+        return _quant_summary(f)
     return ", ".join(f"{k} {_fmt(v)}" for k, v in f.items() if not isinstance(v, dict | list))
 
 
@@ -173,3 +175,38 @@ def _lora_summary(f: dict[str, Any]) -> str:
         for b, r in speed["ratios"].items()
     )
     return f"mixed batch (2 adapters + base) {'equal' if eq['passed'] else 'NOT equal'}: {refs}; {steps}"
+
+
+def _quant_summary(f: dict[str, Any]) -> str:
+    w = f["weights_gib"]
+    weights = f"weights ({f['preset']}, from its config) bf16 {w['bf16']:.3g} GiB, fp8 {w['fp8']:.3g} GiB"
+    if "skipped" in f:
+        return f"skipped: {f['skipped']}; {weights}"
+    parts = []
+    agree = f["agreement"]
+    if "error" in agree:
+        parts.append(f"agreement failed: {agree['error']}")
+    else:
+        fp8, bf16 = agree["fp8"], agree["bf16"]
+        parts.append(
+            f"fp8 vs dequantized float32 reference ({agree['preset']}): agreement {fp8['share']:.2f}, "
+            f"{fp8['num_equal']}/{agree['num_prompts']} prompts equal over {agree['new_tokens']} tokens "
+            f"(bf16 vs float32: {bf16['share']:.2f}, {bf16['num_equal']}/{agree['num_prompts']})"
+        )
+    speed = f["speed"]
+    if "error" in speed:
+        parts.append(f"speed failed: {speed['error']}")
+    else:
+        arms = speed["arms"]
+        for b, ratio in speed["fp8_over_bf16_step"].items():
+            steps = ", ".join(
+                f"{arm} {a['batches'][b]['step_ms']:.2f} ms (MBU {_fmt(a['batches'][b].get('mbu_ratio'))})"
+                for arm, a in arms.items()
+            )
+            parts.append(f"batch {b}: step {steps}, fp8/bf16 {ratio:.2f}x")
+        blocks = ", ".join(f"{arm} {a['engine'].get('num_kv_blocks')}" for arm, a in arms.items())
+        parts.append(f"KV blocks {blocks}")
+        if "fp8_over_bf16_w2" in speed:
+            w2 = ", ".join(f"{arm} {a['w2']['output_throughput']:.0f}" for arm, a in arms.items())
+            parts.append(f"W2 {w2} tok/s ({speed['fp8_over_bf16_w2']:.2f}x)")
+    return "; ".join([*parts, weights])

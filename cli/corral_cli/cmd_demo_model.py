@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the tokenizer and config only, in seconds and without torch: what `--simulate` reads",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="fp8: write the same weights as a Hugging Face fine-grained FP8 checkpoint (the attention "
+        "and MLP projections in float8_e4m3fn with a float32 scale per 128x128 block, as published "
+        "-FP8 models are); dense architectures only",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument(
         "--lora-adapter",
@@ -69,14 +77,17 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             device=args.device,
             weights=not args.no_weights,
+            quantization=args.quantization,
         )
     except OSError as e:  # a file in the way, no permission, a full disk
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
-    except ValueError as e:  # a preset without that architecture (llama3-8b has no experts)
+    except ValueError as e:  # a preset without that architecture (llama3-8b has no experts), fp8 experts
         log.error("%s", e)
         return 2
     what = "tokenizer and config" if args.no_weights else "checkpoint"
+    if args.quantization:
+        what = f"{args.quantization} {what}"
     log.info("wrote %s %s (%s, seed %d) to %s", args.preset, what, args.arch, args.seed, out)
     return 0
 

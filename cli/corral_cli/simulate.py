@@ -17,6 +17,7 @@ from corral_engine.settings import EngineSettings
 from corral_engine.sim.host import (
     ReplicaSpec,
     build_engines,
+    checkpoint_quantization,
     ignored_options,
     serve_fleet,
     with_overrides,
@@ -30,15 +31,19 @@ log = logging.getLogger(__name__)
 
 
 def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSpec:
-    """The profile named by --simulate, resized by any sizing flag given (raises ValueError); a
-    warning names the flags given that the profile cannot honour."""
+    """The profile named by --simulate, resized by any sizing flag given and quantized as
+    --quantization or the checkpoint's quantization_config says (raises ValueError; ModelLoadError
+    for a quantization the engine refuses); a warning names the flags given that the profile
+    cannot honour."""
+    model_dir = Path(engine_args.model)
     given = {name: getattr(args, name, None) for name in OPTIONS}
+    if given.get("quantization") is None:
+        given["quantization"] = checkpoint_quantization(model_dir)
     profile = load_profile(args.simulate)
     ignored = ignored_options(profile, given)
     if ignored:
         log.warning("%s", _ignored_text(profile, ignored))
     profile = with_overrides(profile, given)
-    model_dir = Path(engine_args.model)
     return ReplicaSpec(
         profile,
         model_dir,
@@ -85,6 +90,12 @@ def _ignored_text(profile: Profile, ignored: list[str]) -> str:
         )
     elif "gpu_memory_utilization" in ignored:
         text += "; a fitted profile knows no GPU memory: size it with --kv-cache-memory or --num-kv-blocks"
+    if "quantization" in ignored:
+        text += (
+            "; a fitted profile's step times are those of the weights it was calibrated with, so "
+            "--quantization (or the checkpoint's quantization_config) changes nothing: calibrate the "
+            "quantized engine"
+        )
     return text
 
 
@@ -94,6 +105,9 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         return 2
     try:
         spec = replica_spec(args, engine_args)
+    except ModelLoadError as e:
+        log.error("cannot load the model: %s", e)
+        return 1
     except ValueError as e:
         log.error("%s", e)
         return 2

@@ -55,6 +55,7 @@ AttentionBackend = Literal["auto", "triton", "native", "sdpa"]
 KV_POLICIES: tuple[str, ...] = ("preempt", "reserve")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "native", "sdpa")
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS: tuple[str, ...] = ("fp8", "int8")
 # corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated here so this module needs no
 # server import (tests/server/test_tool_parsers.py checks they agree).
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
@@ -101,6 +102,18 @@ class EngineArgs:
         choices=DTYPES,
         crd="dtype",
         vllm=Vllm("--dtype"),
+    )
+    quantization: str | None = _option(
+        None,
+        help="quantize the attention and MLP weights at load, one scale per output row (embeddings, "
+        "LM head and norms keep --dtype): int8 multiplies int8 weights on CPU (and on CUDA where "
+        "PyTorch's kernel runs there, else dequantizes); fp8 runs fp8 weights and per-token fp8 "
+        "activations on CUDA of compute capability 8.9+ (dequantized below it) and int8 on CPU. "
+        "FP8 checkpoints load without it: fp8 on such GPUs, dequantized to --dtype elsewhere",
+        default_text="none: the checkpoint's own quantization_config decides",
+        choices=QUANTIZATIONS,
+        crd="quantization",
+        vllm=Vllm("--quantization"),
     )
     device: str = _option("auto", help="cpu, cuda, cuda:N", metavar="DEVICE")
     tensor_parallel_size: int = _option(

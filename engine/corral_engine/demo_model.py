@@ -358,6 +358,7 @@ def write_demo_model(
     device: str = "cpu",
     max_shard_bytes: int | None = None,
     weights: bool = True,
+    quantization: str | None = None,
 ) -> pathlib.Path:
     """Write a random-weight checkpoint of `arch` to `out_dir` and return its path.
 
@@ -366,9 +367,12 @@ def write_demo_model(
     drawn ("cuda" makes llama3-8b's 16 GB quick); each kind of device draws its own bytes.
     `max_shard_bytes` overrides the preset's largest safetensors file. `weights=False` writes the
     rest only, with neither torch nor transformers: all the simulated engine reads.
+    `quantization="fp8"` writes the same weights as an FP8 checkpoint (demo_fp8.py; dense archs).
     """
     p = preset_config(preset)
     cfg = build_config_dict(preset, arch, config_overrides)
+    if quantization not in (None, "fp8") or (quantization and arch in MOE_ARCHS):
+        raise ValueError(f"--quantization {quantization} is for dense architectures, and fp8 only")
     vocab_size = int(cfg["vocab_size"])
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -392,6 +396,13 @@ def write_demo_model(
             config_json.pop("transformers_version", None)  # keep files identical across library versions
             config_json["dtype"] = cfg["dtype"]
             config_json["architectures"] = cfg["architectures"]
+        if quantization == "fp8":
+            from corral_engine.demo_fp8 import fp8_quantization_config, quantize_checkpoint
+
+            if weights:
+                steps.advance("quantizing to fp8")
+                quantize_checkpoint(out)
+            config_json["quantization_config"] = fp8_quantization_config()
         _write_json(out / "config.json", config_json)
         generation = {
             "bos_token_id": BOS_TOKEN_ID,

@@ -26,6 +26,7 @@ from corral_engine.model.batch import TokenFill
 from corral_engine.model.config import load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.native import load_fused_ops
+from corral_engine.model.quant import model_quant_config
 from corral_engine.model.sampler import PendingSample, Sampler, record_prompt_logprobs
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
@@ -55,6 +56,8 @@ class LLMEngine:
         self.settings = settings or EngineSettings()
         logger.info("engine settings: %s", self.settings.describe())
         self.model_config = load_model_config(args.model)
+        # A quantization Corral cannot serve is said before the tokenizer or any worker loads.
+        model_quant_config(args.quantization, self.model_config.quantization_config, self.model_config.is_moe)
         self.tokenizer = load_tokenizer(args.model)
         self.max_model_len = min(
             args.max_model_len or self.model_config.max_position_embeddings,

@@ -99,6 +99,13 @@ def test_lora_phase_equality_and_step_times(smoke: tuple[dict, Path]) -> None:
     )
 
 
+def test_quant_phase_skips_on_cpu_with_a_note_and_a_table_row(smoke: tuple[dict, Path]) -> None:
+    figures = smoke[0]["phases"]["quant"]
+    assert figures["skipped"].startswith("no CUDA device") and "agreement" not in figures
+    assert figures["weights_gib"]["fp8"] < figures["weights_gib"]["bf16"]
+    assert "| quant | skipped: no CUDA device" in (smoke[1] / "table.md").read_text()
+
+
 def test_plots_table_and_merge(smoke: tuple[dict, Path], tmp_path: Path) -> None:
     results, out = smoke
     for name in ("equality", "batch1", "throughput", "overhead"):

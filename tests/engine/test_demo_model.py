@@ -240,3 +240,41 @@ def test_moe_checkpoints_with_tied_embeddings_are_written(tmp_path, arch):
         names = set(f.keys())
     assert "model.embed_tokens.weight" in names
     assert "lm_head.weight" not in names
+
+
+def test_fp8_checkpoints_hold_the_hubs_fine_grained_fp8_layout(tmp_path, tiny_model_dir):
+    # Through the CLI; intermediate 192: a second block of 128 rows that is ragged (64 rows).
+    out = tmp_path / "fp8"
+    assert corral_main(["demo-model", str(out), "--quantization", "fp8", "--quiet"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"],
+    }
+    assert AutoConfig.from_pretrained(out).quantization_config["quant_method"] == "fp8"
+    ragged = write_demo_model(
+        tmp_path / "ragged", quantization="fp8", config_overrides={"intermediate_size": 192}
+    )
+    with safe_open(str(ragged / "model.safetensors"), "pt") as f:
+        up = f.get_tensor("model.layers.0.mlp.up_proj.weight")
+        assert up.dtype == torch.float8_e4m3fn and up.shape == (192, 64)
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight_scale_inv").shape == (2, 1)
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv").shape == (1, 2)
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32  # not quantized
+        assert "lm_head.weight_scale_inv" not in f.keys()  # noqa: SIM118
+    # the same random weights as the plain checkpoint of the same seed, within fp8's rounding
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with safe_open(str(out / FILES[2]), "pt") as f:
+        q, scale = f.get_tensor(name).float(), f.get_tensor(name + "_scale_inv")
+    with safe_open(str(tiny_model_dir / FILES[2]), "pt") as f:
+        want = f.get_tensor(name)
+    assert (q * scale - want).abs().max() <= want.abs().max() / 16
+
+
+def test_fp8_experts_are_refused(tmp_path, caplog):
+    argv = ["demo-model", str(tmp_path / "m"), "--arch", "mixtral", "--quantization", "fp8", "--quiet"]
+    assert corral_main(argv) == 2
+    assert "dense architectures" in caplog.text

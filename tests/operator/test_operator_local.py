@@ -76,3 +76,12 @@ def test_aliases_route_locally_as_on_a_cluster(tmp_path: Path) -> None:
     assert (route.key, route.upstream) == ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B")
     assert fleet_view.listed_models() == ["Qwen/Qwen3-8B", "qwen"]
     assert fleet_view.resolve("Qwen/Qwen3-8B").key == "Qwen/Qwen3-8B"
+
+
+def test_the_fp8_example_quantizes_only_the_bf16_checkpoint() -> None:
+    fp8_checkpoint, online = local_fleets((ROOT / "examples/llama-fp8.yaml").read_text())
+    assert fp8_checkpoint.engine_args.model == "hf://Qwen/Qwen3-8B-FP8@main"
+    assert fp8_checkpoint.engine_args.quantization is None  # its config.json says fp8
+    assert "--quantization" not in fp8_checkpoint.engine_args.to_cli_args()
+    flags = online.engine_args.to_cli_args()
+    assert flags[flags.index("--quantization") + 1] == "fp8"

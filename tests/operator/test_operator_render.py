@@ -185,6 +185,43 @@ def test_the_reasoning_parser_reaches_both_engines() -> None:
     assert args[args.index("--reasoning-parser") + 1] == "deepseek_r1"
 
 
+@pytest.mark.parametrize("kind", ["corral", "vllm"])
+def test_quantization_reaches_either_engine_and_corral_up(kind: str) -> None:
+    raw = valid_spec()
+    raw["engine"] = {"kind": kind, "image": "engine:test", "args": {"quantization": "fp8"}}
+    raw["resources"] = {"gpu": 1}
+    container = render.engine_container(parse_spec(raw))
+    argv = container.get("command", []) + container.get("args", [])
+    assert argv[argv.index("--quantization") + 1] == "fp8"
+    raw["engine"]["args"] = {}  # unset: the checkpoint says (an FP8 one is read as FP8)
+    container = render.engine_container(parse_spec(raw))
+    assert "--quantization" not in container.get("command", []) + container.get("args", [])
+
+
+def test_corral_up_passes_quantization_as_a_pod_does() -> None:
+    from corral_operator.local import local_fleets
+
+    raw = valid_spec()
+    raw["engine"]["args"] = {"quantization": "int8"}
+    doc = {
+        "apiVersion": "corral.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": "q"},
+        "spec": raw,
+    }
+    (fleet,) = local_fleets(json.dumps(doc))
+    flags = fleet.engine_args.to_cli_args()
+    assert flags[flags.index("--quantization") + 1] == "int8"
+
+
+def test_the_crd_lists_the_quantizations_the_engine_takes() -> None:
+    from corral_operator import crd
+
+    args = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    field = args["properties"]["engine"]["properties"]["args"]["properties"]["quantization"]
+    assert field["type"] == "string" and field["enum"] == ["fp8", "int8"]
+
+
 def test_a_speculative_setting_the_engine_refuses_is_a_spec_error() -> None:
     raw = valid_spec()
     raw["engine"]["args"] = {"speculative": {"promptLookupMin": 5}}  # above the default max of 3

@@ -44,6 +44,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Mixture of experts (model/moe.py); none of it for dense models.
     moe: MoeConfig | None = None
+    # config.json's quantization_config as written (model/quant.py reads it), or None.
+    quantization_config: dict[str, Any] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -166,6 +168,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             # These three apply a config-wide `sliding_window` to every layer (None: full attention).
             is_sliding = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
         windows.append(window if is_sliding and window else None)
+    quantization = raw.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise ModelLoadError(f"{config_file}: quantization_config must be an object, got {quantization!r}")
     is_qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(getattr(hf, "attention_bias", False))
     return ModelConfig(
@@ -190,4 +195,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
         eos_token_ids=_eos_ids(path, hf),
         moe=_moe_config(arch, hf, num_layers, config_file) if arch in MOE_ARCHITECTURES else None,
+        quantization_config=quantization,
     )

@@ -162,6 +162,8 @@ def unsupported(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         return "tensor parallelism"
     if model.config.is_moe:  # the C decoder runs one dense MLP a layer; it has no router or experts
         return "mixture-of-experts layers"
+    if any(lin.quant is not None for layer in _layers(model) for lin in _linears(layer)):
+        return "quantized Linear layers (int8 or fp8 weights)"
     params = [p for p in model.parameters() if p.numel()]
     if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in params):
         return "weights other than bf16 on the CPU"

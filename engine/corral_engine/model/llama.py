@@ -20,6 +20,7 @@ from corral_engine.model.config import ModelConfig
 from corral_engine.model.moe import SparseMoeBlock
 from corral_engine.model.native import FusedOps
 from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
+from corral_engine.model.quant_ops import WEIGHT_DTYPES, fp8_linear, int8_linear
 
 if TYPE_CHECKING:
     from corral_engine.model.decode_stack import DecodeStack
@@ -123,8 +124,14 @@ class Linear(nn.Linear):
     packed_dtype: torch.dtype | None = None
     upcast_packed: torch.Tensor | None = None  # a float32 copy for upcast batches (see prepack_upcast)
     upcast_bias: torch.Tensor | None = None
+    # "int8" or "fp8" once `quantize` made this a quantized layer: `weight` in that dtype and the
+    # buffer `weight_scale` (float32 [out]); None: the plain layer above.
+    quant: str | None = None
+    kernel_scale: torch.Tensor | None = None  # weight_scale as the quantized matmul reads it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self._quantized(x)
         if (self.kernel_rows or self.upcast_min_rows) and x.dtype == torch.bfloat16:
             rows = x.shape[0]
             if self.upcast_min_rows and rows >= self.upcast_min_rows:  # a CPU without native bf16
@@ -141,6 +148,30 @@ class Linear(nn.Linear):
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed_dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def quantize(self, kind: str) -> None:
+        """Hold the weight as `kind` ("int8", "fp8") with a float32 scale per output row (filled by
+        the loader); called on the meta device, so no plain weight is ever allocated."""
+        shape, device = self.weight.shape, self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(shape, dtype=WEIGHT_DTYPES[kind], device=device), requires_grad=False
+        )
+        self.register_buffer("weight_scale", torch.ones(shape[0], dtype=torch.float32, device=device))
+        self.quant = kind
+
+    def quantized_ready(self, dtype: torch.dtype) -> None:
+        """After loading: the scales as the kernel reads them (int8: [out] in the activations'
+        `dtype`; fp8: [1, out] float32)."""
+        scale = self.get_buffer("weight_scale")
+        self.kernel_scale = scale.to(dtype) if self.quant == "int8" else scale.view(1, -1)
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.kernel_scale
+        if scale is None:
+            raise RuntimeError("a quantized Linear ran before quantized_ready")
+        if self.quant == "int8":
+            return int8_linear(x, self.weight, scale, self.bias)
+        return fp8_linear(x, self.weight, scale, self.bias)
 
     def prepack(self, keep_weight: bool) -> None:
         """Reorder the weight once into oneDNN's blocked layout, which F.linear would otherwise

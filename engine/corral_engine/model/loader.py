@@ -1,5 +1,6 @@
 """Load a Hugging Face safetensors checkpoint (sharded or not) into the engine's model; under
-tensor parallelism each rank reads only its own slices (safetensors' get_slice)."""
+tensor parallelism each rank reads only its own slices (safetensors' get_slice). FP8 checkpoints'
+weights are dequantized tensor by tensor, and quantized layers' weights quantized row by row."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from safetensors import safe_open
 
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
-from corral_engine.model.llama import CausalLM, FusedLinear
+from corral_engine.model.llama import CausalLM, FusedLinear, Linear
 from corral_engine.model.moe import Experts
 from corral_engine.model.parallel import EXPERT_PARTS, Cut, ShardPlan
+from corral_engine.model.quant import QuantConfig
+from corral_engine.model.quant_ops import CHECKPOINT_DTYPES, dequantize, quantize_rows
 
 logger = logging.getLogger(__name__)
 
@@ -125,17 +128,30 @@ def _expert_keys(name: str, module: Experts) -> set[str]:
     return {f"{name}:{e}:{part}" for e in experts for part in ("gate", "up")}
 
 
-def load_weights(model: CausalLM, config: ModelConfig, plan: ShardPlan | None = None) -> None:
-    """Fill `model`'s parameters from the checkpoint: all of them, or this rank's shards (`plan`)."""
+def load_weights(
+    model: CausalLM, config: ModelConfig, plan: ShardPlan | None = None, quant: QuantConfig | None = None
+) -> None:
+    """Fill `model`'s parameters from the checkpoint: all of them, or this rank's shards (`plan`);
+    `quant`: how the checkpoint's weights are stored (fp8 ones are dequantized as they are read)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     expected = {n for n in params if not (config.tie_word_embeddings and n == "lm_head.weight")}
     loaded: set[str] = set()
-    slicer = None if plan is None else plan.checkpoint_slice
+    files = checkpoint_files(config.path)
+    scales = _read_scales(files, quant)
+    suffix = None if quant is None or quant.checkpoint is None else "." + quant.scale_suffix
+
+    def slicer(name: str) -> Cut | list[Cut] | bool | None:
+        if suffix is not None and name.endswith(suffix):
+            return False  # read whole beforehand (_read_scales)
+        return None if plan is None else plan.checkpoint_slice(name)
+
     with torch.no_grad():
-        for name, tensor in iter_tensors(checkpoint_files(config.path), slicer):
+        for name, tensor in iter_tensors(files, slicer):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if tensor.dtype in CHECKPOINT_DTYPES:
+                tensor = _dequantized(name, tensor, scales, quant, plan)
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
@@ -166,11 +182,57 @@ def load_weights(model: CausalLM, config: ModelConfig, plan: ShardPlan | None = 
                 raise ModelLoadError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor)
+            _fill(dest, tensor, modules.get(key.split(":")[0].rsplit(".", 1)[0]), key)
             loaded.add(key)
     missing = sorted(_missing(expected, loaded, modules))
     if missing:
         raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
+
+
+def _fill(dest: torch.Tensor, tensor: torch.Tensor, module: torch.nn.Module | None, key: str) -> None:
+    """Copy `tensor` into `dest`; for a quantized layer's weight (or a fused shard of it,
+    `key` ...:shard), quantize it row by row and set those rows' scales."""
+    if not isinstance(module, Linear) or module.quant is None or not key.split(":")[0].endswith(".weight"):
+        dest.copy_(tensor)
+        return
+    q, scale = quantize_rows(tensor, dest.dtype)
+    dest.copy_(q)
+    offset, size = (0, dest.shape[0])
+    if isinstance(module, FusedLinear) and ":" in key:
+        offset, size = module.shard_offsets[key.split(":")[1]]
+    module.get_buffer("weight_scale")[offset : offset + size].copy_(scale)
+
+
+def _read_scales(files: list[Path], quant: QuantConfig | None) -> dict[str, torch.Tensor]:
+    """An fp8 checkpoint's scale tensors, whole, by the weight they scale (a block's scale covers
+    rows of several ranks, so each rank reads them all: 1/16384 of the weights at 128x128)."""
+    if quant is None or quant.checkpoint is None:
+        return {}
+    suffix = "." + quant.scale_suffix
+
+    def only_scales(name: str) -> bool | None:
+        return None if name.endswith(suffix) else False
+
+    return {name.removesuffix(suffix) + ".weight": t for name, t in iter_tensors(files, only_scales)}
+
+
+def _dequantized(
+    name: str,
+    tensor: torch.Tensor,
+    scales: dict[str, torch.Tensor],
+    quant: QuantConfig | None,
+    plan: ShardPlan | None,
+) -> torch.Tensor:
+    """An fp8 checkpoint tensor (this rank's slice of it) as float32, by its scale."""
+    if quant is None or quant.checkpoint is None:
+        raise ModelLoadError(f"tensor {name!r} is {tensor.dtype} but config.json has no quantization_config")
+    scale = scales.get(name)
+    if scale is None:
+        raise ModelLoadError(f"fp8 tensor {name!r} has no {quant.scale_suffix} in the checkpoint")
+    cut = None if plan is None else plan.checkpoint_slice(name)
+    if isinstance(cut, list) or tensor.dim() != 2:
+        raise ModelLoadError(f"fp8 tensor {name!r}: only 2-D dense projections are supported")
+    return dequantize(tensor, scale, quant.block_size, cut if isinstance(cut, tuple) else None, name)
 
 
 def _is_vocab(name: str) -> bool:

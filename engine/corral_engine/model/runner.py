@@ -45,6 +45,9 @@ from corral_engine.model.lora import LoraSlots
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
+from corral_engine.model.quant import QuantPlan, model_quant_config, plan_quant
+from corral_engine.model.quant_layers import describe_quantized, quantize_layers, ready
+from corral_engine.model.quant_ops import has_int8_kernel
 from corral_engine.model.sampler import sample_rows
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
@@ -89,6 +92,8 @@ class ModelRunner:
         )
         self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype, self.cpu)
         is_cpu = self.device.type == "cpu"
+        self.quant = model_quant_config(args.quantization, config.quantization_config, config.is_moe)
+        self.quant_plan = self._plan_quant()
         # The native paged decode kernel when it builds here (CPU, bf16/fp32); else PyTorch SDPA.
         kernel = load_paged_decode(settings) if settings.batched_decode and is_cpu else None
         if kernel is not None and not kernel.supports(self.dtype, self.device):
@@ -232,11 +237,21 @@ class ModelRunner:
 
     def _build_model(self) -> tuple[CausalLM, MatmulPlan]:
         with torch.device("meta"):
-            model = CausalLM(self.config, self.tp)
-        model = model.to_empty(device=self.device).to(self.dtype)
+            model = CausalLM(self.config, self.tp).to(self.dtype)
+        kind, quant = self.quant_plan.weights, self.quant
+        # Quantized layers get their int8/fp8 weights while still on the meta device: the model is
+        # never held whole in the model dtype.
+        quantized, kept = quantize_layers(model, kind, quant) if kind and quant else ([], [])
+        model = model.to_empty(device=self.device)
         if self.config.tie_word_embeddings:  # moving off the meta device unties shared parameters
             model.lm_head.weight = model.model.embed_tokens.weight
-        load_weights(model, self.config, None if self.tp is None else self.tp.plan)
+        load_weights(model, self.config, None if self.tp is None else self.tp.plan, quant)
+        ready(quantized, self.dtype)
+        if self.quant_plan.note:
+            level = logging.WARNING if self.quant_plan.is_warning else logging.INFO
+            logger.log(level, "%s", self.quant_plan.note)
+        if quantized or kept:
+            logger.info("%s", describe_quantized(quantized, kept, self.dtype))
         plan = self._apply_matmul_plan(model)
         fused_ops = load_fused_ops(self.settings) if self.device.type == "cpu" else None
         triton_ops = self._triton_ops()
@@ -244,7 +259,7 @@ class ModelRunner:
             if isinstance(module, RMSNorm | MLP | Attention):
                 module.fused_ops = fused_ops
                 module.triton_ops = triton_ops
-            if isinstance(module, Linear) and plan.kernel_rows:  # small bf16 batches: the native kernel
+            if isinstance(module, Linear) and plan.kernel_rows and module.quant is None:  # the native kernel
                 # Checked once here, not on every call: the weight's layout does not change.
                 readable = fused_ops is not None and fused_ops.supports(module.weight)
                 module.fused_ops = fused_ops if readable else None
@@ -276,8 +291,18 @@ class ModelRunner:
 
         return TritonOps()
 
+    def _plan_quant(self) -> QuantPlan:
+        """How this device runs the quantization asked for (model/quant.py:plan_quant)."""
+        is_cuda = self.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(self.device) if is_cuda else None
+        wants_int8 = self.quant is not None and self.quant.method == "int8"
+        int8 = has_int8_kernel(self.device) if is_cuda and wants_int8 else True
+        dtype = str(self.dtype).removeprefix("torch.")
+        return plan_quant(self.quant, self.device.type, capability, dtype, int8)
+
     def _apply_matmul_plan(self, model: CausalLM) -> MatmulPlan:
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        # Quantized layers run their own kernel: no packing, upcast copies or native bf16 kernel.
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m.quant is None]
         plan = plan_matmuls(
             self.dtype,
             self.device.type == "cpu",

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from corral_engine.errors import ModelLoadError
 from corral_engine.http_limits import uvicorn_options
 from corral_engine.lora import AdapterRegistry, LoraRequest
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
-from corral_engine.sim.perf_model import Profile, Roofline
+from corral_engine.sim.perf_model import Profile, Roofline, quantized
 from corral_engine.sim.tokenizer import LightTokenizer, read_json_object
 
 if TYPE_CHECKING:
@@ -55,7 +56,10 @@ def with_overrides(profile: Profile, given: Mapping[str, Any]) -> Profile:
     sized in the engine's order: --num-kv-blocks; else --kv-cache-memory (bytes per GPU) where the
     profile knows a token's KV bytes; else --gpu-memory-utilization on a roofline profile; else the
     profile's own KV bytes, so --block-size alone changes the block count, not the memory, as it
-    does on the engine (raises ValueError when the memory holds no block)."""
+    does on the engine (raises ValueError when the memory holds no block). A roofline profile is
+    first quantized as --quantization says (smaller weights: faster decode, more KV blocks)."""
+    if given.get("quantization") is not None and isinstance(profile.model, Roofline):
+        profile = quantized(profile, given["quantization"])
     sizes = {k: v for k, v in given.items() if k in PROFILE_OPTIONS and v is not None}
     resized = dataclasses.replace(profile, **sizes)
     if "num_kv_blocks" in sizes:
@@ -82,9 +86,34 @@ def ignored_options(profile: Profile, given: Mapping[str, Any]) -> list[str]:
     ignored = [k for k in PROFILE_FIXED_OPTIONS if given.get(k) is not None]
     if given.get("kv_cache_memory_bytes") is not None and profile.gpu_kv_bytes_per_token() is None:
         ignored.append("kv_cache_memory_bytes")
-    if given.get("gpu_memory_utilization") is not None and not isinstance(profile.model, Roofline):
-        ignored.append("gpu_memory_utilization")
+    if not isinstance(profile.model, Roofline):
+        ignored += [k for k in ("gpu_memory_utilization", "quantization") if given.get(k) is not None]
     return ignored
+
+
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """fp8 where config.json's quantization_config stores FP8 weights (quant_method fp8, or
+    compressed-tensors with 8-bit float weights), None without one; ModelLoadError for any other
+    method (AWQ, GPTQ, bitsandbytes, ...), which the engine refuses at start-up too."""
+    config = read_json_object(model_dir / "config.json").get("quantization_config")
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else None
+    if method == "fp8" or (method == "compressed-tensors" and _has_float8_weights(config)):
+        return "fp8"
+    raise ModelLoadError(
+        f"{model_dir / 'config.json'}: quantization_config quant_method {method!r} is not supported "
+        "(fp8 checkpoints are: quant_method fp8, or compressed-tensors with 8-bit float weights)"
+    )
+
+
+def _has_float8_weights(config: dict[str, Any]) -> bool:
+    """Every compressed-tensors config group stores its weights as 8-bit floats."""
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return False
+    weights = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()]
+    return all(isinstance(w, dict) and w.get("type") == "float" and w.get("num_bits") == 8 for w in weights)
 
 
 def eos_token_ids(model_dir: Path, tokenizer: LightTokenizer) -> tuple[int, ...]:

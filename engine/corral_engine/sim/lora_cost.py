@@ -3,6 +3,7 @@ step first runs it, and the shrink/expand products of each active adapter (a roo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from corral_engine.sim.perf_model import H100, LLAMA3_8B, LLAMA3_70B, Gpu, ModelShape, Profile, Roofline
@@ -73,7 +74,8 @@ def lora_cost(
     no shapes) is taken as one `gpu` serving `model`."""
     roofline = profile.model if isinstance(profile.model, Roofline) else Roofline(gpu, model)
     model = roofline.model
-    intermediate = INTERMEDIATE_SIZE.get(model, 4 * model.hidden_size)
+    # Adapters stay in the model dtype over quantized weights; the MLP width is the unquantized shape's.
+    intermediate = INTERMEDIATE_SIZE.get(dataclasses.replace(model, quantization=None), 4 * model.hidden_size)
     num_bytes = adapter_params(model, intermediate, rank, targets) * model.bytes_per_param
     return LoraCost(
         adapter_bytes=num_bytes,

@@ -7,6 +7,7 @@ sequences it holds, how much KV their attention reads, and how many query-key pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -53,6 +54,12 @@ class StepTimeModel(Protocol):
     def step_time_s(self, shape: StepShape) -> float: ...
 
 
+# Weight quantizations a simulated replica models (the engine's --quantization choices): each
+# stores the dense layers' projections at 1 byte a parameter.
+QUANTIZATIONS = ("fp8", "int8")
+QUANTIZED_BYTES_PER_PARAM = 1
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """A transformer's shape, as much as its cost needs."""
@@ -63,11 +70,30 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    bytes_per_param: int = 2  # bf16
+    bytes_per_param: int = 2  # the model dtype (bf16): KV cache, activations, unquantized weights
+    # Input embedding and lm_head: they stay in the model dtype when the projections are quantized.
+    embedding_params: float = 0.0
+    quantization: str | None = None  # fp8 or int8: every other weight at 1 byte a parameter
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+
+    @property
+    def num_projection_params(self) -> float:
+        """The layers' weights (norms, a rounding error, counted with them)."""
+        return self.num_params - self.embedding_params
 
     @property
     def weight_bytes(self) -> float:
-        return self.num_params * self.bytes_per_param
+        if self.quantization is None:
+            return self.num_params * self.bytes_per_param
+        return (
+            self.num_projection_params * QUANTIZED_BYTES_PER_PARAM
+            + self.embedding_params * self.bytes_per_param
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -81,6 +107,12 @@ class Gpu:
     memory_bandwidth_bytes_s: float
     memory_bytes: float
     link_bandwidth_bytes_s: float = 450e9  # NVLink, one direction, for tensor-parallel all-reduces
+    compute_capability: tuple[int, int] = (8, 0)
+
+    @property
+    def has_fp8_tensor_cores(self) -> bool:
+        """sm >= 8.9 (Ada, Hopper and later): dense FP8 matmuls at twice the bf16 peak."""
+        return self.compute_capability >= (8, 9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +135,8 @@ class Roofline:
             2 * m.num_params * shape.num_tokens
             + 4 * m.num_layers * m.num_heads * m.head_dim * shape.num_attn_pairs
         )
+        if self.has_fp8_matmuls:  # the projections' 2 FLOPs a parameter a token at twice the peak
+            flops -= m.num_projection_params * shape.num_tokens
         mem_bytes = m.weight_bytes + m.kv_bytes_per_token * (shape.num_kv_tokens + shape.num_tokens)
         compute_s = flops / (self.num_gpus * self.gpu.peak_flops * self.compute_efficiency)
         memory_s = mem_bytes / (self.num_gpus * self.gpu.memory_bandwidth_bytes_s * self.bandwidth_efficiency)
@@ -111,6 +145,12 @@ class Roofline:
             volume = shape.num_tokens * m.hidden_size * m.bytes_per_param
             comm_s = 2 * m.num_layers * (self.allreduce_latency_s + volume / self.gpu.link_bandwidth_bytes_s)
         return self.step_overhead_s + self.seq_overhead_s * shape.num_seqs + max(compute_s, memory_s) + comm_s
+
+    @property
+    def has_fp8_matmuls(self) -> bool:
+        """fp8 weights on FP8 tensor cores run W8A8 (dynamic activation scales); int8 weights, and
+        fp8 ones on older GPUs, are dequantized and multiplied in the model dtype."""
+        return self.model.quantization == "fp8" and self.gpu.has_fp8_tensor_cores
 
     def num_kv_blocks(self, block_size: int, memory_utilization: float = 0.9) -> int:
         """KV blocks in what the GPUs' memory holds beyond the weights and ~2 GiB of activations each."""
@@ -191,10 +231,30 @@ class Profile:
         return {**out, "kind": "fitted", "coefficients": list(self.model.coefficients)}
 
 
-LLAMA3_8B = ModelShape(8.03e9, 32, 4096, 32, 8, 128)
-LLAMA3_70B = ModelShape(70.6e9, 80, 8192, 64, 8, 128)
-H100 = Gpu("H100-SXM-80GB", 989e12, 3.35e12, 80e9)
-A100 = Gpu("A100-SXM-80GB", 312e12, 2.039e12, 80e9, link_bandwidth_bytes_s=300e9)
+# Embeddings: untied input embedding and lm_head, 128,256 x hidden each.
+LLAMA3_8B = ModelShape(8.03e9, 32, 4096, 32, 8, 128, embedding_params=2 * 128_256 * 4096)
+LLAMA3_70B = ModelShape(70.6e9, 80, 8192, 64, 8, 128, embedding_params=2 * 128_256 * 8192)
+H100 = Gpu("H100-SXM-80GB", 989e12, 3.35e12, 80e9, compute_capability=(9, 0))
+A100 = Gpu("A100-SXM-80GB", 312e12, 2.039e12, 80e9, link_bandwidth_bytes_s=300e9, compute_capability=(8, 0))
+
+
+def quantized(profile: Profile, quantization: str) -> Profile:
+    """A roofline profile with its projections' weights at 1 byte a parameter (as --quantization
+    loads them): its KV cache re-sized from the memory the smaller weights leave, at the built-in
+    profiles' --gpu-memory-utilization 0.9 (raises ValueError for a fitted profile: its step times
+    were measured with the weights it had). fp8 on a GPU without FP8 matmuls changes nothing."""
+    if not isinstance(profile.model, Roofline):
+        raise ValueError(f"{profile.name} is a fitted profile; only a roofline profile can be quantized")
+    if profile.model.model.quantization == quantization:
+        return profile
+    if quantization == "fp8" and not profile.model.gpu.has_fp8_tensor_cores:
+        return profile  # the engine dequantizes fp8 weights at load below sm 8.9: bf16 as before
+    model = dataclasses.replace(profile.model.model, quantization=quantization)
+    roofline = dataclasses.replace(profile.model, model=model)
+    name = f"{profile.name}-{quantization}"
+    return dataclasses.replace(
+        profile, name=name, model=roofline, num_kv_blocks=roofline.num_kv_blocks(profile.block_size)
+    )
 
 
 def _roofline_profile(name: str, gpu: Gpu, model: ModelShape, num_gpus: int) -> Profile:
