@@ -7,7 +7,9 @@ Two offline engines on the small demo checkpoint (written there once when missin
 --enable-lora, one with it (max_loras 4, eight rank-16 demo adapters on all seven targets). Arms:
 no-lora; lora-base (the LoRA engine, no request names an adapter); lora-1 (every request on one
 adapter); lora-4 (round-robin over 4); lora-8 (round-robin over 8 with 4 slots: adapters swap in
-and out, and a request whose adapter would be a fifth waits). Each run generates the first
+and out, and a request whose adapter would be a fifth waits); opt-in: no-lora-no-stack (the
+native decode stack off), lora-1-model-dtype and lora-4-model-dtype (a third engine whose slots
+keep the model's dtype, CORRAL_LORA_UPCAST=0: the A/B of float32 slots). Each run generates the first
 --num-requests of W2 (bench/engine/workloads.py) with one generate-like loop; the arms' order
 rotates every round, so a drifting machine favours none. Prefix caching is off: rounds repeat the
 prompts. Prints output tok/s per arm (median of rounds) and ratios to no-lora; writes lora_ab.json
@@ -36,6 +38,7 @@ from corral_engine.demo_model import write_demo_model
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.lora import LoraRequest, startup_adapters
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.settings import EngineSettings
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 log = logging.getLogger("lora_ab")
@@ -48,7 +51,14 @@ class Arm:
     name: str
     uses_lora_engine: bool
     num_adapters: int  # requests spread round-robin over this many adapters; 0: base model
-    has_decode_stack: bool = True  # False: the native decode stack off for the run, as LoRA has it
+    has_decode_stack: bool = True  # False: the native decode stack off for the run (LoRA had it so)
+    # True: a third engine, LoRA slots in the model's dtype (CORRAL_LORA_UPCAST=0), for the A/B of
+    # float32 slots where bf16 is upcast.
+    model_dtype_slots: bool = False
+
+    @property
+    def engine_key(self) -> str:
+        return "lora-model-dtype" if self.model_dtype_slots else "lora" if self.uses_lora_engine else "plain"
 
 
 ARMS = {
@@ -59,8 +69,11 @@ ARMS = {
         Arm("lora-1", True, 1),
         Arm("lora-4", True, 4),
         Arm("lora-8", True, 8),
-        # Diagnostic (opt-in, --arms): what --enable-lora turns off for base-model requests.
+        # Diagnostic (opt-in, --arms): the native decode stack off.
         Arm("no-lora-no-stack", False, 0, has_decode_stack=False),
+        # Opt-in (--arms): the adapter arms with slots in the model's dtype (CORRAL_LORA_UPCAST=0).
+        Arm("lora-1-model-dtype", True, 1, model_dtype_slots=True),
+        Arm("lora-4-model-dtype", True, 4, model_dtype_slots=True),
     )
 }
 DEFAULT_ARMS = "no-lora,lora-base,lora-1,lora-4,lora-8"
@@ -83,9 +96,9 @@ class SlotLoads:
         if slots is not None:
             load = slots._load
 
-            def counted(slot: int, weights: Any) -> None:
+            def counted(*args: Any) -> None:
                 self.count += 1
-                load(slot, weights)
+                load(*args)
 
             slots._load = counted
 
@@ -119,8 +132,11 @@ def cpu_info() -> dict[str, str]:
     }
 
 
-def build_engines(args: argparse.Namespace, adapter_dirs: list[Path]) -> dict[bool, LLMEngine]:
-    """The engine without --enable-lora (False) and the one with it (True), same settings else."""
+def build_engines(
+    args: argparse.Namespace, adapter_dirs: list[Path], arms: list[Arm]
+) -> dict[str, LLMEngine]:
+    """The engine without --enable-lora ("plain"), the one with it ("lora") and, when an arm asks
+    for it, one with LoRA slots in the model's dtype ("lora-model-dtype"); same settings else."""
     common: dict[str, Any] = {
         "model": str(args.model),
         "dtype": args.dtype,
@@ -131,12 +147,11 @@ def build_engines(args: argparse.Namespace, adapter_dirs: list[Path]) -> dict[bo
         "enable_prefix_caching": False,
     }
     modules = tuple(f"a{i}={path}" for i, path in enumerate(adapter_dirs))
-    return {
-        False: LLMEngine(EngineArgs(**common)),
-        True: LLMEngine(
-            EngineArgs(**common, enable_lora=True, lora_modules=modules, max_loras=4, max_lora_rank=args.rank)
-        ),
-    }
+    lora = EngineArgs(**common, enable_lora=True, lora_modules=modules, max_loras=4, max_lora_rank=args.rank)
+    engines = {"plain": LLMEngine(EngineArgs(**common)), "lora": LLMEngine(lora)}
+    if any(arm.model_dtype_slots for arm in arms):
+        engines["lora-model-dtype"] = LLMEngine(lora, EngineSettings(lora_upcast="0"))
+    return engines
 
 
 def run_arm(
@@ -202,17 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         write_demo_adapter(args.model, args.out_dir / "adapters" / f"a{i}", rank=args.rank, seed=i + 1)
         for i in range(NUM_ADAPTERS)
     ]
-    engines = build_engines(args, adapter_dirs)
+    engines = build_engines(args, adapter_dirs, arms)
     records = workloads.build("W2", args.model, quick=args.quick)[: args.num_requests]
-    max_len = engines[False].max_model_len  # the tiny preset's 512 positions cut W2's longest
+    max_len = engines["plain"].max_model_len  # the tiny preset's 512 positions cut W2's longest
     requests = [(list(r["prompt"])[: max_len - int(r["output_len"])], int(r["output_len"])) for r in records]
-    loads = {False: None, True: SlotLoads(engines[True])}
-    loras = startup_adapters(engines[True].args.lora_modules)  # ids as the engine registered them
+    loads = {key: SlotLoads(engine) if key != "plain" else None for key, engine in engines.items()}
+    loras = startup_adapters(engines["lora"].args.lora_modules)  # ids as the engine registered them
     gc.collect()
     gc.freeze()  # as the offline workers and `corral engine` do after loading
     warm = [(prompt, min(n, 16)) for prompt, n in requests[:4]]  # short: first-call costs only
     for arm in arms:  # warm-up: first-call costs, every adapter into a slot once
-        run_arm(engines[arm.uses_lora_engine], arm, loras, warm, loads[arm.uses_lora_engine])
+        run_arm(engines[arm.engine_key], arm, loras, warm, loads[arm.engine_key])
     runs: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=args.no_progress) as progress:
@@ -221,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             shift = round_index % len(arms)
             for arm in arms[shift:] + arms[:shift]:
                 progress.update(task, description=f"round {round_index + 1} {arm.name}")
-                lora_engine = arm.uses_lora_engine
-                figures = run_arm(engines[lora_engine], arm, loras, requests, loads[lora_engine])
+                figures = run_arm(engines[arm.engine_key], arm, loras, requests, loads[arm.engine_key])
                 runs[arm.name].append(figures)
                 progress.advance(task)
                 log.info("round %d %s: %.1f tok/s", round_index + 1, arm.name, figures["tok_s"])

@@ -74,6 +74,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 RULES: tuple[Exclusive | AtMost, ...] = (
     Exclusive("num_kv_blocks", "kv_cache_memory_bytes"),
     AtMost("prompt_lookup_min", "prompt_lookup_max"),
+    AtMost("max_loras", "max_cpu_loras", "a step's adapters are read from host memory"),
 )
 
 _MODEL_HELP = "a local checkpoint directory, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or pvc://CLAIM/PATH"
@@ -308,7 +309,7 @@ class EngineArgs:
     enable_lora: bool = _option(
         False,
         help="serve LoRA adapters: --lora-modules at start, or loaded at run time (dense models; "
-        "no CUDA decode graphs or native decode stack with it)",
+        "CUDA decode graphs and the native decode stack run only steps without an adapter)",
         vllm=Vllm("--enable-lora"),
     )
     lora_modules: tuple[str, ...] | None = _option(
@@ -336,6 +337,17 @@ class EngineArgs:
         le=1024,
         crd="maxLoraRank",
         vllm=Vllm("--max-lora-rank"),
+    )
+    max_cpu_loras: int | None = _option(
+        None,
+        help="LoRA adapters whose weights are kept in host memory, least recently used dropped "
+        "first; a request for a dropped one reads it again from its path",
+        default_text="--max-loras",
+        metavar="N",
+        ge=1,
+        le=65536,
+        crd="maxCpuLoras",
+        vllm=Vllm("--max-cpu-loras"),
     )
 
     def __post_init__(self) -> None:

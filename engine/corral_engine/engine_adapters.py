@@ -1,5 +1,6 @@
-"""The LoRA adapters an engine holds on its runner: registered at start and on request, and
-unloaded once no request of theirs is left (light; no torch)."""
+"""The LoRA adapters an engine holds on its runner: registered at start and on request, read
+again from their paths when the host cache dropped their weights (a request whose adapter can no
+longer be read fails), and unloaded once no request of theirs is left (light; no torch)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
+from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request
-from corral_engine.lora import LoraRequest
+from corral_engine.errors import InvalidRequestError
+from corral_engine.lora import AdapterError, LoraRequest
 
 
 class AdapterHost(Protocol):
@@ -17,6 +20,8 @@ class AdapterHost(Protocol):
     def add_lora(self, lora: LoraRequest) -> None: ...
 
     def remove_lora(self, lora_id: int) -> None: ...
+
+    def stage_lora(self, lora_id: int) -> None: ...
 
 
 class EngineAdapters:
@@ -30,6 +35,30 @@ class EngineAdapters:
     def add(self, lora: LoraRequest) -> None:
         """Read and register an adapter; AdapterError when it cannot be served."""
         self._runner.add_lora(lora)
+
+    def stage(self, lora: LoraRequest) -> None:
+        """Have a request's adapter ready: its weights read again if they were dropped from host
+        memory. InvalidRequestError (400, as vLLM refuses an adapter it cannot load) when it can
+        no longer be read."""
+        try:
+            self._runner.stage_lora(lora.lora_id)
+        except AdapterError as e:
+            raise InvalidRequestError(f"The adapter '{lora.name}' cannot be served: {e}", "model") from None
+
+    def unservable(self, scheduled: list[ScheduledSeq]) -> dict[str, str]:
+        """Requests of a step whose adapter can no longer be read (dropped from host memory
+        again after its request was admitted, its files gone since): request id -> why."""
+        failed: dict[int, str] = {}
+        for lora in {lora for s in scheduled if (lora := s.seq.request.lora) is not None}:
+            try:
+                self._runner.stage_lora(lora.lora_id)
+            except AdapterError as e:
+                failed[lora.lora_id] = f"The adapter '{lora.name}' cannot be served: {e}"
+        return {
+            s.seq.request.request_id: failed[lora_id]
+            for s in scheduled
+            if (lora_id := s.lora_id()) is not None and lora_id in failed
+        }
 
     def remove(self, lora_id: int) -> None:
         """Unregister an adapter (from any thread); its weights go once its requests are done."""

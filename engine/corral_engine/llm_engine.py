@@ -17,7 +17,7 @@ from collections.abc import Sequence as SequenceABC
 
 from corral_engine.args import EngineArgs
 from corral_engine.core.block_manager import BlockManager
-from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.engine_adapters import EngineAdapters
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
@@ -217,6 +217,8 @@ class LLMEngine:
     def insert_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
+        if request.lora is not None:
+            self.adapters.stage(request.lora)  # read again if dropped; refused if it cannot be
         self.requests[request.request_id] = request
         self.output_processor.add(request)
         self.scheduler.add(request)
@@ -249,12 +251,13 @@ class LLMEngine:
         if self.adapters.has_removals:
             self.adapters.drop_unused(self.requests.values())
         sched = self.scheduler.schedule()
+        aborted = self._abort_unservable(sched) if self.scheduler.config.max_loras else []
         self.last_step_num_tokens = sched.num_batched_tokens
         self.last_step_latencies = StepLatencies()
         self.last_schedule = sched.scheduled
         inflight, self._inflight = self._inflight, None
         if sched.is_empty:
-            outputs = self._emit(self._take_deferred())
+            outputs = aborted + self._emit(self._take_deferred())
             return outputs + self._emit(self._appender.settle(inflight, self.last_step_latencies))
         now = time.monotonic()
         for s in sched.scheduled:
@@ -283,7 +286,7 @@ class LLMEngine:
         # The device is busy with this step: the last step's text half runs meanwhile. It only
         # detokenizes, frees blocks and builds outputs; nothing takes a block before the next
         # schedule, and the device's reads of freed blocks are ordered before any later step's.
-        outputs = self._emit(self._take_deferred())
+        outputs = aborted + self._emit(self._take_deferred())
         outputs += self._emit(settled)
         if self.schedules_ahead and not drafts and not scored and self._appender.can_defer(plain):
             # The next step is scheduled before these tokens reach the host: each sequence holds
@@ -301,6 +304,21 @@ class LLMEngine:
             self._deferred = touched
             return outputs
         return outputs + self._emit(touched)
+
+    def _abort_unservable(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Abort the step's requests whose adapter can no longer be read (rare: see
+        EngineAdapters.unservable) and take them out of the step, which then runs without them."""
+        failed = self.adapters.unservable(sched.scheduled)
+        if not failed:
+            return []
+        sched.scheduled = [s for s in sched.scheduled if s.seq.request.request_id not in failed]
+        outputs = []
+        for request_id, why in failed.items():
+            logger.warning("request %s aborted: %s", request_id, why)
+            output = self.abort_request(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _take_deferred(self) -> Touched:
         deferred, self._deferred = self._deferred, {}

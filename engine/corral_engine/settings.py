@@ -36,6 +36,9 @@ class EngineSettings(BaseSettings):
     # native kernel instead of PyTorch/oneDNN; auto: where the CPU has no native bf16 (1.2-1.6x
     # there); 1: also where it has (keeps each plain bf16 weight beside the packed one: an A/B).
     small_batch_kernel: Switch = Field(default="auto", validation_alias="CORRAL_SMALL_BATCH_KERNEL")
+    # CORRAL_LORA_UPCAST: LoRA adapter slots in float32 for a bf16 model; auto: where bf16 matmuls
+    # are upcast (a CPU without native bf16), 1: always, 0: slots in the model's dtype (an A/B).
+    lora_upcast: Switch = Field(default="auto", validation_alias="CORRAL_LORA_UPCAST")
     # CORRAL_MATMUL_PROMPT_ATTENTION: prompt chunks attend through batched matmuls in blocks of query
     # rows instead of PyTorch's SDPA; auto: bf16 on CPUs with native bf16 (2.3-2.9x the attention
     # there, AVX512-BF16), 1: on any CPU, 0: never (model/attention.py:prompt_block_rows).

@@ -5,7 +5,11 @@ mixed batch (each target linear: y += scale * (x @ A^T) @ B^T for the rows of ea
 Each target Linear gets a `LoraLayer` (stacked A [slots, R, in] and B [slots, out, R] per
 checkpoint projection; R = max_lora_rank, a smaller rank zero-padded), its forward wrapped on the
 instance. A step with no adapter active leaves `LoraSlots.groups` empty and each layer returns its
-output untouched; an engine without --enable-lora wraps nothing.
+output untouched; an engine without --enable-lora wraps nothing. Slots are float32 where the base
+multiplies bf16 in float32 (a CPU without native bf16), else of the model's dtype.
+
+Host memory holds at most `max_cpu_loras` adapters' weights, least recently used dropped first; a
+dropped one is read again from its path when a request needs it (`stage`).
 
 Under tensor parallelism each rank reads its shard of every adapter, cut as the base weight is
 (ShardPlan.checkpoint_slice): a column-parallel projection's B rows, a row-parallel one's A
@@ -17,10 +21,11 @@ from __future__ import annotations
 import logging
 import pathlib
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -30,7 +35,9 @@ from corral_engine.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, LoraRe
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM
 from corral_engine.model.loader import read_cut
+from corral_engine.model.matmul_plan import MatmulPlan
 from corral_engine.model.parallel import Cut
+from corral_engine.settings import Switch
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +57,17 @@ _HOLDERS = {
 }
 
 
+Tensors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass(slots=True)
 class AdapterWeights:
-    """One adapter's weights in host memory: (layer, projection) -> (A [r, in], B [out, r])."""
+    """A registered adapter: its config and its weights in host memory, (layer, projection) ->
+    (A [r, in], B [out, r]), or None while they are dropped from the host cache."""
 
     lora: LoraRequest
     config: AdapterConfig
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    tensors: Tensors | None
 
 
 class LoraLayer:
@@ -82,12 +93,13 @@ class LoraLayer:
         return forward_with_lora
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out ([T, out]) plus each active slot's delta on its rows of x ([T, in])."""
+        """out ([T, out]) plus each active slot's delta on its rows of x ([T, in]), computed in
+        the slots' dtype and rounded to out's, as the base's upcast rounds its product."""
         for slot, rows, scale in self.slots.groups:
-            xs = x.index_select(0, rows)  # [n, in]
+            xs = x.index_select(0, rows).to(self.slots.dtype)  # [n, in]
             for part, (offset, size) in self.parts.items():
                 delta = (xs @ self.a[part][slot].T) @ self.b[part][slot].T  # [n, size]
-                out[:, offset : offset + size].index_add_(0, rows, delta, alpha=scale)
+                out[:, offset : offset + size].index_add_(0, rows, delta.to(out.dtype), alpha=scale)
         return out
 
 
@@ -95,13 +107,24 @@ class LoraSlots:
     """Registered adapters (host) and the `max_loras` device slots the forward pass reads."""
 
     def __init__(
-        self, model: CausalLM, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: CausalLM,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,  # the slots' (float32 where the base upcasts bf16), not the model's
+        device: torch.device,
+        max_cpu_loras: int | None = None,  # adapters' weights kept in host memory; None: max_loras
     ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
         self.dtype, self.device = dtype, device
         self.config = model.config
         self.plan = None if model.tp is None else model.tp.plan  # this rank's shard, or None: whole
-        self.adapters: dict[int, AdapterWeights] = {}
+        self.adapters: dict[int, AdapterWeights] = {}  # registered ones, by lora id
+        # Ids whose weights are in host memory, least recently used first; the lock orders the
+        # input thread's adds (reading a new adapter) with the step thread's uses.
+        self._host: OrderedDict[int, None] = OrderedDict()
+        self._host_lock = threading.Lock()
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
         self._free = list(range(max_loras - 1, -1, -1))
         # The step's active slots: (slot, its rows of the batch [n] on the device, scale).
@@ -122,14 +145,56 @@ class LoraSlots:
         """Read, check and register an adapter (raises AdapterError)."""
         if lora.lora_id in self.adapters:
             raise AdapterError(f"adapter {lora.name!r} is already loaded")
-        self.adapters[lora.lora_id] = self.read(lora)
+        weights = self.read(lora)
+        with self._host_lock:
+            self.adapters[lora.lora_id] = weights
+            self._keep(lora.lora_id)
         logger.info("LoRA adapter %r (id %d) registered from %s", lora.name, lora.lora_id, lora.path)
 
     def remove(self, lora_id: int) -> None:
-        self.adapters.pop(lora_id, None)
+        with self._host_lock:
+            self.adapters.pop(lora_id, None)
+            self._host.pop(lora_id, None)
         slot = self._slot_of.pop(lora_id, None)
         if slot is not None:
             self._free.append(slot)
+
+    def stage(self, lora_id: int) -> Tensors | None:
+        """Make a registered adapter ready to run: its weights, read again from its path when
+        the host cache dropped them, or None when it sits in a device slot and needs none.
+        Raises AdapterError when it is not registered or can no longer be read."""
+        weights = self.adapters.get(lora_id)
+        if weights is None:
+            raise AdapterError(f"adapter id {lora_id} is not loaded")
+        with self._host_lock:
+            tensors = weights.tensors
+            if tensors is not None:
+                self._keep(lora_id)
+                return tensors
+        if lora_id in self._slot_of:
+            return None
+        tensors = self.read(weights.lora).tensors  # outside the lock: it reads files
+        logger.info("LoRA adapter %r read again from %s", weights.lora.name, weights.lora.path)
+        with self._host_lock:
+            if lora_id in self.adapters:  # not removed meanwhile
+                weights.tensors = tensors
+                self._keep(lora_id)
+        return tensors
+
+    def _keep(self, lora_id: int) -> None:
+        """Mark `lora_id`'s weights most recently used; drop the least recently used weights
+        beyond max_cpu_loras (under `_host_lock`)."""
+        self._host[lora_id] = None
+        self._host.move_to_end(lora_id)
+        while len(self._host) > self.max_cpu_loras:
+            dropped, _ = self._host.popitem(last=False)
+            self.adapters[dropped].tensors = None
+            logger.debug("LoRA adapter id %d dropped from host memory (least recently used)", dropped)
+
+    @property
+    def in_host_memory(self) -> list[int]:
+        """Ids of the adapters whose weights are in host memory, least recently used first."""
+        return list(self._host)
 
     def read(self, lora: LoraRequest) -> AdapterWeights:
         config = read_adapter_config(lora.name, lora.path, self.max_rank)
@@ -223,29 +288,54 @@ class LoraSlots:
         slot = self._slot_of.get(lora_id)
         if slot is not None:
             self._slot_of.move_to_end(lora_id)
+            with self._host_lock:
+                if lora_id in self._host:  # a use of its host copy too
+                    self._keep(lora_id)
             return slot
-        weights = self.adapters.get(lora_id)
-        if weights is None:
-            raise AdapterError(f"adapter id {lora_id} is not loaded")
+        tensors = self.stage(lora_id)
+        if tensors is None:  # not in a slot, so stage() returned its weights
+            raise AdapterError(f"adapter id {lora_id} has no weights")
+        weights = self.adapters[lora_id]
         if self._free:
             slot = self._free.pop()
         else:  # the scheduler runs at most max_loras adapters a step, so one is idle
             victim = next(i for i in self._slot_of if i not in needed)
             slot = self._slot_of.pop(victim)
-        self._load(slot, weights)
+        self._load(slot, weights.config, tensors)
         self._slot_of[lora_id] = slot
         return slot
 
-    def _load(self, slot: int, weights: AdapterWeights) -> None:
-        rank = weights.config.rank
+    def _load(self, slot: int, config: AdapterConfig, tensors: Tensors) -> None:
+        rank = config.rank
         for lora_layer in dict.fromkeys(self.layers.values()):
             for part in lora_layer.parts:
                 lora_layer.a[part][slot].zero_()
                 lora_layer.b[part][slot].zero_()
-        for (layer, part), (a, b) in weights.tensors.items():
+        for (layer, part), (a, b) in tensors.items():
             lora_layer = self.layers[(layer, part)]
             lora_layer.a[part][slot, :rank].copy_(a)
             lora_layer.b[part][slot, :, :rank].copy_(b)
+
+
+_Stack = TypeVar("_Stack")
+_Graphs = TypeVar("_Graphs")
+
+
+def fast_paths(
+    has_adapter_rows: bool, stack: _Stack, graphs: _Graphs
+) -> tuple[_Stack | None, _Graphs | None]:
+    """The native decode stack and the decode graphs a step may take: those built, unless a
+    row of it runs an adapter (both compute the base model alone: no Linear wrapper runs)."""
+    return (None, None) if has_adapter_rows else (stack, graphs)
+
+
+def lora_slot_dtype(dtype: torch.dtype, plan: MatmulPlan, mode: Switch = "auto") -> torch.dtype:
+    """The adapter slots' dtype: float32 where the base multiplies bf16 in float32 (`auto`,
+    a CPU without native bf16, whose emulated bf16 matmul is the slow one), or with "1" for
+    any bf16 model; else (and with "0") the model's dtype."""
+    if dtype != torch.bfloat16 or mode == "0":
+        return dtype
+    return torch.float32 if mode == "1" or plan.upcast_min_rows else dtype
 
 
 def _full_shape(config: ModelConfig, part: str) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from corral_engine.model.kv_cache import (
 )
 from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, rope_parameters
 from corral_engine.model.loader import load_weights
-from corral_engine.model.lora import LoraSlots
+from corral_engine.model.lora import LoraSlots, fast_paths, lora_slot_dtype
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
@@ -155,12 +155,14 @@ class ModelRunner:
                 config.moe.num_experts_per_tok,
             )
         self.lora = self._lora_slots()
-        # The native decode stack and decode graphs know nothing of adapters: off with LoRA.
-        self.model.decode_stack = None if args.enable_lora else self._decode_stack()
+        # The native decode stack and decode graphs know nothing of adapters: with LoRA they run
+        # only steps without adapter rows (`fast_paths`), whose Linear wrappers add nothing.
+        self.decode_stack = self._decode_stack()
+        self.model.decode_stack = self.decode_stack
         # No decode graphs for mixture-of-experts models: routing reads each expert's row count on
         # the host every layer (its matmul shapes depend on the batch's data), which a graph cannot
         # record; their decodes run eagerly.
-        is_graphable = tp is None and not config.is_moe and not args.enable_lora
+        is_graphable = tp is None and not config.is_moe
         if self.attention_backend == "triton" and not args.enforce_eager and is_graphable:
             if graph_capture is None and self.device.type == "cuda":
                 graph_capture = CudaGraphCapture()
@@ -183,12 +185,18 @@ class ModelRunner:
             return None
         if self.config.is_moe:
             raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
+        slot_dtype = lora_slot_dtype(self.dtype, self.matmul_plan, self.settings.lora_upcast)
         logger.info(
-            "LoRA: %d adapter slots of rank %d; no decode graphs or native decode stack",
+            "LoRA: %d adapter slots of rank %d in %s; host memory for %d adapters",
             self.args.max_loras,
             self.args.max_lora_rank,
+            str(slot_dtype).removeprefix("torch."),
+            self.args.max_cpu_loras or self.args.max_loras,
         )
-        return LoraSlots(self.model, self.args.max_loras, self.args.max_lora_rank, self.dtype, self.device)
+        args = self.args
+        return LoraSlots(
+            self.model, args.max_loras, args.max_lora_rank, slot_dtype, self.device, args.max_cpu_loras
+        )
 
     def add_lora(self, lora: LoraRequest) -> None:
         """Read and register an adapter (AdapterError when it cannot be served)."""
@@ -199,6 +207,12 @@ class ModelRunner:
     def remove_lora(self, lora_id: int) -> None:
         if self.lora is not None:
             self.lora.remove(lora_id)
+
+    def stage_lora(self, lora_id: int) -> None:
+        """Have a registered adapter's weights at hand, read again from its path if the host
+        cache dropped them (AdapterError when it can no longer be read)."""
+        if self.lora is not None:
+            self.lora.stage(lora_id)
 
     def _warm_up_attention(self) -> None:
         """Every attention variant a batch can launch, compiled before the first request."""
@@ -347,16 +361,18 @@ class ModelRunner:
         """Run one step; return float32 logits for the sequences that sample, in order: one row
         each, plus one per draft token of speculating sequences. `fill`: input tokens the last
         step sampled that are still on the device (their sequences hold PENDING_TOKEN)."""
+        graphs = self.graphs
         if self.lora is not None:
             self.lora.prepare(scheduled)
-        if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1]:
+            self.model.decode_stack, graphs = fast_paths(bool(self.lora.groups), self.decode_stack, graphs)
+        if graphs is not None and len(scheduled) <= graphs.sizes[-1]:
             host = self.batches.prepare_unified(scheduled)
             if host.is_plain_decode:
                 pending = None
                 if fill is not None:
                     dst, src = fill.targets(scheduled)  # a decode's row is its sequence's index
                     pending = (fill.tokens, dst, src)
-                hidden = self.graphs.run(host, self.batches.block_tables(host), pending)
+                hidden = graphs.run(host, self.batches.block_tables(host), pending)
                 return self.model.compute_logits(hidden)
             batch = self.batches.to_step_batch(host)
         else:
@@ -379,6 +395,7 @@ class ModelRunner:
         engine is closed and steps no more (idempotent; ParallelRunner also stops its workers)."""
         if hasattr(self, "model"):
             self.model.decode_stack = None  # it holds the model and the cache: a cycle only gc frees
+            self.decode_stack = None
             del self.model
         self.kv_caches = []
         self.graphs = None

@@ -195,6 +195,11 @@ class ParallelRunner:
             self._send(("remove_lora", lora.lora_id), took)  # it never had a slot: no step ran it
             raise AdapterError(refused[min(refused)])
 
+    def stage_lora(self, lora_id: int) -> None:
+        """Rank 0 reads a dropped adapter again (the refusal, if any, is its); the other ranks
+        read their shards again when a step loads it into a slot."""
+        self.local.stage_lora(lora_id)
+
     def remove_lora(self, lora_id: int) -> None:
         """Drop the adapter on every rank, between the same two steps (the slots stay alike)."""
         self.local.remove_lora(lora_id)
