@@ -52,10 +52,12 @@ __all__ = [
 KvPolicy = Literal["preempt", "reserve"]
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 AttentionBackend = Literal["auto", "triton", "native", "sdpa"]
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_POLICIES: tuple[str, ...] = ("preempt", "reserve")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "native", "sdpa")
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS: tuple[str, ...] = ("fp8", "int8")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated here so this module needs no
 # server import (tests/server/test_tool_parsers.py checks they agree).
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
@@ -173,6 +175,14 @@ class EngineArgs:
         flag="--kv-cache-memory",
         crd="kvCacheMemory",
         vllm=Vllm("--kv-cache-memory-bytes"),
+    )
+    kv_cache_dtype: KvCacheDtype = _option(
+        "auto",
+        help="KV-cache storage dtype: auto is the model's; fp8 (fp8_e4m3) or fp8_e5m2 store one byte a "
+        "value, twice bf16's tokens in the same memory, cast with a scale of 1.0, saturating",
+        choices=KV_CACHE_DTYPES,
+        crd="kvCacheDtype",
+        vllm=Vllm("--kv-cache-dtype"),
     )
     max_model_len: int | None = _option(
         None,

@@ -127,6 +127,7 @@ class LLMEngine:
         self._deferred: Touched = {}
         self._stats = EngineStats(
             block_size=args.block_size,
+            cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=self.runner.num_kv_blocks,
             num_spec_accepted_per_pos=[0] * (args.num_speculative_tokens if args.speculative else 0),
             max_loras=max_loras,

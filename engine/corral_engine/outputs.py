@@ -133,6 +133,7 @@ class EngineStats:
     num_free_blocks: int = 0  # includes cached blocks nothing references (reclaimable)
     num_cached_blocks: int = 0
     block_size: int = 16
+    cache_dtype: str = "auto"  # --kv-cache-dtype, as vLLM's cache_config_info labels it
     kv_usage_ratio: float = 0.0  # used / total, reclaimable cached blocks count as free
     num_preemptions_total: int = 0
     num_prompt_tokens_total: int = 0

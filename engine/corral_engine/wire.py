@@ -22,7 +22,7 @@ ENGINE_INDEX = "0"
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # a 0-1 fraction, despite the name
-CACHE_CONFIG_INFO = "vllm:cache_config_info"  # labels: block_size, num_gpu_blocks
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # labels: block_size, cache_dtype, num_gpu_blocks
 
 # Counters (exposed with the `_total` suffix).
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from corral_engine.model import native
 from corral_engine.model.attention import DecodeBatch, _decode_attention
+from corral_engine.model.kv_dtype import to_cache
 from corral_engine.settings import EngineSettings
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernel")
@@ -80,6 +81,49 @@ def test_kernel_matches_the_pytorch_path(
     want = reference(*case, scale, window)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize(
+    ("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"]
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_kernel_reads_an_fp8_cache_as_the_pytorch_path(
+    cache_dtype: torch.dtype, dtype: torch.dtype, atol: float, window: int | None
+) -> None:
+    kernel = native.load_paged_decode(EngineSettings(native_kernels=True))
+    assert kernel is not None and kernel.supports(dtype, torch.device("cpu"), cache_dtype)
+    lens = [1, 2, 16, 17, 47, 57, 130] * 6
+    q, k_cache, v_cache, tables, ctx_lens = paged_case(lens, 4, 3, 64, 16, dtype, seed=5)
+    # Keys of e4m3's whole range (some saturated at 448 by the cast) would swamp the tolerance in
+    # the scores; values take it whole.
+    k_cache = to_cache(k_cache * 4, cache_dtype)
+    v_cache = to_cache(v_cache * 300, cache_dtype)
+    got = kernel(q, k_cache, v_cache, tables, ctx_lens, 0.125, window)
+    want = reference(q, k_cache, v_cache, tables, ctx_lens, 0.125, window)  # converts after its gathers
+    assert got.dtype == dtype
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=atol * 300, rtol=1e-5 if dtype == torch.float32 else 2e-2
+    )
+
+
+@needs_compiler
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_kernel_decodes_every_finite_fp8_code_exactly(cache_dtype: torch.dtype) -> None:
+    # Four one-token contexts: each output row is its one value row (softmax weight 1), which
+    # holds 64 of the 256 codes; the inf and NaN codes (never written) are zeroed.
+    kernel = native.load_paged_decode(EngineSettings(native_kernels=True))
+    assert kernel is not None
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    raw[~raw.view(cache_dtype).float().isfinite()] = 0
+    codes = raw.view(cache_dtype)
+    v_cache = codes.view(4, 1, 1, 64)  # [blocks, block_size 1, one KV head, D]
+    k_cache = torch.zeros_like(v_cache)
+    q = torch.randn(4, 1, 64)
+    tables = torch.arange(4).view(4, 1)
+    got = kernel(q, k_cache, v_cache, tables, torch.ones(4, dtype=torch.long), 0.125, None)
+    assert torch.equal(got.view(-1), codes.float())
 
 
 @needs_compiler

@@ -13,6 +13,7 @@ from torch import Tensor
 
 pytest.importorskip("triton")  # a dependency on Linux x86-64 only
 from corral_engine.model import triton_attention
+from corral_engine.model.kv_dtype import to_cache
 from corral_engine.model.triton_attention import unified_attention, write_kv
 
 # float32: the kernels accumulate in float32 against a float64 reference (errors seen ~1e-6).
@@ -267,3 +268,48 @@ def test_write_kv_stores_rows_in_their_slots(dtype: torch.dtype, index_dtype: to
     v_want[slots[written]] = v[written]
     assert torch.equal(k_cache.view_as(k_want), k_want)
     assert torch.equal(v_cache.view_as(v_want), v_want)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype", "window"),
+    [
+        (torch.float8_e4m3fn, torch.float32, None),
+        (torch.float8_e4m3fn, torch.bfloat16, 24),
+        (torch.float8_e5m2, torch.float32, 10),
+        (torch.float8_e5m2, torch.bfloat16, None),
+    ],
+)
+def test_an_fp8_cache_is_attended_as_its_rounded_values(
+    cache_dtype: torch.dtype, dtype: torch.dtype, window: int | None
+) -> None:
+    # The reference reads the same fp8 caches in float64: attention over the fp8-rounded K/V.
+    case = make_case(MIXED, 2, 4, 64, 16, dtype, seed=21, extra_rows=2)
+    values = case.v_cache.float()
+    # Values saturated at 448 in e4m3 (in V: keys that large would push float32 scores past the
+    # tolerances, the same for any cache dtype).
+    values[torch.rand(values.shape, generator=torch.Generator().manual_seed(22)) < 0.01] = -1000.0
+    case.k_cache, case.v_cache = to_cache(case.k_cache, cache_dtype), to_cache(values, cache_dtype)
+    unified_attention(*case.args(window), max_query_len=57)
+    assert_matches(case, window)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_casts_into_an_fp8_cache_as_pytorch_does(
+    dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    # Magnitudes from 1e-12 (rounded to zero) through e4m3's subnormals and normals to 1e5 (past
+    # e4m3's 448: saturated); rounding to nearest even, with carries into the exponent (124.8 -> 128).
+    gen = torch.Generator().manual_seed(6)
+    num_tokens, num_kv_heads, head_dim = 40, 2, 64
+    magnitudes = torch.logspace(-12, 5, num_tokens)[:, None, None]
+    k = (torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen) * magnitudes).to(dtype)
+    v = (torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen) * 3 * magnitudes).to(dtype)
+    k_cache = torch.zeros((4, 16, num_kv_heads, head_dim), dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(4 * 16, generator=gen)[:num_tokens]
+    write_kv(k, v, k_cache, v_cache, slots)
+    for cache, rows in ((k_cache, k), (v_cache, v)):
+        stored = cache.view(-1, num_kv_heads, head_dim)[slots].float()
+        assert torch.equal(stored, to_cache(rows, cache_dtype).float())  # values: -0 and +0 alike
+        assert stored.abs().max() == torch.finfo(cache_dtype).max or cache_dtype == torch.float8_e5m2

@@ -222,6 +222,21 @@ def test_the_crd_lists_the_quantizations_the_engine_takes() -> None:
     assert field["type"] == "string" and field["enum"] == ["fp8", "int8"]
 
 
+@pytest.mark.parametrize("kind", ["corral", "vllm"])
+def test_the_kv_cache_dtype_reaches_both_engines(kind: str) -> None:
+    raw = valid_spec()
+    raw["engine"] = {"kind": kind, "image": "engine:test", "args": {"kvCacheDtype": "fp8"}}
+    container = render.engine_container(parse_spec(raw))
+    argv = container.get("command", []) + container.get("args", [])
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+    raw["engine"]["args"] = {"kvCacheDtype": "int8"}
+    with pytest.raises(SpecError, match="kvCacheDtype"):
+        parse_spec(raw)
+    raw["engine"]["args"] = {}  # unset: the model's dtype, and no flag
+    container = render.engine_container(parse_spec(raw))
+    assert "--kv-cache-dtype" not in container.get("command", []) + container.get("args", [])
+
+
 def test_a_speculative_setting_the_engine_refuses_is_a_spec_error() -> None:
     raw = valid_spec()
     raw["engine"]["args"] = {"speculative": {"promptLookupMin": 5}}  # above the default max of 3

@@ -69,7 +69,7 @@ async def test_metrics_parse_and_list_every_vllm_metric(client: httpx.AsyncClien
     assert got[(wire.GENERATION_TOKENS_TOTAL, (engine, model))] == 6
     assert got[(wire.PROMPT_TOKENS_TOTAL, (engine, model))] == 6
     assert got[(wire.REQUEST_SUCCESS_TOTAL, (engine, ("finished_reason", "length"), model))] == 1
-    info = (("block_size", "16"), engine, model, ("num_gpu_blocks", "64"))
+    info = (("block_size", "16"), ("cache_dtype", "auto"), engine, model, ("num_gpu_blocks", "64"))
     assert got[(wire.CACHE_CONFIG_INFO, info)] == 1
     assert got[(wire.TIME_TO_FIRST_TOKEN_SECONDS + "_count", (engine, model))] == 1
     assert got[(wire.INTER_TOKEN_LATENCY_SECONDS + "_count", (engine, model))] == 5

@@ -14,6 +14,10 @@ When a sequence's queries are fewer than
 its keys (chunked prefill, prefix-cache hits) the causal mask is aligned bottom-right: query i sits
 at absolute position ctx_len - num_queries + i. SDPA's `is_causal=True` aligns top-left, which is
 only right when queries and keys coincide, so it is used only for fresh prefills.
+
+An fp8 cache (--kv-cache-dtype, model/kv_dtype.py): new rows are cast in as they are written, and
+every path converts what it gathers back to the model's dtype; fresh prompts attend their rows as
+the cache holds them, so a later prefix-cache hit reads the same values.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from corral_engine.errors import ModelLoadError
+from corral_engine.model.kv_dtype import write_fp8
 from corral_engine.model.native import PagedDecode
 
 # In place on a prompt block's [KVH, rows * G, cols] scores: (scores, rows, first, window); native.FusedOps.
@@ -112,7 +117,7 @@ class AttentionContext:
     seqs: list[SeqAttention]  # sequences attended one by one (prompt chunks)
     block_size: int
     decodes: list[DecodeBatch] = field(default_factory=list)  # batched decodes, grouped by length
-    decode_kernel: PagedDecode | None = None  # native paged decode (all decodes in one batch)
+    decode_kernel: PagedDecode | None = None  # native paged decode (all decodes in one batch; no fp8)
     unified: UnifiedBatch | None = None  # the triton backend: everything in one launch
     # Prompt chunks through matmul_prompt_attention in blocks of this many query rows; 0: SDPA.
     prompt_block_rows: int = 0
@@ -150,7 +155,9 @@ def paged_attention(
         )
         return out
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    if ctx.kv_write is not None:
+    if k_cache.dtype != k.dtype:  # fp8: from here on k and v are the rows as stored
+        k, v = write_fp8(k, v, k_cache, v_cache, ctx.slot_mapping)
+    elif ctx.kv_write is not None:
         ctx.kv_write(k, v, k_cache, v_cache, ctx.slot_mapping)
     else:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k)
@@ -169,8 +176,9 @@ def paged_attention(
             ks = k[s.q_start : s.q_end]  # [L, KVH, D]
             vs = v[s.q_start : s.q_end]
         else:
-            ks = k_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
-            vs = v_cache.index_select(0, s.block_ids).view(-1, num_kv_heads, head_dim)[: s.ctx_len]
+            rows = (-1, num_kv_heads, head_dim)  # [L, KVH, D], in the model's dtype
+            ks = k_cache.index_select(0, s.block_ids).view(rows)[: s.ctx_len].to(q.dtype)
+            vs = v_cache.index_select(0, s.block_ids).view(rows)[: s.ctx_len].to(q.dtype)
         if ctx.prompt_block_rows:
             matmul_prompt_attention(
                 q[s.q_start : s.q_end], ks, vs, scale, window, ctx.prompt_block_rows, ctx.prompt_softmax,
@@ -316,9 +324,10 @@ def _decode_attention(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     flat_tables = batch.block_tables.view(-1)
-    # [S, L, KVH, D] -> [S, KVH, L, D]
-    ks = k_cache.index_select(0, flat_tables).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    vs = v_cache.index_select(0, flat_tables).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    # [S, L, KVH, D] -> [S, KVH, L, D]; an fp8 cache's rows converted after the gather (fewer bytes)
+    shape = (num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    ks = k_cache.index_select(0, flat_tables).view(shape).to(q.dtype)
+    vs = v_cache.index_select(0, flat_tables).view(shape).to(q.dtype)
     # The query heads sharing a KV head become that head's "query positions": no K/V repeat.
     qs = q.index_select(0, batch.rows).view(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
     o = F.scaled_dot_product_attention(

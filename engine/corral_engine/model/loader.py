@@ -25,6 +25,9 @@ from corral_engine.model.quant_ops import CHECKPOINT_DTYPES, dequantize, quantiz
 logger = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# vLLM's per-tensor KV-cache scales (self_attn.k_scale / v_scale; older checkpoints: kv_scale):
+# skipped, not refused; an fp8 KV cache here always uses scale 1.0 (logged when a checkpoint has them).
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 # One expert's projection as hub checkpoints (and transformers' save_pretrained) hold them: Mixtral's
 # block_sparse_moe.experts.N.w1 (gate) / w3 (up) / w2 (down), Qwen3-MoE's mlp.experts.N.gate_proj /
 # up_proj / down_proj. transformers v5's fused in-memory layout (mlp.experts.gate_up_proj, [E, 2I, H])
@@ -137,6 +140,7 @@ def load_weights(
     modules = dict(model.named_modules())
     expected = {n for n in params if not (config.tie_word_embeddings and n == "lm_head.weight")}
     loaded: set[str] = set()
+    num_kv_scales = 0
     files = checkpoint_files(config.path)
     scales = _read_scales(files, quant)
     suffix = None if quant is None or quant.checkpoint is None else "." + quant.scale_suffix
@@ -149,6 +153,9 @@ def load_weights(
     with torch.no_grad():
         for name, tensor in iter_tensors(files, slicer):
             if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name.endswith(_KV_SCALE_SUFFIXES):
+                num_kv_scales += 1
                 continue
             if tensor.dtype in CHECKPOINT_DTYPES:
                 tensor = _dequantized(name, tensor, scales, quant, plan)
@@ -187,6 +194,12 @@ def load_weights(
     missing = sorted(_missing(expected, loaded, modules))
     if missing:
         raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
+    if num_kv_scales:
+        logger.warning(
+            "the checkpoint's %d KV-cache scales (k_scale, v_scale) are not applied: an fp8 KV cache "
+            "(--kv-cache-dtype) stores K and V with scale 1.0",
+            num_kv_scales,
+        )
 
 
 def _fill(dest: torch.Tensor, tensor: torch.Tensor, module: torch.nn.Module | None, key: str) -> None:

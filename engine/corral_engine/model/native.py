@@ -44,22 +44,37 @@ class NativeKernelError(RuntimeError):
     pass
 
 
+# The paged decode kernel's variants by (queries' dtype, cache's dtype): a cache in the model's
+# dtype, or fp8 (--kv-cache-dtype), read byte by byte into float32 tiles.
+_PAGED_DECODE_FNS = {
+    (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
+    (torch.float32, torch.float32): "paged_decode_f32",
+    (torch.bfloat16, torch.float8_e4m3fn): "paged_decode_bf16_e4m3",
+    (torch.bfloat16, torch.float8_e5m2): "paged_decode_bf16_e5m2",
+    (torch.float32, torch.float8_e4m3fn): "paged_decode_f32_e4m3",
+    (torch.float32, torch.float8_e5m2): "paged_decode_f32_e5m2",
+}
+
+
 class PagedDecode:
     """out[S, H, D] = softmax(q K^T * scale) V per sequence, K/V read through the block tables."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns: dict[torch.dtype, Any] = {}
-        for dtype, name in ((torch.bfloat16, "paged_decode_bf16"), (torch.float32, "paged_decode_f32")):
+        self._fns: dict[tuple[torch.dtype, torch.dtype], Any] = {}
+        for dtypes, name in _PAGED_DECODE_FNS.items():
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             # pointers: q, k_cache, v_cache, block_tables, ctx_lens, out; then six sizes;
             # then scale, window, threads
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
             fn.argtypes += [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
-            self._fns[dtype] = fn
+            self._fns[dtypes] = fn
 
-    def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return device.type == "cpu" and dtype in self._fns
+    def supports(
+        self, dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype | None = None
+    ) -> bool:
+        """Queries of `dtype` over a cache of `cache_dtype` (default: the same) on `device`."""
+        return device.type == "cpu" and (dtype, cache_dtype or dtype) in self._fns
 
     def __call__(
         self,
@@ -76,8 +91,11 @@ class PagedDecode:
         tensors = (q, k_cache, v_cache, block_tables, ctx_lens)
         if not all(t.is_contiguous() for t in tensors) or block_tables.dtype != torch.int64:
             raise NativeKernelError("paged decode needs contiguous tensors and int64 block tables")
+        fn = self._fns.get((q.dtype, k_cache.dtype))
+        if fn is None or v_cache.dtype != k_cache.dtype:
+            raise NativeKernelError(f"paged decode takes no {q.dtype} queries over a {k_cache.dtype} cache")
         out = torch.empty_like(q)
-        failed = self._fns[q.dtype](
+        failed = fn(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             ctx_lens.data_ptr(), out.data_ptr(),
             num_seqs, block_tables.shape[1], block_size, num_kv_heads, num_heads // num_kv_heads, head_dim,

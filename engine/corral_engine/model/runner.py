@@ -39,6 +39,7 @@ from corral_engine.model.kv_cache import (
     profile_gpu_memory,
     used_outside_torch,
 )
+from corral_engine.model.kv_dtype import kv_cache_dtype
 from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, rope_parameters
 from corral_engine.model.loader import load_weights
 from corral_engine.model.lora import LoraSlots, fast_paths, lora_slot_dtype
@@ -91,12 +92,14 @@ class ModelRunner:
             used_outside_torch(TorchCudaMemory(self.device)) if self.device.type == "cuda" else 0
         )
         self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype, self.cpu)
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         is_cpu = self.device.type == "cpu"
         self.quant = model_quant_config(args.quantization, config.quantization_config, config.is_moe)
         self.quant_plan = self._plan_quant()
-        # The native paged decode kernel when it builds here (CPU, bf16/fp32); else PyTorch SDPA.
+        # The native paged decode kernel when it builds here (CPU, bf16/fp32; a cache in that
+        # dtype or fp8); else PyTorch SDPA.
         kernel = load_paged_decode(settings) if settings.batched_decode and is_cpu else None
-        if kernel is not None and not kernel.supports(self.dtype, self.device):
+        if kernel is not None and not kernel.supports(self.dtype, self.device, self.kv_dtype):
             kernel = None
         self.attention_backend = choose_attention_backend(
             args.attention_backend, self.device.type, kernel is not None, settings.triton_interpret
@@ -131,20 +134,21 @@ class ModelRunner:
         self.model, self.matmul_plan = self._build_model()
         self.graphs: DecodeGraphs | None = None
         kv_per_token = 2 * config.num_layers * self.num_kv_heads * config.head_dim
-        bytes_per_block = args.block_size * kv_per_token * self.dtype.itemsize
+        bytes_per_block = args.block_size * kv_per_token * self.kv_dtype.itemsize
         measured = self._gpu_kv_bytes if self.device.type == "cuda" else None
         self.num_kv_blocks = num_kv_blocks(args, bytes_per_block, max_model_len, measured)
         if tp is not None:  # one block table for all ranks: the smallest cache sets the count
             self.num_kv_blocks = tp.all_reduce_min(self.num_kv_blocks)
         shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, config.head_dim)
-        self.kv_caches = allocate_kv_caches(config.num_layers, shape, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(config.num_layers, shape, self.kv_dtype, self.device)
         logger.info(
-            "model %s on %s/%s: %d KV blocks of %d tokens, %s attention%s",
+            "model %s on %s/%s: %d KV blocks of %d tokens (%s), %s attention%s",
             config.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.num_kv_blocks,
             self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
             self.attention_backend,
             self._prompt_path(),
         )
@@ -423,7 +427,7 @@ class ModelRunner:
         big enough: the peak activation memory the KV cache must leave room for."""
         scheduled, num_blocks = maximal_step(self.args, self.max_model_len)
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim)
-        self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.kv_dtype, self.device)
         try:
             logits = self.execute(scheduled)  # [num_seqs, V]; [0, V] on tensor-parallel ranks > 0
             if len(logits):  # sampling's temporaries too (top_p sorts: its costliest pass)

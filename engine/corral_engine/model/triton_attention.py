@@ -26,10 +26,15 @@ cache dtype), and the standard library's jit functions (tl.max, tl.sum, tl.zeros
 be called unless TRITON_INTERPRET was set at import (the reductions are spelled with tl.reduce and
 the combine functions the interpreter recognises). The interpreter also rounds float32 to bfloat16
 toward zero, one bf16 ulp off where a GPU rounds to nearest.
+
+An fp8 cache (--kv-cache-dtype): `write_kv` clamps each new row to the format's finite range in
+float32 and stores it as fp8; the attention kernel converts each K/V tile it loads to the queries'
+dtype, so its dots run as for a cache in the model's dtype.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -59,9 +64,16 @@ def write_kv(
     _check_unit_stride(k, v, slot_mapping)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("write_kv needs contiguous K/V caches")
+    # An fp8 cache's format: its largest finite value (the kernel saturates there), its mantissa
+    # bits and smallest normal exponent (the interpreter's rounding); 0, 0, 0: the model's dtype.
+    fp8 = torch.finfo(k_cache.dtype) if k_cache.dtype != k.dtype else None
     launcher(_write_kv_kernel, k.device)[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        FP8_MAX=0.0 if fp8 is None else fp8.max,
+        FP8_MANTISSA=0 if fp8 is None else round(-math.log2(fp8.eps)),
+        FP8_MIN_EXP=0 if fp8 is None else round(math.log2(fp8.smallest_normal)),
+        INTERPRET=k.device.type == "cpu",
         KV_HEADS=num_kv_heads,
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
@@ -277,10 +289,12 @@ def launcher(fn: Callable[..., None], device: torch.device) -> Any:
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
+    FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr,
     KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):  # fmt: skip
-    """One program per new token: copies its [KVH, D] K and V rows into its cache slot."""
+    """One program per new token: copies its [KVH, D] K and V rows into its cache slot (FP8_MAX > 0:
+    clamped to +-FP8_MAX in float32 and cast to the fp8 cache's dtype)."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # a padding row of a captured batch
@@ -291,8 +305,27 @@ def _write_kv_kernel(
     src_k = token.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     dst = slot * (KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src_k, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src_v, mask=mask), mask=mask)
+    k = tl.load(k_ptr + src_k, mask=mask)
+    v = tl.load(v_ptr + src_v, mask=mask)
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
+        if INTERPRET:
+            k = _round_to_fp8_grid(k, FP8_MANTISSA, FP8_MIN_EXP)
+            v = _round_to_fp8_grid(v, FP8_MANTISSA, FP8_MIN_EXP)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):  # fmt: skip
+    """float32 `x` rounded to nearest-even on the fp8 format's grid, for the interpreter only: its
+    cast into fp8 rounds half up and drops the carry into the exponent (Triton 3.9: 124.8 -> 64), but
+    casts a value already on the grid exactly. Adding C = 1.5 * 2^(s + 23), whose float32 ulp is
+    the grid's spacing 2^s at x's exponent, rounds x there; subtracting C leaves the rounded x."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |x|); 0: -127
+    spacing = tl.maximum(exponent, MIN_EXP) - MANTISSA
+    magic = (((spacing + 150) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    return (x + magic) - magic
 
 
 def _attention_kernel(
@@ -384,6 +417,9 @@ def _attention_kernel(
         if INTERPRET:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
+        else:  # an fp8 cache's tiles to the queries' dtype (a no-op for a cache in the model's)
+            k_t = k_t.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         allowed = is_row[:, None] & (k_pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:

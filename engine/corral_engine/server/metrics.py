@@ -149,9 +149,9 @@ class _SnapshotCollector(Collector):
         info = GaugeMetricFamily(
             wire.CACHE_CONFIG_INFO,
             "KV-cache configuration.",
-            labels=[*VLLM_LABELS, "block_size", "num_gpu_blocks"],
+            labels=[*VLLM_LABELS, "block_size", "cache_dtype", "num_gpu_blocks"],
         )
-        info.add_metric([*model, str(s.block_size), str(s.num_kv_blocks)], 1.0)
+        info.add_metric([*model, str(s.block_size), s.cache_dtype, str(s.num_kv_blocks)], 1.0)
         yield info
         yield self._counter(
             wire.NUM_PREEMPTIONS_TOTAL, "Preemptions of running requests.", s.num_preemptions_total

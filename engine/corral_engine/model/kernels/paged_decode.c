@@ -9,13 +9,14 @@
  *
  * Layouts (row-major, contiguous):
  *   q, out        [S, KVH * G, D]
- *   k/v cache     [num_blocks, block_size, KVH, D]
+ *   k/v cache     [num_blocks, block_size, KVH, D]: the queries' dtype, or fp8 (e4m3fn, e5m2 bytes)
  *   block_tables  [S, max_blocks] int64;  ctx_lens [S] int64
  * window > 0 keeps the last `window` keys only (sliding-window attention).
  *
  * Built with -O3 -march=native -ffast-math: the fixed-size inner loops (head_dim 64 and 128 are
  * specialised) become SIMD code and expf maps to glibc's vector variant. Every input is finite
- * (the cache is zeroed, never left uninitialised), which -ffast-math assumes.
+ * (the cache is zeroed, never left uninitialised, and fp8 writes saturate: no inf or NaN codes),
+ * which -ffast-math assumes.
  */
 #include <float.h>
 #include <math.h>
@@ -43,6 +44,35 @@ static inline void load_tile_bf16(const uint16_t *block, int64_t h0, int64_t nh,
         for (int64_t i = 0; i < width; i++) dst[i] = bf16_to_f32(src[i]);
     }
 }
+
+/* fp8 bytes to float32, exactly: normal codes rebuild the float's bits (exponent rebiased),
+ * subnormal ones (exponent field 0) are mantissa x 2^(1 - bias - mantissa bits). Branch-free, so
+ * the tile loops vectorise. inf and NaN codes are never written (the engine saturates). */
+static inline float fp8_to_f32(uint8_t x, const int mant_bits, const int bias) {
+    const uint32_t sign = (uint32_t)(x & 0x80u) << 24, em = x & 0x7Fu;
+    const uint32_t bits = sign | ((em << (23 - mant_bits)) + ((uint32_t)(127 - bias) << 23));
+    float normal;
+    memcpy(&normal, &bits, sizeof normal);
+    const float sub = (float)(em) * ldexpf(1.0f, 1 - bias - mant_bits);
+    return em >> mant_bits ? normal : (x & 0x80u ? -sub : sub);
+}
+
+static inline float e4m3_to_f32(uint8_t x) { return fp8_to_f32(x, 3, 7); }
+static inline float e5m2_to_f32(uint8_t x) { return fp8_to_f32(x, 2, 15); }
+
+#define DEFINE_LOAD_TILE_FP8(NAME, TO_F32)                                                          \
+    static inline void NAME(const uint8_t *block, int64_t h0, int64_t nh, int64_t count,          \
+                            const Shape *sh, const int64_t D, float *tile) {                      \
+        const int64_t width = nh * D;                                                             \
+        for (int64_t t = 0; t < count; t++) {                                                     \
+            const uint8_t *src = block + t * sh->token_stride + h0 * D;                           \
+            float *dst = tile + t * width;                                                        \
+            for (int64_t i = 0; i < width; i++) dst[i] = TO_F32(src[i]);                         \
+        }                                                                                         \
+    }
+
+DEFINE_LOAD_TILE_FP8(load_tile_e4m3, e4m3_to_f32)
+DEFINE_LOAD_TILE_FP8(load_tile_e5m2, e5m2_to_f32)
 
 static inline void load_tile_f32(const float *block, int64_t h0, int64_t nh, int64_t count,
                                  const Shape *sh, const int64_t D, float *tile) {
@@ -124,9 +154,12 @@ static inline void prefetch_rows(const char *block, int64_t first_byte, int64_t 
 
 DEFINE_ITEM(item_bf16, uint16_t, load_tile_bf16)
 DEFINE_ITEM(item_f32, float, load_tile_f32)
+DEFINE_ITEM(item_e4m3, uint8_t, load_tile_e4m3)
+DEFINE_ITEM(item_e5m2, uint8_t, load_tile_e5m2)
 
-#define DEFINE_PAGED_DECODE(NAME, T, ITEM, TO_F32, FROM_F32)                                      \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,         \
+/* T: the queries' and output's element type; C: the cache's. */
+#define DEFINE_PAGED_DECODE(NAME, T, C, ITEM, TO_F32, FROM_F32)                                   \
+    int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_tables,         \
              const int64_t *ctx_lens, T *out, int64_t num_seqs, int64_t max_blocks,               \
              int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,            \
              float scale, int64_t window, int num_threads) {                                       \
@@ -180,5 +213,10 @@ DEFINE_ITEM(item_f32, float, load_tile_f32)
 
 static inline float f32_identity(float x) { return x; }
 
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, item_bf16, bf16_to_f32, f32_to_bf16)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, item_f32, f32_identity, f32_identity)
+DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, uint16_t, item_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, float, item_f32, f32_identity, f32_identity)
+/* fp8 caches (--kv-cache-dtype): the queries' dtype, then the cache's */
+DEFINE_PAGED_DECODE(paged_decode_bf16_e4m3, uint16_t, uint8_t, item_e4m3, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_bf16_e5m2, uint16_t, uint8_t, item_e5m2, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32_e4m3, float, uint8_t, item_e4m3, f32_identity, f32_identity)
+DEFINE_PAGED_DECODE(paged_decode_f32_e5m2, float, uint8_t, item_e5m2, f32_identity, f32_identity)
