@@ -20,7 +20,7 @@ from corral_engine.lora import AdapterRegistry, LoraRequest
 from corral_engine.sim.async_engine import AsyncSimEngine
 from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
-from corral_engine.sim.perf_model import Profile, Roofline, quantized
+from corral_engine.sim.perf_model import Profile, Roofline, quantized, with_kv_cache_dtype
 from corral_engine.sim.tokenizer import LightTokenizer, read_json_object
 
 if TYPE_CHECKING:
@@ -57,9 +57,12 @@ def with_overrides(profile: Profile, given: Mapping[str, Any]) -> Profile:
     profile knows a token's KV bytes; else --gpu-memory-utilization on a roofline profile; else the
     profile's own KV bytes, so --block-size alone changes the block count, not the memory, as it
     does on the engine (raises ValueError when the memory holds no block). A roofline profile is
-    first quantized as --quantization says (smaller weights: faster decode, more KV blocks)."""
+    first quantized as --quantization says (smaller weights: faster decode, more KV blocks), then
+    its KV cache put in --kv-cache-dtype (fp8: half the bytes a token)."""
     if given.get("quantization") is not None and isinstance(profile.model, Roofline):
         profile = quantized(profile, given["quantization"])
+    if given.get("kv_cache_dtype") not in (None, "auto") and isinstance(profile.model, Roofline):
+        profile = with_kv_cache_dtype(profile, given["kv_cache_dtype"])
     sizes = {k: v for k, v in given.items() if k in PROFILE_OPTIONS and v is not None}
     resized = dataclasses.replace(profile, **sizes)
     if "num_kv_blocks" in sizes:
@@ -88,6 +91,8 @@ def ignored_options(profile: Profile, given: Mapping[str, Any]) -> list[str]:
         ignored.append("kv_cache_memory_bytes")
     if not isinstance(profile.model, Roofline):
         ignored += [k for k in ("gpu_memory_utilization", "quantization") if given.get(k) is not None]
+        if given.get("kv_cache_dtype") not in (None, "auto"):
+            ignored.append("kv_cache_dtype")
     return ignored
 
 

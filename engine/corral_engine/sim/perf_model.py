@@ -74,6 +74,7 @@ class ModelShape:
     # Input embedding and lm_head: they stay in the model dtype when the projections are quantized.
     embedding_params: float = 0.0
     quantization: str | None = None  # fp8 or int8: every other weight at 1 byte a parameter
+    kv_bytes_per_element: int | None = None  # --kv-cache-dtype fp8: 1; None: bytes_per_param
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -97,7 +98,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+        element = self.kv_bytes_per_element or self.bytes_per_param
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +256,24 @@ def quantized(profile: Profile, quantization: str) -> Profile:
     name = f"{profile.name}-{quantization}"
     return dataclasses.replace(
         profile, name=name, model=roofline, num_kv_blocks=roofline.num_kv_blocks(profile.block_size)
+    )
+
+
+def with_kv_cache_dtype(profile: Profile, kv_cache_dtype: str) -> Profile:
+    """A roofline profile whose KV cache is in `kv_cache_dtype` (--kv-cache-dtype): fp8 ones hold a
+    token's keys and values in half of bf16's bytes, so twice the blocks fit and decode steps read
+    half the KV bytes; "auto" changes nothing (raises ValueError for a fitted profile)."""
+    if not isinstance(profile.model, Roofline):
+        raise ValueError(f"{profile.name} is a fitted profile: its KV cache is the one it was measured with")
+    if not kv_cache_dtype.startswith("fp8"):
+        return profile
+    model = dataclasses.replace(profile.model.model, kv_bytes_per_element=1)
+    roofline = dataclasses.replace(profile.model, model=model)
+    return dataclasses.replace(
+        profile,
+        name=f"{profile.name}-kv-fp8",
+        model=roofline,
+        num_kv_blocks=roofline.num_kv_blocks(profile.block_size),
     )
 
 
