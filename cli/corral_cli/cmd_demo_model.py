@@ -9,7 +9,7 @@ log = logging.getLogger(__name__)
 
 # Kept in step with corral_engine.demo_model (not imported here: the engine side pulls in torch).
 _PRESETS = ("tiny", "small", "llama3-8b")
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "phi3", "gemma3")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

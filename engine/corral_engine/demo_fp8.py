@@ -12,7 +12,8 @@ from typing import Any
 
 BLOCK_SIZE = (128, 128)
 FP8_MAX = 448.0
-_PROJECTION = re.compile(r"\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+# Phi-3's fused qkv_proj and gate_up_proj too, as its FP8 checkpoints hold them.
+_PROJECTION = re.compile(r"\.(?:self_attn\.(?:[qkvo]|qkv)_proj|mlp\.(?:gate|up|down|gate_up)_proj)\.weight$")
 
 
 def fp8_quantization_config(block_size: tuple[int, int] = BLOCK_SIZE) -> dict[str, Any]:

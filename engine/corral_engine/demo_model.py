@@ -46,8 +46,12 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3-moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 MOE_ARCHS = ("mixtral", "qwen3-moe")
+# transformers config classes not named after the model class (ForCausalLM -> Config otherwise).
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +184,10 @@ def build_config_dict(
         cfg["sliding_window"] = None  # like Mistral v0.2+: full attention
     if arch in ("qwen3", "qwen3-moe"):
         cfg["head_dim"] = p.qwen3_head_dim
+    if arch == "phi3":  # fused qkv_proj / gate_up_proj tensors; a window as Phi-3-mini-4k's
+        cfg["sliding_window"] = p.max_position_embeddings // 8
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(p))
     if arch in MOE_ARCHS:
         if not p.num_experts:
             raise ValueError(f"preset {preset!r} has no mixture-of-experts variant (tiny and small do)")
@@ -194,6 +202,26 @@ def build_config_dict(
     return cfg
 
 
+def _gemma3_config(p: Preset) -> dict[str, Any]:
+    """Gemma 3's shape at the preset's size (gemma-3-1b-it's rules): an explicit head_dim, the
+    softmax scale from query_pre_attn_scalar (here hidden / heads, as Gemma 3 27B's, so it differs
+    from head_dim), five sliding layers to a global one (at least one global), local and global
+    rope bases, tied embeddings. The window is short, so test prompts pass it."""
+    pattern = min(6, p.num_hidden_layers)
+    return {
+        "head_dim": p.qwen3_head_dim,
+        "query_pre_attn_scalar": p.hidden_size // p.num_attention_heads,
+        "sliding_window": p.max_position_embeddings // 32,
+        "layer_types": [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(p.num_hidden_layers)
+        ],
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "tie_word_embeddings": True,
+    }
+
+
 def count_parameters(config: dict[str, Any]) -> int:
     """Parameter count of a Llama-family model with this config dict (pure arithmetic)."""
     h, v = int(config["hidden_size"]), int(config["vocab_size"])
@@ -204,14 +232,15 @@ def count_parameters(config: dict[str, Any]) -> int:
     attn = h * q + 2 * h * kv + q * h
     if arch == "Qwen2ForCausalLM" or config.get("attention_bias"):
         attn += q + 2 * kv + (q if config.get("attention_bias") and arch != "Qwen2ForCausalLM" else 0)
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
         attn += 2 * head_dim  # q_norm, k_norm
+    num_norms = 4 if arch == "Gemma3ForCausalLM" else 2  # Gemma's pre/post feed-forward norms
     num_layers = int(config["num_hidden_layers"])
     mlps = [3 * h * int(config["intermediate_size"])] * num_layers
     if arch in MOE_ARCHITECTURES:
         mlps = _moe_mlp_parameters(config, arch, h, num_layers)
     embeddings = v * h * (1 if config.get("tie_word_embeddings") else 2)
-    return sum(mlps) + num_layers * (attn + 2 * h) + embeddings + h
+    return sum(mlps) + num_layers * (attn + num_norms * h) + embeddings + h
 
 
 def _moe_mlp_parameters(config: dict[str, Any], arch: str, h: int, num_layers: int) -> list[int]:
@@ -258,7 +287,9 @@ def _meta_model(cfg: dict[str, Any]) -> Any:
     import transformers
 
     arch_class = cfg["architectures"][0]
-    config_class = getattr(transformers, arch_class.replace("ForCausalLM", "Config"))
+    config_class = getattr(
+        transformers, _CONFIG_CLASSES.get(arch_class, arch_class.replace("ForCausalLM", "Config"))
+    )
     model_class = getattr(transformers, arch_class)
     kwargs = copy.deepcopy({k: v for k, v in cfg.items() if k not in ("architectures", "dtype")})
     config = config_class(**kwargs)

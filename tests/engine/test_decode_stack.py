@@ -83,12 +83,13 @@ def model_dirs(
     tiny_model_dirs: Mapping[str, pathlib.Path], windowed_model_dir: pathlib.Path
 ) -> Iterator[Mapping[str, pathlib.Path]]:
     yield {
-        **{arch: tiny_model_dirs[arch] for arch in ("llama", "qwen2", "qwen3")},
+        **{arch: tiny_model_dirs[arch] for arch in ("llama", "qwen2", "qwen3", "phi3")},
         "window": windowed_model_dir,
     }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "window"])  # plain, qkv bias, q/k norms, window
+# plain, qkv bias, q/k norms, window; phi3: weights loaded from fused checkpoint tensors
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "window", "phi3"])
 @pytest.mark.parametrize("num_prompts", [1, 2])
 def test_the_stack_computes_the_layer_by_layer_bits(
     model_dirs: Mapping[str, pathlib.Path], monkeypatch: pytest.MonkeyPatch, arch: str, num_prompts: int
@@ -163,6 +164,20 @@ def test_what_the_stack_does_not_take(tiny_model_dir: pathlib.Path) -> None:
     )
     off = make_engine(tiny_model_dir, EngineSettings(small_batch_kernel="0"), dtype="bfloat16")
     assert off.runner.model.decode_stack is None
+
+
+def test_gemma3_and_partial_rotary_go_layer_by_layer(
+    tiny_model_dirs: Mapping[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """The C decoder computes Llama's layers: not Gemma 3's norms, GELU and per-layer rotary, nor
+    a rotary over part of each head."""
+    gemma = _engine(tiny_model_dirs["gemma3"])
+    assert gemma.runner.model.decode_stack is None
+    assert "Gemma 3" in unsupported(gemma.runner.model, gemma.runner.kv_caches)
+    partial = write_demo_model(tmp_path / "m", arch="phi3", config_overrides={"partial_rotary_factor": 0.5})
+    engine = _engine(partial)
+    assert engine.runner.model.decode_stack is None
+    assert unsupported(engine.runner.model, engine.runner.kv_caches) == "partial rotary embeddings"
 
 
 def test_draft_rows_of_speculative_decoding_match_too(

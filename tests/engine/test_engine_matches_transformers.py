@@ -1,4 +1,7 @@
-"""Acceptance 1: greedy output equals transformers' `generate`, token for token, in float32."""
+"""Acceptance 1: greedy output equals transformers' `generate`, token for token, in float32.
+
+Phi-3 and Gemma 3 prompts run past their sliding windows (64 and 16 tokens in the tiny demos), so
+the windowed layers, and Gemma 3's local-base rotary on them, decide tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from corral_engine.settings import EngineSettings
 
 from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "phi3", "gemma3"]
 MAX_NEW = 12
 
 
@@ -70,7 +73,7 @@ def test_preemption(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path], refe
     assert engine.stats().num_preemptions_total > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
 def test_prefix_cache_hits(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
     shared = random_prompts(1, 500, seed=7, min_len=40, max_len=40)[0]
     prompts = [shared + tail for tail in random_prompts(6, 500, seed=8, min_len=1, max_len=20)]
@@ -115,8 +118,9 @@ def test_rope_scaling_and_tied_embeddings(tmp_path: pathlib.Path) -> None:
         # The PyTorch path used where the native kernel cannot be built (grouped, padded SDPA);
         # CORRAL_NATIVE_ATTENTION=0.
         ("mistral", EngineSettings(native_kernels=False)),
+        ("gemma3", EngineSettings(native_kernels=False)),  # a window on some layers only
     ],
-    ids=["per-sequence", "padded-sdpa"],
+    ids=["per-sequence", "padded-sdpa", "padded-sdpa-gemma3"],
 )
 def test_the_other_decode_paths_match_too(
     tiny_model_dirs: Mapping[str, pathlib.Path], references: dict, arch: str, settings: EngineSettings
@@ -131,7 +135,7 @@ def test_the_other_decode_paths_match_too(
     assert [final[f"r{i}"] for i in range(len(prompts))] == expected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_prompts_through_batched_matmuls_match_too(
     tiny_model_dirs: Mapping[str, pathlib.Path], references: dict, arch: str
 ) -> None:

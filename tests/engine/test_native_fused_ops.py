@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from corral_engine.model import native
-from corral_engine.model.llama import MLP, Linear, RMSNorm, _rotate_half
+from corral_engine.model.llama import MLP, Linear, RMSNorm
+from corral_engine.model.rotary import rotate_half
 from corral_engine.settings import EngineSettings
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernels")
@@ -122,7 +123,7 @@ def test_rotary_is_torchs_expression_to_the_bit(ops: native.FusedOps, tokens: in
     qkv, cos, sin = _rotary_case(tokens, tokens)
     q = qkv[:, :768].view(tokens, 12, 64)
     k = qkv[:, 768:1024].view(tokens, 4, 64)
-    want_q, want_k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    want_q, want_k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     v_before = qkv[:, 1024:].clone()
     assert ops.supports_rotary(q, k, cos, sin)
     ops.rotary(q, k, cos, sin)
@@ -152,7 +153,7 @@ def test_attention_rotates_through_the_kernel_with_the_same_bits(
 
     config = SimpleNamespace(
         num_heads=12, num_kv_heads=4, head_dim=64, sliding_windows=[None], hidden_size=256,
-        qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=1e-6,
+        qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=1e-6, gemma=None, attention_scale=None,
     )  # fmt: skip
     torch.manual_seed(0)
     layer = Attention(config, 0, None).bfloat16()  # type: ignore[arg-type]
@@ -230,7 +231,8 @@ def test_switch_turns_the_fused_ops_off(monkeypatch: pytest.MonkeyPatch) -> None
 
 @needs_cc
 def test_mlp_output_is_the_same_through_both_paths(ops: native.FusedOps) -> None:
-    config = SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=False)  # what MLP reads
+    # What MLP reads.
+    config = SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=False, hidden_act="silu")
     torch.manual_seed(0)
     mlp = MLP(config, None).bfloat16()  # type: ignore[arg-type]
     x = torch.randn(9, 64).bfloat16()

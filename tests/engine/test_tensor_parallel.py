@@ -28,7 +28,9 @@ from tests.engine.helpers import (
     transformers_greedy,
 )
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+# phi3: its checkpoint's fused qkv_proj and gate_up_proj tensors cut per part per rank; gemma3: its
+# replicated (1 + w) norms and per-layer rotary and windows on each rank.
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
 # Each expert's intermediate rows split like the MLP's, the router whole on every rank.
 MOE_ARCHS = ["mixtral", "qwen3-moe"]
 MAX_NEW = 12
@@ -53,6 +55,27 @@ def test_shards_of_a_gqa_model(tiny_model_dir: pathlib.Path) -> None:
     # A row-parallel bias is added once, by rank 0.
     assert plans[0].checkpoint_slice("model.layers.0.mlp.down_proj.bias") is None
     assert plans[1].checkpoint_slice("model.layers.0.mlp.down_proj.bias") is False
+
+
+def test_shards_of_fused_checkpoint_tensors(tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
+    """Phi-3 stores q|k|v (64 + 32 + 32 rows in tiny) and gate|up (128 + 128) stacked: each rank
+    reads its rows of every part, from where that part starts."""
+    plans = [_plan(tiny_model_dirs["phi3"], r, 2) for r in range(2)]
+    qkv, gate_up = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"
+    assert plans[0].checkpoint_slice(qkv) == [(0, 0, 32), (0, 64, 16), (0, 96, 16)]
+    assert plans[1].checkpoint_slice(qkv) == [(0, 32, 32), (0, 80, 16), (0, 112, 16)]
+    assert plans[1].checkpoint_slice(gate_up) == [(0, 64, 64), (0, 192, 64)]
+
+
+def test_a_replicated_kv_head_of_a_fused_tensor_is_read_by_every_rank(
+    tiny_model_dirs: Mapping[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    config = json.loads((tiny_model_dirs["phi3"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    cuts = [
+        _plan(tmp_path, r, 2).checkpoint_slice("model.layers.0.self_attn.qkv_proj.weight") for r in range(2)
+    ]
+    assert cuts == [[(0, 0, 32), (0, 64, 16), (0, 80, 16)], [(0, 32, 32), (0, 64, 16), (0, 80, 16)]]
 
 
 def test_shards_of_the_experts(tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:

@@ -88,7 +88,7 @@ def _generate(engine, prompts: list[list[int]]) -> list[list[int]]:  # type: ign
     return [final[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
 def test_eager_triton_matches_transformers(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
     """Chunked prompts (budget 16 tokens), decodes and prefix-cache hits (a shared 24-token head
     in blocks of 8) in mixed batches, all through the one Triton launch per layer."""
@@ -110,7 +110,9 @@ def test_eager_triton_matches_transformers(arch: str, tiny_model_dirs: Mapping[s
     assert engine.stats().num_prefix_cache_hits_total > 0
 
 
-@pytest.mark.parametrize(("arch", "backend"), [("llama", "triton"), ("qwen3", "triton"), ("llama", "sdpa")])
+@pytest.mark.parametrize(
+    ("arch", "backend"), [("llama", "triton"), ("qwen3", "triton"), ("llama", "sdpa"), ("gemma3", "triton")]
+)
 def test_fused_elementwise_kernels_keep_transformers_output(
     arch: str, backend: str, tiny_model_dirs: Mapping[str, pathlib.Path]
 ) -> None:
@@ -129,18 +131,36 @@ def test_fused_elementwise_kernels_keep_transformers_output(
     assert _generate(engine, prompts) == expected
 
 
+def test_the_rotary_kernel_rotates_a_partial_rotary_heads_leading_dims(tmp_path: pathlib.Path) -> None:
+    """Phi-4-mini's partial rotary (12 of the tiny Phi-3's 16 dims): the Triton rotary runs in
+    place on views of each head's leading dims, leaving the rest as projected."""
+    from corral_engine.demo_model import write_demo_model
+
+    overrides = {"partial_rotary_factor": 0.75}
+    model_dir = write_demo_model(tmp_path / "m", arch="phi3", config_overrides=overrides)
+    prompts = random_prompts(4, 500, seed=32, min_len=3, max_len=30)
+    expected = transformers_greedy(model_dir, prompts, MAX_NEW)
+    settings = EngineSettings(triton_interpret=True, triton_ops="1")
+    engine = make_engine(
+        model_dir, settings, attention_backend="triton", enforce_eager=True, max_num_batched_tokens=16
+    )
+    assert engine.runner.model.model.layers[0].self_attn.triton_ops is not None
+    assert _generate(engine, prompts) == expected
+
+
 def test_fused_elementwise_kernels_are_off_on_cpu_by_default(tiny_model_dir: pathlib.Path) -> None:
     engine = make_engine(tiny_model_dir, INTERPRET, attention_backend="triton", enforce_eager=True)
     assert engine.runner.model.model.norm.triton_ops is None
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # gemma3: per-layer windows and rotary in graphs
 def test_decode_graphs_replay_padded_batches_with_transformers_output(
-    tiny_model_dirs: Mapping[str, pathlib.Path],
+    arch: str, tiny_model_dirs: Mapping[str, pathlib.Path]
 ) -> None:
     """max_num_seqs 4: graphs for 1, 2 and 4 sequences; 5 requests keep the running batch at 4,
     3, 2 and 1 as they finish at different times, so 3 pads to 4 (a padding row with no KV slot
     and a padding sequence with no context), and a preempting small cache rewrites block tables."""
-    model_dir = tiny_model_dirs["qwen2"]
+    model_dir = tiny_model_dirs[arch]
     prompts = random_prompts(5, 500, seed=21, min_len=2, max_len=30)
     expected = transformers_greedy(model_dir, prompts, MAX_NEW)
     capture = EagerCapture()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from corral_engine.model.llama import _rotate_half
+from corral_engine.model.rotary import rotate_half
 from corral_engine.model.triton_ops import TritonOps
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -80,8 +80,8 @@ def test_rotary_in_place_matches_pytorch_on_qkv_views(device: str, dtype: torch.
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v_before = qkv[:, (heads + kv_heads) * dim :].clone()
-    want_q = q * cos + _rotate_half(q) * sin
-    want_k = k * cos + _rotate_half(k) * sin
+    want_q = q * cos + rotate_half(q) * sin
+    want_k = k * cos + rotate_half(k) * sin
     OPS.rotary(q, k, cos, sin)
     if dtype == torch.float32 or device == "cuda":
         assert torch.equal(q, want_q) and torch.equal(k, want_k)  # the same roundings, op for op

@@ -16,15 +16,25 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Whose config-wide `sliding_window` applies to every layer (None: full attention); others name
+# their sliding layers in `layer_types` (Gemma 3, Qwen2 with max_window_layers).
+_WINDOW_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's, as transformers' ACT2FN names them
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: Path
     architecture: str
-    hf_config: Any  # transformers.PretrainedConfig; used for rope parameters
+    # transformers.PretrainedConfig of the decoder (a multimodal checkpoint's text_config); used
+    # for rope parameters
+    hf_config: Any
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,6 +56,18 @@ class ModelConfig:
     moe: MoeConfig | None = None
     # config.json's quantization_config as written (model/quant.py reads it), or None.
     quantization_config: dict[str, Any] | None = None
+    hidden_act: str = "silu"  # the MLP gate's activation (ACTIVATIONS)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    rotary_dim: int | None = None  # leading dims of a head that rotate (partial rotary); None: all
+    # Per layer: which entry of hf_config.rope_parameters sets its rotary (Gemma 3's
+    # "sliding_attention" / "full_attention"); empty: one set of parameters for every layer.
+    rope_kinds: tuple[str, ...] = ()
+    gemma: GemmaMath | None = None  # Gemma 3's departures from the Llama math; None for the others
+
+    @property
+    def rope_kind_set(self) -> tuple[str | None, ...]:
+        """The distinct rope parameter sets, in first-use order (None: the config's only one)."""
+        return tuple(dict.fromkeys(self.rope_kinds)) if self.rope_kinds else (None,)
 
     @property
     def is_moe(self) -> bool:
@@ -59,6 +81,15 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaMath:
+    """Gemma 3 (transformers' modeling_gemma3): every RMSNorm scales by (1 + weight) in float32;
+    the attention output and the MLP output are normed before their residual add (four norms a
+    layer); the embeddings are multiplied by sqrt(hidden_size) in the model dtype."""
+
+    embed_scale: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,24 +186,27 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     # StrictDataclassError: transformers v5 checks each field's type (e.g. a string for a list).
     except (OSError, ValueError, KeyError, StrictDataclassError) as e:
         raise ModelLoadError(f"{config_file}: transformers cannot parse it: {e}") from e
+    top = hf  # a multimodal checkpoint's own config: its eos ids and tying are the model's
+    if arch == "Gemma3ForConditionalGeneration":
+        hf = hf.text_config  # the text model alone is served; the vision tower is not loaded
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     num_layers = hf.num_hidden_layers
-    layer_types = getattr(hf, "layer_types", None) or []
+    layer_types = list(getattr(hf, "layer_types", None) or [])
     window = getattr(hf, "sliding_window", None)
     windows: list[int | None] = []
     for i in range(num_layers):
-        if layer_types:
-            is_sliding = layer_types[i] == "sliding_attention"
-        else:
-            # These three apply a config-wide `sliding_window` to every layer (None: full attention).
-            is_sliding = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+        is_sliding = layer_types[i] == "sliding_attention" if layer_types else arch in _WINDOW_EVERYWHERE
         windows.append(window if is_sliding and window else None)
     quantization = raw.get("quantization_config")
     if quantization is not None and not isinstance(quantization, dict):
         raise ModelLoadError(f"{config_file}: quantization_config must be an object, got {quantization!r}")
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    is_gemma = arch in GEMMA3_ARCHITECTURES
     attention_bias = bool(getattr(hf, "attention_bias", False))
+    hidden_act = _activation(hf, config_file)
+    if is_gemma:
+        _check_gemma(hf, config_file)
     return ModelConfig(
         path=path,
         architecture=arch,
@@ -188,12 +222,56 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma,
+        tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
         max_position_embeddings=hf.max_position_embeddings,
         sliding_windows=tuple(windows),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
-        eos_token_ids=_eos_ids(path, hf),
+        eos_token_ids=_eos_ids(path, top),
         moe=_moe_config(arch, hf, num_layers, config_file) if arch in MOE_ARCHITECTURES else None,
         quantization_config=quantization,
+        hidden_act=hidden_act,
+        attention_scale=float(hf.query_pre_attn_scalar) ** -0.5 if is_gemma else None,
+        rotary_dim=_rotary_dim(hf, head_dim, config_file),
+        rope_kinds=tuple(layer_types) if is_gemma else (),
+        gemma=GemmaMath(embed_scale=hf.hidden_size**0.5) if is_gemma else None,
     )
+
+
+def _activation(hf: Any, where: Path) -> str:
+    """The MLP gate's activation (Gemma names it hidden_activation), one this engine computes."""
+    field = "hidden_activation" if getattr(hf, "hidden_activation", None) else "hidden_act"
+    act = getattr(hf, field, None) or "silu"
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"{where}: {field} {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return str(act)
+
+
+def _check_gemma(hf: Any, where: Path) -> None:
+    """Refuse what Gemma 3 checkpoints never set but a Gemma-2-style or embedding config would."""
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf, field, None) is not None:
+            raise ModelLoadError(
+                f"{where}: {field} {getattr(hf, field)!r} is not supported: logit softcapping is "
+                "Gemma 2's (out of scope); Gemma 3 checkpoints set it to null"
+            )
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ModelLoadError(
+            f"{where}: use_bidirectional_attention is set (an embedding model); only causal "
+            "generation is served"
+        )
+
+
+def _rotary_dim(hf: Any, head_dim: int, where: Path) -> int | None:
+    """The rotating share of a head (Phi-4-mini's partial_rotary_factor 0.75), or None for all of it."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    if factor is None or factor == 1.0:
+        return None
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ModelLoadError(
+            f"{where}: partial_rotary_factor {factor!r} leaves {dim} of {head_dim} head dims rotating; "
+            "it must be an even count of at least 2"
+        )
+    return dim

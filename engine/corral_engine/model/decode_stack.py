@@ -160,8 +160,15 @@ def unsupported(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     """Why the stack cannot run `model` (empty: it can)."""
     if model.tp is not None:
         return "tensor parallelism"
-    if model.config.is_moe:  # the C decoder runs one dense MLP a layer; it has no router or experts
+    config = model.config
+    if config.is_moe:  # the C decoder runs one dense MLP a layer; it has no router or experts
         return "mixture-of-experts layers"
+    if config.gemma is not None:  # (1 + w) float32 norms, four a layer, GELU, per-layer rotary
+        return "Gemma 3's layers (its norms, GELU MLP and per-layer rotary tables)"
+    if config.rotary_dim is not None:
+        return "partial rotary embeddings"
+    if config.hidden_act != "silu" or config.attention_scale is not None:
+        return "an MLP activation other than SiLU or an attention scale other than head_dim ** -0.5"
     if any(lin.quant is not None for layer in _layers(model) for lin in _linears(layer)):
         return "quantized Linear layers (int8 or fp8 weights)"
     params = [p for p in model.parameters() if p.numel()]

@@ -1,15 +1,16 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with the experts of
-model/moe.py in place of the MLP) over a flattened token batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; Mixtral and Qwen3-MoE with the
+experts of model/moe.py in place of the MLP; Gemma 3 with its norms, GELU and per-layer rotary:
+config.GemmaMath) over a flattened token batch.
 
 All sequences of a step are one [T, hidden] batch for every matmul; only attention is per sequence.
 q/k/v and gate/up projections are fused at load time (fewer, larger matmuls); each fused parameter
-knows how to load its shards from the checkpoint's separate tensors. Under tensor parallelism
-(`tp`, model/parallel.py) every size below is this rank's share.
+knows how to load its shards from the checkpoint's separate tensors (Phi-3's come fused already).
+Under tensor parallelism (`tp`, model/parallel.py) every size below is this rank's share.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from corral_engine.model.moe import SparseMoeBlock
 from corral_engine.model.native import FusedOps
 from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
 from corral_engine.model.quant_ops import WEIGHT_DTYPES, fp8_linear, int8_linear
+from corral_engine.model.rotary import Rotary, rotated
 
 if TYPE_CHECKING:
     from corral_engine.model.decode_stack import DecodeStack
@@ -31,12 +33,17 @@ class RMSNorm(nn.Module):
     fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
     triton_ops: TritonOps | None = None  # the GPU's fused elementwise kernels, set by the runner
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # Gemma: scale by (1 + weight) in float32, rounded once at the end; no fused kernel does that.
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            scale = 1.0 + self.weight.float()
+            return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).mul_(scale).to(x.dtype)
         triton_ops = self._triton(x)
         if triton_ops is not None:
             return triton_ops.rms_norm(x, self.weight, self.eps)  # one launch, not four
@@ -60,53 +67,18 @@ class RMSNorm(nn.Module):
 
     def _native(self, *xs: torch.Tensor) -> FusedOps | None:
         ops = self.fused_ops
-        usable = ops is not None and self.weight.dtype == xs[0].dtype and all(ops.supports(x) for x in xs)
+        usable = (
+            ops is not None
+            and not self.unit_offset
+            and self.weight.dtype == xs[0].dtype
+            and all(ops.supports(x) for x in xs)
+        )
         return ops if usable else None
 
     def _triton(self, x: torch.Tensor) -> TritonOps | None:
         ops = self.triton_ops
-        return ops if ops is not None and ops.supports(x) and self.weight.dtype == x.dtype else None
-
-
-class Rotary(nn.Module):
-    """Rotary embedding with the checkpoint's rope parameters (scaling types via transformers)."""
-
-    inv_freq: torch.Tensor  # [D/2] float32
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv_freq, self.attention_scaling = rope_parameters(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
-
-
-def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf = config.hf_config
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "dynamic":
-        raise ValueError("dynamic NTK rope scaling is not supported (it depends on the batch's length)")
-    if rope_type != "default":
-        with torch.device("cpu"):  # the model may be under construction on the meta device
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
-        return inv_freq, float(scaling)
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    dim = config.head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    return inv_freq, 1.0
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        usable = ops is not None and not self.unit_offset and ops.supports(x) and self.weight.dtype == x.dtype
+        return ops if usable else None
 
 
 class Linear(nn.Linear):
@@ -222,14 +194,15 @@ class Attention(nn.Module):
         # Row-parallel: each rank's partial sum is all-reduced; rank 0 alone adds the bias.
         has_bias = config.o_bias and (tp is None or tp.rank == 0)
         self.o_proj = Linear(q_size, config.hidden_size, bias=has_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        is_gemma = config.gemma is not None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, is_gemma) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, is_gemma) if config.qk_norm else None
+        self.scale = config.attention_scale or self.head_dim**-0.5
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D]
+        cos: torch.Tensor,  # [T, 1, R]: R = D, or fewer leading dims with partial rotary
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         ctx: AttentionContext,
@@ -247,13 +220,13 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         ops = self.triton_ops
         fused = self.fused_ops
+        dim = cos.shape[-1]  # partial rotary: the kernels rotate views of the leading dims in place
         if ops is not None and ops.supports(q) and ops.supports(k):
-            ops.rotary(q, k, cos, sin)  # in place, one launch for both
+            ops.rotary(q[..., :dim], k[..., :dim], cos, sin)  # in place, one launch for both
         elif fused is not None and fused.supports_rotary(q, k, cos, sin):
             fused.rotary(q, k, cos, sin)  # bf16 on the CPU: in place, one call instead of twelve ops
         else:
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = rotated(q, cos, sin), rotated(k, cos, sin)
         if ctx.unified is None and ctx.kv_write is None:  # those two read any row stride
             v = v.contiguous()
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale, self.window)
@@ -275,16 +248,20 @@ class MLP(nn.Module):
         has_bias = config.mlp_bias and (tp is None or tp.rank == 0)
         self.down_proj = Linear(size, config.hidden_size, bias=has_bias)
         self.size = size
+        self.is_gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma; else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         ops: FusedOps | TritonOps | None = self.fused_ops
         if self.triton_ops is not None:
             ops = self.triton_ops
-        if ops is not None and ops.supports(gate_up):  # one pass, not three
+        gate, up = gate_up[:, : self.size], gate_up[:, self.size :]
+        if self.is_gelu:
+            out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        elif ops is not None and ops.supports(gate_up):  # one pass, not three
             out = self.down_proj(ops.silu_and_mul(gate_up))
         else:
-            out = self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size :])
+            out = self.down_proj(F.silu(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -295,8 +272,14 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | SparseMoeBlock = (
             SparseMoeBlock(config, tp) if config.is_sparse_layer(layer_idx) else MLP(config, tp)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps, is_gemma = config.hidden_size, config.rms_norm_eps, config.gemma is not None
+        self.input_layernorm = RMSNorm(hidden, eps, is_gemma)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, is_gemma)
+        # Gemma's "sandwich": the attention output is normed (post_attention_layernorm) before its
+        # residual add, and the MLP has a norm on each side.
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, True) if is_gemma else None
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, True) if is_gemma else None
+        self.rope_kind = config.rope_kinds[layer_idx] if config.rope_kinds else None
 
     def forward(self, x, residual, cos, sin, kv_cache, ctx):  # type: ignore[no-untyped-def]
         """(this layer's MLP output, the residual stream before it); the residual add after a
@@ -307,8 +290,12 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, ctx)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        pre_mlp, post_mlp = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if pre_mlp is None or post_mlp is None:
+            h, residual = self.post_attention_layernorm.add_forward(h, residual)
+            return self.mlp(h), residual
+        h, residual = pre_mlp.add_forward(self.post_attention_layernorm(h), residual)
+        return post_mlp(self.mlp(h)), residual
 
 
 class Decoder(nn.Module):
@@ -326,7 +313,15 @@ class Decoder(nn.Module):
             else VocabParallelEmbedding(tp, config.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma is not None)
+        self.embed_scale = None if config.gemma is None else config.gemma.embed_scale
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        # Gemma multiplies by sqrt(hidden) rounded to the model dtype, as transformers does.
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
 
 
 class CausalLM(nn.Module):
@@ -339,7 +334,11 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = Decoder(config, tp)
-        self.rotary = Rotary(config)
+        # One table per rope parameter set (Gemma 3: its local and its global layers'), each
+        # layer reading its own; the runner fills them once the engine's context is known.
+        self.rotaries = nn.ModuleList(Rotary(config, kind) for kind in config.rope_kind_set)
+        kinds = [r.kind for r in self.rotaries]
+        self.layer_rotary = [kinds.index(layer.rope_kind) for layer in self.model.layers]
         vocab = config.vocab_size if tp is None else tp.plan.vocab_size
         self.lm_head = Linear(config.hidden_size, vocab, bias=False)
         if config.tie_word_embeddings:
@@ -352,14 +351,16 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         ctx: AttentionContext,
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self.model.embed(input_ids)
+        rotaries = cast("list[Rotary]", list(self.rotaries))
+        tables = [rotary.cos_sin(positions, x.dtype) for rotary in rotaries]  # each [T, 1, R]
         stack = self.decode_stack
         if stack is not None and stack.takes(x, ctx, kv_caches):
+            cos, sin = tables[0]  # one table: the stack refuses per-layer rotary
             return stack(x, cos, sin, ctx)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, ctx)
+        for layer, index, kv_cache in zip(self.model.layers, self.layer_rotary, kv_caches, strict=True):
+            x, residual = layer(x, residual, *tables[index], kv_cache, ctx)
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.add_forward(x, residual)[0]

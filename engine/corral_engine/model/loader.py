@@ -28,6 +28,23 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # vLLM's per-tensor KV-cache scales (self_attn.k_scale / v_scale; older checkpoints: kv_scale):
 # skipped, not refused; an fp8 KV cache here always uses scale 1.0 (logged when a checkpoint has them).
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+# A multimodal checkpoint served as its text model: where its decoder's tensors sit (hub files
+# from transformers v4 save `language_model.model.*`, v4.52 and later `model.language_model.*`)
+# and which prefixes hold the parts a text-only engine does not load.
+_TEXT_MODEL_PREFIXES = {
+    "Gemma3ForConditionalGeneration": (
+        (("language_model.model.", "model.language_model."), "model."),
+        (("language_model.lm_head.",), "lm_head."),
+    ),
+}
+_NOT_TEXT_PREFIXES = {
+    "Gemma3ForConditionalGeneration": (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    ),
+}
 # One expert's projection as hub checkpoints (and transformers' save_pretrained) hold them: Mixtral's
 # block_sparse_moe.experts.N.w1 (gate) / w3 (up) / w2 (down), Qwen3-MoE's mlp.experts.N.gate_proj /
 # up_proj / down_proj. transformers v5's fused in-memory layout (mlp.experts.gate_up_proj, [E, 2I, H])
@@ -85,6 +102,18 @@ def read_cut(part: Any, cut: Cut | list[Cut]) -> torch.Tensor:
     pieces = cut if isinstance(cut, list) else [cut]
     read = [part[(slice(None),) * dim + (slice(start, start + length),)] for dim, start, length in pieces]
     return read[0] if len(read) == 1 else torch.cat(read, dim=pieces[0][0])
+
+
+def engine_name(name: str, architecture: str) -> str | None:
+    """The engine's name for checkpoint tensor `name`, or None for one it does not load (a
+    multimodal checkpoint's vision tower and projector)."""
+    if name.startswith(_NOT_TEXT_PREFIXES.get(architecture, ())):
+        return None
+    for prefixes, replacement in _TEXT_MODEL_PREFIXES.get(architecture, ()):
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                return replacement + name.removeprefix(prefix)
+    return name
 
 
 def _fused_target(name: str) -> tuple[str, str] | None:
@@ -145,20 +174,27 @@ def load_weights(
     scales = _read_scales(files, quant)
     suffix = None if quant is None or quant.checkpoint is None else "." + quant.scale_suffix
 
+    skipped: list[str] = []  # not the text model's (a multimodal checkpoint's vision tensors)
+
     def slicer(name: str) -> Cut | list[Cut] | bool | None:
         if suffix is not None and name.endswith(suffix):
             return False  # read whole beforehand (_read_scales)
-        return None if plan is None else plan.checkpoint_slice(name)
+        ours = engine_name(name, config.architecture)
+        if ours is None:
+            skipped.append(name)
+            return False
+        return None if plan is None else plan.checkpoint_slice(ours)
 
     with torch.no_grad():
-        for name, tensor in iter_tensors(files, slicer):
-            if name.endswith(_IGNORED_SUFFIXES):
+        for checkpoint_name, tensor in iter_tensors(files, slicer):
+            if checkpoint_name.endswith(_IGNORED_SUFFIXES):
                 continue
-            if name.endswith(_KV_SCALE_SUFFIXES):
+            if checkpoint_name.endswith(_KV_SCALE_SUFFIXES):
                 num_kv_scales += 1
                 continue
             if tensor.dtype in CHECKPOINT_DTYPES:
-                tensor = _dequantized(name, tensor, scales, quant, plan)
+                tensor = _dequantized(checkpoint_name, tensor, scales, quant, plan)
+            name = engine_name(checkpoint_name, config.architecture) or checkpoint_name
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
@@ -191,6 +227,12 @@ def load_weights(
                 )
             _fill(dest, tensor, modules.get(key.split(":")[0].rsplit(".", 1)[0]), key)
             loaded.add(key)
+    if skipped:
+        logger.info(
+            "%s: serving the text model only; %d vision tower and projector tensors not loaded",
+            config.architecture,
+            len(skipped),
+        )
     missing = sorted(_missing(expected, loaded, modules))
     if missing:
         raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
@@ -243,8 +285,12 @@ def _dequantized(
     if scale is None:
         raise ModelLoadError(f"fp8 tensor {name!r} has no {quant.scale_suffix} in the checkpoint")
     cut = None if plan is None else plan.checkpoint_slice(name)
-    if isinstance(cut, list) or tensor.dim() != 2:
+    if tensor.dim() != 2:
         raise ModelLoadError(f"fp8 tensor {name!r}: only 2-D dense projections are supported")
+    if isinstance(cut, list):  # a fused tensor's parts (Phi-3's qkv_proj), each from its own rows
+        pieces = tensor.split([length for _, _, length in cut])
+        parts = zip(pieces, cut, strict=True)
+        return torch.cat([dequantize(p, scale, quant.block_size, c, name) for p, c in parts])
     return dequantize(tensor, scale, quant.block_size, cut if isinstance(cut, tuple) else None, name)
 
 
@@ -258,7 +304,7 @@ def _missing(expected: set[str], loaded: set[str], modules: dict[str, torch.nn.M
         module = modules.get(name.rsplit(".", 1)[0])
         if isinstance(module, Experts) and name not in loaded:  # whole, or expert by expert
             out |= _expert_keys(name, module) - loaded
-        elif isinstance(module, FusedLinear):
+        elif isinstance(module, FusedLinear) and name not in loaded:  # whole (Phi-3), or shard by shard
             out |= {f"{name}:{s}" for s in module.shard_offsets if f"{name}:{s}" not in loaded}
         elif name not in loaded:
             out.add(name)

@@ -32,6 +32,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+# Projections a checkpoint may hold already fused (Phi-3): the parts stacked in its rows, in order.
+_FUSED = {"qkv_proj": ("q", "kv", "kv"), "gate_up_proj": ("mlp", "mlp")}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
 # One expert's projections as checkpoints name them (Mixtral's w1/w3/w2, Qwen3-MoE's) -> which part
 # of the expert each is: gate and up are column-parallel, down row-parallel, all over the experts'
@@ -58,6 +60,7 @@ class ShardPlan:
     size: int
     num_heads: int  # local query heads
     num_kv_heads: int  # local KV heads
+    total_kv_heads: int  # the model's (a fused QKV tensor's K rows span them all)
     kv_head_start: int
     head_dim: int
     intermediate_size: int  # local
@@ -74,6 +77,7 @@ class ShardPlan:
             size=size,
             num_heads=heads // size,
             num_kv_heads=max(1, kv_heads // size),
+            total_kv_heads=kv_heads,
             kv_head_start=rank * kv_heads // size,
             head_dim=config.head_dim,
             intermediate_size=config.intermediate_size // size,
@@ -107,6 +111,8 @@ class ShardPlan:
             return self._expert_slice(module, kind)
         if module in _COLUMN:
             return (0, *self._range(_COLUMN[module]))
+        if module in _FUSED:
+            return self._fused_slice(module)
         if module in _ROW:
             if kind == "bias":
                 return None if self.rank == 0 else False
@@ -114,6 +120,22 @@ class ShardPlan:
         if module in ("embed_tokens", "lm_head"):
             return (0, *self._range("vocab"))
         return None
+
+    def _fused_slice(self, module: str) -> list[Cut]:
+        """A fused checkpoint tensor's cut (weight or bias, column-parallel): this rank's rows of
+        each part, read from where that part starts (q|k|v: H D, KVH D, KVH D rows; gate|up)."""
+        full = {
+            "q": self.num_heads * self.size * self.head_dim,
+            "kv": self.total_kv_heads * self.head_dim,
+            "mlp": self.intermediate_size * self.size,
+        }
+        cuts: list[Cut] = []
+        offset = 0
+        for part in _FUSED[module]:
+            start, length = self._range(part)
+            cuts.append((0, offset + start, length))
+            offset += full[part]
+        return cuts
 
     def _expert_slice(self, module: str, kind: str) -> Cut | list[Cut] | None:
         """An expert tensor's cut: per expert ([I, H] gate/up, [H, I] down) or fused over the

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -40,7 +40,7 @@ from corral_engine.model.kv_cache import (
     used_outside_torch,
 )
 from corral_engine.model.kv_dtype import kv_cache_dtype
-from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, rope_parameters
+from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm
 from corral_engine.model.loader import load_weights
 from corral_engine.model.lora import LoraSlots, fast_paths, lora_slot_dtype
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
@@ -49,6 +49,7 @@ from corral_engine.model.parallel import TensorParallel
 from corral_engine.model.quant import QuantPlan, model_quant_config, plan_quant
 from corral_engine.model.quant_layers import describe_quantized, quantize_layers, ready
 from corral_engine.model.quant_ops import has_int8_kernel
+from corral_engine.model.rotary import Rotary, rope_parameters
 from corral_engine.model.sampler import sample_rows
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
@@ -281,8 +282,10 @@ class ModelRunner:
                 # Checked once here, not on every call: the weight's layout does not change.
                 readable = fused_ops is not None and fused_ops.supports(module.weight)
                 module.fused_ops = fused_ops if readable else None
-        inv_freq, _ = rope_parameters(self.config)
-        model.rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
+        for rotary in cast("list[Rotary]", list(model.rotaries)):
+            # LongRoPE picks its factor set by the engine's context length (rotary.rope_parameters).
+            inv_freq, _ = rope_parameters(self.config, rotary.kind, self.max_model_len)
+            rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval(), plan
 
     def _decode_stack(self) -> DecodeStack | None:
