@@ -7,11 +7,9 @@ import contextlib
 import importlib.metadata
 import inspect
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from corral_engine import wire
@@ -24,7 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from corral_gateway.access import AccessLog, request_id_for
 from corral_gateway.adapter_fanout import AdapterFanout
-from corral_gateway.auth import KeyStore, load_keys_file
+from corral_gateway.auth import KeysFile
 from corral_gateway.drain import Drain
 from corral_gateway.errors import (
     Draining,
@@ -41,73 +39,13 @@ from corral_gateway.fleet import Fleet
 from corral_gateway.k8s_discovery import KubernetesWatcher
 from corral_gateway.k8s_wake import Waker
 from corral_gateway.metrics import GatewayMetrics
+from corral_gateway.paths import is_proxied
 from corral_gateway.proxy import ProxyDeps, proxy, read_body, with_request_id
 from corral_gateway.runtime_adapters import LOAD_PATH, UNLOAD_PATH
 from corral_gateway.settings import GatewaySettings
 from corral_gateway.upstream import Upstream, UpstreamConfig
 
 logger = logging.getLogger(__name__)
-
-_KEYS_RELOAD_INTERVAL_S = 2.0
-
-
-class KeysFile:
-    """The API keys, reloaded when the file changes (a rotated Kubernetes Secret, say)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.store: KeyStore | None = load_keys_file(path) if path is not None else None
-        self._mtime_ns = path.stat().st_mtime_ns if path is not None else 0
-
-    def get(self) -> KeyStore | None:
-        return self.store
-
-    def reload_if_changed(self) -> None:
-        if self.path is None:
-            return
-        try:
-            mtime_ns = self.path.stat().st_mtime_ns
-            if mtime_ns == self._mtime_ns:
-                return
-            fresh = load_keys_file(self.path)
-        except (OSError, ValueError) as e:
-            logger.error("keeping the previous API keys: cannot reload %s: %s", self.path, e)
-            return
-        if self.store is not None:
-            fresh.carry_buckets_from(self.store)
-        self.store, self._mtime_ns = fresh, mtime_ns
-        logger.info("reloaded %d API keys from %s", len(fresh.keys), self.path)
-
-    async def watch(self) -> None:
-        while True:
-            await asyncio.sleep(_KEYS_RELOAD_INTERVAL_S)
-            self.reload_if_changed()
-
-
-PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # POST only: other methods 405
-# vLLM's POST routes outside /v1, forwarded like /v1's (the body's `model` picks the replicas).
-VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank"})
-# vLLM's runtime LoRA routes: answered by the gateway, which sends them to every replica of a pool.
-ADAPTER_PATHS = frozenset({LOAD_PATH, UNLOAD_PATH})
-
-
-# The paths forwarded as they are: the URL library re-reads `%` escapes and resolves `.` and `..`
-# segments, so `/v1/../sleep` (or `/v1/%252e%252e/sleep`) would have reached a replica's routes
-# outside /v1, such as a vLLM replica's admin ones.
-_FORWARDABLE_PATH = re.compile(r"/v1(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)+")
-# A stored response's routes (OpenAI's Responses API): no body names a model to route them by, and
-# no replica stores responses, so the gateway answers them itself.
-_STORED_RESPONSE_PATH = re.compile(r"/v1/responses/[^/]+(/input_items|/cancel)?")
-
-
-def is_proxied(method: str, path: str) -> bool:
-    """Every POST a backend serves goes to a replica of the body's model: /v1/* (embeddings,
-    responses, audio, ... as well as completions and chat) and vLLM's own routes."""
-    if path in PROXY_PATHS:
-        return True
-    if method != "POST" or path in ADAPTER_PATHS or _STORED_RESPONSE_PATH.fullmatch(path) is not None:
-        return False
-    return _FORWARDABLE_PATH.fullmatch(path) is not None or path in VLLM_PATHS
 
 
 class GatewayApp:

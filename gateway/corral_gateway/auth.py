@@ -1,4 +1,4 @@
-"""API keys and per-key request / token rate limits (pure apart from reading the keys file).
+"""API keys and per-key request / token rate limits (pure apart from reading and re-reading the keys file).
 
 The file is either one key per line, or YAML: `keys: [{key, name, requests_per_minute,
 tokens_per_minute}]` with optional `default_limits`. A Kubernetes Secret mounted as a file works the
@@ -7,7 +7,9 @@ same. Keys are held only as SHA-256 digests and named in logs and metrics by a s
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +19,8 @@ from typing import Any
 import yaml
 
 from corral_gateway.errors import RateLimited, Unauthorized
+
+logger = logging.getLogger(__name__)
 
 
 def key_digest(key: str) -> str:
@@ -191,3 +195,39 @@ def _store(entries: list[tuple[str, str | None, KeyLimits]]) -> KeyStore:
 
 def load_keys_file(path: Path) -> KeyStore:
     return parse_keys(path.read_text(encoding="utf-8"))
+
+
+_KEYS_RELOAD_INTERVAL_S = 2.0
+
+
+class KeysFile:
+    """The API keys, reloaded when the file changes (a rotated Kubernetes Secret, say)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.store: KeyStore | None = load_keys_file(path) if path is not None else None
+        self._mtime_ns = path.stat().st_mtime_ns if path is not None else 0
+
+    def get(self) -> KeyStore | None:
+        return self.store
+
+    def reload_if_changed(self) -> None:
+        if self.path is None:
+            return
+        try:
+            mtime_ns = self.path.stat().st_mtime_ns
+            if mtime_ns == self._mtime_ns:
+                return
+            fresh = load_keys_file(self.path)
+        except (OSError, ValueError) as e:
+            logger.error("keeping the previous API keys: cannot reload %s: %s", self.path, e)
+            return
+        if self.store is not None:
+            fresh.carry_buckets_from(self.store)
+        self.store, self._mtime_ns = fresh, mtime_ns
+        logger.info("reloaded %d API keys from %s", len(fresh.keys), self.path)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(_KEYS_RELOAD_INTERVAL_S)
+            self.reload_if_changed()

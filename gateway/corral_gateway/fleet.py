@@ -386,30 +386,6 @@ class Fleet:
             out[model] = []
             for r in self._registry.replicas(model):
                 load = r.load(now_s, self.settings.load_max_age_s)
-                out[model].append(
-                    {
-                        "url": r.url,
-                        "healthy": self.is_healthy(r),
-                        "ejected": r.is_ejected,
-                        "num_consecutive_failures": r.num_consecutive_failures,
-                        # What it serves (its /v1/models; None: not known), and whether that
-                        # includes the name its requests carry.
-                        "served_names": list(r.served_names) if r.served_names is not None else None,
-                        "serves_model": None if r.served_names is None else not self.is_misnamed(r),
-                        # Its LoRA adapters, and those it runs or queues (reported or in flight).
-                        "adapters": sorted(r.adapters),
-                        "active_adapters": sorted(r.active_adapters()),
-                        "max_lora": r.lora.max_lora if r.lora is not None else None,
-                        "load_fresh": load.is_fresh,
-                        "num_running": load.num_running,
-                        "num_waiting": load.num_waiting,
-                        "kv_usage_ratio": load.kv_usage_ratio,
-                        "num_inflight": r.num_inflight,
-                        "num_first_bytes": r.num_first_bytes,
-                        # From its streams' chunk times; None until seen, or when quiet.
-                        "step_interval_s": r.step_phase.step_s or None,
-                        "step_time_left_s": r.step_phase.time_left_s(now_s),
-                        "score": r.last_score,
-                    }
-                )
+                serves = None if r.served_names is None else not self.is_misnamed(r)
+                out[model].append(r.describe(now_s, load, is_healthy=self.is_healthy(r), serves_model=serves))
         return out

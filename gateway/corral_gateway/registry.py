@@ -116,6 +116,34 @@ class Replica:
             self._load, self._load_inputs = self._compute_load(is_fresh, is_refusing), inputs
         return self._load
 
+    def describe(
+        self, now_s: float, load: ReplicaLoad, *, is_healthy: bool, serves_model: bool | None
+    ) -> dict[str, object]:
+        """Its state for the /corral/replicas debug endpoint (`serves_model`: its /v1/models lists
+        the name its requests carry; None: not known)."""
+        return {
+            "url": self.url,
+            "healthy": is_healthy,
+            "ejected": self.is_ejected,
+            "num_consecutive_failures": self.num_consecutive_failures,
+            "served_names": list(self.served_names) if self.served_names is not None else None,
+            "serves_model": serves_model,
+            # Its LoRA adapters, and those it runs or queues (reported or in flight).
+            "adapters": sorted(self.adapters),
+            "active_adapters": sorted(self.active_adapters()),
+            "max_lora": self.lora.max_lora if self.lora is not None else None,
+            "load_fresh": load.is_fresh,
+            "num_running": load.num_running,
+            "num_waiting": load.num_waiting,
+            "kv_usage_ratio": load.kv_usage_ratio,
+            "num_inflight": self.num_inflight,
+            "num_first_bytes": self.num_first_bytes,
+            # From its streams' chunk times; None until seen, or when quiet.
+            "step_interval_s": self.step_phase.step_s or None,
+            "step_time_left_s": self.step_phase.time_left_s(now_s),
+            "score": self.last_score,
+        }
+
     def _compute_load(self, is_fresh: bool, is_refusing: bool) -> ReplicaLoad:
         sample = self.sample
         if sample is None or not is_fresh:
