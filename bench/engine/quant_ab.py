@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import workloads
-from corral_engine.args import EngineArgs
+from corral_engine.args import EngineArgs, parse_bytes
 from corral_engine.demo_model import write_demo_model
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.llama import Linear
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 output tokens per round")
     p.add_argument("--rounds", type=int, help="default 3; 1 with --quick")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-memory", default="2Gi", help="each arm's KV-cache budget")
     p.add_argument("--quick", action="store_true", help="W2's --quick sizes (12 requests, outputs <= 32)")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/quant-ab"))
     return p.parse_args(argv)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_threads": args.threads,
         "max_num_seqs": 256,
         "max_num_batched_tokens": 2048,
-        "kv_cache_memory_bytes": 2 << 30,
+        "kv_cache_memory_bytes": parse_bytes(args.kv_cache_memory),
         "enable_prefix_caching": False,  # rounds repeat the prompts
     }
     engines = {arm: LLMEngine(EngineArgs(**common, quantization=q)) for arm, q in ARMS.items()}

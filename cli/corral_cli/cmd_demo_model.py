@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-adapter",
         metavar="ADAPTER_DIR",
         help="instead of a checkpoint, write a PEFT LoRA adapter for the demo checkpoint already in "
-        "DIR to ADAPTER_DIR: random non-zero A and B on every projection, drawn from --seed, so a "
-        "request naming it generates differently from the base model",
+        "DIR to ADAPTER_DIR: random non-zero A and B on every projection (a phi3 base's fused "
+        "qkv_proj and gate_up_proj, as PEFT names them), drawn from --seed, so a request naming it "
+        "generates differently from the base model",
     )
     parser.add_argument(
         "--lora-rank", type=int, default=8, metavar="R", help="the adapter's rank (default: 8)"

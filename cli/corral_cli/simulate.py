@@ -55,6 +55,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         chat_template=load_chat_template(engine_args.chat_template),
         reasoning_parser=engine_args.reasoning_parser,
         stream_interval=engine_args.stream_interval,
+        kv_cache_dtype=engine_args.kv_cache_dtype,
         **_lora_fields(args, engine_args),
     )
 

@@ -1,7 +1,8 @@
 """Write a random PEFT LoRA adapter for a demo checkpoint (tests, docs; nothing downloaded).
 
 PEFT starts B at zero, so a fresh adapter changes nothing; this one draws A and B both from a
-seeded generator, so a request naming it generates differently from the base model.
+seeded generator, so a request naming it generates differently from the base model. It targets the
+modules PEFT finds in the base's transformers model: Phi-3's fused qkv_proj and gate_up_proj.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import json
 import pathlib
 from typing import Any
 
-from corral_engine.lora import CONFIG_FILE, SUPPORTED_TARGETS, WEIGHTS_FILE
+from corral_engine.lora import CONFIG_FILE, WEIGHTS_FILE, base_targets
 
 __all__ = ["write_demo_adapter"]
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")  # the others are the MLP's
 
 
 def _shapes(config: dict[str, Any], target: str) -> tuple[int, int]:
@@ -26,9 +29,11 @@ def _shapes(config: dict[str, Any], target: str) -> tuple[int, int]:
         "q_proj": (hidden, heads * head_dim),
         "k_proj": (hidden, kv_heads * head_dim),
         "v_proj": (hidden, kv_heads * head_dim),
+        "qkv_proj": (hidden, (heads + 2 * kv_heads) * head_dim),
         "o_proj": (heads * head_dim, hidden),
         "gate_proj": (hidden, inter),
         "up_proj": (hidden, inter),
+        "gate_up_proj": (hidden, 2 * inter),
         "down_proj": (inter, hidden),
     }[target]
 
@@ -39,10 +44,11 @@ def write_demo_adapter(
     rank: int = 8,
     alpha: float = 16.0,
     seed: int = 0,
-    targets: tuple[str, ...] = SUPPORTED_TARGETS,
+    targets: tuple[str, ...] | None = None,
 ) -> pathlib.Path:
     """A PEFT adapter (adapter_config.json, adapter_model.safetensors) for the dense checkpoint in
-    `model_dir`, written to `out_dir`; its path. Raises ValueError for a mixture-of-experts model."""
+    `model_dir`, written to `out_dir`, targeting `targets` (None: every projection the base has);
+    its path. Raises ValueError for a mixture-of-experts model."""
     import torch
     from safetensors.torch import save_file
 
@@ -50,11 +56,12 @@ def write_demo_adapter(
     config = json.loads((model_dir / "config.json").read_text())
     if any(key in config for key in ("num_local_experts", "num_experts")):
         raise ValueError("demo adapters are for dense models (mixture-of-experts targets are not served)")
+    targets = targets or base_targets((config.get("architectures") or [""])[0])
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(int(config["num_hidden_layers"])):
         for target in targets:
-            module = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            module = "self_attn" if target in _ATTENTION else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{module}.{target}"
             fan_in, fan_out = _shapes(config, target)
             # Deltas about as large as the base projections' outputs: greedy tokens change.

@@ -18,8 +18,13 @@ from corral_engine.errors import EngineError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections an adapter may target: the dense decoder's linear layers (vLLM's names).
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target: the dense decoder's linear layers (vLLM's names), as
+# the base model's transformers modules name them: split, or Phi-3's fused qkv_proj / gate_up_proj.
+SPLIT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+SUPPORTED_TARGETS = tuple(dict.fromkeys(SPLIT_TARGETS + FUSED_TARGETS))
+# Architectures whose checkpoints (so PEFT adapters trained on them) hold the fused projections.
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 
 class AdapterError(EngineError, ValueError):
@@ -94,6 +99,12 @@ def _targets(name: str, given: object) -> tuple[str, ...]:
             f"(supported: {', '.join(SUPPORTED_TARGETS)})"
         )
     return tuple(t for t in SUPPORTED_TARGETS if t in given)
+
+
+def base_targets(architecture: str) -> tuple[str, ...]:
+    """The modules an adapter of a base model of `architecture` may target: those of its
+    transformers model (Phi-3's fused qkv_proj and gate_up_proj, the others' split projections)."""
+    return FUSED_TARGETS if architecture in FUSED_ARCHITECTURES else SPLIT_TARGETS
 
 
 def parse_lora_module(text: str) -> tuple[str, str, str | None]:

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.slow  # every test starts a worker process
 
 @pytest.fixture(scope="module")
 def model_dirs(
-    tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: pathlib.Path,
+    tiny_model_dirs: Mapping[str, pathlib.Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Mapping[str, pathlib.Path]:
     from corral_engine.demo_model import write_demo_model
 
@@ -38,18 +40,26 @@ def model_dirs(
         arch="llama",
         config_overrides=ODD_MODEL_OVERRIDES,
     )
-    return {"llama": tiny_model_dir, "odd": odd}
+    # Phi-3: adapters of its fused qkv_proj / gate_up_proj, B's rows cut per part per rank; with
+    # one KV head, each rank's k and v rows are the same (replicated) ones.
+    phi3_kv1 = write_demo_model(
+        tmp_path_factory.mktemp("lora-tp") / "phi3-kv1",
+        preset="tiny",
+        arch="phi3",
+        config_overrides={"num_key_value_heads": 1},
+    )
+    return {"llama": tiny_model_dir, "odd": odd, "phi3": tiny_model_dirs["phi3"], "phi3-kv1": phi3_kv1}
 
 
 def _adapters(model_dir: pathlib.Path) -> dict[str, pathlib.Path]:
     """Adapter "all" targets every projection (rank 8), "some" a column- and a row-parallel one
-    (rank 4)."""
+    (rank 4; Phi-3's column-parallel one is its fused qkv_proj)."""
     root = model_dir.parent / f"{model_dir.name}-adapters"
+    is_phi3 = json.loads((model_dir / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+    some = ("qkv_proj", "o_proj") if is_phi3 else ("v_proj", "o_proj")
     return {
         "all": write_demo_adapter(model_dir, root / "all", rank=8, seed=1),
-        "some": write_demo_adapter(
-            model_dir, root / "some", rank=4, alpha=8, seed=2, targets=("v_proj", "o_proj")
-        ),
+        "some": write_demo_adapter(model_dir, root / "some", rank=4, alpha=8, seed=2, targets=some),
     }
 
 
@@ -84,7 +94,7 @@ def _generate(model_dir: pathlib.Path, prompts: list[list[int]], **kwargs: objec
         engine.runner.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "odd"])
+@pytest.mark.parametrize("arch", ["llama", "odd", "phi3", "phi3-kv1"])
 def test_two_ranks_match_one_rank_and_peft(
     arch: str, model_dirs: Mapping[str, pathlib.Path], prompts: list[list[int]]
 ) -> None:

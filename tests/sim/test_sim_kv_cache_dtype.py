@@ -1,11 +1,20 @@
 """A simulated replica with `--kv-cache-dtype fp8`: a token's keys and values take half of bf16's
 bytes, so twice the KV blocks fit in the memory the weights leave and decode steps read less; "auto"
-changes nothing; a fitted profile names the flag as one it cannot honour."""
+changes nothing; a fitted profile names the flag as one it cannot honour; vllm:cache_config_info
+labels the flag's value, as the engine's does."""
 
 from __future__ import annotations
 
+import argparse
+import pathlib
+
+import httpx
 import pytest
-from corral_engine.sim.host import ignored_options, with_overrides
+from corral_cli.simulate import replica_spec
+from corral_engine import wire
+from corral_engine.args import EngineArgs
+from corral_engine.server import create_app
+from corral_engine.sim.host import build_engines, ignored_options, with_overrides
 from corral_engine.sim.perf_model import BUILTIN, Profile, Roofline, StepShape, with_kv_cache_dtype
 
 DECODE_64 = StepShape(64, 64, 64 * 4000, 64 * 4000.0)
@@ -41,3 +50,20 @@ def test_a_fitted_profile_cannot_change_its_kv_dtype() -> None:
     assert with_overrides(fitted, {"kv_cache_dtype": "fp8"}).num_kv_blocks == fitted.num_kv_blocks
     with pytest.raises(ValueError, match="fitted"):
         with_kv_cache_dtype(fitted, "fp8")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+async def test_cache_config_info_labels_the_flags_value(
+    tiny_model_dir: pathlib.Path, kv_cache_dtype: str
+) -> None:
+    args = argparse.Namespace(simulate="h100-llama3-8b", kv_cache_dtype=kv_cache_dtype)
+    spec = replica_spec(args, EngineArgs(model=str(tiny_model_dir), kv_cache_dtype=kv_cache_dtype))  # type: ignore[arg-type]
+    [engine] = build_engines(spec, 1)
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            text = (await c.get("/metrics")).text
+    [line] = [line for line in text.splitlines() if line.startswith(wire.CACHE_CONFIG_INFO + "{")]
+    assert f'cache_dtype="{kv_cache_dtype}"' in line
+    assert f'num_gpu_blocks="{spec.profile.num_kv_blocks}"' in line  # fp8: the doubled count

@@ -117,7 +117,7 @@ class AttentionContext:
     seqs: list[SeqAttention]  # sequences attended one by one (prompt chunks)
     block_size: int
     decodes: list[DecodeBatch] = field(default_factory=list)  # batched decodes, grouped by length
-    decode_kernel: PagedDecode | None = None  # native paged decode (all decodes in one batch; no fp8)
+    decode_kernel: PagedDecode | None = None  # native paged decode (all decodes in one batch; fp8 KV too)
     unified: UnifiedBatch | None = None  # the triton backend: everything in one launch
     # Prompt chunks through matmul_prompt_attention in blocks of this many query rows; 0: SDPA.
     prompt_block_rows: int = 0

@@ -12,8 +12,14 @@ Host memory holds at most `max_cpu_loras` adapters' weights, least recently used
 dropped one is read again from its path when a request needs it (`stage`).
 
 Under tensor parallelism each rank reads its shard of every adapter, cut as the base weight is
-(ShardPlan.checkpoint_slice): a column-parallel projection's B rows, a row-parallel one's A
-columns. A row-parallel delta is then a partial sum, completed by the layer's own all-reduce.
+(ShardPlan.checkpoint_slice): a column-parallel projection's B rows (a fused one's, Phi-3's, the
+rank's rows of each part), a row-parallel one's A columns. A row-parallel delta is then a partial
+sum, completed by the layer's own all-reduce.
+
+An adapter targets the modules of its base's transformers model (lora.base_targets): Phi-3's
+fused qkv_proj / gate_up_proj, one A and B over the whole fused Linear; the others' split
+projections, each on its columns of the fused Linear. An adapter naming the other kind is
+refused, as vLLM refuses modules its model lacks.
 """
 
 from __future__ import annotations
@@ -31,7 +37,14 @@ import torch
 from safetensors import safe_open
 
 from corral_engine.core.scheduler import ScheduledSeq
-from corral_engine.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, LoraRequest, read_adapter_config
+from corral_engine.lora import (
+    WEIGHTS_FILE,
+    AdapterConfig,
+    AdapterError,
+    LoraRequest,
+    base_targets,
+    read_adapter_config,
+)
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM
 from corral_engine.model.loader import read_cut
@@ -45,14 +58,16 @@ logger = logging.getLogger(__name__)
 # name, "default", before .weight in files saved from a live model).
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _EXPERTS = re.compile(r"\.experts\.|\.block_sparse_moe\.")
-# checkpoint projection -> (its module in the layer, the fused Linear holding it)
+# adapter target -> (its module in the layer, the (fused) Linear holding it)
 _HOLDERS = {
     "q_proj": ("self_attn", "qkv_proj"),
     "k_proj": ("self_attn", "qkv_proj"),
     "v_proj": ("self_attn", "qkv_proj"),
+    "qkv_proj": ("self_attn", "qkv_proj"),
     "o_proj": ("self_attn", "o_proj"),
     "gate_proj": ("mlp", "gate_up_proj"),
     "up_proj": ("mlp", "gate_up_proj"),
+    "gate_up_proj": ("mlp", "gate_up_proj"),
     "down_proj": ("mlp", "down_proj"),
 }
 
@@ -129,12 +144,14 @@ class LoraSlots:
         self._free = list(range(max_loras - 1, -1, -1))
         # The step's active slots: (slot, its rows of the batch [n] on the device, scale).
         self.groups: list[tuple[int, torch.Tensor, float]] = []
+        self.targets = base_targets(model.config.architecture)  # the modules adapters may name
         self.layers: dict[tuple[int, str], LoraLayer] = {}  # (layer, projection) -> its LoraLayer
         for i, layer in enumerate(model.model.layers):
             for module_name, linear_name in dict.fromkeys(_HOLDERS.values()):
                 linear = getattr(getattr(layer, module_name), linear_name)
-                # o_proj and down_proj hold one projection each, of their own name
-                offsets = getattr(linear, "shard_offsets", None) or {linear_name: (0, linear.out_features)}
+                offsets = getattr(linear, "shard_offsets", None)
+                if offsets is None or linear_name in self.targets:  # targeted whole, by its own name
+                    offsets = {linear_name: (0, linear.out_features)}
                 lora_layer = LoraLayer(self, linear.in_features, offsets)
                 linear.forward = lora_layer.wrap(linear.forward)  # type: ignore[method-assign]
                 for part in offsets:
@@ -198,6 +215,13 @@ class LoraSlots:
 
     def read(self, lora: LoraRequest) -> AdapterWeights:
         config = read_adapter_config(lora.name, lora.path, self.max_rank)
+        others = [t for t in config.target_modules if t not in self.targets]
+        if others:
+            raise AdapterError(
+                f"adapter {lora.name!r}: target modules {', '.join(others)} are not modules of this "
+                f"{self.config.architecture} base model, whose adapters target "
+                f"{', '.join(self.targets)} (was it trained on another architecture?)"
+            )
         path = pathlib.Path(lora.path) / WEIGHTS_FILE
         if not path.is_file():
             raise AdapterError(f"adapter {lora.name!r}: {path} is missing")
@@ -251,13 +275,15 @@ class LoraSlots:
         b = ab["B"][:] if cut_b is None else read_cut(ab["B"], cut_b)  # [out, r] or this rank's rows
         return a.to(self.dtype), b.to(self.dtype)
 
-    def _cuts(self, layer: int, part: str) -> tuple[Cut | None, Cut | None]:
+    def _cuts(self, layer: int, part: str) -> tuple[Cut | None, Cut | list[Cut] | None]:
         """How this rank reads (lora_A, lora_B): the base weight's own cut, on the dimension each
         shares with it. Column-parallel (dim 0, the rank's output rows) cuts B's rows [out, r];
         row-parallel (dim 1, its input columns) cuts A's columns [r, in]. None: read it whole."""
         if self.plan is None:
             return None, None
         cut = self.plan.checkpoint_slice(f"model.layers.{layer}.{_HOLDERS[part][0]}.{part}.weight")
+        if isinstance(cut, list):  # a fused projection (Phi-3's): B's rows of each part, concatenated
+            return None, cut
         if not isinstance(cut, tuple):  # every dense projection is cut; nothing else is a target
             raise AdapterError(f"{part} has no tensor-parallel shard")
         return (cut, None) if cut[0] == 1 else (None, cut)
@@ -346,8 +372,10 @@ def _full_shape(config: ModelConfig, part: str) -> tuple[int, int]:
         "q_proj": (q, hidden),
         "k_proj": (kv, hidden),
         "v_proj": (kv, hidden),
+        "qkv_proj": (q + 2 * kv, hidden),
         "o_proj": (hidden, q),
         "gate_proj": (inter, hidden),
         "up_proj": (inter, hidden),
+        "gate_up_proj": (2 * inter, hidden),
         "down_proj": (hidden, inter),
     }[part]

@@ -55,6 +55,7 @@ class SimEngine:
         grammars: SimGrammars | None = None,
         max_loras: int = 0,
         lora_cost: LoraCost | None = None,
+        cache_dtype: str = "auto",
     ) -> None:
         """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
         `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
@@ -62,7 +63,8 @@ class SimEngine:
         `stream_interval`: as the engine's `--stream-interval`. `grammars`: the structured outputs
         of replicas sharing this tokenizer (this engine's own when not given). `max_loras`: as the
         engine's --max-loras with --enable-lora (0: LoRA off). `lora_cost`: what adapters add to a step
-        (slot loads, their products); None: nothing."""
+        (slot loads, their products); None: nothing. `cache_dtype`: the engine's --kv-cache-dtype, as
+        vllm:cache_config_info labels it (`with_overrides` sized the profile's KV cache for it)."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -85,7 +87,10 @@ class SimEngine:
         )
         self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
         self._stats = EngineStats(
-            block_size=profile.block_size, num_kv_blocks=profile.num_kv_blocks, max_loras=max_loras
+            block_size=profile.block_size,
+            cache_dtype=cache_dtype,
+            num_kv_blocks=profile.num_kv_blocks,
+            max_loras=max_loras,
         )
         self.last_step_num_tokens = 0
         self.last_step_latencies = StepLatencies()  # what the last finished step's tokens added

@@ -143,6 +143,7 @@ class ReplicaSpec:
     chat_template: str | None = None  # as --chat-template, read: in place of the tokenizer's
     reasoning_parser: str | None = None  # as --reasoning-parser: reasoning_content is read with it
     stream_interval: int = 1  # as --stream-interval
+    kv_cache_dtype: str = "auto"  # as --kv-cache-dtype: the metrics' label (`profile` sized for it)
     max_loras: int = 0  # as --max-loras with --enable-lora; 0: LoRA off
     max_lora_rank: int = 16  # as --max-lora-rank
     adapters: tuple[LoraRequest, ...] = ()  # as --lora-modules (configs checked by the caller)
@@ -166,6 +167,7 @@ def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
             stream_interval=spec.stream_interval,
             grammars=grammars,
             max_loras=spec.max_loras,
+            cache_dtype=spec.kv_cache_dtype,
         )
         engines.append(AsyncSimEngine(core, spec.max_waiting, spec.max_lora_rank))
     return engines
