@@ -49,6 +49,8 @@ def sample(name: str) -> Any:
         return (option.ge or 0) + 2 if default != (option.ge or 0) + 2 else (option.ge or 0) + 3
     if engine_options.is_list(name):  # --lora-modules: NAME=PATH items
         return ("x=/adapters/x", "y=/adapters/y")
+    if name == "pooler_config":  # a JSON object, checked as such
+        return '{"pooling_type": "MEAN"}'
     return "/models/x" if name == "model" else "x"
 
 

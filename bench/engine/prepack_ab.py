@@ -69,6 +69,7 @@ def main() -> int:
             EngineSettings(prepack=switch),
         )
     head = engines["packed"].runner.model.lm_head
+    assert head is not None  # a generating model's
     is_packed = head.packed is not None or head.upcast_packed is not None
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = [[1 + (i * 7 + j) % (vocab - 1) for j in range(args.prompt_len)] for i in range(args.batch)]

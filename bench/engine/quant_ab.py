@@ -75,6 +75,7 @@ def weight_mib(engine: LLMEngine) -> dict[str, float]:
     projections = sum(held_bytes(m) for n, m in linears.items() if n.rsplit(".", 1)[-1] in PROJECTIONS)
     others = sum(p.nbytes for n, p in model.named_parameters() if n.rsplit(".", 2)[-2] not in PROJECTIONS)
     head = model.lm_head
+    assert head is not None  # a generating model's
     extra = held_bytes(head) - head.weight.nbytes  # its packed or upcast copies
     return {"projections": projections / (1 << 20), "model": (projections + others + extra) / (1 << 20)}
 

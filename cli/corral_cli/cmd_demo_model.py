@@ -50,6 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and MLP projections in float8_e4m3fn with a float32 scale per 128x128 block, as published "
         "-FP8 models are); dense architectures only",
     )
+    parser.add_argument(
+        "--embedding",
+        choices=("lasttoken", "mean", "cls"),
+        default=None,
+        metavar="POOLING",
+        help="write an embedding model, as Qwen3-Embedding ships: sentence-transformers files "
+        "(modules.json, 1_Pooling/ with this pooling: lasttoken, mean or cls; 2_Normalize/), no LM head, "
+        "the decoder's tensors under AutoModel's names; serve it with --runner pooling",
+    )
+    parser.add_argument(
+        "--base-model-class",
+        action="store_true",
+        help="with --embedding, name the base-model class in config.json (Qwen3Model), which "
+        "--runner auto serves as an embedding model",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument(
         "--lora-adapter",
@@ -80,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
             weights=not args.no_weights,
             quantization=args.quantization,
         )
+        if args.embedding is not None:
+            from corral_engine.demo_embedding import make_embedding_model
+
+            make_embedding_model(out, args.embedding, base_model_class=args.base_model_class)
     except OSError as e:  # a file in the way, no permission, a full disk
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
@@ -87,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     what = "tokenizer and config" if args.no_weights else "checkpoint"
+    if args.embedding is not None:
+        what = f"{args.embedding}-pooling embedding {what}"
     if args.quantization:
         what = f"{args.quantization} {what}"
     log.info("wrote %s %s (%s, seed %d) to %s", args.preset, what, args.arch, args.seed, out)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral_engine.args import EngineArgs
 from corral_engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ __all__ = [
     "EngineCoreClient",
     "EngineStats",
     "LLMEngine",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
 ]

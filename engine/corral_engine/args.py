@@ -27,6 +27,7 @@ from corral_engine.options import (
     parse_bytes,
     scalar_type,
 )
+from corral_engine.pooling import parse_pooler_config
 
 __all__ = [
     "BYTES_PATTERN",
@@ -58,6 +59,8 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "native", "sdpa")
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS: tuple[str, ...] = ("fp8", "int8")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+RunnerChoice = Literal["auto", "generate", "pooling"]
+RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 # corral_engine.server.tool_parsers.TOOL_PARSERS' names, restated here so this module needs no
 # server import (tests/server/test_tool_parsers.py checks they agree).
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
@@ -119,6 +122,25 @@ class EngineArgs:
         vllm=Vllm("--quantization"),
     )
     device: str = _option("auto", help="cpu, cuda, cuda:N", metavar="DEVICE")
+    runner: RunnerChoice = _option(
+        "auto",
+        help="generate text, or pool each prompt's hidden states into an embedding (/v1/embeddings); "
+        "auto: pooling for a checkpoint whose architecture ends in Model, EmbeddingModel or "
+        "ForTextEncoding (Qwen3-Embedding names Qwen3ForCausalLM: give pooling)",
+        choices=RUNNERS,
+        crd="runner",
+        vllm=Vllm("--runner"),
+    )
+    pooler_config: str | None = _option(
+        None,
+        help="with --runner pooling, a JSON object: pooling_type LAST, MEAN or CLS and normalize true "
+        'or false, e.g. {"pooling_type": "MEAN"}; each key not given comes from the checkpoint\'s '
+        "sentence-transformers files (modules.json), else LAST and normalized",
+        default_text="the checkpoint's, else LAST, normalized",
+        metavar="JSON",
+        crd="poolerConfig",
+        vllm=Vllm("--pooler-config"),
+    )
     tensor_parallel_size: int = _option(
         1, help=_TP_HELP, metavar="N", ge=1, le=64, vllm=Vllm("--tensor-parallel-size")
     )
@@ -388,6 +410,8 @@ class EngineArgs:
         if rule is not None:
             raise ArgumentError(rule.message())
         self._validate_lora()
+        if self.pooler_config is not None:
+            parse_pooler_config(self.pooler_config)  # ArgumentError naming the bad key or value
 
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

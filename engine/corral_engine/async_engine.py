@@ -23,6 +23,7 @@ from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.llm_engine import LLMEngine, Prompt
 from corral_engine.lora import LoraRequest
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.step_loop import StepLoop
@@ -104,6 +105,9 @@ class AsyncEngine(StreamFront):
         self.served_model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
         self.eos_token_ids = self.engine.eos_token_ids
+        self.embed = self.engine.embed
+        self.runner = self.embed.runner  # generate, or pooling (embeddings)
+        self.embedding_size = self.embed.embedding_size  # the vectors' length; 0 when generating
         self._steps = StepLoop(self.engine, _ThreadSink(self))
         self._thread: threading.Thread | None = None
         self._stats = self.engine.stats()
@@ -133,7 +137,7 @@ class AsyncEngine(StreamFront):
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         in_group: bool = False,
         lora: LoraRequest | None = None,

@@ -121,6 +121,7 @@ def run_core(
         engine.block_manager.num_blocks,
         engine.block_manager.block_size,
         stats,
+        engine.embed,
     )
     sink.send(("ready", info))
 

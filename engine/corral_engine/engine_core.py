@@ -9,7 +9,8 @@ unfinished; the server's process keeps HTTP, tokenizing, request checks and stre
 
 Between them, two one-way pipes of pickled tuples (`multiprocessing.connection`: length-prefixed
 messages, no extra dependency):
-- to the core: ("add", id, prompt token ids, params, arrival time, LoraRequest or None), ("abort",
+- to the core: ("add", id, prompt token ids, SamplingParams or PoolingParams, arrival time,
+  LoraRequest or None), ("abort",
   id), ("add_lora", LoraRequest), ("remove_lora", lora id), ("stop",);
 - from the core: ("ready", `CoreInfo`) or ("failed", kind, message) once at start, then per step
   ("step", outputs, duration_s, batched tokens, times to first token, inter-token gaps, stats),
@@ -58,7 +59,9 @@ from corral_engine.outputs import (
     StepLatencies,
     TokenLogprob,
 )
-from corral_engine.request_checks import KvShape, check_request
+from corral_engine.pooling import EmbedSpec
+from corral_engine.pooling_params import PoolingParams
+from corral_engine.request_checks import KvShape, check_pooling_prompt, check_request
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.stream_front import StreamFront
@@ -67,9 +70,16 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# An output on the wire: (request id, completions, finished, metrics, prompt logprobs), each
-# completion and the metrics as a tuple of their fields in order.
-_Packed = tuple[str, list[tuple[Any, ...]], bool, tuple[Any, ...], "list[TokenLogprob | None] | None"]
+# An output on the wire: (request id, completions, finished, metrics, prompt logprobs, embedding),
+# each completion and the metrics as a tuple of their fields in order.
+_Packed = tuple[
+    str,
+    list[tuple[Any, ...]],
+    bool,
+    tuple[Any, ...],
+    "list[TokenLogprob | None] | None",
+    "list[float] | None",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +93,7 @@ class CoreInfo:
     num_kv_blocks: int
     block_size: int
     stats: EngineStats
+    embed: EmbedSpec  # the runner, and an embedding model's vector size
 
 
 def _pack_metrics(m: RequestMetrics, is_finished: bool) -> tuple[Any, ...]:
@@ -129,7 +140,7 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[_Packed]:
             )
             for c in o.outputs
         ]
-        packed.append((o.request_id, completions, o.finished, metrics, o.prompt_logprobs))
+        packed.append((o.request_id, completions, o.finished, metrics, o.prompt_logprobs, o.embedding))
     return packed
 
 
@@ -207,6 +218,9 @@ class EngineCoreClient(StreamFront):
         self._vocab_size = info.vocab_size
         self._kv = KvShape(info.num_kv_blocks, info.block_size)
         self._stats = info.stats
+        self.embed = info.embed
+        self.runner = info.embed.runner  # generate, or pooling (embeddings)
+        self.embedding_size = info.embed.embedding_size  # the vectors' length; 0 when generating
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._prompts: dict[str, list[int]] = {}  # request id -> prompt ids, until its final output
         self._send_lock = threading.Lock()
@@ -256,7 +270,7 @@ class EngineCoreClient(StreamFront):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         in_group: bool = False,
         lora: LoraRequest | None = None,
@@ -295,12 +309,16 @@ class EngineCoreClient(StreamFront):
         with contextlib.suppress(EngineDeadError):
             self._send(("remove_lora", lora_id))
 
-    def _check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def _check(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> list[int]:
         """What `LLMEngine.make_request` refuses, refused here (the core builds the request)."""
+        self.embed.check(params)
         if isinstance(prompt, str):
             token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         else:
             token_ids = list(prompt)
+        if isinstance(params, PoolingParams):
+            check_pooling_prompt(token_ids, self.max_model_len, self._vocab_size, self._kv)
+            return token_ids
         check_request(token_ids, params, self.max_model_len, self._vocab_size, self._kv)
         if params.grammar is not None:
             if self._grammars is None:
@@ -322,7 +340,7 @@ class EngineCoreClient(StreamFront):
     def _unpack(self, packed: list[_Packed]) -> list[RequestOutput]:
         prompts = self._prompts
         outputs = []
-        for request_id, completions, finished, metrics, prompt_logprobs in packed:
+        for request_id, completions, finished, metrics, prompt_logprobs, embedding in packed:
             prompt = prompts.pop(request_id, []) if finished else prompts.get(request_id, [])
             outputs.append(
                 RequestOutput(
@@ -332,6 +350,7 @@ class EngineCoreClient(StreamFront):
                     finished,
                     _unpack_metrics(metrics),
                     prompt_logprobs,
+                    embedding,
                 )
             )
         return outputs

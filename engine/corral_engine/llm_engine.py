@@ -31,6 +31,9 @@ from corral_engine.model.sampler import PendingSample, Sampler, record_prompt_lo
 from corral_engine.model.tp_workers import make_runner
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
+from corral_engine.pooling import EmbedSpec
+from corral_engine.pooling_params import PoolingParams
+from corral_engine.pooling_step import PoolingStep, can_cache_prefixes, choose_runner_for
 from corral_engine.request_builder import Prompt, RequestBuilder
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
@@ -72,14 +75,27 @@ class LLMEngine:
         self.eos_token_ids = self.model_config.eos_token_ids
         if args.enable_lora and self.model_config.is_moe:  # before any tensor-parallel worker starts
             raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
-        self.runner = make_runner(self.model_config, args, self.max_model_len, self.settings, graph_capture)
+        # `runner_type`, not `runner`: that name holds the model runner.
+        self.runner_type, self.pooler_config = choose_runner_for(args, self.model_config)
+        self.embed = EmbedSpec(
+            self.served_model_name,
+            self.runner_type,
+            self.model_config.hidden_size if self.pooler_config is not None else 0,
+            self.model_config.is_matryoshka,
+            self.model_config.matryoshka_dimensions,
+        )
+        self.embedding_size = self.embed.embedding_size  # the vectors' length; 0 when generating
+        runner_args = args.replace(runner=self.runner_type)  # what the model runner builds for
+        self.runner = make_runner(
+            self.model_config, runner_args, self.max_model_len, self.settings, graph_capture
+        )
         # The runner is closed (workers stopped, model freed) by close(), when the engine is
         # collected, or at exit when it was left open: multiprocessing runs this before it
         # terminates its daemonic children, which a worker's watchdog would take for a crash.
         self._close_runner = multiprocessing.util.Finalize(self, self.runner.close, exitpriority=10)
         self.is_closed = False
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, args.block_size, args.enable_prefix_caching
+            self.runner.num_kv_blocks, args.block_size, can_cache_prefixes(args, self.pooler_config)
         )
         kv_tokens = self.runner.num_kv_blocks * args.block_size
         if kv_tokens < self.max_model_len:  # vLLM refuses to start; a test may want a tiny cache
@@ -108,12 +124,14 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.grammar_masks = StepMasks(self.grammars)
         self.requests: dict[str, Request] = {}
+        self._pooling = None if self.pooler_config is None else PoolingStep(self, self.pooler_config)
         self.request_builder = RequestBuilder(
             self.tokenizer,
             self.max_model_len,
             self.model_config.vocab_size,
             self.block_manager,
             self.grammars,
+            self.embed,
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, args.stream_interval
@@ -182,7 +200,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
     ) -> Request:
@@ -196,7 +214,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
     ) -> Request:
@@ -265,6 +283,8 @@ class LLMEngine:
             metrics = s.seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        if self._pooling is not None:
+            return aborted + self._pooling.step(sched)
         masks = self.grammar_masks.start(sched.scheduled)  # filled while the model runs
         scored = [
             (s.seq, s.prompt_positions())
@@ -346,6 +366,8 @@ class LLMEngine:
             self.output_processor.release(seq.seq_id)
             self.sampler.release(seq.seq_id)
             self.runner.release(seq.seq_id)
+            if self._pooling is not None:
+                self._pooling.pooler.release(seq.seq_id)
             reason = seq.finish_reason or "abort"
             self._stats.finished_by_reason[reason] = self._stats.finished_by_reason.get(reason, 0) + 1
         del self.requests[request.request_id]
@@ -360,13 +382,17 @@ class LLMEngine:
     def generate(
         self,
         prompts: str | SequenceABC[Prompt],
-        params: SamplingParams | SequenceABC[SamplingParams],
+        params: SamplingParams | PoolingParams | SequenceABC[SamplingParams | PoolingParams],
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order (the final output of each). A string
         is one prompt, as in vLLM (not one per character). Every prompt is checked before any is
         queued, so a refused one raises with nothing left behind to run in a later call."""
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
-        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        param_list: list[SamplingParams | PoolingParams]
+        if isinstance(params, SamplingParams | PoolingParams):
+            param_list = [params] * len(prompt_list)
+        else:
+            param_list = list(params)
         if len(param_list) != len(prompt_list):
             raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} SamplingParams")
         ids = [f"gen-{self.request_builder.next_arrival()}-{i}" for i in range(len(prompt_list))]

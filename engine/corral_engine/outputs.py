@@ -121,6 +121,8 @@ class RequestOutput:
     metrics: RequestMetrics
     # prompt_logprobs: None for the first prompt token, then one per token (as far as computed).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request's vector, on its one (final) output; `outputs` is then empty.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -210,5 +212,11 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
             )
         )
     return RequestOutput(
-        later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics, later.prompt_logprobs
+        later.request_id,
+        later.prompt_token_ids,
+        merged,
+        later.finished,
+        later.metrics,
+        later.prompt_logprobs,
+        later.embedding,
     )

@@ -10,10 +10,14 @@ from typing import Any, Protocol
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.lora import LoraRequest
 from corral_engine.outputs import RequestMetrics
-from corral_engine.request_checks import KvCapacity, check_request
+from corral_engine.pooling import EmbedSpec
+from corral_engine.pooling_params import PoolingParams
+from corral_engine.request_checks import KvCapacity, check_pooling_prompt, check_request
 from corral_engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+# What the scheduler admits a pooling request by: its prompt, and no output token to sample.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, output_kind="final_only")
 
 
 class GrammarAttacher(Protocol):
@@ -24,9 +28,17 @@ class GrammarAttacher(Protocol):
 
 class RequestBuilder:
     def __init__(
-        self, tokenizer: Any, max_model_len: int, vocab_size: int, kv: KvCapacity, grammars: GrammarAttacher
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        kv: KvCapacity,
+        grammars: GrammarAttacher,
+        embed: EmbedSpec | None = None,
     ) -> None:
+        """`embed`: the served model's runner and embedding shape (None: a generate engine)."""
         self.tokenizer = tokenizer
+        self.embed = embed or EmbedSpec("the model")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.kv = kv
@@ -48,13 +60,20 @@ class RequestBuilder:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
     ) -> Request:
-        """A checked request of `params.n` sequences; InvalidRequestError when it is refused."""
+        """A checked request of `params.n` sequences (one for pooling); InvalidRequestError when
+        it is refused."""
+        self.embed.check(params)  # the right kind for this runner
         token_ids = self.tokenize(prompt)
-        params = check_request(token_ids, params, self.max_model_len, self.vocab_size, self.kv)
+        pooling = params if isinstance(params, PoolingParams) else None
+        if isinstance(params, PoolingParams):
+            check_pooling_prompt(token_ids, self.max_model_len, self.vocab_size, self.kv)
+            params = POOLING_SAMPLING
+        else:
+            params = check_request(token_ids, params, self.max_model_len, self.vocab_size, self.kv)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -64,6 +83,7 @@ class RequestBuilder:
                 time.monotonic() if arrival_time is None else arrival_time, params.n
             ),
             lora=lora,
+            pooling=pooling,
         )
         request.seqs = [
             Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))

@@ -76,3 +76,23 @@ def check_request(
             f"the request needs {need} KV blocks; the cache has {bm.num_blocks}", "max_tokens"
         )
     return params
+
+
+def check_pooling_prompt(token_ids: list[int], max_model_len: int, vocab: int, bm: KvCapacity) -> None:
+    """A pooling (embedding) request's prompt, refused (InvalidRequestError) where it cannot run:
+    it may fill the whole context, as it makes no output token."""
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if any(not 0 <= t < vocab for t in token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    num = len(token_ids)
+    if num > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {num}.",
+            "input",
+        )
+    need = bm.blocks_for_tokens(num)
+    if need > bm.num_blocks:
+        raise InvalidRequestError(
+            f"the prompt has {num} tokens and needs {need} KV blocks; the cache has {bm.num_blocks}", "input"
+        )

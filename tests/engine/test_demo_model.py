@@ -278,3 +278,28 @@ def test_fp8_experts_are_refused(tmp_path, caplog):
     argv = ["demo-model", str(tmp_path / "m"), "--arch", "mixtral", "--quantization", "fp8", "--quiet"]
     assert corral_main(argv) == 2
     assert "dense architectures" in caplog.text
+
+
+def test_cli_writes_an_embedding_model(tmp_path):
+    """--embedding: Qwen3-Embedding's layout (sentence-transformers files, no LM head, AutoModel's
+    tensor names); --base-model-class names Qwen3Model, which --runner auto serves as embeddings."""
+    from corral_engine import EngineArgs, PoolingParams
+    from corral_engine.llm_engine import LLMEngine
+    from safetensors import safe_open
+
+    out = tmp_path / "emb"
+    argv = ["demo-model", str(out), "--arch", "qwen3", "--embedding", "mean", "--base-model-class", "--quiet"]
+    assert corral_main(argv) == 0
+    modules = json.loads((out / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
+    assert json.loads((out / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"] is True
+    assert (out / "2_Normalize").is_dir()
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    assert "embed_tokens.weight" in names and not any(n.startswith(("lm_head", "model.")) for n in names)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    engine = LLMEngine(EngineArgs(model=str(out), dtype="float32", num_kv_blocks=16))
+    assert engine.runner_type == "pooling" and engine.pooler_config is not None
+    assert engine.pooler_config.pooling_type == "MEAN"
+    (output,) = engine.generate([[5, 6, 7]], PoolingParams())
+    assert output.embedding is not None and len(output.embedding) == 64

@@ -13,6 +13,7 @@ from typing import Any
 
 from corral_engine.lora import LoraRequest
 from corral_engine.outputs import FinishReason, RequestMetrics, TokenLogprob
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
 
 
@@ -86,6 +87,9 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     lora: LoraRequest | None = None  # the adapter it generates with; None: the base model
+    # An embedding request (--runner pooling): its prompt is computed, pooled and the request ends;
+    # `params` is then a fixed one-token SamplingParams the scheduler admits it by.
+    pooling: PoolingParams | None = None
     # n > 1: siblings wait here until the first sequence has computed its prompt, then fork
     # from it and share its full prompt blocks.
     pending_forks: list[Sequence] = field(default_factory=list)

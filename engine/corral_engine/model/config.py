@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from corral_engine.errors import ModelLoadError
+from corral_engine.pooling import causal_implementation, is_embedding_architecture, matryoshka_of
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -63,6 +64,16 @@ class ModelConfig:
     # "sliding_attention" / "full_attention"); empty: one set of parameters for every layer.
     rope_kinds: tuple[str, ...] = ()
     gemma: GemmaMath | None = None  # Gemma 3's departures from the Llama math; None for the others
+    # config.json's `architectures` as written: an embedding checkpoint names a base-model class
+    # (`Qwen2Model`), which `architecture` maps to the implementation that runs it.
+    declared_architectures: tuple[str, ...] = ()
+    is_matryoshka: bool = False  # config.json's is_matryoshka, or matryoshka_dimensions given
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def is_base_model(self) -> bool:
+        """Whether the checkpoint is a base model without an LM head (`Qwen2Model`): embeddings only."""
+        return any(is_embedding_architecture(a) for a in self.declared_architectures)
 
     @property
     def rope_kind_set(self) -> tuple[str | None, ...]:
@@ -172,7 +183,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     except ValueError as e:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next(
+        (causal_implementation(a) for a in archs if causal_implementation(a) in SUPPORTED_ARCHITECTURES), None
+    )
     if arch is None:
         raise ModelLoadError(
             f"unsupported architecture {archs or raw.get('model_type')!r} in {config_file}; "
@@ -205,6 +218,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     is_gemma = arch in GEMMA3_ARCHITECTURES
     attention_bias = bool(getattr(hf, "attention_bias", False))
     hidden_act = _activation(hf, config_file)
+    is_matryoshka, matryoshka_dimensions = matryoshka_of(raw)
     if is_gemma:
         _check_gemma(hf, config_file)
     return ModelConfig(
@@ -235,6 +249,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rotary_dim=_rotary_dim(hf, head_dim, config_file),
         rope_kinds=tuple(layer_types) if is_gemma else (),
         gemma=GemmaMath(embed_scale=hf.hidden_size**0.5) if is_gemma else None,
+        declared_architectures=tuple(str(a) for a in archs),
+        is_matryoshka=is_matryoshka,
+        matryoshka_dimensions=matryoshka_dimensions,
     )
 
 
@@ -257,8 +274,8 @@ def _check_gemma(hf: Any, where: Path) -> None:
             )
     if getattr(hf, "use_bidirectional_attention", False):
         raise ModelLoadError(
-            f"{where}: use_bidirectional_attention is set (an embedding model); only causal "
-            "generation is served"
+            f"{where}: use_bidirectional_attention is set (EmbeddingGemma): the engine's decoder "
+            "attends causally only, for generation and for --runner pooling alike"
         )
 
 

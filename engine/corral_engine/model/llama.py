@@ -329,7 +329,11 @@ class CausalLM(nn.Module):
     # (model/decode_stack.py); the layers below compute the same bits.
     decode_stack: DecodeStack | None = None
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallel | None = None, has_lm_head: bool = True
+    ) -> None:
+        """`has_lm_head` False: an embedding model's decoder alone (--runner pooling), whose
+        checkpoint need not hold an LM head."""
         super().__init__()
         self.config = config
         self.tp = tp
@@ -340,8 +344,8 @@ class CausalLM(nn.Module):
         kinds = [r.kind for r in self.rotaries]
         self.layer_rotary = [kinds.index(layer.rope_kind) for layer in self.model.layers]
         vocab = config.vocab_size if tp is None else tp.plan.vocab_size
-        self.lm_head = Linear(config.hidden_size, vocab, bias=False)
-        if config.tie_word_embeddings:
+        self.lm_head: Linear | None = Linear(config.hidden_size, vocab, bias=False) if has_lm_head else None
+        if self.lm_head is not None and config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
@@ -366,6 +370,8 @@ class CausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] float32
+        if self.lm_head is None:
+            raise RuntimeError("an embedding model (--runner pooling) computes no logits")
         if self.tp is not None:  # each rank's vocabulary rows, gathered on rank 0 (empty elsewhere)
             return self.tp.gather_logits(self.lm_head(hidden).float())
         return self.lm_head(hidden).float()

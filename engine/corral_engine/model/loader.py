@@ -116,6 +116,16 @@ def engine_name(name: str, architecture: str) -> str | None:
     return name
 
 
+def pooling_name(name: str, architecture: str) -> str | None:
+    """`engine_name` for an embedding model's decoder (no LM head): its LM head, if the checkpoint
+    has one, is not loaded, and a base model's tensors (`layers.0...`, as AutoModel saves them and
+    Qwen3-Embedding ships them) sit under `model.`."""
+    ours = engine_name(name, architecture)
+    if ours is None or ours.startswith("lm_head."):
+        return None
+    return ours if ours.startswith("model.") else "model." + ours
+
+
 def _fused_target(name: str) -> tuple[str, str] | None:
     """Map `...self_attn.q_proj.weight` to (`...self_attn.qkv_proj.weight`, `q_proj`)."""
     for fused, shards in (
@@ -175,13 +185,16 @@ def load_weights(
     suffix = None if quant is None or quant.checkpoint is None else "." + quant.scale_suffix
 
     skipped: list[str] = []  # not the text model's (a multimodal checkpoint's vision tensors)
+    is_pooling = model.lm_head is None
+    rename = pooling_name if is_pooling else engine_name
 
     def slicer(name: str) -> Cut | list[Cut] | bool | None:
         if suffix is not None and name.endswith(suffix):
             return False  # read whole beforehand (_read_scales)
-        ours = engine_name(name, config.architecture)
+        ours = rename(name, config.architecture)
         if ours is None:
-            skipped.append(name)
+            if engine_name(name, config.architecture) is None:
+                skipped.append(name)
             return False
         return None if plan is None else plan.checkpoint_slice(ours)
 
@@ -194,7 +207,7 @@ def load_weights(
                 continue
             if tensor.dtype in CHECKPOINT_DTYPES:
                 tensor = _dequantized(checkpoint_name, tensor, scales, quant, plan)
-            name = engine_name(checkpoint_name, config.architecture) or checkpoint_name
+            name = rename(checkpoint_name, config.architecture) or checkpoint_name
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router

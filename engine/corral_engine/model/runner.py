@@ -46,6 +46,7 @@ from corral_engine.model.lora import LoraSlots, fast_paths, lora_slot_dtype
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
+from corral_engine.model.pooler import Pooler, PoolSpan
 from corral_engine.model.quant import QuantPlan, model_quant_config, plan_quant
 from corral_engine.model.quant_layers import describe_quantized, quantize_layers, ready
 from corral_engine.model.quant_ops import has_int8_kernel
@@ -80,6 +81,9 @@ class ModelRunner:
         num_ranks = 1 if tp is None else tp.size
         self.num_kv_heads = config.num_kv_heads if tp is None else tp.plan.num_kv_heads
         self.args = args
+        # An embedding model (--runner pooling, resolved by the engine): no LM head, no sampling,
+        # no decode steps (so no decode graphs or native decode stack).
+        self.is_pooling = args.runner == "pooling"
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.settings = settings
@@ -162,12 +166,12 @@ class ModelRunner:
         self.lora = self._lora_slots()
         # The native decode stack and decode graphs know nothing of adapters: with LoRA they run
         # only steps without adapter rows (`fast_paths`), whose Linear wrappers add nothing.
-        self.decode_stack = self._decode_stack()
+        self.decode_stack = None if self.is_pooling else self._decode_stack()
         self.model.decode_stack = self.decode_stack
         # No decode graphs for mixture-of-experts models: routing reads each expert's row count on
         # the host every layer (its matmul shapes depend on the batch's data), which a graph cannot
         # record; their decodes run eagerly.
-        is_graphable = tp is None and not config.is_moe
+        is_graphable = tp is None and not config.is_moe and not self.is_pooling
         if self.attention_backend == "triton" and not args.enforce_eager and is_graphable:
             if graph_capture is None and self.device.type == "cuda":
                 graph_capture = CudaGraphCapture()
@@ -256,13 +260,14 @@ class ModelRunner:
 
     def _build_model(self) -> tuple[CausalLM, MatmulPlan]:
         with torch.device("meta"):
-            model = CausalLM(self.config, self.tp).to(self.dtype)
+            model = CausalLM(self.config, self.tp, has_lm_head=not self.is_pooling).to(self.dtype)
         kind, quant = self.quant_plan.weights, self.quant
         # Quantized layers get their int8/fp8 weights while still on the meta device: the model is
         # never held whole in the model dtype.
         quantized, kept = quantize_layers(model, kind, quant) if kind and quant else ([], [])
         model = model.to_empty(device=self.device)
-        if self.config.tie_word_embeddings:  # moving off the meta device unties shared parameters
+        # Moving off the meta device unties shared parameters (an embedding model has no LM head).
+        if self.config.tie_word_embeddings and model.lm_head is not None:
             model.lm_head.weight = model.model.embed_tokens.weight
         load_weights(model, self.config, None if self.tp is None else self.tp.plan, quant)
         ready(quantized, self.dtype)
@@ -393,6 +398,22 @@ class ModelRunner:
             return torch.empty((0, self.config.vocab_size))
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
+    @torch.inference_mode()
+    def pool(self, scheduled: list[ScheduledSeq], pooler: Pooler) -> dict[int, torch.Tensor]:
+        """Run one step of prompt chunks (--runner pooling); the pooled final hidden state ([H]
+        float32) of each sequence whose prompt this step completes, by seq id."""
+        batch = self.batches.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx)  # [T, H]
+        spans: list[PoolSpan] = []
+        row = 0
+        for s in scheduled:
+            end = s.start + s.num_new_tokens
+            spans.append(
+                PoolSpan(s.seq.seq_id, row, row + s.num_new_tokens, s.start, end >= s.seq.num_prompt_tokens)
+            )
+            row += s.num_new_tokens
+        return pooler.pool(hidden, spans)
+
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop what the runner keeps for it across steps."""
         self.batches.release(seq_id)
@@ -432,6 +453,9 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim)
         self.kv_caches = allocate_kv_caches(self.config.num_layers, shape, self.kv_dtype, self.device)
         try:
+            if self.is_pooling:  # no logits, no sampling
+                self.pool(scheduled, Pooler("MEAN"))
+                return
             logits = self.execute(scheduled)  # [num_seqs, V]; [0, V] on tensor-parallel ranks > 0
             if len(logits):  # sampling's temporaries too (top_p sorts: its costliest pass)
                 sample_rows(logits, [PROFILED_SAMPLING] * len(logits), torch.Generator(logits.device), {})

@@ -18,6 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
 from corral_engine.lora import AdapterRegistry
 from corral_engine.server import errors, tokens
+from corral_engine.server.api_embeddings import create_embedding, refuse_generation
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
 from corral_engine.server.context import ServerContext
@@ -179,15 +180,22 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
     # of the server's CPU for a short request; docs/engine-speed.md, "The server's work per
     # request").
     async def completions(request: Request) -> Response:
+        refuse_generation(ctx, "Completions")
         return await create_completion(ctx, request)
 
     async def chat_completions(request: Request) -> Response:
+        refuse_generation(ctx, "Chat Completions")
         return await create_chat_completion(ctx, request)
+
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(ctx, request)
 
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/embeddings", embeddings, methods=["POST"])
 
     async def responses(request: Request) -> Response:
+        refuse_generation(ctx, "Responses")
         return await create_response(ctx, request)
 
     app.add_route("/v1/responses", responses, methods=["POST"])

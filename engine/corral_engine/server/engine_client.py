@@ -4,14 +4,17 @@ An engine may also offer `listen(request_id, listener) -> bool` (`StreamFront.li
 request's outputs handed to a callback as they arrive, instead of read from its stream); the
 server streams through it where it is there (`GenerationRun.listen`); and
 `end_open_streams(error)` (`StreamFront.end_open_streams`), which a drain calls when its grace
-period ends, so open streams close with an error event and `[DONE]` rather than being cut."""
+period ends, so open streams close with an error event and `[DONE]` rather than being cut.
+The model's own engines also say which runner serves it (`EmbeddingEngine`: generate, or pooling
+with its vectors' size); one that does not (the simulator) generates (`runner_of`)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
 
 
@@ -34,6 +37,27 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+
+class EmbeddingEngine(Protocol):
+    """An engine that says its runner; a pooling one takes PoolingParams (embeddings)."""
+
+    runner: Literal["generate", "pooling"]
+    embedding_size: int  # the vectors' length; 0 for a generate engine
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        *,
+        in_group: bool = False,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+
+def runner_of(engine: object) -> str:
+    """The engine's runner: "pooling" for an embedding model, else "generate"."""
+    return str(getattr(engine, "runner", "generate"))
 
 
 class ListeningEngine(Protocol):

@@ -136,7 +136,7 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 
 async def _handle(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, StarletteHTTPException) and exc.status_code == 404:
-        # Named, so a client calling an endpoint this server lacks (`/v1/embeddings`, say) does
+        # Named, so a client calling an endpoint this server lacks (`/v1/rerank`, say) does
         # not read the 404 as an unknown model.
         route = f"{request.method} {request.url.path}"
         return error_response(APIError(404, f"This server has no route {route}.", code="not_found"))

@@ -18,9 +18,10 @@ from typing import Any, cast
 from corral_engine.errors import InvalidRequestError
 from corral_engine.lora import LoraRequest
 from corral_engine.outputs import RequestOutput, TokenLogprob
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import access
-from corral_engine.server.engine_client import EngineClient, ListeningEngine
+from corral_engine.server.engine_client import EmbeddingEngine, EngineClient, ListeningEngine
 from corral_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class Collected:
 
 
 class GenerationRun:
-    """The engine requests of one HTTP request: one per prompt, each with params.n sequences."""
+    """The engine requests of one HTTP request: one per prompt, each with params.n sequences (an
+    embeddings request's: one per input, with PoolingParams)."""
 
     def __init__(
         self,
@@ -69,7 +71,7 @@ class GenerationRun:
         in_flight: InFlight,
         request_id: str,
         prompts: list[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora: LoraRequest | None = None,
     ) -> None:
         self.engine = engine
@@ -100,16 +102,20 @@ class GenerationRun:
             in_flight.leave()
             raise
 
-    def _add(self, engine_id: str, prompt: list[int], params: SamplingParams, in_group: bool) -> None:
+    def _add(
+        self, engine_id: str, prompt: list[int], params: SamplingParams | PoolingParams, in_group: bool
+    ) -> None:
+        # PoolingParams reach only an engine that takes them (the embeddings route checks its runner).
+        add_request = cast(EmbeddingEngine, self.engine).add_request
         try:
-            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
+            stream = add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
         except InvalidRequestError as e:
             if e.param != "request_id":
                 raise
             # A client reused an x-request-id that is still running here: the response keeps the
             # id it asked for; only the engine's own key gets a suffix.
             engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
-            stream = self.engine.add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
+            stream = add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
         self._streams.append(stream)
         self._ids.append(engine_id)
         self._unfinished.add(engine_id)
@@ -155,7 +161,8 @@ class GenerationRun:
             self._num_tokens_seen[index] += len(o.delta_token_ids)
         if out.finished:
             self._unfinished.discard(self._ids[index])
-            self.metrics.observe_finished(out, self.params)
+            params = self.params if isinstance(self.params, SamplingParams) else None
+            self.metrics.observe_finished(out, params)
             access.count_tokens(out)
 
     async def _follow(self, index: int) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -327,6 +327,9 @@ class ServerMetrics:
         num_prompt = len(out.prompt_token_ids)
         # The sequences share one prefill: the first observed computed it, the rest computed none.
         kv_computed = max(0, num_prompt - out.metrics.num_cached_tokens)
+        if out.embedding is not None:  # a pooling request: its prompt, no generation
+            self._observe_pooled(out.metrics, num_prompt, kv_computed, now)
+            return
         max_tokens = None
         if params is not None:
             max_tokens = params.max_tokens or max(0, self._max_model_len - num_prompt)
@@ -350,6 +353,15 @@ class ServerMetrics:
         if longest is not None:
             self._n_m.observe(len(out.outputs))
             self._max_generation_m.observe(longest)
+
+    def _observe_pooled(self, m: RequestMetrics, num_prompt: int, kv_computed: int, now: float) -> None:
+        """A pooling request's end to end, queue time and prompt (no generation histograms)."""
+        finished = m.finished_time if m.finished_time is not None else now
+        self._e2e_m.observe(max(0.0, finished - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self._queue_m.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        self._prompt_m.observe(num_prompt)
+        self._kv_computed_m.observe(kv_computed)
 
     def _observe_phases(self, m: RequestMetrics, num_tokens: int) -> None:
         """Prefill, decode and inference time (vLLM's split) and the mean time per output token."""

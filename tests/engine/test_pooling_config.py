@@ -1,0 +1,127 @@
+"""The pure part of embedding models (corral_engine.pooling): --runner auto, --pooler-config, the
+checkpoint's sentence-transformers files, the order they apply in, and the request checks."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+from corral_engine import EngineArgs, PoolingParams, SamplingParams
+from corral_engine.args import ArgumentError
+from corral_engine.demo_embedding import write_sentence_transformers_files
+from corral_engine.errors import InvalidRequestError, ModelLoadError
+from corral_engine.pooling import (
+    EmbedSpec,
+    PoolerConfig,
+    causal_implementation,
+    choose_runner,
+    matryoshka_of,
+    parse_pooler_config,
+    resolve_pooler,
+    sentence_transformers_pooling,
+)
+
+
+@pytest.mark.parametrize(
+    ("architectures", "runner"),
+    [
+        (["Qwen2Model"], "pooling"),
+        (["MistralModel"], "pooling"),
+        (["LlamaModel"], "pooling"),
+        (["Qwen3EmbeddingModel"], "pooling"),
+        (["XForTextEncoding"], "pooling"),
+        (["Qwen3ForCausalLM"], "generate"),  # Qwen3-Embedding's: it needs --runner pooling
+        (["Gemma3ForConditionalGeneration"], "generate"),
+        ([], "generate"),
+    ],
+)
+def test_runner_auto_follows_the_architecture(architectures: list[str], runner: str) -> None:
+    assert choose_runner("auto", architectures) == runner
+    assert choose_runner("pooling", ["LlamaForCausalLM"]) == "pooling"
+    assert choose_runner("generate", ["Qwen2Model"]) == "generate"
+
+
+def test_a_base_model_class_runs_on_its_causal_implementation() -> None:
+    assert causal_implementation("Qwen2Model") == "Qwen2ForCausalLM"
+    assert causal_implementation("MistralModel") == "MistralForCausalLM"
+    assert causal_implementation("Gemma3TextModel") == "Gemma3ForCausalLM"
+    assert causal_implementation("LlamaForCausalLM") == "LlamaForCausalLM"
+
+
+def test_pooler_config_takes_vllms_keys_and_refuses_others() -> None:
+    assert parse_pooler_config('{"pooling_type": "mean", "normalize": false}') == {
+        "pooling_type": "MEAN",
+        "normalize": False,
+    }
+    assert parse_pooler_config("{}") == {}
+    for bad, said in [
+        ('{"pooling_type": "MAX"}', "pooling_type must be one of LAST, MEAN, CLS"),
+        ('{"normalize": "yes"}', "normalize must be true or false"),
+        ('{"softmax": true, "dimensions": 8}', "unknown or unsupported key(s) dimensions, softmax"),
+        ("[1]", "must be a JSON object"),
+        ("{", "not valid JSON"),
+    ]:
+        with pytest.raises(ArgumentError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            parse_pooler_config(bad)
+    with pytest.raises(ArgumentError, match="unknown or unsupported"):
+        EngineArgs(model="m", pooler_config='{"pooling": "MEAN"}')  # checked with the other arguments
+
+
+@pytest.mark.parametrize(
+    ("pooling", "normalize", "expected"),
+    [("lasttoken", True, "LAST"), ("mean", False, "MEAN"), ("cls", True, "CLS")],
+)
+def test_sentence_transformers_files_set_the_pooling(
+    tmp_path: pathlib.Path, pooling: str, normalize: bool, expected: str
+) -> None:
+    write_sentence_transformers_files(tmp_path, 64, pooling, normalize)
+    assert sentence_transformers_pooling(tmp_path) == {"pooling_type": expected, "normalize": normalize}
+
+
+def test_an_unsupported_sentence_transformers_pooling_is_refused(tmp_path: pathlib.Path) -> None:
+    write_sentence_transformers_files(tmp_path, 64, "mean", True)
+    config = json.loads((tmp_path / "1_Pooling" / "config.json").read_text())
+    config |= {"pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="pooling_mode_max_tokens is not supported"):
+        sentence_transformers_pooling(tmp_path)
+    with pytest.raises(ModelLoadError, match="pooling_mode_max_tokens"):
+        resolve_pooler(tmp_path, None)
+    # --pooler-config chooses one instead: the Normalize module still counts.
+    assert resolve_pooler(tmp_path, '{"pooling_type": "LAST"}') == PoolerConfig("LAST", True)
+
+
+def test_defaults_apply_in_order_flag_then_checkpoint_then_vllms(tmp_path: pathlib.Path) -> None:
+    assert resolve_pooler(tmp_path, None) == PoolerConfig("LAST", True)  # vLLM's embed default
+    write_sentence_transformers_files(tmp_path, 64, "mean", False)
+    assert resolve_pooler(tmp_path, None) == PoolerConfig("MEAN", False)
+    assert resolve_pooler(tmp_path, '{"normalize": true}') == PoolerConfig("MEAN", True)  # per key
+    assert resolve_pooler(tmp_path, '{"pooling_type": "CLS"}') == PoolerConfig("CLS", False)
+
+
+def test_matryoshka_as_config_json_says() -> None:
+    assert matryoshka_of({}) == (False, None)
+    assert matryoshka_of({"is_matryoshka": True}) == (True, None)
+    assert matryoshka_of({"matryoshka_dimensions": [32, 64]}) == (True, (32, 64))
+    with pytest.raises(ModelLoadError):
+        matryoshka_of({"matryoshka_dimensions": "64"})
+
+
+def test_request_checks_name_the_runner_and_the_dimensions() -> None:
+    generate = EmbedSpec("m")
+    pooling = EmbedSpec("m", "pooling", 64, True, (16, 64))
+    generate.check(SamplingParams())
+    pooling.check(PoolingParams(dimensions=16))
+    with pytest.raises(InvalidRequestError, match="--runner generate"):
+        generate.check(PoolingParams())
+    with pytest.raises(InvalidRequestError, match="--runner pooling"):
+        pooling.check(SamplingParams())
+    for dimensions, said in [(0, "greater than 0"), (32, r"\[16, 64\]")]:
+        with pytest.raises(InvalidRequestError, match=said) as refused:
+            pooling.check(PoolingParams(dimensions=dimensions))
+        assert refused.value.param == "dimensions"
+    with pytest.raises(InvalidRequestError, match="more than the model's 64"):
+        EmbedSpec("m", "pooling", 64, True).check(PoolingParams(dimensions=65))
+    with pytest.raises(InvalidRequestError, match="does not support matryoshka"):
+        EmbedSpec("m", "pooling", 64).check(PoolingParams(dimensions=16))
