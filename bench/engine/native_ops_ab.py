@@ -32,6 +32,7 @@ import torch
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.llama import Attention, Linear, RMSNorm
+from corral_engine.model.runner import ModelRunner
 from corral_engine.sampling_params import SamplingParams
 
 MODEL_DIR = Path.home() / ".cache" / "corral-bench" / "model-small"
@@ -68,12 +69,14 @@ def main() -> int:
             max_num_batched_tokens=2048,
         )
     )
-    modules = list(engine.runner.model.modules())
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)  # one rank of a decoder
+    modules = list(runner.model.modules())
     elementwise = args.kernels in ("all", "elementwise")
     layers = [m for m in modules if isinstance(m, Attention)] if elementwise else []
     norms = [m for m in modules if isinstance(m, RMSNorm)] if elementwise else []
     linears = [m for m in modules if isinstance(m, Linear)] if args.kernels != "elementwise" else []
-    kernels = engine.runner.model.model.norm.fused_ops
+    kernels = runner.model.model.norm.fused_ops
     if kernels is None:
         raise SystemExit("the native fused ops did not build here (no C compiler?)")
     if linears and linears[0].fused_ops is None:
@@ -81,7 +84,7 @@ def main() -> int:
             "the Linear layers take no native kernel here: CORRAL_SMALL_BATCH_KERNEL is 0, or the plain "
             "weights it reads did not fit beside the packed ones (CORRAL_SMALL_BATCH_KERNEL=1 keeps them)"
         )
-    model = engine.runner.model
+    model = runner.model
     stack = model.decode_stack if linears else None  # the elementwise A/B runs layer by layer
 
     def use_kernels(on: bool) -> None:

@@ -23,6 +23,7 @@ from typing import Literal
 
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
+from corral_engine.model.runner import ModelRunner
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 
@@ -68,7 +69,9 @@ def main() -> int:
             ),
             EngineSettings(prepack=switch),
         )
-    head = engines["packed"].runner.model.lm_head
+    runner = engines["packed"].runner
+    assert isinstance(runner, ModelRunner)  # one rank of a decoder
+    head = runner.model.lm_head
     assert head is not None  # a generating model's
     is_packed = head.packed is not None or head.upcast_packed is not None
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]

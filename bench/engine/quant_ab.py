@@ -31,6 +31,7 @@ from corral_engine.args import EngineArgs, parse_bytes
 from corral_engine.demo_model import write_demo_model
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.llama import Linear
+from corral_engine.model.runner import ModelRunner
 from corral_engine.sampling_params import SamplingParams
 from lora_ab import cpu_info
 
@@ -70,7 +71,9 @@ def held_bytes(linear: Linear) -> int:
 
 
 def weight_mib(engine: LLMEngine) -> dict[str, float]:
-    model = engine.runner.model  # type: ignore[union-attr]
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)  # one rank of a decoder
+    model = runner.model
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     projections = sum(held_bytes(m) for n, m in linears.items() if n.rsplit(".", 1)[-1] in PROJECTIONS)
     others = sum(p.nbytes for n, p in model.named_parameters() if n.rsplit(".", 2)[-2] not in PROJECTIONS)

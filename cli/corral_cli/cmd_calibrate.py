@@ -136,8 +136,11 @@ def run(args: argparse.Namespace) -> int:
 def _kv_bytes_per_token(engine: LLMEngine) -> int:
     """K and V bytes one token takes in the engine's cache on one rank (what the engine divides
     --kv-cache-memory by), so `--simulate PROFILE --kv-cache-memory` sizes blocks as it would."""
+    from corral_engine.model.runner import ModelRunner
     from corral_engine.model.tp_workers import ParallelRunner
 
     runner = engine.runner
     local = runner.local if isinstance(runner, ParallelRunner) else runner
+    if not isinstance(local, ModelRunner):  # an encoder: no KV cache
+        return 0
     return sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in local.kv_caches)  # [blocks, block, heads, dim]

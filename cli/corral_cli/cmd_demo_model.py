@@ -10,6 +10,8 @@ log = logging.getLogger(__name__)
 # Kept in step with corral_engine.demo_model (not imported here: the engine side pulls in torch).
 _PRESETS = ("tiny", "small", "llama3-8b")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "phi3", "gemma3")
+# Encoder embedding models (corral_engine.demo_encoder): tiny only, in the sentence-transformers layout.
+_ENCODER_ARCHS = ("bert", "xlm-roberta")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer (default: 0)")
     parser.add_argument(
         "--arch",
-        choices=_ARCHS,
+        choices=(*_ARCHS, *_ENCODER_ARCHS),
         default="llama",
         help="model architecture; mixtral and qwen3-moe: 4 experts, 2 per token, tiny and small presets "
-        "only (default: llama)",
+        "only; bert and xlm-roberta: encoder embedding models (mean and CLS pooling), tiny preset only "
+        "(default: llama)",
     )
     parser.add_argument(
         "--device",
@@ -82,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.lora_adapter is not None:
         return _write_adapter(args)
+    if args.arch in _ENCODER_ARCHS:
+        return _write_encoder(args)
     from corral_engine.demo_model import write_demo_model
 
     try:
@@ -111,6 +116,33 @@ def run(args: argparse.Namespace) -> int:
     if args.quantization:
         what = f"{args.quantization} {what}"
     log.info("wrote %s %s (%s, seed %d) to %s", args.preset, what, args.arch, args.seed, out)
+    return 0
+
+
+def _write_encoder(args: argparse.Namespace) -> int:
+    """The tiny encoder embedding checkpoint (the options for decoders' weights do not apply)."""
+    refused = [
+        flag
+        for flag, is_set in (
+            (f"--preset {args.preset}", args.preset != "tiny"),
+            ("--no-weights", args.no_weights),
+            (f"--quantization {args.quantization}", args.quantization is not None),
+        )
+        if is_set
+    ]
+    if refused:
+        log.error(
+            "--arch %s: %s not supported (the encoder demo is tiny, float32)", args.arch, ", ".join(refused)
+        )
+        return 2
+    from corral_engine.demo_encoder import write_demo_encoder
+
+    try:
+        out = write_demo_encoder(args.dir, arch=args.arch, seed=args.seed)
+    except OSError as e:
+        log.error("cannot write the checkpoint to %s: %s", args.dir, e)
+        return 1
+    log.info("wrote tiny encoder checkpoint (%s, seed %d) to %s", args.arch, args.seed, out)
     return 0
 
 

@@ -115,7 +115,7 @@ def synthetic_corpus(seed: int, num_words: int, lexicon_size: int) -> Iterator[s
 
 
 @contextlib.contextmanager
-def _single_threaded_tokenizers() -> Iterator[None]:
+def single_threaded_tokenizers() -> Iterator[None]:
     # tokenizers reads this on each call; one thread keeps training independent of scheduling.
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -171,7 +171,7 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    with _single_threaded_tokenizers():
+    with single_threaded_tokenizers():
         tok.train_from_iterator(synthetic_corpus(seed, num_words, lexicon_size), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer training reached {tok.get_vocab_size()} tokens, wanted {vocab_size}")

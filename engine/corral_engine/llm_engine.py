@@ -95,7 +95,9 @@ class LLMEngine:
         self._close_runner = multiprocessing.util.Finalize(self, self.runner.close, exitpriority=10)
         self.is_closed = False
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, args.block_size, can_cache_prefixes(args, self.pooler_config)
+            self.runner.num_kv_blocks,
+            args.block_size,
+            can_cache_prefixes(args, self.pooler_config, self.model_config.encoder is not None),
         )
         kv_tokens = self.runner.num_kv_blocks * args.block_size
         if kv_tokens < self.max_model_len:  # vLLM refuses to start; a test may want a tiny cache
@@ -105,8 +107,13 @@ class LLMEngine:
                 kv_tokens, self.max_model_len, kv_tokens,
             )  # fmt: skip
         max_loras = args.max_loras if args.enable_lora else 0
+        # An encoder attends both ways: its prompts run whole, so a step takes at least the longest.
+        is_whole = self.model_config.encoder is not None
+        budget = max(args.max_num_batched_tokens, self.max_model_len if is_whole else 0)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_policy, max_loras),
+            SchedulerConfig(
+                args.max_num_seqs, budget, args.kv_policy, max_loras, can_chunk_prompts=not is_whole
+            ),
             self.block_manager,
         )
         self.adapters = EngineAdapters(self.runner)

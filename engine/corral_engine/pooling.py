@@ -134,13 +134,15 @@ def sentence_transformers_pooling(model_dir: Path, needs_type: bool = True) -> d
     return out
 
 
-def resolve_pooler(model_dir: Path, pooler_config: str | None) -> PoolerConfig:
+def resolve_pooler(
+    model_dir: Path, pooler_config: str | None, default_type: PoolingType = "LAST"
+) -> PoolerConfig:
     """Each setting from --pooler-config, else the sentence-transformers files, else vLLM's embed
-    default (last token, normalized)."""
+    default (`default_type`: the last token for a decoder, the first for an encoder; normalized)."""
     given = parse_pooler_config(pooler_config) if pooler_config else {}
     merged = {**sentence_transformers_pooling(model_dir, "pooling_type" not in given), **given}
     return PoolerConfig(
-        pooling_type=merged.get("pooling_type", "LAST"), normalize=merged.get("normalize", True)
+        pooling_type=merged.get("pooling_type", default_type), normalize=merged.get("normalize", True)
     )
 
 

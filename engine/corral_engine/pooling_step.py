@@ -11,6 +11,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import SchedulerOutput
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
+from corral_engine.model.encoder_runner import EncoderRunner
 from corral_engine.model.pooler import Pooler, finish_vector
 from corral_engine.model.runner import ModelRunner
 from corral_engine.outputs import RequestOutput
@@ -25,23 +26,30 @@ logger = logging.getLogger(__name__)
 def choose_runner_for(args: EngineArgs, config: ModelConfig) -> tuple[Runner, PoolerConfig | None]:
     """--runner resolved for this checkpoint, and for pooling its pooler; what a pooling engine
     cannot do (or a base model without an LM head cannot) is refused before the model loads."""
-    runner = choose_runner(args.runner, list(config.declared_architectures))
+    is_encoder = config.encoder is not None  # BERT and kin: embeddings only, whatever --runner auto says
+    runner: Runner = (
+        "pooling"
+        if is_encoder and args.runner == "auto"
+        else choose_runner(args.runner, list(config.declared_architectures))
+    )
     if runner == "generate":
-        if config.is_base_model:
+        if config.is_base_model or is_encoder:
+            what = "an encoder" if is_encoder else "a base model without an LM head"
             raise ModelLoadError(
-                f"{config.declared_architectures[0]} is a base model without an LM head: it serves "
-                "embeddings only (--runner pooling)"
+                f"{config.declared_architectures[0]} is {what}: it serves embeddings only (--runner pooling)"
             )
         return runner, None
     flags = (
         ("--speculative", args.speculative is not None),
         ("--enable-lora", args.enable_lora),
         ("--tensor-parallel-size > 1", args.tensor_parallel_size > 1),
+        ("--quantization (an encoder runs in its own precision)", is_encoder and bool(args.quantization)),
     )
     refused = [flag for flag, is_set in flags if is_set]
     if refused:
         raise ModelLoadError(f"--runner pooling (an embedding model) does not take {', '.join(refused)}")
-    pooler = resolve_pooler(config.path, args.pooler_config)
+    # Without sentence-transformers files an encoder pools its first token ([CLS]), as vLLM's BERT.
+    pooler = resolve_pooler(config.path, args.pooler_config, "CLS" if is_encoder else "LAST")
     logger.info(
         "runner: pooling (embeddings of %d values; %s pooling, %s)",
         config.hidden_size,
@@ -51,11 +59,12 @@ def choose_runner_for(args: EngineArgs, config: ModelConfig) -> tuple[Runner, Po
     return runner, pooler
 
 
-def can_cache_prefixes(args: EngineArgs, pooler: PoolerConfig | None) -> bool:
+def can_cache_prefixes(args: EngineArgs, pooler: PoolerConfig | None, is_encoder: bool) -> bool:
     """Whether prefix caching is on. A cached prefix's positions are skipped, and MEAN and CLS
     pooling need their hidden states; LAST needs only the last position, always computed (causal
-    attention: the cached keys and values give it the same result)."""
-    if not args.enable_prefix_caching:
+    attention: the cached keys and values give it the same result). An encoder has no cache, and
+    a position's state there depends on the tokens after it."""
+    if not args.enable_prefix_caching or is_encoder:
         return False
     if pooler is None or pooler.pooling_type == "LAST":
         return True
@@ -77,7 +86,7 @@ class PoolingStep:
         (full ones stay in the prefix cache where it is on)."""
         engine = self.engine
         runner = engine.runner
-        if not isinstance(runner, ModelRunner):  # refused at start-up (choose_runner_for)
+        if not isinstance(runner, ModelRunner | EncoderRunner):  # refused at start-up (choose_runner_for)
             raise RuntimeError("pooling runs on one rank")
         vectors = runner.pool(sched.scheduled, self.pooler)
         now = time.monotonic()

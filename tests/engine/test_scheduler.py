@@ -271,3 +271,24 @@ def test_randomized_adapter_traffic_keeps_max_loras_and_finishes(seed: int) -> N
     sim.run()
     assert all(r.is_finished for r in sim.requests.values())
     assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def test_whole_prompts_wait_for_a_step_with_room_instead_of_being_chunked() -> None:
+    """An encoder's prompts (can_chunk_prompts=False) run whole: one that does not fit what is left
+    of the step's budget waits for the next step, and the queue behind it waits too (FCFS)."""
+    bm = BlockManager(64, 4, False)
+    sched = Scheduler(SchedulerConfig(8, 10, can_chunk_prompts=False), bm)
+    requests = []
+    for i, n in enumerate((6, 7, 2)):
+        request = Request(f"r{i}", list(range(n)), SamplingParams(max_tokens=1), i, RequestMetrics(0))
+        request.seqs.append(Sequence(i, request, 0, list(range(n)), n))
+        sched.add(request)
+        requests.append(request)
+    first = sched.schedule()
+    assert [(s.seq.seq_id, s.start, s.num_new_tokens) for s in first.scheduled] == [(0, 0, 6)]
+    for s in first.scheduled:  # done, as a pooled request is once its prompt is in
+        s.seq.num_computed_tokens += s.num_new_tokens
+        s.seq.finish_reason = "stop"
+        sched.finish(s.seq)
+    second = sched.schedule()
+    assert [(s.seq.seq_id, s.start, s.num_new_tokens) for s in second.scheduled] == [(1, 0, 7), (2, 0, 2)]

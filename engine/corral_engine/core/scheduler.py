@@ -30,6 +30,9 @@ class SchedulerConfig:
     # overtake it; after that they queue behind it. 64 decode steps (a second or two on a GPU) let
     # a running adapter's burst join its batch yet add little beside the drain it waits for anyway.
     max_lora_skip_steps: int = 64
+    # False: a prompt is admitted only whole, in one step (an encoder's bidirectional attention
+    # cannot be split); one that does not fit this step's budget waits, and so does the queue behind it.
+    can_chunk_prompts: bool = True
 
 
 @dataclass(slots=True)
@@ -157,6 +160,8 @@ class Scheduler:
             if is_guarded and lora is not None:
                 num_skipped += 1  # a running adapter's (no slot is free): it lets that adapter drain
                 continue
+            if not self.config.can_chunk_prompts and seq.num_uncomputed_tokens > budget:
+                break  # FCFS: the next step's budget takes it whole
             if not self._admit(seq, budget) and not self._admit_after_release(seq, budget):
                 break  # FCFS: nothing overtakes one short of blocks
             del self.waiting[num_skipped]

@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from corral_engine.errors import ModelLoadError
+from corral_engine.model.encoder_config import (
+    SUPPORTED_ENCODERS,
+    EncoderConfig,
+    is_encoder_architecture,
+    load_encoder_config,
+)
 from corral_engine.pooling import causal_implementation, is_embedding_architecture, matryoshka_of
 
 SUPPORTED_ARCHITECTURES = (
@@ -69,6 +75,9 @@ class ModelConfig:
     declared_architectures: tuple[str, ...] = ()
     is_matryoshka: bool = False  # config.json's is_matryoshka, or matryoshka_dimensions given
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # An encoder-only embedding model (BERT, RoBERTa, XLM-RoBERTa: model/encoder.py), whose own
+    # config this is; the decoder fields above then only describe its shape.
+    encoder: EncoderConfig | None = None
 
     @property
     def is_base_model(self) -> bool:
@@ -183,13 +192,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     except ValueError as e:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
     archs = raw.get("architectures") or []
+    if any(isinstance(a, str) and is_encoder_architecture(a) for a in archs):
+        return _encoder_model_config(path, raw)
     arch = next(
         (causal_implementation(a) for a in archs if causal_implementation(a) in SUPPORTED_ARCHITECTURES), None
     )
     if arch is None:
         raise ModelLoadError(
             f"unsupported architecture {archs or raw.get('model_type')!r} in {config_file}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}; embedding encoders: "
+            f"{', '.join(SUPPORTED_ENCODERS)}"
         )
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
@@ -252,6 +264,40 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         declared_architectures=tuple(str(a) for a in archs),
         is_matryoshka=is_matryoshka,
         matryoshka_dimensions=matryoshka_dimensions,
+    )
+
+
+def _encoder_model_config(path: Path, raw: dict[str, Any]) -> ModelConfig:
+    """An encoder checkpoint: its EncoderConfig, with the shape fields the engine reads of any model
+    (its context is what the position table covers; no end-of-sequence ids: it never generates)."""
+    enc = load_encoder_config(path)
+    is_matryoshka, matryoshka_dimensions = matryoshka_of(raw)
+    return ModelConfig(
+        path=path,
+        architecture=enc.architecture,
+        hf_config=None,
+        vocab_size=enc.vocab_size,
+        hidden_size=enc.hidden_size,
+        intermediate_size=enc.intermediate_size,
+        num_layers=enc.num_layers,
+        num_heads=enc.num_heads,
+        num_kv_heads=enc.num_heads,
+        head_dim=enc.head_dim,
+        rms_norm_eps=enc.layer_norm_eps,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=enc.max_model_len,
+        sliding_windows=(None,) * enc.num_layers,
+        torch_dtype=enc.torch_dtype,
+        eos_token_ids=(),
+        hidden_act=enc.hidden_act,
+        declared_architectures=tuple(str(a) for a in raw.get("architectures") or []),
+        is_matryoshka=is_matryoshka,
+        matryoshka_dimensions=matryoshka_dimensions,
+        encoder=enc,
     )
 
 

@@ -35,6 +35,7 @@ from corral_engine.model.batch import TokenFill
 from corral_engine.model.config import ModelConfig, load_model_config
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.model.device import select_device
+from corral_engine.model.encoder_runner import EncoderRunner
 from corral_engine.model.parallel import ShardPlan, TensorParallel, make_group
 from corral_engine.model.runner import ModelRunner
 from corral_engine.model.step_mirror import SequenceMirror, StepSeq, encode_step
@@ -58,8 +59,11 @@ def make_runner(
     max_model_len: int,
     settings: EngineSettings,
     graph_capture: GraphCapture | None = None,
-) -> ModelRunner | ParallelRunner:
-    """The engine's runner: one ModelRunner, or rank 0 of --tensor-parallel-size ranks."""
+) -> ModelRunner | ParallelRunner | EncoderRunner:
+    """The engine's runner: one ModelRunner, or rank 0 of --tensor-parallel-size ranks; an encoder
+    embedding model's EncoderRunner (one rank: pooling refuses tensor parallelism)."""
+    if config.encoder is not None:
+        return EncoderRunner(config, args, max_model_len)
     if args.tensor_parallel_size == 1:
         return ModelRunner(config, args, max_model_len, settings, graph_capture=graph_capture)
     return ParallelRunner(config, args, max_model_len, settings)

@@ -1,0 +1,146 @@
+"""What an encoder-only embedding model (BERT, RoBERTa, XLM-RoBERTa) needs from config.json,
+checked once at load time."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corral_engine.errors import ModelLoadError
+
+# Architecture -> whether its positions start past the padding index (RoBERTa's numbering).
+_ENCODER_ARCHITECTURES = {
+    "BertModel": False,
+    "BertForMaskedLM": False,  # its MLM head (cls.*) is not loaded
+    "RobertaModel": True,
+    "XLMRobertaModel": True,
+}
+SUPPORTED_ENCODERS = tuple(_ENCODER_ARCHITECTURES)
+# transformers' ACT2FN names: erf GELU, and the tanh approximation under both of its names.
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+
+
+def is_encoder_architecture(arch: str) -> bool:
+    """Whether `arch` (config.json's architectures[0]) is an encoder this engine can load."""
+    return arch in _ENCODER_ARCHITECTURES
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int  # rows of the position table
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str  # one of ENCODER_ACTIVATIONS
+    pad_token_id: int
+    # Position id of a sequence's first token: 0 for BERT; padding_idx + 1 for RoBERTa and
+    # XLM-RoBERTa (transformers' create_position_ids_from_input_ids on an unpadded sequence).
+    position_offset: int
+    torch_dtype: str | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the position table covers (514 - 2 = 512 for XLM-RoBERTa)."""
+        return self.max_position_embeddings - self.position_offset
+
+
+def load_encoder_config(model_dir: str | Path) -> EncoderConfig:
+    """The encoder config of the checkpoint in `model_dir` (transformers fills the fields its
+    config.json leaves at their defaults); ModelLoadError naming what is wrong."""
+    path = Path(model_dir)
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {config_file}: {e}") from e
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    arch = (
+        next((a for a in archs if isinstance(a, str) and is_encoder_architecture(a)), None)
+        if isinstance(archs, list)
+        else None
+    )
+    if arch is None:
+        raise ModelLoadError(
+            f"{config_file}: architecture {archs!r} is not an encoder; supported: "
+            f"{', '.join(_ENCODER_ARCHITECTURES)}"
+        )
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    # StrictDataclassError: transformers v5 checks each field's type (e.g. a string for an int).
+    except (OSError, ValueError, KeyError, StrictDataclassError) as e:
+        raise ModelLoadError(f"{config_file}: transformers cannot parse it: {e}") from e
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    return encoder_config_from_hf(hf, arch, path, dtype if isinstance(dtype, str) else None)
+
+
+def encoder_config_from_hf(hf: Any, arch: str, path: Path, torch_dtype: str | None = None) -> EncoderConfig:
+    """Check a transformers config of architecture `arch`: a value the Encoder cannot compute is
+    refused by name."""
+    where = path / "config.json"
+    kind = getattr(hf, "position_embedding_type", None) or "absolute"
+    if kind != "absolute":
+        raise ModelLoadError(
+            f"{where}: position_embedding_type {kind!r} is not supported (absolute position embeddings only)"
+        )
+    if getattr(hf, "is_decoder", False) or getattr(hf, "add_cross_attention", False):
+        raise ModelLoadError(f"{where}: {arch} configured as a decoder (is_decoder) is not an encoder")
+    act = getattr(hf, "hidden_act", None)
+    if act not in ENCODER_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{where}: hidden_act {act!r} is not supported; supported: {', '.join(ENCODER_ACTIVATIONS)}"
+        )
+    hidden, heads = _int(hf, "hidden_size", where), _int(hf, "num_attention_heads", where)
+    if hidden % heads:
+        raise ModelLoadError(
+            f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+        )
+    pad = getattr(hf, "pad_token_id", None)
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise ModelLoadError(f"{where}: pad_token_id must be a non-negative integer, got {pad!r}")
+    offset = pad + 1 if _ENCODER_ARCHITECTURES[arch] else 0
+    max_positions = _int(hf, "max_position_embeddings", where)
+    if max_positions <= offset:
+        raise ModelLoadError(
+            f"{where}: max_position_embeddings {max_positions} leaves no positions past padding_idx {pad}"
+        )
+    eps = getattr(hf, "layer_norm_eps", None)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
+        raise ModelLoadError(f"{where}: layer_norm_eps must be a positive number, got {eps!r}")
+    return EncoderConfig(
+        path=path,
+        architecture=arch,
+        vocab_size=_int(hf, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size", where),
+        num_layers=_int(hf, "num_hidden_layers", where),
+        num_heads=heads,
+        max_position_embeddings=max_positions,
+        type_vocab_size=_int(hf, "type_vocab_size", where),
+        layer_norm_eps=float(eps),
+        hidden_act=act,
+        pad_token_id=pad,
+        position_offset=offset,
+        torch_dtype=torch_dtype,
+    )
+
+
+def _int(hf: Any, name: str, where: Path) -> int:
+    value = getattr(hf, name, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,82 @@
+"""The runner of an encoder-only embedding model (BERT, RoBERTa, XLM-RoBERTa; --runner pooling): each
+scheduled prompt whole in one forward pass, attended both ways, pooled; no KV cache, no sampling."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from corral_engine.args import EngineArgs
+from corral_engine.core.scheduler import ScheduledSeq
+from corral_engine.lora import AdapterError, LoraRequest
+from corral_engine.model.config import ModelConfig
+from corral_engine.model.device import probe_cpu, select_device, select_dtype
+from corral_engine.model.encoder_loader import load_encoder
+from corral_engine.model.pooler import Pooler, PoolSpan
+
+logger = logging.getLogger(__name__)
+
+
+class EncoderRunner:
+    """Used by LLMEngine's pooling step like a ModelRunner. Its blocks are admission tokens only:
+    a prompt's blocks bound how many tokens a step holds and are freed when its vector is out
+    (the same step); they stand for no memory."""
+
+    fills_inputs_on_device = False
+
+    def __init__(self, config: ModelConfig, args: EngineArgs, max_model_len: int) -> None:
+        self.device = select_device(args.device)
+        self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype, probe_cpu())
+        _, self.model = load_encoder(config.path, self.dtype, self.device)
+        # A step's prompts whole: its token budget (at least one longest prompt) plus a part-filled
+        # last block for each sequence.
+        budget = max(args.max_num_batched_tokens, max_model_len)
+        self.num_kv_blocks = math.ceil(budget / args.block_size) + args.max_num_seqs
+        self.on_failure = None  # one process, no ranks to watch
+        logger.info(
+            "encoder %s on %s in %s (no KV cache; prompts run whole)",
+            config.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+        )
+
+    @torch.inference_mode()
+    def pool(self, scheduled: list[ScheduledSeq], pooler: Pooler) -> dict[int, torch.Tensor]:
+        """The pooled last hidden state ([H] float32) of each scheduled prompt, by seq id; the
+        scheduler gives an encoder's prompts whole (SchedulerConfig.can_chunk_prompts)."""
+        if not scheduled:
+            return {}
+        ids: list[int] = []
+        seq_lens: list[int] = []
+        spans: list[PoolSpan] = []
+        for s in scheduled:
+            prompt = s.seq.request.prompt_token_ids
+            if s.start != 0 or s.num_new_tokens != len(prompt):
+                raise RuntimeError(f"an encoder runs whole prompts, not {s.start}+{s.num_new_tokens}")
+            spans.append(PoolSpan(s.seq.seq_id, len(ids), len(ids) + len(prompt), 0, True))
+            ids.extend(prompt)
+            seq_lens.append(len(prompt))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        hidden = self.model(input_ids, seq_lens)  # [T, H]
+        return pooler.pool(hidden, spans)
+
+    def execute(self, scheduled: list[ScheduledSeq], fill: object = None) -> torch.Tensor:
+        """Never called: an encoder engine's steps pool (LLMEngine routes them to `pool`)."""
+        raise RuntimeError("an encoder embedding model computes no logits")
+
+    def release(self, seq_id: int) -> None:
+        """Nothing is kept for a sequence across steps."""
+
+    def add_lora(self, lora: LoraRequest) -> None:
+        raise AdapterError("an encoder embedding model takes no LoRA adapters")
+
+    def stage_lora(self, lora_id: int) -> None:
+        """No adapter is ever added."""
+
+    def remove_lora(self, lora_id: int) -> None:
+        """No adapter is ever added."""
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]

@@ -1,0 +1,114 @@
+"""Loading encoder checkpoints: which architectures are encoders, and what is refused, by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from corral_engine.errors import ModelLoadError
+from corral_engine.model.encoder_config import is_encoder_architecture, load_encoder_config
+from corral_engine.model.encoder_loader import load_encoder
+
+from tests.engine.encoder_checkpoints import edit_config, edit_tensors, save_hf_encoder
+
+
+@pytest.mark.parametrize(
+    ("arch", "expected"),
+    [
+        ("BertModel", True),
+        ("BertForMaskedLM", True),
+        ("RobertaModel", True),
+        ("XLMRobertaModel", True),
+        ("LlamaForCausalLM", False),
+        ("BertForSequenceClassification", False),
+        ("XLMRobertaForMaskedLM", False),
+    ],
+)
+def test_is_encoder_architecture(arch, expected):
+    assert is_encoder_architecture(arch) is expected
+
+
+def test_pooler_and_position_id_buffers_are_skipped(tmp_path):
+    save_hf_encoder(tmp_path, "BertModel")
+    edit_tensors(
+        tmp_path,
+        lambda t: {
+            **t,
+            "embeddings.position_ids": torch.arange(64)[None],  # saved by transformers before 4.31
+            "embeddings.token_type_ids": torch.zeros(1, 64, dtype=torch.long),
+        },
+    )
+    config, encoder = load_encoder(tmp_path, torch.float32, "cpu")
+    assert config.architecture == "BertModel"
+    assert not any("pooler" in name for name, _ in encoder.named_parameters())
+
+
+def test_unknown_tensor_is_refused_by_name(tmp_path):
+    save_hf_encoder(tmp_path, "BertModel")
+    edit_tensors(tmp_path, lambda t: {**t, "encoder.layer.0.attention.self.rotary.weight": torch.zeros(4)})
+    with pytest.raises(
+        ModelLoadError, match=r"unexpected tensor 'encoder\.layer\.0\.attention\.self\.rotary"
+    ):
+        load_encoder(tmp_path, torch.float32, "cpu")
+
+
+def test_tensor_of_a_layer_the_config_lacks_is_refused(tmp_path):
+    save_hf_encoder(tmp_path, "BertModel")
+    edit_config(tmp_path, num_hidden_layers=1)
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'encoder\.layer\.1\."):
+        load_encoder(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "encoder.layer.1.output.dense.bias",
+        "encoder.layer.0.attention.self.key.weight",
+        "embeddings.LayerNorm.weight",
+    ],
+)
+def test_missing_tensor_is_refused_by_name(tmp_path, missing):
+    save_hf_encoder(tmp_path, "BertModel")
+    edit_tensors(tmp_path, lambda t: {k: v for k, v in t.items() if k != missing})
+    with pytest.raises(ModelLoadError, match=f"checkpoint is missing tensors: {missing}$"):
+        load_encoder(tmp_path, torch.float32, "cpu")
+
+
+def test_wrong_shape_is_refused(tmp_path):
+    save_hf_encoder(tmp_path, "BertModel")
+    edit_config(tmp_path, intermediate_size=96)
+    with pytest.raises(
+        ModelLoadError, match=r"'encoder\.layer\.0\.intermediate\.dense\.(weight|bias)' has shape \(128"
+    ):
+        load_encoder(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["relative_key", "relative_key_query"])
+def test_relative_position_embeddings_are_refused(tmp_path, kind):
+    save_hf_encoder(tmp_path, "BertModel")
+    edit_config(tmp_path, position_embedding_type=kind)
+    with pytest.raises(ModelLoadError, match=f"position_embedding_type '{kind}' is not supported"):
+        load_encoder(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, r"architecture \['LlamaForCausalLM'\] is not an encoder"),
+        ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+        ({"is_decoder": True}, "configured as a decoder"),
+        (
+            {"max_position_embeddings": 2, "pad_token_id": 1, "architectures": ["RobertaModel"]},
+            "no positions",
+        ),
+    ],
+)
+def test_unsupported_configs_are_refused(tmp_path, fields, message):
+    save_hf_encoder(tmp_path, "BertModel")
+    edit_config(tmp_path, **fields)
+    with pytest.raises(ModelLoadError, match=message):
+        load_encoder_config(tmp_path)
+
+
+def test_no_config_is_a_load_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        load_encoder(tmp_path, torch.float32, "cpu")
