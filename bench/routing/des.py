@@ -7,7 +7,9 @@ headers of a response and count its first byte as its first token arrives, see a
 streams' chunks at each of its step ends that gives any request a token (`Replica.step_phase`),
 and hand queued requests out after each poll and each finished request. With LoRA (`FleetLora`), each
 poll also reads the replica's running and waiting adapters, and adapter requests are routed by the
-router's LoRA affinity (or, to measure it, without). Network and gateway latency are not
+router's LoRA affinity (or, to measure it, without). With `pooling` the replicas serve an embedding
+model: each request is prompt-only and ends, first byte and last, at the step that completes its
+prompt (`SimRequest.output_len` is not read). Network and gateway latency are not
 modelled (the gateway bench measures them). A run of minutes of fleet time takes seconds to a
 minute of CPU.
 """
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 
 from corral_engine.lora import LoraRequest
 from corral_engine.outputs import EngineStats
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim.embedding import SimPooling
 from corral_engine.sim.engine import NullTokenizer, SimEngine, SimStep
 from corral_engine.sim.lora_cost import LoraCost
 from corral_engine.sim.perf_model import Profile
@@ -89,18 +93,28 @@ class FleetSim:
         seed: int = 0,
         trace: bool = False,
         lora: FleetLora | None = None,
+        pooling: SimPooling | None = None,
     ) -> None:
         """`trace`: keep where each request's time to first token went (`tracer`), at some CPU.
-        `lora`: the replicas serve adapters (requests name theirs in `SimRequest.adapter`)."""
+        `lora`: the replicas serve adapters (requests name theirs in `SimRequest.adapter`).
+        `pooling`: the replicas serve this embedding model (--runner pooling)."""
         self.clock = _Clock()
         tokenizer = NullTokenizer()
         max_loras, cost = (lora.max_loras, lora.cost) if lora is not None else (0, None)
         self.engines = [
             SimEngine(
-                p, tokenizer, MODEL, clock=self.clock, is_lean=True, max_loras=max_loras, lora_cost=cost
+                p,
+                tokenizer,
+                MODEL,
+                clock=self.clock,
+                is_lean=True,
+                max_loras=max_loras,
+                lora_cost=cost,
+                pooling=pooling,
             )
             for p in profiles
         ]
+        self.is_pooling = pooling is not None  # its requests take PoolingParams
         self.urls = [f"http://replica-{i}" for i in range(len(profiles))]
         self._index = {url: i for i, url in enumerate(self.urls)}
         self.registry = Registry()
@@ -228,7 +242,11 @@ class FleetSim:
             step, now = self._steps[i], self.clock.now
             step_end_s = now if step is None else self._step_ends_s[i]
             self.tracer.on_dispatch(request.request_id, request.prompt, i, now, step, step_end_s)
-        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
+        params: SamplingParams | PoolingParams = (
+            PoolingParams()
+            if self.is_pooling
+            else SamplingParams(max_tokens=request.output_len, ignore_eos=True)
+        )
         lora = None if request.adapter is None else self._loras[request.adapter]
         engine = self.engines[i]
         engine.insert_request(engine.make_request(request.request_id, request.prompt, params, lora=lora))

@@ -147,8 +147,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PROFILE",
         help="serve a simulated engine instead of the model: the real scheduler and server, step times "
         "from PROFILE (h100-llama3-8b, h100-llama3-70b, a100-llama3-8b, a100-llama3-70b, "
-        "h100-llama3-8b-corral, or a fitted profile's JSON file); --model gives only the tokenizer; "
-        "no torch (docs/simulator.md)",
+        "h100-llama3-8b-corral, h100-bge-large (an embedding model: --runner pooling), or a fitted "
+        "profile's JSON file); --model gives only the tokenizer (and config.json with --runner "
+        "pooling); no torch (docs/simulator.md)",
     )
     parser.add_argument(
         "--replicas",

@@ -32,6 +32,7 @@ from corral_cli.flags import non_negative_float, port_number
 from corral_cli.heap import freeze_startup_heap
 from corral_cli.listen import cannot_listen, free_ports
 from corral_cli.local_adapters import AdapterFetchError, adapter_flags
+from corral_cli.up_banner import is_embedding_fleet, usage_text
 
 if TYPE_CHECKING:
     from corral_operator.local import LocalFleet
@@ -389,27 +390,6 @@ def _stop_engines(engines: list[_Engine], drain_timeout_s: float) -> None:
         engine.wait_or_kill(deadline_s)
 
 
-def usage_text(base_url: str, model: str) -> str:
-    """The ready-to-paste examples printed once the fleet is up."""
-    return f"""
-Corral is up: an OpenAI-compatible endpoint at {base_url}/v1 serving model "{model}".
-
-  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
-
-  python - <<'PY'
-from openai import OpenAI
-client = OpenAI(base_url="{base_url}/v1", api_key="unused")
-reply = client.chat.completions.create(
-    model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32
-)
-print(reply.choices[0].message.content)
-PY
-
-Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-C
-"""
-
-
 def _gateway_server(app: Any, host: str, port: int) -> Any:
     """The gateway's `DrainingServer`, as `corral gateway` runs it: the first Ctrl-C or SIGTERM
     drains (new requests 503, open ones get the app's drain timeout, then an error event), a
@@ -511,7 +491,11 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
         _route_aliases(app, _served_names(args))
         freeze_startup_heap()
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
-        asyncio.run(_serve_gateway(app, args.host, args.port, usage_text(base_url, name)))
+        asyncio.run(
+            _serve_gateway(
+                app, args.host, args.port, usage_text(base_url, name, is_embedding_fleet(fleet[name][0]))
+            )
+        )
         return 0
     except (KeyboardInterrupt, _Stop):
         return 0

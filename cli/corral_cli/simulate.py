@@ -14,6 +14,7 @@ from corral_engine.chat_template import load_chat_template
 from corral_engine.errors import ModelLoadError
 from corral_engine.lora import read_adapter_config, startup_adapters
 from corral_engine.settings import EngineSettings
+from corral_engine.sim.embedding import sim_pooling
 from corral_engine.sim.host import (
     ReplicaSpec,
     build_engines,
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSpec:
     """The profile named by --simulate, resized by any sizing flag given and quantized as
     --quantization or the checkpoint's quantization_config says (raises ValueError; ModelLoadError
-    for a quantization the engine refuses); a warning names the flags given that the profile
-    cannot honour."""
+    for a quantization or runner the engine refuses); a warning names the flags given that the
+    profile cannot honour. --runner pooling (or auto on an embedding checkpoint) serves embeddings."""
     model_dir = Path(engine_args.model)
     given = {name: getattr(args, name, None) for name in OPTIONS}
     if given.get("quantization") is None:
@@ -44,10 +45,14 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
     if ignored:
         log.warning("%s", _ignored_text(profile, ignored))
     profile = with_overrides(profile, given)
+    name = engine_args.served_model_name or parse_model_uri(engine_args.model).default_served_name
+    pooling = sim_pooling(model_dir, engine_args.runner, engine_args.pooler_config, name)
+    if pooling is not None and engine_args.enable_lora:
+        raise ModelLoadError("--runner pooling (an embedding model) does not take --enable-lora")
     return ReplicaSpec(
         profile,
         model_dir,
-        engine_args.served_model_name or parse_model_uri(engine_args.model).default_served_name,
+        name,
         enable_prefix_caching=engine_args.enable_prefix_caching,
         kv_policy=engine_args.kv_policy,
         max_waiting=engine_args.max_waiting,
@@ -56,6 +61,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         reasoning_parser=engine_args.reasoning_parser,
         stream_interval=engine_args.stream_interval,
         kv_cache_dtype=engine_args.kv_cache_dtype,
+        pooling=pooling,
         **_lora_fields(args, engine_args),
     )
 

@@ -10,6 +10,7 @@ import email.parser
 import email.policy
 import hashlib
 import json
+import math
 import zlib
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,6 +20,9 @@ _CHARS_PER_TOKEN = 4
 _DEFAULT_MAX_TOKENS = 16
 _MAX_PROMPT_DEPTH = 4
 _TEXT_FIELDS = ("content", "text", "arguments", "output")
+# Routes whose `input` is raw text or token ids, pooled into vectors: nothing is generated, and
+# the engine reads the text as a completions prompt (no chat template).
+POOLING_PATHS = frozenset({"/v1/embeddings", "/pooling"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,14 +34,20 @@ class RequestInfo:
     block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (when asked)
 
 
-def prompt_prefix(body: dict[str, Any], max_chars: int) -> str | None:
+def prompt_prefix(body: dict[str, Any], max_chars: int, is_pooling: bool = False) -> str | None:
     """The first `max_chars` characters of the prompt (completions), of the rendered messages
-    (chat), or of the instructions and input items (responses)."""
+    (chat), of the instructions and input items (responses), or of the input (`is_pooling`: an
+    embeddings body, read as a completions prompt: a batch by its first input)."""
+    if is_pooling:
+        return _prompt_prefix(body.get("input"), max_chars)
     if "messages" in body:
         return _messages_prefix(body["messages"], max_chars)
     if "input" in body and "prompt" not in body:
         return _messages_prefix(_response_messages(body), max_chars)
-    prompt = body.get("prompt")
+    return _prompt_prefix(body.get("prompt"), max_chars)
+
+
+def _prompt_prefix(prompt: Any, max_chars: int) -> str | None:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch routes by its first prompt
     if isinstance(prompt, str):
@@ -131,10 +141,13 @@ def block_hash_chain(prefix: str, block_chars: int, max_blocks: int) -> tuple[in
     return tuple(out)
 
 
-def _estimate_tokens(body: dict[str, Any]) -> int:
+def _estimate_tokens(body: dict[str, Any], is_pooling: bool = False) -> int:
     """The request's prompt tokens (from all of its text, not the routing prefix) plus the most it
     may generate: what a token-limited key is charged up front. A stream without `include_usage`
-    reports no usage to settle from, so this is all it is ever charged."""
+    reports no usage to settle from, so this is all it is ever charged. A pooling request
+    (`is_pooling`: embeddings) generates nothing: its inputs' tokens alone."""
+    if is_pooling:
+        return max(1, math.ceil(_num_tokens(body.get("input"))))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = _DEFAULT_MAX_TOKENS
@@ -173,10 +186,12 @@ def peek_request(
     num_blocks: int = 4,
     chain_blocks: int = 0,
     content_type: str | None = None,
+    path: str = "",
 ) -> RequestInfo:
     """Never raises: anything unreadable yields model=None and lets the engine answer. With
     `chain_blocks`, also the chained hashes of up to that many blocks (`block_hash_chain`).
-    Multipart bodies (vLLM's /v1/audio/*) are read for their `model` field only."""
+    Multipart bodies (vLLM's /v1/audio/*) are read for their `model` field only. `path`: the
+    route, which says how `input` reads (`POOLING_PATHS`)."""
     if content_type is not None and content_type.lower().startswith("multipart/form-data"):
         return RequestInfo(
             model=_form_model(raw, content_type), is_stream=False, prefix_hash=None, estimated_tokens=1
@@ -188,16 +203,17 @@ def peek_request(
     if not isinstance(body, dict):
         return RequestInfo(model=None, is_stream=False, prefix_hash=None, estimated_tokens=1)
     model = body.get("model")
-    prefix = prompt_prefix(body, block_chars * num_blocks)
+    is_pooling = path in POOLING_PATHS
+    prefix = prompt_prefix(body, block_chars * num_blocks, is_pooling)
     chain: tuple[int, ...] = ()
     if chain_blocks:
-        long_prefix = prompt_prefix(body, block_chars * chain_blocks)
+        long_prefix = prompt_prefix(body, block_chars * chain_blocks, is_pooling)
         chain = block_hash_chain(long_prefix, block_chars, chain_blocks) if long_prefix else ()
     return RequestInfo(
         model=model if isinstance(model, str) else None,
         is_stream=body.get("stream") is True,
         prefix_hash=None if prefix is None else block_prefix_hash(prefix, block_chars, num_blocks),
-        estimated_tokens=_estimate_tokens(body),
+        estimated_tokens=_estimate_tokens(body, is_pooling),
         block_hashes=chain,
     )
 

@@ -164,6 +164,7 @@ async def _admit(deps: ProxyDeps, request: Request, path: str, caller: _Caller, 
         settings.affinity_num_blocks,
         chain,
         request.headers.get("content-type"),
+        path,
     )
     info = await _off_loop(raw, peek)
     route = _route_model(deps.fleet, info.model)

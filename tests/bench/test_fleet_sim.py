@@ -7,9 +7,11 @@ import dataclasses
 import itertools
 from collections import Counter
 
+from corral_engine.pooling import EmbedSpec, PoolerConfig
+from corral_engine.sim.embedding import SimPooling
 from corral_engine.sim.perf_model import BUILTIN
 
-from bench.routing.des import FleetSim, GatewayModel
+from bench.routing.des import MODEL, FleetSim, GatewayModel
 from bench.routing.fleet_sim import merge_cells
 from bench.routing.sim_workloads import SimRequest, WorkloadSpec, build, reply_of
 from bench.routing.ttft_breakdown import breakdown, components
@@ -158,3 +160,20 @@ def test_merged_runs_keep_a_cell_per_profile() -> None:
     # A merged file keeps each cell's profile.
     again = merge_cells([{"cells": cells}])
     assert [c["profile"] for c in again] == ["h100-llama3-8b", "h100-llama3-8b-corral"]
+
+
+def test_a_fleet_of_embedding_replicas_replays_prompt_only_traffic() -> None:
+    """With `pooling`, each request ends at the step that completes its prompt: its first byte is
+    its last, no earlier than its prefill alone takes, and no output token is made."""
+    pooling = SimPooling(EmbedSpec(MODEL, "pooling", 4096), PoolerConfig())
+    requests = [SimRequest(f"r{i}", 0.01 * i, [1000 + i] * 300, output_len=99) for i in range(40)]
+    sim = FleetSim([PROFILE] * 2, GatewayModel("least-requests"), pooling=pooling)
+    outcomes = sim.run(requests)
+    assert len(outcomes) == 40
+    for o in outcomes.values():
+        assert o.first_token_s == o.finish_s and o.finish_s is not None
+        assert o.finish_s - o.arrival_s >= prefill_time_s(PROFILE, 300, 0) * (1 - 1e-9)
+    stats = [e.stats() for e in sim.engines]
+    assert sum(s.num_generation_tokens_total for s in stats) == 0
+    assert sum(s.num_prompt_tokens_total for s in stats) == 40 * 300
+    assert {o.replica for o in outcomes.values()} == {0, 1}

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
-from corral_cli import cmd_up, listen
+from corral_cli import cmd_up, listen, up_banner
 from corral_cli.cmd_engine import add_arguments as add_engine_arguments
 from corral_cli.cmd_engine import engine_args_from
 
@@ -130,3 +130,27 @@ def test_a_model_on_s3_is_fetched_from_the_files_endpoint(tmp_path: Path) -> Non
     assert parsed.model == "s3://bucket/tiny" and parsed.s3_endpoint == "http://127.0.0.1:9000"
     (plain, *_) = cmd_up._fleet(_args("-f", str(EXAMPLE), "--model-path", "/models/x"))["tiny-llama"]
     assert "--s3-endpoint" not in plain
+
+
+def test_the_embeddings_example_serves_with_the_pooling_runner(tmp_path: Path) -> None:
+    """examples/embeddings.yaml: its replicas get --runner pooling, and the banner shows
+    /v1/embeddings (its chat route would answer 400)."""
+    example = EXAMPLE.parent / "embeddings.yaml"
+    fleet = cmd_up._fleet(_args("-f", str(example), "--model-path", str(tmp_path)))
+    [(name, replicas)] = fleet.items()
+    assert name == "BAAI/bge-base-en-v1.5" and len(replicas) == 2
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    engine_args = engine_args_from(parser.parse_args(replicas[0]))
+    assert engine_args.runner == "pooling" and engine_args.max_model_len == 512
+    assert up_banner.is_embedding_fleet(replicas[0])
+    banner = up_banner.usage_text("http://127.0.0.1:9000", name, up_banner.is_embedding_fleet(replicas[0]))
+    assert "curl http://127.0.0.1:9000/v1/embeddings" in banner and "chat/completions" not in banner
+
+
+def test_runner_auto_embeds_where_the_checkpoint_names_an_embedding_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
+    assert up_banner.is_embedding_fleet(["--model", str(tmp_path)])
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert not up_banner.is_embedding_fleet(["--model", str(tmp_path)])
+    assert not up_banner.is_embedding_fleet(["--model", str(tmp_path / "missing")])

@@ -145,3 +145,34 @@ def test_a_responses_body_is_routed_and_charged_by_its_instructions_and_input() 
     assert same_head.prefix_hash == info.prefix_hash  # the instructions fill the routing window
     text = peek_request(json.dumps({"model": "m", "input": "hello " * 100}).encode())
     assert text.prefix_hash is not None
+
+
+def test_an_embeddings_body_is_charged_its_inputs_only() -> None:
+    """/v1/embeddings generates nothing: no default max_tokens per input is charged (a batch of 64
+    short texts was charged 64 x 16 output tokens on top of its ~80 prompt tokens)."""
+    texts = ["a short sentence to embed"] * 64  # 25 characters: ~6 tokens each
+    body = json.dumps({"model": "m", "input": texts}).encode()
+    info = peek_request(body, path="/v1/embeddings")
+    assert 64 * 6 <= info.estimated_tokens <= 64 * 7
+    ids = json.dumps({"model": "m", "input": [[1, 2, 3], [4, 5]]}).encode()
+    assert peek_request(ids, path="/v1/embeddings").estimated_tokens == 5
+    one = json.dumps({"model": "m", "input": "hi"}).encode()
+    assert peek_request(one, path="/v1/embeddings").estimated_tokens == 1
+    assert peek_request(body).estimated_tokens > 64 * 16  # elsewhere `input` may generate
+
+
+def test_an_embeddings_batch_routes_by_its_first_input_as_a_completions_prompt() -> None:
+    """Prefix affinity for /v1/embeddings reads `input` as the engine does (raw text, no chat
+    template): a batch, text or token ids, hashes as a completions prompt of its first item."""
+    doc = "shared document head " * 20
+
+    def peek(given: object, path: str = "/v1/embeddings") -> object:
+        return peek_request(json.dumps({"model": "m", "input": given}).encode(), 64, 4, 8, path=path)
+
+    batch, single = peek([doc + "one", "other text"]), peek(doc + "two")
+    assert batch.prefix_hash is not None and batch.prefix_hash == single.prefix_hash  # type: ignore[attr-defined]
+    completion = peek_request(json.dumps({"model": "m", "prompt": doc}).encode(), 64, 4, 8)
+    assert single.block_hashes == completion.block_hashes != ()  # type: ignore[attr-defined]
+    ids = peek([list(range(300)), [1, 2]])
+    assert ids.prefix_hash is not None and ids.block_hashes  # type: ignore[attr-defined]
+    assert peek([doc, doc], path="/v1/responses").prefix_hash is None  # type: ignore[attr-defined]

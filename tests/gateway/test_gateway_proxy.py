@@ -417,6 +417,20 @@ async def test_a_request_that_is_not_served_costs_no_tokens(tmp_path: Path) -> N
         assert (await client.post("/v1/completions", json=body, headers=auth)).status_code == 503
 
 
+async def test_an_embeddings_request_is_charged_its_inputs_not_output_tokens(tmp_path: Path) -> None:
+    """/v1/embeddings generates nothing: a batch of 40 short inputs (50 tokens) was charged 40
+    default outputs of 16 tokens too (691), over a 200-token key's whole minute, until the response's
+    usage settled it (here: never, as a replica that reports none), so parallel batches got 429s."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: sk-a\n    tokens_per_minute: 200\n")
+    auth = {"authorization": "Bearer sk-a"}
+    body = {"model": "m", "input": ["hello"] * 40}  # 50 tokens: four fit in the minute
+    async with fleet([FakeEngine()], api_keys_file=keys) as (client, _):
+        for _ in range(4):
+            assert (await client.post("/v1/embeddings", json=body, headers=auth)).status_code == 200
+        assert (await client.post("/v1/embeddings", json=body, headers=auth)).status_code == 429
+
+
 async def _answer_to_a_partial_upload(client: httpx.AsyncClient, head: str) -> bytes:
     """The status line the gateway answers a POST with whose body has only begun to arrive (the
     rest never comes): a gateway waiting for the whole body never answers."""

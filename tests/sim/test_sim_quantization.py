@@ -73,6 +73,7 @@ def test_without_quantization_the_builtin_figures_are_unchanged() -> None:
         "a100-llama3-8b": 25650,
         "a100-llama3-70b": 26361,
         "h100-llama3-8b-corral": 26855,
+        "h100-bge-large": 43985,
     }
     r = Roofline(H100, LLAMA3_8B)
     flops = 2 * 8.03e9 * 4096 + 4 * 32 * 32 * 128 * PREFILL.num_attn_pairs

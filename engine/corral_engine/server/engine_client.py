@@ -5,8 +5,9 @@ request's outputs handed to a callback as they arrive, instead of read from its 
 server streams through it where it is there (`GenerationRun.listen`); and
 `end_open_streams(error)` (`StreamFront.end_open_streams`), which a drain calls when its grace
 period ends, so open streams close with an error event and `[DONE]` rather than being cut.
-The model's own engines also say which runner serves it (`EmbeddingEngine`: generate, or pooling
-with its vectors' size); one that does not (the simulator) generates (`runner_of`)."""
+The model's own engines and simulated replicas also say which runner serves it (`EmbeddingEngine`:
+generate, or pooling with its vectors' size); one that does not (a test's fake) generates
+(`runner_of`)."""
 
 from __future__ import annotations
 

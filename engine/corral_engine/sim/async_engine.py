@@ -22,6 +22,7 @@ from corral_engine.core.sequence import Request
 from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.lora import LoraRequest, read_adapter_config
 from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.sim.engine import Prompt, SimEngine
 from corral_engine.stream_front import StreamFront
@@ -43,6 +44,8 @@ class AsyncSimEngine(StreamFront):
         self.tokenizer: Any = engine.tokenizer
         self.served_model_name = engine.served_model_name
         self.max_model_len = engine.max_model_len
+        self.runner = engine.runner  # the server's `EmbeddingEngine`: generate, or pooling
+        self.embedding_size = engine.embedding_size
         self.max_waiting = max_waiting
         self.max_lora_rank = max_lora_rank
         self._adds: deque[Request] = deque()
@@ -75,7 +78,7 @@ class AsyncSimEngine(StreamFront):
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         in_group: bool = False,
         lora: LoraRequest | None = None,

@@ -4,7 +4,9 @@ output processor; a step's duration comes from a step-time model and its tokens 
 A step is split in two so the caller decides how time passes: `begin_step` schedules and says how
 long the batch would take on the profile's GPU; `finish_step` commits it (tokens computed, one token
 sampled per sequence that reached its end, stop rules, outputs). The asyncio front sleeps between
-the two; the fleet benchmark advances a virtual clock instead.
+the two; the fleet benchmark advances a virtual clock instead. An embedding model's replica
+(`pooling`) runs prompts only and ends each request, once its prompt is computed, with a
+pseudo-vector (`sim/embedding.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from corral_engine.errors import InvalidRequestError
 from corral_engine.lora import LoraRequest
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies, TokenLogprob
+from corral_engine.pooling_params import PoolingParams
 from corral_engine.request_builder import RequestBuilder
 from corral_engine.sampling_params import SamplingParams
+from corral_engine.sim.embedding import SimPooling
 from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.logprobs import synthetic_logprob
 from corral_engine.sim.lora_cost import LoraCost
@@ -56,6 +60,7 @@ class SimEngine:
         max_loras: int = 0,
         lora_cost: LoraCost | None = None,
         cache_dtype: str = "auto",
+        pooling: SimPooling | None = None,
     ) -> None:
         """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
         `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
@@ -64,7 +69,8 @@ class SimEngine:
         of replicas sharing this tokenizer (this engine's own when not given). `max_loras`: as the
         engine's --max-loras with --enable-lora (0: LoRA off). `lora_cost`: what adapters add to a step
         (slot loads, their products); None: nothing. `cache_dtype`: the engine's --kv-cache-dtype, as
-        vllm:cache_config_info labels it (`with_overrides` sized the profile's KV cache for it)."""
+        vllm:cache_config_info labels it (`with_overrides` sized the profile's KV cache for it).
+        `pooling`: an embedding model's (--runner pooling); None: the replica generates."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -75,15 +81,36 @@ class SimEngine:
         self.vocab_size = int(getattr(tokenizer, "vocab_size", 1 << 31))
         self.grammars = grammars or SimGrammars(tokenizer, self.vocab_size, eos_token_ids)
         self.special_ids = frozenset(eos_token_ids) | _special_ids(tokenizer)  # no logprob alternative
-        self.block_manager = BlockManager(profile.num_kv_blocks, profile.block_size, enable_prefix_caching)
+        self.pooling = pooling
+        self.runner = "generate" if pooling is None else "pooling"
+        self.embedding_size = 0 if pooling is None else pooling.embed.embedding_size
+        # As the engine's: an encoder has no prefix cache and admits prompts only whole (the step
+        # budget raised to the context length); MEAN and CLS pooling read every position.
+        is_whole = pooling is not None and pooling.is_encoder
+        can_cache = pooling is None or (not is_whole and pooling.pooler.pooling_type == "LAST")
+        self.block_manager = BlockManager(
+            profile.num_kv_blocks, profile.block_size, enable_prefix_caching and can_cache
+        )
+        budget = max(profile.max_num_batched_tokens, profile.max_model_len if is_whole else 0)
         self.scheduler = Scheduler(
-            SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens, kv_policy, max_loras),  # type: ignore[arg-type]
+            SchedulerConfig(
+                profile.max_num_seqs,
+                budget,
+                kv_policy,  # type: ignore[arg-type]
+                max_loras,
+                can_chunk_prompts=not is_whole,
+            ),
             self.block_manager,
         )
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids, self.max_model_len, stream_interval)
         self._requests = RequestBuilder(
-            tokenizer, self.max_model_len, self.vocab_size, self.block_manager, self.grammars
+            tokenizer,
+            self.max_model_len,
+            self.vocab_size,
+            self.block_manager,
+            self.grammars,
+            None if pooling is None else pooling.embed,
         )
         self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
         self._stats = EngineStats(
@@ -105,7 +132,7 @@ class SimEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
     ) -> Request:
@@ -127,7 +154,7 @@ class SimEngine:
             self.output_processor.add(request)
         self.scheduler.add(request)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams) -> Request:
         request = self.make_request(request_id, prompt, params)
         self.insert_request(request)
         return request
@@ -187,6 +214,7 @@ class SimEngine:
         now = self.clock()
         self.last_step_latencies = StepLatencies()
         touched: dict[str, dict[int, int]] = {}
+        pooled: list[RequestOutput] = []
         for s in step.scheduled.scheduled:
             seq = s.seq
             if seq.is_finished:
@@ -194,10 +222,12 @@ class SimEngine:
             self._score_prompt(s)
             seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_computed(seq)
-            if s.samples:
+            if s.samples and seq.request.pooling is not None:
+                pooled.append(self._pool(seq, now))
+            elif s.samples:
                 self._append_token(seq, now, touched)
         self._stats.num_steps_total += 1
-        outputs = []
+        outputs = pooled
         for request_id, counts in touched.items():
             request = self.requests[request_id]
             if self.is_lean:
@@ -245,6 +275,23 @@ class SimEngine:
             self.scheduler.finish(seq)
         if seq.is_finished and request.metrics.children is not None:
             request.metrics.children[seq.index].finished_time = now  # a child request's own end
+
+    def _pool(self, seq: Sequence, now: float) -> RequestOutput:
+        """A pooling request whose prompt is now computed ends with its vector (finish reason
+        "stop", as the engine's `PoolingStep` ends it; a lean engine makes none: timing only)."""
+        request = seq.request
+        params, pooling = request.pooling, self.pooling
+        seq.finish_reason = "stop"
+        self.scheduler.finish(seq)
+        self._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
+        request.metrics.first_token_time = request.metrics.last_token_time = now
+        vector = None
+        if not self.is_lean and params is not None and pooling is not None:
+            vector = pooling.vector(request.prompt_token_ids, params)
+        output = RequestOutput(
+            request.request_id, request.prompt_token_ids, [], True, request.metrics, embedding=vector
+        )
+        return self._finish(request, output)
 
     def _score_prompt(self, scheduled: ScheduledSeq) -> None:
         """prompt_logprobs for the prompt positions this chunk computes, as the engine scores them."""

@@ -18,6 +18,7 @@ from corral_engine.errors import ModelLoadError
 from corral_engine.http_limits import uvicorn_options
 from corral_engine.lora import AdapterRegistry, LoraRequest
 from corral_engine.sim.async_engine import AsyncSimEngine
+from corral_engine.sim.embedding import SimPooling
 from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.perf_model import Profile, Roofline, quantized, with_kv_cache_dtype
@@ -148,6 +149,7 @@ class ReplicaSpec:
     max_lora_rank: int = 16  # as --max-lora-rank
     adapters: tuple[LoraRequest, ...] = ()  # as --lora-modules (configs checked by the caller)
     allow_runtime_lora_updating: bool = False  # as --allow-runtime-lora-updating
+    pooling: SimPooling | None = None  # an embedding model's, as --runner pooling serves it
 
 
 def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
@@ -168,6 +170,7 @@ def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
             grammars=grammars,
             max_loras=spec.max_loras,
             cache_dtype=spec.kv_cache_dtype,
+            pooling=spec.pooling,
         )
         engines.append(AsyncSimEngine(core, spec.max_waiting, spec.max_lora_rank))
     return engines

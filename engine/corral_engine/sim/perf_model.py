@@ -236,6 +236,8 @@ class Profile:
 # Embeddings: untied input embedding and lm_head, 128,256 x hidden each.
 LLAMA3_8B = ModelShape(8.03e9, 32, 4096, 32, 8, 128, embedding_params=2 * 128_256 * 4096)
 LLAMA3_70B = ModelShape(70.6e9, 80, 8192, 64, 8, 128, embedding_params=2 * 128_256 * 8192)
+# BGE-large-en-v1.5 (BERT-large): an encoder embedding model; its word, position and type embeddings.
+BGE_LARGE = ModelShape(335e6, 24, 1024, 16, 16, 64, embedding_params=(30_522 + 512 + 2) * 1024)
 H100 = Gpu("H100-SXM-80GB", 989e12, 3.35e12, 80e9, compute_capability=(9, 0))
 A100 = Gpu("A100-SXM-80GB", 312e12, 2.039e12, 80e9, link_bandwidth_bytes_s=300e9, compute_capability=(8, 0))
 
@@ -295,6 +297,8 @@ BUILTIN = {
         _roofline_profile("h100-llama3-70b", H100, LLAMA3_70B, 4),
         _roofline_profile("a100-llama3-8b", A100, LLAMA3_8B, 1),
         _roofline_profile("a100-llama3-70b", A100, LLAMA3_70B, 4),
+        # An embedding model, for --runner pooling: 512 positions; many short inputs a step.
+        dataclasses.replace(_roofline_profile("h100-bge-large", H100, BGE_LARGE, 1), max_model_len=512),
         Profile(
             "h100-llama3-8b-corral",
             H100_LLAMA3_8B_CORRAL,
