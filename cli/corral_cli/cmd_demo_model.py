@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --embedding, name the base-model class in config.json (Qwen3Model), which "
         "--runner auto serves as an embedding model",
     )
+    parser.add_argument(
+        "--reranker",
+        action="store_true",
+        help="with --arch bert or xlm-roberta: write a reranker (a cross-encoder, as "
+        "cross-encoder/ms-marco-MiniLM-L-6-v2 and bge-reranker ship: *ForSequenceClassification with "
+        "one label) instead of an embedding model; served with --runner pooling on /v1/score and /v1/rerank",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument(
         "--lora-adapter",
@@ -87,6 +94,13 @@ def run(args: argparse.Namespace) -> int:
         return _write_adapter(args)
     if args.arch in _ENCODER_ARCHS:
         return _write_encoder(args)
+    if args.reranker:
+        log.error(
+            "--reranker: a reranker is an encoder (--arch %s), not --arch %s",
+            " or ".join(_ENCODER_ARCHS),
+            args.arch,
+        )
+        return 2
     from corral_engine.demo_model import write_demo_model
 
     try:
@@ -120,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_encoder(args: argparse.Namespace) -> int:
-    """The tiny encoder embedding checkpoint (the options for decoders' weights do not apply)."""
+    """The tiny encoder checkpoint, an embedding model or a reranker (the options for decoders'
+    weights do not apply)."""
     refused = [
         flag
         for flag, is_set in (
@@ -138,11 +153,12 @@ def _write_encoder(args: argparse.Namespace) -> int:
     from corral_engine.demo_encoder import write_demo_encoder
 
     try:
-        out = write_demo_encoder(args.dir, arch=args.arch, seed=args.seed)
+        out = write_demo_encoder(args.dir, arch=args.arch, seed=args.seed, is_reranker=args.reranker)
     except OSError as e:
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
-    log.info("wrote tiny encoder checkpoint (%s, seed %d) to %s", args.arch, args.seed, out)
+    what = "reranker" if args.reranker else "encoder"
+    log.info("wrote tiny %s checkpoint (%s, seed %d) to %s", what, args.arch, args.seed, out)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Write random-weight encoder embedding checkpoints (BERT, XLM-RoBERTa) in the sentence-transformers
-layout, with a tokenizer trained locally on the demo corpus; nothing is downloaded, and the same
+"""Write random-weight encoder checkpoints (BERT, XLM-RoBERTa): embedding models in the
+sentence-transformers layout, or rerankers (cross-encoders: a one-label sequence-classification
+head), with a tokenizer trained locally on the demo corpus; nothing is downloaded, and the same
 seed writes the same files."""
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ from typing import Any
 
 from corral_engine.demo_encoder_tokenizer import encoder_tokenizer_config, train_encoder_tokenizer
 
-__all__ = ["ENCODER_ARCHITECTURES", "encoder_config_dict", "write_demo_encoder"]
+__all__ = ["ENCODER_ARCHITECTURES", "RERANKER_ARCHITECTURES", "encoder_config_dict", "write_demo_encoder"]
 
 ENCODER_ARCHITECTURES = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
+# The cross-encoder class of each (as cross-encoder/ms-marco-MiniLM-L-6-v2 and bge-reranker ship).
+RERANKER_ARCHITECTURES = {
+    "bert": "BertForSequenceClassification",
+    "xlm-roberta": "XLMRobertaForSequenceClassification",
+}
 # The tiny preset: for tests; float32 so the engine's hidden states can match transformers'.
 _HIDDEN, _LAYERS, _HEADS, _INTERMEDIATE, _VOCAB = 64, 2, 4, 128, 1024
 _INITIALIZER_RANGE = 0.2
@@ -82,16 +88,19 @@ def _sentence_transformers_files(out: pathlib.Path, arch: str) -> None:
     )
 
 
-def _write_weights(out: pathlib.Path, arch: str, seed: int) -> dict[str, Any]:
-    """Draw every parameter of transformers' model (pooler included, as hub checkpoints hold it) in
-    sorted-name order from one seeded generator and save them as model.safetensors; config.json's dict."""
+def _write_weights(out: pathlib.Path, arch: str, seed: int, is_reranker: bool) -> dict[str, Any]:
+    """Draw every parameter of transformers' model (pooler included, as hub checkpoints hold it; a
+    reranker's classifier with one label) in sorted-name order from one seeded generator and save
+    them as model.safetensors; config.json's dict."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    model_class = getattr(transformers, ENCODER_ARCHITECTURES[arch])
-    config = model_class.config_class(**encoder_config_dict(arch))
-    config.architectures = [ENCODER_ARCHITECTURES[arch]]
+    class_name = (RERANKER_ARCHITECTURES if is_reranker else ENCODER_ARCHITECTURES)[arch]
+    model_class = getattr(transformers, class_name)
+    extra = {"num_labels": 1} if is_reranker else {}
+    config = model_class.config_class(**encoder_config_dict(arch), **extra)
+    config.architectures = [class_name]
     with torch.device("meta"):
         model = model_class(config)
     gen = torch.Generator().manual_seed(seed)
@@ -109,10 +118,12 @@ def _write_weights(out: pathlib.Path, arch: str, seed: int) -> dict[str, Any]:
     return config_json
 
 
-def write_demo_encoder(out_dir: str | os.PathLike[str], arch: str = "bert", seed: int = 0) -> pathlib.Path:
+def write_demo_encoder(
+    out_dir: str | os.PathLike[str], arch: str = "bert", seed: int = 0, is_reranker: bool = False
+) -> pathlib.Path:
     """Write the tiny random-weight `arch` encoder to `out_dir` and return its path: config.json,
-    model.safetensors, tokenizer.json, tokenizer_config.json (BERT: vocab.txt too) and the
-    sentence-transformers files."""
+    model.safetensors, tokenizer.json, tokenizer_config.json (BERT: vocab.txt too) and, for an
+    embedding model, the sentence-transformers files (`is_reranker`: a cross-encoder instead)."""
     if arch not in ENCODER_ARCHITECTURES:
         raise ValueError(f"unknown encoder arch {arch!r}; supported: {', '.join(ENCODER_ARCHITECTURES)}")
     out = pathlib.Path(out_dir)
@@ -125,6 +136,7 @@ def write_demo_encoder(out_dir: str | os.PathLike[str], arch: str = "bert", seed
     if arch == "bert":  # BERT checkpoints carry the WordPiece vocabulary as text too
         vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
         (out / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab), encoding="utf-8")
-    _write_json(out / "config.json", _write_weights(out, arch, seed))
-    _sentence_transformers_files(out, arch)
+    _write_json(out / "config.json", _write_weights(out, arch, seed, is_reranker))
+    if not is_reranker:  # a cross-encoder has no pooling modules: its head reads the first token
+        _sentence_transformers_files(out, arch)
     return out

@@ -83,6 +83,7 @@ class LLMEngine:
             self.model_config.hidden_size if self.pooler_config is not None else 0,
             self.model_config.is_matryoshka,
             self.model_config.matryoshka_dimensions,
+            num_labels=self.model_config.num_labels,
         )
         self.embedding_size = self.embed.embedding_size  # the vectors' length; 0 when generating
         runner_args = args.replace(runner=self.runner_type)  # what the model runner builds for

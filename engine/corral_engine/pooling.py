@@ -11,7 +11,7 @@ from typing import Any, Literal, cast
 
 from corral_engine.errors import InvalidRequestError, ModelLoadError
 from corral_engine.options import ArgumentError
-from corral_engine.pooling_params import PoolingParams
+from corral_engine.pooling_params import PoolingParams, PoolingTask
 from corral_engine.sampling_params import SamplingParams
 
 Runner = Literal["generate", "pooling"]
@@ -156,20 +156,44 @@ class EmbedSpec:
     embedding_size: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    num_labels: int = 0  # a cross-encoder's classifier outputs; 0: not a classifier
+
+    @property
+    def task(self) -> PoolingTask | None:
+        """What a pooling engine's requests ask for (None: a generating engine)."""
+        if self.runner != "pooling":
+            return None
+        return "classify" if self.num_labels else "embed"
 
     def check(self, params: SamplingParams | PoolingParams) -> None:
-        """InvalidRequestError for params of the other runner, or dimensions the model refuses."""
+        """InvalidRequestError for params of the other runner or task, or dimensions the model refuses."""
         if isinstance(params, PoolingParams) != (self.runner == "pooling"):
             if self.runner == "pooling":
                 raise InvalidRequestError(
-                    f"{self.model_name} is served with --runner pooling (an embedding model): it does "
-                    "not generate text; use /v1/embeddings"
+                    f"{self.model_name} is served with --runner pooling ({self.describe()}): it does "
+                    f"not generate text; use {self.routes()}"
                 )
             raise InvalidRequestError(
-                f"{self.model_name} is served with --runner generate: it does not compute embeddings"
+                f"{self.model_name} is served with --runner generate: it does not compute embeddings "
+                "or scores"
             )
-        if isinstance(params, PoolingParams) and params.dimensions is not None:
+        if not isinstance(params, PoolingParams):
+            return
+        if params.task != self.task:
+            raise InvalidRequestError(
+                f"{self.model_name} is {self.describe()}: it does not serve {params.task} requests; "
+                f"use {self.routes()}"
+            )
+        if params.dimensions is not None:
             self._check_dimensions(params.dimensions)
+
+    def describe(self) -> str:
+        """What a pooling engine serves, in words."""
+        return "a classification model (a cross-encoder)" if self.num_labels else "an embedding model"
+
+    def routes(self) -> str:
+        """The routes that serve this pooling engine's task."""
+        return "/v1/score or /v1/rerank" if self.num_labels else "/v1/embeddings"
 
     def _check_dimensions(self, dimensions: int) -> None:
         if not self.is_matryoshka:

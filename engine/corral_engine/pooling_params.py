@@ -1,15 +1,24 @@
-"""A pooling (embedding) request's parameters: what `add_request` takes in place of SamplingParams
-on an engine served with --runner pooling, as vLLM v1 does (light; no torch)."""
+"""A pooling request's parameters (an embedding, or a cross-encoder's score): what `add_request`
+takes in place of SamplingParams on an engine served with --runner pooling, as vLLM v1 does
+(light; no torch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+PoolingTask = Literal["embed", "classify"]
 
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
-    """`dimensions`: keep the vector's first N values, then normalize again (matryoshka models
-    only); `normalize`: scale to unit length (None: the model's pooler config decides)."""
+    """`task`: "embed" (a vector) or "classify" (a classifier model's outputs: the sigmoid score
+    for one label, else the softmax over labels). `dimensions`: keep the vector's first N values,
+    then normalize again (matryoshka models only); `normalize`: scale to unit length (None: the
+    model's pooler config decides). `second_segment_start`: a sentence pair's token types,
+    compressed as vLLM does: type 1 from this prompt position on, 0 before (None: all 0)."""
 
+    task: PoolingTask = "embed"
     dimensions: int | None = None
     normalize: bool | None = None
+    second_segment_start: int | None = None

@@ -1,5 +1,6 @@
 """An embedding engine's half of `LLMEngine` (--runner pooling): the runner chosen at start-up with
-what it refuses, and the step that runs prompt chunks and ends each request with its vector."""
+what it refuses, and the step that runs prompt chunks and ends each request with its vector (a
+cross-encoder's: its scores)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from corral_engine.core.scheduler import SchedulerOutput
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.encoder_runner import EncoderRunner
-from corral_engine.model.pooler import Pooler, finish_vector
+from corral_engine.model.pooler import Pooler, classifier_scores, finish_vector
 from corral_engine.model.runner import ModelRunner
 from corral_engine.outputs import RequestOutput
 from corral_engine.pooling import PoolerConfig, Runner, choose_runner, resolve_pooler
@@ -36,7 +37,8 @@ def choose_runner_for(args: EngineArgs, config: ModelConfig) -> tuple[Runner, Po
         if config.is_base_model or is_encoder:
             what = "an encoder" if is_encoder else "a base model without an LM head"
             raise ModelLoadError(
-                f"{config.declared_architectures[0]} is {what}: it serves embeddings only (--runner pooling)"
+                f"{config.declared_architectures[0]} is {what}: it serves "
+                f"{'scores' if config.num_labels else 'embeddings'} only (--runner pooling)"
             )
         return runner, None
     flags = (
@@ -50,6 +52,12 @@ def choose_runner_for(args: EngineArgs, config: ModelConfig) -> tuple[Runner, Po
         raise ModelLoadError(f"--runner pooling (an embedding model) does not take {', '.join(refused)}")
     # Without sentence-transformers files an encoder pools its first token ([CLS]), as vLLM's BERT.
     pooler = resolve_pooler(config.path, args.pooler_config, "CLS" if is_encoder else "LAST")
+    if config.num_labels:  # its head reads the first token whatever the pooler says
+        logger.info(
+            "runner: pooling (a cross-encoder: %d classifier output(s), /v1/score and /v1/rerank)",
+            config.num_labels,
+        )
+        return runner, pooler
     logger.info(
         "runner: pooling (embeddings of %d values; %s pooling, %s)",
         config.hidden_size,
@@ -103,9 +111,14 @@ class PoolingStep:
             engine._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
             request.metrics.first_token_time = request.metrics.last_token_time = now
             normalize = request.pooling.normalize
-            embedding = finish_vector(
-                vector, self.config.normalize if normalize is None else normalize, request.pooling.dimensions
-            )
+            if request.pooling.task == "classify":  # the runner gave the classifier's logits
+                embedding = classifier_scores(vector)
+            else:
+                embedding = finish_vector(
+                    vector,
+                    self.config.normalize if normalize is None else normalize,
+                    request.pooling.dimensions,
+                )
             output = RequestOutput(
                 request.request_id, request.prompt_token_ids, [], True, request.metrics, embedding=embedding
             )

@@ -7,8 +7,11 @@ import re
 from corral_gateway.runtime_adapters import LOAD_PATH, UNLOAD_PATH
 
 PROXY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # POST only: other methods 405
-# vLLM's POST routes outside /v1, forwarded like /v1's (the body's `model` picks the replicas).
-VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank"})
+# vLLM's POST routes outside /v1, forwarded like /v1's (the body's `model` picks the replicas);
+# /v2/rerank is its rerank for Cohere's clients.
+VLLM_PATHS = frozenset(
+    {"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2/rerank"}
+)
 # vLLM's runtime LoRA routes: answered by the gateway, which sends them to every replica of a pool.
 ADAPTER_PATHS = frozenset({LOAD_PATH, UNLOAD_PATH})
 

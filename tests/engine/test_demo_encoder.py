@@ -1,5 +1,6 @@
-"""`corral demo-model --arch bert|xlm-roberta`: tiny encoder checkpoints transformers loads, with a
-local tokenizer adding the model's special tokens, in the sentence-transformers layout."""
+"""`corral demo-model --arch bert|xlm-roberta [--reranker]`: tiny encoder checkpoints transformers
+loads, with a local tokenizer adding the model's special tokens, in the sentence-transformers layout
+(a reranker: one-label *ForSequenceClassification)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pathlib
 
 import pytest
 from corral_cli.main import main as corral_main
-from corral_engine.demo_encoder import ENCODER_ARCHITECTURES
+from corral_engine.demo_encoder import ENCODER_ARCHITECTURES, RERANKER_ARCHITECTURES
 from corral_engine.demo_encoder_tokenizer import train_encoder_tokenizer
-from transformers import AutoConfig, AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 # (cls, sep, pad, unk, mask) ids: BERT's WordPiece specials first; XLM-RoBERTa's <s> <pad> </s>
 # <unk> first and <mask> last, as the real vocabularies have them.
@@ -95,4 +96,20 @@ def test_same_seed_writes_the_same_files(cli_dirs, tmp_path):
 def test_cli_refuses_decoder_only_options(tmp_path, caplog, flags):
     assert corral_main(["demo-model", str(tmp_path / "x"), "--arch", "bert", "--quiet", *flags]) == 2
     assert "not supported" in caplog.text
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch", list(RERANKER_ARCHITECTURES))
+def test_cli_writes_a_one_label_reranker_transformers_loads(tmp_path, arch):
+    assert corral_main(["demo-model", str(tmp_path), "--arch", arch, "--reranker", "--quiet"]) == 0
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert type(model).__name__ == RERANKER_ARCHITECTURES[arch] and model.config.num_labels == 1
+    assert not (tmp_path / "modules.json").exists()  # no pooling modules: the head reads the first token
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert model(**tok("a query", "a document", return_tensors="pt")).logits.shape == (1, 1)
+
+
+def test_cli_refuses_a_decoder_reranker(tmp_path, caplog):
+    assert corral_main(["demo-model", str(tmp_path / "x"), "--arch", "llama", "--reranker", "--quiet"]) == 2
+    assert "a reranker is an encoder" in caplog.text
     assert not (tmp_path / "x").exists()

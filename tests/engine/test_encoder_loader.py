@@ -19,8 +19,10 @@ from tests.engine.encoder_checkpoints import edit_config, edit_tensors, save_hf_
         ("RobertaModel", True),
         ("XLMRobertaModel", True),
         ("LlamaForCausalLM", False),
-        ("BertForSequenceClassification", False),
+        ("BertForSequenceClassification", True),  # a reranker (cross-encoder)
+        ("XLMRobertaForSequenceClassification", True),
         ("XLMRobertaForMaskedLM", False),
+        ("Qwen2ForSequenceClassification", False),
     ],
 )
 def test_is_encoder_architecture(arch, expected):

@@ -64,6 +64,7 @@ class FakeEngine:
                 Route("/health", self.health),
                 Route("/v1/models", self.models),
                 Route("/tokenize", self.echo, methods=["POST"]),
+                *(Route(path, self.echo, methods=["POST"]) for path in ("/score", "/rerank", "/v2/rerank")),
                 Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
                 Route("/v1/{rest:path}", self.echo, methods=["POST"]),

@@ -65,3 +65,14 @@ async def test_dot_segments_never_reach_a_replica_route_outside_v1() -> None:
         assert engine.bodies == []
         r = await client.post("/v1/audio/speech.v2", json={"model": "m"})  # dots inside a name are fine
         assert r.status_code == 200 and r.json()["path"] == "/v1/audio/speech.v2"
+
+
+async def test_score_and_rerank_paths_reach_the_models_replicas() -> None:
+    """vLLM's score and rerank routes, Cohere's /v2/rerank among them, go to the body's model."""
+    engine = FakeEngine(name="a")
+    async with fleet([engine]) as (client, _):
+        for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"):
+            r = await client.post(path, json={"model": "m", "query": "q", "documents": ["d"]})
+            assert r.status_code == 200, (path, r.text)
+            assert r.json()["path"] == path and r.json()["replica"] == "a"
+        assert (await client.post("/v2/other", json={"model": "m"})).status_code == 404

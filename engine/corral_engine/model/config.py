@@ -80,6 +80,11 @@ class ModelConfig:
     encoder: EncoderConfig | None = None
 
     @property
+    def num_labels(self) -> int:
+        """A cross-encoder's classifier outputs (config.json's id2label); 0 for any other model."""
+        return 0 if self.encoder is None else self.encoder.num_labels
+
+    @property
     def is_base_model(self) -> bool:
         """Whether the checkpoint is a base model without an LM head (`Qwen2Model`): embeddings only."""
         return any(is_embedding_architecture(a) for a in self.declared_architectures)

@@ -1,5 +1,6 @@
 """The BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa) over ragged batches: token embeddings to
-last hidden states, each sequence attending to all of its own tokens and no other's (no KV cache)."""
+last hidden states, each sequence attending to all of its own tokens and no other's (no KV cache);
+and the sequence-classification head of a cross-encoder (reranker) on each sequence's first token."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ _MAX_SCORE_ELEMENTS = 1 << 26
 
 
 class Encoder(nn.Module):
-    """Embeddings (word + position + token type 0, LayerNorm), then post-LN transformer layers."""
+    """Embeddings (word + position + token type, LayerNorm), then post-LN transformer layers; a
+    classifier checkpoint's head in `classifier` (None for an embedding model)."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -26,16 +28,20 @@ class Encoder(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.classifier = SequenceClassifier(config) if config.num_labels else None
 
-    def forward(self, input_ids: Tensor, seq_lens: list[int]) -> Tensor:
-        """input_ids [T] (the sequences concatenated, unpadded), seq_lens their lengths -> [T, H]."""
+    def forward(self, input_ids: Tensor, seq_lens: list[int], token_type_ids: Tensor | None = None) -> Tensor:
+        """input_ids [T] (the sequences concatenated, unpadded), seq_lens their lengths, each token's
+        type [T] (None: all 0, one sentence per input) -> [T, H]."""
         positions = self.positions(seq_lens, input_ids.device)  # [T]
         if positions.shape[0] != input_ids.shape[0]:
             raise ValueError(
                 f"seq_lens add up to {positions.shape[0]} tokens, input_ids has {input_ids.shape[0]}"
             )
-        # Every token's type is 0 (one sentence per input), added in transformers' order.
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]  # [T, H]
+        if token_type_ids is None:  # added in transformers' order: word, token type, position
+            x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]  # [T, H]
+        else:
+            x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # [T, H]
         x = x + self.position_embeddings(positions)  # [T, H]
         x = self.embed_norm(x)  # [T, H]
         groups = attention_groups(seq_lens, self.config.num_heads, input_ids.device)
@@ -57,6 +63,21 @@ class Encoder(nn.Module):
         total = int(sum(seq_lens))
         index = torch.arange(total, device=device) - torch.repeat_interleave(starts, lens)  # [T]
         return index + self.config.position_offset  # [T]
+
+
+class SequenceClassifier(nn.Module):
+    """A cross-encoder's head on a sequence's first token: dense + tanh, then `num_labels` logits.
+    BERT's pooler then classifier, and RoBERTa's classifier.dense then out_proj, are this math
+    (their dropouts are off at inference)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, first_rows: Tensor) -> Tensor:
+        """first_rows [S, H] (each sequence's first token's hidden state) -> logits [S, num_labels]."""
+        return self.out(torch.tanh(self.dense(first_rows)))
 
 
 class EncoderLayer(nn.Module):

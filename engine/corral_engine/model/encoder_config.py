@@ -1,5 +1,5 @@
-"""What an encoder-only embedding model (BERT, RoBERTa, XLM-RoBERTa) needs from config.json,
-checked once at load time."""
+"""What an encoder-only model (BERT, RoBERTa, XLM-RoBERTa; embeddings, or a sequence-classification
+head as rerankers have) needs from config.json, checked once at load time."""
 
 from __future__ import annotations
 
@@ -16,10 +16,19 @@ _ENCODER_ARCHITECTURES = {
     "BertForMaskedLM": False,  # its MLM head (cls.*) is not loaded
     "RobertaModel": True,
     "XLMRobertaModel": True,
+    # Cross-encoders (rerankers): the encoder, then a classification head on the first token.
+    "BertForSequenceClassification": False,
+    "RobertaForSequenceClassification": True,
+    "XLMRobertaForSequenceClassification": True,
 }
 SUPPORTED_ENCODERS = tuple(_ENCODER_ARCHITECTURES)
 # transformers' ACT2FN names: erf GELU, and the tanh approximation under both of its names.
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+
+
+def is_classifier_architecture(arch: str) -> bool:
+    """Whether `arch` carries a sequence-classification head (served for scores, not embeddings)."""
+    return arch.endswith("ForSequenceClassification")
 
 
 def is_encoder_architecture(arch: str) -> bool:
@@ -45,6 +54,8 @@ class EncoderConfig:
     # XLM-RoBERTa (transformers' create_position_ids_from_input_ids on an unpadded sequence).
     position_offset: int
     torch_dtype: str | None
+    # Outputs of the sequence-classification head (config.json's id2label); 0: no head (embeddings).
+    num_labels: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -136,6 +147,7 @@ def encoder_config_from_hf(hf: Any, arch: str, path: Path, torch_dtype: str | No
         pad_token_id=pad,
         position_offset=offset,
         torch_dtype=torch_dtype,
+        num_labels=_int(hf, "num_labels", where) if is_classifier_architecture(arch) else 0,
     )
 
 

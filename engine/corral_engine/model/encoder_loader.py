@@ -15,9 +15,32 @@ from corral_engine.model.loader import checkpoint_files, iter_tensors
 
 # Where a head model (BertForMaskedLM) or an older save keeps the encoder's tensors.
 _PREFIXES = ("bert.", "roberta.")
-# Not part of the encoder: the pooler head (sentence-transformers pools the hidden states itself),
-# BertForMaskedLM's prediction head, and buffers older transformers versions saved.
+# Not part of an embedding model: the pooler head (sentence-transformers pools the hidden states
+# itself), BertForMaskedLM's prediction head, and buffers older transformers versions saved.
 _SKIPPED_PREFIXES = ("pooler.", "cls.")
+# A classifier's head (Encoder.classifier): BERT's pooler and classifier; RoBERTa's (and
+# XLM-RoBERTa's) classifier, whose pooler, where a checkpoint holds one, is unused as in transformers.
+_BERT_HEAD = {
+    "pooler.dense.weight": "classifier.dense.weight",
+    "pooler.dense.bias": "classifier.dense.bias",
+    "classifier.weight": "classifier.out.weight",
+    "classifier.bias": "classifier.out.bias",
+}
+_ROBERTA_HEAD = {
+    "classifier.dense.weight": "classifier.dense.weight",
+    "classifier.dense.bias": "classifier.dense.bias",
+    "classifier.out_proj.weight": "classifier.out.weight",
+    "classifier.out_proj.bias": "classifier.out.bias",
+}
+
+
+def head_names(config: EncoderConfig) -> dict[str, str]:
+    """The classification head's checkpoint names -> the Encoder's (empty without a head)."""
+    if not config.num_labels:
+        return {}
+    return _BERT_HEAD if config.architecture.startswith("Bert") else _ROBERTA_HEAD
+
+
 _SKIPPED_NAMES = ("embeddings.position_ids", "embeddings.token_type_ids")
 _EMBEDDINGS = {
     "embeddings.word_embeddings.weight": "word_embeddings.weight",
@@ -51,9 +74,18 @@ def load_encoder(
     model = model.to(dtype).to_empty(device=device).eval()  # uninitialised: the checkpoint fills all
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    head = head_names(config)
+
+    def is_read(name: str) -> bool | None:
+        """iter_tensors' slicer: False for the tensors never loaded (not read from the file)."""
+        stripped = _strip_prefix(name)
+        if stripped in head:
+            return None
+        return False if stripped.startswith(_SKIPPED_PREFIXES) or stripped in _SKIPPED_NAMES else None
+
     with torch.no_grad():
-        for name, tensor in iter_tensors(checkpoint_files(config.path), _is_read):
-            found = encoder_target(name)
+        for name, tensor in iter_tensors(checkpoint_files(config.path), is_read):
+            found = encoder_target(name, head)
             param = None if found is None else params.get(found[0])
             if found is None or param is None:
                 raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
@@ -70,25 +102,22 @@ def load_encoder(
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(
-            f"checkpoint is missing tensors: {', '.join(_checkpoint_name(n) for n in missing[:8])}"
+            f"checkpoint is missing tensors: {', '.join(_checkpoint_name(n, head) for n in missing[:8])}"
         )
     return config, model
-
-
-def _is_read(name: str) -> bool | None:
-    """iter_tensors' slicer: False for the tensors never loaded (not read from the file)."""
-    stripped = _strip_prefix(name)
-    return False if stripped.startswith(_SKIPPED_PREFIXES) or stripped in _SKIPPED_NAMES else None
 
 
 def _strip_prefix(name: str) -> str:
     return next((name.removeprefix(p) for p in _PREFIXES if name.startswith(p)), name)
 
 
-def encoder_target(name: str) -> tuple[str, int | None] | None:
+def encoder_target(name: str, head: dict[str, str] | None = None) -> tuple[str, int | None] | None:
     """Checkpoint tensor `name` -> (the Encoder parameter it fills, its third of the fused qkv
-    rows or None); None for a name no BERT-family checkpoint holds."""
+    rows or None); None for a name no BERT-family checkpoint holds. `head`: a classifier's head
+    names (`head_names`)."""
     stripped = _strip_prefix(name)
+    if head and stripped in head:
+        return head[stripped], None
     # Checkpoints from before transformers renamed them hold LayerNorm.gamma / LayerNorm.beta.
     if stripped.endswith(".LayerNorm.gamma"):
         stripped = stripped.removesuffix("gamma") + "weight"
@@ -103,10 +132,13 @@ def encoder_target(name: str) -> tuple[str, int | None] | None:
     return f"layers.{match['layer']}.{module}.{match['kind']}", third
 
 
-def _checkpoint_name(key: str) -> str:
+def _checkpoint_name(key: str, head: dict[str, str]) -> str:
     """A missing Encoder key as the checkpoint would name it (what a user can look for)."""
     target, _, third = key.partition(":")
     for name, ours in _EMBEDDINGS.items():
+        if ours == target:
+            return name
+    for name, ours in head.items():
         if ours == target:
             return name
     _, layer, module, kind = target.split(".")

@@ -1,5 +1,6 @@
-"""The runner of an encoder-only embedding model (BERT, RoBERTa, XLM-RoBERTa; --runner pooling): each
-scheduled prompt whole in one forward pass, attended both ways, pooled; no KV cache, no sampling."""
+"""The runner of an encoder-only model (BERT, RoBERTa, XLM-RoBERTa; --runner pooling): each scheduled
+prompt whole in one forward pass, attended both ways, pooled (or a cross-encoder's classifier
+applied); no KV cache, no sampling."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from corral_engine.model.config import ModelConfig
 from corral_engine.model.device import probe_cpu, select_device, select_dtype
 from corral_engine.model.encoder_loader import load_encoder
 from corral_engine.model.pooler import Pooler, PoolSpan
+from corral_engine.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +46,31 @@ class EncoderRunner:
 
     @torch.inference_mode()
     def pool(self, scheduled: list[ScheduledSeq], pooler: Pooler) -> dict[int, torch.Tensor]:
-        """The pooled last hidden state ([H] float32) of each scheduled prompt, by seq id; the
-        scheduler gives an encoder's prompts whole (SchedulerConfig.can_chunk_prompts)."""
+        """Each scheduled prompt's pooled last hidden state ([H] float32), or a classifier's logits
+        ([num_labels] float32, from its first token), by seq id; the scheduler gives an encoder's
+        prompts whole (SchedulerConfig.can_chunk_prompts)."""
         if not scheduled:
             return {}
         ids: list[int] = []
+        types: list[int] = []
         seq_lens: list[int] = []
         spans: list[PoolSpan] = []
         for s in scheduled:
-            prompt = s.seq.request.prompt_token_ids
+            request = s.seq.request
+            prompt = request.prompt_token_ids
             if s.start != 0 or s.num_new_tokens != len(prompt):
                 raise RuntimeError(f"an encoder runs whole prompts, not {s.start}+{s.num_new_tokens}")
             spans.append(PoolSpan(s.seq.seq_id, len(ids), len(ids) + len(prompt), 0, True))
             ids.extend(prompt)
             seq_lens.append(len(prompt))
+            types.extend(_token_types(request.pooling, len(prompt), self.model.config.type_vocab_size))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids, seq_lens)  # [T, H]
-        return pooler.pool(hidden, spans)
+        token_types = torch.tensor(types, dtype=torch.long, device=self.device) if any(types) else None
+        hidden = self.model(input_ids, seq_lens, token_types)  # [T, H]
+        if self.model.classifier is None:
+            return pooler.pool(hidden, spans)
+        logits = self.model.classifier(hidden[[span.row_start for span in spans]]).float()  # [S, labels]
+        return {span.seq_id: row for span, row in zip(spans, logits, strict=True)}
 
     def execute(self, scheduled: list[ScheduledSeq], fill: object = None) -> torch.Tensor:
         """Never called: an encoder engine's steps pool (LLMEngine routes them to `pool`)."""
@@ -80,3 +90,13 @@ class EncoderRunner:
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
+
+
+def _token_types(params: PoolingParams | None, num_tokens: int, type_vocab_size: int) -> list[int]:
+    """A prompt's token type ids: 1 from its pair's second segment on, where the model has a
+    second type (RoBERTa and XLM-RoBERTa have one: all 0, as their tokenizers give)."""
+    start = None if params is None else params.second_segment_start
+    if start is None or type_vocab_size < 2:
+        return [0] * num_tokens
+    start = min(max(start, 0), num_tokens)
+    return [0] * start + [1] * (num_tokens - start)

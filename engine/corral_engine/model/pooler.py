@@ -1,5 +1,6 @@
 """Hidden states -> embeddings (--runner pooling): each sequence's rows pooled by last token, mean
-or CLS, across prefill chunks, then truncated (matryoshka) and normalized.
+or CLS, across prefill chunks, then truncated (matryoshka) and normalized; a cross-encoder's
+logits -> its scores.
 
 `Pooler.pool` takes hidden rows and per-sequence spans only, so any forward pass that yields
 [T, hidden] rows feeds it: the paged causal decoder chunk by chunk, or an encoder's whole prompts.
@@ -76,3 +77,10 @@ def finish_vector(vector: torch.Tensor, normalize: bool, dimensions: int | None)
     if normalize:
         vector = F.normalize(vector, p=2, dim=-1)
     return [float(x) for x in vector.tolist()]
+
+
+def classifier_scores(logits: torch.Tensor) -> list[float]:
+    """A cross-encoder's outputs as vLLM's score and sentence-transformers' CrossEncoder give them:
+    the sigmoid of a single label's logit (a relevance score in (0, 1)), else softmax over labels."""
+    scores = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+    return [float(x) for x in scores.tolist()]

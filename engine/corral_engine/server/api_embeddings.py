@@ -17,7 +17,7 @@ from corral_engine.pooling_params import PoolingParams
 from corral_engine.server import errors
 from corral_engine.server.api_models import TokenId, _Request
 from corral_engine.server.context import ServerContext, new_id, now_s
-from corral_engine.server.engine_client import runner_of
+from corral_engine.server.engine_client import num_labels_of, runner_of
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
 from corral_engine.server.request_fields import check_fields
 
@@ -67,11 +67,15 @@ class EmbeddingRequest(_Request):
 
 
 def refuse_generation(ctx: ServerContext, api: str) -> None:
-    """On an embedding engine, the generation routes are a 400 saying what it serves instead."""
+    """On a pooling engine, the generation routes are a 400 saying what it serves instead."""
     if runner_of(ctx.engine) == "pooling":
+        if num_labels_of(ctx.engine):
+            what, routes = "a cross-encoder (classification) model", "/v1/score or /v1/rerank"
+        else:
+            what, routes = "an embedding model", "/v1/embeddings"
         raise errors.invalid_request(
-            f"The model {ctx.model_name} does not support the {api} API: it is an embedding model "
-            "(--runner pooling); use /v1/embeddings."
+            f"The model {ctx.model_name} does not support the {api} API: it is {what} "
+            f"(--runner pooling); use {routes}."
         )
 
 
@@ -128,6 +132,12 @@ async def create_embedding(ctx: ServerContext, request: Request) -> Response:
         raise errors.invalid_request(
             f"The model {ctx.model_name} does not support the Embeddings API: it generates text "
             "(--runner generate); serve an embedding model with --runner pooling.",
+            "model",
+        )
+    if num_labels_of(ctx.engine):
+        raise errors.invalid_request(
+            f"The model {ctx.model_name} does not support the Embeddings API: it is a cross-encoder "
+            "(classification) model; use /v1/score or /v1/rerank.",
             "model",
         )
     prompts = await _tokenize(ctx, req)

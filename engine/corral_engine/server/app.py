@@ -19,6 +19,7 @@ from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
 from corral_engine.lora import AdapterRegistry
 from corral_engine.server import errors, tokens
 from corral_engine.server.api_embeddings import create_embedding, refuse_generation
+from corral_engine.server.api_score import create_rerank, create_score
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
 from corral_engine.server.context import ServerContext
@@ -193,6 +194,17 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/embeddings", embeddings, methods=["POST"])
+
+    async def score(request: Request) -> Response:
+        return await create_score(ctx, request)
+
+    async def rerank(request: Request) -> Response:
+        return await create_rerank(ctx, request)
+
+    for path in ("/v1/score", "/score"):  # vLLM serves both
+        app.add_route(path, score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # /v2: Cohere's clients' path
+        app.add_route(path, rerank, methods=["POST"])
 
     async def responses(request: Request) -> Response:
         refuse_generation(ctx, "Responses")

@@ -61,5 +61,10 @@ def runner_of(engine: object) -> str:
     return str(getattr(engine, "runner", "generate"))
 
 
+def num_labels_of(engine: object) -> int:
+    """A cross-encoder's classifier outputs (its `embed` spec's); 0 for any other engine."""
+    return int(getattr(getattr(engine, "embed", None), "num_labels", 0))
+
+
 class ListeningEngine(Protocol):
     def listen(self, request_id: str, listener: Callable[[RequestOutput | BaseException], None]) -> bool: ...

@@ -62,7 +62,8 @@ class Collected:
 
 class GenerationRun:
     """The engine requests of one HTTP request: one per prompt, each with params.n sequences (an
-    embeddings request's: one per input, with PoolingParams)."""
+    embeddings request's: one per input, with PoolingParams; a score request's: one per pair, each
+    with its own PoolingParams, its token types)."""
 
     def __init__(
         self,
@@ -71,7 +72,7 @@ class GenerationRun:
         in_flight: InFlight,
         request_id: str,
         prompts: list[list[int]],
-        params: SamplingParams | PoolingParams,
+        params: SamplingParams | PoolingParams | list[PoolingParams],
         lora: LoraRequest | None = None,
     ) -> None:
         self.engine = engine
@@ -95,7 +96,8 @@ class GenerationRun:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self._add(engine_id, prompt, params, in_group=i > 0)
+                prompt_params = params[i] if isinstance(params, list) else params
+                self._add(engine_id, prompt, prompt_params, in_group=i > 0)
         except BaseException:
             self.abort_unfinished()
             self._closed = True

@@ -33,6 +33,9 @@ REJECTION_REASON_BY_STATUS: dict[int, RejectionReason] = {
     503: "unavailable",
 }
 
+# vLLM's score and rerank routes outside /v1: requests of the model, with ids and access lines too.
+_SCORE_PATHS = frozenset({"/score", "/rerank", "/v2/rerank"})
+
 
 class ServerMiddleware:
     def __init__(self, app: ASGIApp, ctx: ServerContext) -> None:
@@ -66,7 +69,7 @@ class ServerMiddleware:
         started = False
         path: str = scope["path"]
         record = None
-        is_api = path.startswith("/v1/")
+        is_api = path.startswith("/v1/") or path in _SCORE_PATHS
         if is_api:
             server = scope.get("server")  # (address, port) of the socket it came in on
             record = access.begin(Headers(scope=scope), scope["method"], path, self.ctx.model_name, server)

@@ -1,0 +1,189 @@
+"""POST /v1/score and /v1/rerank (and vLLM's /score, /rerank, /v2/rerank) on a real cross-encoder
+engine, through httpx (the openai client has no such calls): 1:1, 1:N and N:N pairs scored as
+transformers scores them, rerank's order, top_n and return_documents, the engine core in its own
+process; OpenAI-shaped errors; the routes refused on embedding and generating engines, and the
+embeddings and generation routes on a reranker."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from corral_engine import AsyncEngine, EngineArgs, EngineCoreClient
+from corral_engine.demo_encoder import write_demo_encoder
+from corral_engine.server import create_app
+from corral_engine.settings import EngineSettings
+
+MODEL = "reranker"
+TOLERANCE = 2e-5
+QUERY = "what is the capital of france"
+DOCS = [
+    "the quick brown fox jumps over the lazy dog",
+    "paris is the capital of france",
+    "a",
+    "berlin is well known for its museums and its long history",
+]
+
+
+@pytest.fixture(scope="module")
+def rerankers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("rerankers")
+    return {
+        arch: write_demo_encoder(root / arch / MODEL, arch=arch, is_reranker=True)
+        for arch in ("bert", "xlm-roberta")
+    }
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    model_dir: pathlib.Path, in_own_process: bool = False, **args: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    engine_args = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=64, **args)
+    engine: AsyncEngine | EngineCoreClient
+    if in_own_process:
+        engine = EngineCoreClient(engine_args, settings=EngineSettings(engine_process="1"))
+    else:
+        engine = AsyncEngine(engine_args)
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            yield http
+
+
+def _reference(model_dir: pathlib.Path, pairs: list[tuple[str, str]]) -> list[float]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [
+            float(torch.sigmoid(model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0])) for a, b in pairs
+        ]
+
+
+def _scores(body: dict[str, Any]) -> list[float]:
+    assert body["object"] == "list" and body["id"].startswith("score-")
+    assert [d["index"] for d in body["data"]] == list(range(len(body["data"])))
+    assert all(d["object"] == "score" for d in body["data"])
+    return [d["score"] for d in body["data"]]
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+async def test_score_pairs_one_to_one_one_to_many_and_many_to_many(
+    rerankers: dict[str, pathlib.Path], arch: str
+) -> None:
+    model_dir = rerankers[arch]
+    expected = _reference(model_dir, [(QUERY, d) for d in DOCS])
+    async with serve(model_dir) as http:
+        one = await http.post("/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCS[1]})
+        assert one.status_code == 200, one.text
+        assert _scores(one.json()) == pytest.approx([expected[1]], abs=TOLERANCE)
+        assert one.json()["model"] == MODEL and one.json()["usage"]["prompt_tokens"] > 0
+        many = await http.post("/score", json={"model": MODEL, "text_1": [QUERY], "text_2": DOCS})
+        assert many.status_code == 200, many.text
+        assert _scores(many.json()) == pytest.approx(expected, abs=TOLERANCE)
+        firsts = [QUERY, "b", QUERY, "c"]
+        n_to_n = await http.post("/v1/score", json={"model": MODEL, "text_1": firsts, "text_2": DOCS})
+        assert n_to_n.status_code == 200, n_to_n.text
+        assert _scores(n_to_n.json()) == pytest.approx(
+            _reference(model_dir, list(zip(firsts, DOCS, strict=True))), abs=TOLERANCE
+        )
+
+
+async def test_rerank_orders_by_relevance_with_top_n_and_documents(
+    rerankers: dict[str, pathlib.Path],
+) -> None:
+    model_dir = rerankers["bert"]
+    expected = _reference(model_dir, [(QUERY, d) for d in DOCS])
+    order = sorted(range(len(DOCS)), key=lambda i: -expected[i])
+    async with serve(model_dir) as http:
+        resp = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": DOCS})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["id"].startswith("rerank-") and body["model"] == MODEL
+        assert body["usage"]["total_tokens"] > 0
+        assert [r["index"] for r in body["results"]] == order
+        for r in body["results"]:
+            assert r["document"] == {"text": DOCS[r["index"]]}
+            assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=TOLERANCE)
+        for path in ("/rerank", "/v2/rerank"):
+            top = await http.post(
+                path,
+                json={
+                    "model": MODEL,
+                    "query": QUERY,
+                    "documents": DOCS,
+                    "top_n": 2,
+                    "return_documents": False,
+                },
+            )
+            assert top.status_code == 200, top.text
+            assert [r["index"] for r in top.json()["results"]] == order[:2]
+            assert all("document" not in r for r in top.json()["results"])
+
+
+async def test_the_engine_core_in_its_own_process_scores(rerankers: dict[str, pathlib.Path]) -> None:
+    model_dir = rerankers["bert"]
+    expected = _reference(model_dir, [(QUERY, d) for d in DOCS])
+    async with serve(model_dir, in_own_process=True) as http:
+        resp = await http.post("/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCS})
+        assert resp.status_code == 200, resp.text
+        assert _scores(resp.json()) == pytest.approx(expected, abs=TOLERANCE)
+
+
+def _error(resp: httpx.Response, status: int, param: str | None, text: str) -> None:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert text in error["message"]
+
+
+async def test_errors_are_openai_shaped(rerankers: dict[str, pathlib.Path]) -> None:
+    long_text = " ".join(["capital"] * 80)
+    async with serve(rerankers["bert"]) as http:
+        empty = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": []})
+        _error(empty, 400, "documents", "At least one text_pair element")
+        uneven = await http.post("/v1/score", json={"model": MODEL, "text_1": ["a", "b"], "text_2": DOCS})
+        _error(uneven, 400, "text_1", "1:1, 1:N or N:N")
+        too_long = await http.post(
+            "/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": ["a", long_text]}
+        )
+        _error(too_long, 400, "documents.1", "maximum context length is 64 tokens")
+        cut = await http.post(
+            "/v1/rerank",
+            json={
+                "model": MODEL,
+                "query": QUERY,
+                "documents": ["a", long_text],
+                "truncate_prompt_tokens": -1,
+            },
+        )
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["usage"]["total_tokens"] <= 2 * 64  # the long pair cut to the context
+        raw = await http.post(
+            "/v1/score", json={"model": MODEL, "text_1": "a", "text_2": "b", "use_activation": False}
+        )
+        _error(raw, 400, "use_activation", "`use_activation` is not supported")
+        embed = await http.post("/v1/embeddings", json={"model": MODEL, "input": "hello"})
+        _error(embed, 400, "model", "cross-encoder")
+        chat = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hello"})
+        _error(chat, 400, None, "/v1/score or /v1/rerank")
+
+
+async def test_embedding_and_generating_engines_refuse_scores(
+    tmp_path: pathlib.Path, tiny_model_dirs: dict[str, pathlib.Path]
+) -> None:
+    embedder = write_demo_encoder(tmp_path / "embedder", arch="bert")
+    for model_dir, what in ((embedder, "an embedding model"), (tiny_model_dirs["qwen3"], "text generation")):
+        async with serve(model_dir, num_kv_blocks=64) as http:
+            name = (await http.get("/v1/models")).json()["data"][0]["id"]
+            score = await http.post("/v1/score", json={"model": name, "text_1": "a", "text_2": "b"})
+            _error(score, 400, "model", what)
+            rerank = await http.post("/rerank", json={"model": name, "query": "a", "documents": ["b"]})
+            _error(rerank, 400, "model", what)
