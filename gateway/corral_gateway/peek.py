@@ -23,6 +23,8 @@ _TEXT_FIELDS = ("content", "text", "arguments", "output")
 # Routes whose `input` is raw text or token ids, pooled into vectors: nothing is generated, and
 # the engine reads the text as a completions prompt (no chat template).
 POOLING_PATHS = frozenset({"/v1/embeddings", "/pooling"})
+# vLLM's cross-encoder routes: pairs of texts scored, nothing generated.
+SCORING_PATHS = frozenset({"/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,16 @@ def block_hash_chain(prefix: str, block_chars: int, max_blocks: int) -> tuple[in
     return tuple(out)
 
 
+def _pair_tokens(body: dict[str, Any]) -> int:
+    """A score or rerank body's tokens: each pair holds both of its texts, so the one query (or the
+    one first text of a 1:N score) counts once per document."""
+    first = body.get("query", body.get("text_1"))
+    second = body.get("documents", body.get("text_2"))
+    num_second = len(second) if isinstance(second, list) else 1
+    num_first = num_second if not isinstance(first, list) else 1
+    return max(1, math.ceil(num_first * _num_tokens(first) + _num_tokens(second)))
+
+
 def _estimate_tokens(body: dict[str, Any], is_pooling: bool = False) -> int:
     """The request's prompt tokens (from all of its text, not the routing prefix) plus the most it
     may generate: what a token-limited key is charged up front. A stream without `include_usage`
@@ -204,6 +216,13 @@ def peek_request(
         return RequestInfo(model=None, is_stream=False, prefix_hash=None, estimated_tokens=1)
     model = body.get("model")
     is_pooling = path in POOLING_PATHS
+    if path in SCORING_PATHS:  # no prompt to route by, nothing generated
+        return RequestInfo(
+            model=model if isinstance(model, str) else None,
+            is_stream=False,
+            prefix_hash=None,
+            estimated_tokens=_pair_tokens(body),
+        )
     prefix = prompt_prefix(body, block_chars * num_blocks, is_pooling)
     chain: tuple[int, ...] = ()
     if chain_blocks:

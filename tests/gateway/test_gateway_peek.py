@@ -176,3 +176,18 @@ def test_an_embeddings_batch_routes_by_its_first_input_as_a_completions_prompt()
     ids = peek([list(range(300)), [1, 2]])
     assert ids.prefix_hash is not None and ids.block_hashes  # type: ignore[attr-defined]
     assert peek([doc, doc], path="/v1/responses").prefix_hash is None  # type: ignore[attr-defined]
+
+
+def test_a_score_or_rerank_body_is_charged_both_texts_of_every_pair() -> None:
+    """A rerank of 10 documents of ~40 tokens by a ~10-token query scores 10 pairs of ~50 tokens;
+    was: 17 tokens whatever the body (no prompt found, plus the default max_tokens)."""
+    query, document = "q" * 40, "d" * 160
+    rerank = json.dumps({"model": "r", "query": query, "documents": [document] * 10}).encode()
+    info = peek_request(rerank, path="/v1/rerank")
+    assert info.model == "r" and info.prefix_hash is None
+    assert info.estimated_tokens == 10 * (10 + 40)
+    one_to_many = json.dumps({"model": "r", "text_1": query, "text_2": [document] * 4}).encode()
+    assert peek_request(one_to_many, path="/v1/score").estimated_tokens == 4 * (10 + 40)
+    pairs = json.dumps({"model": "r", "text_1": [query] * 3, "text_2": [document] * 3}).encode()
+    assert peek_request(pairs, path="/score").estimated_tokens == 3 * (10 + 40)
+    assert peek_request(b'{"model": "r"}', path="/v2/rerank").estimated_tokens == 1
