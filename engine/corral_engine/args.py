@@ -3,19 +3,19 @@ each engine option (light; no torch).
 
 Every `EngineArgs` field carries an `Option`: its help, bounds, CLI flag, CRD field and vLLM
 equivalent. `corral engine`'s flags, the CRD's `spec.engine.args`, the operator's command lines
-for both engine kinds and the docs' flag table are all derived from these declarations.
+for both engine kinds and the docs' flag table are all derived from these declarations (read into
+an option_table.py:OptionTable, which also checks the values).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from corral_engine.field_types import WrongType, checker, describe, got
 from corral_engine.lora import parse_lora_module
+from corral_engine.option_table import OptionTable
 from corral_engine.options import (
     BYTES_PATTERN,
     ArgumentError,
@@ -25,7 +25,6 @@ from corral_engine.options import (
     Vllm,
     broken_rule,
     parse_bytes,
-    scalar_type,
 )
 from corral_engine.pooling import parse_pooler_config
 
@@ -391,24 +390,10 @@ class EngineArgs:
         object a str), so a wrong type is refused here, naming the option, not deep in the engine."""
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
-        for name, check in _CHECKS.items():
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, check(value))
-            except WrongType:
-                raise ArgumentError(
-                    f"{name} must be {describe(_TYPE_HINTS[name])}, got {got(value)}"
-                ) from None
+        _TABLE.conform(self)
 
     def validate(self) -> None:
-        for name, option in OPTIONS.items():
-            value = getattr(self, name)
-            problem = None if value is None else option.problem(value)
-            if problem is not None:
-                raise ArgumentError(f"{name} {problem}, got {value!r}")
-        rule = broken_rule({name: getattr(self, name) for name in OPTIONS}, RULES)
-        if rule is not None:
-            raise ArgumentError(rule.message())
+        _TABLE.check(self, RULES)
         self._validate_lora()
         if self.pooler_config is not None:
             parse_pooler_config(self.pooler_config)  # ArgumentError naming the bad key or value
@@ -431,61 +416,14 @@ class EngineArgs:
 
     def to_cli_args(self) -> list[str]:
         """Render as `corral engine` flags; defaults are omitted so the engine's defaults apply."""
-        out = ["--model", self.model]
-        for name in OPTIONS:
-            value = getattr(self, name)
-            if name == "model" or value is None or value == DEFAULTS[name]:
-                continue
-            if isinstance(value, bool):
-                out.append(cli_flag(name))  # a bool flag says "not the default"
-            elif isinstance(value, tuple):
-                out += [cli_flag(name), *map(str, value)]  # a list flag takes its items after it
-            else:
-                out += [cli_flag(name), str(value)]
-        return out
+        return _TABLE.cli_args(self)
 
 
-OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in dataclasses.fields(EngineArgs)}
-DEFAULTS: dict[str, object] = {
-    f.name: f.default for f in dataclasses.fields(EngineArgs) if f.default is not dataclasses.MISSING
-}
-
-
-_TYPE_HINTS = typing.get_type_hints(EngineArgs)  # resolved once: the annotations are strings
-_CHECKS = {name: checker(_TYPE_HINTS[name]) for name in OPTIONS}
-
-
-def cli_flag(name: str) -> str:
-    """The `corral engine` flag of option `name`."""
-    return OPTIONS[name].flag or "--" + name.replace("_", "-")
-
-
-def default_text(name: str) -> str:
-    """The option's default as the help and docs say it."""
-    option = OPTIONS[name]
-    if option.default_text is not None:
-        return option.default_text
-    default = DEFAULTS.get(name, "required")
-    if isinstance(default, bool):
-        return "on" if default else "off"
-    return str(default)
-
-
-def value_type(name: str) -> type:
-    """The Python type of option `name`'s values: bool, int, float or str (a Literal's values are
-    str; a list option's, its items' type)."""
-    return scalar_type(_TYPE_HINTS[name])
-
-
-def is_list(name: str) -> bool:
-    """Whether option `name` takes several values (a tuple: `--lora-modules A=/a B=/b`)."""
-    return typing.get_origin(_non_none(_TYPE_HINTS[name])) is tuple
-
-
-def _non_none(hint: Any) -> Any:
-    """X from `X | None`; any other annotation as it is."""
-    args = typing.get_args(hint)
-    if type(None) not in args:
-        return hint
-    (kind,) = [a for a in args if a is not type(None)]
-    return kind
+# Read once from the declarations above; the lookups are the table's, by option name.
+_TABLE = OptionTable(EngineArgs)
+OPTIONS: dict[str, Option] = _TABLE.options
+DEFAULTS: dict[str, object] = _TABLE.defaults
+cli_flag = _TABLE.cli_flag
+default_text = _TABLE.default_text
+value_type = _TABLE.value_type
+is_list = _TABLE.is_list

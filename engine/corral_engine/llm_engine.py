@@ -17,9 +17,10 @@ from collections.abc import Sequence as SequenceABC
 
 from corral_engine.args import EngineArgs
 from corral_engine.core.block_manager import BlockManager
-from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.engine_adapters import EngineAdapters
+from corral_engine.engine_setup import context_length, pipelining, scheduler_config, warn_if_cache_short
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from corral_engine.lora import AdapterError, LoraRequest, startup_adapters
 from corral_engine.model.batch import TokenFill
@@ -40,7 +41,7 @@ from corral_engine.settings import EngineSettings
 from corral_engine.sources.uri import parse_model_uri
 from corral_engine.structured.compiler import GrammarCompiler
 from corral_engine.structured.masks import StepMasks
-from corral_engine.token_appender import TokenAppender, Touched
+from corral_engine.token_appender import TokenAppender, Touched, sampling_rows
 from corral_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,15 +63,7 @@ class LLMEngine:
         # A quantization Corral cannot serve is said before the tokenizer or any worker loads.
         model_quant_config(args.quantization, self.model_config.quantization_config, self.model_config.is_moe)
         self.tokenizer = load_tokenizer(args.model)
-        self.max_model_len = min(
-            args.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
-        if args.max_model_len and args.max_model_len > self.max_model_len:
-            logger.warning(
-                "--max-model-len %d is past the model's %d positions: serving %d",
-                args.max_model_len, self.max_model_len, self.max_model_len,
-            )  # fmt: skip
+        self.max_model_len = context_length(args, self.model_config)
         self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
         self.eos_token_ids = self.model_config.eos_token_ids
         if args.enable_lora and self.model_config.is_moe:  # before any tensor-parallel worker starts
@@ -100,23 +93,9 @@ class LLMEngine:
             args.block_size,
             can_cache_prefixes(args, self.pooler_config, self.model_config.encoder is not None),
         )
-        kv_tokens = self.runner.num_kv_blocks * args.block_size
-        if kv_tokens < self.max_model_len:  # vLLM refuses to start; a test may want a tiny cache
-            logger.warning(
-                "the KV cache holds %d tokens, fewer than max_model_len %d: a request longer than "
-                "that is refused (give the cache more memory or set --max-model-len %d)",
-                kv_tokens, self.max_model_len, kv_tokens,
-            )  # fmt: skip
-        max_loras = args.max_loras if args.enable_lora else 0
-        # An encoder attends both ways: its prompts run whole, so a step takes at least the longest.
-        is_whole = self.model_config.encoder is not None
-        budget = max(args.max_num_batched_tokens, self.max_model_len if is_whole else 0)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                args.max_num_seqs, budget, args.kv_policy, max_loras, can_chunk_prompts=not is_whole
-            ),
-            self.block_manager,
-        )
+        warn_if_cache_short(self.runner.num_kv_blocks, args.block_size, self.max_model_len)
+        is_encoder = self.model_config.encoder is not None
+        self.scheduler = Scheduler(scheduler_config(args, self.max_model_len, is_encoder), self.block_manager)
         self.adapters = EngineAdapters(self.runner)
         for lora in startup_adapters(args.lora_modules):
             try:
@@ -144,7 +123,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, args.stream_interval
         )
-        self.overlaps_output, self.schedules_ahead = self._pipelining()
+        self.overlaps_output, self.schedules_ahead = pipelining(
+            self.settings,
+            self.runner.device.type == "cuda",
+            self.runner.fills_inputs_on_device,
+            bool(args.speculative),
+        )
         # Async scheduling: the last step's sampling, not waited for yet; its sequences hold
         # PENDING_TOKEN as their newest token until this step has launched.
         self._inflight: PendingSample | None = None
@@ -156,7 +140,7 @@ class LLMEngine:
             cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=self.runner.num_kv_blocks,
             num_spec_accepted_per_pos=[0] * (args.num_speculative_tokens if args.speculative else 0),
-            max_loras=max_loras,
+            max_loras=self.scheduler.config.max_loras,
         )
         self._appender = TokenAppender(
             self.scheduler, self.output_processor, self._stats, args, self.max_model_len
@@ -165,21 +149,6 @@ class LLMEngine:
         # The token latencies the last step's tokens added (for the server's histograms).
         self.last_step_latencies = StepLatencies()
         self.last_schedule: list[ScheduledSeq] = []  # the last step's batch (the simulator's calibration)
-
-    def _pipelining(self) -> tuple[bool, bool]:
-        """Whether the output overlap and async scheduling are on (logged); auto: on CUDA. On CPU
-        the forward pass runs inside runner.execute: no idle device to overlap with."""
-        on_cuda = self.runner.device.type == "cuda"
-        overlap, mode = self.settings.overlap_output, self.settings.async_scheduling
-        overlaps_output = overlap == "1" or (overlap == "auto" and on_cuda)
-        logger.info("output overlap: %s", "on" if overlaps_output else "off")
-        schedules_ahead = (
-            (mode == "1" or (mode == "auto" and on_cuda))
-            and self.runner.fills_inputs_on_device
-            and not self.args.speculative
-        )
-        logger.info("async scheduling: %s", "on" if schedules_ahead else "off")
-        return overlaps_output, schedules_ahead
 
     # -- life cycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -304,7 +273,7 @@ class LLMEngine:
         else:  # this step's inputs take the last step's tokens on the device
             rows = {seq.seq_id: row for row, seq in enumerate(inflight.seqs)}
             logits = self.runner.execute(sched.scheduled, TokenFill(inflight.tokens, rows))
-        plain, plain_rows, drafts, row = _sampling_rows(sched.scheduled)
+        plain, plain_rows, drafts, row = sampling_rows(sched.scheduled)
         # The last step's tokens (async scheduling), now that this step is queued behind them;
         # full blocks join the prefix cache only once their tokens are known.
         settled = self._appender.settle(inflight, self.last_step_latencies)
@@ -418,27 +387,3 @@ class LLMEngine:
 
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
-
-
-def _sampling_rows(
-    scheduled: list[ScheduledSeq],
-) -> tuple[list[Sequence], list[int], list[tuple[ScheduledSeq, int]], int]:
-    """Count a step's computed tokens (drafts once verified) and lay out its logits rows: the
-    sequences sampling one token and their rows, those with drafts (scheduled, first row), and
-    how many rows sample."""
-    plain: list[Sequence] = []
-    plain_rows: list[int] = []
-    drafts: list[tuple[ScheduledSeq, int]] = []
-    row = 0
-    for s in scheduled:
-        seq = s.seq
-        seq.num_computed_tokens += s.num_new_tokens - s.num_spec
-        if not s.samples:
-            continue
-        if s.num_spec:
-            drafts.append((s, row))
-        else:
-            plain.append(seq)
-            plain_rows.append(row)
-        row += 1 + s.num_spec
-    return plain, plain_rows, drafts, row

@@ -1,6 +1,6 @@
-"""A step's sampled tokens appended to their sequences: stop tokens checked, grammars advanced,
-speculative drafts verified and the next ones proposed, (async scheduling) placeholders held for
-tokens still on the device, stop strings applied once detokenized, and the token counters."""
+"""A step's sampled tokens (its logits rows laid out first) appended to their sequences: stop tokens
+checked, grammars advanced, speculative drafts verified and the next ones proposed, (async scheduling)
+placeholders held for tokens still on the device, stop strings applied once detokenized, token counters."""
 
 from __future__ import annotations
 
@@ -178,3 +178,27 @@ class TokenAppender:
             min_ngram=self.args.prompt_lookup_min,
             max_ngram=self.args.prompt_lookup_max,
         )
+
+
+def sampling_rows(
+    scheduled: list[ScheduledSeq],
+) -> tuple[list[Sequence], list[int], list[tuple[ScheduledSeq, int]], int]:
+    """Count a step's computed tokens (drafts once verified) and lay out its logits rows: the
+    sequences sampling one token and their rows, those with drafts (scheduled, first row), and
+    how many rows sample."""
+    plain: list[Sequence] = []
+    plain_rows: list[int] = []
+    drafts: list[tuple[ScheduledSeq, int]] = []
+    row = 0
+    for s in scheduled:
+        seq = s.seq
+        seq.num_computed_tokens += s.num_new_tokens - s.num_spec
+        if not s.samples:
+            continue
+        if s.num_spec:
+            drafts.append((s, row))
+        else:
+            plain.append(seq)
+            plain_rows.append(row)
+        row += 1 + s.num_spec
+    return plain, plain_rows, drafts, row

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from corral_engine.args import EngineArgs
+from corral_engine.model import builder as builder_mod
 from corral_engine.model import runner as runner_mod
 from corral_engine.model.config import load_model_config
 from corral_engine.model.device import CpuFeatures, probe_cpu, select_dtype
@@ -206,7 +207,7 @@ def test_runner_applies_the_plan_for_faked_cpus(
     upcast: Switch,
     small: Switch,
 ) -> None:
-    monkeypatch.setattr(runner_mod, "available_memory_bytes", lambda: FITS)
+    monkeypatch.setattr(builder_mod, "available_memory_bytes", lambda: FITS)
     settings = EngineSettings(prepack=prepack, bf16_upcast=upcast, small_batch_kernel=small)
     runner = _runner(tiny_model_dir, dtype, settings, cpu)
     assert runner.cpu is cpu
@@ -220,5 +221,5 @@ def test_runner_follows_this_cpus_probe(tiny_model_dir: Path, dtype: str) -> Non
     cpu = probe_cpu()
     assert runner.cpu == cpu
     assert runner.dtype == (BF16 if dtype == "bfloat16" or cpu.has_native_bf16 else F32)
-    available = runner_mod.available_memory_bytes()
+    available = builder_mod.available_memory_bytes()
     _assert_applies(runner, _plan(runner.dtype, cpu, "auto", "auto", available))

@@ -1,16 +1,15 @@
 """The model runner: builds the model on its device with its matmul plan, chooses the attention
-backend, sizes and owns the KV cache, captures decode graphs on CUDA and executes a step (batch
-building: model/batch.py; device and CPU features: model/device.py; graphs: model/cuda_graphs.py).
+backend, sizes and owns the KV cache, captures decode graphs on CUDA and executes a step (the model
+itself: model/builder.py; batch building: model/batch.py; device and CPU features: model/device.py;
+graphs: model/cuda_graphs.py).
 Under tensor parallelism (`tp`) it is one rank's runner: its shard of the model and of the KV cache
 (its KV heads, the same blocks as every rank); model/tp_workers.py drives the other ranks."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -20,16 +19,11 @@ from corral_engine.errors import ModelLoadError
 from corral_engine.lora import AdapterError, LoraRequest
 from corral_engine.model.attention import choose_attention_backend, prompt_block_rows
 from corral_engine.model.batch import BatchBuilder, TokenFill
+from corral_engine.model.builder import ModelBuilder, device_quant_plan
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from corral_engine.model.decode_stack import DecodeStack, unsupported
-from corral_engine.model.device import (
-    CpuFeatures,
-    available_memory_bytes,
-    probe_cpu,
-    select_device,
-    select_dtype,
-)
+from corral_engine.model.device import CpuFeatures, probe_cpu, select_device, select_dtype
 from corral_engine.model.kv_cache import (
     TorchCudaMemory,
     allocate_kv_caches,
@@ -40,23 +34,14 @@ from corral_engine.model.kv_cache import (
     used_outside_torch,
 )
 from corral_engine.model.kv_dtype import kv_cache_dtype
-from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm
-from corral_engine.model.loader import load_weights
 from corral_engine.model.lora import LoraSlots, fast_paths, lora_slot_dtype
-from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
 from corral_engine.model.pooler import Pooler, PoolSpan
-from corral_engine.model.quant import QuantPlan, model_quant_config, plan_quant
-from corral_engine.model.quant_layers import describe_quantized, quantize_layers, ready
-from corral_engine.model.quant_ops import has_int8_kernel
-from corral_engine.model.rotary import Rotary, rope_parameters
+from corral_engine.model.quant import model_quant_config
 from corral_engine.model.sampler import sample_rows
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
-
-if TYPE_CHECKING:
-    from corral_engine.model.triton_ops import TritonOps
 
 logger = logging.getLogger(__name__)
 # What the memory profile samples with: every filter on, so its peak is sampling's largest.
@@ -100,7 +85,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         is_cpu = self.device.type == "cpu"
         self.quant = model_quant_config(args.quantization, config.quantization_config, config.is_moe)
-        self.quant_plan = self._plan_quant()
+        self.quant_plan = device_quant_plan(self.quant, self.device, self.dtype)
         # The native paged decode kernel when it builds here (CPU, bf16/fp32; a cache in that
         # dtype or fp8); else PyTorch SDPA.
         kernel = load_paged_decode(settings) if settings.batched_decode and is_cpu else None
@@ -136,7 +121,19 @@ class ModelRunner:
         # Triton compiles a kernel variant on its first launch; a count that grows after the
         # warm-up is a step that stalled on a compile (logged: a variant the warm-up missed).
         self._compiled_variants: int | None = None
-        self.model, self.matmul_plan = self._build_model()
+        builder = ModelBuilder(
+            config=config,
+            tp=tp,
+            is_pooling=self.is_pooling,
+            dtype=self.dtype,
+            device=self.device,
+            cpu=self.cpu,
+            settings=settings,
+            max_model_len=max_model_len,
+            quant=self.quant,
+            quant_plan=self.quant_plan,
+        )
+        self.model, self.matmul_plan = builder.build()
         self.graphs: DecodeGraphs | None = None
         kv_per_token = 2 * config.num_layers * self.num_kv_heads * config.head_dim
         bytes_per_block = args.block_size * kv_per_token * self.kv_dtype.itemsize
@@ -258,41 +255,6 @@ class ModelRunner:
             )
         self._compiled_variants = count
 
-    def _build_model(self) -> tuple[CausalLM, MatmulPlan]:
-        with torch.device("meta"):
-            model = CausalLM(self.config, self.tp, has_lm_head=not self.is_pooling).to(self.dtype)
-        kind, quant = self.quant_plan.weights, self.quant
-        # Quantized layers get their int8/fp8 weights while still on the meta device: the model is
-        # never held whole in the model dtype.
-        quantized, kept = quantize_layers(model, kind, quant) if kind and quant else ([], [])
-        model = model.to_empty(device=self.device)
-        # Moving off the meta device unties shared parameters (an embedding model has no LM head).
-        if self.config.tie_word_embeddings and model.lm_head is not None:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        load_weights(model, self.config, None if self.tp is None else self.tp.plan, quant)
-        ready(quantized, self.dtype)
-        if self.quant_plan.note:
-            level = logging.WARNING if self.quant_plan.is_warning else logging.INFO
-            logger.log(level, "%s", self.quant_plan.note)
-        if quantized or kept:
-            logger.info("%s", describe_quantized(quantized, kept, self.dtype))
-        plan = self._apply_matmul_plan(model)
-        fused_ops = load_fused_ops(self.settings) if self.device.type == "cpu" else None
-        triton_ops = self._triton_ops()
-        for module in model.modules():
-            if isinstance(module, RMSNorm | MLP | Attention):
-                module.fused_ops = fused_ops
-                module.triton_ops = triton_ops
-            if isinstance(module, Linear) and plan.kernel_rows and module.quant is None:  # the native kernel
-                # Checked once here, not on every call: the weight's layout does not change.
-                readable = fused_ops is not None and fused_ops.supports(module.weight)
-                module.fused_ops = fused_ops if readable else None
-        for rotary in cast("list[Rotary]", list(model.rotaries)):
-            # LongRoPE picks its factor set by the engine's context length (rotary.rope_parameters).
-            inv_freq, _ = rope_parameters(self.config, rotary.kind, self.max_model_len)
-            rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
-        return model.eval(), plan
-
     def _decode_stack(self) -> DecodeStack | None:
         """The native decoder for decode batches the small-batch kernel takes (see
         model/decode_stack.py), where it builds and takes this model."""
@@ -308,55 +270,6 @@ class ModelRunner:
             return None
         logger.info("decode batches of fewer than %d rows run the whole decoder natively in one call", rows)
         return DecodeStack(lib, self.model, self.kv_caches, rows)
-
-    def _triton_ops(self) -> TritonOps | None:
-        mode = self.settings.triton_ops
-        if mode == "0" or (mode == "auto" and self.device.type != "cuda"):
-            return None
-        from corral_engine.model.triton_ops import TritonOps  # imports triton: only where used
-
-        return TritonOps()
-
-    def _plan_quant(self) -> QuantPlan:
-        """How this device runs the quantization asked for (model/quant.py:plan_quant)."""
-        is_cuda = self.device.type == "cuda"
-        capability = torch.cuda.get_device_capability(self.device) if is_cuda else None
-        wants_int8 = self.quant is not None and self.quant.method == "int8"
-        int8 = has_int8_kernel(self.device) if is_cuda and wants_int8 else True
-        dtype = str(self.dtype).removeprefix("torch.")
-        return plan_quant(self.quant, self.device.type, capability, dtype, int8)
-
-    def _apply_matmul_plan(self, model: CausalLM) -> MatmulPlan:
-        # Quantized layers run their own kernel: no packing, upcast copies or native bf16 kernel.
-        linears = [m for m in model.modules() if isinstance(m, Linear) and m.quant is None]
-        plan = plan_matmuls(
-            self.dtype,
-            self.device.type == "cpu",
-            self.cpu,
-            self.settings.prepack,
-            self.settings.bf16_upcast,
-            upcast_copy_bytes=sum(m.weight.numel() for m in linears) * 4,
-            available_bytes=available_memory_bytes(),
-            small_batch_kernel=self.settings.small_batch_kernel,
-        )
-        for note in plan.notes:
-            logger.info("%s", note)
-        is_packed = plan.prepack
-        for linear in linears:
-            linear.upcast_min_rows = plan.upcast_min_rows
-            linear.kernel_rows = plan.kernel_rows
-            if plan.keep_upcast_copies:
-                linear.prepack_upcast()
-            if is_packed:
-                is_shared = linear is model.lm_head and self.config.tie_word_embeddings
-                try:  # the small-batch kernel reads the plain weight
-                    linear.prepack(keep_weight=is_shared or plan.kernel_rows > 0)
-                except RuntimeError as e:  # e.g. bf16 packing needs AVX512 or AVX-NE-CONVERT
-                    logger.info("Linear weights stay unpacked: %s", e)
-                    is_packed = False
-        if is_packed:
-            logger.info("Linear weights prepacked for oneDNN (%s)", str(self.dtype).removeprefix("torch."))
-        return dataclasses.replace(plan, prepack=is_packed)  # what was done, not what was asked
 
     def _prompt_path(self) -> str:
         """How prompt chunks attend, for the start-up log line ("" for the default SDPA path)."""
