@@ -22,6 +22,30 @@ POOLING_TYPES: tuple[str, ...] = ("LAST", "MEAN", "CLS")
 POOLER_CONFIG_KEYS = ("pooling_type", "normalize")
 # vLLM's --runner auto: a checkpoint naming one of these is an embedding model.
 _EMBEDDING_SUFFIXES = ("ForTextEncoding", "EmbeddingModel", "Model")
+# The BERT-family encoders served (model/encoder.py), each with whether its positions start past
+# the padding index (RoBERTa's numbering). Here, not in corral_engine.model, so the simulator reads it.
+ENCODER_ARCHITECTURES = {
+    "BertModel": False,
+    "BertForMaskedLM": False,  # its MLM head (cls.*) is not loaded
+    "RobertaModel": True,
+    "XLMRobertaModel": True,
+    # Cross-encoders (rerankers): the encoder, then a classification head on the first token.
+    "BertForSequenceClassification": False,
+    "RobertaForSequenceClassification": True,
+    "XLMRobertaForSequenceClassification": True,
+}
+
+
+def is_encoder_architecture(arch: str) -> bool:
+    """Whether `arch` (config.json's architectures[0]) is an encoder this engine can load."""
+    return arch in ENCODER_ARCHITECTURES
+
+
+def is_classifier_architecture(arch: str) -> bool:
+    """Whether `arch` carries a sequence-classification head (served for scores, not embeddings)."""
+    return arch.endswith("ForSequenceClassification")
+
+
 # Base-model classes not named <family>Model -> the implementation that runs them.
 _BASE_MODEL_IMPLEMENTATIONS = {"Gemma3TextModel": "Gemma3ForCausalLM"}
 # sentence-transformers' Pooling config keys -> the pooling they ask for.

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from corral_engine.errors import ModelLoadError
-from corral_engine.model.encoder_config import is_encoder_architecture, load_encoder_config
+from corral_engine.model.encoder_config import load_encoder_config
 from corral_engine.model.encoder_loader import load_encoder
+from corral_engine.pooling import is_encoder_architecture
 
 from tests.engine.encoder_checkpoints import edit_config, edit_tensors, save_hf_encoder
 

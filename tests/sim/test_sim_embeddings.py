@@ -159,6 +159,22 @@ def test_the_runner_is_chosen_as_the_engine_chooses_it(
         _spec_args(["--model", str(tiny_model_dir), "--runner", "pooling", "--enable-lora"])
 
 
+def test_a_reranker_is_refused_by_name_and_the_engines_encoders_are_known(
+    bert_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """The simulator reads the engine's list of encoders (corral_engine.pooling), so a cross-encoder
+    checkpoint is not taken for an embedding model: it is refused, naming what is not simulated."""
+    reranker = shutil.copytree(bert_dir, tmp_path / "reranker")
+    config = json.loads((reranker / "config.json").read_text())
+    for arch, is_encoder in (("RobertaForSequenceClassification", True), ("XLMRobertaForMaskedLM", False)):
+        (reranker / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
+        if is_encoder:
+            with pytest.raises(ModelLoadError, match=r"reranker .*does not serve /v1/score"):
+                sim_pooling(reranker, "auto", None, "m")
+        else:  # not an encoder the engine serves: the decoder rule (a *ForMaskedLM generates)
+            assert sim_pooling(reranker, "auto", None, "m") is None
+
+
 async def test_an_encoder_replica_serves_its_wordpiece_inputs(bert_dir: pathlib.Path) -> None:
     async with _serve(_pooling_spec(bert_dir, "auto")) as (client,):
         r = await _post(client, "/v1/embeddings", {"input": ["hello world", "embeddings for retrieval"]})

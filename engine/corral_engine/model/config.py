@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from corral_engine.errors import ModelLoadError
-from corral_engine.model.encoder_config import (
-    SUPPORTED_ENCODERS,
-    EncoderConfig,
+from corral_engine.model.encoder_config import SUPPORTED_ENCODERS, EncoderConfig, load_encoder_config
+from corral_engine.pooling import (
+    causal_implementation,
+    is_embedding_architecture,
     is_encoder_architecture,
-    load_encoder_config,
+    matryoshka_of,
 )
-from corral_engine.pooling import causal_implementation, is_embedding_architecture, matryoshka_of
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

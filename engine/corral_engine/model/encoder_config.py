@@ -9,31 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from corral_engine.errors import ModelLoadError
+from corral_engine.pooling import (
+    ENCODER_ARCHITECTURES,
+    is_classifier_architecture,
+    is_encoder_architecture,
+)
 
-# Architecture -> whether its positions start past the padding index (RoBERTa's numbering).
-_ENCODER_ARCHITECTURES = {
-    "BertModel": False,
-    "BertForMaskedLM": False,  # its MLM head (cls.*) is not loaded
-    "RobertaModel": True,
-    "XLMRobertaModel": True,
-    # Cross-encoders (rerankers): the encoder, then a classification head on the first token.
-    "BertForSequenceClassification": False,
-    "RobertaForSequenceClassification": True,
-    "XLMRobertaForSequenceClassification": True,
-}
-SUPPORTED_ENCODERS = tuple(_ENCODER_ARCHITECTURES)
+SUPPORTED_ENCODERS = tuple(ENCODER_ARCHITECTURES)
 # transformers' ACT2FN names: erf GELU, and the tanh approximation under both of its names.
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
-
-
-def is_classifier_architecture(arch: str) -> bool:
-    """Whether `arch` carries a sequence-classification head (served for scores, not embeddings)."""
-    return arch.endswith("ForSequenceClassification")
-
-
-def is_encoder_architecture(arch: str) -> bool:
-    """Whether `arch` (config.json's architectures[0]) is an encoder this engine can load."""
-    return arch in _ENCODER_ARCHITECTURES
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +69,7 @@ def load_encoder_config(model_dir: str | Path) -> EncoderConfig:
     if arch is None:
         raise ModelLoadError(
             f"{config_file}: architecture {archs!r} is not an encoder; supported: "
-            f"{', '.join(_ENCODER_ARCHITECTURES)}"
+            f"{', '.join(ENCODER_ARCHITECTURES)}"
         )
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
@@ -123,7 +107,7 @@ def encoder_config_from_hf(hf: Any, arch: str, path: Path, torch_dtype: str | No
     pad = getattr(hf, "pad_token_id", None)
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
         raise ModelLoadError(f"{where}: pad_token_id must be a non-negative integer, got {pad!r}")
-    offset = pad + 1 if _ENCODER_ARCHITECTURES[arch] else 0
+    offset = pad + 1 if ENCODER_ARCHITECTURES[arch] else 0
     max_positions = _int(hf, "max_position_embeddings", where)
     if max_positions <= offset:
         raise ModelLoadError(

@@ -12,15 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corral_engine.errors import ModelLoadError
-from corral_engine.pooling import EmbedSpec, PoolerConfig, choose_runner, matryoshka_of, resolve_pooler
+from corral_engine.pooling import (
+    EmbedSpec,
+    PoolerConfig,
+    choose_runner,
+    is_classifier_architecture,
+    is_encoder_architecture,
+    matryoshka_of,
+    resolve_pooler,
+)
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.sim.tokenizer import read_json_object
-
-# BERT-family encoders (model/encoder_config.py's list, which imports nothing heavy but lives in
-# `corral_engine.model`, which the simulator may not import): served as embedding models only.
-_ENCODER_ARCHITECTURES = frozenset(
-    {"BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel", "XLMRobertaForMaskedLM"}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,12 @@ def sim_pooling(
     an embedding architecture; generate is refused (ModelLoadError) for an encoder or a base model."""
     config = read_json_object(model_dir / "config.json")
     architectures = [str(a) for a in config.get("architectures") or []]
-    is_encoder = any(a in _ENCODER_ARCHITECTURES for a in architectures)
+    if any(is_classifier_architecture(a) for a in architectures):
+        raise ModelLoadError(
+            f"{architectures[0]} is a reranker (a cross-encoder): the simulator does not serve "
+            "/v1/score or /v1/rerank yet"
+        )
+    is_encoder = any(is_encoder_architecture(a) for a in architectures)
     chosen = "pooling" if is_encoder and runner == "auto" else choose_runner(runner, architectures)
     if chosen == "generate":
         if is_encoder or choose_runner("auto", architectures) == "pooling":
