@@ -176,14 +176,32 @@ async def test_errors_are_openai_shaped(rerankers: dict[str, pathlib.Path]) -> N
         _error(chat, 400, None, "/v1/score or /v1/rerank")
 
 
-async def test_embedding_and_generating_engines_refuse_scores(
-    tmp_path: pathlib.Path, tiny_model_dirs: dict[str, pathlib.Path]
-) -> None:
+async def test_an_embedding_model_scores_by_cosine_similarity(tmp_path: pathlib.Path) -> None:
+    """vLLM's score for an embedding model: a pair's score is the cosine similarity of the two
+    texts' vectors (each distinct text embedded once), whether or not the model normalizes; was a
+    400 saying to use /v1/embeddings."""
     embedder = write_demo_encoder(tmp_path / "embedder", arch="bert")
-    for model_dir, what in ((embedder, "an embedding model"), (tiny_model_dirs["qwen3"], "text generation")):
-        async with serve(model_dir, num_kv_blocks=64) as http:
-            name = (await http.get("/v1/models")).json()["data"][0]["id"]
-            score = await http.post("/v1/score", json={"model": name, "text_1": "a", "text_2": "b"})
-            _error(score, 400, "model", what)
-            rerank = await http.post("/rerank", json={"model": name, "query": "a", "documents": ["b"]})
-            _error(rerank, 400, "model", what)
+    async with serve(embedder, pooler_config='{"normalize": false}') as http:
+        name = (await http.get("/v1/models")).json()["data"][0]["id"]
+        texts = [QUERY, *DOCS]
+        embedded = await http.post("/v1/embeddings", json={"model": name, "input": texts})
+        vectors = [torch.tensor(d["embedding"]) for d in embedded.json()["data"]]
+        want = [float(torch.nn.functional.cosine_similarity(vectors[0], v, dim=0)) for v in vectors[1:]]
+        score = await http.post("/v1/score", json={"model": name, "text_1": QUERY, "text_2": DOCS})
+        assert score.status_code == 200, score.text
+        assert _scores(score.json()) == pytest.approx(want, abs=1e-5)
+        assert score.json()["usage"]["prompt_tokens"] == embedded.json()["usage"]["prompt_tokens"]
+        rerank = await http.post("/v1/rerank", json={"model": name, "query": QUERY, "documents": DOCS})
+        assert rerank.status_code == 200, rerank.text
+        results = rerank.json()["results"]
+        assert [r["index"] for r in results] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+        assert [r["relevance_score"] for r in results] == pytest.approx(sorted(want, reverse=True), abs=1e-5)
+
+
+async def test_a_generating_engine_refuses_scores(tiny_model_dirs: dict[str, pathlib.Path]) -> None:
+    async with serve(tiny_model_dirs["qwen3"], num_kv_blocks=64) as http:
+        name = (await http.get("/v1/models")).json()["data"][0]["id"]
+        score = await http.post("/v1/score", json={"model": name, "text_1": "a", "text_2": "b"})
+        _error(score, 400, "model", "text generation")
+        rerank = await http.post("/rerank", json={"model": name, "query": "a", "documents": ["b"]})
+        _error(rerank, 400, "model", "text generation")

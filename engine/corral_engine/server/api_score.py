@@ -1,6 +1,8 @@
 """POST /v1/score (and /score) and /v1/rerank (and /rerank, /v2/rerank: Jina and Cohere clients'):
-vLLM's APIs over a cross-encoder (a reranker, served with --runner pooling). Each pair is one
-engine request: the tokenizer's pair encoding, its token types sent as where the second text starts."""
+vLLM's APIs over a cross-encoder (a reranker, served with --runner pooling): each pair is one engine
+request, the tokenizer's pair encoding, its token types sent as where the second text starts; or,
+as vLLM does, over an embedding model: each distinct text embedded once, a pair's score the cosine
+similarity of its two vectors."""
 
 from __future__ import annotations
 
@@ -72,19 +74,18 @@ def _pairs(text_1: Texts, text_2: Texts, names: tuple[str, str]) -> list[tuple[s
 
 
 def _check_serves_scores(ctx: ServerContext, api: str) -> None:
-    """A 400 unless the engine serves a one-label cross-encoder, saying what it serves instead."""
+    """A 400 unless the engine serves a one-label cross-encoder or an embedding model, saying what
+    it serves instead."""
     num_labels = num_labels_of(ctx.engine)
-    if num_labels == 1:
+    if num_labels == 1 or (num_labels == 0 and runner_of(ctx.engine) == "pooling"):
         return
     if num_labels > 1:
         what = f"a classification model with {num_labels} labels (scores need one)"
-    elif runner_of(ctx.engine) == "pooling":
-        what = "an embedding model (--runner pooling); use /v1/embeddings"
     else:
         what = "a text generation model (--runner generate)"
     raise errors.invalid_request(
         f"The model {ctx.model_name} does not support the {api} API: it is {what}. Serve a "
-        "cross-encoder (*ForSequenceClassification, one label) for scores.",
+        "cross-encoder (*ForSequenceClassification, one label) or an embedding model for scores.",
         "model",
     )
 
@@ -141,10 +142,64 @@ async def _run_pairs(
     pairs: list[tuple[str, str]],
     keep: int | None,
     params: list[str],
-) -> list[RequestOutput] | None:
-    """The pairs' final outputs in order, or None where the client left first."""
+) -> tuple[list[float], int] | None:
+    """The pairs' scores in order and the tokens run, or None where the client left first."""
+    if num_labels_of(ctx.engine) == 0:  # an embedding model
+        return await _cosine_scores(ctx, request, request_id, pairs, keep, params)
     prompts, pooling = await _encode_pairs(ctx, pairs, keep, params)
     run = GenerationRun(ctx.engine, ctx.metrics, ctx.in_flight, request_id, prompts, pooling)
+    finals = await _finals(run, request)
+    if finals is None:
+        return None
+    return [out.embedding[0] for out in finals], _num_tokens(finals)  # type: ignore[index]
+
+
+async def _cosine_scores(
+    ctx: ServerContext,
+    request: Request,
+    request_id: str,
+    pairs: list[tuple[str, str]],
+    keep: int | None,
+    params: list[str],
+) -> tuple[list[float], int] | None:
+    """vLLM's score for an embedding model: each distinct text embedded once (normalized, whatever
+    the model's default), a pair's score the dot product of its two unit vectors."""
+    texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+    param_of = {text: param for pair, param in zip(pairs, params, strict=True) for text in pair}
+    max_len = ctx.engine.max_model_len
+    keep = max_len if keep == -1 else keep
+    if keep is None:
+        for text in texts:
+            ctx.check_chars_fit(len(text), "text", param_of[text])
+    encode = ctx.encode
+
+    def tokenize() -> list[list[int]]:
+        out = []
+        for text in texts:
+            ids = encode(text)
+            ids = ids if keep is None else ids[-keep:]  # the last k tokens, as /v1/embeddings keeps
+            if len(ids) > max_len:
+                raise errors.invalid_request(
+                    f"This model's maximum context length is {max_len} tokens; the text has "
+                    f"{len(ids)}. Shorten it or set truncate_prompt_tokens.",
+                    param_of[text],
+                )
+            out.append(ids)
+        return out
+
+    prompts = await ctx.off_loop(tokenize, sum(len(text) for text in texts))
+    unit = PoolingParams(normalize=True)
+    run = GenerationRun(ctx.engine, ctx.metrics, ctx.in_flight, request_id, prompts, unit)
+    finals = await _finals(run, request)
+    if finals is None:
+        return None
+    vectors = {text: out.embedding or [] for text, out in zip(texts, finals, strict=True)}
+    scores = [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]
+    return scores, _num_tokens(finals)
+
+
+async def _finals(run: GenerationRun, request: Request) -> list[RequestOutput] | None:
+    """The run's final outputs, or None where the client left first (its requests aborted)."""
     collected = await collect_unless_disconnected(run, request.receive)
     if collected is None:
         return None
@@ -166,20 +221,17 @@ async def create_score(ctx: ServerContext, request: Request) -> Response:
     pairs = _pairs(req.text_1, req.text_2, ("text_1", "text_2"))
     names = ["text_2" if isinstance(req.text_2, str) else f"text_2.{i}" for i in range(len(pairs))]
     request_id = new_id("score")
-    finals = await _run_pairs(ctx, request, request_id, pairs, req.truncate_prompt_tokens, names)
-    if finals is None:
+    scored = await _run_pairs(ctx, request, request_id, pairs, req.truncate_prompt_tokens, names)
+    if scored is None:
         return Response(status_code=499)
-    num_tokens = _num_tokens(finals)
+    scores, num_tokens = scored
     return JSONResponse(
         {
             "id": request_id,
             "object": "list",
             "created": now_s(),
             "model": req.model,
-            "data": [
-                {"index": i, "object": "score", "score": out.embedding[0]}  # type: ignore[index]
-                for i, out in enumerate(finals)
-            ],
+            "data": [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)],
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
         }
     )
@@ -191,19 +243,19 @@ async def create_rerank(ctx: ServerContext, request: Request) -> Response:
     pairs = _pairs(req.query, req.documents, ("query", "documents"))
     names = [f"documents.{i}" for i in range(len(pairs))]
     request_id = new_id("rerank")
-    finals = await _run_pairs(ctx, request, request_id, pairs, req.truncate_prompt_tokens, names)
-    if finals is None:
+    scored = await _run_pairs(ctx, request, request_id, pairs, req.truncate_prompt_tokens, names)
+    if scored is None:
         return Response(status_code=499)
+    scores, num_tokens = scored
     results: list[dict[str, Any]] = []
-    for i, out in enumerate(finals):
+    for i, score in enumerate(scores):
         result: dict[str, Any] = {"index": i}
         if req.return_documents:
             result["document"] = {"text": req.documents[i]}
-        result["relevance_score"] = out.embedding[0]  # type: ignore[index]
+        result["relevance_score"] = score
         results.append(result)
     results.sort(key=lambda r: r["relevance_score"], reverse=True)  # stable: ties keep their order
     top_n = req.top_n if req.top_n > 0 else len(results)
-    num_tokens = _num_tokens(finals)
     return JSONResponse(
         {
             "id": request_id,
