@@ -131,9 +131,9 @@ async def test_bad_request_gets_openai_error(
 async def test_unknown_route_and_method_are_json_errors(client: httpx.AsyncClient) -> None:
     r = await client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
-    r = await client.post("/v1/rerank", json={"model": "m", "query": "hi"})
+    r = await client.post("/v1/audio/transcriptions", json={"model": "m"})
     assert r.status_code == 404
-    assert r.json()["error"]["message"] == "This server has no route POST /v1/rerank."
+    assert r.json()["error"]["message"] == "This server has no route POST /v1/audio/transcriptions."
     r = await client.get("/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
 
