@@ -32,7 +32,7 @@ from corral_cli.flags import non_negative_float, port_number
 from corral_cli.heap import freeze_startup_heap
 from corral_cli.listen import cannot_listen, free_ports
 from corral_cli.local_adapters import AdapterFetchError, adapter_flags
-from corral_cli.up_banner import is_embedding_fleet, usage_text
+from corral_cli.up_banner import fleet_kind, usage_text
 
 if TYPE_CHECKING:
     from corral_operator.local import LocalFleet
@@ -493,7 +493,7 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(
             _serve_gateway(
-                app, args.host, args.port, usage_text(base_url, name, is_embedding_fleet(fleet[name][0]))
+                app, args.host, args.port, usage_text(base_url, name, fleet_kind(fleet[name][0]))
             )
         )
         return 0

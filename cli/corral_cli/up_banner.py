@@ -1,5 +1,5 @@
-"""What `corral up` prints once its fleet serves: ready-to-paste curl and openai examples, for a
-chat model or, where the first model embeds, for /v1/embeddings."""
+"""What `corral up` prints once its fleet serves: ready-to-paste curl and openai examples for its
+first model's kind: a chat model, an embedding model (/v1/embeddings) or a reranker (/v1/rerank)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,18 @@ import argparse
 import contextlib
 import json
 from pathlib import Path
+from typing import Literal
+
+FleetKind = Literal["chat", "embeddings", "rerank"]
 
 
-def usage_text(base_url: str, model: str, is_embedding: bool = False) -> str:
-    """The ready-to-paste examples printed once the fleet is up (`is_embedding`: for an embedding
-    model, whose chat route answers 400)."""
-    if is_embedding:
+def usage_text(base_url: str, model: str, kind: FleetKind = "chat") -> str:
+    """The ready-to-paste examples printed once the fleet is up, for a model of `kind` (a pooling
+    model's chat route answers 400)."""
+    if kind == "embeddings":
         return _embedding_usage_text(base_url, model)
+    if kind == "rerank":
+        return _rerank_usage_text(base_url, model)
     return f"""
 Corral is up: an OpenAI-compatible endpoint at {base_url}/v1 serving model "{model}".
 
@@ -51,10 +56,25 @@ Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-
 """
 
 
-def is_embedding_fleet(flags: list[str]) -> bool:
-    """Whether an engine of these flags serves embeddings: --runner pooling, or auto on a local
-    checkpoint whose config.json names an embedding architecture (BertModel, Qwen3Model, ...)."""
-    from corral_engine.pooling import choose_runner
+def _rerank_usage_text(base_url: str, model: str) -> str:
+    return f"""
+Corral is up: an endpoint at {base_url} serving reranker "{model}" (vLLM's /v1/rerank and /v1/score).
+
+  curl {base_url}/v1/rerank -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "query": "What is a panda?", "documents": ["A bear.", "A city."], "top_n": 1}}'
+
+  curl {base_url}/v1/score -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "text_1": "What is a panda?", "text_2": ["A bear.", "A city."]}}'
+
+Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-C
+"""
+
+
+def fleet_kind(flags: list[str]) -> FleetKind:
+    """What an engine of these flags serves: embeddings or scores under --runner pooling, or auto on a
+    local checkpoint whose config.json names an embedding architecture or an encoder (BertModel,
+    Qwen3Model, XLMRobertaForSequenceClassification, ...); else chat."""
+    from corral_engine.pooling import choose_runner, is_classifier_architecture
 
     from corral_cli.cmd_engine import add_arguments, engine_args_from
 
@@ -66,4 +86,6 @@ def is_embedding_fleet(flags: list[str]) -> bool:
     architectures: list[str] = []
     with contextlib.suppress(OSError, ValueError, AttributeError):
         architectures = [str(a) for a in json.loads(config_path.read_text()).get("architectures") or []]
-    return choose_runner(engine_args.runner, architectures) == "pooling"
+    if choose_runner(engine_args.runner, architectures) != "pooling":
+        return "chat"
+    return "rerank" if any(is_classifier_architecture(a) for a in architectures) else "embeddings"

@@ -84,10 +84,12 @@ def causal_implementation(architecture: str) -> str:
 
 
 def choose_runner(requested: str, architectures: list[str]) -> Runner:
-    """--runner: generate or pooling as asked; auto picks pooling for an embedding architecture."""
+    """--runner: generate or pooling as asked; auto picks pooling for an embedding architecture or
+    an encoder (BertForMaskedLM and the rerankers too: an encoder never generates here)."""
     if requested in ("generate", "pooling"):
         return cast(Runner, requested)
-    return "pooling" if any(is_embedding_architecture(a) for a in architectures) else "generate"
+    pools = any(is_embedding_architecture(a) or is_encoder_architecture(a) for a in architectures)
+    return "pooling" if pools else "generate"
 
 
 def parse_pooler_config(text: str) -> dict[str, Any]:

@@ -27,12 +27,8 @@ logger = logging.getLogger(__name__)
 def choose_runner_for(args: EngineArgs, config: ModelConfig) -> tuple[Runner, PoolerConfig | None]:
     """--runner resolved for this checkpoint, and for pooling its pooler; what a pooling engine
     cannot do (or a base model without an LM head cannot) is refused before the model loads."""
-    is_encoder = config.encoder is not None  # BERT and kin: embeddings only, whatever --runner auto says
-    runner: Runner = (
-        "pooling"
-        if is_encoder and args.runner == "auto"
-        else choose_runner(args.runner, list(config.declared_architectures))
-    )
+    is_encoder = config.encoder is not None  # BERT and kin: pooling only (choose_runner picks it for auto)
+    runner = choose_runner(args.runner, list(config.declared_architectures))
     if runner == "generate":
         if config.is_base_model or is_encoder:
             what = "an encoder" if is_encoder else "a base model without an LM head"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -143,14 +144,32 @@ def test_the_embeddings_example_serves_with_the_pooling_runner(tmp_path: Path) -
     add_engine_arguments(parser)
     engine_args = engine_args_from(parser.parse_args(replicas[0]))
     assert engine_args.runner == "pooling" and engine_args.max_model_len == 512
-    assert up_banner.is_embedding_fleet(replicas[0])
-    banner = up_banner.usage_text("http://127.0.0.1:9000", name, up_banner.is_embedding_fleet(replicas[0]))
+    assert up_banner.fleet_kind(replicas[0]) == "embeddings"
+    banner = up_banner.usage_text("http://127.0.0.1:9000", name, up_banner.fleet_kind(replicas[0]))
     assert "curl http://127.0.0.1:9000/v1/embeddings" in banner and "chat/completions" not in banner
 
 
-def test_runner_auto_embeds_where_the_checkpoint_names_an_embedding_architecture(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("architecture", "kind"),
+    [
+        ("BertModel", "embeddings"),
+        ("Qwen3Model", "embeddings"),
+        ("BertForMaskedLM", "embeddings"),  # an encoder: the engine pools it under auto
+        ("XLMRobertaForSequenceClassification", "rerank"),
+        ("LlamaForCausalLM", "chat"),
+    ],
+)
+def test_the_banner_follows_what_runner_auto_serves(tmp_path: Path, architecture: str, kind: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    assert up_banner.fleet_kind(["--model", str(tmp_path)]) == kind
+    banner = up_banner.usage_text(
+        "http://127.0.0.1:9000", "m", up_banner.fleet_kind(["--model", str(tmp_path)])
+    )
+    route = {"embeddings": "/v1/embeddings", "rerank": "/v1/rerank", "chat": "/v1/chat/completions"}[kind]
+    assert f"curl http://127.0.0.1:9000{route}" in banner
+
+
+def test_the_banner_shows_chat_without_a_readable_checkpoint(tmp_path: Path) -> None:
+    assert up_banner.fleet_kind(["--model", str(tmp_path / "missing")]) == "chat"
     (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
-    assert up_banner.is_embedding_fleet(["--model", str(tmp_path)])
-    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    assert not up_banner.is_embedding_fleet(["--model", str(tmp_path)])
-    assert not up_banner.is_embedding_fleet(["--model", str(tmp_path / "missing")])
+    assert up_banner.fleet_kind(["--model", str(tmp_path), "--runner", "generate"]) == "chat"

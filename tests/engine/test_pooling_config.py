@@ -31,6 +31,8 @@ from corral_engine.pooling import (
         (["LlamaModel"], "pooling"),
         (["Qwen3EmbeddingModel"], "pooling"),
         (["XForTextEncoding"], "pooling"),
+        (["BertForMaskedLM"], "pooling"),  # an encoder: pooled whatever its head
+        (["XLMRobertaForSequenceClassification"], "pooling"),
         (["Qwen3ForCausalLM"], "generate"),  # Qwen3-Embedding's: it needs --runner pooling
         (["Gemma3ForConditionalGeneration"], "generate"),
         ([], "generate"),

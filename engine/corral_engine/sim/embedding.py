@@ -67,7 +67,7 @@ def sim_pooling(
             "/v1/score or /v1/rerank yet"
         )
     is_encoder = any(is_encoder_architecture(a) for a in architectures)
-    chosen = "pooling" if is_encoder and runner == "auto" else choose_runner(runner, architectures)
+    chosen = choose_runner(runner, architectures)
     if chosen == "generate":
         if is_encoder or choose_runner("auto", architectures) == "pooling":
             what = "an encoder" if is_encoder else "a base model without an LM head"
