@@ -18,7 +18,7 @@ from types import TracebackType
 from urllib.parse import unquote, urlsplit
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-LFS_SUFFIXES = (".safetensors",)
+LFS_SUFFIXES = (".safetensors", ".bin")
 
 
 @dataclass

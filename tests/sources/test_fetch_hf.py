@@ -16,7 +16,7 @@ from corral_engine.sources.cache import COMPLETE_MARKER, discard_failed
 from corral_engine.sources.progress import PROGRESS_EVENT
 
 from tests.sources.conftest import HF_TOKEN, HF_TOKEN_NO_ACCESS, clean_env, fetch_model, small_tmpfs
-from tests.sources.hub_standin import COMMIT, HubStandIn
+from tests.sources.hub_standin import COMMIT, HubStandIn, Repo
 
 
 def settings(hub: HubStandIn, **extra: str) -> SourceSettings:
@@ -234,3 +234,21 @@ def test_a_damaged_entry_is_fetched_again(hub: HubStandIn, tmp_path: Path) -> No
     again = resolve_model(parse("hf://org/tiny"), settings(hub), options)
     assert again.was_downloaded and weights.stat().st_size == size
     assert hub.file_gets("model.safetensors") == before + 1
+
+
+def test_pickled_weights_are_fetched_only_without_safetensors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A repo with only pytorch_model.bin is fetched and verified whole; one with both formats
+    gets its safetensors and never its pickles (vLLM's --load-format auto)."""
+    from tests.engine.test_pickled_weights import pickled_copy
+
+    only_bin = pickled_copy(tiny_model_dir, tmp_path / "repos" / "bin")
+    both = pickled_copy(tiny_model_dir, tmp_path / "repos" / "both")
+    for file in tiny_model_dir.glob("*.safetensors"):
+        (both / file.name).write_bytes(file.read_bytes())
+    options = FetchOptions(cache_dir=tmp_path / "cache", show_progress=False)
+    with HubStandIn({"org/bin": Repo(only_bin), "org/both": Repo(both)}) as hub:
+        got = resolve_model(parse("hf://org/bin"), settings(hub), options).path
+        assert (got / "pytorch_model.bin").read_bytes() == (only_bin / "pytorch_model.bin").read_bytes()
+        got = resolve_model(parse("hf://org/both"), settings(hub), options).path
+        assert (got / "model.safetensors").is_file() and not (got / "pytorch_model.bin").exists()
+        assert hub.file_gets("pytorch_model.bin") == 1

@@ -84,3 +84,19 @@ def test_a_failed_fetch_leaves_no_model_folders_in_the_cache(
     with pytest.raises(FetchError):
         resolve_model(parse(uri), SourceSettings(**{**s3.env(), **override}), options)
     assert [p.name for p in cache.iterdir()] == [".locks"]  # its lock file only
+
+
+def test_pickled_weights_are_fetched_only_without_safetensors(
+    s3: S3Server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tests.engine.test_pickled_weights import pickled_copy
+
+    only_bin = pickled_copy(tiny_model_dir, tmp_path / "bin")
+    s3.upload_dir(BUCKET, "pickled/bin", only_bin)
+    (only_bin / "model.safetensors").write_bytes((tiny_model_dir / "model.safetensors").read_bytes())
+    s3.upload_dir(BUCKET, "pickled/both", only_bin)
+    options = FetchOptions(cache_dir=tmp_path / "cache", show_progress=False)
+    got = resolve_model(parse(f"s3://{BUCKET}/pickled/bin"), SourceSettings(**s3.env()), options).path
+    assert (got / "pytorch_model.bin").is_file() and not (got / "model.safetensors").exists()
+    got = resolve_model(parse(f"s3://{BUCKET}/pickled/both"), SourceSettings(**s3.env()), options).path
+    assert (got / "model.safetensors").is_file() and not (got / "pytorch_model.bin").exists()

@@ -1,11 +1,13 @@
-"""Load a Hugging Face safetensors checkpoint (sharded or not) into the engine's model; under
-tensor parallelism each rank reads only its own slices (safetensors' get_slice). FP8 checkpoints'
-weights are dequantized tensor by tensor, and quantized layers' weights quantized row by row."""
+"""Load a Hugging Face checkpoint (safetensors, else PyTorch pickles; sharded or not) into the
+engine's model; under tensor parallelism each rank reads only its own slices (safetensors'
+get_slice). FP8 checkpoints' weights are dequantized tensor by tensor, and quantized layers'
+weights quantized row by row."""
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from corral_engine.model.moe import Experts
 from corral_engine.model.parallel import EXPERT_PARTS, Cut, ShardPlan
 from corral_engine.model.quant import QuantConfig
 from corral_engine.model.quant_ops import CHECKPOINT_DTYPES, dequantize, quantize_rows
+from corral_engine.weight_files import INDEXES, is_weight_file, weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,12 @@ _EXPERT = re.compile(
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
+    """The checkpoint's weight files: safetensors (every shard its index names), else PyTorch's
+    pickled `pytorch_model*.bin` (vLLM's --load-format auto), read with weights_only."""
+    kind = weight_format(p.name for p in path.iterdir()) if path.is_dir() else None
+    if kind is None:
+        raise ModelLoadError(f"{path} has no weights: no *.safetensors and no pytorch_model*.bin files")
+    index = path / INDEXES[kind]
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -64,11 +72,7 @@ def checkpoint_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"{index} is malformed: {e}") from e
         files = sorted({path / name for name in weight_map.values()})
     else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)"
-        )
+        files = sorted(p for p in path.iterdir() if is_weight_file(p.name, kind))
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ModelLoadError(f"checkpoint shards listed in the index are missing: {', '.join(missing)}")
@@ -83,6 +87,9 @@ def iter_tensors(files: list[Path], slicer: Slicer | None = None) -> Iterator[tu
     start, length) reads that range of dimension `dim` from the file, several such pieces are read
     and concatenated; None the whole tensor; False skips it."""
     for file in files:
+        if file.suffix == ".bin":
+            yield from _pickled_tensors(file, slicer)
+            continue
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
@@ -97,8 +104,30 @@ def iter_tensors(files: list[Path], slicer: Slicer | None = None) -> Iterator[tu
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from e
 
 
+def _pickled_tensors(file: Path, slicer: Slicer | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_tensors for a `pytorch_model*.bin`: loaded with weights_only (tensors, never code),
+    memory-mapped where the file is a zip archive (torch.save's format since 1.6), then cut."""
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)  # the legacy format
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ModelLoadError(f"{file}: cannot read PyTorch weights: {e}") from e
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{file}: holds a {type(state).__name__}, not a state dict of tensors")
+    for name, tensor in state.items():
+        cut = None if slicer is None else slicer(name)
+        if cut is False:
+            continue
+        yield name, tensor if cut is None or cut is True else read_cut(tensor, cut).clone()
+
+
 def read_cut(part: Any, cut: Cut | list[Cut]) -> torch.Tensor:
-    """The ranges `cut` names of a safetensors slice, read from the file (never the whole tensor)."""
+    """The ranges `cut` names of a safetensors slice (or a tensor), read from the file (never the
+    whole tensor)."""
     pieces = cut if isinstance(cut, list) else [cut]
     read = [part[(slice(None),) * dim + (slice(start, start + length),)] for dim, start, length in pieces]
     return read[0] if len(read) == 1 else torch.cat(read, dim=pieces[0][0])

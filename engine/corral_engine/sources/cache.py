@@ -20,15 +20,16 @@ from filelock import FileLock, Timeout
 from corral_engine import lora
 from corral_engine.sources.errors import FetchError
 from corral_engine.sources.uri import ModelUri, cache_subdir
+from corral_engine.weight_files import INDEXES, weight_format, weight_pattern
 
 log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".corral-complete.json"
 LOCK_SUFFIX = ".lock"
 LOCKS_DIR = ".locks"  # under the cache directory
-# Files a checkpoint may have that the engine reads; sources download only these.
+# Files a checkpoint may have that the engine reads besides its weights; sources download only
+# these and the weights `weight_files.weight_pattern` picks (safetensors, else PyTorch pickles).
 ALLOW_PATTERNS = (
-    "*.safetensors",
     "*.json",
     "tokenizer.model",
     "*.tiktoken",
@@ -37,7 +38,6 @@ ALLOW_PATTERNS = (
     "*.jinja",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 # huggingface_hub's bookkeeping inside a download directory; its partial files there end in .incomplete.
 CLIENT_STATE_DIR = ".cache"
 PARTIAL_SUFFIX = ".incomplete"
@@ -176,9 +176,15 @@ def verify_files(directory: Path, expected: list[ExpectedFile]) -> None:
     verify_checkpoint(directory)
 
 
+def allow_patterns(names: list[str]) -> list[str]:
+    """What to download of a listing of file `names`: the files the engine reads and the weights
+    in one format (safetensors where there are any, else `pytorch_model*.bin`)."""
+    return [*ALLOW_PATTERNS, weight_pattern(names)]
+
+
 def verify_checkpoint(directory: Path) -> None:
-    """A config, weights in safetensors (every shard an index names) and a tokenizer; or a LoRA
-    adapter in PEFT's layout (its config and weights: it has no tokenizer of its own)."""
+    """A config, weights in safetensors or PyTorch pickles (every shard an index names) and a
+    tokenizer; or a LoRA adapter in PEFT's layout (its config and weights: no tokenizer of its own)."""
     if not directory.is_dir():
         raise FetchError("not_found", f"{directory} is not a directory")
     if (directory / lora.CONFIG_FILE).is_file():
@@ -190,11 +196,12 @@ def verify_checkpoint(directory: Path) -> None:
     missing = []
     if not (directory / "config.json").is_file():
         missing.append("config.json")
-    if not any(directory.glob("*.safetensors")):
-        missing.append("*.safetensors")
+    kind = weight_format(p.name for p in directory.iterdir())
+    if kind is None:
+        missing.append("*.safetensors (or pytorch_model*.bin)")
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         missing.append(" or ".join(TOKENIZER_FILES))
-    index = directory / SAFETENSORS_INDEX
+    index = directory / INDEXES[kind or "safetensors"]
     if index.is_file():
         shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
         missing += sorted(s for s in shards if not (directory / s).is_file())

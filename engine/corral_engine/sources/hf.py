@@ -24,7 +24,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import filter_repo_objects
 
 from corral_engine.settings import SourceSettings
-from corral_engine.sources.cache import ALLOW_PATTERNS, ExpectedFile
+from corral_engine.sources.cache import ExpectedFile, allow_patterns
 from corral_engine.sources.errors import FetchError, disk_error
 from corral_engine.sources.uri import DEFAULT_HF_REVISION, ModelUri
 
@@ -36,6 +36,7 @@ MAX_WORKERS = 4
 class HfListing:
     commit: str
     files: list[ExpectedFile]
+    patterns: list[str]  # what to download: these files' patterns (cache.allow_patterns)
 
 
 class HfSource:
@@ -57,9 +58,10 @@ class HfSource:
                 for f in api.list_repo_tree(uri.location, revision=info.sha, recursive=True)
                 if isinstance(f, huggingface_hub.hf_api.RepoFile)
             }
-        names = list(filter_repo_objects(entries, allow_patterns=list(ALLOW_PATTERNS)))
+        patterns = allow_patterns(list(entries))
+        names = list(filter_repo_objects(entries, allow_patterns=patterns))
         files = [_expected(entries[name]) for name in sorted(names)]
-        return HfListing(info.sha, files)
+        return HfListing(info.sha, files, patterns)
 
     def download(self, uri: ModelUri, listing: HfListing, directory: Path) -> None:
         """The listed files at the listed commit into `directory` (resumes partial files)."""
@@ -69,7 +71,7 @@ class HfSource:
                 uri.location,
                 revision=listing.commit,
                 local_dir=directory,
-                allow_patterns=list(ALLOW_PATTERNS),
+                allow_patterns=listing.patterns,
                 endpoint=self.endpoint,
                 token=self._token or False,
                 max_workers=MAX_WORKERS,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from corral_engine.settings import SourceSettings
-from corral_engine.sources.cache import ALLOW_PATTERNS, ExpectedFile
+from corral_engine.sources.cache import ExpectedFile, allow_patterns
 from corral_engine.sources.errors import FetchError, disk_error
 from corral_engine.sources.uri import ModelUri
 
@@ -52,7 +52,7 @@ class S3Source:
     def list_files(self, uri: ModelUri) -> list[ExpectedFile]:
         """The checkpoint's files directly under the prefix (the engine reads one flat directory)."""
         prefix = f"{uri.path}/" if uri.path else ""
-        files = []
+        objects = []
         with _mapped(uri):
             pages = (
                 self.client()
@@ -60,12 +60,15 @@ class S3Source:
                 .paginate(Bucket=uri.location, Prefix=prefix, Delimiter="/")
             )
             for page in pages:
-                for obj in page.get("Contents", []):
-                    name = obj["Key"][len(prefix) :]
-                    if any(fnmatch.fnmatch(name, p) for p in ALLOW_PATTERNS):
-                        etag = str(obj.get("ETag", "")).strip('"')
-                        md5 = etag if len(etag) == 32 and "-" not in etag else None  # not multipart
-                        files.append(ExpectedFile(name, size_bytes=int(obj["Size"]), md5=md5))
+                objects += page.get("Contents", [])
+        names = {obj["Key"][len(prefix) :]: obj for obj in objects}
+        patterns = allow_patterns(list(names))
+        files = []
+        for name, obj in names.items():
+            if any(fnmatch.fnmatch(name, p) for p in patterns):
+                etag = str(obj.get("ETag", "")).strip('"')
+                md5 = etag if len(etag) == 32 and "-" not in etag else None  # not multipart
+                files.append(ExpectedFile(name, size_bytes=int(obj["Size"]), md5=md5))
         if not files:
             raise FetchError("not_found", f"{uri.text}: no checkpoint files under the prefix (404)")
         return sorted(files, key=lambda f: f.name)
