@@ -1,6 +1,7 @@
 """Which files of a checkpoint hold its weights, as vLLM's `--load-format auto` picks them:
 safetensors where the checkpoint has any, else PyTorch's pickled `pytorch_model*.bin` (older hub
-repos ship only those). Pure: the model cache and the loader both read it."""
+repos ship only those; PEFT adapters saved before safetensors became its default hold
+`adapter_model.bin`). Pure: the model cache and the loaders read it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ SAFETENSORS = "*.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PT = "pytorch_model*.bin"
 PT_INDEX = "pytorch_model.bin.index.json"
-_PATTERNS: dict[WeightFormat, str] = {"safetensors": SAFETENSORS, "pt": PT}
+ADAPTER_SAFETENSORS = "adapter_model.safetensors"
+ADAPTER_PT = "adapter_model.bin"
+_PATTERNS: dict[WeightFormat, tuple[str, ...]] = {"safetensors": (SAFETENSORS,), "pt": (PT, ADAPTER_PT)}
 INDEXES: dict[WeightFormat, str] = {"safetensors": SAFETENSORS_INDEX, "pt": PT_INDEX}
 
 
@@ -23,16 +26,22 @@ def weight_format(names: Iterable[str]) -> WeightFormat | None:
     without them; None: neither."""
     names = [name for name in names if "/" not in name]
     for kind in ("safetensors", "pt"):
-        if any(fnmatch.fnmatch(name, _PATTERNS[kind]) for name in names):
+        if any(is_weight_file(name, kind) for name in names):
             return kind
     return None
 
 
-def weight_pattern(names: Iterable[str]) -> str:
-    """The pattern of the weight files to fetch from a listing of `names` (safetensors when it
+def weight_patterns(names: Iterable[str]) -> tuple[str, ...]:
+    """The patterns of the weight files to fetch from a listing of `names` (safetensors when it
     has both: the pickles are never downloaded then)."""
     return _PATTERNS[weight_format(names) or "safetensors"]
 
 
 def is_weight_file(name: str, kind: WeightFormat) -> bool:
-    return fnmatch.fnmatch(name, _PATTERNS[kind])
+    return any(fnmatch.fnmatch(name, pattern) for pattern in _PATTERNS[kind])
+
+
+def adapter_weights(names: Iterable[str]) -> str | None:
+    """Which file holds a PEFT adapter's weights among `names`: safetensors first; None: neither."""
+    present = set(names)
+    return next((f for f in (ADAPTER_SAFETENSORS, ADAPTER_PT) if f in present), None)

@@ -250,3 +250,21 @@ def test_adapter_config_scale(tmp_path: pathlib.Path) -> None:
     )
     config = read_adapter_config("x", str(tmp_path), 16)
     assert config.target_modules == ("q_proj",) and config.scale == 32 / 4
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_an_adapter_saved_as_a_pickle_matches_peft(  # type: ignore[no-untyped-def]
+    tiny_model_dir, adapters, prompts, expected, tmp_path, tensor_parallel_size
+) -> None:
+    """PEFT's older adapter_model.bin (read with weights_only; each rank cuts its shard of it)."""
+    import torch
+    from safetensors.torch import load_file
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_bytes((adapters["some"] / "adapter_config.json").read_bytes())
+    torch.save(load_file(adapters["some"] / "adapter_model.safetensors"), pickled / "adapter_model.bin")
+    engine = _lora_engine(tiny_model_dir, {"some": pickled}, tensor_parallel_size=tensor_parallel_size)
+    loras = _loras({"some": pickled})
+    assert _run_mixed(engine, prompts[:2], ["some", None], loras) == [expected["some"][0], expected[None][1]]
+    engine.runner.close()

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 from corral_engine.settings import SourceSettings
 from corral_engine.sources import FetchError, ModelUriError, parse, parse_model_uri, resolve_model
-from corral_engine.sources.cache import ExpectedFile, entry_dir, verify_checkpoint, verify_files
+from corral_engine.sources.cache import (
+    ExpectedFile,
+    allow_patterns,
+    entry_dir,
+    verify_checkpoint,
+    verify_files,
+)
 from corral_engine.sources.errors import disk_error
 
 
@@ -127,3 +133,33 @@ def test_settings_never_show_their_secrets() -> None:
     shown = f"{settings!r} {settings} {settings.model_dump()} {settings.model_dump_json()}"
     assert not any(value in shown for value in secrets.values())
     assert settings.hf_token is not None and settings.hf_token.get_secret_value() == "hf_secretValue123"
+
+
+@pytest.mark.parametrize(
+    ("names", "weights"),
+    [
+        (["config.json", "model.safetensors", "pytorch_model.bin"], ("*.safetensors",)),
+        (
+            ["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"],
+            ("pytorch_model*.bin", "adapter_model.bin"),
+        ),
+        (["adapter_config.json", "adapter_model.bin"], ("pytorch_model*.bin", "adapter_model.bin")),
+        (["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"], ("*.safetensors",)),
+        # Only the top level counts: safetensors in a subfolder (onnx/, openvino/) are not the weights.
+        (
+            ["config.json", "onnx/model.safetensors", "pytorch_model.bin"],
+            ("pytorch_model*.bin", "adapter_model.bin"),
+        ),
+    ],
+)
+def test_the_weights_fetched_are_safetensors_else_pickles(names: list[str], weights: tuple[str, ...]) -> None:
+    assert allow_patterns(names)[-len(weights) :] == list(weights)
+    assert not any(p.endswith((".bin", ".safetensors")) for p in allow_patterns(names)[: -len(weights)])
+
+
+def test_an_adapter_with_pickled_weights_is_complete(tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(FetchError, match=r"not a complete LoRA adapter: no adapter_model\.safetensors"):
+        verify_checkpoint(tmp_path)
+    (tmp_path / "adapter_model.bin").write_bytes(b"x")
+    verify_checkpoint(tmp_path)

@@ -24,12 +24,14 @@ refused, as vLLM refuses modules its model lacks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
+import pickle
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,6 +53,7 @@ from corral_engine.model.loader import read_cut
 from corral_engine.model.matmul_plan import MatmulPlan
 from corral_engine.model.parallel import Cut
 from corral_engine.settings import Switch
+from corral_engine.weight_files import adapter_weights
 
 logger = logging.getLogger(__name__)
 
@@ -222,18 +225,20 @@ class LoraSlots:
                 f"{self.config.architecture} base model, whose adapters target "
                 f"{', '.join(self.targets)} (was it trained on another architecture?)"
             )
-        path = pathlib.Path(lora.path) / WEIGHTS_FILE
-        if not path.is_file():
+        directory = pathlib.Path(lora.path)
+        found = adapter_weights(p.name for p in directory.iterdir()) if directory.is_dir() else None
+        path = directory / (found or WEIGHTS_FILE)
+        if found is None:
             raise AdapterError(f"adapter {lora.name!r}: {path} is missing")
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with _opened(path) as parts:
                 # Slices: a rank reads only its shard's bytes (see _checked).
                 pairs: dict[tuple[int, str], dict[str, Any]] = {}
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    layer, part, which = self._key(lora.name, key, config)
-                    pairs.setdefault((layer, part), {})[which] = f.get_slice(key)
+                for key, part in parts:
+                    layer, projection, which = self._key(lora.name, key, config)
+                    pairs.setdefault((layer, projection), {})[which] = part
                 tensors = {where: self._checked(lora.name, where, ab, config) for where, ab in pairs.items()}
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
             if isinstance(e, AdapterError):
                 raise
             raise AdapterError(f"adapter {lora.name!r}: cannot read {path}: {e}") from None
@@ -379,3 +384,30 @@ def _full_shape(config: ModelConfig, part: str) -> tuple[int, int]:
         "gate_up_proj": (2 * inter, hidden),
         "down_proj": (hidden, inter),
     }[part]
+
+
+class _Whole:
+    """A tensor of an unpickled adapter, read as a safetensors slice is (get_shape, indexing)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+@contextlib.contextmanager
+def _opened(path: pathlib.Path) -> Iterator[Iterator[tuple[str, Any]]]:
+    """An adapter file's (name, slice) pairs: safetensors' lazy slices, or for PEFT's older
+    `adapter_model.bin` its tensors unpickled with weights_only (never code)."""
+    if path.suffix == ".bin":
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds a {type(state).__name__}, not a state dict of tensors")
+        yield ((str(k), _Whole(v)) for k, v in state.items())
+        return
+    with safe_open(str(path), framework="pt") as f:
+        yield ((key, f.get_slice(key)) for key in f.keys())  # noqa: SIM118 (safe_open is not a mapping)

@@ -20,7 +20,13 @@ from filelock import FileLock, Timeout
 from corral_engine import lora
 from corral_engine.sources.errors import FetchError
 from corral_engine.sources.uri import ModelUri, cache_subdir
-from corral_engine.weight_files import INDEXES, weight_format, weight_pattern
+from corral_engine.weight_files import (
+    ADAPTER_SAFETENSORS,
+    INDEXES,
+    adapter_weights,
+    weight_format,
+    weight_patterns,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +185,7 @@ def verify_files(directory: Path, expected: list[ExpectedFile]) -> None:
 def allow_patterns(names: list[str]) -> list[str]:
     """What to download of a listing of file `names`: the files the engine reads and the weights
     in one format (safetensors where there are any, else `pytorch_model*.bin`)."""
-    return [*ALLOW_PATTERNS, weight_pattern(names)]
+    return [*ALLOW_PATTERNS, *weight_patterns(names)]
 
 
 def verify_checkpoint(directory: Path) -> None:
@@ -188,9 +194,9 @@ def verify_checkpoint(directory: Path) -> None:
     if not directory.is_dir():
         raise FetchError("not_found", f"{directory} is not a directory")
     if (directory / lora.CONFIG_FILE).is_file():
-        if not (directory / lora.WEIGHTS_FILE).is_file():
+        if adapter_weights(p.name for p in directory.iterdir()) is None:
             raise FetchError(
-                "not_found", f"{directory} is not a complete LoRA adapter: no {lora.WEIGHTS_FILE}"
+                "not_found", f"{directory} is not a complete LoRA adapter: no {ADAPTER_SAFETENSORS}"
             )
         return
     missing = []
