@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -26,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 from corral_engine.args import DEFAULT_GPU_MEMORY_UTILIZATION
 from corral_engine.sources import FetchError, local_model_problem, parse_model_uri
 
-from corral_cli import malloc, tracing
+from corral_cli import tracing
 from corral_cli.cmd_fetch_model import fetch
 from corral_cli.flags import non_negative_float, port_number
 from corral_cli.heap import freeze_startup_heap
-from corral_cli.listen import cannot_listen, free_ports
+from corral_cli.listen import cannot_listen
 from corral_cli.local_adapters import AdapterFetchError, adapter_flags
+from corral_cli.local_engines import DEFAULT_DRAIN_TIMEOUT_S, LocalEngine, LogDir, stop_engines, wait_ready
 from corral_cli.up_banner import fleet_kind, usage_text
 
 if TYPE_CHECKING:
@@ -41,10 +37,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DEMO_DIR = Path.home() / ".cache" / "corral" / "demo-model"
 DEFAULT_REPLICAS = 2
-_ENGINE_READY_TIMEOUT_S = 300.0
-DEFAULT_DRAIN_TIMEOUT_S = 5.0  # a local fleet: Ctrl-C should not wait the 30 s a pod's drain gets
 # After the engines' own drain (--drain-timeout, as the gateway's): their graceful close, then SIGKILL.
-_ENGINE_STOP_MARGIN_S = 5.0
 
 
 class _Stop(Exception):
@@ -271,125 +264,6 @@ def model_source_flags(fleet: LocalFleet) -> list[str]:
     return []
 
 
-def _die_with_parent() -> None:
-    """In the engine child: get SIGTERM if `corral up` itself dies (even by SIGKILL). Linux only."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-class _LogDir:
-    """Where the engines log: --log-dir, kept; else a temporary directory, removed once the fleet
-    stopped cleanly (an engine's log matters only when something failed)."""
-
-    def __init__(self, requested: Path | None) -> None:
-        self.requested = requested
-        self.path: Path | None = None
-
-    def create(self) -> Path:
-        self.path = self.requested or Path(tempfile.mkdtemp(prefix="corral-up-"))
-        self.path.mkdir(parents=True, exist_ok=True)
-        return self.path
-
-    def close(self, *, has_failed: bool) -> None:
-        if self.path is None or self.requested is not None:
-            return
-        if has_failed:
-            logger.warning("engine logs kept in %s", self.path)
-        else:
-            shutil.rmtree(self.path, ignore_errors=True)
-
-
-class _Engine:
-    """One `corral engine` process: one replica, or `num_replicas` simulated ones."""
-
-    def __init__(
-        self,
-        engine_flags: list[str],
-        num_threads: int,
-        log_dir: Path,
-        log_flags: list[str],
-        num_replicas: int = 1,
-        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-    ) -> None:
-        ports = free_ports("127.0.0.1", num_replicas)  # a simulated fleet listens on several
-        self.port = ports[0]
-        self.urls = [f"http://127.0.0.1:{port}" for port in ports]
-        self.log_path = log_dir / f"engine-{self.port}.log"
-        self.has_exited_early = False
-        argv = [sys.executable, "-m", "corral_cli.main", *log_flags, "engine", *engine_flags]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--num-threads", str(num_threads)]
-        # As long as the gateway's drain (the engine's own default is a pod's 20 s), so that
-        # `_stop_engines` knows how long to wait; last on the line, it wins over an LLMDeployment's
-        # args. Engines stop after the gateway has drained: what they still serve then is what
-        # clients sent to them directly.
-        argv += ["--drain-timeout", str(drain_timeout_s)]
-        if num_replicas > 1:
-            argv += ["--replicas", str(num_replicas)]
-        with self.log_path.open("wb") as log:
-            # Own session: Ctrl-C reaches only `corral up`, which stops the engines in order.
-            self.proc = subprocess.Popen(
-                argv,
-                env=malloc.engine_env(os.environ),  # tcmalloc where installed (faster on CPU)
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-
-    def is_ready(self) -> bool:
-        if self.proc.poll() is not None:
-            tail = self.log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"engine on port {self.port} exited with {self.proc.returncode}:\n{tail}")
-        try:
-            for url in self.urls:
-                with urllib.request.urlopen(url + "/health", timeout=2.0) as response:
-                    if response.status != 200:
-                        return False
-            return True
-        except OSError:  # refused, reset, timed out, or an HTTP error status
-            return False
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        else:
-            self.has_exited_early = True  # before `corral up` stopped it: a crash, or a failed start
-
-    def has_stopped_cleanly(self) -> bool:
-        """Stopped by our SIGTERM: its drain ended (0), or the signal came before its handler."""
-        return not self.has_exited_early and self.proc.returncode in (0, -signal.SIGTERM)
-
-    def wait_or_kill(self, deadline_s: float) -> None:
-        try:
-            self.proc.wait(max(0.1, deadline_s - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _wait_ready(engines: list[_Engine]) -> None:
-    deadline_s = time.monotonic() + _ENGINE_READY_TIMEOUT_S
-    pending = list(engines)
-    while pending:
-        pending = [e for e in pending if not e.is_ready()]
-        if time.monotonic() > deadline_s:
-            raise RuntimeError(
-                f"engines not healthy after {_ENGINE_READY_TIMEOUT_S:.0f} s: see {pending[0].log_path}"
-            )
-        time.sleep(0.2)
-
-
-def _stop_engines(engines: list[_Engine], drain_timeout_s: float) -> None:
-    for engine in engines:
-        engine.terminate()
-    deadline_s = time.monotonic() + drain_timeout_s + _ENGINE_STOP_MARGIN_S
-    for engine in engines:
-        engine.wait_or_kill(deadline_s)
-
-
 def _gateway_server(app: Any, host: str, port: int) -> Any:
     """The gateway's `DrainingServer`, as `corral gateway` runs it: the first Ctrl-C or SIGTERM
     drains (new requests 503, open ones get the app's drain timeout, then an error event), a
@@ -430,8 +304,8 @@ def run(args: argparse.Namespace) -> int:
         raise _Stop()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
-    engines: list[_Engine] = []
-    log_dir = _LogDir(args.log_dir)
+    engines: list[LocalEngine] = []
+    log_dir = LogDir(args.log_dir)
     status = 1
     try:
         status = _run_fleet(args, engines, log_dir)
@@ -440,11 +314,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         if engines:
             logger.info("stopping %d engine process%s", len(engines), "es"[: 2 * (len(engines) != 1)])
-        _stop_engines(engines, args.drain_timeout)
+        stop_engines(engines, args.drain_timeout)
         log_dir.close(has_failed=status != 0 or not all(e.has_stopped_cleanly() for e in engines))
 
 
-def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDir) -> int:
+def _run_fleet(args: argparse.Namespace, engines: list[LocalEngine], log_dir: LogDir) -> int:
     """Start the engines (appended to `engines`, which the caller stops), then serve the gateway
     until Ctrl-C or SIGTERM; the exit status."""
     try:
@@ -461,7 +335,7 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
             for flags in replicas:
                 num_replicas = _replicas(args) if args.simulate is not None else 1
                 engines.append(
-                    _Engine(flags, num_threads, log_path, log_flags, num_replicas, args.drain_timeout)
+                    LocalEngine(flags, num_threads, log_path, log_flags, num_replicas, args.drain_timeout)
                 )
                 backends.setdefault(name, []).extend(engines[-1].urls)
         logger.info(
@@ -471,7 +345,7 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
             log_path,
             "" if args.log_dir else ", removed at a clean stop",
         )
-        _wait_ready(engines)
+        wait_ready(engines)
         name = next(iter(fleet))
 
         from corral_gateway.app import create_app
@@ -492,9 +366,7 @@ def _run_fleet(args: argparse.Namespace, engines: list[_Engine], log_dir: _LogDi
         freeze_startup_heap()
         # The gateway's server handles SIGINT/SIGTERM from here on: it stops serving and returns.
         asyncio.run(
-            _serve_gateway(
-                app, args.host, args.port, usage_text(base_url, name, fleet_kind(fleet[name][0]))
-            )
+            _serve_gateway(app, args.host, args.port, usage_text(base_url, name, fleet_kind(fleet[name][0])))
         )
         return 0
     except (KeyboardInterrupt, _Stop):

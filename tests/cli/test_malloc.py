@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from corral_cli import cmd_up, malloc
+from corral_cli import local_engines, malloc
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_corral_up_starts_engines_with_tcmalloc_preloaded(
     monkeypatch.setattr(subprocess, "Popen", fake_popen)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("CORRAL_TCMALLOC", raising=False)
-    cmd_up._Engine(["--model", "m"], 1, tmp_path, ["--log-format", "json"])
+    local_engines.LocalEngine(["--model", "m"], 1, tmp_path, ["--log-format", "json"])
     assert started["env"]["LD_PRELOAD"] == str(libdir / "libtcmalloc_minimal.so.4")
     assert "engine" in started["argv"]
     # The fleet's logging options reach the engines.

@@ -110,7 +110,7 @@ def _run(path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> in
         monkeypatch.delenv(name, raising=False)
     for name in ("HOME", "HF_ENDPOINT", "CORRAL_MODEL_CACHE"):
         monkeypatch.setenv(name, env[name])
-    monkeypatch.setattr(cmd_up, "_Engine", no_engine)
+    monkeypatch.setattr(cmd_up, "LocalEngine", no_engine)
     parser = argparse.ArgumentParser()
     cmd_up.add_arguments(parser)
     args = parser.parse_args(["-f", str(path), "--port", str(free_ports("127.0.0.1", 1)[0])])

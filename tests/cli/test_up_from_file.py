@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from corral_cli import cmd_up, listen, up_banner
+from corral_cli import cmd_up, listen, local_engines, up_banner
 from corral_cli.cmd_engine import add_arguments as add_engine_arguments
 from corral_cli.cmd_engine import engine_args_from
 
@@ -76,7 +76,7 @@ def test_engines_listen_below_the_ephemeral_range(tmp_path: Path, monkeypatch: p
     first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     monkeypatch.setattr(cmd_up.subprocess, "Popen", lambda *args, **kwargs: None)
     for _ in range(20):
-        engine = cmd_up._Engine(["--model", str(tmp_path)], 1, tmp_path, [], num_replicas=4)
+        engine = local_engines.LocalEngine(["--model", str(tmp_path)], 1, tmp_path, [], num_replicas=4)
         ports = [int(url.rsplit(":", 1)[1]) for url in engine.urls]
         assert ports == list(range(engine.port, engine.port + 4)) and ports[-1] < first_ephemeral
 
@@ -106,7 +106,7 @@ def test_a_missing_model_directory_is_refused_before_any_engine_starts(
     def no_engine(*_: object, **__: object) -> None:
         raise AssertionError("an engine was started")
 
-    monkeypatch.setattr(cmd_up, "_Engine", no_engine)
+    monkeypatch.setattr(cmd_up, "LocalEngine", no_engine)
     missing = tmp_path / "missing"
     from_file = ["-f", str(EXAMPLE), "--model-path", str(missing)]
     args = _args(*(["--model", str(missing)] if source == "--model" else from_file))

@@ -74,7 +74,7 @@ def _no_engine(*_: object, **__: object) -> None:
 def test_up_refuses_an_unknown_profile_before_any_engine_starts(
     profile: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cmd_up, "_Engine", _no_engine)
+    monkeypatch.setattr(cmd_up, "LocalEngine", _no_engine)
     monkeypatch.setattr(cmd_up, "DEFAULT_DEMO_DIR", tmp_path / "demo" / "demo-model")
     log_dir = tmp_path / "logs"
     args = _parse("up", "--simulate", str(tmp_path / profile) if profile.endswith(".json") else profile)
@@ -88,7 +88,7 @@ def test_up_refuses_an_unknown_profile_before_any_engine_starts(
 def test_up_refuses_a_bad_profile_file_before_any_engine_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cmd_up, "_Engine", _no_engine)
+    monkeypatch.setattr(cmd_up, "LocalEngine", _no_engine)
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"kind": "roofline"}))
     args = _parse("up", "--simulate", str(profile), "--model", str(tmp_path))
@@ -102,7 +102,7 @@ def test_up_simulate_reads_only_a_tokenizer_from_model(
 ) -> None:
     """A simulated fleet's --model needs tokenizer.json, not a checkpoint's config.json; one with
     neither is refused before its engine starts."""
-    monkeypatch.setattr(cmd_up, "_Engine", _no_engine)
+    monkeypatch.setattr(cmd_up, "LocalEngine", _no_engine)
     model = tmp_path / "tokenizer"
     model.mkdir()
     port = str(listen.free_ports("127.0.0.1", 1)[0])

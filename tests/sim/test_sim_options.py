@@ -98,7 +98,7 @@ def test_corral_up_simulate_passes_no_flag_the_profile_ignores(tmp_path: pathlib
     up_argv = ["--model", str(tmp_path), "--simulate", "h100-llama3-8b-corral", "--replicas", "4"]
     up_args = parser.parse_args(up_argv)
     [[flags]] = cmd_up._fleet(up_args).values()
-    # What cmd_up._Engine adds to each engine process's flags.
+    # What local_engines.LocalEngine adds to each engine process's flags.
     argv = [*flags, "--host", "127.0.0.1", "--port", "9000", "--num-threads", "2", "--replicas", "4"]
     args, _ = _engine_args(argv)
     given = {name: getattr(args, name, None) for name in OPTIONS}
