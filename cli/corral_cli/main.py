@@ -23,6 +23,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "engine",
     ),
     "check": ("corral_cli.cmd_check", "list an endpoint's models and send one chat completion", "gateway"),
+    "run-batch": (
+        "corral_cli.cmd_run_batch",
+        "run a file of OpenAI batch requests against a server or a local engine",
+        "engine",
+    ),
     "demo-model": ("corral_cli.cmd_demo_model", "write a random-weight HF checkpoint", "engine"),
     "calibrate": (
         "corral_cli.cmd_calibrate",

@@ -92,7 +92,13 @@ def test_documented_commands_parse(path: Path) -> None:
             problems.append(f"{where}: no such subcommand")
             continue
         problems += [f"{where}: {p}" for p in _problems(top, global_options)]
+        # After a lone `--`, flags for the engine `corral run-batch --model` starts.
+        rest, _, engine_flags = f"{rest} ".partition(" -- ")
         problems += [f"{where}: {p}" for p in _problems(subparsers[command]._option_string_actions, rest)]
+        problems += [
+            f"{where}: engine {p}"
+            for p in _problems(subparsers["engine"]._option_string_actions, engine_flags)
+        ]
     assert not problems, "\n".join(problems)
 
 
