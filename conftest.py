@@ -6,30 +6,36 @@ from __future__ import annotations
 
 import gc
 import pathlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import pytest
 from corral_engine.demo_model import ARCHITECTURES, write_demo_model
 
 
-class _LazyModelDirs(Mapping[str, pathlib.Path]):
-    """arch -> tiny checkpoint dir; each is written on first access."""
+class _LazyDirs(Mapping[str, pathlib.Path]):
+    """name -> checkpoint dir; each is written (by `write(name, dir)`) on first access."""
 
-    def __init__(self, root: pathlib.Path, known: dict[str, pathlib.Path]) -> None:
-        self._root, self._dirs = root, dict(known)
+    def __init__(
+        self,
+        root: pathlib.Path,
+        names: Iterable[str],
+        write: Callable[[str, pathlib.Path], pathlib.Path],
+        known: dict[str, pathlib.Path] | None = None,
+    ) -> None:
+        self._root, self._names, self._write, self._dirs = root, tuple(names), write, dict(known or {})
 
-    def __getitem__(self, arch: str) -> pathlib.Path:
-        if arch not in ARCHITECTURES:
-            raise KeyError(arch)
-        if arch not in self._dirs:
-            self._dirs[arch] = write_demo_model(self._root / f"tiny-{arch}", preset="tiny", arch=arch)
-        return self._dirs[arch]
+    def __getitem__(self, name: str) -> pathlib.Path:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._dirs:
+            self._dirs[name] = self._write(name, self._root / name)
+        return self._dirs[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(ARCHITECTURES)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(ARCHITECTURES)
+        return len(self._names)
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +49,33 @@ def tiny_model_dirs(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: pathlib.Path
 ) -> Mapping[str, pathlib.Path]:
     """arch -> tiny checkpoint dir for each demo architecture (each built when first used)."""
-    return _LazyModelDirs(tmp_path_factory.mktemp("models-by-arch"), {"llama": tiny_model_dir})
+    return _LazyDirs(
+        tmp_path_factory.mktemp("models-by-arch"),
+        ARCHITECTURES,
+        lambda arch, out: write_demo_model(out.with_name(f"tiny-{arch}"), preset="tiny", arch=arch),
+        {"llama": tiny_model_dir},
+    )
+
+
+# The demo encoders' kinds: an embedding model, a one-label reranker, a three-label classifier.
+_ENCODER_KINDS = {"": {}, "-reranker": {"is_reranker": True}, "-classifier": {"num_labels": 3}}
+
+
+def _write_encoder(name: str, out: pathlib.Path) -> pathlib.Path:
+    from corral_engine.demo_encoder import write_demo_encoder
+
+    arch, kind = next((name.removesuffix(k), k) for k in reversed(_ENCODER_KINDS) if name.endswith(k))
+    return write_demo_encoder(out, arch=arch, **_ENCODER_KINDS[kind])
+
+
+@pytest.fixture(scope="session")
+def demo_encoders(tmp_path_factory: pytest.TempPathFactory) -> Mapping[str, pathlib.Path]:
+    """name -> tiny encoder checkpoint (each built when first used): `bert` and `xlm-roberta`
+    embedding models, `<arch>-reranker` (one label) and `<arch>-classifier` (three labels)."""
+    from corral_engine.demo_encoder import ENCODER_ARCHITECTURES
+
+    names = [arch + kind for kind in _ENCODER_KINDS for arch in ENCODER_ARCHITECTURES]
+    return _LazyDirs(tmp_path_factory.mktemp("encoders"), names, _write_encoder)
 
 
 @pytest.fixture(autouse=True)

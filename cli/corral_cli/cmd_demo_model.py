@@ -75,6 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cross-encoder/ms-marco-MiniLM-L-6-v2 and bge-reranker ship: *ForSequenceClassification with "
         "one label) instead of an embedding model; served with --runner pooling on /v1/score and /v1/rerank",
     )
+    parser.add_argument(
+        "--classifier",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --arch bert or xlm-roberta: write a sequence classifier of N labels (as sentiment "
+        "and intent models ship: *ForSequenceClassification, id2label LABEL_0..) instead of an "
+        "embedding model; served with --runner pooling on /classify",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument(
         "--lora-adapter",
@@ -94,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
         return _write_adapter(args)
     if args.arch in _ENCODER_ARCHS:
         return _write_encoder(args)
-    if args.reranker:
+    if args.reranker or args.classifier is not None:
         log.error(
-            "--reranker: a reranker is an encoder (--arch %s), not --arch %s",
+            "%s: a classifier is an encoder (--arch %s), not --arch %s",
+            "--reranker" if args.reranker else "--classifier",
             " or ".join(_ENCODER_ARCHS),
             args.arch,
         )
@@ -134,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_encoder(args: argparse.Namespace) -> int:
-    """The tiny encoder checkpoint, an embedding model or a reranker (the options for decoders'
-    weights do not apply)."""
+    """The tiny encoder checkpoint, an embedding model, a reranker or a classifier (the options for
+    decoders' weights do not apply)."""
+    if args.classifier is not None and (args.reranker or args.classifier < 1):
+        log.error("--classifier N: N must be at least 1, and a reranker is --classifier 1 (not both)")
+        return 2
     refused = [
         flag
         for flag, is_set in (
@@ -153,11 +166,16 @@ def _write_encoder(args: argparse.Namespace) -> int:
     from corral_engine.demo_encoder import write_demo_encoder
 
     try:
-        out = write_demo_encoder(args.dir, arch=args.arch, seed=args.seed, is_reranker=args.reranker)
+        labels = args.classifier or 0
+        out = write_demo_encoder(
+            args.dir, arch=args.arch, seed=args.seed, is_reranker=args.reranker, num_labels=labels
+        )
     except OSError as e:
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
     what = "reranker" if args.reranker else "encoder"
+    if args.classifier:
+        what = f"{args.classifier}-label classifier"
     log.info("wrote tiny %s checkpoint (%s, seed %d) to %s", what, args.arch, args.seed, out)
     return 0
 

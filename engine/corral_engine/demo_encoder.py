@@ -1,7 +1,7 @@
 """Write random-weight encoder checkpoints (BERT, XLM-RoBERTa): embedding models in the
-sentence-transformers layout, or rerankers (cross-encoders: a one-label sequence-classification
-head), with a tokenizer trained locally on the demo corpus; nothing is downloaded, and the same
-seed writes the same files."""
+sentence-transformers layout, or sequence classifiers (rerankers: cross-encoders with one label;
+or N labels, LABEL_0.. as transformers names them), with a tokenizer trained locally on the demo
+corpus; nothing is downloaded, and the same seed writes the same files."""
 
 from __future__ import annotations
 
@@ -88,17 +88,17 @@ def _sentence_transformers_files(out: pathlib.Path, arch: str) -> None:
     )
 
 
-def _write_weights(out: pathlib.Path, arch: str, seed: int, is_reranker: bool) -> dict[str, Any]:
+def _write_weights(out: pathlib.Path, arch: str, seed: int, num_labels: int) -> dict[str, Any]:
     """Draw every parameter of transformers' model (pooler included, as hub checkpoints hold it; a
-    reranker's classifier with one label) in sorted-name order from one seeded generator and save
-    them as model.safetensors; config.json's dict."""
+    classifier's head with `num_labels` outputs, 0: none) in sorted-name order from one seeded
+    generator and save them as model.safetensors; config.json's dict."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    class_name = (RERANKER_ARCHITECTURES if is_reranker else ENCODER_ARCHITECTURES)[arch]
+    class_name = (RERANKER_ARCHITECTURES if num_labels else ENCODER_ARCHITECTURES)[arch]
     model_class = getattr(transformers, class_name)
-    extra = {"num_labels": 1} if is_reranker else {}
+    extra = {"num_labels": num_labels} if num_labels else {}
     config = model_class.config_class(**encoder_config_dict(arch), **extra)
     config.architectures = [class_name]
     with torch.device("meta"):
@@ -119,13 +119,21 @@ def _write_weights(out: pathlib.Path, arch: str, seed: int, is_reranker: bool) -
 
 
 def write_demo_encoder(
-    out_dir: str | os.PathLike[str], arch: str = "bert", seed: int = 0, is_reranker: bool = False
+    out_dir: str | os.PathLike[str],
+    arch: str = "bert",
+    seed: int = 0,
+    is_reranker: bool = False,
+    num_labels: int = 0,
 ) -> pathlib.Path:
     """Write the tiny random-weight `arch` encoder to `out_dir` and return its path: config.json,
     model.safetensors, tokenizer.json, tokenizer_config.json (BERT: vocab.txt too) and, for an
-    embedding model, the sentence-transformers files (`is_reranker`: a cross-encoder instead)."""
+    embedding model, the sentence-transformers files (`is_reranker`: a one-label cross-encoder
+    instead; `num_labels` N: a classifier of N labels)."""
     if arch not in ENCODER_ARCHITECTURES:
         raise ValueError(f"unknown encoder arch {arch!r}; supported: {', '.join(ENCODER_ARCHITECTURES)}")
+    if num_labels < 0 or (is_reranker and num_labels not in (0, 1)):
+        raise ValueError(f"num_labels {num_labels}: a classifier has 1 or more; a reranker has 1")
+    num_labels = num_labels or int(is_reranker)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
@@ -136,7 +144,7 @@ def write_demo_encoder(
     if arch == "bert":  # BERT checkpoints carry the WordPiece vocabulary as text too
         vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
         (out / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab), encoding="utf-8")
-    _write_json(out / "config.json", _write_weights(out, arch, seed, is_reranker))
-    if not is_reranker:  # a cross-encoder has no pooling modules: its head reads the first token
+    _write_json(out / "config.json", _write_weights(out, arch, seed, num_labels))
+    if not num_labels:  # a cross-encoder has no pooling modules: its head reads the first token
         _sentence_transformers_files(out, arch)
     return out

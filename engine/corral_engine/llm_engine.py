@@ -70,6 +70,7 @@ class LLMEngine:
             raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
         # `runner_type`, not `runner`: that name holds the model runner.
         self.runner_type, self.pooler_config = choose_runner_for(args, self.model_config)
+        encoder = self.model_config.encoder  # a classifier's labels and problem type are its
         self.embed = EmbedSpec(
             self.served_model_name,
             self.runner_type,
@@ -77,6 +78,8 @@ class LLMEngine:
             self.model_config.is_matryoshka,
             self.model_config.matryoshka_dimensions,
             num_labels=self.model_config.num_labels,
+            labels=() if encoder is None else encoder.labels,
+            problem_type=None if encoder is None else encoder.problem_type,
         )
         self.embedding_size = self.embed.embedding_size  # the vectors' length; 0 when generating
         runner_args = args.replace(runner=self.runner_type)  # what the model runner builds for

@@ -11,7 +11,7 @@ from typing import Any, Literal, cast
 
 from corral_engine.errors import InvalidRequestError, ModelLoadError
 from corral_engine.options import ArgumentError
-from corral_engine.pooling_params import PoolingParams, PoolingTask
+from corral_engine.pooling_params import ClassifierActivation, PoolingParams, PoolingTask
 from corral_engine.sampling_params import SamplingParams
 
 Runner = Literal["generate", "pooling"]
@@ -172,10 +172,20 @@ def resolve_pooler(
     )
 
 
+def classify_activation(problem_type: str | None, use_activation: bool = True) -> ClassifierActivation:
+    """How /classify activates a classifier's logits, as vLLM does after transformers' loss for
+    each problem type: none for regression, each label's sigmoid for multi-label, else "auto"
+    (softmax over labels; one label's sigmoid). `use_activation` False: the raw logits."""
+    if not use_activation or problem_type == "regression":
+        return "none"
+    return "sigmoid" if problem_type == "multi_label_classification" else "auto"
+
+
 @dataclass(frozen=True, slots=True)
 class EmbedSpec:
-    """What a request's checks need of the served model: its runner and, for pooling, the vector
-    size and matryoshka dimensions (config.json's `is_matryoshka` / `matryoshka_dimensions`)."""
+    """What a request's checks and responses need of the served model: its runner and, for
+    pooling, the vector size and matryoshka dimensions (config.json's `is_matryoshka` /
+    `matryoshka_dimensions`), or a classifier's labels and problem type."""
 
     model_name: str
     runner: Runner = "generate"
@@ -183,6 +193,8 @@ class EmbedSpec:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     num_labels: int = 0  # a cross-encoder's classifier outputs; 0: not a classifier
+    labels: tuple[str | None, ...] = ()  # each output's name (config.json's id2label)
+    problem_type: str | None = None  # config.json's (how /classify activates the outputs)
 
     @property
     def task(self) -> PoolingTask | None:
@@ -215,11 +227,15 @@ class EmbedSpec:
 
     def describe(self) -> str:
         """What a pooling engine serves, in words."""
-        return "a classification model (a cross-encoder)" if self.num_labels else "an embedding model"
+        if self.num_labels == 1:
+            return "a classification model (a cross-encoder)"
+        if self.num_labels:
+            return f"a classification model ({self.num_labels} labels)"
+        return "an embedding model"
 
     def routes(self) -> str:
         """The routes that serve this pooling engine's task."""
-        return "/v1/score or /v1/rerank" if self.num_labels else "/v1/embeddings"
+        return classifier_routes(self.num_labels) if self.num_labels else "/v1/embeddings"
 
     def _check_dimensions(self, dimensions: int) -> None:
         if not self.is_matryoshka:
@@ -240,6 +256,11 @@ class EmbedSpec:
             raise InvalidRequestError(
                 f"dimensions {dimensions} is more than the model's {self.embedding_size}.", "dimensions"
             )
+
+
+def classifier_routes(num_labels: int) -> str:
+    """The routes that serve a classifier of `num_labels` outputs: scores need one."""
+    return "/v1/score or /v1/rerank (scores), /classify (labels)" if num_labels == 1 else "/classify"
 
 
 def matryoshka_of(raw_config: dict[str, Any]) -> tuple[bool, tuple[int, ...] | None]:

@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 PoolingTask = Literal["embed", "classify"]
+# A classifier's outputs: "auto" the sigmoid of one label's logit, else softmax over the labels
+# (vLLM's default); "sigmoid" each label's own (multi-label models); "none" the raw logits.
+ClassifierActivation = Literal["auto", "sigmoid", "none"]
 
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
-    """`task`: "embed" (a vector) or "classify" (a classifier model's outputs: the sigmoid score
-    for one label, else the softmax over labels). `dimensions`: keep the vector's first N values,
+    """`task`: "embed" (a vector) or "classify" (a classifier model's outputs, activated as
+    `activation` says). `dimensions`: keep the vector's first N values,
     then normalize again (matryoshka models only); `normalize`: scale to unit length (None: the
     model's pooler config decides). `second_segment_start`: a sentence pair's token types,
     compressed as vLLM does: type 1 from this prompt position on, 0 before (None: all 0)."""
@@ -22,3 +25,4 @@ class PoolingParams:
     dimensions: int | None = None
     normalize: bool | None = None
     second_segment_start: int | None = None
+    activation: ClassifierActivation = "auto"

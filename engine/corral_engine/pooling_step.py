@@ -108,7 +108,7 @@ class PoolingStep:
             request.metrics.first_token_time = request.metrics.last_token_time = now
             normalize = request.pooling.normalize
             if request.pooling.task == "classify":  # the runner gave the classifier's logits
-                embedding = classifier_scores(vector)
+                embedding = classifier_scores(vector, request.pooling.activation)
             else:
                 embedding = finish_vector(
                     vector,

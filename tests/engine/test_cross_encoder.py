@@ -6,11 +6,11 @@ engine refuses, and what an embedding engine refuses of score requests."""
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Mapping
 
 import pytest
 import torch
 from corral_engine import EngineArgs, PoolingParams
-from corral_engine.demo_encoder import write_demo_encoder
 from corral_engine.errors import InvalidRequestError, ModelLoadError
 from corral_engine.llm_engine import LLMEngine
 
@@ -23,14 +23,6 @@ PAIRS = [
     ("a", "b"),
     ("how many people live in berlin", "berlin is well known for its museums and its long history"),
 ]
-
-
-@pytest.fixture(scope="module")
-def rerankers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    root = tmp_path_factory.mktemp("rerankers")
-    return {
-        arch: write_demo_encoder(root / arch, arch=arch, is_reranker=True) for arch in ("bert", "xlm-roberta")
-    }
 
 
 def _engine(model_dir: pathlib.Path, **kwargs: object) -> LLMEngine:
@@ -60,9 +52,9 @@ def _reference(model_dir: pathlib.Path, pairs: list[tuple[str, str]]) -> list[li
 
 @pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
 def test_scores_equal_transformers_on_pair_encodings_batched(
-    rerankers: dict[str, pathlib.Path], arch: str
+    demo_encoders: Mapping[str, pathlib.Path], arch: str
 ) -> None:
-    engine = _engine(rerankers[arch], max_model_len=64)
+    engine = _engine(demo_encoders[f"{arch}-reranker"], max_model_len=64)
     assert engine.runner_type == "pooling" and engine.embed.task == "classify"
     pairs = PAIRS * 3  # pairs of different lengths, several to a step
     for i, (a, b) in enumerate(pairs):
@@ -75,7 +67,7 @@ def test_scores_equal_transformers_on_pair_encodings_batched(
         for out in engine.step():
             assert out.finished and out.embedding is not None
             scores[out.request_id] = out.embedding
-    expected = _reference(rerankers[arch], pairs)
+    expected = _reference(demo_encoders[f"{arch}-reranker"], pairs)
     for i, want in enumerate(expected):
         assert len(scores[f"r{i}"]) == 1
         assert scores[f"r{i}"][0] == pytest.approx(want[0], abs=TOLERANCE)
@@ -83,9 +75,9 @@ def test_scores_equal_transformers_on_pair_encodings_batched(
     engine.close()
 
 
-def test_bert_token_types_change_the_score(rerankers: dict[str, pathlib.Path]) -> None:
+def test_bert_token_types_change_the_score(demo_encoders: Mapping[str, pathlib.Path]) -> None:
     """Without the second segment's token types a BERT pair scores otherwise (transformers' type-1 rows)."""
-    engine = _engine(rerankers["bert"], max_model_len=64)
+    engine = _engine(demo_encoders["bert-reranker"], max_model_len=64)
     ids, params = _pair_request(engine.tokenizer, *PAIRS[0])
     [with_types, without] = engine.generate([ids, ids], [params, PoolingParams(task="classify")])
     assert with_types.embedding != pytest.approx(without.embedding, abs=1e-4)  # type: ignore[arg-type]
@@ -96,14 +88,14 @@ def test_bert_token_types_change_the_score(rerankers: dict[str, pathlib.Path]) -
     "model_class", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"]
 )
 def test_a_transformers_classifier_with_labels_loads_and_matches(
-    tmp_path: pathlib.Path, rerankers: dict[str, pathlib.Path], model_class: str
+    tmp_path: pathlib.Path, demo_encoders: Mapping[str, pathlib.Path], model_class: str
 ) -> None:
     """A checkpoint saved by transformers itself (3 labels: softmax), tokenizer from the demo."""
     arch = "bert" if model_class.startswith("Bert") else "xlm-roberta"
     overrides = {"type_vocab_size": 2} if arch == "bert" else {"pad_token_id": 1, "type_vocab_size": 1}
     model = save_hf_encoder(tmp_path, model_class, vocab_size=1024, num_labels=3, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((rerankers[arch] / name).read_bytes())
+        (tmp_path / name).write_bytes((demo_encoders[f"{arch}-reranker"] / name).read_bytes())
     engine = _engine(tmp_path)
     assert engine.embed.num_labels == 3
     ids, params = _pair_request(engine.tokenizer, *PAIRS[1])
@@ -135,19 +127,17 @@ def test_an_embedding_model_keeps_skipping_the_pooler(tmp_path: pathlib.Path) ->
     assert model.classifier is None
 
 
-def test_a_reranker_does_not_generate(rerankers: dict[str, pathlib.Path]) -> None:
+def test_a_reranker_does_not_generate(demo_encoders: Mapping[str, pathlib.Path]) -> None:
     with pytest.raises(ModelLoadError, match=r"an encoder: it serves scores only \(--runner pooling\)"):
-        _engine(rerankers["bert"], runner="generate")
+        _engine(demo_encoders["bert-reranker"], runner="generate")
 
 
-def test_each_engine_refuses_the_other_task(
-    rerankers: dict[str, pathlib.Path], tmp_path: pathlib.Path
-) -> None:
-    reranker = _engine(rerankers["bert"], max_model_len=64)
+def test_each_engine_refuses_the_other_task(demo_encoders: Mapping[str, pathlib.Path]) -> None:
+    reranker = _engine(demo_encoders["bert-reranker"], max_model_len=64)
     with pytest.raises(InvalidRequestError, match=r"cross-encoder.*does not serve embed requests.*/v1/score"):
         reranker.add_request("e", [2, 5, 3], PoolingParams())
     reranker.close()
-    embedder = _engine(write_demo_encoder(tmp_path / "bert", arch="bert"), max_model_len=64)
+    embedder = _engine(demo_encoders["bert"], max_model_len=64)
     with pytest.raises(
         InvalidRequestError, match=r"an embedding model: it does not serve classify.*/v1/embeddings"
     ):

@@ -111,5 +111,30 @@ def test_cli_writes_a_one_label_reranker_transformers_loads(tmp_path, arch):
 
 def test_cli_refuses_a_decoder_reranker(tmp_path, caplog):
     assert corral_main(["demo-model", str(tmp_path / "x"), "--arch", "llama", "--reranker", "--quiet"]) == 2
-    assert "a reranker is an encoder" in caplog.text
+    assert "a classifier is an encoder" in caplog.text
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch", list(RERANKER_ARCHITECTURES))
+def test_cli_writes_a_classifier_of_n_labels_transformers_loads(tmp_path, arch):
+    assert corral_main(["demo-model", str(tmp_path), "--arch", arch, "--classifier", "3", "--quiet"]) == 0
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert type(model).__name__ == RERANKER_ARCHITECTURES[arch] and model.config.num_labels == 3
+    assert model.config.id2label == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
+    assert not (tmp_path / "modules.json").exists()
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert model(**tok("a sentence", return_tensors="pt")).logits.shape == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--arch", "bert", "--classifier", "0"], "at least 1"),
+        (["--arch", "bert", "--classifier", "2", "--reranker"], "not both"),
+        (["--arch", "llama", "--classifier", "2"], "a classifier is an encoder"),
+    ],
+)
+def test_cli_refuses_a_bad_classifier(tmp_path, caplog, flags, said):
+    assert corral_main(["demo-model", str(tmp_path / "x"), *flags, "--quiet"]) == 2
+    assert said in caplog.text
     assert not (tmp_path / "x").exists()

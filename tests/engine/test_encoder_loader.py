@@ -115,3 +115,35 @@ def test_unsupported_configs_are_refused(tmp_path, fields, message):
 def test_no_config_is_a_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match="cannot read"):
         load_encoder(tmp_path, torch.float32, "cpu")
+
+
+def test_an_encoder_start_up_reads_and_parses_config_json_once(tmp_path, monkeypatch):
+    """load_model_config's EncoderConfig is the one the runner loads with: config.json is read
+    once and parsed by transformers once (was: three reads, two AutoConfig parses)."""
+    import pathlib
+
+    import transformers
+    from corral_engine.args import EngineArgs
+    from corral_engine.model.config import load_model_config
+    from corral_engine.model.encoder_runner import EncoderRunner
+
+    save_hf_encoder(tmp_path, "BertModel")
+    reads: list[str] = []
+    parses: list[str] = []
+    read_text, from_pretrained = pathlib.Path.read_text, transformers.AutoConfig.from_pretrained
+
+    def counting_read(self: pathlib.Path, *args: object, **kwargs: object) -> str:
+        if self.name == "config.json" and self.parent == tmp_path:
+            reads.append(str(self))
+        return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def counting_parse(*args: object, **kwargs: object) -> object:
+        parses.append(str(args[0]))
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", counting_read)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counting_parse)
+    config = load_model_config(tmp_path)
+    runner = EncoderRunner(config, EngineArgs(model=str(tmp_path), dtype="float32"), 64)
+    assert (len(reads), len(parses)) == (1, 1)
+    assert runner.model.config is config.encoder

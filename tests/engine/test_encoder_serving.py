@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -14,7 +15,6 @@ import pytest
 import torch
 from corral_engine import EngineArgs, PoolingParams
 from corral_engine.async_engine import AsyncEngine
-from corral_engine.demo_encoder import write_demo_encoder
 from corral_engine.errors import ModelLoadError
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.server.app import create_app
@@ -29,12 +29,6 @@ TEXTS = [
     "embeddings for retrieval",
     "one more sentence with several words in it to make the batch longer than one step",
 ]
-
-
-@pytest.fixture(scope="module")
-def encoders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    root = tmp_path_factory.mktemp("encoders")
-    return {arch: write_demo_encoder(root / arch, arch=arch) for arch in ("bert", "xlm-roberta")}
 
 
 def _engine(model_dir: pathlib.Path, **kwargs: object) -> LLMEngine:
@@ -59,11 +53,11 @@ def _reference(model_dir: pathlib.Path, texts: list[str], pooling: str) -> list[
 
 @pytest.mark.parametrize(("arch", "pooling"), [("bert", "MEAN"), ("xlm-roberta", "CLS")])
 def test_vectors_equal_transformers_with_prompts_whole_over_several_steps(
-    encoders: dict[str, pathlib.Path], arch: str, pooling: str
+    demo_encoders: Mapping[str, pathlib.Path], arch: str, pooling: str
 ) -> None:
     # --max-num-batched-tokens 20 is raised to --max-model-len 64 (a prompt must fit a step whole):
     # the batch takes several steps, and a prompt that does not fit what is left of one waits whole.
-    engine = _engine(encoders[arch], max_num_batched_tokens=20, max_model_len=64)
+    engine = _engine(demo_encoders[arch], max_num_batched_tokens=20, max_model_len=64)
     assert engine.runner_type == "pooling" and engine.pooler_config is not None
     assert engine.pooler_config.pooling_type == pooling
     texts = TEXTS * 4  # more tokens than one step's budget of max_model_len
@@ -79,25 +73,25 @@ def test_vectors_equal_transformers_with_prompts_whole_over_several_steps(
         assert engine.scheduler.num_running == 0  # each prompt ran whole and ended in its step
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert num_steps > 1
-    want = _reference(encoders[arch], TEXTS, pooling)
+    want = _reference(demo_encoders[arch], TEXTS, pooling)
     for i, text in enumerate(texts):
         got, w = torch.tensor(vectors[f"r{i}"]), want[TEXTS.index(text)]
         assert torch.allclose(got, w, atol=TOLERANCE, rtol=0), (got - w).abs().max()
 
 
-def _bare_encoder(path: pathlib.Path, model_class: str, encoders: dict[str, pathlib.Path]) -> object:
+def _bare_encoder(path: pathlib.Path, model_class: str, demo_encoders: Mapping[str, pathlib.Path]) -> object:
     """transformers' own save of `model_class` with the demo BERT's tokenizer, and no
     sentence-transformers files."""
     model = save_hf_encoder(path, model_class)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
-        shutil.copy(encoders["bert"] / name, path / name)
+        shutil.copy(demo_encoders["bert"] / name, path / name)
     return model
 
 
 def test_without_sentence_transformers_files_an_encoder_pools_its_first_token(
-    encoders: dict[str, pathlib.Path], tmp_path: pathlib.Path
+    demo_encoders: Mapping[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
-    model: Any = _bare_encoder(tmp_path / "bert", "BertModel", encoders)
+    model: Any = _bare_encoder(tmp_path / "bert", "BertModel", demo_encoders)
     engine = _engine(tmp_path / "bert")
     assert engine.pooler_config is not None and engine.pooler_config.pooling_type == "CLS"
     prompt = [5, 17, 42, 9]
@@ -108,11 +102,11 @@ def test_without_sentence_transformers_files_an_encoder_pools_its_first_token(
 
 
 def test_a_masked_lm_checkpoint_serves_embeddings_under_runner_auto_without_prefix_caching(
-    encoders: dict[str, pathlib.Path], tmp_path: pathlib.Path
+    demo_encoders: Mapping[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
     """Even last-token pooling, which keeps the prefix cache on a decoder, turns it off: an encoder
     position's state depends on the tokens after it, and nothing is cached."""
-    _bare_encoder(tmp_path / "mlm", "BertForMaskedLM", encoders)
+    _bare_encoder(tmp_path / "mlm", "BertForMaskedLM", demo_encoders)
     engine = _engine(tmp_path / "mlm", pooler_config='{"pooling_type": "LAST"}', block_size=4)
     assert engine.runner_type == "pooling"
     assert not engine.block_manager.enable_prefix_caching
@@ -129,14 +123,14 @@ def test_a_masked_lm_checkpoint_serves_embeddings_under_runner_auto_without_pref
     ],
 )
 def test_what_an_encoder_engine_refuses(
-    encoders: dict[str, pathlib.Path], flags: dict[str, object], said: str
+    demo_encoders: Mapping[str, pathlib.Path], flags: dict[str, object], said: str
 ) -> None:
     with pytest.raises(ModelLoadError, match=said.replace("(", r"\(").replace(")", r"\)")):
-        _engine(encoders["bert"], **flags)
+        _engine(demo_encoders["bert"], **flags)
 
 
-async def test_the_openai_client_gets_the_engines_vectors(encoders: dict[str, pathlib.Path]) -> None:
-    model_dir = encoders["bert"]
+async def test_the_openai_client_gets_the_engines_vectors(demo_encoders: Mapping[str, pathlib.Path]) -> None:
+    model_dir = demo_encoders["bert"]
     want = _reference(model_dir, TEXTS[:2], "MEAN")
     app = create_app(AsyncEngine(EngineArgs(model=str(model_dir), dtype="float32", served_model_name="bert")))
     async with app.router.lifespan_context(app):

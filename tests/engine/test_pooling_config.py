@@ -16,6 +16,7 @@ from corral_engine.pooling import (
     PoolerConfig,
     causal_implementation,
     choose_runner,
+    classify_activation,
     matryoshka_of,
     parse_pooler_config,
     resolve_pooler,
@@ -127,3 +128,30 @@ def test_request_checks_name_the_runner_and_the_dimensions() -> None:
         EmbedSpec("m", "pooling", 64, True).check(PoolingParams(dimensions=65))
     with pytest.raises(InvalidRequestError, match="does not support matryoshka"):
         EmbedSpec("m", "pooling", 64).check(PoolingParams(dimensions=16))
+
+
+@pytest.mark.parametrize(
+    ("problem_type", "use_activation", "activation"),
+    [
+        (None, True, "auto"),  # softmax over labels; one label's sigmoid
+        ("single_label_classification", True, "auto"),
+        ("multi_label_classification", True, "sigmoid"),
+        ("regression", True, "none"),
+        ("multi_label_classification", False, "none"),  # use_activation: false, the logits
+    ],
+)
+def test_classify_activation_follows_vllms_rule(
+    problem_type: str | None, use_activation: bool, activation: str
+) -> None:
+    assert classify_activation(problem_type, use_activation) == activation
+
+
+def test_classifier_scores_activate_as_asked() -> None:
+    import torch
+    from corral_engine.model.pooler import classifier_scores
+
+    logits = torch.tensor([1.0, -2.0, 0.5])
+    assert classifier_scores(logits) == pytest.approx(torch.softmax(logits, -1).tolist())
+    assert classifier_scores(logits, "sigmoid") == pytest.approx(torch.sigmoid(logits).tolist())
+    assert classifier_scores(logits, "none") == pytest.approx(logits.tolist())
+    assert classifier_scores(logits[:1]) == pytest.approx(torch.sigmoid(logits[:1]).tolist())

@@ -1,5 +1,5 @@
 """An engine server over a real AsyncEngine on a tiny random-weight demo model, reached in-process
-by the official `openai` client (ASGI transport, no socket)."""
+by the official `openai` client or by httpx (ASGI transport, no socket)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,30 @@ async def openai_client(
             yield openai.AsyncOpenAI(
                 base_url="http://127.0.0.1/v1", api_key="unused", http_client=http, max_retries=0
             )
+
+
+@contextlib.asynccontextmanager
+async def http_client(
+    model_dir: pathlib.Path, in_own_process: bool = False, **args: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """httpx on the server of a float32 engine (its core in its own process where asked): for the
+    routes the openai client has no call for (score, rerank, classify)."""
+    engine_args = EngineArgs(model=str(model_dir), dtype="float32", **args)
+    engine: AsyncEngine | EngineCoreClient
+    if in_own_process:
+        engine = EngineCoreClient(engine_args, settings=EngineSettings(engine_process="1"))
+    else:
+        engine = AsyncEngine(engine_args)
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            yield http
+
+
+def assert_invalid_request(resp: httpx.Response, status: int, param: str | None, text: str) -> None:
+    """An OpenAI-shaped invalid_request_error naming `param`, its message holding `text`."""
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert text in error["message"]

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
-from collections.abc import AsyncIterator
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from corral_engine import AsyncEngine, EngineArgs, EngineCoreClient
-from corral_engine.demo_encoder import write_demo_encoder
-from corral_engine.server import create_app
-from corral_engine.settings import EngineSettings
+
+from tests.server.real_engine import assert_invalid_request, http_client
 
 MODEL = "reranker"
 TOLERANCE = 2e-5
@@ -30,30 +28,11 @@ DOCS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def rerankers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    root = tmp_path_factory.mktemp("rerankers")
-    return {
-        arch: write_demo_encoder(root / arch / MODEL, arch=arch, is_reranker=True)
-        for arch in ("bert", "xlm-roberta")
-    }
-
-
-@contextlib.asynccontextmanager
-async def serve(
+def serve(
     model_dir: pathlib.Path, in_own_process: bool = False, **args: Any
-) -> AsyncIterator[httpx.AsyncClient]:
-    engine_args = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=64, **args)
-    engine: AsyncEngine | EngineCoreClient
-    if in_own_process:
-        engine = EngineCoreClient(engine_args, settings=EngineSettings(engine_process="1"))
-    else:
-        engine = AsyncEngine(engine_args)
-    app = create_app(engine)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
-            yield http
+) -> contextlib.AbstractAsyncContextManager[httpx.AsyncClient]:
+    args.setdefault("served_model_name", MODEL)
+    return http_client(model_dir, in_own_process, max_model_len=64, **args)
 
 
 def _reference(model_dir: pathlib.Path, pairs: list[tuple[str, str]]) -> list[float]:
@@ -76,9 +55,9 @@ def _scores(body: dict[str, Any]) -> list[float]:
 
 @pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
 async def test_score_pairs_one_to_one_one_to_many_and_many_to_many(
-    rerankers: dict[str, pathlib.Path], arch: str
+    demo_encoders: Mapping[str, pathlib.Path], arch: str
 ) -> None:
-    model_dir = rerankers[arch]
+    model_dir = demo_encoders[f"{arch}-reranker"]
     expected = _reference(model_dir, [(QUERY, d) for d in DOCS])
     async with serve(model_dir) as http:
         one = await http.post("/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCS[1]})
@@ -97,9 +76,9 @@ async def test_score_pairs_one_to_one_one_to_many_and_many_to_many(
 
 
 async def test_rerank_orders_by_relevance_with_top_n_and_documents(
-    rerankers: dict[str, pathlib.Path],
+    demo_encoders: Mapping[str, pathlib.Path],
 ) -> None:
-    model_dir = rerankers["bert"]
+    model_dir = demo_encoders["bert-reranker"]
     expected = _reference(model_dir, [(QUERY, d) for d in DOCS])
     order = sorted(range(len(DOCS)), key=lambda i: -expected[i])
     async with serve(model_dir) as http:
@@ -128,8 +107,8 @@ async def test_rerank_orders_by_relevance_with_top_n_and_documents(
             assert all("document" not in r for r in top.json()["results"])
 
 
-async def test_the_engine_core_in_its_own_process_scores(rerankers: dict[str, pathlib.Path]) -> None:
-    model_dir = rerankers["bert"]
+async def test_the_engine_core_in_its_own_process_scores(demo_encoders: Mapping[str, pathlib.Path]) -> None:
+    model_dir = demo_encoders["bert-reranker"]
     expected = _reference(model_dir, [(QUERY, d) for d in DOCS])
     async with serve(model_dir, in_own_process=True) as http:
         resp = await http.post("/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCS})
@@ -137,24 +116,17 @@ async def test_the_engine_core_in_its_own_process_scores(rerankers: dict[str, pa
         assert _scores(resp.json()) == pytest.approx(expected, abs=TOLERANCE)
 
 
-def _error(resp: httpx.Response, status: int, param: str | None, text: str) -> None:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param
-    assert text in error["message"]
-
-
-async def test_errors_are_openai_shaped(rerankers: dict[str, pathlib.Path]) -> None:
+async def test_errors_are_openai_shaped(demo_encoders: Mapping[str, pathlib.Path]) -> None:
     long_text = " ".join(["capital"] * 80)
-    async with serve(rerankers["bert"]) as http:
+    async with serve(demo_encoders["bert-reranker"]) as http:
         empty = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": []})
-        _error(empty, 400, "documents", "At least one text_pair element")
+        assert_invalid_request(empty, 400, "documents", "At least one text_pair element")
         uneven = await http.post("/v1/score", json={"model": MODEL, "text_1": ["a", "b"], "text_2": DOCS})
-        _error(uneven, 400, "text_1", "1:1, 1:N or N:N")
+        assert_invalid_request(uneven, 400, "text_1", "1:1, 1:N or N:N")
         too_long = await http.post(
             "/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": ["a", long_text]}
         )
-        _error(too_long, 400, "documents.1", "maximum context length is 64 tokens")
+        assert_invalid_request(too_long, 400, "documents.1", "maximum context length is 64 tokens")
         cut = await http.post(
             "/v1/rerank",
             json={
@@ -169,18 +141,20 @@ async def test_errors_are_openai_shaped(rerankers: dict[str, pathlib.Path]) -> N
         raw = await http.post(
             "/v1/score", json={"model": MODEL, "text_1": "a", "text_2": "b", "use_activation": False}
         )
-        _error(raw, 400, "use_activation", "`use_activation` is not supported")
+        assert_invalid_request(raw, 400, "use_activation", "`use_activation` is not supported")
         embed = await http.post("/v1/embeddings", json={"model": MODEL, "input": "hello"})
-        _error(embed, 400, "model", "cross-encoder")
+        assert_invalid_request(embed, 400, "model", "cross-encoder")
         chat = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hello"})
-        _error(chat, 400, None, "/v1/score or /v1/rerank")
+        assert_invalid_request(chat, 400, None, "/v1/score or /v1/rerank")
 
 
-async def test_an_embedding_model_scores_by_cosine_similarity(tmp_path: pathlib.Path) -> None:
+async def test_an_embedding_model_scores_by_cosine_similarity(
+    demo_encoders: Mapping[str, pathlib.Path],
+) -> None:
     """vLLM's score for an embedding model: a pair's score is the cosine similarity of the two
     texts' vectors (each distinct text embedded once), whether or not the model normalizes; was a
     400 saying to use /v1/embeddings."""
-    embedder = write_demo_encoder(tmp_path / "embedder", arch="bert")
+    embedder = demo_encoders["bert"]
     async with serve(embedder, pooler_config='{"normalize": false}') as http:
         name = (await http.get("/v1/models")).json()["data"][0]["id"]
         texts = [QUERY, *DOCS]
@@ -202,6 +176,6 @@ async def test_a_generating_engine_refuses_scores(tiny_model_dirs: dict[str, pat
     async with serve(tiny_model_dirs["qwen3"], num_kv_blocks=64) as http:
         name = (await http.get("/v1/models")).json()["data"][0]["id"]
         score = await http.post("/v1/score", json={"model": name, "text_1": "a", "text_2": "b"})
-        _error(score, 400, "model", "text generation")
+        assert_invalid_request(score, 400, "model", "text generation")
         rerank = await http.post("/rerank", json={"model": name, "query": "a", "documents": ["b"]})
-        _error(rerank, 400, "model", "text generation")
+        assert_invalid_request(rerank, 400, "model", "text generation")

@@ -9,6 +9,7 @@ from typing import Any
 
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.encoder_config import SUPPORTED_ENCODERS, EncoderConfig, load_encoder_config
+from corral_engine.model.hf_config import auto_config
 from corral_engine.pooling import (
     causal_implementation,
     is_embedding_architecture,
@@ -208,14 +209,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}; embedding encoders: "
             f"{', '.join(SUPPORTED_ENCODERS)}"
         )
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    # StrictDataclassError: transformers v5 checks each field's type (e.g. a string for a list).
-    except (OSError, ValueError, KeyError, StrictDataclassError) as e:
-        raise ModelLoadError(f"{config_file}: transformers cannot parse it: {e}") from e
+    hf = auto_config(path)
     top = hf  # a multimodal checkpoint's own config: its eos ids and tying are the model's
     if arch == "Gemma3ForConditionalGeneration":
         hf = hf.text_config  # the text model alone is served; the vision tower is not loaded
@@ -275,7 +269,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 def _encoder_model_config(path: Path, raw: dict[str, Any]) -> ModelConfig:
     """An encoder checkpoint: its EncoderConfig, with the shape fields the engine reads of any model
     (its context is what the position table covers; no end-of-sequence ids: it never generates)."""
-    enc = load_encoder_config(path)
+    enc = load_encoder_config(path, raw)  # config.json read once, here
     is_matryoshka, matryoshka_dimensions = matryoshka_of(raw)
     return ModelConfig(
         path=path,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from corral_engine.errors import ModelLoadError
+from corral_engine.model.hf_config import auto_config
 from corral_engine.pooling import (
     ENCODER_ARCHITECTURES,
     is_classifier_architecture,
@@ -18,6 +19,8 @@ from corral_engine.pooling import (
 SUPPORTED_ENCODERS = tuple(ENCODER_ARCHITECTURES)
 # transformers' ACT2FN names: erf GELU, and the tanh approximation under both of its names.
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+# transformers' problem types of a sequence classifier (how its outputs are activated: pooling.py).
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,8 @@ class EncoderConfig:
     torch_dtype: str | None
     # Outputs of the sequence-classification head (config.json's id2label); 0: no head (embeddings).
     num_labels: int = 0
+    labels: tuple[str | None, ...] = ()  # each output's name (id2label), None where it has none
+    problem_type: str | None = None  # transformers': regression, single- or multi-label classification
 
     @property
     def head_dim(self) -> int:
@@ -51,15 +56,17 @@ class EncoderConfig:
         return self.max_position_embeddings - self.position_offset
 
 
-def load_encoder_config(model_dir: str | Path) -> EncoderConfig:
+def load_encoder_config(model_dir: str | Path, raw: dict[str, Any] | None = None) -> EncoderConfig:
     """The encoder config of the checkpoint in `model_dir` (transformers fills the fields its
-    config.json leaves at their defaults); ModelLoadError naming what is wrong."""
+    config.json leaves at their defaults; `raw`: that file's JSON where the caller has read it);
+    ModelLoadError naming what is wrong."""
     path = Path(model_dir)
     config_file = path / "config.json"
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {config_file}: {e}") from e
+    if raw is None:
+        try:
+            raw = json.loads(config_file.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {config_file}: {e}") from e
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     arch = (
         next((a for a in archs if isinstance(a, str) and is_encoder_architecture(a)), None)
@@ -71,14 +78,7 @@ def load_encoder_config(model_dir: str | Path) -> EncoderConfig:
             f"{config_file}: architecture {archs!r} is not an encoder; supported: "
             f"{', '.join(ENCODER_ARCHITECTURES)}"
         )
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    # StrictDataclassError: transformers v5 checks each field's type (e.g. a string for an int).
-    except (OSError, ValueError, KeyError, StrictDataclassError) as e:
-        raise ModelLoadError(f"{config_file}: transformers cannot parse it: {e}") from e
+    hf = auto_config(path)
     dtype = raw.get("dtype") or raw.get("torch_dtype")
     return encoder_config_from_hf(hf, arch, path, dtype if isinstance(dtype, str) else None)
 
@@ -131,8 +131,23 @@ def encoder_config_from_hf(hf: Any, arch: str, path: Path, torch_dtype: str | No
         pad_token_id=pad,
         position_offset=offset,
         torch_dtype=torch_dtype,
-        num_labels=_int(hf, "num_labels", where) if is_classifier_architecture(arch) else 0,
+        **_classifier_fields(hf, arch, where),
     )
+
+
+def _classifier_fields(hf: Any, arch: str, where: Path) -> dict[str, Any]:
+    """A classifier's num_labels, labels and problem_type (none of them for an embedding model)."""
+    if not is_classifier_architecture(arch):
+        return {}
+    num_labels = _int(hf, "num_labels", where)
+    id2label = getattr(hf, "id2label", None) or {}
+    labels = tuple(str(id2label[i]) if i in id2label else None for i in range(num_labels))
+    problem_type = getattr(hf, "problem_type", None)
+    if problem_type is not None and problem_type not in PROBLEM_TYPES:
+        raise ModelLoadError(
+            f"{where}: problem_type {problem_type!r} is not one of {', '.join(PROBLEM_TYPES)}"
+        )
+    return {"num_labels": num_labels, "labels": labels, "problem_type": problem_type}
 
 
 def _int(hf: Any, name: str, where: Path) -> int:

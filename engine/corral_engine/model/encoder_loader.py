@@ -64,11 +64,16 @@ _LAYER_PARTS = {
 
 
 def load_encoder(
-    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    config: EncoderConfig | None = None,
 ) -> tuple[EncoderConfig, Encoder]:
-    """The checkpoint in `model_dir` as an Encoder in `dtype` on `device`, ready for inference;
-    ModelLoadError naming an unsupported config, an unknown tensor or the missing ones."""
-    config = load_encoder_config(model_dir)
+    """The checkpoint in `model_dir` as an Encoder in `dtype` on `device`, ready for inference
+    (`config`: its EncoderConfig where already loaded); ModelLoadError naming an unsupported
+    config, an unknown tensor or the missing ones."""
+    if config is None:
+        config = load_encoder_config(model_dir)
     with torch.device("meta"):
         model = Encoder(config)
     model = model.to(dtype).to_empty(device=device).eval()  # uninitialised: the checkpoint fills all

@@ -31,7 +31,7 @@ class EncoderRunner:
     def __init__(self, config: ModelConfig, args: EngineArgs, max_model_len: int) -> None:
         self.device = select_device(args.device)
         self.dtype = select_dtype(args.dtype, self.device, config.torch_dtype, probe_cpu())
-        _, self.model = load_encoder(config.path, self.dtype, self.device)
+        _, self.model = load_encoder(config.path, self.dtype, self.device, config.encoder)
         # A step's prompts whole: its token budget (at least one longest prompt) plus a part-filled
         # last block for each sequence.
         budget = max(args.max_num_batched_tokens, max_model_len)

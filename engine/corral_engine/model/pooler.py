@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from corral_engine.pooling import PoolingType
+from corral_engine.pooling_params import ClassifierActivation
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +80,14 @@ def finish_vector(vector: torch.Tensor, normalize: bool, dimensions: int | None)
     return [float(x) for x in vector.tolist()]
 
 
-def classifier_scores(logits: torch.Tensor) -> list[float]:
-    """A cross-encoder's outputs as vLLM's score and sentence-transformers' CrossEncoder give them:
-    the sigmoid of a single label's logit (a relevance score in (0, 1)), else softmax over labels."""
-    scores = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+def classifier_scores(logits: torch.Tensor, activation: ClassifierActivation = "auto") -> list[float]:
+    """A classifier's outputs as vLLM's score and classify and sentence-transformers' CrossEncoder
+    give them ("auto": the sigmoid of a single label's logit, a relevance score in (0, 1), else
+    softmax over labels); "sigmoid": each label's own; "none": the logits."""
+    if activation == "none":
+        scores = logits
+    elif activation == "sigmoid" or logits.shape[-1] == 1:
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1)
     return [float(x) for x in scores.tolist()]

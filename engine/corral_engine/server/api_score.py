@@ -15,11 +15,11 @@ from starlette.responses import JSONResponse, Response
 from corral_engine.outputs import RequestOutput
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.server import errors
-from corral_engine.server.api_embeddings import MAX_INPUTS
 from corral_engine.server.api_models import _Request
 from corral_engine.server.context import ServerContext, new_id, now_s
 from corral_engine.server.engine_client import num_labels_of, runner_of
-from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
+from corral_engine.server.generation import GenerationRun
+from corral_engine.server.pooling_request import MAX_INPUTS, pooled_finals, tokenize_inputs, too_long
 from corral_engine.server.request_fields import REFUSED_COMMON, Refused, check_fields
 
 _ACTIVATED = "scores are the classifier's activated outputs (a sigmoid for one label)"
@@ -80,7 +80,7 @@ def _check_serves_scores(ctx: ServerContext, api: str) -> None:
     if num_labels == 1 or (num_labels == 0 and runner_of(ctx.engine) == "pooling"):
         return
     if num_labels > 1:
-        what = f"a classification model with {num_labels} labels (scores need one)"
+        what = f"a classification model with {num_labels} labels (scores need one; /classify labels)"
     else:
         what = "a text generation model (--runner generate)"
     raise errors.invalid_request(
@@ -109,11 +109,7 @@ async def _encode_pairs(
             encoded = tokenizer(a, b, **truncation)
             ids = list(encoded["input_ids"])
             if len(ids) > max_len:
-                raise errors.invalid_request(
-                    f"This model's maximum context length is {max_len} tokens; the pair has "
-                    f"{len(ids)}. Shorten it or set truncate_prompt_tokens.",
-                    param,
-                )
+                raise too_long(max_len, "pair", len(ids), param)
             prompts.append(ids)
             pooling.append(
                 PoolingParams(task="classify", second_segment_start=_second_segment(encoded, len(ids)))
@@ -148,7 +144,7 @@ async def _run_pairs(
         return await _cosine_scores(ctx, request, request_id, pairs, keep, params)
     prompts, pooling = await _encode_pairs(ctx, pairs, keep, params)
     run = GenerationRun(ctx.engine, ctx.metrics, ctx.in_flight, request_id, prompts, pooling)
-    finals = await _finals(run, request)
+    finals = await pooled_finals(run, request, "score")
     if finals is None:
         return None
     return [out.embedding[0] for out in finals], _num_tokens(finals)  # type: ignore[index]
@@ -166,49 +162,16 @@ async def _cosine_scores(
     the model's default), a pair's score the dot product of its two unit vectors."""
     texts = list(dict.fromkeys(text for pair in pairs for text in pair))
     param_of = {text: param for pair, param in zip(pairs, params, strict=True) for text in pair}
-    max_len = ctx.engine.max_model_len
-    keep = max_len if keep == -1 else keep
-    if keep is None:
-        for text in texts:
-            ctx.check_chars_fit(len(text), "text", param_of[text])
-    encode = ctx.encode
-
-    def tokenize() -> list[list[int]]:
-        out = []
-        for text in texts:
-            ids = encode(text)
-            ids = ids if keep is None else ids[-keep:]  # the last k tokens, as /v1/embeddings keeps
-            if len(ids) > max_len:
-                raise errors.invalid_request(
-                    f"This model's maximum context length is {max_len} tokens; the text has "
-                    f"{len(ids)}. Shorten it or set truncate_prompt_tokens.",
-                    param_of[text],
-                )
-            out.append(ids)
-        return out
-
-    prompts = await ctx.off_loop(tokenize, sum(len(text) for text in texts))
+    # The last k tokens of each, as /v1/embeddings keeps them.
+    prompts = await tokenize_inputs(ctx, list(texts), [param_of[t] for t in texts], keep, "text")
     unit = PoolingParams(normalize=True)
     run = GenerationRun(ctx.engine, ctx.metrics, ctx.in_flight, request_id, prompts, unit)
-    finals = await _finals(run, request)
+    finals = await pooled_finals(run, request, "score")
     if finals is None:
         return None
     vectors = {text: out.embedding or [] for text, out in zip(texts, finals, strict=True)}
     scores = [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]
     return scores, _num_tokens(finals)
-
-
-async def _finals(run: GenerationRun, request: Request) -> list[RequestOutput] | None:
-    """The run's final outputs, or None where the client left first (its requests aborted)."""
-    collected = await collect_unless_disconnected(run, request.receive)
-    if collected is None:
-        return None
-    for out in collected.finals:
-        if out.embedding is None:  # ended without its score: the engine is shutting down
-            raise errors.APIError(
-                503, "The engine stopped before the score was computed.", type="service_unavailable_error"
-            )
-    return collected.finals
 
 
 def _num_tokens(finals: list[RequestOutput]) -> int:

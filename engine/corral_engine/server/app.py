@@ -18,7 +18,9 @@ from starlette.middleware.cors import CORSMiddleware
 from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
 from corral_engine.lora import AdapterRegistry
 from corral_engine.server import errors, tokens
+from corral_engine.server.api_classify import create_classify
 from corral_engine.server.api_embeddings import create_embedding, refuse_generation
+from corral_engine.server.api_pooling import create_pooling
 from corral_engine.server.api_score import create_rerank, create_score
 from corral_engine.server.chat import create_chat_completion
 from corral_engine.server.completions import create_completion
@@ -205,6 +207,17 @@ def _add_routes(app: FastAPI, ctx: ServerContext, created: int) -> None:
         app.add_route(path, score, methods=["POST"])
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # /v2: Cohere's clients' path
         app.add_route(path, rerank, methods=["POST"])
+
+    async def classify(request: Request) -> Response:
+        return await create_classify(ctx, request)
+
+    for path in ("/classify", "/v1/classify"):  # vLLM's; /v1/classify: SGLang's, for its clients
+        app.add_route(path, classify, methods=["POST"])
+
+    async def pooling(request: Request) -> Response:
+        return await create_pooling(ctx, request)
+
+    app.add_route("/pooling", pooling, methods=["POST"])
 
     async def responses(request: Request) -> Response:
         refuse_generation(ctx, "Responses")

@@ -66,5 +66,15 @@ def num_labels_of(engine: object) -> int:
     return int(getattr(getattr(engine, "embed", None), "num_labels", 0))
 
 
+def labels_of(engine: object) -> tuple[str | None, ...]:
+    """A classifier's output names (its `embed` spec's id2label); empty for any other engine."""
+    return tuple(getattr(getattr(engine, "embed", None), "labels", ()))
+
+
+def problem_type_of(engine: object) -> str | None:
+    """A classifier's problem type (config.json's; how /classify activates its outputs), or None."""
+    return getattr(getattr(engine, "embed", None), "problem_type", None)
+
+
 class ListeningEngine(Protocol):
     def listen(self, request_id: str, listener: Callable[[RequestOutput | BaseException], None]) -> bool: ...
