@@ -1,5 +1,6 @@
 """What `corral up` prints once its fleet serves: ready-to-paste curl and openai examples for its
-first model's kind: a chat model, an embedding model (/v1/embeddings) or a reranker (/v1/rerank)."""
+first model's kind: a chat model, an embedding model (/v1/embeddings), a reranker (/v1/rerank) or
+a classifier of several labels (/classify)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import argparse
 import contextlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-FleetKind = Literal["chat", "embeddings", "rerank"]
+FleetKind = Literal["chat", "embeddings", "rerank", "classify"]
 
 
 def usage_text(base_url: str, model: str, kind: FleetKind = "chat") -> str:
@@ -19,6 +20,8 @@ def usage_text(base_url: str, model: str, kind: FleetKind = "chat") -> str:
         return _embedding_usage_text(base_url, model)
     if kind == "rerank":
         return _rerank_usage_text(base_url, model)
+    if kind == "classify":
+        return _classify_usage_text(base_url, model)
     return f"""
 Corral is up: an OpenAI-compatible endpoint at {base_url}/v1 serving model "{model}".
 
@@ -70,6 +73,17 @@ Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-
 """
 
 
+def _classify_usage_text(base_url: str, model: str) -> str:
+    return f"""
+Corral is up: an endpoint at {base_url} serving classifier "{model}" (vLLM's /classify).
+
+  curl {base_url}/classify -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "input": ["I loved it", "Not my thing"]}}'
+
+Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-C
+"""
+
+
 def fleet_kind(flags: list[str]) -> FleetKind:
     """What an engine of these flags serves: embeddings or scores under --runner pooling, or auto on a
     local checkpoint whose config.json names an embedding architecture or an encoder (BertModel,
@@ -83,9 +97,15 @@ def fleet_kind(flags: list[str]) -> FleetKind:
     known, _ = parser.parse_known_args(flags)
     engine_args = engine_args_from(known)
     config_path = Path(engine_args.model) / "config.json"
-    architectures: list[str] = []
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        architectures = [str(a) for a in json.loads(config_path.read_text()).get("architectures") or []]
+    config: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        loaded = json.loads(config_path.read_text())
+        config = loaded if isinstance(loaded, dict) else {}
+    architectures = [str(a) for a in config.get("architectures") or []]
     if choose_runner(engine_args.runner, architectures) != "pooling":
         return "chat"
-    return "rerank" if any(is_classifier_architecture(a) for a in architectures) else "embeddings"
+    if not any(is_classifier_architecture(a) for a in architectures):
+        return "embeddings"
+    labels = config.get("id2label") or {}
+    num_labels = config.get("num_labels", len(labels) if isinstance(labels, dict) else 1)
+    return "rerank" if num_labels in (1, 0) else "classify"  # scores need one label

@@ -156,16 +156,24 @@ def test_the_embeddings_example_serves_with_the_pooling_runner(tmp_path: Path) -
         ("Qwen3Model", "embeddings"),
         ("BertForMaskedLM", "embeddings"),  # an encoder: the engine pools it under auto
         ("XLMRobertaForSequenceClassification", "rerank"),
+        ("BertForSequenceClassification:3", "classify"),  # three labels: no scores, /classify
         ("LlamaForCausalLM", "chat"),
     ],
 )
 def test_the_banner_follows_what_runner_auto_serves(tmp_path: Path, architecture: str, kind: str) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    architecture, _, labels = architecture.partition(":")
+    id2label = {str(i): f"LABEL_{i}" for i in range(int(labels or 1))}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture], "id2label": id2label}))
     assert up_banner.fleet_kind(["--model", str(tmp_path)]) == kind
     banner = up_banner.usage_text(
         "http://127.0.0.1:9000", "m", up_banner.fleet_kind(["--model", str(tmp_path)])
     )
-    route = {"embeddings": "/v1/embeddings", "rerank": "/v1/rerank", "chat": "/v1/chat/completions"}[kind]
+    route = {
+        "embeddings": "/v1/embeddings",
+        "rerank": "/v1/rerank",
+        "classify": "/classify",
+        "chat": "/v1/chat/completions",
+    }[kind]
     assert f"curl http://127.0.0.1:9000{route}" in banner
 
 
