@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 from typing import Any
@@ -18,10 +19,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--model", help="model name to request (default: the server's first model)")
     target.add_argument(
         "--endpoint-type",
-        choices=("completions", "chat"),
+        choices=("completions", "chat", "embeddings", "rerank"),
         default="completions",
         help="completions: /v1/completions with token-id prompts (exact input lengths); "
-        "chat: /v1/chat/completions with text prompts",
+        "chat: /v1/chat/completions with text prompts; embeddings: /v1/embeddings (token ids, or "
+        "text with --tokenizer); rerank: /v1/rerank, a query and its documents (text)",
+    )
+    target.add_argument(
+        "--embedding-batch-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="embeddings: inputs per request; rerank: documents per query (default: 1)",
+    )
+    target.add_argument(
+        "--embedding-encoding",
+        choices=("float", "base64"),
+        default="float",
+        help="embeddings' encoding_format: float (the API's default) or base64 (what OpenAI's "
+        "Python client asks for)",
     )
     target.add_argument(
         "--metrics-url", help="Prometheus endpoint to read preemptions from (default: BASE_URL/metrics)"
@@ -166,44 +182,76 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
     Random workloads get fresh prompts of the same lengths per run, so a sweep's later runs do not
     hit the server's prefix cache with an earlier run's prompts, and the warm-up gets prompts no run
     sends; dataset prompts repeat as they are (the warm-up sends the dataset's first ones).
+    Embeddings and rerank requests take `--embedding-batch-size` prompts each (rerank: one more,
+    its query).
     """
-    from corral_cli.bench import workload
-    from corral_cli.bench.runner import BenchError
+    from corral_cli.bench import pooling, workload
+    from corral_cli.bench.runner import BenchError, is_generation
 
-    num_warmup = args.warmup_requests
+    is_pooling = not is_generation(args.endpoint_type)
+    per = pooling.inputs_per_request(args.endpoint_type, args.embedding_batch_size) if is_pooling else 1
     try:
         tokenizer = workload.HFTokenizer(args.tokenizer) if args.tokenizer else None
-        if args.dataset:
-            requests = workload.load_dataset(
-                args.dataset, args.num_prompts, args.seed, tokenizer, args.max_prompt_len, args.max_total_len
+        runs, warmup, lengths_from = _sample_prompts(args, num_runs, per, tokenizer)
+        if is_pooling:
+            group = functools.partial(
+                pooling.group_inputs, endpoint_type=args.endpoint_type, batch_size=args.embedding_batch_size
             )
-            if args.endpoint_type == "chat":
-                requests = workload.as_chat_prompts(requests, tokenizer)
-            warmup = [requests[i % len(requests)] for i in range(num_warmup)]
-            return [requests] * num_runs, warmup, "tokenizer" if tokenizer else "estimated"
-        spec = workload.LengthSpec(
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            args.random_dist,
-            args.random_sigma,
-            args.random_min_len,
-            args.max_prompt_len,
-            args.max_output_len,
-        )
-        seed = args.seed
-        # Variant i for run i; variant num_runs, which no run sends, for the warm-up.
-        sizes = [args.num_prompts] * num_runs + ([num_warmup] if num_warmup else [])
-        if args.endpoint_type == "chat" and tokenizer is None:
-            texts = [workload.random_text_prompts(n, spec, seed, variant=i) for i, n in enumerate(sizes)]
-            return texts[:num_runs], (texts[num_runs] if num_warmup else []), "estimated"
-        ids = workload.allowed_token_ids(tokenizer, args.random_vocab_size)
-        as_text = tokenizer if args.endpoint_type == "chat" else None
-        runs = [workload.sample_random(n, spec, seed, ids, as_text, variant=i) for i, n in enumerate(sizes)]
-        lengths_from = "exact" if as_text is None else "tokenizer"
-        return runs[:num_runs], (runs[num_runs] if num_warmup else []), lengths_from
+            return [group(r) for r in runs], group(warmup), lengths_from
+        return runs, warmup, lengths_from
     except ValueError as e:
         raise BenchError(str(e)) from e
+
+
+def _sample_prompts(
+    args: argparse.Namespace, num_runs: int, per: int, tokenizer: Any
+) -> tuple[list[list[Any]], list[Any], str]:
+    """`per` prompts for each request of each run and of the warm-up (see _load_workloads).
+
+    Chat and rerank send text; embeddings send text where `tokenizer` decodes, else token ids."""
+    from corral_cli.bench import workload
+
+    needs_text = args.endpoint_type in ("chat", "rerank") or (
+        args.endpoint_type == "embeddings" and tokenizer is not None
+    )
+    num_warmup = args.warmup_requests * per
+    if args.dataset:
+        requests = workload.load_dataset(
+            args.dataset,
+            args.num_prompts * per,
+            args.seed,
+            tokenizer,
+            args.max_prompt_len,
+            args.max_total_len,
+        )
+        if needs_text:
+            requests = workload.as_chat_prompts(requests, tokenizer, args.endpoint_type)
+        requests = requests[: len(requests) // per * per]  # whole requests only
+        if not requests:
+            raise ValueError(f"{args.dataset} holds fewer than the {per} prompts of one request")
+        warmup = [requests[i % len(requests)] for i in range(num_warmup)]
+        return [requests] * num_runs, warmup, "tokenizer" if tokenizer else "estimated"
+    spec = workload.LengthSpec(
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        args.random_dist,
+        args.random_sigma,
+        args.random_min_len,
+        args.max_prompt_len,
+        args.max_output_len,
+    )
+    seed = args.seed
+    # Variant i for run i; variant num_runs, which no run sends, for the warm-up.
+    sizes = [args.num_prompts * per] * num_runs + ([num_warmup] if num_warmup else [])
+    if needs_text and tokenizer is None:
+        texts = [workload.random_text_prompts(n, spec, seed, variant=i) for i, n in enumerate(sizes)]
+        return texts[:num_runs], (texts[num_runs] if num_warmup else []), "estimated"
+    ids = workload.allowed_token_ids(tokenizer, args.random_vocab_size)
+    as_text = tokenizer if needs_text else None
+    runs = [workload.sample_random(n, spec, seed, ids, as_text, variant=i) for i, n in enumerate(sizes)]
+    lengths_from = "exact" if as_text is None else "tokenizer"
+    return runs[:num_runs], (runs[num_runs] if num_warmup else []), lengths_from
 
 
 def _check_before_run(args: argparse.Namespace) -> tuple[list[float], dict[str, str]]:
@@ -211,10 +259,14 @@ def _check_before_run(args: argparse.Namespace) -> tuple[list[float], dict[str, 
     (an output path is checked, and its folders created, before the run, not found bad after it)."""
     from corral_cli.bench import report
     from corral_cli.bench.arrivals import parse_rates
-    from corral_cli.bench.runner import BenchError
+    from corral_cli.bench.runner import BenchError, is_generation
 
     if args.max_tokens_cap is not None and args.no_stream:
         raise BenchError("--max-tokens-cap ends streams early: it cannot go with --no-stream")
+    if args.max_tokens_cap is not None and not is_generation(args.endpoint_type):
+        raise BenchError(
+            f"--max-tokens-cap caps generated tokens: --endpoint-type {args.endpoint_type} has none"
+        )
     try:
         rates = parse_rates(args.request_rate)
         headers = request_headers(args.api_key, args.header)
@@ -231,7 +283,7 @@ def _check_before_run(args: argparse.Namespace) -> tuple[list[float], dict[str, 
 async def _bench(args: argparse.Namespace) -> int:
     from corral_cli.bench import report
     from corral_cli.bench.client import RequestSettings
-    from corral_cli.bench.runner import RunSettings, resolve_model, run_sweep
+    from corral_cli.bench.runner import RunSettings, is_generation, resolve_model, run_sweep
 
     rates, headers = _check_before_run(args)
     workloads, warmup, lengths_from = _load_workloads(args, len(rates))
@@ -244,7 +296,10 @@ async def _bench(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         max_tokens_cap=args.max_tokens_cap,
         headers=headers,
-        stream=not args.no_stream,
+        stream=not args.no_stream and is_generation(args.endpoint_type),
+        extra_body={"encoding_format": args.embedding_encoding}
+        if args.endpoint_type == "embeddings"
+        else None,
     )
     metrics_url = None if args.no_metrics else (args.metrics_url or args.base_url.rstrip("/") + "/metrics")
     runs = [
@@ -259,6 +314,7 @@ async def _bench(args: argparse.Namespace) -> int:
     outcomes = await run_sweep(settings, runs, args.request_timeout, warmup, args.max_concurrency)
     summaries = [o.summary for o in outcomes]
     report.print_report(summaries)
+    generates = is_generation(args.endpoint_type)
     config = {
         "base_url": args.base_url,
         "model": model,
@@ -267,13 +323,16 @@ async def _bench(args: argparse.Namespace) -> int:
         "num_prompts": len(workloads[0]),
         "warmup_requests": len(warmup),
         "prompt_lengths": lengths_from,
+        # Inputs per embeddings request, documents per rerank query; None for generation.
+        "embedding_batch_size": None if generates else args.embedding_batch_size,
+        "embedding_encoding": args.embedding_encoding if args.endpoint_type == "embeddings" else None,
         "random_input_len": None if args.dataset else args.random_input_len,
-        "random_output_len": None if args.dataset else args.random_output_len,
+        "random_output_len": None if args.dataset or not generates else args.random_output_len,
         "random_range_ratio": None if args.dataset else args.random_range_ratio,
         "random_dist": None if args.dataset else args.random_dist,
         "ignore_eos": args.ignore_eos,
         "max_tokens_cap": args.max_tokens_cap,
-        "stream": not args.no_stream,
+        "stream": settings.stream,
         "seed": args.seed,
     }
     if args.result_file:

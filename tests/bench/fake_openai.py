@@ -131,6 +131,30 @@ def build_app(state: FakeState) -> FastAPI:
             return JSONResponse({"choices": [{**choice, "finish_reason": "length"}], "usage": usage})
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        """A vector per input; usage counts each input's tokens and 2 more, as an encoder's
+        [CLS]/[SEP] (a text input counts as 7 tokens)."""
+        body = await request.json()
+        state.bodies.append(body)
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        if body.get("model") != MODEL:
+            error = {
+                "message": "no such model",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": None,
+            }
+            return JSONResponse({"error": error}, status_code=404)
+        await asyncio.sleep(state.token_delay_s)
+        data = [{"object": "embedding", "index": i, "embedding": [0.6, 0.8]} for i in range(len(inputs))]
+        num_tokens = sum((len(x) if isinstance(x, list) else 7) + 2 for x in inputs)
+        return {
+            "object": "list",
+            "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        }
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         return await handle(request, chat=False)

@@ -19,7 +19,7 @@ from corral_cli.bench.stats import RequestResult
 from corral_cli.bench.workload import BenchRequest
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-_MAX_ERROR_CHARS = 200
+MAX_ERROR_CHARS = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ def error_message(status: int, body: bytes) -> str:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = body.decode("utf-8", "replace")
-    return f"HTTP {status}: {str(message)[:_MAX_ERROR_CHARS]}"
+    return f"HTTP {status}: {str(message)[:MAX_ERROR_CHARS]}"
 
 
 _MAX_LINE_BYTES = 1 << 20  # an SSE line longer than this is a broken stream, not a big chunk
@@ -135,7 +135,7 @@ class _StreamReading:
             return
         event = json.loads(data)
         if "error" in event:
-            raise _StreamError(f"stream error: {str(event['error'])[:_MAX_ERROR_CHARS]}")
+            raise _StreamError(f"stream error: {str(event['error'])[:MAX_ERROR_CHARS]}")
         running = event.get("usage")
         self.usage = running or self.usage
         if chunk_text(event, self.endpoint_type):
@@ -200,7 +200,7 @@ async def send_request(
         result.error = str(e)
         return result
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: bad JSON, huge line
-        result.error = f"{type(e).__name__}: {str(e)[:_MAX_ERROR_CHARS]}"
+        result.error = f"{type(e).__name__}: {str(e)[:MAX_ERROR_CHARS]}"
         return result
     result.e2el_s = (reading.end or time.perf_counter()) - start
     if reading.num_chunks == 0:
@@ -231,7 +231,7 @@ async def _send_whole(
                 return result
             reply = json.loads(data)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-        result.error = f"{type(e).__name__}: {str(e)[:_MAX_ERROR_CHARS]}"
+        result.error = f"{type(e).__name__}: {str(e)[:MAX_ERROR_CHARS]}"
         return result
     usage = reply.get("usage") if isinstance(reply, dict) else None
     if not isinstance(usage, dict) or "completion_tokens" not in usage:

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -15,6 +16,7 @@ from corral_cli.bench.stats import LATENCIES, RequestResult, latency_samples
 
 _LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 _STATS = ("mean", "median", "p90", "p99")
+_E2E_STATS = (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99"))
 # Off a terminal (a CI log, a pipe) rich would fit tables to 80 columns and cut figures to "1,28…";
 # this is wide enough for any table here, which still prints at its natural width.
 _MAX_LOG_WIDTH = 1000
@@ -32,24 +34,49 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def run_table(summary: dict[str, Any]) -> Table:
-    """Counts, throughputs and the four latency distributions of one run."""
-    table = Table(title=f"corral bench: request rate {rate_label(summary['request_rate'])} req/s")
-    table.add_column("metric", overflow="fold")
-    for stat in _STATS:
-        table.add_column(f"{stat} (ms)", justify="right", overflow="fold")
-    for kind in LATENCIES:
-        table.add_row(_LATENCY_NAMES[kind], *(_fmt(summary[f"{stat}_{kind}_ms"]) for stat in _STATS))
-    table.add_section()
-    rows = (
-        ("completed / failed", f"{summary['completed']} / {summary['failed']}"),
-        ("duration (s)", _fmt(summary["duration_s"])),
+def is_generation_summary(summary: dict[str, Any]) -> bool:
+    """Whether a run generated tokens (completions, chat), not vectors or scores."""
+    return "total_inputs" not in summary
+
+
+def _latency_kinds(summary: dict[str, Any]) -> tuple[str, ...]:
+    """Embeddings and rerank requests have an end-to-end latency only."""
+    return LATENCIES if is_generation_summary(summary) else ("e2el",)
+
+
+def _throughput_rows(summary: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    if not is_generation_summary(summary):
+        return (
+            ("request throughput (req/s)", _fmt(summary["request_throughput"])),
+            ("input throughput (inputs/s)", _fmt(summary["input_item_throughput"], 1)),
+            ("input throughput (tok/s)", _fmt(summary["input_throughput"], 1)),
+            ("server preemptions", _fmt(summary["num_preemptions"], 0)),
+            ("client CPU per input (µs)", _fmt(_cpu_per_us(summary, "total_inputs"), 1)),
+        )
+    return (
         ("request throughput (req/s)", _fmt(summary["request_throughput"])),
         ("input throughput (tok/s)", _fmt(summary["input_throughput"], 1)),
         ("output throughput (tok/s)", _fmt(summary["output_throughput"], 1)),
         ("total throughput (tok/s)", _fmt(summary["total_token_throughput"], 1)),
         ("server preemptions", _fmt(summary["num_preemptions"], 0)),
-        ("client CPU per output token (µs)", _fmt(_cpu_per_token_us(summary), 1)),
+        ("client CPU per output token (µs)", _fmt(_cpu_per_us(summary, "total_output_tokens"), 1)),
+    )
+
+
+def run_table(summary: dict[str, Any]) -> Table:
+    """Counts, throughputs and the latency distributions of one run (E2E only for embeddings and
+    rerank)."""
+    table = Table(title=f"corral bench: request rate {rate_label(summary['request_rate'])} req/s")
+    table.add_column("metric", overflow="fold")
+    for stat in _STATS:
+        table.add_column(f"{stat} (ms)", justify="right", overflow="fold")
+    for kind in _latency_kinds(summary):
+        table.add_row(_LATENCY_NAMES[kind], *(_fmt(summary[f"{stat}_{kind}_ms"]) for stat in _STATS))
+    table.add_section()
+    rows = (
+        ("completed / failed", f"{summary['completed']} / {summary['failed']}"),
+        ("duration (s)", _fmt(summary["duration_s"])),
+        *_throughput_rows(summary),
     )
     for name, value in rows:
         table.add_row(name, value, "", "", "")
@@ -65,14 +92,40 @@ def _preemptions_caption(summaries: list[dict[str, Any]]) -> str | None:
     return "preemptions n/a: " + "; ".join(reasons) if reasons else None
 
 
-def _cpu_per_token_us(summary: dict[str, Any]) -> float | None:
-    cpu_s, tokens = summary.get("client_cpu_s"), summary.get("total_output_tokens")
-    return 1e6 * cpu_s / tokens if cpu_s is not None and tokens else None
+def _cpu_per_us(summary: dict[str, Any], per: str) -> float | None:
+    """The client's CPU per output token (or per input), in microseconds."""
+    cpu_s, count = summary.get("client_cpu_s"), summary.get(per)
+    return 1e6 * cpu_s / count if cpu_s is not None and count else None
+
+
+def _pooling_columns() -> tuple[tuple[str, Callable[[dict[str, Any]], str]], ...]:
+    return (
+        ("rate", lambda s: rate_label(s["request_rate"])),
+        ("ok/fail", lambda s: f"{s['completed']}/{s['failed']}"),
+        ("req/s", lambda s: _fmt(s["request_throughput"])),
+        ("inputs/s", lambda s: _fmt(s["input_item_throughput"], 1)),
+        ("in tok/s", lambda s: _fmt(s["input_throughput"], 1)),
+        ("E2E mean", lambda s: _fmt(s["mean_e2el_ms"], 1)),
+        ("E2E p50", lambda s: _fmt(s["median_e2el_ms"], 1)),
+        ("E2E p90", lambda s: _fmt(s["p90_e2el_ms"], 1)),
+        ("E2E p99", lambda s: _fmt(s["p99_e2el_ms"], 1)),
+        ("preempt", lambda s: _fmt(s["num_preemptions"], 0)),
+    )
 
 
 def sweep_table(summaries: list[dict[str, Any]]) -> Table:
     table = Table(title="corral bench: request-rate sweep (rates in req/s, latencies in ms)")
-    columns = (
+    columns = _generation_columns() if is_generation_summary(summaries[0]) else _pooling_columns()
+    for name, _ in columns:
+        table.add_column(name, justify="right", overflow="fold")
+    for summary in summaries:
+        table.add_row(*(cell(summary) for _, cell in columns))
+    table.caption = _preemptions_caption(summaries)
+    return table
+
+
+def _generation_columns() -> tuple[tuple[str, Callable[[dict[str, Any]], str]], ...]:
+    return (
         ("rate", lambda s: rate_label(s["request_rate"])),
         ("ok/fail", lambda s: f"{s['completed']}/{s['failed']}"),
         ("req/s", lambda s: _fmt(s["request_throughput"])),
@@ -84,12 +137,6 @@ def sweep_table(summaries: list[dict[str, Any]]) -> Table:
         ("E2E mean", lambda s: _fmt(s["mean_e2el_ms"], 1)),
         ("preempt", lambda s: _fmt(s["num_preemptions"], 0)),
     )
-    for name, _ in columns:
-        table.add_column(name, justify="right", overflow="fold")
-    for summary in summaries:
-        table.add_row(*(cell(summary) for _, cell in columns))
-    table.caption = _preemptions_caption(summaries)
-    return table
 
 
 def report_console() -> Console:
@@ -155,7 +202,8 @@ def write_result_file(
 
 
 def plot_latency_distributions(results: list[RequestResult], path: str | pathlib.Path, title: str) -> None:
-    """Histograms of TTFT, TPOT, ITL and E2E latency (ms) with p50/p99 marked."""
+    """Histograms of TTFT, TPOT, ITL and E2E latency (ms) with p50/p99 marked; of E2E alone for
+    embeddings and rerank requests."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,8 +211,13 @@ def plot_latency_distributions(results: list[RequestResult], path: str | pathlib
     import numpy as np
 
     samples = latency_samples(results)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, kind in zip(axes.flat, LATENCIES, strict=True):
+    if all(r.is_generation for r in results):
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+        panels = list(zip(axes.flat, LATENCIES, strict=True))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        panels = [(ax, "e2el")]
+    for ax, kind in panels:
         values = np.asarray(samples[kind]) * 1000.0
         ax.set_title(_LATENCY_NAMES[kind])
         ax.set_xlabel("ms")
@@ -194,17 +247,15 @@ def plot_sweep(summaries: list[dict[str, Any]], path: str | pathlib.Path, title:
     def series(key: str) -> list[float]:
         return [float("nan") if s[key] is None else float(s[key]) for s in summaries]
 
+    throughputs, latencies, tput_unit = _sweep_series(summaries[0])
     fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_tput.plot(xs, series("output_throughput"), marker="o", label="output tok/s")
-    ax_tput.plot(xs, series("total_token_throughput"), marker="s", label="total tok/s")
-    ax_tput.set_ylabel("tokens/s")
+    for (key, name), marker in zip(throughputs, "os^", strict=False):
+        ax_tput.plot(xs, series(key), marker=marker, label=name)
+    ax_tput.set_ylabel(tput_unit)
+    if not is_generation_summary(summaries[0]):
+        ax_tput.set_yscale("log")  # requests, inputs and tokens per second differ by orders of magnitude
     ax_tput.set_title("throughput")
-    for key, name in (
-        ("mean_ttft_ms", "TTFT mean"),
-        ("p99_ttft_ms", "TTFT p99"),
-        ("mean_tpot_ms", "TPOT mean"),
-        ("p99_itl_ms", "ITL p99"),
-    ):
+    for key, name in latencies:
         ax_lat.plot(xs, series(key), marker="o", label=name)
     ax_lat.set_ylabel("ms")
     ax_lat.set_yscale("log")
@@ -218,3 +269,23 @@ def plot_sweep(summaries: list[dict[str, Any]], path: str | pathlib.Path, title:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _sweep_series(summary: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str]], str]:
+    """(throughput keys and names, latency keys and names, the throughput axis's unit) to plot."""
+    if is_generation_summary(summary):
+        throughputs = [("output_throughput", "output tok/s"), ("total_token_throughput", "total tok/s")]
+        latencies = [
+            ("mean_ttft_ms", "TTFT mean"),
+            ("p99_ttft_ms", "TTFT p99"),
+            ("mean_tpot_ms", "TPOT mean"),
+            ("p99_itl_ms", "ITL p99"),
+        ]
+        return throughputs, latencies, "tokens/s"
+    throughputs = [
+        ("request_throughput", "requests/s"),
+        ("input_item_throughput", "inputs/s"),
+        ("input_throughput", "input tok/s"),
+    ]
+    latencies = [(f"{stat}_e2el_ms", f"E2E {name}") for stat, name in _E2E_STATS]
+    return throughputs, latencies, "per second (log)"

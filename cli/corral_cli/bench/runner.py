@@ -7,9 +7,9 @@ import json
 import logging
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import aiohttp
 from corral_engine.wire import NUM_PREEMPTIONS_TOTAL
@@ -17,6 +17,7 @@ from corral_engine.wire import NUM_PREEMPTIONS_TOTAL
 from corral_cli.bench import prom
 from corral_cli.bench.arrivals import arrival_offsets_s
 from corral_cli.bench.client import RequestSettings, error_message, send_request
+from corral_cli.bench.pooling import POOLING_ENDPOINTS, PoolingRequest, send_pooling_request
 from corral_cli.bench.stats import RequestResult, aggregate
 from corral_cli.bench.workload import BenchRequest
 
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 10.0
 T = TypeVar("T")
+# A generation request (completions, chat) or an embeddings / rerank one, as the endpoint type says.
+AnyRequest: TypeAlias = BenchRequest | PoolingRequest
 
 
 class BenchError(Exception):
@@ -150,8 +153,21 @@ def _delta(before: Scrape, after: Scrape) -> tuple[float | None, str | None]:
     return (increase, None) if increase is not None else (None, "the counter went down (a server restarted?)")
 
 
+async def _send(
+    client: aiohttp.ClientSession, settings: RequestSettings, request: AnyRequest
+) -> RequestResult:
+    if isinstance(request, PoolingRequest):
+        return await send_pooling_request(client, settings, request)
+    return await send_request(client, settings, request)
+
+
+def is_generation(endpoint_type: str) -> bool:
+    """Whether the endpoint generates tokens (completions, chat), not vectors or scores."""
+    return endpoint_type not in POOLING_ENDPOINTS
+
+
 async def run_once(
-    client: aiohttp.ClientSession, request: RequestSettings, run: RunSettings, requests: list[BenchRequest]
+    client: aiohttp.ClientSession, request: RequestSettings, run: RunSettings, requests: Sequence[AnyRequest]
 ) -> RunOutcome:
     """Send `requests` on a seeded arrival schedule and summarise what came back."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -170,12 +186,12 @@ async def run_once(
     )
     task = progress.add_task("requests", total=len(requests))
 
-    async def one(bench_request: BenchRequest) -> RequestResult:
+    async def one(bench_request: AnyRequest) -> RequestResult:
         if slots is None:
-            result = await send_request(client, request, bench_request)
+            result = await _send(client, request, bench_request)
         else:
             async with slots:
-                result = await send_request(client, request, bench_request)
+                result = await _send(client, request, bench_request)
         progress.advance(task)
         return result
 
@@ -194,11 +210,12 @@ async def run_once(
     num_preemptions, preemptions_unknown_why = _delta(preemptions_before, preemptions_after)
 
     summary = {
+        "endpoint_type": request.endpoint_type,
         "request_rate": run.request_rate,
         "burstiness": run.burstiness,
         "max_concurrency": run.max_concurrency,
         "num_prompts": len(requests),
-        **aggregate(results, duration_s),
+        **aggregate(results, duration_s, is_generation(request.endpoint_type)),
         "num_preemptions": _as_count(num_preemptions),
         "preemptions_unknown_why": preemptions_unknown_why,  # None when counted
         # The load generator's own CPU over the run: on a machine it shares with the server, what
@@ -215,7 +232,7 @@ def _as_count(value: float | None) -> int | float | None:
 async def warm_up(
     client: aiohttp.ClientSession,
     request: RequestSettings,
-    requests: list[BenchRequest],
+    requests: Sequence[AnyRequest],
     max_concurrency: int | None = None,
 ) -> None:
     """Send `requests` at once (at most `max_concurrency` in flight) and wait for them all; what
@@ -225,9 +242,9 @@ async def warm_up(
         return
     slots = asyncio.Semaphore(max_concurrency or len(requests))
 
-    async def one(bench_request: BenchRequest) -> RequestResult:
+    async def one(bench_request: AnyRequest) -> RequestResult:
         async with slots:
-            return await send_request(client, request, bench_request)
+            return await _send(client, request, bench_request)
 
     results = await asyncio.gather(*(one(r) for r in requests))
     failed = [r.error for r in results if not r.is_success]
@@ -238,9 +255,9 @@ async def warm_up(
 
 async def run_sweep(
     request: RequestSettings,
-    runs: list[tuple[RunSettings, list[BenchRequest]]],
+    runs: Sequence[tuple[RunSettings, Sequence[AnyRequest]]],
     request_timeout_s: float,
-    warmup: list[BenchRequest] | None = None,
+    warmup: Sequence[AnyRequest] | None = None,
     warmup_max_concurrency: int | None = None,
 ) -> list[RunOutcome]:
     """Send the warm-up's requests, then run each (setting, workload) in turn, one after the other,

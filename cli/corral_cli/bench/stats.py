@@ -26,6 +26,10 @@ class RequestResult:
     error: str = ""
     # False for a non-streamed request: its tokens arrive at once, so their pace is unknown.
     is_streamed: bool = True
+    # False for an embeddings or rerank request: no tokens are generated, so there is no first
+    # token, no pace and no output (its latency is E2E only).
+    is_generation: bool = True
+    num_inputs: int = 0  # texts or token-id lists an embeddings request sent, documents a rerank's
 
     @property
     def tpot_s(self) -> float | None:
@@ -50,15 +54,16 @@ def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
     """Per-latency-kind samples (seconds) over successful requests."""
     ok = [r for r in results if r.is_success]
     return {
-        "ttft": [r.ttft_s for r in ok],
+        "ttft": [r.ttft_s for r in ok if r.is_generation],
         "tpot": [t for r in ok if (t := r.tpot_s) is not None],
         "itl": [gap for r in ok for gap in r.itl_s],
         "e2el": [r.e2el_s for r in ok],
     }
 
 
-def aggregate(results: list[RequestResult], duration_s: float) -> dict[str, Any]:
-    """One run's summary with flat keys (e.g. `p99_ttft_ms`, `output_throughput`)."""
+def aggregate(results: list[RequestResult], duration_s: float, is_generation: bool = True) -> dict[str, Any]:
+    """One run's summary with flat keys (e.g. `p99_ttft_ms`, `output_throughput`). Without
+    generation (embeddings, rerank) the output figures are None and the inputs are counted."""
     ok = [r for r in results if r.is_success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
@@ -68,12 +73,16 @@ def aggregate(results: list[RequestResult], duration_s: float) -> dict[str, Any]
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
+        "total_output_tokens": total_out if is_generation else None,
         "request_throughput": len(ok) * per_s,  # requests/s
         "input_throughput": total_in * per_s,  # tokens/s
-        "output_throughput": total_out * per_s,
+        "output_throughput": total_out * per_s if is_generation else None,
         "total_token_throughput": (total_in + total_out) * per_s,
     }
+    if not is_generation:
+        total_inputs = sum(r.num_inputs for r in ok)
+        summary["total_inputs"] = total_inputs
+        summary["input_item_throughput"] = total_inputs * per_s  # embedded texts (rerank: documents)/s
     for kind, samples in latency_samples(results).items():
         for stat, value in summarize(samples).items():
             summary[f"{stat}_{kind}_ms"] = value

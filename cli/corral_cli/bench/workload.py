@@ -271,15 +271,19 @@ def load_dataset(
     return sample_requests(requests, num_prompts, seed)
 
 
-def as_chat_prompts(requests: list[BenchRequest], tokenizer: BenchTokenizer | None) -> list[BenchRequest]:
-    """Chat messages carry text: token-id prompts are decoded with `tokenizer` (their length is the
-    decoded text's); ValueError when there are some and no tokenizer."""
+def as_chat_prompts(
+    requests: list[BenchRequest], tokenizer: BenchTokenizer | None, endpoint_type: str = "chat"
+) -> list[BenchRequest]:
+    """Chat messages (and rerank queries and documents) carry text: token-id prompts are decoded
+    with `tokenizer` (their length is the decoded text's); ValueError when there are some and no
+    tokenizer."""
     if all(isinstance(r.prompt, str) for r in requests):
         return requests
     if tokenizer is None:
+        instead = "embeddings" if endpoint_type == "rerank" else "completions"
         raise ValueError(
-            "the dataset has token-id prompts and --endpoint-type chat sends text: "
-            "give --tokenizer DIR to decode them, or use --endpoint-type completions"
+            f"the dataset has token-id prompts and --endpoint-type {endpoint_type} sends text: "
+            f"give --tokenizer DIR to decode them, or use --endpoint-type {instead}"
         )
     chat = []
     for request in requests:
