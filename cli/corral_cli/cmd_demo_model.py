@@ -12,6 +12,8 @@ _PRESETS = ("tiny", "small", "llama3-8b")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "phi3", "gemma3")
 # Encoder embedding models (corral_engine.demo_encoder): tiny only, in the sentence-transformers layout.
 _ENCODER_ARCHS = ("bert", "xlm-roberta")
+# Vision-language models (corral_engine.demo_llava): tiny only, float32.
+_VISION_ARCHS = ("llava",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,11 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer (default: 0)")
     parser.add_argument(
         "--arch",
-        choices=(*_ARCHS, *_ENCODER_ARCHS),
+        choices=(*_ARCHS, *_ENCODER_ARCHS, *_VISION_ARCHS),
         default="llama",
         help="model architecture; mixtral and qwen3-moe: 4 experts, 2 per token, tiny and small presets "
-        "only; bert and xlm-roberta: encoder embedding models (mean and CLS pooling), tiny preset only "
-        "(default: llama)",
+        "only; bert and xlm-roberta: encoder embedding models (mean and CLS pooling), tiny preset only; "
+        "llava: a LLaVA-1.5 vision-language model (CLIP tower on 32x32 images, the tiny Llama, an "
+        "<image> token, the processor files), tiny preset only (default: llama)",
     )
     parser.add_argument(
         "--device",
@@ -103,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         return _write_adapter(args)
     if args.arch in _ENCODER_ARCHS:
         return _write_encoder(args)
+    if args.arch in _VISION_ARCHS:
+        return _write_llava(args)
     if args.reranker or args.classifier is not None:
         log.error(
             "%s: a classifier is an encoder (--arch %s), not --arch %s",
@@ -177,6 +182,33 @@ def _write_encoder(args: argparse.Namespace) -> int:
     if args.classifier:
         what = f"{args.classifier}-label classifier"
     log.info("wrote tiny %s checkpoint (%s, seed %d) to %s", what, args.arch, args.seed, out)
+    return 0
+
+
+def _write_llava(args: argparse.Namespace) -> int:
+    """The tiny LLaVA checkpoint (the options for text decoders' weights do not apply)."""
+    refused = [
+        flag
+        for flag, is_set in (
+            (f"--preset {args.preset}", args.preset != "tiny"),
+            ("--no-weights", args.no_weights),
+            (f"--quantization {args.quantization}", args.quantization is not None),
+            (f"--embedding {args.embedding}", args.embedding is not None),
+            ("--reranker", args.reranker),
+        )
+        if is_set
+    ]
+    if refused:
+        log.error("--arch llava: %s not supported (the LLaVA demo is tiny, float32)", ", ".join(refused))
+        return 2
+    from corral_engine.demo_llava import write_llava_model
+
+    try:
+        out = write_llava_model(args.dir, seed=args.seed)
+    except OSError as e:
+        log.error("cannot write the checkpoint to %s: %s", args.dir, e)
+        return 1
+    log.info("wrote tiny LLaVA checkpoint (seed %d) to %s", args.seed, out)
     return 0
 
 

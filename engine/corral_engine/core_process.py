@@ -122,6 +122,7 @@ def run_core(
         engine.block_manager.block_size,
         stats,
         engine.embed,
+        engine.model_config.vision,
     )
     sink.send(("ready", info))
 
@@ -134,9 +135,12 @@ def run_core(
                 return
             kind = message[0]
             if kind == "add":
-                _, request_id, token_ids, params, arrival_time, lora = message
+                _, request_id, token_ids, params, arrival_time, lora, mm_inputs = message
                 try:
-                    loop.add(engine.make_request(request_id, token_ids, params, arrival_time, lora))
+                    request = engine.make_request(
+                        request_id, token_ids, params, arrival_time, lora, mm_inputs
+                    )
+                    loop.add(request)
                 except InvalidRequestError as e:
                     loop.refused()  # the server counted it as handed over
                     sink.error(request_id, e)

@@ -17,6 +17,8 @@ PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 # Mistral's tool-call control tokens, special as in Mistral's own tokenizers (ids 3, 4, 5 of the
 # mistral-arch demo models), so the text the engine returns leaves them out unless asked.
 MISTRAL_TOOL_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+IMAGE_TOKEN = "<image>"  # the llava demo's image placeholder: special, id 3
+_STYLE_SPECIALS = {"mistral": MISTRAL_TOOL_TOKENS, "llava": (IMAGE_TOKEN,)}
 
 # Role-tagged turns; an assistant turn ends with eos so generation stops at the end of a reply.
 # With `tools`, a system turn lists them and asks for Hermes-style calls (the format of Qwen 2.5/3 and
@@ -38,6 +40,22 @@ CHAT_TEMPLATE = (
     "{%- set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson %}"
     "{{- '<tool_call>{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args + '}</tool_call>' }}"
     "{%- endfor %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+
+# The llava demo's: a message's content is a string or a list of parts; each image part becomes one
+# `<image>` (the processor or the engine expands it to the image's placeholder tokens).
+LLAVA_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') %}{{- '<image>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
     "{{- eos_token + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
@@ -134,7 +152,7 @@ def tokenizer_style(arch: str) -> str:
     Mistral's is Llama's plus its tool-call control tokens."""
     if arch in ("qwen2", "qwen3"):
         return "qwen"
-    return "mistral" if arch == "mistral" else "llama"
+    return arch if arch in _STYLE_SPECIALS else "llama"
 
 
 def train_tokenizer(
@@ -167,7 +185,7 @@ def train_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=[*SPECIAL_TOKENS, *(MISTRAL_TOOL_TOKENS if style == "mistral" else ())],
+        special_tokens=[*SPECIAL_TOKENS, *_STYLE_SPECIALS.get(style, ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -197,5 +215,5 @@ def tokenizer_config(max_length: int, style: str) -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": LLAVA_CHAT_TEMPLATE if style == "llava" else CHAT_TEMPLATE,
     }

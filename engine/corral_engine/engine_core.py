@@ -10,7 +10,8 @@ unfinished; the server's process keeps HTTP, tokenizing, request checks and stre
 Between them, two one-way pipes of pickled tuples (`multiprocessing.connection`: length-prefixed
 messages, no extra dependency):
 - to the core: ("add", id, prompt token ids, SamplingParams or PoolingParams, arrival time,
-  LoraRequest or None), ("abort",
+  LoraRequest or None, the images as `multimodal.ImageInput`s: float32 pixel arrays, 12 KiB for a
+  32x32 image, 1.3 MiB for LLaVA-1.5's 336x336), ("abort",
   id), ("add_lora", LoraRequest), ("remove_lora", lora id), ("stop",);
 - from the core: ("ready", `CoreInfo`) or ("failed", kind, message) once at start, then per step
   ("step", outputs, duration_s, batched tokens, times to first token, inter-token gaps, stats),
@@ -51,6 +52,7 @@ from typing import Any
 from corral_engine.args import EngineArgs
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from corral_engine.lora import AdapterError, LoraRequest
+from corral_engine.multimodal import ImageInput, check_images, prompt_of, with_images
 from corral_engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -65,6 +67,7 @@ from corral_engine.request_checks import KvShape, check_pooling_prompt, check_re
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.stream_front import StreamFront
+from corral_engine.vision_config import VisionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class CoreInfo:
     block_size: int
     stats: EngineStats
     embed: EmbedSpec  # the runner, and an embedding model's vector size
+    vision: VisionConfig | None = None  # a vision-language model's: images are processed here
 
 
 def _pack_metrics(m: RequestMetrics, is_finished: bool) -> tuple[Any, ...]:
@@ -221,6 +225,11 @@ class EngineCoreClient(StreamFront):
         self.embed = info.embed
         self.runner = info.embed.runner  # generate, or pooling (embeddings)
         self.embedding_size = info.embed.embedding_size  # the vectors' length; 0 when generating
+        self._images: Any = None  # a vision model's ImageProcessor: images cross the pipe as pixels
+        if info.vision is not None:
+            from corral_engine.image_processor import ImageProcessor
+
+            self._images = ImageProcessor(args.model, info.vision)
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._prompts: dict[str, list[int]] = {}  # request id -> prompt ids, until its final output
         self._send_lock = threading.Lock()
@@ -269,19 +278,20 @@ class EngineCoreClient(StreamFront):
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: Any,
         params: SamplingParams | PoolingParams,
         *,
         in_group: bool = False,
         lora: LoraRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """As `AsyncEngine.add_request`: checked here, at once, then sent to the core."""
+        """As `AsyncEngine.add_request`: checked here, at once, then sent to the core (a prompt's
+        images processed here, their pixel values pickled onto the pipe)."""
         self._check_admission(request_id, None if in_group else self.args.max_waiting)
-        token_ids = self._check(prompt, params)
+        token_ids, mm_inputs = self._check(prompt, params)
         self._prompts[request_id] = token_ids  # before the core can answer
         self._num_handed += 1  # before the core can report it taken
         try:
-            self._send(("add", request_id, token_ids, params, time.monotonic(), lora))
+            self._send(("add", request_id, token_ids, params, time.monotonic(), lora, mm_inputs))
         except EngineDeadError:
             del self._prompts[request_id]
             self._num_handed -= 1
@@ -309,16 +319,21 @@ class EngineCoreClient(StreamFront):
         with contextlib.suppress(EngineDeadError):
             self._send(("remove_lora", lora_id))
 
-    def _check(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> list[int]:
+    def _check(
+        self, prompt: Any, params: SamplingParams | PoolingParams
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """What `LLMEngine.make_request` refuses, refused here (the core builds the request)."""
         self.embed.check(params)
-        if isinstance(prompt, str):
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        text_or_ids = prompt_of(prompt)
+        if isinstance(text_or_ids, str):
+            token_ids = list(self.tokenizer.encode(text_or_ids, add_special_tokens=True))
         else:
-            token_ids = list(prompt)
+            token_ids = list(text_or_ids)
+        token_ids, mm_inputs = with_images(prompt, token_ids, self._images, self.served_model_name)
+        check_images(token_ids, mm_inputs, self._images, self.served_model_name)
         if isinstance(params, PoolingParams):
             check_pooling_prompt(token_ids, self.max_model_len, self._vocab_size, self._kv)
-            return token_ids
+            return token_ids, mm_inputs
         check_request(token_ids, params, self.max_model_len, self._vocab_size, self._kv)
         if params.grammar is not None:
             if self._grammars is None:
@@ -326,7 +341,7 @@ class EngineCoreClient(StreamFront):
 
                 self._grammars = GrammarCompiler(self.tokenizer, self._vocab_size, self.eos_token_ids)
             self._grammars.matcher(params.grammar)  # InvalidRequestError where it does not compile
-        return token_ids
+        return token_ids, mm_inputs
 
     def _send(self, message: tuple[Any, ...]) -> None:
         data = pickle.dumps(message, protocol=PROTOCOL)

@@ -7,6 +7,7 @@ import logging
 
 from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import SchedulerConfig
+from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
 from corral_engine.settings import EngineSettings
 
@@ -60,3 +61,19 @@ def pipelining(
     )
     logger.info("async scheduling: %s", "on" if schedules_ahead else "off")
     return overlaps_output, schedules_ahead
+
+
+def check_vision_args(args: EngineArgs, runner: str) -> None:
+    """Refuse, by name, what a vision-language model is not served with yet (ModelLoadError)."""
+    refused = [
+        name
+        for name, is_set in (
+            ("--enable-lora", args.enable_lora),
+            ("--tensor-parallel-size > 1", args.tensor_parallel_size > 1),
+            ("--speculative", bool(args.speculative)),
+            ("--runner pooling", runner == "pooling"),
+        )
+        if is_set
+    ]
+    if refused:
+        raise ModelLoadError(f"{', '.join(refused)}: not supported with a vision-language model (LLaVA) yet")

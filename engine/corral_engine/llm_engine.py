@@ -20,8 +20,15 @@ from corral_engine.core.block_manager import BlockManager
 from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.engine_adapters import EngineAdapters
-from corral_engine.engine_setup import context_length, pipelining, scheduler_config, warn_if_cache_short
+from corral_engine.engine_setup import (
+    check_vision_args,
+    context_length,
+    pipelining,
+    scheduler_config,
+    warn_if_cache_short,
+)
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from corral_engine.image_processor import ImageProcessor
 from corral_engine.lora import AdapterError, LoraRequest, startup_adapters
 from corral_engine.model.batch import TokenFill
 from corral_engine.model.config import load_model_config
@@ -30,6 +37,7 @@ from corral_engine.model.native import load_fused_ops
 from corral_engine.model.quant import model_quant_config
 from corral_engine.model.sampler import PendingSample, Sampler, record_prompt_logprobs
 from corral_engine.model.tp_workers import make_runner
+from corral_engine.multimodal import ImageInput
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
 from corral_engine.pooling import EmbedSpec
@@ -70,6 +78,9 @@ class LLMEngine:
             raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
         # `runner_type`, not `runner`: that name holds the model runner.
         self.runner_type, self.pooler_config = choose_runner_for(args, self.model_config)
+        vision = self.model_config.vision
+        if vision is not None:  # before any worker starts
+            check_vision_args(args, self.runner_type)
         encoder = self.model_config.encoder  # a classifier's labels and problem type are its
         self.embed = EmbedSpec(
             self.served_model_name,
@@ -122,6 +133,7 @@ class LLMEngine:
             self.block_manager,
             self.grammars,
             self.embed,
+            None if vision is None else ImageProcessor(self.model_config.path, vision),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, args.stream_interval
@@ -183,12 +195,15 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] | None = None,
     ) -> Request:
         """Validate and build a request without touching engine state (safe from any thread);
-        `lora`: the adapter it generates with (registered with `add_lora`)."""
+        `lora`: the adapter it generates with (registered with `add_lora`); `mm_inputs`: its
+        images already processed (the engine core's own process), else from the prompt's
+        `multi_modal_data`."""
         if self.is_closed:
             raise EngineDeadError("the engine is closed")
-        return self.request_builder.build(request_id, prompt, params, arrival_time, lora)
+        return self.request_builder.build(request_id, prompt, params, arrival_time, lora, mm_inputs)
 
     def add_request(
         self,

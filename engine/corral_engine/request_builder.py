@@ -9,13 +9,21 @@ from typing import Any, Protocol
 
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.lora import LoraRequest
+from corral_engine.multimodal import (
+    ImageInput,
+    ImagePrompts,
+    MultiModalPrompt,
+    check_images,
+    prompt_of,
+    with_images,
+)
 from corral_engine.outputs import RequestMetrics
 from corral_engine.pooling import EmbedSpec
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.request_checks import KvCapacity, check_pooling_prompt, check_request
 from corral_engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | MultiModalPrompt
 # What the scheduler admits a pooling request by: its prompt, and no output token to sample.
 POOLING_SAMPLING = SamplingParams(max_tokens=1, output_kind="final_only")
 
@@ -35,9 +43,12 @@ class RequestBuilder:
         kv: KvCapacity,
         grammars: GrammarAttacher,
         embed: EmbedSpec | None = None,
+        images: ImagePrompts | None = None,
     ) -> None:
-        """`embed`: the served model's runner and embedding shape (None: a generate engine)."""
+        """`embed`: the served model's runner and embedding shape (None: a generate engine);
+        `images`: a vision-language model's image processor (None: images are refused)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.embed = embed or EmbedSpec("the model")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -48,9 +59,22 @@ class RequestBuilder:
         self._arrivals = itertools.count()
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        return list(prompt)
+        text_or_ids = prompt_of(prompt)
+        if isinstance(text_or_ids, str):
+            return list(self.tokenizer.encode(text_or_ids, add_special_tokens=True))
+        return list(text_or_ids)
+
+    def with_images(
+        self, prompt: Prompt, mm_inputs: tuple[ImageInput, ...] | None = None
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids (placeholders expanded) and its images: processed here from a
+        prompt's `multi_modal_data`, or as given (`mm_inputs`: already processed, by the server's
+        side of the engine core)."""
+        token_ids = self.tokenize(prompt)
+        if mm_inputs is None:
+            return with_images(prompt, token_ids, self.images, self.embed.model_name)
+        check_images(token_ids, mm_inputs, self.images, self.embed.model_name)
+        return token_ids, mm_inputs
 
     def next_arrival(self) -> int:
         """The next arrival number (also what `LLMEngine.generate` names its requests with)."""
@@ -63,11 +87,12 @@ class RequestBuilder:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] | None = None,
     ) -> Request:
         """A checked request of `params.n` sequences (one for pooling); InvalidRequestError when
-        it is refused."""
+        it is refused. `mm_inputs`: its images already processed (see `with_images`)."""
         self.embed.check(params)  # the right kind for this runner
-        token_ids = self.tokenize(prompt)
+        token_ids, images = self.with_images(prompt, mm_inputs)
         pooling = params if isinstance(params, PoolingParams) else None
         if isinstance(params, PoolingParams):
             check_pooling_prompt(token_ids, self.max_model_len, self.vocab_size, self.kv)
@@ -84,6 +109,7 @@ class RequestBuilder:
             ),
             lora=lora,
             pooling=pooling,
+            mm_inputs=images,
         )
         request.seqs = [
             Sequence(next(self._seq_ids), request, i, list(token_ids), len(token_ids))

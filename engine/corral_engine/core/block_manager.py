@@ -2,7 +2,8 @@
 
 Blocks hold `block_size` tokens of KV. A full block is identified by a hash chained over the
 token ids of every block before it (and over the request's LoRA adapter, whose KV differs from the
-base model's for the same tokens), so equal hashes mean equal prefixes. Blocks nothing references
+base model's for the same tokens, and over the content of any image whose placeholder tokens it
+holds), so equal hashes mean equal prefixes. Blocks nothing references
 but whose content is cached stay reusable until reclaimed (LRU); they count as free.
 """
 
@@ -19,6 +20,12 @@ _ROOT_HASH = 0x9E3779B97F4A7C15  # parent hash of the first block
 
 def chain_hash(parent_hash: int, token_ids: Iterable[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
+
+
+def image_keys(seq: Sequence, start: int, end: int) -> tuple[bytes, ...]:
+    """The content hashes of the request's images whose placeholders overlap tokens [start, end):
+    equal tokens with other images must not share blocks."""
+    return tuple(m.content_hash for m in seq.request.mm_inputs if m.offset < end and start < m.end)
 
 
 def root_hash(seq: Sequence) -> int:
@@ -103,10 +110,14 @@ class BlockManager:
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         bs = self.block_size
         hashes = seq.block_hashes
+        has_images = bool(seq.request.mm_inputs)
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else root_hash(seq)
-            hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            keys = image_keys(seq, i * bs, (i + 1) * bs) if has_images else ()
+            hashes.append(
+                chain_hash(hash((parent, keys)) if keys else parent, seq.token_ids[i * bs : (i + 1) * bs])
+            )
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks covering the longest cached prefix of `seq`, leaving at least one token to
@@ -193,6 +204,7 @@ class BlockManager:
                 if other is not seq and (
                     other.token_ids[: (i + 1) * bs] != seq.token_ids[: (i + 1) * bs]
                     or root_hash(other) != root_hash(seq)
+                    or image_keys(other, 0, (i + 1) * bs) != image_keys(seq, 0, (i + 1) * bs)
                 ):
                     raise AssertionError(f"block {block_id} shared by sequences with different prefixes")
         for block in self.blocks:

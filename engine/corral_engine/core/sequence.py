@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral_engine.lora import LoraRequest
 from corral_engine.outputs import FinishReason, RequestMetrics, TokenLogprob
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from corral_engine.multimodal import ImageInput
 
 
 class SequenceStatus(enum.Enum):
@@ -90,6 +93,9 @@ class Request:
     # An embedding request (--runner pooling): its prompt is computed, pooled and the request ends;
     # `params` is then a fixed one-token SamplingParams the scheduler admits it by.
     pooling: PoolingParams | None = None
+    # A vision-language prompt's images, by placeholder offset (the runner embeds them; the block
+    # manager keys blocks that overlap one by its content hash too).
+    mm_inputs: tuple[ImageInput, ...] = ()
     # n > 1: siblings wait here until the first sequence has computed its prompt, then fork
     # from it and share its full prompt blocks.
     pending_forks: list[Sequence] = field(default_factory=list)

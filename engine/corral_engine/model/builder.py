@@ -57,7 +57,7 @@ class ModelBuilder:
 
     def build(self) -> tuple[CausalLM, MatmulPlan]:
         with torch.device("meta"):
-            model = CausalLM(self.config, self.tp, has_lm_head=not self.is_pooling).to(self.dtype)
+            model = self._new_model().to(self.dtype)
         kind, quant = self.quant_plan.weights, self.quant
         # Quantized layers get their int8/fp8 weights while still on the meta device: the model is
         # never held whole in the model dtype.
@@ -89,6 +89,13 @@ class ModelBuilder:
             inv_freq, _ = rope_parameters(self.config, rotary.kind, self.max_model_len)
             rotary.inv_freq = inv_freq.to(self.device)  # float32 on purpose, as transformers keeps it
         return model.eval(), plan
+
+    def _new_model(self) -> CausalLM:
+        if self.config.vision is not None:  # the engine refuses TP and pooling for these first
+            from corral_engine.model.llava import LlavaLM
+
+            return LlavaLM(self.config)
+        return CausalLM(self.config, self.tp, has_lm_head=not self.is_pooling)
 
     def _triton_ops(self) -> TritonOps | None:
         mode = self.settings.triton_ops

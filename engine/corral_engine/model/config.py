@@ -16,6 +16,12 @@ from corral_engine.pooling import (
     is_encoder_architecture,
     matryoshka_of,
 )
+from corral_engine.vision_config import (
+    REFUSED_VISION_ARCHITECTURES,
+    VISION_ARCHITECTURES,
+    VisionConfig,
+    load_vision_config,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -27,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    *VISION_ARCHITECTURES,
 )
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -79,6 +86,8 @@ class ModelConfig:
     # An encoder-only embedding model (BERT, RoBERTa, XLM-RoBERTa: model/encoder.py), whose own
     # config this is; the decoder fields above then only describe its shape.
     encoder: EncoderConfig | None = None
+    # A vision-language model's (LLaVA) vision tower, projector and image token; None: text only.
+    vision: VisionConfig | None = None
 
     @property
     def num_labels(self) -> int:
@@ -198,6 +207,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     except ValueError as e:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
     archs = raw.get("architectures") or []
+    refused = next((a for a in archs if a in REFUSED_VISION_ARCHITECTURES), None)
+    if refused is not None:
+        raise ModelLoadError(
+            f"{config_file}: {refused} is not supported yet ({REFUSED_VISION_ARCHITECTURES[refused]}); "
+            "vision-language models: LlavaForConditionalGeneration (LLaVA-1.5, one image tile)"
+        )
     if any(isinstance(a, str) and is_encoder_architecture(a) for a in archs):
         return _encoder_model_config(path, raw)
     arch = next(
@@ -213,6 +228,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     top = hf  # a multimodal checkpoint's own config: its eos ids and tying are the model's
     if arch == "Gemma3ForConditionalGeneration":
         hf = hf.text_config  # the text model alone is served; the vision tower is not loaded
+    vision = load_vision_config(hf, config_file) if arch in VISION_ARCHITECTURES else None
+    if vision is not None:
+        hf = hf.text_config
+    family = arch if vision is None else vision.text_architecture  # what the text layers compute
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     num_layers = hf.num_hidden_layers
@@ -220,12 +239,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     window = getattr(hf, "sliding_window", None)
     windows: list[int | None] = []
     for i in range(num_layers):
-        is_sliding = layer_types[i] == "sliding_attention" if layer_types else arch in _WINDOW_EVERYWHERE
+        is_sliding = layer_types[i] == "sliding_attention" if layer_types else family in _WINDOW_EVERYWHERE
         windows.append(window if is_sliding and window else None)
     quantization = raw.get("quantization_config")
     if quantization is not None and not isinstance(quantization, dict):
         raise ModelLoadError(f"{config_file}: quantization_config must be an object, got {quantization!r}")
-    is_qwen2 = arch == "Qwen2ForCausalLM"
+    is_qwen2 = family == "Qwen2ForCausalLM"
     is_gemma = arch in GEMMA3_ARCHITECTURES
     attention_bias = bool(getattr(hf, "attention_bias", False))
     hidden_act = _activation(hf, config_file)
@@ -263,6 +282,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         declared_architectures=tuple(str(a) for a in archs),
         is_matryoshka=is_matryoshka,
         matryoshka_dimensions=matryoshka_dimensions,
+        vision=vision,
     )
 
 

@@ -354,8 +354,9 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         ctx: AttentionContext,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: a step with images' merged rows
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed(input_ids)
+        x = self.model.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rotaries = cast("list[Rotary]", list(self.rotaries))
         tables = [rotary.cos_sin(positions, x.dtype) for rotary in rotaries]  # each [T, 1, R]
         stack = self.decode_stack

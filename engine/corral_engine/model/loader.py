@@ -48,6 +48,16 @@ _NOT_TEXT_PREFIXES = {
         "model.multi_modal_projector.",
     ),
 }
+# Longest first where one prefix starts another.
+_LLAVA_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
 # One expert's projection as hub checkpoints (and transformers' save_pretrained) hold them: Mixtral's
 # block_sparse_moe.experts.N.w1 (gate) / w3 (up) / w2 (down), Qwen3-MoE's mlp.experts.N.gate_proj /
 # up_proj / down_proj. transformers v5's fused in-memory layout (mlp.experts.gate_up_proj, [E, 2I, H])
@@ -133,9 +143,22 @@ def read_cut(part: Any, cut: Cut | list[Cut]) -> torch.Tensor:
     return read[0] if len(read) == 1 else torch.cat(read, dim=pieces[0][0])
 
 
+def llava_name(name: str) -> str:
+    """A LLaVA checkpoint's tensor under the engine's names (`model.*` for the text decoder,
+    `lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`), from transformers v5's layout
+    (`model.language_model.*`, `model.vision_tower.*`) or the hub's older one
+    (`language_model.model.*`, `vision_tower.vision_model.*`)."""
+    for prefix, replacement in _LLAVA_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name.removeprefix(prefix)
+    return name
+
+
 def engine_name(name: str, architecture: str) -> str | None:
     """The engine's name for checkpoint tensor `name`, or None for one it does not load (a
     multimodal checkpoint's vision tower and projector)."""
+    if architecture == "LlavaForConditionalGeneration":
+        return llava_name(name)
     if name.startswith(_NOT_TEXT_PREFIXES.get(architecture, ())):
         return None
     for prefixes, replacement in _TEXT_MODEL_PREFIXES.get(architecture, ()):

@@ -24,6 +24,7 @@ from corral_engine.model.config import ModelConfig
 from corral_engine.model.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from corral_engine.model.decode_stack import DecodeStack, unsupported
 from corral_engine.model.device import CpuFeatures, probe_cpu, select_device, select_dtype
+from corral_engine.model.image_cache import ImageEmbeddings
 from corral_engine.model.kv_cache import (
     TorchCudaMemory,
     allocate_kv_caches,
@@ -34,6 +35,7 @@ from corral_engine.model.kv_cache import (
     used_outside_torch,
 )
 from corral_engine.model.kv_dtype import kv_cache_dtype
+from corral_engine.model.llava import LlavaLM
 from corral_engine.model.lora import LoraSlots, fast_paths, lora_slot_dtype
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
@@ -134,6 +136,10 @@ class ModelRunner:
             quant_plan=self.quant_plan,
         )
         self.model, self.matmul_plan = builder.build()
+        # A vision-language model's encoder cache (model/image_cache.py); None for text models.
+        self.images = (
+            ImageEmbeddings(self.model, self.device, self.dtype) if isinstance(self.model, LlavaLM) else None
+        )
         self.graphs: DecodeGraphs | None = None
         kv_per_token = 2 * config.num_layers * self.num_kv_heads * config.head_dim
         bytes_per_block = args.block_size * kv_per_token * self.kv_dtype.itemsize
@@ -290,7 +296,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(scheduled)
             self.model.decode_stack, graphs = fast_paths(bool(self.lora.groups), self.decode_stack, graphs)
-        if graphs is not None and len(scheduled) <= graphs.sizes[-1]:
+        # Steps that prefill image placeholders run eagerly: no captured graph merges embeddings.
+        has_images = self.images is not None and self.images.has_images(scheduled)
+        if graphs is not None and len(scheduled) <= graphs.sizes[-1] and not has_images:
             host = self.batches.prepare_unified(scheduled)
             if host.is_plain_decode:
                 pending = None
@@ -304,7 +312,8 @@ class ModelRunner:
             batch = self.batches.prepare(scheduled)
         if fill is not None:
             fill.apply(batch.input_ids, scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx)
+        embeds = self.images.merge(scheduled, batch.input_ids) if has_images and self.images else None
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx, embeds)
         if self._compiled_variants is not None:
             self._watch_compiles(len(batch.input_ids), len(scheduled))
         if batch.logits_indices.numel() == 0:
@@ -330,6 +339,8 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop what the runner keeps for it across steps."""
         self.batches.release(seq_id)
+        if self.images is not None:
+            self.images.release(seq_id)
 
     def close(self) -> None:
         """Free the weights, the KV cache, the decode graphs and this rank's process group: the
@@ -337,6 +348,7 @@ class ModelRunner:
         if hasattr(self, "model"):
             self.model.decode_stack = None  # it holds the model and the cache: a cycle only gc frees
             self.decode_stack = None
+            self.images = None  # it holds the model too
             del self.model
         self.kv_caches = []
         self.graphs = None

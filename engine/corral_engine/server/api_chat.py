@@ -70,8 +70,9 @@ class ChatMessage(_Strict):
                     raise ValueError(f"content part {i} has no type")
                 if kind is not None and kind not in _PART_TYPES:
                     raise ValueError(
-                        f"content part {i} is of type {kind!r}: this engine serves text-only models, "
-                        "so parts are text (or an assistant's refusal)"
+                        f"content part {i} is of type {kind!r}: the chat route takes text-only content "
+                        "(text parts, or an assistant's refusal); images reach a vision-language model "
+                        "through the offline engine's multi_modal_data for now"
                     )
         return content
 

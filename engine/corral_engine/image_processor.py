@@ -1,0 +1,66 @@
+"""The checkpoint's image processor (transformers AutoImageProcessor from the model directory, its
+PIL backend: no torchvision) and a vision model's placeholder rules: a prompt's images built."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corral_engine.errors import InvalidRequestError
+from corral_engine.multimodal import ImageInput, content_hash, expand_placeholders
+from corral_engine.vision_config import VisionConfig
+
+
+class ImageProcessor:
+    """The checkpoint's image processor (transformers AutoImageProcessor, its PIL backend: no
+    torchvision) and the placeholder rules of `vision`."""
+
+    def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
+        self.model_dir = str(model_dir)
+        self.vision = vision
+        self.image_token_id = vision.image_token_id
+        self._processor: Any = None
+        self._lock = threading.Lock()  # built once, on the first request with images
+
+    def pixel_values(self, images: list[Any]) -> list[np.ndarray]:
+        """[C, H, W] float32 per image, at the tower's image size."""
+        processor = self._load()
+        values = processor(images=images, return_tensors="np")["pixel_values"]
+        size = self.vision.image_size
+        if values.shape[-2:] != (size, size):  # a processor config that does not fit the tower
+            raise InvalidRequestError(
+                f"the image processor made {values.shape[-2:]} images; the vision tower takes {size}x{size}",
+                "multi_modal_data",
+            )
+        return [np.asarray(v, dtype=np.float32) for v in values]
+
+    def build(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt with each image's placeholders expanded, and its images."""
+        token_ids, spans = expand_placeholders(
+            token_ids, len(images), self.vision.image_token_id, self.vision.num_image_tokens
+        )
+        if not images:
+            return token_ids, ()
+        pixels = self.pixel_values(images)
+        return token_ids, tuple(
+            ImageInput(p, offset, length, content_hash(p))
+            for p, (offset, length) in zip(pixels, spans, strict=True)
+        )
+
+    def _load(self) -> Any:
+        with self._lock:
+            if self._processor is None:
+                from transformers import AutoImageProcessor
+
+                try:
+                    self._processor = AutoImageProcessor.from_pretrained(
+                        self.model_dir, local_files_only=True, backend="pil"
+                    )
+                except TypeError:  # a transformers without backends
+                    self._processor = AutoImageProcessor.from_pretrained(
+                        self.model_dir, local_files_only=True
+                    )
+            return self._processor
