@@ -1,11 +1,14 @@
-"""What --quantization int8 does to CPU speed and memory, against the model dtype, side by side.
+"""What --quantization int8 and an int4 (AWQ) checkpoint do to CPU speed and memory, against the
+model dtype, side by side.
 
     .venv/bin/python bench/engine/quant_ab.py [--rounds 3] [--num-requests 64] [--dtype bfloat16]
     .venv/bin/python bench/engine/quant_ab.py --quick        # W2's quick sizes, one round
 
-Two offline engines on the small demo checkpoint (written there once when missing), the same
-settings but for --quantization: "plain" (--dtype weights) and "int8" (the attention and MLP
-projections int8 with a scale per row, the rest in --dtype). Each round runs, on each engine in
+Offline engines on the small demo checkpoint (written there once when missing), the same settings
+but for the weights: "plain" (--dtype weights), "int8" (--quantization int8: the attention and MLP
+projections int8 with a scale per row, the rest in --dtype) and "awq" (the same random weights
+written as an AWQ int4 checkpoint beside it, `<model>-awq`: int4 projections through PyTorch's
+int4 kernel for bfloat16, dequantized at load for float32); --arms picks. Each round runs, on each engine in
 turn (the order flips every round, so a drifting machine favours neither): the first
 --num-requests of W2 (bench/engine/workloads.py) generated at once (output tok/s), then one
 request's decode at batch 1 (ms per output token, the first token excluded). Prints both per arm,
@@ -37,7 +40,12 @@ from lora_ab import cpu_info
 
 log = logging.getLogger("quant_ab")
 MODEL_DIR = Path.home() / ".cache" / "corral-bench" / "model-small"
-ARMS = {"plain": None, "int8": "int8"}  # arm -> --quantization
+# arm -> (--quantization, the checkpoint's demo --quantization: written beside --model)
+ARMS: dict[str, tuple[str | None, str | None]] = {
+    "plain": (None, None),
+    "int8": ("int8", None),
+    "awq": (None, "awq"),
+}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -52,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-memory", default="2Gi", help="each arm's KV-cache budget")
     p.add_argument("--quick", action="store_true", help="W2's --quick sizes (12 requests, outputs <= 32)")
+    p.add_argument("--arms", default="plain,int8,awq", help="which of plain, int8, awq (plain first)")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/quant-ab"))
     return p.parse_args(argv)
 
@@ -60,7 +69,9 @@ def held_bytes(linear: Linear) -> int:
     """What one Linear holds: its weight (int8 and scales, or the plain one) and any oneDNN packed
     or float32 upcast copy the matmul plan made of it."""
     total = linear.weight.nbytes
-    if linear.quant is not None:
+    if linear.quant == "int4" and linear.kernel_scale is not None:  # scales and zeros
+        total += linear.kernel_scale.nbytes
+    elif linear.quant is not None:
         total += linear.get_buffer("weight_scale").nbytes
     elements = linear.in_features * linear.out_features
     if linear.packed is not None and linear.packed_dtype is not None:
@@ -117,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
-    if not (args.model / "config.json").is_file():
-        log.info("writing the %s demo checkpoint to %s", args.preset, args.model)
-        write_demo_model(args.model, preset=args.preset)
+    arms = {arm: ARMS[arm] for arm in args.arms.split(",")}
+    if next(iter(arms)) != "plain":
+        raise SystemExit("--arms must start with plain (the ratios' denominator)")
+    paths = {arm: checkpoint(args, fmt) for arm, (_, fmt) in arms.items()}
     common: dict[str, Any] = {
-        "model": str(args.model),
         "dtype": args.dtype,
         "num_threads": args.threads,
         "max_num_seqs": 256,
@@ -129,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_memory_bytes": parse_bytes(args.kv_cache_memory),
         "enable_prefix_caching": False,  # rounds repeat the prompts
     }
-    engines = {arm: LLMEngine(EngineArgs(**common, quantization=q)) for arm, q in ARMS.items()}
+    engines = {
+        arm: LLMEngine(EngineArgs(**common, model=str(paths[arm]), quantization=q))
+        for arm, (q, _) in arms.items()
+    }
     records = workloads.build("W2", args.model, quick=args.quick)[: args.num_requests]
     max_len = engines["plain"].max_model_len
     requests = [(list(r["prompt"])[: max_len - int(r["output_len"])], int(r["output_len"])) for r in records]
@@ -138,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()  # as the offline workers and `corral engine` do after loading
     for arm, engine in engines.items():  # warm-up: first-call costs
         offline(engine, [(p, min(n, 8)) for p, n in requests[:4]], f"warm-{arm}")
-    runs: dict[str, dict[str, list[float]]] = {arm: {"tok_s": [], "decode_ms": []} for arm in ARMS}
+    runs: dict[str, dict[str, list[float]]] = {arm: {"tok_s": [], "decode_ms": []} for arm in arms}
     tokens: dict[str, list[list[int]]] = {}
     for r in range(rounds):
-        order = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
+        order = list(arms) if r % 2 == 0 else list(reversed(arms))
         for arm in order:
             tok_s, tokens[arm] = offline(engines[arm], requests, f"{arm}-{r}")
             ms = decode_ms(engines[arm], single, args.decode_tokens, f"{arm}-{r}-single")
@@ -156,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, args.out_dir / "quant_ab.png")
     log.info("%s\nwrote %s", table(result), args.out_dir / "quant_ab.json")
     return 0
+
+
+def checkpoint(args: argparse.Namespace, fmt: str | None) -> Path:
+    """--model, or its `fmt` twin beside it (the same seed's weights), written once when missing."""
+    path = args.model if fmt is None else args.model.with_name(f"{args.model.name}-{fmt}")
+    if not (path / "config.json").is_file():
+        log.info("writing the %s demo checkpoint (%s) to %s", args.preset, fmt or "plain", path)
+        write_demo_model(path, preset=args.preset, quantization=fmt)
+    return path
 
 
 def summarise(
@@ -175,7 +198,7 @@ def summarise(
         }
         for arm, figures in runs.items()
     }
-    pairs = list(zip(tokens["plain"], tokens["int8"], strict=True))
+    others = [arm for arm in runs if arm != "plain"]
     return {
         "args": {k: str(v) for k, v in vars(args).items()},
         "rounds": rounds,
@@ -184,13 +207,18 @@ def summarise(
         "loadavg_end": os.getloadavg(),
         "workload": {"num_requests": len(requests), "output_tokens": sum(n for _, n in requests)},
         "arms": arms,
-        "tok_s_ratios": [a / b for a, b in zip(runs["int8"]["tok_s"], runs["plain"]["tok_s"], strict=True)],
-        "decode_ms_ratios": [
-            a / b for a, b in zip(runs["int8"]["decode_ms"], runs["plain"]["decode_ms"], strict=True)
-        ],
-        "identical_sequences": sum(a == b for a, b in pairs),
-        "num_sequences": len(pairs),
+        # each arm against plain: per round, and how many greedy sequences it reproduced
+        "tok_s_ratios": {arm: _ratios(runs, arm, "tok_s") for arm in others},
+        "decode_ms_ratios": {arm: _ratios(runs, arm, "decode_ms") for arm in others},
+        "identical_sequences": {
+            arm: sum(a == b for a, b in zip(tokens["plain"], tokens[arm], strict=True)) for arm in others
+        },
+        "num_sequences": len(tokens["plain"]),
     }
+
+
+def _ratios(runs: dict[str, dict[str, list[float]]], arm: str, key: str) -> list[float]:
+    return [a / b for a, b in zip(runs[arm][key], runs["plain"][key], strict=True)]
 
 
 def table(result: dict[str, Any]) -> str:
@@ -205,13 +233,13 @@ def table(result: dict[str, Any]) -> str:
             f"| {arm} | {figures['median_tok_s']:.1f} | {figures['median_decode_ms']:.2f} "
             f"| {figures['weight_mib']['projections']:.1f} | {figures['weight_mib']['model']:.1f} |"
         )
-    tok = result["tok_s_ratios"]
-    ms = result["decode_ms_ratios"]
-    lines.append(
-        f"int8 / plain: tok/s {statistics.median(tok):.2f}x ({min(tok):.2f}-{max(tok):.2f}), batch-1 time "
-        f"{statistics.median(ms):.2f}x ({min(ms):.2f}-{max(ms):.2f}); greedy sequences identical: "
-        f"{result['identical_sequences']} of {result['num_sequences']}"
-    )
+    for arm, tok in result["tok_s_ratios"].items():
+        ms = result["decode_ms_ratios"][arm]
+        lines.append(
+            f"{arm} / plain: tok/s {statistics.median(tok):.2f}x ({min(tok):.2f}-{max(tok):.2f}), batch-1 "
+            f"time {statistics.median(ms):.2f}x ({min(ms):.2f}-{max(ms):.2f}); greedy sequences identical: "
+            f"{result['identical_sequences'][arm]} of {result['num_sequences']}"
+        )
     return "\n".join(lines)
 
 
@@ -222,22 +250,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["arms"])
+    colors = ["#7f7f7f", "#1f77b4", "#ff7f0e"][: len(names)]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.8))
     panels = (
         ("median_tok_s", "tok_s", "offline output tok/s (W2)"),
         ("median_decode_ms", "decode_ms", "batch-1 ms per token"),
     )
     for ax, (key, each, title) in zip(axes, panels, strict=False):
-        ax.bar(names, [result["arms"][n][key] for n in names], color=["#7f7f7f", "#1f77b4"])
+        ax.bar(names, [result["arms"][n][key] for n in names], color=colors)
         for i, n in enumerate(names):  # each round's figure, to show the spread
             ax.plot([i] * len(result["arms"][n][each]), result["arms"][n][each], "k.", markersize=4)
         ax.set_title(title, fontsize=9)
-    axes[2].bar(
-        names, [result["arms"][n]["weight_mib"]["projections"] for n in names], color=["#7f7f7f", "#1f77b4"]
-    )
+    axes[2].bar(names, [result["arms"][n]["weight_mib"]["projections"] for n in names], color=colors)
     axes[2].set_title("projection weights MiB (with copies)", fontsize=9)
     fig.suptitle(
-        f"--quantization int8 vs {result['args']['dtype']}, {result['cpu']['model_name']}", fontsize=10
+        f"{' and '.join(names[1:])} vs {result['args']['dtype']}, {result['cpu']['model_name']}", fontsize=10
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

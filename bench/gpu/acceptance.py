@@ -6,7 +6,7 @@
     python3 -m bench.gpu.acceptance --merge A/gpu-acceptance.json B/gpu-acceptance.json --out DIR
 
 Phases, in this order whatever order they are named in: env, bandwidth, equality, batch1, overhead,
-throughput, served, lora, quant. Writes gpu-acceptance.json (after every phase, so a run cut short keeps
+throughput, served, lora, quant, int4. Writes gpu-acceptance.json (after every phase, so a run cut short keeps
 what finished), gpu-*.png and table.md into --out; --merge joins the JSON of runs split across
 calls and redraws.
 """
@@ -30,6 +30,7 @@ import torch
 
 from bench.gpu import phases, plots, report
 from bench.gpu.context import GPU, SMOKE, Profile, Run
+from bench.gpu.int4 import int4
 from bench.gpu.lora import lora
 from bench.gpu.quant import quant
 from bench.gpu.served import served
@@ -48,6 +49,7 @@ PHASES: dict[str, Callable[..., dict[str, Any]]] = {
     "served": served,
     "lora": lora,
     "quant": quant,
+    "int4": int4,
 }
 
 

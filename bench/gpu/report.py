@@ -158,6 +158,8 @@ def _summary(name: str, f: dict[str, Any]) -> str:
         return _lora_summary(f)
     if name == "quant":
         return _quant_summary(f)
+    if name == "int4":
+        return _int4_summary(f)
     return ", ".join(f"{k} {_fmt(v)}" for k, v in f.items() if not isinstance(v, dict | list))
 
 
@@ -175,6 +177,25 @@ def _lora_summary(f: dict[str, Any]) -> str:
         for b, r in speed["ratios"].items()
     )
     return f"mixed batch (2 adapters + base) {'equal' if eq['passed'] else 'NOT equal'}: {refs}; {steps}"
+
+
+def _int4_summary(f: dict[str, Any]) -> str:
+    agree, speed = f["agreement"], f["speed"]
+    parts = [
+        f"agreement failed: {agree['error']}"
+        if "error" in agree
+        else f"awq int4 kernel vs dequantized ({agree['preset']}, bf16): {agree['num_equal']}/"
+        f"{agree['num_prompts']} prompts equal, share {agree['share']:.2f}"
+    ]
+    if "error" in speed:
+        parts.append(f"speed failed: {speed['error']}")
+    else:
+        parts += [
+            f"batch {b}: bf16 {speed['arms']['bf16']['batches'][b]['step_ms']:.2f} ms, awq "
+            f"{speed['arms']['awq']['batches'][b]['step_ms']:.2f} ms ({r:.2f}x)"
+            for b, r in speed["awq_over_bf16_step"].items()
+        ]
+    return "; ".join(parts)
 
 
 def _quant_summary(f: dict[str, Any]) -> str:

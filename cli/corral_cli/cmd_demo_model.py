@@ -50,11 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=("fp8",),
+        choices=("fp8", "awq", "gptq", "w4a16"),
         default=None,
         help="fp8: write the same weights as a Hugging Face fine-grained FP8 checkpoint (the attention "
         "and MLP projections in float8_e4m3fn with a float32 scale per 128x128 block, as published "
-        "-FP8 models are); dense architectures only",
+        "-FP8 models are); awq, gptq, w4a16: as an int4 weight-only checkpoint (AutoAWQ GEMM, "
+        "AutoGPTQ, compressed-tensors pack-quantized), round-to-nearest in groups of up to 128; "
+        "dense architectures only",
     )
     parser.add_argument(
         "--embedding",

@@ -56,7 +56,7 @@ KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_POLICIES: tuple[str, ...] = ("preempt", "reserve")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "native", "sdpa")
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS: tuple[str, ...] = ("fp8", "int8")
+QUANTIZATIONS: tuple[str, ...] = ("fp8", "int8", "awq", "gptq", "compressed-tensors")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 RunnerChoice = Literal["auto", "generate", "pooling"]
 RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
@@ -114,7 +114,9 @@ class EngineArgs:
         "LM head and norms keep --dtype): int8 multiplies int8 weights on CPU (and on CUDA where "
         "PyTorch's kernel runs there, else dequantizes); fp8 runs fp8 weights and per-token fp8 "
         "activations on CUDA of compute capability 8.9+ (dequantized below it) and int8 on CPU. "
-        "FP8 checkpoints load without it: fp8 on such GPUs, dequantized to --dtype elsewhere",
+        "FP8 checkpoints load without it: fp8 on such GPUs, dequantized to --dtype elsewhere. awq, "
+        "gptq, compressed-tensors only name the checkpoint's own format (int4 weight-only checkpoints "
+        "load without it: int4 kernels for bfloat16 models, dequantized otherwise)",
         default_text="none: the checkpoint's own quantization_config decides",
         choices=QUANTIZATIONS,
         crd="quantization",

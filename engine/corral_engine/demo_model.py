@@ -398,12 +398,15 @@ def write_demo_model(
     drawn ("cuda" makes llama3-8b's 16 GB quick); each kind of device draws its own bytes.
     `max_shard_bytes` overrides the preset's largest safetensors file. `weights=False` writes the
     rest only, with neither torch nor transformers: all the simulated engine reads.
-    `quantization="fp8"` writes the same weights as an FP8 checkpoint (demo_fp8.py; dense archs).
+    `quantization="fp8"` writes the same weights as an FP8 checkpoint (demo_fp8.py; dense archs);
+    "awq", "gptq" and "w4a16" as int4 weight-only ones (demo_int4.py).
     """
     p = preset_config(preset)
     cfg = build_config_dict(preset, arch, config_overrides)
-    if quantization not in (None, "fp8") or (quantization and arch in MOE_ARCHS):
-        raise ValueError(f"--quantization {quantization} is for dense architectures, and fp8 only")
+    if quantization not in (None, "fp8", "awq", "gptq", "w4a16") or (quantization and arch in MOE_ARCHS):
+        raise ValueError(
+            f"--quantization {quantization} is for dense architectures, and fp8, awq, gptq or w4a16 only"
+        )
     vocab_size = int(cfg["vocab_size"])
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -434,6 +437,15 @@ def write_demo_model(
                 steps.advance("quantizing to fp8")
                 quantize_checkpoint(out)
             config_json["quantization_config"] = fp8_quantization_config()
+        elif quantization is not None:
+            from corral_engine.demo_int4 import group_size_for, quantization_config, write_int4
+
+            if weights:
+                steps.advance(f"quantizing to {quantization}")
+                config_json["quantization_config"] = write_int4(out, quantization, config_json, device)
+            else:
+                dims = [int(cfg["hidden_size"]), int(cfg["intermediate_size"])]
+                config_json["quantization_config"] = quantization_config(quantization, group_size_for(dims))
         _write_json(out / "config.json", config_json)
         generation = {
             "bos_token_id": BOS_TOKEN_ID,

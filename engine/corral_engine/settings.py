@@ -43,6 +43,11 @@ class EngineSettings(BaseSettings):
     # rows instead of PyTorch's SDPA; auto: bf16 on CPUs with native bf16 (2.3-2.9x the attention
     # there, AVX512-BF16), 1: on any CPU, 0: never (model/attention.py:prompt_block_rows).
     matmul_prompt_attention: Switch = Field(default="auto", validation_alias="CORRAL_MATMUL_PROMPT_ATTENTION")
+    # CORRAL_INT4_KERNEL: int4 checkpoints' (AWQ, GPTQ, W4A16) layers through PyTorch's int4 kernel;
+    # auto: bfloat16 models (CPU; CUDA where tinygemm runs), others dequantized at load (the CPU
+    # kernel with float32 activations is slower than a dense float32 matmul); 1: float32 models on
+    # the CPU too (a quarter of the weight memory); 0: always dequantized (the A/B).
+    int4_kernel: Switch = Field(default="auto", validation_alias="CORRAL_INT4_KERNEL")
     # CORRAL_OVERLAP_OUTPUT: a step's text work (detokenization, stop strings, the outputs) runs
     # in the next step while the device computes, so outputs come one step later; auto: on CUDA.
     overlap_output: Switch = Field(default="auto", validation_alias="CORRAL_OVERLAP_OUTPUT")

@@ -303,3 +303,70 @@ def test_cli_writes_an_embedding_model(tmp_path):
     assert engine.pooler_config.pooling_type == "MEAN"
     (output,) = engine.generate([[5, 6, 7]], PoolingParams())
     assert output.embedding is not None and len(output.embedding) == 64
+
+
+@pytest.mark.parametrize(
+    ("fmt", "tensors"),
+    [
+        (
+            "awq",
+            {
+                "qweight": ((64, 8), torch.int32),
+                "qzeros": ((2, 8), torch.int32),
+                "scales": ((2, 64), torch.float16),
+            },
+        ),
+        (
+            "gptq",
+            {
+                "qweight": ((8, 64), torch.int32),
+                "qzeros": ((2, 8), torch.int32),
+                "scales": ((2, 64), torch.float16),
+                "g_idx": ((64,), torch.int32),
+            },
+        ),
+        (
+            "w4a16",
+            {
+                "weight_packed": ((64, 8), torch.int32),
+                "weight_scale": ((64, 2), torch.float32),
+                "weight_shape": ((2,), torch.int64),
+            },
+        ),
+    ],
+)
+def test_int4_checkpoints_hold_each_tools_layout(tmp_path, fmt, tensors):
+    # Through the CLI: the tiny preset's dims split into groups of 32 (whole on each of two ranks).
+    out = tmp_path / fmt
+    assert corral_main(["demo-model", str(out), "--quantization", fmt, "--quiet"]) == 0
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert AutoConfig.from_pretrained(out).quantization_config["quant_method"] == config["quant_method"]
+    if fmt == "awq":
+        assert config == {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": 32,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
+    elif fmt == "gptq":
+        assert (config["bits"], config["group_size"], config["desc_act"], config["sym"]) == (
+            4,
+            32,
+            False,
+            True,
+        )
+        assert config["checkpoint_format"] == "gptq"
+    else:
+        group = config["config_groups"]["group_0"]
+        assert config["format"] == group["format"] == "pack-quantized" and config["ignore"] == ["lm_head"]
+        assert group["weights"]["num_bits"] == 4 and group["weights"]["group_size"] == 32
+        assert group["input_activations"] is None
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for part, (shape, dtype) in tensors.items():
+            t = f.get_tensor(f"model.layers.0.self_attn.q_proj.{part}")
+            assert (tuple(t.shape), t.dtype) == (shape, dtype), part
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names

@@ -35,8 +35,8 @@ COMPRESSED_FP8 = {
 @pytest.mark.parametrize(
     ("raw", "method"),
     [
-        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
-        ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+        ({"quant_method": "gguf"}, "'gguf'"),
+        ({"quant_method": "exl2", "bits": 4}, "'exl2'"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
         ({"load_in_8bit": True}, "None"),
     ],
@@ -47,11 +47,14 @@ def test_methods_corral_does_not_serve_are_refused_saying_what_it_serves(raw: di
     message = str(info.value)
     assert f"quantization method {method} in config.json is not supported" in message
     assert "fp8 checkpoints" in message and "--quantization fp8|int8" in message
+    assert "awq gemm, gptq 4/8-bit, compressed-tensors pack-quantized" in message
 
 
 def test_a_quantization_flag_on_a_checkpoint_quantized_otherwise_is_a_contradiction() -> None:
     with pytest.raises(ModelLoadError, match=r"--quantization int8 contradicts config.json.*'gptq'"):
         quant_config("int8", {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ModelLoadError, match=r"--quantization int8 contradicts config.json.*'exl2'"):
+        quant_config("int8", {"quant_method": "exl2"})
 
 
 def test_hf_fp8_and_compressed_tensors_fp8_are_read() -> None:
@@ -75,7 +78,11 @@ def test_hf_fp8_and_compressed_tensors_fp8_are_read() -> None:
         ({**HF_FP8, "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
         ({**HF_FP8, "scale_fmt": "ue8m0"}, "only float32 scales"),
         ({**HF_FP8, "modules_to_convert": ["embed_tokens"]}, "fp8 embeddings"),
-        ({**COMPRESSED_FP8, "format": "pack-quantized"}, "format 'pack-quantized' is not supported"),
+        (
+            {**COMPRESSED_FP8, "format": "pack-quantized"},
+            "float 8-bit weights \\(only int 4-bit and 8-bit\\)",
+        ),
+        ({**COMPRESSED_FP8, "format": "marlin-24"}, "format 'marlin-24' is not supported"),
         ({**COMPRESSED_FP8, "kv_cache_scheme": {"num_bits": 8}}, "quantized KV cache"),
     ],
 )

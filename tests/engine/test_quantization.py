@@ -213,12 +213,12 @@ def _with_quantization(src: pathlib.Path, out: pathlib.Path, quantization: dict)
     return out
 
 
-AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
-GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+BNB = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+GGUF = {"quant_method": "gguf"}
 
 
-@pytest.mark.parametrize(("name", "quantization"), [("awq", AWQ), ("gptq", GPTQ)])
-def test_awq_and_gptq_checkpoints_stop_the_engine_saying_why(
+@pytest.mark.parametrize(("name", "quantization"), [("bitsandbytes", BNB), ("gguf", GGUF)])
+def test_methods_corral_does_not_serve_stop_the_engine_saying_why(
     tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, name: str, quantization: dict
 ) -> None:
     model_dir = _with_quantization(tiny_model_dir, tmp_path / name, quantization)
@@ -244,7 +244,7 @@ def free_port() -> Iterator[int]:
 def test_the_http_server_exits_saying_the_method_is_not_supported(
     tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, free_port: int
 ) -> None:
-    model_dir = _with_quantization(tiny_model_dir, tmp_path / "awq", AWQ)
+    model_dir = _with_quantization(tiny_model_dir, tmp_path / "bnb", BNB)
     argv = [
         sys.executable,
         "-m",
@@ -258,4 +258,7 @@ def test_the_http_server_exits_saying_the_method_is_not_supported(
     argv += ["--host", "127.0.0.1"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
-    assert "cannot load the model: quantization method 'awq' in config.json is not supported" in done.stderr
+    assert (
+        "cannot load the model: quantization method 'bitsandbytes' in config.json is not supported"
+        in done.stderr
+    )

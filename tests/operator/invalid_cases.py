@@ -47,7 +47,7 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
     ("unknown-kv-policy", _with("engine.args", {"kvPolicy": "lru"}), "kvPolicy"),
     ("unknown-tool-call-parser", _with("engine.args", {"toolCallParser": "pythonic"}), "toolCallParser"),
     ("unknown-reasoning-parser", _with("engine.args", {"reasoningParser": "granite"}), "reasoningParser"),
-    ("unknown-quantization", _with("engine.args", {"quantization": "awq"}), "quantization"),
+    ("unknown-quantization", _with("engine.args", {"quantization": "bitsandbytes"}), "quantization"),
     ("unknown-engine-kind", _with("engine.kind", "tgi"), "engine.kind"),
     ("no-model-source", _with("model.source", {}), "exactly one of pvc or hostPath"),
     (

@@ -12,6 +12,7 @@ import torch
 
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.device import CpuFeatures, available_memory_bytes
+from corral_engine.model.int4_ops import has_int4_kernel
 from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm
 from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
@@ -30,14 +31,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("corral_engine.model.runner")
 
 
-def device_quant_plan(quant: QuantConfig | None, device: torch.device, dtype: torch.dtype) -> QuantPlan:
+def device_quant_plan(
+    quant: QuantConfig | None, device: torch.device, dtype: torch.dtype, int4_switch: str = "auto"
+) -> QuantPlan:
     """How this device runs the quantization asked for (model/quant.py:plan_quant)."""
     is_cuda = device.type == "cuda"
     capability = torch.cuda.get_device_capability(device) if is_cuda else None
     wants_int8 = quant is not None and quant.method == "int8"
     int8 = has_int8_kernel(device) if is_cuda and wants_int8 else True
+    wants_int4 = quant is not None and quant.bits == 4 and dtype == torch.bfloat16
+    int4 = has_int4_kernel(device) if is_cuda and wants_int4 else True
     dtype_name = str(dtype).removeprefix("torch.")
-    return plan_quant(quant, device.type, capability, dtype_name, int8)
+    return plan_quant(quant, device.type, capability, dtype_name, int8, int4, int4_switch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,7 @@ class ModelBuilder:
         if self.config.tie_word_embeddings and model.lm_head is not None:
             model.lm_head.weight = model.model.embed_tokens.weight
         load_weights(model, self.config, None if self.tp is None else self.tp.plan, quant)
+        quantized = [linear for linear in quantized if linear.quant is not None]  # int4: act-order ones not
         ready(quantized, self.dtype)
         if self.quant_plan.note:
             level = logging.WARNING if self.quant_plan.is_warning else logging.INFO

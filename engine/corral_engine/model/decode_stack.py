@@ -170,7 +170,7 @@ def unsupported(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     if config.hidden_act != "silu" or config.attention_scale is not None:
         return "an MLP activation other than SiLU or an attention scale other than head_dim ** -0.5"
     if any(lin.quant is not None for layer in _layers(model) for lin in _linears(layer)):
-        return "quantized Linear layers (int8 or fp8 weights)"
+        return "quantized Linear layers (int8, fp8 or int4 weights)"
     params = [p for p in model.parameters() if p.numel()]
     if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in params):
         return "weights other than bf16 on the CPU"

@@ -18,6 +18,7 @@ from torch import nn
 
 from corral_engine.model.attention import AttentionContext, paged_attention
 from corral_engine.model.config import ModelConfig
+from corral_engine.model.int4_ops import int4_linear, pack_for_kernel, unpack_nibbles
 from corral_engine.model.moe import SparseMoeBlock
 from corral_engine.model.native import FusedOps
 from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
@@ -97,9 +98,13 @@ class Linear(nn.Linear):
     upcast_packed: torch.Tensor | None = None  # a float32 copy for upcast batches (see prepack_upcast)
     upcast_bias: torch.Tensor | None = None
     # "int8" or "fp8" once `quantize` made this a quantized layer: `weight` in that dtype and the
-    # buffer `weight_scale` (float32 [out]); None: the plain layer above.
+    # buffer `weight_scale` (float32 [out]); "int4": `weight` uint8 [out, in/2] (two values a
+    # byte) with float32 `weight_scale` and `weight_zero` [out, in/group_size] until
+    # quantized_ready packs them for the kernel; None: the plain layer above.
     quant: str | None = None
     kernel_scale: torch.Tensor | None = None  # weight_scale as the quantized matmul reads it
+    group_size = 0  # int4: input columns per scale (and zero)
+    kernel_group = 0  # int4: the kernel's group size (a divisor of group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
@@ -121,10 +126,21 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def quantize(self, kind: str) -> None:
-        """Hold the weight as `kind` ("int8", "fp8") with a float32 scale per output row (filled by
-        the loader); called on the meta device, so no plain weight is ever allocated."""
+    def quantize(self, kind: str, group_size: int = -1) -> None:
+        """Hold the weight as `kind` ("int8", "fp8": a float32 scale per output row; "int4": a
+        scale and zero per `group_size` inputs of a row; filled by the loader); called on the meta
+        device, so no plain weight is ever allocated."""
         shape, device = self.weight.shape, self.weight.device
+        if kind == "int4":
+            self.group_size = shape[1] if group_size == -1 else group_size
+            groups = (shape[0], shape[1] // self.group_size)
+            self.weight = nn.Parameter(
+                torch.empty((shape[0], shape[1] // 2), dtype=torch.uint8, device=device), requires_grad=False
+            )
+            self.register_buffer("weight_scale", torch.ones(groups, dtype=torch.float32, device=device))
+            self.register_buffer("weight_zero", torch.zeros(groups, dtype=torch.float32, device=device))
+            self.quant = kind
+            return
         self.weight = nn.Parameter(
             torch.empty(shape, dtype=WEIGHT_DTYPES[kind], device=device), requires_grad=False
         )
@@ -133,8 +149,15 @@ class Linear(nn.Linear):
 
     def quantized_ready(self, dtype: torch.dtype) -> None:
         """After loading: the scales as the kernel reads them (int8: [out] in the activations'
-        `dtype`; fp8: [1, out] float32)."""
+        `dtype`; fp8: [1, out] float32; int4: the kernel's packed weight and scales_and_zeros)."""
         scale = self.get_buffer("weight_scale")
+        if self.quant == "int4":
+            packed, self.kernel_group, self.kernel_scale = pack_for_kernel(
+                self.weight, scale, self.get_buffer("weight_zero"), self.group_size, dtype
+            )
+            self.weight = nn.Parameter(packed, requires_grad=False)
+            del self.weight_scale, self.weight_zero  # now in kernel_scale
+            return
         self.kernel_scale = scale.to(dtype) if self.quant == "int8" else scale.view(1, -1)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +166,19 @@ class Linear(nn.Linear):
             raise RuntimeError("a quantized Linear ran before quantized_ready")
         if self.quant == "int8":
             return int8_linear(x, self.weight, scale, self.bias)
+        if self.quant == "int4":
+            return int4_linear(x, self.weight, self.kernel_group, scale, self.bias)
         return fp8_linear(x, self.weight, scale, self.bias)
+
+    def unquantize(self, dtype: torch.dtype) -> None:
+        """Make an int4 layer (before quantized_ready) plain again, in `dtype`, keeping the rows
+        loaded so far: the loader's way out when a shard cannot stay int4 (act-order)."""
+        group = torch.arange(self.in_features, device=self.weight.device) // self.group_size
+        zero, scale = self.get_buffer("weight_zero")[:, group], self.get_buffer("weight_scale")[:, group]
+        weight = (unpack_nibbles(self.weight).float() - zero) * scale
+        del self.weight_scale, self.weight_zero
+        self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        self.quant = None
 
     def prepack(self, keep_weight: bool) -> None:
         """Reorder the weight once into oneDNN's blocked layout, which F.linear would otherwise

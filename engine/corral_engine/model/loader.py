@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
+from corral_engine.model.int_weights import check_plain, is_int_part, load_int_weights
 from corral_engine.model.llama import CausalLM, FusedLinear, Linear
 from corral_engine.model.moe import Experts
 from corral_engine.model.parallel import EXPERT_PARTS, Cut, ShardPlan
@@ -233,8 +234,9 @@ def load_weights(
     loaded: set[str] = set()
     num_kv_scales = 0
     files = checkpoint_files(config.path)
-    scales = _read_scales(files, quant)
-    suffix = None if quant is None or quant.checkpoint is None else "." + quant.scale_suffix
+    is_int = quant is not None and quant.is_int
+    scales = {} if is_int else _read_scales(files, quant)
+    suffix = None if quant is None or quant.checkpoint is None or is_int else "." + quant.scale_suffix
 
     skipped: list[str] = []  # not the text model's (a multimodal checkpoint's vision tensors)
     is_pooling = model.lm_head is None
@@ -243,11 +245,17 @@ def load_weights(
     def slicer(name: str) -> Cut | list[Cut] | bool | None:
         if suffix is not None and name.endswith(suffix):
             return False  # read whole beforehand (_read_scales)
+        if quant is not None and is_int:
+            if is_int_part(name, quant):
+                return False  # read module by module below (load_int_weights)
+            check_plain(name, quant)
         ours = rename(name, config.architecture)
         if ours is None:
             if engine_name(name, config.architecture) is None:
                 skipped.append(name)
             return False
+        if is_int and ours.endswith(".bias") and not _has_param(ours, params):
+            return False  # GPTQ tools save a zero bias for every quantized module; vLLM skips them too
         return None if plan is None else plan.checkpoint_slice(ours)
 
     with torch.no_grad():
@@ -292,6 +300,13 @@ def load_weights(
                 )
             _fill(dest, tensor, modules.get(key.split(":")[0].rsplit(".", 1)[0]), key)
             loaded.add(key)
+    if quant is not None and is_int:
+        dtype = model.model.norm.weight.dtype
+
+        def int_rename(name: str) -> str | None:
+            return rename(name, config.architecture)
+
+        loaded |= load_int_weights(files, quant, int_rename, plan, modules, dtype)
     if skipped:
         logger.info(
             "%s: serving the text model only; %d vision tower and projector tensors not loaded",
@@ -357,6 +372,11 @@ def _dequantized(
         parts = zip(pieces, cut, strict=True)
         return torch.cat([dequantize(p, scale, quant.block_size, c, name) for p, c in parts])
     return dequantize(tensor, scale, quant.block_size, cut if isinstance(cut, tuple) else None, name)
+
+
+def _has_param(name: str, params: dict[str, torch.nn.Parameter]) -> bool:
+    target = _fused_target(name)
+    return (target[0] if target is not None else name) in params
 
 
 def _is_vocab(name: str) -> bool:

@@ -1,8 +1,9 @@
 """Weight quantization decided: what a checkpoint's quantization_config and --quantization ask for,
 and how this device runs it (pure: no torch, no I/O; the tensor work is model/quant_ops.py).
 
-Quantized layers hold one scale per output row, so the loader quantizes each checkpoint tensor,
-fused shard and tensor-parallel slice on its own. Only the dense layers' attention and MLP
+int8/fp8 layers hold one scale per output row, so the loader quantizes each checkpoint tensor,
+fused shard and tensor-parallel slice on its own; int4 checkpoints (model/quant_formats.py) keep
+their own group scales and zeros. Only the dense layers' attention and MLP
 projections are quantized; embeddings, the LM head and norms keep the model dtype, as in vLLM.
 """
 
@@ -15,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral_engine.errors import ModelLoadError
+from corral_engine.model.quant_formats import INT_CHECKPOINTS, int_fields, is_int_compressed
 
 SERVED = (
     "Corral serves fp8 checkpoints (quant_method fp8, or compressed-tensors with float8 weights and "
-    "dynamic activations) and --quantization fp8|int8 on unquantized checkpoints"
+    "dynamic activations), int4 weight-only checkpoints (awq gemm, gptq 4/8-bit, compressed-tensors "
+    "pack-quantized W4A16/W8A16) and --quantization fp8|int8 on unquantized checkpoints"
 )
 # fp8 matmuls (torch._scaled_mm) need Ada / Hopper or newer.
 FP8_MIN_CAPABILITY = (8, 9)
@@ -31,13 +34,24 @@ COMPRESSED_SCALE = "weight_scale"
 @dataclass(frozen=True, slots=True)
 class QuantConfig:
     """What is asked: `method` from --quantization ("fp8", "int8" or None), `checkpoint` the format
-    the weights are stored in ("fp8", "compressed-tensors" or None: plain)."""
+    the weights are stored in ("fp8", "compressed-tensors", "awq", "gptq" or None: plain); `bits`
+    set for integer weight checkpoints (model/quant_formats.py)."""
 
     method: str | None = None
     checkpoint: str | None = None
     block_size: tuple[int, int] | None = None  # HF fp8's weight_block_size; None: per tensor or row
     scale_suffix: str = HF_FP8_SCALE
     skip: tuple[str, ...] = ()  # modules_to_not_convert / ignore: kept in the model dtype
+    bits: int | None = None  # integer weights (4 or 8) packed in int32 words; None: float formats
+    group_size: int = -1  # input columns sharing a scale (and zero); -1: one group per output row
+    zero_point: bool = False  # asymmetric: a zero per group (else 2^(bits-1))
+    desc_act: bool = False  # GPTQ act-order: g_idx may put input columns in any group
+    zeros_minus_one: bool = False  # GPTQ v1 stores each zero minus one
+
+    @property
+    def is_int(self) -> bool:
+        """Whether the checkpoint holds packed integer weights (AWQ, GPTQ, pack-quantized)."""
+        return self.bits is not None
 
     def is_skipped(self, module: str) -> bool:
         """Whether checkpoint module `module` (e.g. model.layers.0.self_attn.q_proj) stays
@@ -54,7 +68,11 @@ class QuantConfig:
     def describe(self) -> str:
         """How the start-up log names it."""
         parts = []
-        if self.checkpoint == "fp8":
+        if self.is_int:
+            group = "per channel" if self.group_size == -1 else f"groups of {self.group_size}"
+            order = ", act-order" if self.desc_act else ""
+            parts.append(f"{self.checkpoint} int{self.bits} checkpoint ({group}{order})")
+        elif self.checkpoint == "fp8":
             block = "per tensor" if self.block_size is None else "blocks of {}x{}".format(*self.block_size)
             parts.append(f"fp8 checkpoint ({block})")
         elif self.checkpoint is not None:
@@ -78,8 +96,21 @@ def quant_config(args_quantization: str | None, raw: Mapping[str, Any] | None) -
     """The quantization asked by --quantization and config.json's `raw` quantization_config, or
     None for neither; ModelLoadError for a method Corral does not serve or a contradiction."""
     if raw is None:
+        if args_quantization in INT_CHECKPOINTS:
+            raise ModelLoadError(
+                f"--quantization {args_quantization} names a checkpoint format, but config.json has no "
+                "quantization_config (give a checkpoint in that format, or --quantization int8|fp8)"
+            )
         return None if args_quantization is None else QuantConfig(method=args_quantization)
     method = raw.get("quant_method")
+    if method in ("awq", "gptq") or (method == "compressed-tensors" and is_int_compressed(raw)):
+        found = QuantConfig(checkpoint=str(method), **int_fields(str(method), raw, SERVED))
+        if args_quantization not in (None, method):
+            raise ModelLoadError(
+                f"--quantization {args_quantization} contradicts config.json: the checkpoint is "
+                f"quantized with {method!r} (give --quantization {method}, or none)"
+            )
+        return found  # --quantization naming the checkpoint's own format asks for nothing more
     if method == "fp8":
         found = _hf_fp8(raw)
     elif method == "compressed-tensors":
@@ -91,6 +122,15 @@ def quant_config(args_quantization: str | None, raw: Mapping[str, Any] | None) -
         )
     else:
         raise ModelLoadError(f"quantization method {method!r} in config.json is not supported; {SERVED}")
+    if args_quantization in ("awq", "gptq") or (
+        args_quantization == "compressed-tensors" and method != "compressed-tensors"
+    ):
+        raise ModelLoadError(
+            f"--quantization {args_quantization} contradicts config.json: the checkpoint is quantized "
+            f"with {method!r}"
+        )
+    if args_quantization == "compressed-tensors":
+        return found
     return dataclasses.replace(found, method=args_quantization)
 
 
@@ -112,6 +152,8 @@ def plan_quant(
     capability: tuple[int, int] | None,
     dtype: str,
     has_int8_kernel: bool,
+    has_int4_kernel: bool = True,
+    int4_switch: str = "auto",
 ) -> QuantPlan:
     """The weights the quantized layers hold on `device_type` ("cpu", "cuda"; `capability`: the
     GPU's compute capability) for a model of `dtype` ("bfloat16", ...): int8 on CPU (it has no fp8
@@ -119,6 +161,8 @@ def plan_quant(
     if config is None:
         return QuantPlan(None)
     what = config.describe()
+    if config.is_int:
+        return _plan_int(what, config.bits, device_type, dtype, has_int4_kernel, int4_switch)
     if device_type != "cuda":
         if config.method is None:
             return QuantPlan(
@@ -151,6 +195,37 @@ def plan_quant(
         "fp8",
         f"{what}: fp8 weights (a scale per row), fp8 activations (a scale per token; torch._scaled_mm)",
     )
+
+
+def _plan_int(
+    what: str, bits: int | None, device_type: str, dtype: str, has_int4_kernel: bool, switch: str
+) -> QuantPlan:
+    """Integer weight checkpoints: 4-bit ones run PyTorch's int4 kernel for bfloat16 models (CPU,
+    or CUDA where it runs; `switch` CORRAL_INT4_KERNEL "1": float32 ones on the CPU too, "0":
+    never); 8-bit ones and other dtypes are dequantized at load."""
+    if bits != 4:
+        return QuantPlan(None, f"{what}: dequantized to {dtype} at load (no {bits}-bit group kernel)")
+    if switch == "0":
+        return QuantPlan(None, f"{what}: dequantized to {dtype} at load (CORRAL_INT4_KERNEL=0)")
+    cpu_any_dtype = switch == "1" and device_type != "cuda"
+    if dtype != "bfloat16" and not cpu_any_dtype:
+        why = (
+            "the CPU's int4 kernel is slower than a dense matmul with float32 activations"
+            if device_type != "cuda"
+            else "the int4 kernel takes bfloat16 activations only"
+        )
+        return QuantPlan(
+            None,
+            f"{what}: dequantized to {dtype} at load ({why}; --dtype bfloat16 runs int4 weights, and "
+            "so does CORRAL_INT4_KERNEL=1 on the CPU)",
+        )
+    if device_type != "cuda":
+        return QuantPlan("int4", f"{what}: int4 weights (torch._weight_int4pack_mm_for_cpu)")
+    if not has_int4_kernel:
+        return QuantPlan(
+            None, f"{what}: PyTorch's int4 kernel does not run on this GPU: dequantized to {dtype}", True
+        )
+    return QuantPlan("int4", f"{what}: int4 weights (torch._weight_int4pack_mm, tinygemm)")
 
 
 def fp8_fits(in_features: int, out_features: int) -> bool:

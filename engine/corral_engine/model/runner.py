@@ -87,7 +87,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         is_cpu = self.device.type == "cpu"
         self.quant = model_quant_config(args.quantization, config.quantization_config, config.is_moe)
-        self.quant_plan = device_quant_plan(self.quant, self.device, self.dtype)
+        self.quant_plan = device_quant_plan(self.quant, self.device, self.dtype, settings.int4_kernel)
         # The native paged decode kernel when it builds here (CPU, bf16/fp32; a cache in that
         # dtype or fp8); else PyTorch SDPA.
         kernel = load_paged_decode(settings) if settings.batched_decode and is_cpu else None
