@@ -1,11 +1,14 @@
 """One attempt at one leased replica: send the request and classify what came back before the first
-body byte (an event stream's first event): a response to pass through, a `Retry` elsewhere (or, for
-a replica whose own queue is full, there again once it has room), or an error for the client."""
+body byte (an event stream's first event): a response to pass through, a `Retry` (elsewhere; for a
+replica whose own queue is full, or a model's only replica, there again once it has room or after a
+back-off), or an error for the client."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
+import time
 from dataclasses import dataclass
 
 from corral_engine import wire
@@ -41,6 +44,13 @@ class Retry:
     def label(self) -> str:
         """The `reason` label of corral_gateway_retries_total."""
         return self.reason if self.reason is not None else f"http_{self.status}"
+
+
+# Before a replica that failed a request is tried again (the model has no other): a base doubled on
+# each attempt, jittered over its upper half. A connect that timed out while the gateway's event
+# loop was stalled (a burst on a saturated machine: stalls of 0.5-1.4 s measured) succeeds once the
+# stall is over; the jitter spreads a burst's retries so they do not stall the loop together again.
+RETRY_BACKOFF_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +116,7 @@ async def send_once(
             fleet.record_failure(replica.url, f"HTTP {status}")
         return Retry(status=status)
     if status == 200 and response.is_event_stream:
-        return await _first_event(fleet, replica, response, disconnect, can_go_elsewhere)
+        return await _first_event(fleet, replica, response, disconnect, can_retry)
     return response
 
 
@@ -115,11 +125,12 @@ async def _first_event(
     replica: Replica,
     response: UpstreamResponse,
     disconnect: asyncio.Future[None],
-    can_go_elsewhere: bool,
+    can_retry: bool,
 ) -> UpstreamResponse | Retry:
     """An event stream's head comes at once, its first event with the first tokens: until then
     (the replica's queue, the prompt's prefill) nothing has reached the client, so a replica dying
-    then is a retry elsewhere, not a stream ended by an error event."""
+    then is a retry (elsewhere, or there again if it is the model's only one), not a stream ended
+    by an error event."""
     try:
         await race(response.read_first(), disconnect, on_late=lambda _: None)
     except ClientGone:
@@ -132,10 +143,32 @@ async def _first_event(
     except UpstreamError as e:
         response.close(complete=False)
         fleet.record_failure(replica.url, f"stream: {e}")
-        if can_go_elsewhere:
+        if can_retry:
             return Retry("transport_error")
         raise ReplicasUnavailable(replica.model) from e  # nothing reached the client: a retry is safe
     return response
+
+
+def same_again_in_s(
+    fleet: Fleet, model: str, request: Outgoing, outcome: Retry, tried: list[str], attempt: int
+) -> float | None:
+    """The back-off before trying the same replicas again, when the request failed before its first
+    byte (nothing reached the client) on every replica of its model in rotation (one at least), as
+    Envoy retries a previous host when no other is left; None: another one is left, or none at all."""
+    if outcome.reason is None:  # an HTTP answer (a 5xx): the replica's own, passed on when alone
+        return None
+    if fleet.has_candidates(model, tried, request.adapter) or not fleet.has_candidates(
+        model, (), request.adapter
+    ):
+        return None
+    return RETRY_BACKOFF_S * 2**attempt * random.uniform(0.5, 1.0)
+
+
+async def back_off(delay_s: float, disconnect: asyncio.Future[None]) -> float:
+    """Wait `delay_s` unless the client hangs up first (ClientGone); returns the seconds waited."""
+    started_s = time.perf_counter()
+    await race(asyncio.sleep(delay_s), disconnect, on_late=lambda _: None)
+    return time.perf_counter() - started_s
 
 
 # An engine's 429 is a short JSON error; a longer body is not one to read before passing it on.

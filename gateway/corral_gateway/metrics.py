@@ -86,7 +86,10 @@ class GatewayMetrics:
         self.queue_length = Gauge(QUEUE_LENGTH, "Requests waiting in the gateway queue.", model, registry=r)
         self.queue_wait = latency(QUEUE_WAIT_SECONDS, "Time requests spent in the gateway queue.")
         self.retries = Counter(
-            RETRIES_TOTAL, "Requests retried on another replica.", ["model", "reason"], registry=r
+            RETRIES_TOTAL,
+            "Requests retried on another replica (the same one when no other is left).",
+            ["model", "reason"],
+            registry=r,
         )
         self.ejections = Counter(
             EJECTIONS_TOTAL, "Replica ejections after repeated failures.", ["replica"], registry=r

@@ -1,8 +1,9 @@
 """Forward one OpenAI request to a replica and its answer back: the orchestration.
 
 Admit (body size, API key, model, priority, rate limits), then attempts on leased replicas, retried
-elsewhere only before the first response byte (`attempt`), then the answer passed through byte for
-byte (`passthrough`). The lease on a replica is held until the answer has been delivered.
+elsewhere only before the first response byte (`attempt`), or on the same ones after a short back-off
+when every replica the model has failed it, then the answer passed through byte for byte
+(`passthrough`). The lease on a replica is held until the answer has been delivered.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from starlette.responses import Response
 from corral_gateway import tracing
 from corral_gateway.access import AccessLog, Origin
 from corral_gateway.admission import Ask
-from corral_gateway.attempt import Outgoing, Retry, send_once
+from corral_gateway.attempt import Outgoing, Retry, back_off, same_again_in_s, send_once
 from corral_gateway.auth import KeyStore
 from corral_gateway.disconnect import ClientGone, wait_disconnect
 from corral_gateway.drain import Drain
@@ -193,18 +194,24 @@ async def _admit(deps: ProxyDeps, request: Request, path: str, caller: _Caller, 
 async def _forward(
     deps: ProxyDeps, ticket: _Ticket, disconnect: asyncio.Future[None], deliver: Deliver
 ) -> None:
-    """Lease a replica and send; on a `Retry`, give it back and try another until attempts run out.
+    """Lease a replica and send; on a `Retry`, give it back and try another until attempts run out
+    (the same ones again, after a back-off, once every replica of the model has failed it).
 
-    The overhead histogram's `request` part leaves out the waits for a replica and whole failed
-    attempts (`excluded_s`): those are the fleet's time, not the gateway's. A replica whose own
-    queue was full is not excluded from later attempts; all attempts' waits in the gateway's queue
-    share one deadline."""
+    The overhead histogram's `request` part leaves out the waits for a replica, back-offs and whole
+    failed attempts (`excluded_s`): those are the fleet's time, not the gateway's. A replica whose
+    own queue was full is not excluded from later attempts; all attempts' waits in the gateway's
+    queue share one deadline."""
     fleet, metrics, model = deps.fleet, deps.metrics, ticket.origin.model
     tried: list[str] = []
     wake_timeout_s = fleet.wake_timeout_s(model)
     queue_deadline_s = time.monotonic() + (wake_timeout_s or deps.settings.queue_timeout_s)
     excluded_s = 0.0
+    backoff_s: float | None = None  # set when the next attempt goes to a replica that failed already
     for attempt in range(deps.settings.max_attempts):
+        if backoff_s is not None:
+            excluded_s += await back_off(backoff_s, disconnect)
+            tried.clear()
+            backoff_s = None
         leasing_s = time.perf_counter()
         ask = Ask(
             model,
@@ -224,13 +231,7 @@ async def _forward(
             outcome = await _attempt(deps, replica, outgoing, disconnect, tried, can_retry, upstream_span)
             if isinstance(outcome, Retry):
                 excluded_s += time.perf_counter() - leasing_s
-                if not outcome.is_full:
-                    tried.append(replica.url)
-                metrics.retries.labels(model, outcome.label).inc()
-                logger.warning("request %s: replica %s %s (%s); attempt %d", ticket.origin.request_id,
-                               replica.url, "had no room" if outcome.is_full else "failed", outcome.label,
-                               attempt + 1,
-                               extra={"request_id": ticket.origin.request_id})  # fmt: skip
+                backoff_s = _retrying(deps, ticket, replica, outcome, tried, attempt)
                 continue
             if outcome.sent_s is not None:
                 request_s = outcome.sent_s - ticket.arrived_s - excluded_s - waited_s
@@ -245,6 +246,30 @@ async def _forward(
                 exchange.finish()  # a no-op unless the response was cancelled before it started
             return
     raise ReplicasUnavailable(model)
+
+
+def _retrying(
+    deps: ProxyDeps,
+    ticket: _Ticket,
+    replica: Replica,
+    outcome: Retry,
+    tried: list[str],
+    attempt: int,
+) -> float | None:
+    """Count and log a failed attempt, `tried` learning its replica unless that one only had no
+    room; returns the back-off before the same replicas are tried again (None: not them)."""
+    model, request_id = ticket.origin.model, ticket.origin.request_id
+    if not outcome.is_full:
+        tried.append(replica.url)
+    deps.metrics.retries.labels(model, outcome.label).inc()
+    backoff_s = None
+    if attempt + 1 < deps.settings.max_attempts:
+        backoff_s = same_again_in_s(deps.fleet, model, ticket.outgoing, outcome, tried, attempt)
+    again = "" if backoff_s is None else f"; no other replica: tried again in {backoff_s:.2f} s"
+    logger.warning("request %s: replica %s %s (%s); attempt %d%s", request_id, replica.url,
+                   "had no room" if outcome.is_full else "failed", outcome.label, attempt + 1, again,
+                   extra={"request_id": request_id})  # fmt: skip
+    return backoff_s
 
 
 def _traced(

@@ -264,11 +264,14 @@ async def test_a_client_hanging_up_before_a_streams_first_event_closes_the_upstr
 
 
 async def test_a_stream_whose_only_replica_dies_before_its_first_event_is_a_503_to_retry() -> None:
-    # Nothing reached the client: as when no replica is reachable, a 503 with Retry-After.
-    async with fleet([FakeEngine(mode="die_before_first_event")]) as (client, _):
+    # Nothing reached the client: tried there again while attempts remain, then, as when no
+    # replica is reachable, a 503 with Retry-After.
+    engine = FakeEngine(mode="die_before_first_event")
+    async with fleet([engine]) as (client, _):
         response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
         assert response.status_code == 503 and response.json()["error"]["code"] == "model_unavailable"
         assert response.headers["retry-after"] == "2"
+        assert len(engine.bodies) == 3 and engine.num_active == 0
 
 
 async def test_replica_dying_within_an_event_ends_that_event_before_the_error() -> None:

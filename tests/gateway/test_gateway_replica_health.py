@@ -53,7 +53,8 @@ async def test_a_dead_last_replica_shows_unhealthy_while_requests_still_try_it()
         response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert response.status_code >= 500
         metrics = (await client.get("/metrics")).text
-        assert 'corral_gateway_retries_total{model="m",reason="connect_error"} 1.0' in metrics
+        # Its only replica: tried again after a back-off on each of the 3 attempts.
+        assert 'corral_gateway_retries_total{model="m",reason="connect_error"} 3.0' in metrics
         # A replica up on that address again: healthy once it answers a poll, no request needed.
         revived = FakeEngine(name="revived")
         port = int(dead.rsplit(":", 1)[1])
