@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 BLOCK_SIZE = (128, 128)
@@ -46,6 +47,20 @@ def quantize_blocks(w: Any, block_size: tuple[int, int] = BLOCK_SIZE) -> tuple[A
 
 def quantize_checkpoint(out: pathlib.Path, block_size: tuple[int, int] = BLOCK_SIZE) -> None:
     """Rewrite the safetensors files in `out` shard by shard (and the index, when sharded)."""
+
+    def fp8(name: str, tensor: Any) -> dict[str, Any]:
+        q, scale_inv = quantize_blocks(tensor, block_size)
+        return {name: q, name.removesuffix("weight") + "weight_scale_inv": scale_inv}
+
+    rewrite_projections(out, lambda name: ".experts." not in name, fp8)
+
+
+def rewrite_projections(
+    out: pathlib.Path, takes: Callable[[str], bool], replace: Callable[[str, Any], dict[str, Any]]
+) -> None:
+    """Rewrite the safetensors files in `out` shard by shard (and the index, when sharded): each
+    dense attention or MLP projection's `X.weight` that `takes` accepts becomes what `replace`
+    returns for it (the quantized format's tensors); every other tensor stays."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -56,9 +71,8 @@ def quantize_checkpoint(out: pathlib.Path, block_size: tuple[int, int] = BLOCK_S
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 tensor = f.get_tensor(name)
-                if _PROJECTION.search(name) and ".experts." not in name:
-                    q, scale_inv = quantize_blocks(tensor, block_size)
-                    state[name], state[name.removesuffix("weight") + "weight_scale_inv"] = q, scale_inv
+                if _PROJECTION.search(name) and takes(name):
+                    state.update(replace(name, tensor))
                 else:
                     state[name] = tensor
         save_file(state, str(file), metadata={"format": "pt"})

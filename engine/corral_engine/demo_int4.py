@@ -6,10 +6,11 @@ The packers here are written from each format's documented rule, apart from the 
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 from typing import Any
+
+from corral_engine.demo_fp8 import rewrite_projections
 
 FORMATS = ("awq", "gptq", "w4a16")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output column 8c + AWQ_ORDER[i]
@@ -147,30 +148,15 @@ def quantize_checkpoint(
     """Rewrite the demo checkpoint in `out` shard by shard (and its index): each dense projection
     `X.weight` becomes the format's `X.*` tensors (the arithmetic on `device`)."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for file in sorted(out.glob("*.safetensors")):
-        state = {}
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                tensor = f.get_tensor(name)
-                if _PROJECTION.search(name):
-                    parts = _quantized(tensor.to(device), fmt, group_size, act_order, generator)
-                    prefix = name.removesuffix("weight")
-                    state.update({prefix + k: v.cpu().contiguous() for k, v in parts.items()})
-                else:
-                    state[name] = tensor
-        save_file(state, str(file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(state, file.name))
-        total += sum(t.nbytes for t in state.values())
-    index = out / "model.safetensors.index.json"
-    if index.is_file():
-        text = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        index.write_text(json.dumps(text, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    def int4(name: str, tensor: Any) -> dict[str, Any]:
+        parts = _quantized(tensor.to(device), fmt, group_size, act_order, generator)
+        prefix = name.removesuffix("weight")
+        return {prefix + k: v.cpu().contiguous() for k, v in parts.items()}
+
+    rewrite_projections(out, lambda name: bool(_PROJECTION.search(name)), int4)
 
 
 def _quantized(tensor: Any, fmt: str, group_size: int, act_order: bool, generator: Any) -> dict[str, Any]:
