@@ -256,6 +256,15 @@ class EngineArgs:
         ge=0,
         crd="maxWaiting",
     )
+    max_images_per_prompt: int = _option(
+        999,
+        help="images one prompt may carry (a chat request's image parts, an offline prompt's "
+        "multi_modal_data); more are refused with 400; 0 refuses images",
+        metavar="N",
+        ge=0,
+        crd="maxImagesPerPrompt",
+        vllm=Vllm("--limit-mm-per-prompt", "image"),
+    )
     stream_interval: int = _option(
         1,
         help="output tokens a streamed request gathers into one event: 1 sends each token as it is "

@@ -22,6 +22,7 @@ from corral_engine.args import EngineArgs
 from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.llm_engine import LLMEngine, Prompt
 from corral_engine.lora import LoraRequest
+from corral_engine.multimodal import ImageInput, ImagePrompts
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
@@ -106,6 +107,8 @@ class AsyncEngine(StreamFront):
         self.max_model_len = self.engine.max_model_len
         self.eos_token_ids = self.engine.eos_token_ids
         self.embed = self.engine.embed
+        # A vision model's image processor (None: text only): the server builds a chat's images.
+        self.images: ImagePrompts | None = self.engine.request_builder.images
         self.runner = self.embed.runner  # generate, or pooling (embeddings)
         self.embedding_size = self.embed.embedding_size  # the vectors' length; 0 when generating
         self._steps = StepLoop(self.engine, _ThreadSink(self))
@@ -141,15 +144,17 @@ class AsyncEngine(StreamFront):
         *,
         in_group: bool = False,
         lora: LoraRequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (raising InvalidRequestError / QueueFullError / EngineDeadError) and return
         the request's output stream. Leaving the stream early aborts the request. `in_group`: a
         later prompt of one HTTP request whose first was admitted; the waiting-queue limit
         (`max_waiting`) admits or refuses a request's prompts together, so a request with more
         prompts than the limit still gets in once the queue has room. `lora`: the adapter it
-        generates with."""
+        generates with; `mm_inputs`: its images already built (`images.build`), else the prompt's
+        `multi_modal_data` are."""
         self._check_admission(request_id, None if in_group else self.args.max_waiting)
-        request = self.engine.make_request(request_id, prompt, params, lora=lora)
+        request = self.engine.make_request(request_id, prompt, params, lora=lora, mm_inputs=mm_inputs)
         stream = self._streams.open(request_id, self.abort)
         self._num_handed += 1  # before the step thread can take it
         self._steps.add(request)

@@ -225,11 +225,13 @@ class EngineCoreClient(StreamFront):
         self.embed = info.embed
         self.runner = info.embed.runner  # generate, or pooling (embeddings)
         self.embedding_size = info.embed.embedding_size  # the vectors' length; 0 when generating
-        self._images: Any = None  # a vision model's ImageProcessor: images cross the pipe as pixels
+        # A vision model's ImageProcessor (the server builds a chat's images with it); images cross
+        # the pipe as pixels.
+        self.images: Any = None
         if info.vision is not None:
             from corral_engine.image_processor import ImageProcessor
 
-            self._images = ImageProcessor(args.model, info.vision)
+            self.images = ImageProcessor(args.model, info.vision, args.max_images_per_prompt)
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._prompts: dict[str, list[int]] = {}  # request id -> prompt ids, until its final output
         self._send_lock = threading.Lock()
@@ -283,11 +285,12 @@ class EngineCoreClient(StreamFront):
         *,
         in_group: bool = False,
         lora: LoraRequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As `AsyncEngine.add_request`: checked here, at once, then sent to the core (a prompt's
-        images processed here, their pixel values pickled onto the pipe)."""
+        images processed here, or as given in `mm_inputs`; their pixel values pickled onto the pipe)."""
         self._check_admission(request_id, None if in_group else self.args.max_waiting)
-        token_ids, mm_inputs = self._check(prompt, params)
+        token_ids, mm_inputs = self._check(prompt, params, mm_inputs)
         self._prompts[request_id] = token_ids  # before the core can answer
         self._num_handed += 1  # before the core can report it taken
         try:
@@ -320,7 +323,7 @@ class EngineCoreClient(StreamFront):
             self._send(("remove_lora", lora_id))
 
     def _check(
-        self, prompt: Any, params: SamplingParams | PoolingParams
+        self, prompt: Any, params: SamplingParams | PoolingParams, given: tuple[ImageInput, ...] | None
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """What `LLMEngine.make_request` refuses, refused here (the core builds the request)."""
         self.embed.check(params)
@@ -329,8 +332,11 @@ class EngineCoreClient(StreamFront):
             token_ids = list(self.tokenizer.encode(text_or_ids, add_special_tokens=True))
         else:
             token_ids = list(text_or_ids)
-        token_ids, mm_inputs = with_images(prompt, token_ids, self._images, self.served_model_name)
-        check_images(token_ids, mm_inputs, self._images, self.served_model_name)
+        if given is None:
+            token_ids, mm_inputs = with_images(prompt, token_ids, self.images, self.served_model_name)
+        else:
+            mm_inputs = given
+        check_images(token_ids, mm_inputs, self.images, self.served_model_name)
         if isinstance(params, PoolingParams):
             check_pooling_prompt(token_ids, self.max_model_len, self._vocab_size, self._kv)
             return token_ids, mm_inputs

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from corral_engine.errors import InvalidRequestError
-from corral_engine.multimodal import ImageInput, content_hash, expand_placeholders
+from corral_engine.multimodal import ImageInput, check_num_images, content_hash, expand_placeholders
 from corral_engine.vision_config import VisionConfig
 
 
@@ -18,8 +18,9 @@ class ImageProcessor:
     """The checkpoint's image processor (transformers AutoImageProcessor, its PIL backend: no
     torchvision) and the placeholder rules of `vision`."""
 
-    def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
+    def __init__(self, model_dir: str | Path, vision: VisionConfig, max_images: int) -> None:
         self.model_dir = str(model_dir)
+        self.max_images = max_images
         self.vision = vision
         self.image_token_id = vision.image_token_id
         self._processor: Any = None
@@ -39,6 +40,7 @@ class ImageProcessor:
 
     def build(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with each image's placeholders expanded, and its images."""
+        check_num_images(len(images), self.max_images)
         token_ids, spans = expand_placeholders(
             token_ids, len(images), self.vision.image_token_id, self.vision.num_image_tokens
         )

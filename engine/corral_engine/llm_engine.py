@@ -133,7 +133,9 @@ class LLMEngine:
             self.block_manager,
             self.grammars,
             self.embed,
-            None if vision is None else ImageProcessor(self.model_config.path, vision),
+            None
+            if vision is None
+            else ImageProcessor(self.model_config.path, vision, args.max_images_per_prompt),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, args.stream_interval

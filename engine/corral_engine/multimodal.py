@@ -42,6 +42,7 @@ class ImagePrompts(Protocol):
     values made, and which token is the placeholder."""
 
     image_token_id: int
+    max_images: int  # per prompt (--max-images-per-prompt)
 
     def build(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], tuple[ImageInput, ...]]: ...
 
@@ -82,6 +83,7 @@ def check_images(
                 f"{model_name} is not a vision-language model: it takes no images", "multi_modal_data"
             )
         return
+    check_num_images(len(mm_inputs), images.max_images)
     token = images.image_token_id
     is_placed = all(
         m.end <= len(token_ids) and token_ids[m.offset : m.end] == [token] * m.length for m in mm_inputs
@@ -89,6 +91,16 @@ def check_images(
     if not is_placed or sum(m.length for m in mm_inputs) != token_ids.count(token):
         raise InvalidRequestError(
             "the images do not match the prompt's placeholder tokens", "multi_modal_data"
+        )
+
+
+def check_num_images(num_images: int, max_images: int, param: str = "multi_modal_data") -> None:
+    """InvalidRequestError past --max-images-per-prompt (vLLM's --limit-mm-per-prompt image=N)."""
+    if num_images > max_images:
+        raise InvalidRequestError(
+            f"the prompt has {num_images} images; this engine takes at most {max_images} a prompt "
+            f"(--max-images-per-prompt)",
+            param,
         )
 
 

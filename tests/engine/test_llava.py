@@ -243,3 +243,21 @@ async def test_engine_core_process_takes_images(llava_dir: pathlib.Path, referen
             )
     finally:
         await engine.shutdown()
+
+
+def test_max_images_per_prompt(llava_dir: pathlib.Path) -> None:
+    """--max-images-per-prompt (vLLM's --limit-mm-per-prompt image=N): more images are refused,
+    offline and as the engine core's own process gets them (already processed); 0 refuses any."""
+    engine = make_engine(llava_dir, max_images_per_prompt=1)
+    engine.make_request("one", _prompt(*CASES[0]), GREEDY)
+    with pytest.raises(InvalidRequestError, match="at most 1 a prompt"):
+        engine.make_request("two", _prompt(*CASES[1]), GREEDY)
+    unlimited = make_engine(llava_dir).request_builder.images
+    assert unlimited is not None
+    ids = engine.tokenizer.encode("Compare <image> and <image>.")
+    token_ids, built = unlimited.build(ids, [_image(1), _image(2)])
+    with pytest.raises(InvalidRequestError, match="at most 1 a prompt"):
+        engine.make_request("built", token_ids, GREEDY, mm_inputs=built)
+    none = make_engine(llava_dir, max_images_per_prompt=0)
+    with pytest.raises(InvalidRequestError, match="at most 0 a prompt"):
+        none.make_request("one", _prompt(*CASES[0]), GREEDY)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from corral_gateway.peek import block_hash_chain, block_prefix_hash, peek_request
+from corral_gateway.peek import IMAGE_TOKENS, block_hash_chain, block_prefix_hash, peek_request
 from corral_gateway.settings import load_settings, parse_backend_flag
 from pydantic import ValidationError
 
@@ -191,3 +191,48 @@ def test_a_score_or_rerank_body_is_charged_both_texts_of_every_pair() -> None:
     pairs = json.dumps({"model": "r", "text_1": [query] * 3, "text_2": [document] * 3}).encode()
     assert peek_request(pairs, path="/score").estimated_tokens == 3 * (10 + 40)
     assert peek_request(b'{"model": "r"}', path="/v2/rerank").estimated_tokens == 1
+
+
+def _image_chat(url: str, text: str = "What is in the picture?", max_tokens: int = 10) -> bytes:
+    content = [
+        {"type": "text", "text": text},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "Answer in one short sentence, please."},
+    ]
+    return json.dumps(
+        {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
+    ).encode()
+
+
+def test_an_image_part_is_charged_as_an_image_not_its_url() -> None:
+    """A 1 MB data: URL is one image's tokens (IMAGE_TOKENS), as a short http URL is; the text
+    beside it is charged as text (the chat's and the Responses API's parts)."""
+    big = "data:image/png;base64," + "A" * 1_000_000
+    body = json.loads(_image_chat(big))
+    del body["messages"][0]["content"][1]  # the same text, no image
+    text_only = peek_request(json.dumps(body).encode()).estimated_tokens
+    for url in (big, "http://127.0.0.1/cat.png"):
+        assert peek_request(_image_chat(url)).estimated_tokens == text_only + IMAGE_TOKENS
+    responses = {
+        "model": "m",
+        "input": [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": big}],
+            }
+        ],
+    }
+    assert IMAGE_TOKENS < peek_request(json.dumps(responses).encode()).estimated_tokens < IMAGE_TOKENS + 40
+
+
+def test_the_same_text_with_other_images_is_another_prefix() -> None:
+    """The engine's prefix cache keys blocks by image content: two images part the prefix where
+    the image is; the same image keeps it."""
+    a, b = "data:image/png;base64,iVBORw0KGgoAAAA", "data:image/png;base64,iVBORw0KGgoBBBB"
+    first, other, again = (peek_request(_image_chat(u), chain_blocks=8) for u in (a, b, a))
+    assert first.prefix_hash == again.prefix_hash and first.block_hashes == again.block_hashes
+    assert first.prefix_hash != other.prefix_hash
+    # The text before the image is shared: the first block agrees, later ones part.
+    long_text = "The quick brown fox jumps over the lazy dog. " * 2  # the first 64-char block
+    first, other = (peek_request(_image_chat(u, long_text), chain_blocks=8) for u in (a, b))
+    assert first.block_hashes[0] == other.block_hashes[0] and first.block_hashes != other.block_hashes

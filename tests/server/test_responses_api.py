@@ -276,7 +276,7 @@ async def test_streamed_tool_calls_add_up_to_the_whole_reply() -> None:
         (
             {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]},
             "input",
-            "'input_file': this engine serves text-only models",
+            "'input_file': parts here are text, refusals and input_image",
         ),
         ({"include": ["message.output_text.logprobs"]}, "include", "not available"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),

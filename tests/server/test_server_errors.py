@@ -251,10 +251,7 @@ async def test_refusals_are_counted_by_reason(client: httpx.AsyncClient) -> None
     assert f'{name}{{model_name="{MODEL}",reason="queue_full"}} 0.0' in metrics
 
 
-@pytest.mark.parametrize(
-    "part",
-    [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "input_audio", "input_audio": {}}],
-)
+@pytest.mark.parametrize("part", [{"type": "input_audio", "input_audio": {}}, {"type": "file", "file": {}}])
 async def test_a_non_text_part_is_named(client: httpx.AsyncClient, part: dict[str, Any]) -> None:
     body = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "see"}, part]}])
     r = await client.post(H, json=body)
@@ -262,7 +259,17 @@ async def test_a_non_text_part_is_named(client: httpx.AsyncClient, part: dict[st
     error = r.json()["error"]
     assert error["param"] == "messages.0.content"
     assert f"content part 1 is of type {part['type']!r}" in error["message"]
-    assert "text-only" in error["message"] and "Value error" not in error["message"]
+    assert "text parts, image_url parts" in error["message"] and "Value error" not in error["message"]
+
+
+async def test_an_image_part_to_a_text_only_model_is_named(client: httpx.AsyncClient) -> None:
+    part = {"type": "image_url", "image_url": {"url": "data:,"}}
+    body = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "see"}, part]}])
+    r = await client.post(H, json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[1].image_url"
+    assert "a text-only model" in error["message"]
 
 
 async def test_an_assistant_refusal_part_is_history(client: httpx.AsyncClient) -> None:

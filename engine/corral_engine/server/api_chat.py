@@ -31,8 +31,20 @@ class RefusalPart(_Strict):
     refusal: str
 
 
-_PART_TYPES = ("text", "refusal")
-_Part = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+class ImageUrl(_Strict):
+    url: str  # data:image/...;base64,... or http(s)://...
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; one tile either way for LLaVA-1.5
+
+
+class ImageUrlPart(_Strict):
+    """A user turn's image (OpenAI's content part), for a vision-language model."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+_PART_TYPES = ("text", "refusal", "image_url")
+_Part = Annotated[TextPart | RefusalPart | ImageUrlPart, Field(discriminator="type")]
 
 # Names a request's chat_template_kwargs may not set. `chat_template` would replace the model's
 # template with the request's own Jinja, rendered with the server's time (its loops are bounded
@@ -70,9 +82,9 @@ class ChatMessage(_Strict):
                     raise ValueError(f"content part {i} has no type")
                 if kind is not None and kind not in _PART_TYPES:
                     raise ValueError(
-                        f"content part {i} is of type {kind!r}: the chat route takes text-only content "
-                        "(text parts, or an assistant's refusal); images reach a vision-language model "
-                        "through the offline engine's multi_modal_data for now"
+                        f"content part {i} is of type {kind!r}: the chat route takes text parts, "
+                        "image_url parts (a vision-language model's; text-only models refuse them) "
+                        "and an assistant's refusal"
                     )
         return content
 
@@ -87,6 +99,8 @@ class ChatMessage(_Strict):
         parts = self.content if isinstance(self.content, list) else []
         if self.role != "assistant" and any(isinstance(part, RefusalPart) for part in parts):
             raise ValueError("only assistant messages carry refusal parts")
+        if self.role != "user" and any(isinstance(part, ImageUrlPart) for part in parts):
+            raise ValueError("only user messages carry image_url parts")
         return self
 
     def template_message(self) -> dict[str, Any]:
@@ -94,7 +108,7 @@ class ChatMessage(_Strict):
         Templates predate OpenAI's `developer` role, which means what `system` means to them;
         they index a call's arguments as an object, so JSON arguments are parsed (as vLLM does)."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        message["content"] = self.text()
+        message["content"] = self.text() if not self.has_images else self.template_parts()
         if self.tool_calls:
             message["tool_calls"] = [
                 {
@@ -116,15 +130,28 @@ class ChatMessage(_Strict):
             message["name"] = self.name
         return message
 
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImageUrlPart) for p in self.content)
+
+    def template_parts(self) -> list[dict[str, Any]]:
+        """Content with images as transformers' processor templates read it (and vLLM passes it):
+        `{"type": "image"}` where each image goes, text parts as they came."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [
+            {"type": "image"} if isinstance(p, ImageUrlPart) else {"type": "text", "text": _text_of(p)}
+            for p in parts
+        ]
+
     def text(self) -> str:
         return "".join(self.pieces())
 
     def pieces(self) -> Iterator[str]:
-        """The turn's text as it came: its content, or each part's text (or refusal)."""
+        """The turn's text as it came: its content, or each part's text (or refusal); no images."""
         if isinstance(self.content, str):
             yield self.content
         elif self.content is not None:
-            yield from (part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
+            yield from (_text_of(p) for p in self.content if not isinstance(p, ImageUrlPart))
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -232,11 +259,27 @@ class ChatCompletionRequest(_SamplingFields):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
 
+    def image_parts(self) -> list[tuple[str, str]]:
+        """(URL, the part's name for a 400) of each image part, in the order the prompt holds them."""
+        return [
+            (part.image_url.url, f"messages[{i}].content[{j}].image_url")
+            for i, message in enumerate(self.messages)
+            if isinstance(message.content, list)
+            for j, part in enumerate(message.content)
+            if isinstance(part, ImageUrlPart)
+        ]
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         """`tools` as chat templates take them (OpenAI's shape, as vLLM passes it)."""
         if not self.tools:
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def _text_of(part: TextPart | RefusalPart | ImageUrlPart) -> str:
+    if isinstance(part, TextPart):
+        return part.text
+    return part.refusal if isinstance(part, RefusalPart) else ""
 
 
 def _arguments(text: str) -> Any:

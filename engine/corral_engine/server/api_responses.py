@@ -14,7 +14,6 @@ from corral_engine.server.api_models import _Request, _Strict
 from corral_engine.server.request_fields import Refused, check_fields
 
 _NOT_STORED = "this server stores no responses or conversations: send the whole conversation as input"
-_NO_MM = "this engine serves text-only models"
 # Fields of OpenAI's Responses API this server does not implement: a value other than the neutral
 # ones is a 400 naming the field (`store` and `reasoning` are declared: see ResponsesRequest).
 REFUSED_RESPONSES: dict[str, Refused] = {
@@ -62,7 +61,24 @@ class Refusal(_Strict):
     refusal: str
 
 
-Part = Annotated[InputText | Refusal, Field(discriminator="type")]
+class InputImage(_Strict):
+    """An image for a vision-language model: chat's image_url part (no stored files here)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None  # data:image/...;base64,... or http(s)://...
+    detail: Literal["auto", "low", "high"] | None = None
+    file_id: str | None = None
+
+    def chat_part(self) -> dict[str, Any]:
+        if self.image_url is None:
+            raise InvalidRequestError(
+                "an input_image needs an image_url: this server stores no files", "input"
+            )
+        url = {"url": self.image_url, "detail": self.detail}
+        return {"type": "image_url", "image_url": {k: v for k, v in url.items() if v is not None}}
+
+
+Part = Annotated[InputText | Refusal | InputImage, Field(discriminator="type")]
 
 
 class MessageItem(_Strict):
@@ -73,7 +89,24 @@ class MessageItem(_Strict):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text if isinstance(p, InputText) else p.refusal for p in self.content)
+        return "".join(
+            p.text if isinstance(p, InputText) else p.refusal
+            for p in self.content
+            if not isinstance(p, InputImage)
+        )
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """Its text, or chat's content parts where it holds images (each where it came)."""
+        if isinstance(self.content, str) or not any(isinstance(p, InputImage) for p in self.content):
+            return self.text()
+        return [
+            p.chat_part() if isinstance(p, InputImage) else {"type": "text", "text": _part_text(p)}
+            for p in self.content
+        ]
+
+
+def _part_text(part: InputText | Refusal) -> str:
+    return part.text if isinstance(part, InputText) else part.refusal
 
 
 class FunctionCallItem(_Strict):
@@ -180,13 +213,14 @@ class Reasoning(_Strict):
 
 
 def _check_parts(index: int, content: Any) -> None:
-    """Name a content part a text-only model cannot take (an image, a file, audio), rather than
-    pydantic's error for the whole union."""
+    """Name a content part no model here takes (a file, audio), rather than pydantic's error for
+    the whole union."""
     for i, part in enumerate(content if isinstance(content, list) else []):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "refusal"):
+        if kind not in ("input_text", "output_text", "refusal", "input_image"):
             raise ValueError(
-                f"item {index} content part {i} is of type {kind!r}: {_NO_MM}, so parts are text"
+                f"item {index} content part {i} is of type {kind!r}: parts here are text, refusals and "
+                "input_image (a vision-language model's); files and audio are not taken"
             )
 
 
@@ -289,7 +323,7 @@ class ResponsesRequest(_Request):
                 thought = item.text()
                 continue
             if isinstance(item, MessageItem):
-                out.append({"role": item.role, "content": item.text()})
+                out.append({"role": item.role, "content": item.chat_content()})
             elif isinstance(item, FunctionCallItem):
                 function = {"name": item.name, "arguments": item.arguments}
                 call = {"id": item.call_id, "type": "function", "function": function}

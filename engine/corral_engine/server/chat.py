@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -10,6 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from corral_engine.chat_template import NO_TEMPLATE_MESSAGE, has_chat_template
+from corral_engine.errors import InvalidRequestError
+from corral_engine.multimodal import ImageInput, ImagePrompts, check_num_images
 from corral_engine.outputs import RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import errors
@@ -25,6 +28,7 @@ from corral_engine.server.context import (
     usage,
 )
 from corral_engine.server.generation import GenerationRun, collect_unless_disconnected
+from corral_engine.server.image_urls import ImageRef, load_images
 from corral_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from corral_engine.server.reasoning import (
     NUM_PROMPT_TAIL_TOKENS,
@@ -84,10 +88,35 @@ async def render_prompt(ctx: ServerContext, req: ChatCompletionRequest, check_fi
     return await ctx.off_loop(render, req.num_chars(at_most=OFF_LOOP_CHARS))
 
 
+async def chat_prompt(
+    ctx: ServerContext, req: ChatCompletionRequest
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """The rendered prompt and its images: each image part's URL read (decoded, or fetched), its
+    `<image>` expanded to the image's placeholder tokens by the engine's image processor."""
+    parts = req.image_parts()
+    images: ImagePrompts | None = getattr(ctx.engine, "images", None)
+    if parts and images is None:
+        raise errors.invalid_request(
+            f"{ctx.engine.served_model_name} is a text-only model, not a vision-language one: "
+            "it takes no image_url parts.",
+            parts[0][1],
+        )
+    if images is not None and len(parts) > images.max_images:  # before anything is fetched
+        check_num_images(len(parts), images.max_images, parts[images.max_images][1])  # the first past it
+    prompt = await render_prompt(ctx, req)
+    if images is None or not parts:
+        return prompt, ()
+    pil_images = await load_images([ImageRef(url, param) for url, param in parts])
+    try:
+        return await asyncio.to_thread(images.build, prompt, pil_images)
+    except InvalidRequestError as e:  # the template placed fewer or more images than the parts
+        raise errors.invalid_request(str(e), "messages") from None
+
+
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     req = await ctx.parse(request, ChatCompletionRequest)
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
-    prompt = await render_prompt(ctx, req)
+    prompt, mm_inputs = await chat_prompt(ctx, req)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = remaining_context(ctx, [prompt], "messages")
@@ -96,7 +125,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     reasoning = reasoning_plan(ctx, req, prompt)
     params = reply_params(req, max_tokens, plan, reasoning)
     request_id = new_id("chatcmpl")
-    run = ctx.start_run(request_id, [prompt], params, req.model)
+    run = ctx.start_run(request_id, [prompt], params, req.model, mm_inputs)
     logger.debug("request %s: chat, n=%d, stream=%s", request_id, req.n, req.stream)  # INFO: the access line
     created = now_s()
     if req.stream:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from corral_engine import wire
 from corral_engine.lora import AdapterRegistry
+from corral_engine.multimodal import ImageInput
 from corral_engine.outputs import RequestOutput
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import access, errors
@@ -114,16 +115,24 @@ class ServerContext:
         return model == self.model_name or model in self.adapters
 
     def start_run(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams, model: str | None = None
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        model: str | None = None,
+        mm_inputs: tuple[ImageInput, ...] = (),
     ) -> GenerationRun:
-        """The request's engine requests; `model`: the name it asked for (an adapter's runs it)."""
+        """The request's engine requests; `model`: the name it asked for (an adapter's runs it);
+        `mm_inputs`: a single prompt's images."""
         access.note_generation(request_id, params)
         lora = None
         if model is not None and model != self.model_name:
             lora = self.adapters.get(model)
             if lora is None:  # unloaded since its body was checked: never the base model instead
                 raise errors.model_not_found(model)
-        return GenerationRun(self.engine, self.metrics, self.in_flight, request_id, prompts, params, lora)
+        return GenerationRun(
+            self.engine, self.metrics, self.in_flight, request_id, prompts, params, lora, mm_inputs
+        )
 
     @functools.cached_property
     def encode(self) -> Callable[[str], list[int]]:

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from corral_engine.errors import InvalidRequestError
 from corral_engine.lora import LoraRequest
+from corral_engine.multimodal import ImageInput
 from corral_engine.outputs import RequestOutput, TokenLogprob
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
@@ -74,10 +75,15 @@ class GenerationRun:
         prompts: list[list[int]],
         params: SamplingParams | PoolingParams | list[PoolingParams],
         lora: LoraRequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] = (),
     ) -> None:
+        """`mm_inputs`: the images of a single prompt (a chat's), built by the engine's processor."""
         self.engine = engine
-        # The adapter goes to the engine only when there is one: test engines need not take it.
-        self._lora: dict[str, Any] = {} if lora is None else {"lora": lora}
+        # The adapter and images go to the engine only when there are some: test engines need not
+        # take them.
+        self._extra: dict[str, Any] = {} if lora is None else {"lora": lora}
+        if mm_inputs:
+            self._extra["mm_inputs"] = mm_inputs
         self.metrics = metrics
         self.request_id = request_id
         self.params = params
@@ -110,14 +116,14 @@ class GenerationRun:
         # PoolingParams reach only an engine that takes them (the embeddings route checks its runner).
         add_request = cast(EmbeddingEngine, self.engine).add_request
         try:
-            stream = add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
+            stream = add_request(engine_id, prompt, params, in_group=in_group, **self._extra)
         except InvalidRequestError as e:
             if e.param != "request_id":
                 raise
             # A client reused an x-request-id that is still running here: the response keeps the
             # id it asked for; only the engine's own key gets a suffix.
             engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
-            stream = add_request(engine_id, prompt, params, in_group=in_group, **self._lora)
+            stream = add_request(engine_id, prompt, params, in_group=in_group, **self._extra)
         self._streams.append(stream)
         self._ids.append(engine_id)
         self._unfinished.add(engine_id)

@@ -15,7 +15,7 @@ from corral_engine.server import errors
 from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_responses import ResponsesRequest
 from corral_engine.server.api_tools import plan_tools
-from corral_engine.server.chat import reasoning_plan, reasoning_tokens, render_prompt, reply_params
+from corral_engine.server.chat import chat_prompt, reasoning_plan, reasoning_tokens, reply_params
 from corral_engine.server.context import ServerContext, new_id, now_s, remaining_context
 from corral_engine.server.generation import collect_unless_disconnected
 from corral_engine.server.responses_output import ResponseShell, output_items, status_of
@@ -51,7 +51,7 @@ def _with_chat(req: ResponsesRequest) -> tuple[ResponsesRequest, ChatCompletionR
 async def _respond(
     ctx: ServerContext, req: ResponsesRequest, chat: ChatCompletionRequest, request: Request
 ) -> Response:
-    prompt = await render_prompt(ctx, chat)
+    prompt, mm_inputs = await chat_prompt(ctx, chat)
     max_tokens = chat.requested_max_tokens
     if max_tokens is None:
         max_tokens = remaining_context(ctx, [prompt], "input")
@@ -60,7 +60,7 @@ async def _respond(
     params = reply_params(chat, max_tokens, plan, reasoning)
     response_id = new_id("resp").replace("-", "_", 1)  # OpenAI's `resp_` ids
     shell = ResponseShell(req, response_id, chat.model, now_s())  # the base model or the adapter
-    run = ctx.start_run(response_id, [prompt], params, chat.model)
+    run = ctx.start_run(response_id, [prompt], params, chat.model, mm_inputs)
     logger.debug("request %s: responses, stream=%s", response_id, req.stream)  # INFO: the access line
     if req.stream:
         count = functools.partial(reasoning_tokens, ctx, reasoning)
@@ -80,6 +80,8 @@ async def _respond(
 def _renamed(e: errors.APIError | InvalidRequestError) -> errors.APIError | InvalidRequestError:
     """The error with its param named as the Responses API names it."""
     param = e.param or ""
+    if param.startswith("messages["):  # an image part: chat's message index is not the item's
+        param = "messages"
     for old, new in _PARAMS.items():
         if param == old or param.startswith(old + "."):
             renamed = new + param[len(old) :]
