@@ -265,6 +265,14 @@ class EngineArgs:
         crd="maxImagesPerPrompt",
         vllm=Vllm("--limit-mm-per-prompt", "image"),
     )
+    allowed_media_domains: tuple[str, ...] | None = _option(
+        None,
+        help="the hosts an image's http(s) URL may name, its redirects' too (e.g. images.example.com); "
+        "a URL of any other host is refused with 400 before it is fetched; data: URLs are always taken",
+        default_text="any host, as vLLM's default",
+        metavar="HOST",
+        vllm=Vllm("--allowed-media-domains"),
+    )
     stream_interval: int = _option(
         1,
         help="output tokens a streamed request gathers into one event: 1 sends each token as it is "

@@ -231,7 +231,9 @@ class EngineCoreClient(StreamFront):
         if info.vision is not None:
             from corral_engine.image_processor import ImageProcessor
 
-            self.images = ImageProcessor(args.model, info.vision, args.max_images_per_prompt)
+            self.images = ImageProcessor(
+                args.model, info.vision, args.max_images_per_prompt, args.allowed_media_domains
+            )
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._prompts: dict[str, list[int]] = {}  # request id -> prompt ids, until its final output
         self._send_lock = threading.Lock()

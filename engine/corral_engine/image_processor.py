@@ -18,9 +18,16 @@ class ImageProcessor:
     """The checkpoint's image processor (transformers AutoImageProcessor, its PIL backend: no
     torchvision) and the placeholder rules of `vision`."""
 
-    def __init__(self, model_dir: str | Path, vision: VisionConfig, max_images: int) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        vision: VisionConfig,
+        max_images: int,
+        allowed_hosts: tuple[str, ...] | None = None,
+    ) -> None:
         self.model_dir = str(model_dir)
         self.max_images = max_images
+        self.allowed_hosts = allowed_hosts  # --allowed-media-domains: the server's URL fetches
         self.vision = vision
         self.image_token_id = vision.image_token_id
         self._processor: Any = None

@@ -135,7 +135,9 @@ class LLMEngine:
             self.embed,
             None
             if vision is None
-            else ImageProcessor(self.model_config.path, vision, args.max_images_per_prompt),
+            else ImageProcessor(
+                self.model_config.path, vision, args.max_images_per_prompt, args.allowed_media_domains
+            ),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, args.stream_interval

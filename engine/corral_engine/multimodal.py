@@ -43,6 +43,7 @@ class ImagePrompts(Protocol):
 
     image_token_id: int
     max_images: int  # per prompt (--max-images-per-prompt)
+    allowed_hosts: tuple[str, ...] | None  # the hosts image URLs may name (None: any)
 
     def build(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], tuple[ImageInput, ...]]: ...
 

@@ -181,6 +181,54 @@ async def test_http_image_urls_are_fetched(
                 assert_invalid_request(resp, 400, "messages[3].content[0].image_url", text)
 
 
+class _Counting(_ImageHandler):
+    """Counts the GETs it answers (class-wide: one server a test)."""
+
+    gets = 0
+
+    def do_GET(self) -> None:
+        type(self).gets += 1
+        super().do_GET()
+
+
+async def test_allowed_media_domains_bound_what_is_fetched(llava_dir: pathlib.Path) -> None:
+    """--allowed-media-domains: a URL of another host is refused before any fetch, and so is a
+    redirect to one (127.0.0.1 allowed, localhost not); data: URLs are always taken."""
+    image = _png(8)
+    routes = {"/a.png": (200, image, {}), "/away": (302, b"", {"Location": "/a.png"})}
+    handler = type("Handler", (_Counting,), {"routes": routes, "gets": 0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    routes["/away"] = (302, b"", {"Location": f"http://localhost:{port}/a.png"})
+    body = {"model": "m", "max_tokens": 2, "temperature": 0.0}
+    part = "messages[0].content[1].image_url"
+    try:
+        async with http_client(llava_dir, allowed_media_domains=("images.example",)) as client:
+            resp = await client.post(
+                "/v1/chat/completions", json={**body, **_refused(f"http://127.0.0.1:{port}/a.png")}
+            )
+            assert_invalid_request(resp, 400, part, "host '127.0.0.1' is not one this server fetches from")
+            assert handler.gets == 0
+            resp = await client.post("/v1/chat/completions", json={**body, **_refused(_data_url(image))})
+            assert resp.status_code == 200, resp.text
+        async with http_client(llava_dir, allowed_media_domains=("127.0.0.1",)) as client:
+            resp = await client.post(
+                "/v1/chat/completions", json={**body, **_refused(f"http://127.0.0.1:{port}/a.png")}
+            )
+            assert resp.status_code == 200, resp.text
+            resp = await client.post(
+                "/v1/chat/completions", json={**body, **_refused(f"http://127.0.0.1:{port}/away")}
+            )
+            assert_invalid_request(resp, 400, part, "host 'localhost' is not one this server fetches from")
+            assert handler.gets == 2  # the allowed fetch and the redirect; never localhost's
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def _refused(url: str) -> dict[str, Any]:
     content = [{"type": "text", "text": "Look:"}, _image_part(url)]
     return {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}

@@ -106,7 +106,7 @@ async def chat_prompt(
     prompt = await render_prompt(ctx, req)
     if images is None or not parts:
         return prompt, ()
-    pil_images = await load_images([ImageRef(url, param) for url, param in parts])
+    pil_images = await load_images([ImageRef(url, param) for url, param in parts], images.allowed_hosts)
     try:
         return await asyncio.to_thread(images.build, prompt, pil_images)
     except InvalidRequestError as e:  # the template placed fewer or more images than the parts

@@ -33,14 +33,38 @@ class ImageRef:
     param: str
 
 
-async def load_images(refs: list[ImageRef]) -> list[Any]:
-    """The PIL images of `refs`, in order (fetched concurrently, decoded off the event loop)."""
+class HostNotAllowed(httpx.HTTPError):
+    """A URL (or a redirect) names a host outside --allowed-media-domains."""
+
+
+async def load_images(refs: list[ImageRef], allowed_hosts: tuple[str, ...] | None = None) -> list[Any]:
+    """The PIL images of `refs`, in order (fetched concurrently, decoded off the event loop);
+    `allowed_hosts`: the only hosts an http(s) URL or a redirect may name (None: any)."""
     if not any(_scheme(ref.url) in ("http", "https") for ref in refs):
         return [await asyncio.to_thread(_decode, _data_url_bytes(ref), ref) for ref in refs]
+    allowed = None if allowed_hosts is None else {h.lower().rstrip(".") for h in allowed_hosts}
+    for ref in refs:  # refused before anything is fetched
+        host = urllib.parse.urlsplit(ref.url).hostname or ""
+        if _scheme(ref.url) in ("http", "https") and allowed is not None and host not in allowed:
+            raise errors.invalid_request(_not_allowed(host), ref.param)
+
+    async def check_host(request: httpx.Request) -> None:  # a redirect's target too
+        if allowed is not None and request.url.host.lower().rstrip(".") not in allowed:
+            raise HostNotAllowed(_not_allowed(request.url.host))
+
     timeout = httpx.Timeout(FETCH_TOTAL_TIMEOUT_S, connect=FETCH_CONNECT_TIMEOUT_S)
-    client = httpx.AsyncClient(timeout=timeout, follow_redirects=True, max_redirects=MAX_REDIRECTS)
+    client = httpx.AsyncClient(
+        timeout=timeout,
+        follow_redirects=True,
+        max_redirects=MAX_REDIRECTS,
+        event_hooks={"request": [check_host]},
+    )
     async with client:
         return list(await asyncio.gather(*(_load(client, ref) for ref in refs)))
+
+
+def _not_allowed(host: str) -> str:
+    return f"The image URL's host {host!r} is not one this server fetches from (--allowed-media-domains)."
 
 
 async def _load(client: httpx.AsyncClient, ref: ImageRef) -> Any:
@@ -87,6 +111,8 @@ async def _fetch(client: httpx.AsyncClient, ref: ImageRef) -> bytes:
         reason = f"it took longer than {FETCH_TOTAL_TIMEOUT_S:g} s"
     except httpx.TooManyRedirects:
         reason = f"it redirected more than {MAX_REDIRECTS} times"
+    except HostNotAllowed as e:
+        raise errors.invalid_request(str(e), ref.param) from None
     except httpx.HTTPError as e:
         reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     raise errors.invalid_request(f"The image could not be fetched: {reason}.", ref.param)
