@@ -38,7 +38,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
     profile cannot honour. --runner pooling (or auto on an embedding checkpoint) serves embeddings."""
     model_dir = Path(engine_args.model)
     given = {name: getattr(args, name, None) for name in OPTIONS}
-    if given.get("quantization") is None:
+    if given.get("quantization") in (None, "awq", "gptq", "compressed-tensors"):  # the checkpoint's own
         given["quantization"] = checkpoint_quantization(model_dir)
     profile = load_profile(args.simulate)
     ignored = ignored_options(profile, given)

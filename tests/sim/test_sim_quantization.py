@@ -1,5 +1,6 @@
-"""A simulated replica with quantized weights (`--quantization fp8|int8`, or an FP8 checkpoint's
-quantization_config): the projections at 1 byte a parameter make decode steps shorter and leave
+"""A simulated replica with quantized weights (`--quantization fp8|int8`, or an FP8 or int4
+checkpoint's quantization_config): the projections at 1 byte a parameter (int4: ~0.53) make decode
+steps shorter and leave
 more memory to the KV cache; fp8 on FP8 tensor cores also halves the projections' FLOP time. Without
 quantization every figure is what it was."""
 
@@ -46,6 +47,12 @@ FP8_COMPRESSED = {
     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8}}},
     "ignore": ["lm_head"],
 }
+
+
+def _pack_quantized(bits: int) -> dict[str, object]:
+    """compressed-tensors W4A16 / W8A16 (llm-compressor's pack-quantized) with `bits`-bit weights."""
+    weights = {"type": "int", "num_bits": bits, "strategy": "group", "group_size": 128}
+    return {**FP8_COMPRESSED, "format": "pack-quantized", "config_groups": {"g": {"weights": weights}}}
 
 
 def _engine_args(argv: list[str]) -> tuple[argparse.Namespace, EngineArgs]:
@@ -160,11 +167,50 @@ def test_quantization_flag_and_checkpoint_config_reach_the_replica(
 
 
 @pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "int4"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "int4"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, None),  # dequantized by the engine
+        (_pack_quantized(4), "int4"),
+        (_pack_quantized(8), None),
+    ],
+)
+def test_int_checkpoints_are_simulated_as_the_engine_runs_them(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, config: dict[str, object], expected: str | None
+) -> None:
+    """4-bit AWQ/GPTQ/W4A16 weights at ~0.53 bytes a projection parameter (more KV blocks and
+    shorter decode steps than int8's 1 byte); 8-bit ones as the model dtype, as the engine
+    dequantizes them; --quantization naming the checkpoint's own format reads the checkpoint."""
+    ckpt = _checkpoint(tmp_path, tiny_model_dir, config)
+    assert checkpoint_quantization(ckpt) == expected
+    plain = BUILTIN["h100-llama3-8b"]
+    want = plain if expected is None else quantized(plain, expected)
+    spec = replica_spec(*_engine_args(["--model", str(ckpt), "--simulate", "h100-llama3-8b"]))
+    assert spec.profile == want
+    method = str(config["quant_method"])
+    flagged = replica_spec(
+        *_engine_args(["--model", str(ckpt), "--simulate", "h100-llama3-8b", "--quantization", method])
+    )
+    assert flagged.profile == want
+    if expected == "int4":
+        int8 = quantized(plain, "int8")
+        assert want.num_kv_blocks > int8.num_kv_blocks
+        assert want.step_time_s(DECODE_1) < int8.step_time_s(DECODE_1)
+        assert want.step_time_s(PREFILL) == plain.step_time_s(PREFILL)  # multiplied in bf16
+        assert isinstance(want.model, Roofline)
+        model = want.model.model
+        assert model.weight_bytes == pytest.approx(
+            model.num_projection_params * (0.5 + 4 / 128) + 2 * model.embedding_params
+        )
+
+
+@pytest.mark.parametrize(
     "config",
     [
-        {"quant_method": "awq", "bits": 4},
-        {"quant_method": "gptq", "bits": 4},
-        {**FP8_COMPRESSED, "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"quant_method": "gguf"},
+        {**FP8_COMPRESSED, "config_groups": {"g": {"weights": {"type": "int", "num_bits": 2}}}},
         "fp8",
     ],
 )

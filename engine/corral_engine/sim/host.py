@@ -98,28 +98,38 @@ def ignored_options(profile: Profile, given: Mapping[str, Any]) -> list[str]:
 
 
 def checkpoint_quantization(model_dir: Path) -> str | None:
-    """fp8 where config.json's quantization_config stores FP8 weights (quant_method fp8, or
-    compressed-tensors with 8-bit float weights), None without one; ModelLoadError for any other
-    method (AWQ, GPTQ, bitsandbytes, ...), which the engine refuses at start-up too."""
+    """The weights config.json's quantization_config stores, as a simulated replica costs them:
+    fp8 (quant_method fp8, or compressed-tensors with 8-bit float weights), int4 (AWQ, 4-bit GPTQ,
+    compressed-tensors with 4-bit int weights), None without one or for 8-bit int weights (the engine
+    dequantizes those at load: the model dtype's bytes). ModelLoadError for any other method
+    (bitsandbytes, GGUF, ...), which the engine refuses at start-up too; the engine's finer checks
+    of a format's variants (model/quant_formats.py) are not repeated here."""
     config = read_json_object(model_dir / "config.json").get("quantization_config")
     if config is None:
         return None
     method = config.get("quant_method") if isinstance(config, dict) else None
-    if method == "fp8" or (method == "compressed-tensors" and _has_float8_weights(config)):
+    if method == "fp8" or (method == "compressed-tensors" and _weight_kinds(config) == {("float", 8)}):
         return "fp8"
+    if method == "awq" or (method == "gptq" and config.get("bits") == 4):
+        return "int4"
+    if method == "gptq" and config.get("bits") == 8:
+        return None
+    if method == "compressed-tensors" and _weight_kinds(config) in ({("int", 4)}, {("int", 8)}):
+        return "int4" if _weight_kinds(config) == {("int", 4)} else None
     raise ModelLoadError(
         f"{model_dir / 'config.json'}: quantization_config quant_method {method!r} is not supported "
-        "(fp8 checkpoints are: quant_method fp8, or compressed-tensors with 8-bit float weights)"
+        "(fp8 checkpoints: quant_method fp8, or compressed-tensors with 8-bit float weights; int4 and "
+        "int8: awq, gptq, compressed-tensors pack-quantized)"
     )
 
 
-def _has_float8_weights(config: dict[str, Any]) -> bool:
-    """Every compressed-tensors config group stores its weights as 8-bit floats."""
+def _weight_kinds(config: dict[str, Any]) -> set[tuple[Any, Any]]:
+    """The (type, num_bits) of the weights of every compressed-tensors config group (empty: none)."""
     groups = config.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        return False
+    if not isinstance(groups, dict):
+        return set()
     weights = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()]
-    return all(isinstance(w, dict) and w.get("type") == "float" and w.get("num_bits") == 8 for w in weights)
+    return {(w.get("type"), w.get("num_bits")) if isinstance(w, dict) else (None, None) for w in weights}
 
 
 def eos_token_ids(model_dir: Path, tokenizer: LightTokenizer) -> tuple[int, ...]:

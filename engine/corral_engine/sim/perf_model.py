@@ -54,10 +54,11 @@ class StepTimeModel(Protocol):
     def step_time_s(self, shape: StepShape) -> float: ...
 
 
-# Weight quantizations a simulated replica models (the engine's --quantization choices): each
-# stores the dense layers' projections at 1 byte a parameter.
-QUANTIZATIONS = ("fp8", "int8")
-QUANTIZED_BYTES_PER_PARAM = 1
+# Weight quantizations a simulated replica models: the engine's --quantization fp8|int8 store the
+# dense layers' projections at 1 byte a parameter; int4 checkpoints (AWQ, GPTQ, compressed-tensors
+# W4A16) at half a byte plus a 16-bit scale and zero per group of 128 inputs, multiplied in bf16.
+QUANTIZATIONS = ("fp8", "int8", "int4")
+QUANTIZED_BYTES_PER_PARAM = {"fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,7 @@ class ModelShape:
     bytes_per_param: int = 2  # the model dtype (bf16): KV cache, activations, unquantized weights
     # Input embedding and lm_head: they stay in the model dtype when the projections are quantized.
     embedding_params: float = 0.0
-    quantization: str | None = None  # fp8 or int8: every other weight at 1 byte a parameter
+    quantization: str | None = None  # fp8, int8 (1 byte a projection weight) or int4 (~0.53)
     kv_bytes_per_element: int | None = None  # --kv-cache-dtype fp8: 1; None: bytes_per_param
 
     def __post_init__(self) -> None:
@@ -92,7 +93,7 @@ class ModelShape:
         if self.quantization is None:
             return self.num_params * self.bytes_per_param
         return (
-            self.num_projection_params * QUANTIZED_BYTES_PER_PARAM
+            self.num_projection_params * QUANTIZED_BYTES_PER_PARAM[self.quantization]
             + self.embedding_params * self.bytes_per_param
         )
 
@@ -243,10 +244,11 @@ A100 = Gpu("A100-SXM-80GB", 312e12, 2.039e12, 80e9, link_bandwidth_bytes_s=300e9
 
 
 def quantized(profile: Profile, quantization: str) -> Profile:
-    """A roofline profile with its projections' weights at 1 byte a parameter (as --quantization
-    loads them): its KV cache re-sized from the memory the smaller weights leave, at the built-in
-    profiles' --gpu-memory-utilization 0.9 (raises ValueError for a fitted profile: its step times
-    were measured with the weights it had). fp8 on a GPU without FP8 matmuls changes nothing."""
+    """A roofline profile with its projections' weights quantized (fp8, int8: 1 byte a parameter,
+    as --quantization loads them; int4: an int4 checkpoint's ~0.53): its KV cache re-sized from the
+    memory the smaller weights leave, at the built-in profiles' --gpu-memory-utilization 0.9
+    (raises ValueError for a fitted profile: its step times were measured with the weights it had).
+    fp8 on a GPU without FP8 matmuls changes nothing."""
     if not isinstance(profile.model, Roofline):
         raise ValueError(f"{profile.name} is a fitted profile; only a roofline profile can be quantized")
     if profile.model.model.quantization == quantization:
