@@ -7,6 +7,7 @@ import pathlib
 import torch
 from corral_engine import EngineArgs, SamplingParams
 from corral_engine.llm_engine import LLMEngine
+from corral_engine.lora import LoraRequest
 from corral_engine.model.cuda_graphs import GraphCapture
 from corral_engine.settings import EngineSettings
 
@@ -91,3 +92,13 @@ def run_checked(engine: LLMEngine) -> dict[str, list[int]]:
     engine.block_manager.check_invariants([])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return final
+
+
+def generate_in_order(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, lora: LoraRequest | None = None
+) -> list[list[int]]:
+    """Each prompt's final token ids, in `prompts`' order (requests r0, r1, ...; run_checked)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, lora=lora)
+    final = run_checked(engine)
+    return [final[f"r{i}"] for i in range(len(prompts))]

@@ -30,7 +30,13 @@ from corral_engine.settings import EngineSettings
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.engine.helpers import make_engine, peft_greedy, random_prompts, run_checked, transformers_greedy
+from tests.engine.helpers import (
+    generate_in_order,
+    make_engine,
+    peft_greedy,
+    random_prompts,
+    transformers_greedy,
+)
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -125,10 +131,7 @@ def _dequantized_checkpoint(src: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
 def _generate(
     engine: LLMEngine, prompts: list[list[int]], lora: LoraRequest | None = None
 ) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, GREEDY, lora=lora)
-    final = run_checked(engine)
-    return [final[f"r{i}"] for i in range(len(prompts))]
+    return generate_in_order(engine, prompts, GREEDY, lora)
 
 
 def _int4_layers(engine: LLMEngine) -> list[Linear]:

@@ -108,14 +108,14 @@ def checkpoint_quantization(model_dir: Path) -> str | None:
     if config is None:
         return None
     method = config.get("quant_method") if isinstance(config, dict) else None
-    if method == "fp8" or (method == "compressed-tensors" and _weight_kinds(config) == {("float", 8)}):
+    kinds = _weight_kinds(config) if method == "compressed-tensors" else set()
+    bits = config.get("bits") if method == "gptq" else None
+    if method == "fp8" or kinds == {("float", 8)}:
         return "fp8"
-    if method == "awq" or (method == "gptq" and config.get("bits") == 4):
+    if method == "awq" or bits == 4 or kinds == {("int", 4)}:
         return "int4"
-    if method == "gptq" and config.get("bits") == 8:
+    if bits == 8 or kinds == {("int", 8)}:
         return None
-    if method == "compressed-tensors" and _weight_kinds(config) in ({("int", 4)}, {("int", 8)}):
-        return "int4" if _weight_kinds(config) == {("int", 4)} else None
     raise ModelLoadError(
         f"{model_dir / 'config.json'}: quantization_config quant_method {method!r} is not supported "
         "(fp8 checkpoints: quant_method fp8, or compressed-tensors with 8-bit float weights; int4 and "
