@@ -57,8 +57,14 @@ def tiny_model_dirs(
     )
 
 
-# The demo encoders' kinds: an embedding model, a one-label reranker, a three-label classifier.
-_ENCODER_KINDS = {"": {}, "-reranker": {"is_reranker": True}, "-classifier": {"num_labels": 3}}
+# The demo encoders' kinds: an embedding model, a one-label reranker, a three-label classifier, a
+# five-label token classifier (last: a name is matched against the kinds from the last).
+_ENCODER_KINDS = {
+    "": {},
+    "-reranker": {"is_reranker": True},
+    "-classifier": {"num_labels": 3},
+    "-token-classifier": {"num_labels": 5, "is_token_classifier": True},
+}
 
 
 def _write_encoder(name: str, out: pathlib.Path) -> pathlib.Path:
@@ -71,7 +77,8 @@ def _write_encoder(name: str, out: pathlib.Path) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def demo_encoders(tmp_path_factory: pytest.TempPathFactory) -> Mapping[str, pathlib.Path]:
     """name -> tiny encoder checkpoint (each built when first used): `bert` and `xlm-roberta`
-    embedding models, `<arch>-reranker` (one label) and `<arch>-classifier` (three labels)."""
+    embedding models, `<arch>-reranker` (one label), `<arch>-classifier` (three labels) and
+    `<arch>-token-classifier` (five labels a token)."""
     from corral_engine.demo_encoder import ENCODER_ARCHITECTURES
 
     names = [arch + kind for kind in _ENCODER_KINDS for arch in ENCODER_ARCHITECTURES]

@@ -164,6 +164,9 @@ def test_the_crd_has_exactly_the_declared_fields_with_their_bounds() -> None:
         assert prop.get("enum") == (list(option.choices) if option.choices else None), path
         assert prop.get("minimum") == (None if option.is_bytes else option.ge), path
         assert prop.get("maximum") == (None if option.is_bytes else option.le), path
+        if engine_options.is_list(name):  # an array of the option's item type
+            assert prop["type"] == "array" and prop["items"]["type"] == "string", path
+            continue
         assert (
             prop["type"]
             == {bool: "boolean", int: "integer", float: "number", str: "string"}[
@@ -201,6 +204,9 @@ def test_vllm_command_carries_every_option_with_a_vllm_equivalent() -> None:
             assert json_flags[vllm.flag][vllm.json_key] == value, name
         elif isinstance(value, bool):
             assert (vllm.flag if value else "--no-" + vllm.flag[2:]) in argv, name
+        elif isinstance(value, tuple):  # a list option: its items after the one flag
+            start = argv.index(vllm.flag) + 1
+            assert tuple(argv[start : start + len(value)]) == value, name
         else:
             assert argv[argv.index(vllm.flag) + 1] == str(value), name
             assert all(flag in argv for flag in vllm.also), name

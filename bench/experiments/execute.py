@@ -20,7 +20,7 @@ from corral_cli.bench import workload
 from corral_cli.bench.client import RequestSettings, send_request
 from corral_cli.bench.report import rate_label
 from corral_cli.bench.runner import RunSettings, make_client, run_async, run_once
-from corral_engine.args import DEFAULT_BLOCK_SIZE
+from corral_engine.model_args import DEFAULT_BLOCK_SIZE
 
 from bench.experiments.source import EngineSource
 from bench.experiments.specs import EngineConfig, Experiment, RunSpec, group_by_engine, kv_bytes_per_token

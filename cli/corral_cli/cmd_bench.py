@@ -117,6 +117,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send max_tokens=N and end each stream once its sampled output length has arrived, so "
         "the server does not know output lengths in advance (lengths over N stop at N)",
     )
+    work.add_argument(
+        "--random-images",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="chat: each request carries N images of its own (JPEG noise, data: URLs), for "
+        "vision-language models (default: 0)",
+    )
+    work.add_argument(
+        "--random-image-size",
+        default="336x336",
+        metavar="WxH",
+        help="the random images' size in pixels (default: 336x336, LLaVA-1.5's input)",
+    )
 
     work.add_argument(
         "--no-stream",
@@ -183,9 +197,9 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
     hit the server's prefix cache with an earlier run's prompts, and the warm-up gets prompts no run
     sends; dataset prompts repeat as they are (the warm-up sends the dataset's first ones).
     Embeddings and rerank requests take `--embedding-batch-size` prompts each (rerank: one more,
-    its query).
+    its query). `--random-images` gives each chat request images of its own, fresh per run too.
     """
-    from corral_cli.bench import pooling, workload
+    from corral_cli.bench import images, pooling, workload
     from corral_cli.bench.runner import BenchError, is_generation
 
     is_pooling = not is_generation(args.endpoint_type)
@@ -193,6 +207,15 @@ def _load_workloads(args: argparse.Namespace, num_runs: int) -> tuple[list[list[
     try:
         tokenizer = workload.HFTokenizer(args.tokenizer) if args.tokenizer else None
         runs, warmup, lengths_from = _sample_prompts(args, num_runs, per, tokenizer)
+        if args.random_images:
+            attach = functools.partial(
+                images.with_images,
+                num_images=args.random_images,
+                size=images.parse_size(args.random_image_size),
+                seed=args.seed,
+            )
+            runs = [attach(r, variant=i) for i, r in enumerate(runs)]
+            warmup = attach(warmup, variant=len(runs))  # images no run sends
         if is_pooling:
             group = functools.partial(
                 pooling.group_inputs, endpoint_type=args.endpoint_type, batch_size=args.embedding_batch_size
@@ -257,18 +280,21 @@ def _sample_prompts(
 def _check_before_run(args: argparse.Namespace) -> tuple[list[float], dict[str, str]]:
     """The request rates and headers; BenchError for what would fail during or after the run
     (an output path is checked, and its folders created, before the run, not found bad after it)."""
-    from corral_cli.bench import report
+    from corral_cli.bench import images, report
     from corral_cli.bench.arrivals import parse_rates
     from corral_cli.bench.runner import BenchError, is_generation
 
     if args.max_tokens_cap is not None and args.no_stream:
         raise BenchError("--max-tokens-cap ends streams early: it cannot go with --no-stream")
+    if args.random_images and args.endpoint_type != "chat":
+        raise BenchError(f"--random-images goes with --endpoint-type chat, not {args.endpoint_type}")
     if args.max_tokens_cap is not None and not is_generation(args.endpoint_type):
         raise BenchError(
             f"--max-tokens-cap caps generated tokens: --endpoint-type {args.endpoint_type} has none"
         )
     try:
         rates = parse_rates(args.request_rate)
+        images.parse_size(args.random_image_size)
         headers = request_headers(args.api_key, args.header)
         if args.plot:
             report.check_plot_format(args.plot)
@@ -330,6 +356,8 @@ async def _bench(args: argparse.Namespace) -> int:
         "random_output_len": None if args.dataset or not generates else args.random_output_len,
         "random_range_ratio": None if args.dataset else args.random_range_ratio,
         "random_dist": None if args.dataset else args.random_dist,
+        "random_images": args.random_images or None,  # images a chat request carries
+        "random_image_size": args.random_image_size if args.random_images else None,
         "ignore_eos": args.ignore_eos,
         "max_tokens_cap": args.max_tokens_cap,
         "stream": settings.stream,

@@ -9,11 +9,23 @@ log = logging.getLogger(__name__)
 
 # Kept in step with corral_engine.demo_model (not imported here: the engine side pulls in torch).
 _PRESETS = ("tiny", "small", "llama3-8b")
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "phi3", "gemma3")
+_ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen3-moe",
+    "phi3",
+    "gemma3",
+    "granite",
+    "olmo2",
+    "gemma2",
+)
 # Encoder embedding models (corral_engine.demo_encoder): tiny only, in the sentence-transformers layout.
 _ENCODER_ARCHS = ("bert", "xlm-roberta")
-# Vision-language models (corral_engine.demo_llava): tiny only, float32.
-_VISION_ARCHS = ("llava",)
+# Vision-language models (corral_engine.demo_llava, demo_qwen_vl): tiny only, float32.
+_VISION_ARCHS = ("llava", "qwen2_vl", "qwen2_5_vl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model architecture; mixtral and qwen3-moe: 4 experts, 2 per token, tiny and small presets "
         "only; bert and xlm-roberta: encoder embedding models (mean and CLS pooling), tiny preset only; "
         "llava: a LLaVA-1.5 vision-language model (CLIP tower on 32x32 images, the tiny Llama, an "
-        "<image> token, the processor files), tiny preset only (default: llama)",
+        "<image> token, the processor files); qwen2_vl, qwen2_5_vl: Qwen2-VL and Qwen2.5-VL (the tiny "
+        "Qwen2 with M-RoPE, a vision tower on 4x4 patches merged 2x2, any image size, the processor "
+        "files); vision models: tiny preset only (default: llama)",
     )
     parser.add_argument(
         "--device",
@@ -89,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and intent models ship: *ForSequenceClassification, id2label LABEL_0..) instead of an "
         "embedding model; served with --runner pooling on /classify",
     )
+    parser.add_argument(
+        "--token-classifier",
+        action="store_true",
+        help="with --classifier N: a token classifier instead (as NER models ship: "
+        "*ForTokenClassification, N labels a token); served on /pooling (task token_classify)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument(
         "--lora-adapter",
@@ -109,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
     if args.arch in _ENCODER_ARCHS:
         return _write_encoder(args)
     if args.arch in _VISION_ARCHS:
-        return _write_llava(args)
-    if args.reranker or args.classifier is not None:
+        return _write_vision(args)
+    if args.reranker or args.classifier is not None or args.token_classifier:
         log.error(
             "%s: a classifier is an encoder (--arch %s), not --arch %s",
             "--reranker" if args.reranker else "--classifier",
@@ -156,6 +176,9 @@ def _write_encoder(args: argparse.Namespace) -> int:
     if args.classifier is not None and (args.reranker or args.classifier < 1):
         log.error("--classifier N: N must be at least 1, and a reranker is --classifier 1 (not both)")
         return 2
+    if args.token_classifier and args.classifier is None:
+        log.error("--token-classifier needs --classifier N (its labels)")
+        return 2
     refused = [
         flag
         for flag, is_set in (
@@ -175,20 +198,25 @@ def _write_encoder(args: argparse.Namespace) -> int:
     try:
         labels = args.classifier or 0
         out = write_demo_encoder(
-            args.dir, arch=args.arch, seed=args.seed, is_reranker=args.reranker, num_labels=labels
+            args.dir,
+            arch=args.arch,
+            seed=args.seed,
+            is_reranker=args.reranker,
+            num_labels=labels,
+            is_token_classifier=args.token_classifier,
         )
     except OSError as e:
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
     what = "reranker" if args.reranker else "encoder"
     if args.classifier:
-        what = f"{args.classifier}-label classifier"
+        what = f"{args.classifier}-label {'token ' if args.token_classifier else ''}classifier"
     log.info("wrote tiny %s checkpoint (%s, seed %d) to %s", what, args.arch, args.seed, out)
     return 0
 
 
-def _write_llava(args: argparse.Namespace) -> int:
-    """The tiny LLaVA checkpoint (the options for text decoders' weights do not apply)."""
+def _write_vision(args: argparse.Namespace) -> int:
+    """The tiny LLaVA or Qwen-VL checkpoint (the options for text decoders' weights do not apply)."""
     refused = [
         flag
         for flag, is_set in (
@@ -201,16 +229,22 @@ def _write_llava(args: argparse.Namespace) -> int:
         if is_set
     ]
     if refused:
-        log.error("--arch llava: %s not supported (the LLaVA demo is tiny, float32)", ", ".join(refused))
+        log.error(
+            "--arch %s: %s not supported (the vision demos are tiny, float32)", args.arch, ", ".join(refused)
+        )
         return 2
     from corral_engine.demo_llava import write_llava_model
+    from corral_engine.demo_qwen_vl import write_qwen_vl_model
 
     try:
-        out = write_llava_model(args.dir, seed=args.seed)
+        if args.arch == "llava":
+            out = write_llava_model(args.dir, seed=args.seed)
+        else:
+            out = write_qwen_vl_model(args.dir, args.arch, seed=args.seed)
     except OSError as e:
         log.error("cannot write the checkpoint to %s: %s", args.dir, e)
         return 1
-    log.info("wrote tiny LLaVA checkpoint (seed %d) to %s", args.seed, out)
+    log.info("wrote tiny %s checkpoint (seed %d) to %s", args.arch, args.seed, out)
     return 0
 
 

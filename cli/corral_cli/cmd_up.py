@@ -18,7 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from corral_engine.args import DEFAULT_GPU_MEMORY_UTILIZATION
+from corral_engine.model_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from corral_engine.sources import FetchError, local_model_problem, parse_model_uri
 
 from corral_cli import tracing

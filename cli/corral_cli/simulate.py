@@ -11,6 +11,7 @@ from typing import Any
 
 from corral_engine.args import OPTIONS, EngineArgs, cli_flag
 from corral_engine.chat_template import load_chat_template
+from corral_engine.engine_setup import check_vision_args
 from corral_engine.errors import ModelLoadError
 from corral_engine.lora import read_adapter_config, startup_adapters
 from corral_engine.settings import EngineSettings
@@ -24,6 +25,8 @@ from corral_engine.sim.host import (
     with_overrides,
 )
 from corral_engine.sim.perf_model import Profile, describe, load_profile
+from corral_engine.sim.vision import SimVision, sim_vision
+from corral_engine.sim.vision_cost import Grid, QwenTowerShape, TowerShape, vision_cost
 from corral_engine.sources.uri import parse_model_uri
 
 from corral_cli.heap import freeze_startup_heap
@@ -35,7 +38,8 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
     """The profile named by --simulate, resized by any sizing flag given and quantized as
     --quantization or the checkpoint's quantization_config says (raises ValueError; ModelLoadError
     for a quantization or runner the engine refuses); a warning names the flags given that the
-    profile cannot honour. --runner pooling (or auto on an embedding checkpoint) serves embeddings."""
+    profile cannot honour. --runner pooling (or auto on an embedding checkpoint) serves embeddings;
+    a vision-language checkpoint takes images as the engine does (and refuses what it refuses)."""
     model_dir = Path(engine_args.model)
     given = {name: getattr(args, name, None) for name in OPTIONS}
     if given.get("quantization") in (None, "awq", "gptq", "compressed-tensors"):  # the checkpoint's own
@@ -47,6 +51,9 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
     profile = with_overrides(profile, given)
     name = engine_args.served_model_name or parse_model_uri(engine_args.model).default_served_name
     pooling = sim_pooling(model_dir, engine_args.runner, engine_args.pooler_config, name)
+    vision = sim_vision(model_dir, engine_args.max_images_per_prompt, engine_args.allowed_media_domains)
+    if vision is not None:
+        check_vision_args(engine_args, "generate" if pooling is None else "pooling")
     if pooling is not None and engine_args.enable_lora:
         raise ModelLoadError("--runner pooling (an embedding model) does not take --enable-lora")
     return ReplicaSpec(
@@ -62,6 +69,7 @@ def replica_spec(args: argparse.Namespace, engine_args: EngineArgs) -> ReplicaSp
         stream_interval=engine_args.stream_interval,
         kv_cache_dtype=engine_args.kv_cache_dtype,
         pooling=pooling,
+        vision=vision,
         **_lora_fields(args, engine_args),
     )
 
@@ -106,6 +114,32 @@ def _ignored_text(profile: Profile, ignored: list[str]) -> str:
     return text
 
 
+def _tower_text(profile: Profile, vision: SimVision) -> str:
+    """What the replica's steps that embed images add: the tower's size and an image's time (a
+    Qwen-VL tower's for an image of 32x32 patches: its cost follows each image's size)."""
+    cost = vision_cost(profile, vision.config)
+    tower = cost.tower
+    grid: Grid = None
+    if isinstance(tower, QwenTowerShape):
+        grid, side = (1, 32, 32), 32 * tower.patch_size  # 448 pixels at Qwen-VL's 14-pixel patches
+        shape, what = (
+            f"{tower.num_layers} layers of {tower.embed_dim}",
+            f"a {side}x{side} image (1,024 patches)",
+        )
+    else:
+        assert isinstance(tower, TowerShape)  # the two towers vision_cost builds
+        shape, what = (
+            f"{tower.num_layers} layers run of {tower.hidden_size}, {tower.num_patches} patches",
+            "an image",
+        )
+    return (
+        f"vision tower (the checkpoint's vision_config, costed on {profile.name}): {shape}, "
+        f"{tower.num_params / 1e6:.1f} M parameters, {tower.flops(grid) / 1e9:.2f} GFLOP {what}; "
+        f"a step embedding 1 such image adds {1e3 * cost.step_time_s([grid]):.3f} ms, "
+        f"4 images {1e3 * cost.step_time_s([grid] * 4):.3f} ms"
+    )
+
+
 def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     if args.replicas < 1:
         log.error("--replicas must be at least 1")
@@ -119,6 +153,8 @@ def run_simulated(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         log.error("%s", e)
         return 2
     log.info("simulating %s: %s", spec.profile.name, describe(spec.profile))
+    if spec.vision is not None:
+        log.info("%s", _tower_text(spec.profile, spec.vision))
     try:
         if args.replicas == 1:
             from corral_engine.server import create_app

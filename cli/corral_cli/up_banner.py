@@ -1,6 +1,7 @@
 """What `corral up` prints once its fleet serves: ready-to-paste curl and openai examples for its
-first model's kind: a chat model, an embedding model (/v1/embeddings), a reranker (/v1/rerank) or
-a classifier of several labels (/classify)."""
+first model's kind: a chat model, a vision-language one (an image in the chat), an embedding model
+(/v1/embeddings), a reranker (/v1/rerank), a classifier of several labels (/classify) or a token
+classifier (/pooling)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-FleetKind = Literal["chat", "embeddings", "rerank", "classify"]
+FleetKind = Literal["chat", "vision", "embeddings", "rerank", "classify", "token-classify"]
+
+# A 2x2 red PNG as a data: URL: the vision example works where the server reaches no web host.
+_EXAMPLE_IMAGE_URL = (
+    "data:image/png;base64,"
+    "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR42mO8IyfHwMDAxMDAwMDAAAAOCAEc4R2zdQAAAABJRU5ErkJggg=="
+)
 
 
 def usage_text(base_url: str, model: str, kind: FleetKind = "chat") -> str:
@@ -22,6 +29,10 @@ def usage_text(base_url: str, model: str, kind: FleetKind = "chat") -> str:
         return _rerank_usage_text(base_url, model)
     if kind == "classify":
         return _classify_usage_text(base_url, model)
+    if kind == "vision":
+        return _vision_usage_text(base_url, model)
+    if kind == "token-classify":
+        return _token_classify_usage_text(base_url, model)
     return f"""
 Corral is up: an OpenAI-compatible endpoint at {base_url}/v1 serving model "{model}".
 
@@ -33,6 +44,33 @@ from openai import OpenAI
 client = OpenAI(base_url="{base_url}/v1", api_key="unused")
 reply = client.chat.completions.create(
     model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32
+)
+print(reply.choices[0].message.content)
+PY
+
+Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-C
+"""
+
+
+def _vision_usage_text(base_url: str, model: str) -> str:
+    content = [
+        {"type": "text", "text": "What colour is this image?"},
+        {"type": "image_url", "image_url": {"url": _EXAMPLE_IMAGE_URL}},
+    ]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 32})
+    return f"""
+Corral is up: an OpenAI-compatible endpoint at {base_url}/v1 serving vision-language model "{model}".
+Images go in chat messages as image_url parts: data: URLs, or http(s) URLs the engine fetches.
+
+  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{body}'
+
+  python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base_url}/v1", api_key="unused")
+content = {json.dumps(content)}
+reply = client.chat.completions.create(
+    model="{model}", messages=[{{"role": "user", "content": content}}], max_tokens=32
 )
 print(reply.choices[0].message.content)
 PY
@@ -84,11 +122,29 @@ Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-
 """
 
 
+def _token_classify_usage_text(base_url: str, model: str) -> str:
+    return f"""
+Corral is up: an endpoint at {base_url} serving token classifier "{model}" (vLLM's /pooling,
+task token_classify: each token's label probabilities).
+
+  curl {base_url}/pooling -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "input": "Ada Lovelace lived in London", "task": "token_classify"}}'
+
+Metrics: {base_url}/metrics   Replicas: {base_url}/corral/replicas   Stop: Ctrl-C
+"""
+
+
 def fleet_kind(flags: list[str]) -> FleetKind:
     """What an engine of these flags serves: embeddings or scores under --runner pooling, or auto on a
     local checkpoint whose config.json names an embedding architecture or an encoder (BertModel,
-    Qwen3Model, XLMRobertaForSequenceClassification, ...); else chat."""
-    from corral_engine.pooling import choose_runner, is_classifier_architecture
+    Qwen3Model, XLMRobertaForSequenceClassification, ...); a vision-language architecture's chat
+    takes images; else chat."""
+    from corral_engine.pooling import (
+        choose_runner,
+        is_classifier_architecture,
+        is_token_classifier_architecture,
+    )
+    from corral_engine.vision_config import VISION_ARCHITECTURES
 
     from corral_cli.cmd_engine import add_arguments, engine_args_from
 
@@ -103,9 +159,11 @@ def fleet_kind(flags: list[str]) -> FleetKind:
         config = loaded if isinstance(loaded, dict) else {}
     architectures = [str(a) for a in config.get("architectures") or []]
     if choose_runner(engine_args.runner, architectures) != "pooling":
-        return "chat"
+        return "vision" if any(a in VISION_ARCHITECTURES for a in architectures) else "chat"
     if not any(is_classifier_architecture(a) for a in architectures):
         return "embeddings"
+    if any(is_token_classifier_architecture(a) for a in architectures):
+        return "token-classify"
     labels = config.get("id2label") or {}
     num_labels = config.get("num_labels", len(labels) if isinstance(labels, dict) else 1)
     return "rerank" if num_labels in (1, 0) else "classify"  # scores need one label

@@ -1,6 +1,6 @@
 """The engine core's process: the spawned child's main (`run_core`), which loads the engine, steps
 it and pickles each step's results onto the pipe to the server. The protocol and the server's side
-are in `engine_core`.
+are in `engine_core`, the messages' packing in `core_messages`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from corral_engine.args import EngineArgs
-from corral_engine.engine_core import LOG_FORMAT, PROTOCOL, CoreInfo, pack_outputs
+from corral_engine.core_messages import PROTOCOL, CoreInfo, pack_outputs
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.lora import AdapterError, LoraRequest
@@ -25,6 +25,8 @@ from corral_engine.settings import EngineSettings
 from corral_engine.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _PipeSink:

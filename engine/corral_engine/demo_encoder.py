@@ -1,7 +1,8 @@
 """Write random-weight encoder checkpoints (BERT, XLM-RoBERTa): embedding models in the
-sentence-transformers layout, or sequence classifiers (rerankers: cross-encoders with one label;
-or N labels, LABEL_0.. as transformers names them), with a tokenizer trained locally on the demo
-corpus; nothing is downloaded, and the same seed writes the same files."""
+sentence-transformers layout, sequence classifiers (rerankers: cross-encoders with one label; or N
+labels, LABEL_0.. as transformers names them) or token classifiers (N labels a token), with a
+tokenizer trained locally on the demo corpus; nothing is downloaded, and the same seed writes the
+same files."""
 
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ from typing import Any
 
 from corral_engine.demo_encoder_tokenizer import encoder_tokenizer_config, train_encoder_tokenizer
 
-__all__ = ["ENCODER_ARCHITECTURES", "RERANKER_ARCHITECTURES", "encoder_config_dict", "write_demo_encoder"]
+__all__ = [
+    "ENCODER_ARCHITECTURES",
+    "RERANKER_ARCHITECTURES",
+    "TOKEN_CLASSIFIER_ARCHITECTURES",
+    "encoder_config_dict",
+    "write_demo_encoder",
+]
 
 ENCODER_ARCHITECTURES = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 # The cross-encoder class of each (as cross-encoder/ms-marco-MiniLM-L-6-v2 and bge-reranker ship).
 RERANKER_ARCHITECTURES = {
     "bert": "BertForSequenceClassification",
     "xlm-roberta": "XLMRobertaForSequenceClassification",
+}
+# The token classifier of each (NER checkpoints: dslim/bert-base-NER, xlm-roberta-large-finetuned-conll03).
+TOKEN_CLASSIFIER_ARCHITECTURES = {
+    "bert": "BertForTokenClassification",
+    "xlm-roberta": "XLMRobertaForTokenClassification",
 }
 # The tiny preset: for tests; float32 so the engine's hidden states can match transformers'.
 _HIDDEN, _LAYERS, _HEADS, _INTERMEDIATE, _VOCAB = 64, 2, 4, 128, 1024
@@ -88,15 +100,18 @@ def _sentence_transformers_files(out: pathlib.Path, arch: str) -> None:
     )
 
 
-def _write_weights(out: pathlib.Path, arch: str, seed: int, num_labels: int) -> dict[str, Any]:
+def _write_weights(
+    out: pathlib.Path, arch: str, seed: int, num_labels: int, is_token_classifier: bool = False
+) -> dict[str, Any]:
     """Draw every parameter of transformers' model (pooler included, as hub checkpoints hold it; a
-    classifier's head with `num_labels` outputs, 0: none) in sorted-name order from one seeded
-    generator and save them as model.safetensors; config.json's dict."""
+    classifier's head with `num_labels` outputs, 0: none; on each token for a token classifier) in
+    sorted-name order from one seeded generator and save them as model.safetensors; config.json's dict."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    class_name = (RERANKER_ARCHITECTURES if num_labels else ENCODER_ARCHITECTURES)[arch]
+    kinds = TOKEN_CLASSIFIER_ARCHITECTURES if is_token_classifier else RERANKER_ARCHITECTURES
+    class_name = (kinds if num_labels else ENCODER_ARCHITECTURES)[arch]
     model_class = getattr(transformers, class_name)
     extra = {"num_labels": num_labels} if num_labels else {}
     config = model_class.config_class(**encoder_config_dict(arch), **extra)
@@ -124,15 +139,18 @@ def write_demo_encoder(
     seed: int = 0,
     is_reranker: bool = False,
     num_labels: int = 0,
+    is_token_classifier: bool = False,
 ) -> pathlib.Path:
     """Write the tiny random-weight `arch` encoder to `out_dir` and return its path: config.json,
     model.safetensors, tokenizer.json, tokenizer_config.json (BERT: vocab.txt too) and, for an
     embedding model, the sentence-transformers files (`is_reranker`: a one-label cross-encoder
-    instead; `num_labels` N: a classifier of N labels)."""
+    instead; `num_labels` N: a classifier of N labels, of each token with `is_token_classifier`)."""
     if arch not in ENCODER_ARCHITECTURES:
         raise ValueError(f"unknown encoder arch {arch!r}; supported: {', '.join(ENCODER_ARCHITECTURES)}")
     if num_labels < 0 or (is_reranker and num_labels not in (0, 1)):
         raise ValueError(f"num_labels {num_labels}: a classifier has 1 or more; a reranker has 1")
+    if is_token_classifier and (is_reranker or num_labels < 1):
+        raise ValueError("a token classifier needs num_labels (1 or more) and is not a reranker")
     num_labels = num_labels or int(is_reranker)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +162,7 @@ def write_demo_encoder(
     if arch == "bert":  # BERT checkpoints carry the WordPiece vocabulary as text too
         vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
         (out / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab), encoding="utf-8")
-    _write_json(out / "config.json", _write_weights(out, arch, seed, num_labels))
+    _write_json(out / "config.json", _write_weights(out, arch, seed, num_labels, is_token_classifier))
     if not num_labels:  # a cross-encoder has no pooling modules: its head reads the first token
         _sentence_transformers_files(out, arch)
     return out

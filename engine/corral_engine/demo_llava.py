@@ -75,19 +75,35 @@ def write_processor(out: pathlib.Path) -> None:
     image_processor.save_pretrained(str(out))  # preprocessor_config.json, for loaders before v5
 
 
-def write_llava_model(out_dir: str | os.PathLike[str], seed: int = 0) -> pathlib.Path:
-    """Write the tiny LLaVA checkpoint to `out_dir` (weights under transformers v5's names)."""
+def write_drawn_model(out: pathlib.Path, model_class: Any, config: Any, seed: int) -> None:
+    """A vision-language demo's weights (drawn as the text demos', the tiny preset's std) in one
+    safetensors file, and its config.json as transformers writes it (float32)."""
     import torch
     from safetensors.torch import save_file
+
+    from corral_engine.demo_model import _draw, _write_json, preset_config, shard_file_names
+
+    p = preset_config("tiny")
+    with torch.device("meta"):
+        model = model_class(config)
+    gen = torch.Generator().manual_seed(seed)
+    state = {
+        name: _draw(name, tuple(t.shape), gen, p.initializer_range, p, "cpu").contiguous()
+        for name, t in sorted(model.named_parameters(), key=lambda kv: kv[0])
+    }
+    (file,) = shard_file_names(1)
+    save_file(state, str(out / file), metadata={"format": "pt"})
+    config_json = config.to_diff_dict()
+    config_json.pop("transformers_version", None)
+    config_json["dtype"] = "float32"
+    _write_json(out / "config.json", config_json)
+
+
+def write_llava_model(out_dir: str | os.PathLike[str], seed: int = 0) -> pathlib.Path:
+    """Write the tiny LLaVA checkpoint to `out_dir` (weights under transformers v5's names)."""
     from transformers import LlavaForConditionalGeneration
 
-    from corral_engine.demo_model import (
-        _draw,
-        _write_json,
-        build_config_dict,
-        preset_config,
-        shard_file_names,
-    )
+    from corral_engine.demo_model import _write_json, build_config_dict, preset_config
 
     p = preset_config("tiny")
     out = pathlib.Path(out_dir)
@@ -100,19 +116,7 @@ def write_llava_model(out_dir: str | os.PathLike[str], seed: int = 0) -> pathlib
         out / "tokenizer_config.json", tokenizer_config(p.max_position_embeddings, "llava")
     )  # the processor reads it
     config = llava_config(build_config_dict("tiny", "llama"))
-    with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
-    gen = torch.Generator().manual_seed(seed)
-    state = {
-        name: _draw(name, tuple(t.shape), gen, p.initializer_range, p, "cpu").contiguous()
-        for name, t in sorted(model.named_parameters(), key=lambda kv: kv[0])
-    }
-    (file,) = shard_file_names(1)
-    save_file(state, str(out / file), metadata={"format": "pt"})
-    config_json = config.to_diff_dict()
-    config_json.pop("transformers_version", None)
-    config_json["dtype"] = "float32"
-    _write_json(out / "config.json", config_json)
+    write_drawn_model(out, LlavaForConditionalGeneration, config, seed)
     ids = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
     _write_json(out / "generation_config.json", ids)
     write_processor(out)

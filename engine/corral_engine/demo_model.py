@@ -48,6 +48,9 @@ ARCHITECTURES = {
     "qwen3-moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 MOE_ARCHS = ("mixtral", "qwen3-moe")
 # transformers config classes not named after the model class (ForCausalLM -> Config otherwise).
@@ -188,6 +191,12 @@ def build_config_dict(
         cfg["sliding_window"] = p.max_position_embeddings // 8
     if arch == "gemma3":
         cfg.update(_gemma3_config(p))
+    if arch == "gemma2":
+        cfg.update(_gemma2_config(p))
+    if arch == "granite":  # Granite 3.x's multipliers; the softmax scale 1 / head_dim, as theirs
+        head_dim = p.hidden_size // p.num_attention_heads
+        cfg.update(embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0)
+        cfg["attention_multiplier"] = 1.0 / head_dim
     if arch in MOE_ARCHS:
         if not p.num_experts:
             raise ValueError(f"preset {preset!r} has no mixture-of-experts variant (tiny and small do)")
@@ -222,6 +231,23 @@ def _gemma3_config(p: Preset) -> dict[str, Any]:
     }
 
 
+def _gemma2_config(p: Preset) -> dict[str, Any]:
+    """Gemma 2's shape at the preset's size: Gemma 3's head and scale rules, sliding and global
+    layers alternating, one rope base. The soft-caps are lower than gemma-2's 50 (scores) and 30
+    (logits), so a tiny random model's scores and logits reach them and a missing cap shows."""
+    return {
+        "head_dim": p.qwen3_head_dim,
+        "query_pre_attn_scalar": p.hidden_size // p.num_attention_heads,
+        "sliding_window": p.max_position_embeddings // 32,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.num_hidden_layers)
+        ],
+        "attn_logit_softcapping": 10.0,
+        "final_logit_softcapping": 15.0,
+        "tie_word_embeddings": True,
+    }
+
+
 def count_parameters(config: dict[str, Any]) -> int:
     """Parameter count of a Llama-family model with this config dict (pure arithmetic)."""
     h, v = int(config["hidden_size"]), int(config["vocab_size"])
@@ -234,7 +260,9 @@ def count_parameters(config: dict[str, Any]) -> int:
         attn += q + 2 * kv + (q if config.get("attention_bias") and arch != "Qwen2ForCausalLM" else 0)
     if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
         attn += 2 * head_dim  # q_norm, k_norm
-    num_norms = 4 if arch == "Gemma3ForCausalLM" else 2  # Gemma's pre/post feed-forward norms
+    if arch == "Olmo2ForCausalLM":
+        attn += q + kv  # q_norm, k_norm over the whole projections
+    num_norms = 4 if arch in ("Gemma3ForCausalLM", "Gemma2ForCausalLM") else 2  # Gemma's pre/post MLP norms
     num_layers = int(config["num_hidden_layers"])
     mlps = [3 * h * int(config["intermediate_size"])] * num_layers
     if arch in MOE_ARCHITECTURES:

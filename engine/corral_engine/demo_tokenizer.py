@@ -18,7 +18,16 @@ PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 # mistral-arch demo models), so the text the engine returns leaves them out unless asked.
 MISTRAL_TOOL_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
 IMAGE_TOKEN = "<image>"  # the llava demo's image placeholder: special, id 3
-_STYLE_SPECIALS = {"mistral": MISTRAL_TOOL_TOKENS, "llava": (IMAGE_TOKEN,)}
+# The Qwen-VL demos' turn and vision tokens, special as in Qwen's tokenizers (ids 3 to 8).
+QWEN_VL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+_STYLE_SPECIALS = {"mistral": MISTRAL_TOOL_TOKENS, "llava": (IMAGE_TOKEN,), "qwen_vl": QWEN_VL_TOKENS}
 
 # Role-tagged turns; an assistant turn ends with eos so generation stops at the end of a reply.
 # With `tools`, a system turn lists them and asks for Hermes-style calls (the format of Qwen 2.5/3 and
@@ -59,6 +68,24 @@ LLAVA_CHAT_TEMPLATE = (
     "{{- eos_token + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+
+# The Qwen-VL demos' (Qwen2-VL's layout): ChatML turns, a default system turn, and each image part
+# as <|vision_start|><|image_pad|><|vision_end|> (a video part likewise with <|video_pad|>).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 # Fixed English text so common words get their own tokens and demos read naturally.
@@ -171,7 +198,7 @@ def train_tokenizer(
     )
 
     tok = Tokenizer(models.BPE())
-    if style == "qwen":
+    if style in ("qwen", "qwen_vl"):
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -193,7 +220,7 @@ def train_tokenizer(
         tok.train_from_iterator(synthetic_corpus(seed, num_words, lexicon_size), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer training reached {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    if style != "qwen":
+    if style not in ("qwen", "qwen_vl"):
         # Like Llama: encoding adds BOS (the chat template writes it itself: render, then encode
         # without special tokens).
         tok.post_processor = processors.TemplateProcessing(
@@ -205,15 +232,17 @@ def train_tokenizer(
 
 
 def tokenizer_config(max_length: int, style: str) -> dict[str, Any]:
+    is_qwen = style in ("qwen", "qwen_vl")
+    templates = {"llava": LLAVA_CHAT_TEMPLATE, "qwen_vl": QWEN_VL_CHAT_TEMPLATE}
     return {
-        "tokenizer_class": "Qwen2Tokenizer" if style == "qwen" else "PreTrainedTokenizerFast",
+        "tokenizer_class": "Qwen2Tokenizer" if is_qwen else "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "unk_token": None,  # byte-level: every input is representable
-        "add_bos_token": style != "qwen",
+        "add_bos_token": not is_qwen,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
-        "chat_template": LLAVA_CHAT_TEMPLATE if style == "llava" else CHAT_TEMPLATE,
+        "chat_template": templates.get(style, CHAT_TEMPLATE),
     }

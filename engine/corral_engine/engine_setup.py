@@ -1,14 +1,17 @@
 """An engine's set-up choices, made once as it starts from its arguments, its model's config and its
-runner: the context length, the scheduler's config and how its steps pipeline (each logged)."""
+runner: the context length, the served model's EmbedSpec, the scheduler and how its steps pipeline
+(each logged)."""
 
 from __future__ import annotations
 
 import logging
 
 from corral_engine.args import EngineArgs
-from corral_engine.core.scheduler import SchedulerConfig
+from corral_engine.core.block_manager import BlockManager
+from corral_engine.core.scheduler import Scheduler, SchedulerConfig
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
+from corral_engine.pooling import EmbedSpec, Runner
 from corral_engine.settings import EngineSettings
 
 # These lines belong to the engine's start-up log: they keep its logger's name.
@@ -27,6 +30,36 @@ def context_length(args: EngineArgs, model_config: ModelConfig) -> int:
             args.max_model_len, max_model_len, max_model_len,
         )  # fmt: skip
     return max_model_len
+
+
+def embed_spec(
+    served_model_name: str, runner: Runner, is_pooling: bool, model_config: ModelConfig
+) -> EmbedSpec:
+    """What requests' checks and responses need of the served model: its runner, and a pooling
+    one's vector size, matryoshka dimensions or classifier labels."""
+    encoder = model_config.encoder  # a classifier's labels and problem type are its
+    return EmbedSpec(
+        served_model_name,
+        runner,
+        model_config.hidden_size if is_pooling else 0,
+        model_config.is_matryoshka,
+        model_config.matryoshka_dimensions,
+        num_labels=model_config.num_labels,
+        labels=() if encoder is None else encoder.labels,
+        problem_type=None if encoder is None else encoder.problem_type,
+        is_token_classifier=encoder is not None and encoder.is_token_classifier,
+        is_encoder=encoder is not None,
+    )
+
+
+def make_scheduler(
+    args: EngineArgs, num_kv_blocks: int, max_model_len: int, is_encoder: bool, can_cache_prefixes: bool
+) -> Scheduler:
+    """The scheduler over a BlockManager of the runner's KV blocks (warned when they hold fewer
+    tokens than the context length)."""
+    block_manager = BlockManager(num_kv_blocks, args.block_size, can_cache_prefixes)
+    warn_if_cache_short(num_kv_blocks, args.block_size, max_model_len)
+    return Scheduler(scheduler_config(args, max_model_len, is_encoder), block_manager)
 
 
 def warn_if_cache_short(num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -76,4 +109,6 @@ def check_vision_args(args: EngineArgs, runner: str) -> None:
         if is_set
     ]
     if refused:
-        raise ModelLoadError(f"{', '.join(refused)}: not supported with a vision-language model (LLaVA) yet")
+        raise ModelLoadError(
+            f"{', '.join(refused)}: not supported with a vision-language model (LLaVA, Qwen-VL) yet"
+        )

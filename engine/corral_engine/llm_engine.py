@@ -16,16 +16,15 @@ import time
 from collections.abc import Sequence as SequenceABC
 
 from corral_engine.args import EngineArgs
-from corral_engine.core.block_manager import BlockManager
-from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from corral_engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.engine_adapters import EngineAdapters
 from corral_engine.engine_setup import (
     check_vision_args,
     context_length,
+    embed_spec,
+    make_scheduler,
     pipelining,
-    scheduler_config,
-    warn_if_cache_short,
 )
 from corral_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from corral_engine.image_processor import ImageProcessor
@@ -40,10 +39,9 @@ from corral_engine.model.tp_workers import make_runner
 from corral_engine.multimodal import ImageInput
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies
-from corral_engine.pooling import EmbedSpec
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.pooling_step import PoolingStep, can_cache_prefixes, choose_runner_for
-from corral_engine.request_builder import Prompt, RequestBuilder
+from corral_engine.request_builder import Prompt, RequestBuilder, paired
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
 from corral_engine.sources.uri import parse_model_uri
@@ -67,56 +65,8 @@ class LLMEngine:
         self.args = args
         self.settings = settings or EngineSettings()
         logger.info("engine settings: %s", self.settings.describe())
-        self.model_config = load_model_config(args.model)
-        # A quantization Corral cannot serve is said before the tokenizer or any worker loads.
-        model_quant_config(args.quantization, self.model_config.quantization_config, self.model_config.is_moe)
-        self.tokenizer = load_tokenizer(args.model)
-        self.max_model_len = context_length(args, self.model_config)
-        self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
-        self.eos_token_ids = self.model_config.eos_token_ids
-        if args.enable_lora and self.model_config.is_moe:  # before any tensor-parallel worker starts
-            raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
-        # `runner_type`, not `runner`: that name holds the model runner.
-        self.runner_type, self.pooler_config = choose_runner_for(args, self.model_config)
-        vision = self.model_config.vision
-        if vision is not None:  # before any worker starts
-            check_vision_args(args, self.runner_type)
-        encoder = self.model_config.encoder  # a classifier's labels and problem type are its
-        self.embed = EmbedSpec(
-            self.served_model_name,
-            self.runner_type,
-            self.model_config.hidden_size if self.pooler_config is not None else 0,
-            self.model_config.is_matryoshka,
-            self.model_config.matryoshka_dimensions,
-            num_labels=self.model_config.num_labels,
-            labels=() if encoder is None else encoder.labels,
-            problem_type=None if encoder is None else encoder.problem_type,
-        )
-        self.embedding_size = self.embed.embedding_size  # the vectors' length; 0 when generating
-        runner_args = args.replace(runner=self.runner_type)  # what the model runner builds for
-        self.runner = make_runner(
-            self.model_config, runner_args, self.max_model_len, self.settings, graph_capture
-        )
-        # The runner is closed (workers stopped, model freed) by close(), when the engine is
-        # collected, or at exit when it was left open: multiprocessing runs this before it
-        # terminates its daemonic children, which a worker's watchdog would take for a crash.
-        self._close_runner = multiprocessing.util.Finalize(self, self.runner.close, exitpriority=10)
-        self.is_closed = False
-        self.block_manager = BlockManager(
-            self.runner.num_kv_blocks,
-            args.block_size,
-            can_cache_prefixes(args, self.pooler_config, self.model_config.encoder is not None),
-        )
-        warn_if_cache_short(self.runner.num_kv_blocks, args.block_size, self.max_model_len)
-        is_encoder = self.model_config.encoder is not None
-        self.scheduler = Scheduler(scheduler_config(args, self.max_model_len, is_encoder), self.block_manager)
-        self.adapters = EngineAdapters(self.runner)
-        for lora in startup_adapters(args.lora_modules):
-            try:
-                self.adapters.add(lora)
-            except AdapterError as e:
-                self._close_runner()
-                raise ModelLoadError(str(e)) from None
+        self._load_model(args, graph_capture)
+        self._build_scheduler(args)
         # On CPU the sampler's noise comes from the native exponential race (CORRAL_NATIVE_ATTENTION=0:
         # PyTorch's exponential_, 5-10x slower).
         fused_ops = load_fused_ops(self.settings) if self.runner.device.type == "cpu" else None
@@ -126,6 +76,7 @@ class LLMEngine:
         self.grammar_masks = StepMasks(self.grammars)
         self.requests: dict[str, Request] = {}
         self._pooling = None if self.pooler_config is None else PoolingStep(self, self.pooler_config)
+        vision = self.model_config.vision
         self.request_builder = RequestBuilder(
             self.tokenizer,
             self.max_model_len,
@@ -154,13 +105,6 @@ class LLMEngine:
         # The last step's text half, when it waits for this step (request id -> seq id -> new tokens).
         # Its requests stay in `requests` until their outputs are out.
         self._deferred: Touched = {}
-        self._stats = EngineStats(
-            block_size=args.block_size,
-            cache_dtype=args.kv_cache_dtype,
-            num_kv_blocks=self.runner.num_kv_blocks,
-            num_spec_accepted_per_pos=[0] * (args.num_speculative_tokens if args.speculative else 0),
-            max_loras=self.scheduler.config.max_loras,
-        )
         self._appender = TokenAppender(
             self.scheduler, self.output_processor, self._stats, args, self.max_model_len
         )
@@ -168,6 +112,60 @@ class LLMEngine:
         # The token latencies the last step's tokens added (for the server's histograms).
         self.last_step_latencies = StepLatencies()
         self.last_schedule: list[ScheduledSeq] = []  # the last step's batch (the simulator's calibration)
+
+    def _load_model(self, args: EngineArgs, graph_capture: GraphCapture | None) -> None:
+        """The model's config, tokenizer and runner (its weights and KV cache); what the model
+        cannot be served with is refused before any tensor-parallel worker starts."""
+        self.model_config = load_model_config(args.model)
+        # A quantization Corral cannot serve is said before the tokenizer or any worker loads.
+        model_quant_config(args.quantization, self.model_config.quantization_config, self.model_config.is_moe)
+        self.tokenizer = load_tokenizer(args.model)
+        self.max_model_len = context_length(args, self.model_config)
+        self.served_model_name = args.served_model_name or parse_model_uri(args.model).default_served_name
+        self.eos_token_ids = self.model_config.eos_token_ids
+        if args.enable_lora and self.model_config.is_moe:  # before any tensor-parallel worker starts
+            raise ModelLoadError("--enable-lora is not supported for mixture-of-experts models yet")
+        # `runner_type`, not `runner`: that name holds the model runner.
+        self.runner_type, self.pooler_config = choose_runner_for(args, self.model_config)
+        if self.model_config.vision is not None:  # before any worker starts
+            check_vision_args(args, self.runner_type)
+        self.embed = embed_spec(
+            self.served_model_name, self.runner_type, self.pooler_config is not None, self.model_config
+        )
+        self.embedding_size = self.embed.embedding_size  # the vectors' length; 0 when generating
+        runner_args = args.replace(runner=self.runner_type)  # what the model runner builds for
+        self.runner = make_runner(
+            self.model_config, runner_args, self.max_model_len, self.settings, graph_capture
+        )
+        # The runner is closed (workers stopped, model freed) by close(), when the engine is
+        # collected, or at exit when it was left open: multiprocessing runs this before it
+        # terminates its daemonic children, which a worker's watchdog would take for a crash.
+        self._close_runner = multiprocessing.util.Finalize(self, self.runner.close, exitpriority=10)
+        self.is_closed = False
+
+    def _build_scheduler(self, args: EngineArgs) -> None:
+        """The scheduler over the runner's KV blocks, the engine's counters, and the adapters
+        --lora-modules names (ModelLoadError, the runner closed, for one that cannot be served)."""
+        is_encoder = self.model_config.encoder is not None
+        can_cache = can_cache_prefixes(args, self.pooler_config, is_encoder)
+        self.scheduler = make_scheduler(
+            args, self.runner.num_kv_blocks, self.max_model_len, is_encoder, can_cache
+        )
+        self.block_manager = self.scheduler.bm
+        self._stats = EngineStats(
+            block_size=args.block_size,
+            cache_dtype=args.kv_cache_dtype,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            num_spec_accepted_per_pos=[0] * (args.num_speculative_tokens if args.speculative else 0),
+            max_loras=self.scheduler.config.max_loras,
+        )
+        self.adapters = EngineAdapters(self.runner)
+        for lora in startup_adapters(args.lora_modules):
+            try:
+                self.adapters.add(lora)
+            except AdapterError as e:
+                self._close_runner()
+                raise ModelLoadError(str(e)) from None
 
     # -- life cycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -386,14 +384,7 @@ class LLMEngine:
         """Run prompts to completion; outputs in prompt order (the final output of each). A string
         is one prompt, as in vLLM (not one per character). Every prompt is checked before any is
         queued, so a refused one raises with nothing left behind to run in a later call."""
-        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
-        param_list: list[SamplingParams | PoolingParams]
-        if isinstance(params, SamplingParams | PoolingParams):
-            param_list = [params] * len(prompt_list)
-        else:
-            param_list = list(params)
-        if len(param_list) != len(prompt_list):
-            raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} SamplingParams")
+        prompt_list, param_list = paired(prompts, params)
         ids = [f"gen-{self.request_builder.next_arrival()}-{i}" for i in range(len(prompt_list))]
         requests = [
             self.make_request(i, p, sp) for i, p, sp in zip(ids, prompt_list, param_list, strict=True)

@@ -27,10 +27,12 @@ class MultiModalPrompt(TypedDict, total=False):
 class ImageInput:
     """One image of a request: what the vision tower reads and where its rows go."""
 
-    pixel_values: np.ndarray  # [C, H, W] float32, as the image processor made it
+    # [C, H, W] float32 as the image processor made it; Qwen-VL: [patches, C * T * P * P]
+    pixel_values: np.ndarray
     offset: int  # the first placeholder token's index in the prompt
     length: int  # placeholder tokens (= the embedding rows the image becomes)
     content_hash: bytes  # of the pixel values: equal images share prefix-cache blocks
+    grid_thw: tuple[int, int, int] | None = None  # Qwen-VL: the image's patch grid (image_grid_thw)
 
     @property
     def end(self) -> int:
@@ -130,11 +132,12 @@ def images_of(data: Any) -> list[Any]:
 
 
 def expand_placeholders(
-    token_ids: list[int], num_images: int, image_token_id: int, num_image_tokens: int
+    token_ids: list[int], num_images: int, image_token_id: int, num_image_tokens: int | list[int]
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """(token ids, (offset, length) per image): one placeholder per image is expanded to
-    `num_image_tokens`; runs already that long are kept. InvalidRequestError when the counts
-    differ or a run has another length."""
+    `num_image_tokens` (one count for every image, or each image's own); runs already that long
+    are kept. InvalidRequestError when the counts differ or a run has another length."""
+    counts = num_image_tokens if isinstance(num_image_tokens, list) else [num_image_tokens] * num_images
     runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholder tokens
     i = 0
     while i < len(token_ids):
@@ -145,22 +148,23 @@ def expand_placeholders(
             runs.append((start, i - start))
         else:
             i += 1
-    if len(runs) == num_images and all(length == num_image_tokens for _, length in runs):
+    if len(runs) == num_images and [length for _, length in runs] == counts:
         return list(token_ids), runs
     if sum(length for _, length in runs) != num_images or any(length != 1 for _, length in runs):
         found = sum(length for _, length in runs)
+        expanded = num_image_tokens if isinstance(num_image_tokens, int) else "its own count of"
         raise InvalidRequestError(
             f"the prompt has {found} image placeholder tokens for {num_images} image(s): each image "
-            f"needs one placeholder (or {num_image_tokens} placeholder tokens in a row)",
+            f"needs one placeholder (or {expanded} placeholder tokens in a row)",
             "multi_modal_data",
         )
     out: list[int] = []
     spans: list[tuple[int, int]] = []
     last = 0
-    for start, _ in runs:
+    for (start, _), count in zip(runs, counts, strict=True):
         out.extend(token_ids[last:start])
-        spans.append((len(out), num_image_tokens))
-        out.extend([image_token_id] * num_image_tokens)
+        spans.append((len(out), count))
+        out.extend([image_token_id] * count)
         last = start + 1
     out.extend(token_ids[last:])
     return out, spans

@@ -4,6 +4,7 @@ equivalent), the two-option rules, and the one byte-size grammar (light; no torc
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 import typing
@@ -71,6 +72,11 @@ class Option:
         if too_low or too_high:
             return f"must be >= {self.ge}" if self.le is None else f"must be in [{self.ge}, {self.le}]"
         return None
+
+
+def option_field(default: object, **declared: Any) -> Any:
+    """A dataclass field of `default` declaring its option (`Option(**declared)`)."""
+    return dataclasses.field(default=default, metadata={"option": Option(**declared)})
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,10 @@ ENCODER_ARCHITECTURES = {
     "BertForSequenceClassification": False,
     "RobertaForSequenceClassification": True,
     "XLMRobertaForSequenceClassification": True,
+    # Token classifiers (NER and kin): the encoder, then a linear head on every token.
+    "BertForTokenClassification": False,
+    "RobertaForTokenClassification": True,
+    "XLMRobertaForTokenClassification": True,
 }
 
 
@@ -42,8 +46,14 @@ def is_encoder_architecture(arch: str) -> bool:
 
 
 def is_classifier_architecture(arch: str) -> bool:
-    """Whether `arch` carries a sequence-classification head (served for scores, not embeddings)."""
-    return arch.endswith("ForSequenceClassification")
+    """Whether `arch` carries a classification head, of a sequence or of each token (served for
+    scores or labels, not embeddings)."""
+    return arch.endswith(("ForSequenceClassification", "ForTokenClassification"))
+
+
+def is_token_classifier_architecture(arch: str) -> bool:
+    """Whether `arch`'s head labels each token (vLLM's token_classify task), not the sequence."""
+    return arch.endswith("ForTokenClassification")
 
 
 # Base-model classes not named <family>Model -> the implementation that runs them.
@@ -195,13 +205,42 @@ class EmbedSpec:
     num_labels: int = 0  # a cross-encoder's classifier outputs; 0: not a classifier
     labels: tuple[str | None, ...] = ()  # each output's name (config.json's id2label)
     problem_type: str | None = None  # config.json's (how /classify activates the outputs)
+    is_token_classifier: bool = False  # its head labels each token (*ForTokenClassification)
+    is_encoder: bool = False  # BERT and kin: prompts run whole, so per-token outputs are computed
+
+    @property
+    def tasks(self) -> tuple[PoolingTask, ...]:
+        """The pooling tasks served, the default first (vLLM's /pooling without a task); none
+        when generating. Per-token embeddings need every prompt row: encoders only (a decoder's
+        chunks and cached prefixes skip rows)."""
+        if self.runner != "pooling":
+            return ()
+        if self.is_token_classifier:
+            return ("token_classify",)
+        if self.num_labels:
+            return ("classify",)
+        return ("embed", "token_embed") if self.is_encoder else ("embed",)
 
     @property
     def task(self) -> PoolingTask | None:
-        """What a pooling engine's requests ask for (None: a generating engine)."""
-        if self.runner != "pooling":
-            return None
-        return "classify" if self.num_labels else "embed"
+        """What a pooling engine's requests ask for by default (None: a generating engine)."""
+        return self.tasks[0] if self.tasks else None
+
+    def refusal(self, task: str) -> str:
+        """Why a pooling engine does not serve `task`, in words."""
+        served = ", ".join(self.tasks)
+        if task == "token_embed" and not self.num_labels:
+            return (
+                f"{self.model_name} is {self.describe()}, not an encoder: token_embed (one vector a "
+                "token) is computed for encoder models (BERT, RoBERTa, XLM-RoBERTa) only"
+            )
+        if task == "token_classify" and not self.is_token_classifier:
+            return (
+                f"{self.model_name} is {self.describe()}: token_classify needs a token "
+                f"classification model (*ForTokenClassification); it serves {served}"
+            )
+        what = f"{self.model_name} is {self.describe()}"
+        return f"{what}: it does not serve {task} requests (it serves {served})"
 
     def check(self, params: SamplingParams | PoolingParams) -> None:
         """InvalidRequestError for params of the other runner or task, or dimensions the model refuses."""
@@ -217,16 +256,15 @@ class EmbedSpec:
             )
         if not isinstance(params, PoolingParams):
             return
-        if params.task != self.task:
-            raise InvalidRequestError(
-                f"{self.model_name} is {self.describe()}: it does not serve {params.task} requests; "
-                f"use {self.routes()}"
-            )
+        if params.task not in self.tasks:
+            raise InvalidRequestError(f"{self.refusal(params.task)}; use {self.routes()}")
         if params.dimensions is not None:
             self._check_dimensions(params.dimensions)
 
     def describe(self) -> str:
         """What a pooling engine serves, in words."""
+        if self.is_token_classifier:
+            return f"a token classification model ({self.num_labels} labels)"
         if self.num_labels == 1:
             return "a classification model (a cross-encoder)"
         if self.num_labels:
@@ -235,7 +273,9 @@ class EmbedSpec:
 
     def routes(self) -> str:
         """The routes that serve this pooling engine's task."""
-        return classifier_routes(self.num_labels) if self.num_labels else "/v1/embeddings"
+        if self.num_labels:
+            return classifier_routes(self.num_labels, self.is_token_classifier)
+        return "/v1/embeddings or /pooling"
 
     def _check_dimensions(self, dimensions: int) -> None:
         if not self.is_matryoshka:
@@ -258,8 +298,11 @@ class EmbedSpec:
             )
 
 
-def classifier_routes(num_labels: int) -> str:
-    """The routes that serve a classifier of `num_labels` outputs: scores need one."""
+def classifier_routes(num_labels: int, is_token_classifier: bool = False) -> str:
+    """The routes that serve a classifier of `num_labels` outputs: scores need one; a token
+    classifier's labels (one set a token) come from /pooling only."""
+    if is_token_classifier:
+        return "/pooling (task token_classify)"
     return "/v1/score or /v1/rerank (scores), /classify (labels)" if num_labels == 1 else "/classify"
 
 

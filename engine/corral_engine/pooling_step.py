@@ -13,7 +13,7 @@ from corral_engine.core.scheduler import SchedulerOutput
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.encoder_runner import EncoderRunner
-from corral_engine.model.pooler import Pooler, classifier_scores, finish_vector
+from corral_engine.model.pooler import Pooler, finish_output
 from corral_engine.model.runner import ModelRunner
 from corral_engine.outputs import RequestOutput
 from corral_engine.pooling import PoolerConfig, Runner, choose_runner, resolve_pooler
@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 def choose_runner_for(args: EngineArgs, config: ModelConfig) -> tuple[Runner, PoolerConfig | None]:
     """--runner resolved for this checkpoint, and for pooling its pooler; what a pooling engine
     cannot do (or a base model without an LM head cannot) is refused before the model loads."""
-    is_encoder = config.encoder is not None  # BERT and kin: pooling only (choose_runner picks it for auto)
+    encoder = config.encoder
+    is_encoder = encoder is not None  # BERT and kin: pooling only (choose_runner picks it for auto)
     runner = choose_runner(args.runner, list(config.declared_architectures))
     if runner == "generate":
         if config.is_base_model or is_encoder:
@@ -48,6 +49,9 @@ def choose_runner_for(args: EngineArgs, config: ModelConfig) -> tuple[Runner, Po
         raise ModelLoadError(f"--runner pooling (an embedding model) does not take {', '.join(refused)}")
     # Without sentence-transformers files an encoder pools its first token ([CLS]), as vLLM's BERT.
     pooler = resolve_pooler(config.path, args.pooler_config, "CLS" if is_encoder else "LAST")
+    if encoder is not None and encoder.is_token_classifier:
+        logger.info("runner: pooling (a token classifier: %d labels a token, /pooling)", config.num_labels)
+        return runner, pooler
     if config.num_labels:  # its head reads the first token whatever the pooler says
         logger.info(
             "runner: pooling (a cross-encoder: %d classifier output(s), /v1/score and /v1/rerank)",
@@ -106,15 +110,7 @@ class PoolingStep:
             engine.scheduler.finish(seq)
             engine._stats.num_prompt_tokens_total += len(request.prompt_token_ids)
             request.metrics.first_token_time = request.metrics.last_token_time = now
-            normalize = request.pooling.normalize
-            if request.pooling.task == "classify":  # the runner gave the classifier's logits
-                embedding = classifier_scores(vector, request.pooling.activation)
-            else:
-                embedding = finish_vector(
-                    vector,
-                    self.config.normalize if normalize is None else normalize,
-                    request.pooling.dimensions,
-                )
+            embedding = finish_output(vector, request.pooling, self.config.normalize)
             output = RequestOutput(
                 request.request_id, request.prompt_token_ids, [], True, request.metrics, embedding=embedding
             )

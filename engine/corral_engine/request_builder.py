@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence as SequenceABC
 from typing import Any, Protocol
 
 from corral_engine.core.sequence import Request, Sequence
@@ -26,6 +27,23 @@ from corral_engine.sampling_params import SamplingParams
 Prompt = str | list[int] | MultiModalPrompt
 # What the scheduler admits a pooling request by: its prompt, and no output token to sample.
 POOLING_SAMPLING = SamplingParams(max_tokens=1, output_kind="final_only")
+
+
+def paired(
+    prompts: str | SequenceABC[Prompt],
+    params: SamplingParams | PoolingParams | SequenceABC[SamplingParams | PoolingParams],
+) -> tuple[list[Prompt], list[SamplingParams | PoolingParams]]:
+    """A batch's prompts, each with its params: a string is one prompt, as in vLLM (not one per
+    character), and one params object serves every prompt (ValueError where the counts differ)."""
+    prompt_list: list[Prompt] = [prompts] if isinstance(prompts, str) else list(prompts)
+    param_list: list[SamplingParams | PoolingParams]
+    if isinstance(params, SamplingParams | PoolingParams):
+        param_list = [params] * len(prompt_list)
+    else:
+        param_list = list(params)
+    if len(param_list) != len(prompt_list):
+        raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} SamplingParams")
+    return prompt_list, param_list
 
 
 class GrammarAttacher(Protocol):

@@ -1,6 +1,7 @@
 """What the engine needs of a vision-language checkpoint's vision side (LLaVA-1.5: a CLIP vision
-tower, a two-layer projector, image placeholder tokens in the text model), checked at load time.
-No torch: the server's side and the request builder read it too."""
+tower, a two-layer projector, image placeholder tokens in the text model; Qwen2-VL and Qwen2.5-VL:
+qwen_vision_config.py), checked at load time. No torch: the server's side and the request builder
+read it too."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from corral_engine.errors import ModelLoadError
+from corral_engine.qwen_vision_config import (
+    QWEN_VL_ARCHITECTURES,
+    QWEN_VL_MODEL_TYPES,
+    QwenVisionConfig,
+    load_qwen_vision_config,
+)
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *QWEN_VL_ARCHITECTURES)
 # Multi-tile or other-tower vision models refused by name (not a generic "unsupported").
 REFUSED_VISION_ARCHITECTURES = {
     "LlavaNextForConditionalGeneration": "LLaVA-NeXT's anyres image tiling",
     "LlavaNextVideoForConditionalGeneration": "LLaVA-NeXT's anyres image tiling and video",
     "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision's anyres image tiling",
-    "Qwen2VLForConditionalGeneration": "Qwen2-VL's M-RoPE and dynamic resolution",
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL's M-RoPE and dynamic resolution",
     "Mistral3ForConditionalGeneration": "Mistral 3's Pixtral vision tower",
     "Llama4ForConditionalGeneration": "Llama 4's vision tower",
 }
@@ -32,7 +37,7 @@ SELECT_STRATEGIES = ("default", "full")  # default: drop the CLS position
 
 
 @dataclass(frozen=True, slots=True)
-class VisionConfig:
+class LlavaVisionConfig:
     image_size: int
     patch_size: int
     num_channels: int
@@ -66,8 +71,15 @@ class VisionConfig:
         return tuple(i if i >= 0 else self.num_layers + 1 + i for i in self.feature_layers)
 
 
+# Any vision-language model's vision side (ModelConfig.vision).
+VisionConfig = LlavaVisionConfig | QwenVisionConfig
+
+
 def load_vision_config(hf: Any, where: Path) -> VisionConfig:
-    """A transformers LlavaConfig, checked: anything the engine cannot compute is refused by name."""
+    """A transformers LlavaConfig (or a Qwen-VL one), checked: anything the engine cannot compute
+    is refused by name."""
+    if getattr(hf, "model_type", None) in QWEN_VL_MODEL_TYPES:
+        return load_qwen_vision_config(hf, where)
     vision = hf.vision_config
     if getattr(vision, "model_type", None) != "clip_vision_model":
         raise ModelLoadError(
@@ -98,7 +110,7 @@ def load_vision_config(hf: Any, where: Path) -> VisionConfig:
         raise ModelLoadError(f"{where}: vision_feature_layer {raw_layers!r} names no layer of {num_layers}")
     if vision.image_size % vision.patch_size:
         raise ModelLoadError(f"{where}: image_size {vision.image_size} is not a multiple of patch_size")
-    return VisionConfig(
+    return LlavaVisionConfig(
         image_size=int(vision.image_size),
         patch_size=int(vision.patch_size),
         num_channels=int(vision.num_channels),

@@ -193,6 +193,7 @@ async def _background(settings: GatewaySettings, fleet: Fleet, keys: KeysFile) -
     )
     async with Upstream(config) as upstream:
         tasks = [asyncio.create_task(fleet.run(upstream), name="fleet")]
+        tasks.append(asyncio.create_task(fleet.loop_lag.run(), name="loop lag"))
         tasks.append(asyncio.create_task(keys.watch()))
         watcher = None
         if settings.kubernetes.enabled:

@@ -90,9 +90,14 @@ async def send_once(
             ) from e
         fleet.record_failure(replica.url, str(e))
         raise UpstreamTimeout("The model replica did not answer in time.") from e
-    except (ConnectFailed, ConnectTimedOut) as e:
+    except ConnectTimedOut as e:
+        if fleet.is_loop_stalled():  # the gateway's own stall, not the replica's
+            return Retry("connect_timeout_loop_stall")
         fleet.record_failure(replica.url, str(e))
-        return Retry("connect_timeout" if isinstance(e, ConnectTimedOut) else "connect_error")
+        return Retry("connect_timeout")
+    except ConnectFailed as e:
+        fleet.record_failure(replica.url, str(e))
+        return Retry("connect_error")
     except Dropped:
         # Dropped before any response: a dying replica, or a keep-alive connection the replica
         # closed just as it was reused. Safe to retry; only connect errors and 5xx count

@@ -17,6 +17,7 @@ from corral_gateway.k8s_discovery import Discovery
 from corral_gateway.k8s_names import Naming, Route
 from corral_gateway.k8s_wake import Waker
 from corral_gateway.load import LoraState, parse_load_headers
+from corral_gateway.loop_lag import LoopLag
 from corral_gateway.metrics import GatewayMetrics
 from corral_gateway.policies import KvAware, make_policy
 from corral_gateway.registry import Ejection, Registry, Replica, Saturation
@@ -43,6 +44,7 @@ class Fleet:
             Ejection(settings.eject_after_failures, settings.ejection_s, settings.max_ejection_s)
         )
         self._registry.on_removed.append(self._forget_metrics)
+        self.loop_lag = LoopLag(metrics.loop_lag, settings.connect_timeout_s)  # run by the app
         for model, urls in settings.backends.items():
             self._set_replicas(model, urls)
         self._static_models = set(settings.backends)
@@ -230,6 +232,12 @@ class Fleet:
 
     def record_success(self, url: str) -> None:
         self._registry.record_success(url)
+
+    def is_loop_stalled(self) -> bool:
+        """Whether a connect timing out now did so because this gateway's event loop stalled over
+        its span (a burst on a saturated machine), not because the replica did not answer: such a
+        timeout is retried, but is not the replica's failure."""
+        return self.loop_lag.is_stalled(self.settings.connect_timeout_s)
 
     def record_failure(self, url: str, reason: str) -> None:
         was_failing = {r.model for r in self._registry.by_url(url) if r.is_failing}

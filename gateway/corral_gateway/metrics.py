@@ -21,6 +21,8 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 # The gateway's own time per request is tens of microseconds to a few milliseconds; the top
 # buckets resolve a loop stalled by a burst of new connections (1,000 streams at once).
 _OVERHEAD_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.25, 1, 2.5)
+# A healthy loop wakes within a millisecond; a burst on a saturated machine stalled it 0.5-5 s.
+_LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 REQUESTS_TOTAL = PREFIX + "requests_total"
 REQUEST_DURATION_SECONDS = PREFIX + "request_duration_seconds"
@@ -38,11 +40,14 @@ KEY_TOKENS_TOTAL = PREFIX + "key_tokens_total"
 OVERHEAD_SECONDS = PREFIX + "overhead_seconds"
 GC_PAUSE_SECONDS = PREFIX + "gc_pause_seconds"
 ADAPTER_ROUTES_TOTAL = PREFIX + "adapter_routes_total"
+EVENT_LOOP_LAG_SECONDS = PREFIX + "event_loop_lag_seconds"
 
 # Why a request left a replica before its first byte without an answer (label `reason` of
 # retries_total). A retried HTTP answer is labelled `http_<status>` instead: open-ended, so its
 # series start with the first such retry.
-RetryReason = Literal["connect_error", "connect_timeout", "transport_error"]
+# `connect_timeout_loop_stall`: a connect timed out while the gateway's own event loop was stalled
+# (`loop_lag.is_loop_stall`), so not the replica's fault: it does not count towards ejection.
+RetryReason = Literal["connect_error", "connect_timeout", "connect_timeout_loop_stall", "transport_error"]
 RETRY_REASONS: tuple[RetryReason, ...] = get_args(RetryReason)
 # The stretches of overhead_seconds (label `part`), each timed with time.perf_counter():
 # - request: the proxy's handler starting on a request to its bytes all written to the replica's
@@ -142,6 +147,13 @@ class GatewayMetrics:
             "LoRA adapter requests routed, by base model and where the adapter stood on the replica "
             "picked: active (running or queued there), free_slot, or full.",
             ["model", "affinity"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            EVENT_LOOP_LAG_SECONDS,
+            "How late the gateway's event loop woke a task sleeping 50 ms at a time: while it is "
+            "late, every request, stream and timer in the process waits.",
+            buckets=_LOOP_LAG_BUCKETS_S,
             registry=r,
         )
         r.register(GcPauseCollector(GC_PAUSE_SECONDS))

@@ -51,6 +51,8 @@ class PollSink(Protocol):
 
     def record_failure(self, url: str, reason: str) -> None: ...
 
+    def is_loop_stalled(self) -> bool: ...
+
     def observe_served_names(self, url: str, listed: Mapping[str, dict[str, Any]]) -> None: ...
 
     def observe_lora(self, url: str, lora: LoraState) -> None: ...
@@ -229,7 +231,12 @@ class ReplicaPollers:
             if probe is not None:
                 return await probe.get(_POLL_READ_TIMEOUT_S, self.settings.connect_timeout_s)
             return await upstream.get(url + path, _POLL_READ_TIMEOUT_S)
-        except (ConnectFailed, ConnectTimedOut) as e:
+        except ConnectTimedOut as e:
+            if self._sink.is_loop_stalled():  # the gateway's own stall: no verdict on the replica
+                logger.debug("load poll of %s%s: connect timed out while the loop stalled", url, path)
+                return None
+            self._sink.record_failure(url, f"load poll: {e}")
+        except ConnectFailed as e:
             self._sink.record_failure(url, f"load poll: {e}")
         except ReadTimedOut as e:
             if path == "/health" and self.is_silent(url):
@@ -247,6 +254,10 @@ class ReplicaPollers:
     async def _probe(self, upstream: Upstream, url: str) -> bool:
         try:
             is_healthy = (await upstream.get(f"{url}/health", _POLL_READ_TIMEOUT_S)).status == 200
+        except ConnectTimedOut:
+            if self._sink.is_loop_stalled():  # no verdict: probed again on the next turn
+                return False
+            is_healthy = False
         except UpstreamError:
             is_healthy = False
         if is_healthy:

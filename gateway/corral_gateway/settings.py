@@ -111,7 +111,10 @@ class GatewaySettings(BaseSettings):
     load_max_age_s: float = Field(default=2.0, gt=0)
 
     # Resilience.
-    connect_timeout_s: float = Field(default=2.0, gt=0)
+    # Envoy's default. A connect the kernel completed at once still times out when the gateway's
+    # own loop stalls past it (a burst on a saturated machine: 0.5-5 s measured); such a timeout
+    # is retried but is not the replica's failure (`loop_lag.py`).
+    connect_timeout_s: float = Field(default=5.0, gt=0)
     # For a stream: its first event (the replica's queue and the prompt's prefill), and any pause
     # between two chunks after it. A non-streamed answer comes whole once generated: its wait is
     # response_timeout_s (None: no limit).

@@ -17,6 +17,7 @@ from corral_engine.args import (
     Exclusive,
     Option,
     broken_rule,
+    is_list,
     parse_bytes,
     value_type,
 )
@@ -33,6 +34,8 @@ GROUP_DESCRIPTIONS = {
 CRD_RULES: tuple[Exclusive | AtMost, ...] = (
     AtMost("max_num_seqs", "max_num_batched_tokens", why="every running sequence needs a token per step"),
 )
+
+MAX_LIST_ITEMS = 64  # items a list option may hold in the CRD (hosts, ...)
 
 CRD_PATHS = {option.crd: name for name, option in OPTIONS.items() if option.crd is not None}
 
@@ -94,7 +97,10 @@ def _field(name: str, option: Option) -> tuple[Any, Any]:
     """(annotation, FieldInfo) of option `name` in the CRD."""
     extra: dict[str, Any] = {}
     annotation: Any = value_type(name)
-    if option.choices is not None:
+    if is_list(name):  # `--flag A B`: an array of non-empty items
+        item = Annotated[annotation, Field(min_length=1, max_length=253)]
+        annotation = Annotated[list[item], Field(min_length=1, max_length=MAX_LIST_ITEMS)]  # type: ignore[valid-type]
+    elif option.choices is not None:
         annotation = Literal[option.choices]  # type: ignore[valid-type]
     elif option.is_bytes:
         annotation = Annotated[str, Field(pattern=BYTES_PATTERN)]

@@ -157,7 +157,9 @@ def test_the_embeddings_example_serves_with_the_pooling_runner(tmp_path: Path) -
         ("BertForMaskedLM", "embeddings"),  # an encoder: the engine pools it under auto
         ("XLMRobertaForSequenceClassification", "rerank"),
         ("BertForSequenceClassification:3", "classify"),  # three labels: no scores, /classify
+        ("BertForTokenClassification:5", "token-classify"),  # labels a token: /pooling
         ("LlamaForCausalLM", "chat"),
+        ("LlavaForConditionalGeneration", "vision"),  # chat, with an image in the example
     ],
 )
 def test_the_banner_follows_what_runner_auto_serves(tmp_path: Path, architecture: str, kind: str) -> None:
@@ -172,7 +174,9 @@ def test_the_banner_follows_what_runner_auto_serves(tmp_path: Path, architecture
         "embeddings": "/v1/embeddings",
         "rerank": "/v1/rerank",
         "classify": "/classify",
+        "token-classify": "/pooling",
         "chat": "/v1/chat/completions",
+        "vision": "/v1/chat/completions",
     }[kind]
     assert f"curl http://127.0.0.1:9000{route}" in banner
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import torch
 from corral_engine import EngineArgs, SamplingParams
@@ -102,3 +103,14 @@ def generate_in_order(
         engine.add_request(f"r{i}", prompt, params, lora=lora)
     final = run_checked(engine)
     return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+def cached_and_generated(engine: LLMEngine, prompt: Any, params: SamplingParams) -> tuple[int, list[int]]:
+    """One request's prompt tokens read from the prefix cache, and its output token ids."""
+    engine.add_request("q", prompt, params)
+    final: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final["q"].metrics.num_cached_tokens, final["q"].outputs[0].token_ids

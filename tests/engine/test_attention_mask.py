@@ -66,8 +66,11 @@ def test_decodes_are_grouped_so_padding_stays_bounded() -> None:
     assert len(group_by_length([5] * 100, max_group=64)) == 2
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Float64, K/V repeated per query head, bottom-right causal (and sliding-window) mask."""
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, softcap: float | None = None
+) -> torch.Tensor:
+    """Float64, K/V repeated per query head, bottom-right causal (and sliding-window) mask; scores
+    soft-capped with `softcap` (Gemma 2)."""
     nq, num_heads, _ = q.shape
     num_keys, group = k.shape[0], num_heads // k.shape[1]
     q_pos = (num_keys - nq + torch.arange(nq))[:, None]
@@ -77,6 +80,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
         allowed &= q_pos - k_pos < window
     kd, vd = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), kd) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vd)
 
 
@@ -161,6 +166,52 @@ def test_paged_attention_hands_prompt_blocks_to_the_contexts_softmax() -> None:
     assert calls == [(4, 9), (2, 13)]  # two blocks; the first row of each sees keys [0, first)
     want = reference(q.double(), k_all.double(), v_all.double(), None)
     torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_soft_capped_scores_take_neither_sdpa_nor_the_native_softmax(window: int | None) -> None:
+    """Gemma 2's attn_logit_softcapping: a prompt chunk after cached blocks (no block rows asked:
+    SDPA otherwise) and two padded decodes, each equal to the capped reference; the context's
+    native softmax, which cannot cap, is never called."""
+    from corral_engine.model.attention import DecodeBatch
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs, softcap = 4, 2, 8, 4, 0.5
+    lens = [14, 9, 6]  # a 6-query chunk after 8 cached tokens, then two decodes
+    k_all = [torch.randn(n, kv_heads, dim) * 2 for n in lens]
+    v_all = [torch.randn(n, kv_heads, dim) for n in lens]
+    tables = [[3, 0, 5, 1], [2, 4, 6], [7, 8]]
+    k_cache, v_cache = torch.zeros(9, bs, kv_heads, dim), torch.zeros(9, bs, kv_heads, dim)
+    slots = [
+        torch.tensor([t[p // bs] * bs + p % bs for p in range(n)]) for t, n in zip(tables, lens, strict=True)
+    ]
+    for s, k, v in zip(slots, k_all, v_all, strict=True):
+        k_cache.view(-1, kv_heads, dim)[s], v_cache.view(-1, kv_heads, dim)[s] = k, v
+    q = torch.randn(8, heads, dim) * 2  # rows 0-5: the chunk; 6, 7: the decodes
+
+    def never(*_: object) -> None:
+        raise AssertionError("the native softmax cannot soft-cap")
+
+    decodes = DecodeBatch(
+        torch.tensor([6, 7]), torch.tensor([tables[1], tables[2] + [0]]), torch.tensor(lens[1:])
+    )
+    ctx = AttentionContext(
+        torch.cat([slots[0][-6:], slots[1][-1:], slots[2][-1:]]),
+        [SeqAttention(0, 6, lens[0], torch.tensor(tables[0]))],
+        bs,
+        decodes=[decodes],
+        prompt_softmax=never,
+    )
+    new_k = torch.cat([k_all[0][-6:], k_all[1][-1:], k_all[2][-1:]])
+    new_v = torch.cat([v_all[0][-6:], v_all[1][-1:], v_all[2][-1:]])
+    out = paged_attention(q, new_k, new_v, k_cache, v_cache, ctx, dim**-0.5, window, softcap)
+    want = [
+        reference(q[:6], k_all[0], v_all[0], window, softcap),
+        reference(q[6:7], k_all[1], v_all[1], window, softcap),
+        reference(q[7:], k_all[2], v_all[2], window, softcap),
+    ]
+    torch.testing.assert_close(out.double(), torch.cat(want), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out[:6].double(), reference(q[:6], k_all[0], v_all[0], window), atol=1e-2)
 
 
 def test_prompt_block_rows_is_on_for_bf16_where_the_cpu_multiplies_it_natively() -> None:

@@ -126,9 +126,23 @@ def test_cli_writes_a_classifier_of_n_labels_transformers_loads(tmp_path, arch):
     assert model(**tok("a sentence", return_tensors="pt")).logits.shape == (1, 3)
 
 
+@pytest.mark.parametrize("arch", list(RERANKER_ARCHITECTURES))
+def test_cli_writes_a_token_classifier_transformers_loads(tmp_path, arch):
+    from transformers import AutoModelForTokenClassification
+
+    flags = ["--arch", arch, "--classifier", "4", "--token-classifier", "--quiet"]
+    assert corral_main(["demo-model", str(tmp_path), *flags]) == 0
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path)
+    assert type(model).__name__.endswith("ForTokenClassification") and model.config.num_labels == 4
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    encoded = tok("a sentence", return_tensors="pt")
+    assert model(**encoded).logits.shape == (1, encoded.input_ids.shape[1], 4)
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
+        (["--arch", "bert", "--token-classifier"], "needs --classifier N"),
         (["--arch", "bert", "--classifier", "0"], "at least 1"),
         (["--arch", "bert", "--classifier", "2", "--reranker"], "not both"),
         (["--arch", "llama", "--classifier", "2"], "a classifier is an encoder"),

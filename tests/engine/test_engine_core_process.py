@@ -141,7 +141,7 @@ def test_a_model_that_cannot_load_is_reported(tmp_path: pathlib.Path) -> None:
 def test_outputs_cross_the_pipe_whole() -> None:
     """Every field of an output survives the tuples it travels as (a field added to the dataclasses
     and not to `pack_outputs` fails here), the prompt's ids restored from the server's side."""
-    from corral_engine.engine_core import pack_outputs
+    from corral_engine.core_messages import pack_outputs, unpack_outputs
     from corral_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 
     completion = CompletionOutput(
@@ -149,13 +149,12 @@ def test_outputs_cross_the_pipe_whole() -> None:
     )
     metrics = RequestMetrics(1.0, 2.0, 3.0, 4.0, 5.0, 6, 7)
     out = RequestOutput("r", [1, 2, 3], [completion], True, metrics, [None, TokenLogprob(2, -1.0, [], None)])
-    client = EngineCoreClient.__new__(EngineCoreClient)
-    client._prompts = {"r": [1, 2, 3]}
+    prompts = {"r": [1, 2, 3]}
     (packed,) = pack_outputs([out])
     assert len(packed[1][0]) == len(dataclasses.fields(CompletionOutput))
     assert len(packed[3]) == len(dataclasses.fields(RequestMetrics))
-    assert client._unpack([packed]) == [out]
-    assert client._prompts == {}  # a final output takes its prompt's record with it
+    assert unpack_outputs([packed], prompts) == [out]
+    assert prompts == {}  # a final output takes its prompt's record with it
 
 
 class _GoneProcess:
@@ -171,7 +170,7 @@ def _reader_of(*messages: tuple[object, ...], close: bool = False) -> tuple[Engi
     import multiprocessing
     import pickle
 
-    from corral_engine.engine_core import PROTOCOL
+    from corral_engine.core_messages import PROTOCOL
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     client = EngineCoreClient.__new__(EngineCoreClient)

@@ -1,7 +1,9 @@
 """Acceptance 1: greedy output equals transformers' `generate`, token for token, in float32.
 
-Phi-3 and Gemma 3 prompts run past their sliding windows (64 and 16 tokens in the tiny demos), so
-the windowed layers, and Gemma 3's local-base rotary on them, decide tokens."""
+Phi-3, Gemma 3 and Gemma 2 prompts run past their sliding windows (64, 16 and 16 tokens in the tiny
+demos), so the windowed layers, and Gemma 3's local-base rotary on them, decide tokens. Gemma 2
+soft-caps its attention scores, which SDPA cannot: its prompts always go through the blocked
+matmuls and its decodes through padded matmuls (attention.paged_attention)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,19 @@ from corral_engine.settings import EngineSettings
 
 from tests.engine.helpers import make_engine, random_prompts, run_checked, transformers_greedy
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "phi3", "gemma3"]
+ARCHS = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen3-moe",
+    "phi3",
+    "gemma3",
+    "granite",
+    "olmo2",
+    "gemma2",
+]
 MAX_NEW = 12
 
 
@@ -73,7 +87,7 @@ def test_preemption(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path], refe
     assert engine.stats().num_preemptions_total > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "olmo2", "gemma2"])
 def test_prefix_cache_hits(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
     shared = random_prompts(1, 500, seed=7, min_len=40, max_len=40)[0]
     prompts = [shared + tail for tail in random_prompts(6, 500, seed=8, min_len=1, max_len=20)]
@@ -119,8 +133,10 @@ def test_rope_scaling_and_tied_embeddings(tmp_path: pathlib.Path) -> None:
         # CORRAL_NATIVE_ATTENTION=0.
         ("mistral", EngineSettings(native_kernels=False)),
         ("gemma3", EngineSettings(native_kernels=False)),  # a window on some layers only
+        ("gemma2", EngineSettings(native_kernels=False)),  # soft-capped: padded matmuls, not SDPA
+        ("gemma2", EngineSettings(batched_decode=False)),  # soft-capped decodes one by one
     ],
-    ids=["per-sequence", "padded-sdpa", "padded-sdpa-gemma3"],
+    ids=["per-sequence", "padded-sdpa", "padded-sdpa-gemma3", "padded-gemma2", "per-sequence-gemma2"],
 )
 def test_the_other_decode_paths_match_too(
     tiny_model_dirs: Mapping[str, pathlib.Path], references: dict, arch: str, settings: EngineSettings
@@ -135,7 +151,7 @@ def test_the_other_decode_paths_match_too(
     assert [final[f"r{i}"] for i in range(len(prompts))] == expected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "granite", "olmo2"])
 def test_prompts_through_batched_matmuls_match_too(
     tiny_model_dirs: Mapping[str, pathlib.Path], references: dict, arch: str
 ) -> None:

@@ -18,7 +18,7 @@ from corral_engine.sampling_params import SamplingParams
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from tests.engine.helpers import make_engine, run_checked
+from tests.engine.helpers import cached_and_generated, make_engine, run_checked
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -139,16 +139,6 @@ def test_old_hub_layout_loads_alike(llava_dir: pathlib.Path, reference: Any, tmp
     assert _generate(make_engine(old), [_prompt(text, seeds)]) == [expected]
 
 
-def _cached_tokens(engine: LLMEngine, prompt: Any) -> tuple[int, list[int]]:
-    engine.add_request("q", prompt, GREEDY)
-    final: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final["q"].metrics.num_cached_tokens, final["q"].outputs[0].token_ids
-
-
 def test_prefix_cache_keys_blocks_by_image_content(llava_dir: pathlib.Path, reference: Any) -> None:
     """Same text and image: a hit past the image. Same text, another image: the blocks holding
     placeholders miss (only the text before the image hits), and the output is the new image's."""
@@ -157,11 +147,11 @@ def test_prefix_cache_keys_blocks_by_image_content(llava_dir: pathlib.Path, refe
     first = _prompt(text, [1])
     num_tokens = len(engine.make_request("probe", first, GREEDY).prompt_token_ids)
     offset = engine.make_request("probe", first, GREEDY).mm_inputs[0].offset
-    assert _cached_tokens(engine, first)[0] == 0
-    cached, tokens = _cached_tokens(engine, _prompt(text, [1]))
+    assert cached_and_generated(engine, first, GREEDY)[0] == 0
+    cached, tokens = cached_and_generated(engine, _prompt(text, [1]), GREEDY)
     assert cached == (num_tokens - 1) // 4 * 4  # everything cacheable hit
     assert tokens == reference(text, [_image(1)])[1]
-    cached, tokens = _cached_tokens(engine, _prompt(text, [2]))
+    cached, tokens = cached_and_generated(engine, _prompt(text, [2]), GREEDY)
     assert cached == offset // 4 * 4  # the text before the image only
     assert tokens == reference(text, [_image(2)])[1]
 

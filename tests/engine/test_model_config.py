@@ -1,7 +1,7 @@
-"""config.json parsing for Phi-3 and Gemma 3 (model/config.py) and their rotary parameters
-(model/rotary.py): layer types and windows, rope per layer type, LongRoPE's factor choice, partial
-rotary, the nested text_config of a multimodal Gemma 3, the checkpoint names the loader maps, and
-what is refused."""
+"""config.json parsing for Phi-3, Gemma 3, Gemma 2, Granite and OLMo 2 (model/config.py) and
+their rotary parameters (model/rotary.py): layer types and windows, rope per layer type, LongRoPE's
+factor choice, partial rotary, the nested text_config of a multimodal Gemma 3, the checkpoint names
+the loader maps, the families' multipliers and caps, and what is refused."""
 
 from __future__ import annotations
 
@@ -174,7 +174,50 @@ def test_a_partial_rotary_that_leaves_an_odd_count_is_refused(tmp_path: pathlib.
         _config(tmp_path, {**PHI3, "partial_rotary_factor": 0.2})  # rotation pairs dims: 3 cannot be
 
 
-def test_gemma2_is_not_served(tmp_path: pathlib.Path) -> None:
-    raw = {**GEMMA3_TEXT, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture.*Gemma3ForCausalLM"):
-        _config(tmp_path, raw)
+def test_gemma2_windows_alternate_and_its_caps_are_read(tmp_path: pathlib.Path) -> None:
+    """gemma-2-2b's config.json form (no layer_types: transformers alternates sliding and global
+    layers); its soft-caps, query_pre_attn_scalar and Gemma's norms, with one rope base."""
+    raw = {
+        **{k: v for k, v in GEMMA3_TEXT.items() if not k.startswith(("sliding_window_", "rope_local"))},
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
+    config = _config(tmp_path, raw)
+    assert config.sliding_windows == (16, None, 16, None) and config.rope_kinds == ()
+    assert config.family is not None and config.gemma is not None and not config.qk_norm
+    assert (config.family.attn_logit_softcapping, config.family.final_logit_softcapping) == (50.0, 30.0)
+    assert config.attention_scale == 24**-0.5 and config.hidden_act == "gelu_pytorch_tanh"
+    uncapped = _config(tmp_path, {**raw, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert uncapped.family is not None and uncapped.family.attn_logit_softcapping is None
+
+
+def test_granite_multipliers_are_read_and_checked(tmp_path: pathlib.Path) -> None:
+    raw = {
+        **{k: v for k, v in PHI3.items() if k != "sliding_window"},
+        "model_type": "granite",
+        "architectures": ["GraniteForCausalLM"],
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0078125,
+        "logits_scaling": 16.0,
+    }
+    config = _config(tmp_path, raw)
+    assert config.attention_scale == 0.0078125 and config.gemma is None
+    assert config.family is not None
+    family = config.family
+    assert (family.embedding_multiplier, family.residual_multiplier, family.logits_scaling) == (
+        12.0,
+        0.22,
+        16.0,
+    )
+    with pytest.raises(ModelLoadError, match="logits_scaling must be a positive number, got 0"):
+        _config(tmp_path, {**raw, "logits_scaling": 0})
+
+
+def test_olmo2_norms_q_and_k_over_the_whole_projection(tmp_path: pathlib.Path) -> None:
+    raw = {**PHI3, "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "sliding_window": None}
+    config = _config(tmp_path, raw)
+    assert config.qk_norm and config.family is not None and config.family.is_post_norm
+    assert config.sliding_windows == (None, None) and config.attention_scale is None

@@ -154,6 +154,7 @@ def test_attention_rotates_through_the_kernel_with_the_same_bits(
     config = SimpleNamespace(
         num_heads=12, num_kv_heads=4, head_dim=64, sliding_windows=[None], hidden_size=256,
         qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=1e-6, gemma=None, attention_scale=None,
+        family=None,
     )  # fmt: skip
     torch.manual_seed(0)
     layer = Attention(config, 0, None).bfloat16()  # type: ignore[arg-type]

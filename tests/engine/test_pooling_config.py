@@ -155,3 +155,40 @@ def test_classifier_scores_activate_as_asked() -> None:
     assert classifier_scores(logits, "sigmoid") == pytest.approx(torch.sigmoid(logits).tolist())
     assert classifier_scores(logits, "none") == pytest.approx(logits.tolist())
     assert classifier_scores(logits[:1]) == pytest.approx(torch.sigmoid(logits[:1]).tolist())
+
+
+def test_per_token_outputs_are_finished_row_by_row_and_flattened() -> None:
+    """token_classify: each token's own softmax; token_embed: each row scaled to unit length."""
+    import torch
+    from corral_engine.model.pooler import finish_output
+
+    logits = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]])  # [tokens, labels]
+    probs = finish_output(logits, PoolingParams(task="token_classify"), True)
+    assert probs == pytest.approx(torch.softmax(logits, -1).flatten().tolist())
+    rows = torch.tensor([[3.0, 4.0], [0.0, -2.0]])  # [tokens, hidden]
+    assert finish_output(rows, PoolingParams(task="token_embed"), True) == pytest.approx(
+        [0.6, 0.8, 0.0, -1.0]
+    )
+    unit = finish_output(rows, PoolingParams(task="token_embed", normalize=False), True)
+    assert unit == pytest.approx(rows.flatten().tolist())
+
+
+def test_each_kind_of_model_serves_vllms_tasks_its_own_first() -> None:
+    """The tasks /pooling may name, the default (no task) first; the others refused, saying why."""
+    assert EmbedSpec("m").tasks == () and EmbedSpec("m").task is None
+    decoder = EmbedSpec("m", "pooling", 64)
+    encoder = EmbedSpec("m", "pooling", 64, is_encoder=True)
+    reranker = EmbedSpec("m", "pooling", 64, num_labels=1, is_encoder=True)
+    tagger = EmbedSpec("m", "pooling", 64, num_labels=5, is_token_classifier=True, is_encoder=True)
+    assert decoder.tasks == ("embed",) and encoder.tasks == ("embed", "token_embed")
+    assert reranker.tasks == ("classify",) and tagger.tasks == ("token_classify",)
+    encoder.check(PoolingParams(task="token_embed"))
+    tagger.check(PoolingParams(task="token_classify"))
+    with pytest.raises(InvalidRequestError, match=r"not an encoder: token_embed .* encoder models"):
+        decoder.check(PoolingParams(task="token_embed"))
+    with pytest.raises(InvalidRequestError, match=r"token_classify needs .*\*ForTokenClassification"):
+        reranker.check(PoolingParams(task="token_classify"))
+    with pytest.raises(
+        InvalidRequestError, match=r"does not serve classify requests .*/pooling \(task token_classify\)"
+    ):
+        tagger.check(PoolingParams(task="classify"))

@@ -29,8 +29,9 @@ from tests.engine.helpers import (
 )
 
 # phi3: its checkpoint's fused qkv_proj and gate_up_proj tensors cut per part per rank; gemma3: its
-# replicated (1 + w) norms and per-layer rotary and windows on each rank.
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
+# replicated (1 + w) norms and per-layer rotary and windows on each rank; granite: its multipliers
+# after the all-reduces; gemma2: soft-capped scores per head, and logits capped after the gather.
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "granite", "gemma2"]
 # Each expert's intermediate rows split like the MLP's, the router whole on every rank.
 MOE_ARCHS = ["mixtral", "qwen3-moe"]
 MAX_NEW = 12

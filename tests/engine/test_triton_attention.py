@@ -102,8 +102,9 @@ def make_case(
     )
 
 
-def reference(case: Case, window: int | None) -> torch.Tensor:
-    """float64 attention per sequence; rows of no sequence keep UNTOUCHED."""
+def reference(case: Case, window: int | None, softcap: float | None = None) -> torch.Tensor:
+    """float64 attention per sequence (scores soft-capped with `softcap`, as Gemma 2's eager
+    attention does before the mask); rows of no sequence keep UNTOUCHED."""
     out = torch.full(case.out.shape, UNTOUCHED, dtype=torch.float64)
     _, block_size, num_kv_heads, head_dim = case.k_cache.shape
     group = case.q.shape[1] // num_kv_heads
@@ -116,6 +117,8 @@ def reference(case: Case, window: int | None) -> torch.Tensor:
         v = case.v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].double()
         heads = torch.arange(case.q.shape[1]) // group  # GQA: query head h reads KV head h // group
         scores = torch.einsum("qhd,khd->hqk", case.q[begin:end].double(), k[:, heads]) * case.scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - (end - begin), ctx)[:, None]  # bottom-right causal alignment
         k_pos = torch.arange(ctx)[None, :]
         allowed = k_pos <= q_pos
@@ -126,8 +129,8 @@ def reference(case: Case, window: int | None) -> torch.Tensor:
     return out
 
 
-def assert_matches(case: Case, window: int | None) -> None:
-    want = reference(case, window)
+def assert_matches(case: Case, window: int | None, softcap: float | None = None) -> None:
+    want = reference(case, window, softcap)
     atol, rtol = TOLERANCES[case.q.dtype]
     torch.testing.assert_close(case.out.double(), want, atol=atol, rtol=rtol)
 
@@ -175,6 +178,22 @@ def test_split_keys_merge_to_the_same_result(num_splits: int, window: int | None
     case = make_case(seqs, 2, 4, 64, 16, torch.bfloat16, seed=num_splits, extra_rows=1)
     triton_attention._attention(*case.args(window), max_query_len=4, num_splits=num_splits)
     assert_matches(case, window)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window", "num_splits"),
+    [(torch.float32, None, 1), (torch.bfloat16, 10, 1), (torch.float32, 20, 4)],
+)
+def test_soft_capped_scores_match_reference(dtype: torch.dtype, window: int | None, num_splits: int) -> None:
+    """Gemma 2's attn_logit_softcapping (scores -> cap * tanh(scores / cap)), at a cap the random
+    scores pass (a different result without it), in one pass and with split keys."""
+    softcap = 1.5
+    case = make_case(MIXED, 2, 4, 64, 16, dtype, seed=21, extra_rows=2)
+    case.scale = 0.5  # scores of a few units: well past the cap
+    triton_attention._attention(*case.args(window), max_query_len=57, num_splits=num_splits, softcap=softcap)
+    assert_matches(case, window, softcap)
+    uncapped = reference(case, window)
+    assert (uncapped - reference(case, window, softcap)).abs().max() > 0.1
 
 
 class GridRecorder:

@@ -88,7 +88,8 @@ def _generate(engine, prompts: list[list[int]]) -> list[list[int]]:  # type: ign
     return [final[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
+# gemma2: its attention soft-capping inside the kernel (a constexpr the other archs compile without)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "granite", "olmo2", "gemma2"])
 def test_eager_triton_matches_transformers(arch: str, tiny_model_dirs: Mapping[str, pathlib.Path]) -> None:
     """Chunked prompts (budget 16 tokens), decodes and prefix-cache hits (a shared 24-token head
     in blocks of 8) in mixed batches, all through the one Triton launch per layer."""
@@ -111,7 +112,8 @@ def test_eager_triton_matches_transformers(arch: str, tiny_model_dirs: Mapping[s
 
 
 @pytest.mark.parametrize(
-    ("arch", "backend"), [("llama", "triton"), ("qwen3", "triton"), ("llama", "sdpa"), ("gemma3", "triton")]
+    ("arch", "backend"),
+    [("llama", "triton"), ("qwen3", "triton"), ("llama", "sdpa"), ("gemma3", "triton"), ("olmo2", "triton")],
 )
 def test_fused_elementwise_kernels_keep_transformers_output(
     arch: str, backend: str, tiny_model_dirs: Mapping[str, pathlib.Path]
@@ -153,7 +155,8 @@ def test_fused_elementwise_kernels_are_off_on_cpu_by_default(tiny_model_dir: pat
     assert engine.runner.model.model.norm.triton_ops is None
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # gemma3: per-layer windows and rotary in graphs
+# gemma3: per-layer windows and rotary in graphs; gemma2: soft-capped scores in them
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gemma2"])
 def test_decode_graphs_replay_padded_batches_with_transformers_output(
     arch: str, tiny_model_dirs: Mapping[str, pathlib.Path]
 ) -> None:

@@ -45,9 +45,15 @@ INVALID_SPECS: list[tuple[str, dict[str, Any], str]] = [
         "blockSize must be a power of two",
     ),
     ("unknown-kv-policy", _with("engine.args", {"kvPolicy": "lru"}), "kvPolicy"),
-    ("unknown-tool-call-parser", _with("engine.args", {"toolCallParser": "pythonic"}), "toolCallParser"),
+    ("unknown-tool-call-parser", _with("engine.args", {"toolCallParser": "granite"}), "toolCallParser"),
     ("unknown-reasoning-parser", _with("engine.args", {"reasoningParser": "granite"}), "reasoningParser"),
     ("unknown-quantization", _with("engine.args", {"quantization": "bitsandbytes"}), "quantization"),
+    (
+        "media-domains-not-a-list",
+        _with("engine.args", {"allowedMediaDomains": "a.example"}),
+        "allowedMediaDomains",
+    ),
+    ("empty-media-domain", _with("engine.args", {"allowedMediaDomains": [""]}), "allowedMediaDomains"),
     ("unknown-engine-kind", _with("engine.kind", "tgi"), "engine.kind"),
     ("no-model-source", _with("model.source", {}), "exactly one of pvc or hostPath"),
     (

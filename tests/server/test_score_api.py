@@ -35,15 +35,17 @@ def serve(
     return http_client(model_dir, in_own_process, max_model_len=64, **args)
 
 
-def _reference(model_dir: pathlib.Path, pairs: list[tuple[str, str]]) -> list[float]:
+def _reference(
+    model_dir: pathlib.Path, pairs: list[tuple[str, str]], is_activated: bool = True
+) -> list[float]:
+    """transformers' score of each pair: its logit's sigmoid, or the logit itself."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        return [
-            float(torch.sigmoid(model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0])) for a, b in pairs
-        ]
+        logits = [model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0] for a, b in pairs]
+    return [float(torch.sigmoid(x) if is_activated else x) for x in logits]
 
 
 def _scores(body: dict[str, Any]) -> list[float]:
@@ -138,14 +140,40 @@ async def test_errors_are_openai_shaped(demo_encoders: Mapping[str, pathlib.Path
         )
         assert cut.status_code == 200, cut.text
         assert cut.json()["usage"]["total_tokens"] <= 2 * 64  # the long pair cut to the context
-        raw = await http.post(
-            "/v1/score", json={"model": MODEL, "text_1": "a", "text_2": "b", "use_activation": False}
-        )
-        assert_invalid_request(raw, 400, "use_activation", "`use_activation` is not supported")
         embed = await http.post("/v1/embeddings", json={"model": MODEL, "input": "hello"})
         assert_invalid_request(embed, 400, "model", "cross-encoder")
         chat = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hello"})
         assert_invalid_request(chat, 400, None, "/v1/score or /v1/rerank")
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+async def test_use_activation_false_gives_the_raw_logits(
+    demo_encoders: Mapping[str, pathlib.Path], arch: str
+) -> None:
+    """vLLM's use_activation (softmax and activation its older names): false scores a pair with the
+    cross-encoder's raw logit, on /v1/score and /v1/rerank alike (was a 400)."""
+    model_dir = demo_encoders[f"{arch}-reranker"]
+    pairs = [(QUERY, d) for d in DOCS]
+    logits, probs = _reference(model_dir, pairs, is_activated=False), _reference(model_dir, pairs)
+    async with serve(model_dir) as http:
+        for field in ("use_activation", "softmax", "activation"):
+            body = {"model": MODEL, "text_1": QUERY, "text_2": DOCS, field: False}
+            raw = await http.post("/v1/score", json=body)
+            assert raw.status_code == 200, raw.text
+            assert _scores(raw.json()) == pytest.approx(logits, abs=TOLERANCE)
+        activated = await http.post(
+            "/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCS, "use_activation": True}
+        )
+        assert _scores(activated.json()) == pytest.approx(probs, abs=TOLERANCE)
+        rerank = await http.post(
+            "/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": DOCS, "use_activation": False}
+        )
+        assert rerank.status_code == 200, rerank.text
+        results = rerank.json()["results"]
+        assert [r["index"] for r in results] == sorted(range(len(DOCS)), key=lambda i: -logits[i])
+        assert [r["relevance_score"] for r in results] == pytest.approx(
+            sorted(logits, reverse=True), abs=TOLERANCE
+        )
 
 
 async def test_an_embedding_model_scores_by_cosine_similarity(
@@ -165,6 +193,9 @@ async def test_an_embedding_model_scores_by_cosine_similarity(
         assert score.status_code == 200, score.text
         assert _scores(score.json()) == pytest.approx(want, abs=1e-5)
         assert score.json()["usage"]["prompt_tokens"] == embedded.json()["usage"]["prompt_tokens"]
+        body = {"model": name, "text_1": QUERY, "text_2": DOCS, "use_activation": False}
+        raw = await http.post("/v1/score", json=body)  # vLLM's: a cosine whatever the vectors' scale
+        assert _scores(raw.json()) == pytest.approx(want, abs=1e-5)
         rerank = await http.post("/v1/rerank", json={"model": name, "query": QUERY, "documents": DOCS})
         assert rerank.status_code == 200, rerank.text
         results = rerank.json()["results"]

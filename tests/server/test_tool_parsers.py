@@ -147,6 +147,84 @@ RECORDED: list[tuple[str, str, Parsed]] = [
         '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa',
         Parsed("", [ParsedCall("get_weather", '{"city": "Pa')]),
     ),
+    (  # pythonic: a Python list of calls, keyword arguments as literals
+        "pythonic",
+        '[get_weather(city="Paris", unit=\'celsius\'), get_time(tz="Europe/Paris")]',
+        Parsed("", [WEATHER, TIME]),
+    ),
+    ("pythonic", "Sunny, 21 degrees.", Parsed("Sunny, 21 degrees.", [])),
+    ("pythonic", "[1, 2] and (3) are numbers", Parsed("[1, 2] and (3) are numbers", [])),
+    ("pythonic", "[Note] get_time(tz=1)", Parsed("[Note] get_time(tz=1)", [])),
+    (  # brackets, quotes and escapes inside strings; nested literals; a trailing comma
+        "pythonic",
+        ' [search(q="a)]\\"(", n=[1, {"x": None}, (2, -3.5)], ok=True, s="""x\ny""",),\n]',
+        Parsed(
+            "",
+            [
+                ParsedCall(
+                    "search", '{"q": "a)]\\"(", "n": [1, {"x": null}, [2, -3.5]], "ok": true, "s": "x\\ny"}'
+                )
+            ],
+        ),
+    ),
+    ("pythonic", "[get_time(tz=tz)]", Parsed("[get_time(tz=tz)]", [])),  # not a literal: never evaluated
+    ("pythonic", '[get_time("UTC")]', Parsed('[get_time("UTC")]', [])),  # positional arguments
+    ("pythonic", "[get_time(tz={1, 2})]", Parsed("[get_time(tz={1, 2})]", [])),  # a set has no JSON form
+    (  # a later call that does not parse ends the list; so does its `]`
+        "pythonic",
+        '[get_time(tz="Europe/Paris"), os.system(cmd="ls")] [get_time()]',
+        Parsed("", [TIME]),
+    ),
+    (  # cut off after the first call / inside it
+        "pythonic",
+        '[get_time(tz="Europe/Paris"), get_weather(city="Pa',
+        Parsed("", [TIME]),
+    ),
+    ("pythonic", '[get_weather(city="Pa', Parsed('[get_weather(city="Pa', [])),
+    ("pythonic", "[get_time()]", Parsed("", [ParsedCall("get_time", "{}")])),
+    (  # qwen3_coder: content, then XML blocks (values are strings without the request's schemas)
+        "qwen3_coder",
+        "Let me check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+        "<function=get_time>\n<parameter=tz>\nEurope/Paris\n</parameter>\n</function>\n</tool_call>",
+        Parsed("Let me check both.\n", [WEATHER, TIME]),
+    ),
+    (
+        "qwen3_coder",
+        "No tools: 2 < 3 and <function is not a tag.",
+        Parsed("No tools: 2 < 3 and <function is not a tag.", []),
+    ),
+    (  # without the block tag; a value's inner newlines and `<` are its own
+        "qwen3_coder",
+        "<function=run>\n<parameter=code>\nif a < b:\n    print('<x>')\n\n</parameter>\n</function>",
+        Parsed("", [ParsedCall("run", '{"code": "if a < b:\\n    print(\'<x>\')\\n"}')]),
+    ),
+    (  # </parameter> left out: the next parameter or </function> ends the value
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=unit>\ncelsius\n"
+        "</function>\n</tool_call>",
+        Parsed("", [WEATHER]),
+    ),
+    (  # cut off inside a value: the call is closed, its last value as far as written
+        "qwen3_coder",
+        "Checking. <tool_call>\n<function=get_weather>\n<parameter=city>\nPa",
+        Parsed("Checking. ", [ParsedCall("get_weather", '{"city": "Pa"}')]),
+    ),
+    (
+        "qwen3_coder",
+        "Hm. <tool_call>\n<function=get_wea",
+        Parsed("Hm. <tool_call>\n<function=get_wea", []),
+    ),
+    (  # a template left unrendered is no call
+        "qwen3_coder",
+        "<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>",
+        Parsed("<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>", []),
+    ),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=now>\n</function>\n</tool_call>",
+        Parsed("", [ParsedCall("now", "{}")]),
+    ),
 ]
 
 

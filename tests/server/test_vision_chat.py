@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-from corral_engine.demo_llava import write_llava_model
+from corral_engine.demo_llava import IMAGE_TOKEN_ID, write_llava_model
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.server import image_urls
@@ -267,6 +267,25 @@ async def test_refusals_name_the_part(llava_dir: pathlib.Path, monkeypatch: pyte
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, assistant]}
         resp = await http.post("/v1/chat/completions", json=body)
         assert resp.status_code == 400 and "only user messages carry image_url" in resp.text
+
+
+async def test_tokenize_counts_each_images_placeholders_as_chat_does(
+    llava_dir: pathlib.Path, offline: LLMEngine
+) -> None:
+    """/tokenize with the messages a chat request sends: the prompt the engine runs, each image's
+    placeholders expanded (a client budgeting its context counts what chat's usage will say)."""
+    images = [_png(1), _png(2), _png(3)]
+    urls = [_data_url(data) for data in images]
+    _, num_prompt = _offline_reply(offline, _messages(urls), images)
+    async with http_client(llava_dir) as http:
+        resp = await http.post("/tokenize", json={"model": "m", "messages": _messages(urls)})
+        chat = await http.post(
+            "/v1/chat/completions", json={"model": "m", "messages": _messages(urls), "max_tokens": 1}
+        )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["count"] == len(body["tokens"]) == num_prompt == chat.json()["usage"]["prompt_tokens"]
+    assert body["tokens"].count(IMAGE_TOKEN_ID) == 3 * NUM_IMAGE_TOKENS
 
 
 async def test_a_text_only_model_refuses_image_parts(tiny_model_dir: pathlib.Path) -> None:

@@ -44,3 +44,18 @@ def test_both_context_length_errors_read_as_openai_words_them(
     engine = SimEngine(PROFILE, LightTokenizer(tiny_model_dir), "sim")
     with pytest.raises(InvalidRequestError, match=r"^This model's maximum context length is 256 tokens; "):
         engine.make_request("r", prompt, params)
+
+
+@pytest.mark.parametrize("arch", ["granite", "olmo2", "gemma2"])
+def test_the_newer_text_architectures_are_simulated(arch: str, tmp_path: pathlib.Path) -> None:
+    """What `--simulate` reads of a Granite, OLMo 2 or Gemma 2 checkpoint (config.json and the
+    tokenizer, no weights): a generating replica that takes a request."""
+    from corral_engine.demo_model import write_demo_model
+    from corral_engine.sim.embedding import sim_pooling
+    from corral_engine.sim.host import checkpoint_quantization, eos_token_ids
+
+    model_dir = write_demo_model(tmp_path / arch, arch=arch, weights=False)
+    tokenizer = LightTokenizer(model_dir)
+    assert sim_pooling(model_dir, "auto", None, "sim") is None
+    assert checkpoint_quantization(model_dir) is None and eos_token_ids(model_dir, tokenizer) == (2,)
+    SimEngine(PROFILE, tokenizer, "sim").make_request("r", "hello", SamplingParams(max_tokens=4))

@@ -159,20 +159,28 @@ def test_the_runner_is_chosen_as_the_engine_chooses_it(
         _spec_args(["--model", str(tiny_model_dir), "--runner", "pooling", "--enable-lora"])
 
 
-def test_a_reranker_is_refused_by_name_and_the_engines_encoders_are_known(
+def test_a_classifier_is_not_taken_for_an_embedding_model_and_the_engines_encoders_are_known(
     bert_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     """The simulator reads the engine's list of encoders (corral_engine.pooling), so a cross-encoder
-    checkpoint is not taken for an embedding model: it is refused, naming what is not simulated."""
+    or token classifier checkpoint is not taken for an embedding model: it is simulated as the
+    classifier it is, with transformers' two LABEL_i labels where config.json names none."""
     reranker = shutil.copytree(bert_dir, tmp_path / "reranker")
     config = json.loads((reranker / "config.json").read_text())
-    for arch, is_encoder in (("RobertaForSequenceClassification", True), ("XLMRobertaForMaskedLM", False)):
+    for arch, tasks in (
+        ("RobertaForSequenceClassification", ("classify",)),
+        ("RobertaForTokenClassification", ("token_classify",)),
+        ("XLMRobertaForMaskedLM", None),
+    ):
         (reranker / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
-        if is_encoder:
-            with pytest.raises(ModelLoadError, match=r"reranker .*does not serve /v1/score"):
-                sim_pooling(reranker, "auto", None, "m")
-        else:  # not an encoder the engine serves: the decoder rule (a *ForMaskedLM generates)
-            assert sim_pooling(reranker, "auto", None, "m") is None
+        pooling = sim_pooling(reranker, "auto", None, "m")
+        if tasks is None:  # not an encoder the engine serves: the decoder rule (a *ForMaskedLM generates)
+            assert pooling is None
+            continue
+        assert pooling is not None and pooling.embed.tasks == tasks
+        assert pooling.embed.labels == ("LABEL_0", "LABEL_1")
+        with pytest.raises(ModelLoadError, match="serves scores only"):
+            sim_pooling(reranker, "generate", None, "m")
 
 
 async def test_an_encoder_replica_serves_its_wordpiece_inputs(bert_dir: pathlib.Path) -> None:

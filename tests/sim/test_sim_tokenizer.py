@@ -77,6 +77,26 @@ def _with_templates(model_dir: pathlib.Path, to: pathlib.Path, templates: object
     return to
 
 
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+def test_pairs_encode_and_truncate_as_transformers_does(
+    demo_encoders: dict[str, pathlib.Path], arch: str
+) -> None:
+    """A simulated reranker's /v1/score pairs: the tokenizer's pair encoding, token types and
+    longest-first truncation as transformers' (was: not callable, so /v1/score failed)."""
+    model_dir = demo_encoders[f"{arch}-reranker"]
+    light, reference = LightTokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    long_text = " ".join(["berlin is well known for its museums"] * 3)
+    for first, second in (
+        ("what is the capital of france", "paris is the capital of france"),
+        (long_text, "a"),
+    ):
+        for cut in ({}, {"truncation": True, "max_length": 12}, {"truncation": True, "max_length": 5}):
+            got, want = light(first, second, **cut), reference(first, second, **cut)
+            assert got["input_ids"] == want["input_ids"]
+            assert got["token_type_ids"] == want.get("token_type_ids", [0] * len(want["input_ids"]))
+    assert light.encode("paris") == reference("paris")["input_ids"]  # the shared tokenizer is not cut
+
+
 def test_named_chat_templates_are_chosen_as_transformers_chooses(
     tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:

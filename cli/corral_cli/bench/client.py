@@ -58,7 +58,11 @@ def build_body(settings: RequestSettings, request: BenchRequest) -> dict[str, An
     if settings.endpoint_type == "chat":
         if not isinstance(request.prompt, str):
             raise ValueError("chat requests need text prompts (give --tokenizer to decode token ids)")
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        content: str | list[dict[str, Any]] = request.prompt
+        if request.image_urls:  # OpenAI's content parts: the text, then each image
+            images = [{"type": "image_url", "image_url": {"url": url}} for url in request.image_urls]
+            content = [{"type": "text", "text": request.prompt}, *images]
+        body["messages"] = [{"role": "user", "content": content}]
     else:
         body["prompt"] = request.prompt
     if settings.ignore_eos:

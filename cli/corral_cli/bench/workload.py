@@ -45,12 +45,13 @@ class BenchTokenizer(Protocol):
 class BenchRequest:
     """One request to send: a text or token-id prompt, its length in tokens, tokens to generate, and
     fields of its own merged into the request body (a JSONL record's `extra_body`, e.g. a
-    `response_format` for some requests of a workload)."""
+    `response_format` for some requests of a workload), and images to send with a chat prompt."""
 
     prompt: str | list[int]
-    prompt_len: int
+    prompt_len: int  # the text's tokens; images add their own (the server's usage counts them)
     output_len: int
     extra_body: dict[str, Any] | None = None
+    image_urls: tuple[str, ...] = ()  # chat only: image parts after the text (bench/images.py)
 
 
 class HFTokenizer:

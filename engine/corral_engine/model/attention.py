@@ -134,6 +134,7 @@ def paged_attention(
     ctx: AttentionContext,
     scale: float,
     window: int | None,
+    softcap: float | None = None,  # Gemma 2: scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [T, H, D]
     if ctx.unified is not None:
         from corral_engine.model import triton_attention  # imports triton: only for this backend
@@ -152,6 +153,7 @@ def paged_attention(
             scale,
             window,
             u.max_query_len,
+            softcap,
         )
         return out
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -163,13 +165,18 @@ def paged_attention(
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v)
     out = torch.empty_like(q)
+    # SDPA and the native kernels cannot soft-cap scores: a capped model's prompts go through the
+    # blocked matmuls (with PyTorch's softmax), its decodes through padded matmuls, and the native
+    # backend is refused at start-up (choose_attention_backend).
+    block_rows = ctx.prompt_block_rows or (PROMPT_BLOCK_ROWS if softcap is not None else 0)
+    prompt_softmax = ctx.prompt_softmax if softcap is None else None
     for batch in ctx.decodes:
         if ctx.decode_kernel is not None:
             qs = q.index_select(0, batch.rows)  # [S, H, D]
             o = ctx.decode_kernel(qs, k_cache, v_cache, batch.block_tables, batch.ctx_lens, scale, window)
             out.index_copy_(0, batch.rows, o)
         else:
-            _decode_attention(q, k_cache, v_cache, batch, ctx.block_size, scale, window, out)
+            _decode_attention(q, k_cache, v_cache, batch, ctx.block_size, scale, window, out, softcap)
     for s in ctx.seqs:
         qs = q[s.q_start : s.q_end].transpose(0, 1)  # [H, nq, D]
         if s.is_fresh:
@@ -179,10 +186,10 @@ def paged_attention(
             rows = (-1, num_kv_heads, head_dim)  # [L, KVH, D], in the model's dtype
             ks = k_cache.index_select(0, s.block_ids).view(rows)[: s.ctx_len].to(q.dtype)
             vs = v_cache.index_select(0, s.block_ids).view(rows)[: s.ctx_len].to(q.dtype)
-        if ctx.prompt_block_rows:
+        if block_rows:
             matmul_prompt_attention(
-                q[s.q_start : s.q_end], ks, vs, scale, window, ctx.prompt_block_rows, ctx.prompt_softmax,
-                out=out[s.q_start : s.q_end],
+                q[s.q_start : s.q_end], ks, vs, scale, window, block_rows, prompt_softmax,
+                out=out[s.q_start : s.q_end], softcap=softcap,
             )  # fmt: skip
             continue
         mask = s.mask(window)
@@ -228,13 +235,19 @@ def prompt_block_rows(
 
 
 def choose_attention_backend(
-    requested: str, device_type: str, has_native: bool, triton_interpret: bool
+    requested: str, device_type: str, has_native: bool, triton_interpret: bool, has_softcap: bool = False
 ) -> str:
     """The attention backend for `requested` (EngineArgs.attention_backend) on this device:
     auto is triton on CUDA, else native where its kernel built (and takes this dtype), else sdpa.
-    A backend that cannot run here is an error that says why."""
+    A backend that cannot run here is an error that says why. `has_softcap`: the model soft-caps
+    attention scores (Gemma 2), which the native kernels cannot: auto takes sdpa on the CPU."""
     if requested == "auto":
-        return "triton" if device_type == "cuda" else "native" if has_native else "sdpa"
+        return "triton" if device_type == "cuda" else "native" if has_native and not has_softcap else "sdpa"
+    if requested == "native" and has_softcap:
+        raise ModelLoadError(
+            "attention backend native cannot soft-cap attention scores (attn_logit_softcapping, "
+            "Gemma 2); use auto, sdpa or triton"
+        )
     if requested == "triton" and device_type != "cuda" and not triton_interpret:
         raise ModelLoadError(
             "attention backend triton runs on CUDA, or on the CPU under Triton's interpreter "
@@ -259,6 +272,7 @@ def matmul_prompt_attention(
     block_rows: int,
     softmax: CausalSoftmax | None = None,
     out: torch.Tensor | None = None,  # [nq, H, D], contiguous: written in place of a new tensor
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); not with `softmax`
 ) -> torch.Tensor:  # [nq, H, D]
     """Causal attention for one sequence, bottom-right aligned (query i at position L - nq + i), as
     a loop over blocks of `block_rows` query rows: scores = Q_block K^T over the keys the block
@@ -296,6 +310,8 @@ def matmul_prompt_attention(
                 torch.bmm(scores, vh[:, lo:hi]).view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
             )
             continue
+        if softcap is not None:  # Gemma 2, before the mask (transformers' eager order)
+            scores.div_(softcap).tanh_().mul_(softcap)
         by_row = scores.view(num_kv_heads, rows, group, hi - lo)
         q_pos = torch.arange(offset + a, offset + b, device=q.device).view(rows, 1, 1)
         if window is None:
@@ -319,6 +335,7 @@ def _decode_attention(
     scale: float,
     window: int | None,
     out: torch.Tensor,  # [T, H, D], written at batch.rows
+    softcap: float | None = None,
 ) -> None:
     num_seqs, max_blocks = batch.block_tables.shape
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -330,11 +347,13 @@ def _decode_attention(
     vs = v_cache.index_select(0, flat_tables).view(shape).to(q.dtype)
     # The query heads sharing a KV head become that head's "query positions": no K/V repeat.
     qs = q.index_select(0, batch.rows).view(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
-    o = F.scaled_dot_product_attention(
-        qs,
-        ks.transpose(1, 2),
-        vs.transpose(1, 2),
-        attn_mask=batch.mask(window, block_size),
-        scale=scale,
-    )  # [S, KVH, G, D]
+    mask = batch.mask(window, block_size)  # [S, 1, 1, L]
+    if softcap is None:
+        o = F.scaled_dot_product_attention(
+            qs, ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask, scale=scale
+        )
+    else:  # SDPA cannot cap the scores: the same attention as matmuls
+        scores = torch.matmul(qs, ks.permute(0, 2, 3, 1)).mul_(scale)  # [S, KVH, G, L]
+        scores.div_(softcap).tanh_().mul_(softcap).masked_fill_(~mask, float("-inf"))
+        o = torch.matmul(scores.softmax(-1), vs.transpose(1, 2))  # [S, KVH, G, D]
     out.index_copy_(0, batch.rows, o.reshape(num_seqs, num_kv_heads * group, head_dim))

@@ -99,8 +99,11 @@ class ModelBuilder:
     def _new_model(self) -> CausalLM:
         if self.config.vision is not None:  # the engine refuses TP and pooling for these first
             from corral_engine.model.llava import LlavaLM
+            from corral_engine.model.qwen_vl import QwenVLM
+            from corral_engine.qwen_vision_config import QwenVisionConfig
 
-            return LlavaLM(self.config)
+            is_qwen = isinstance(self.config.vision, QwenVisionConfig)
+            return QwenVLM(self.config) if is_qwen else LlavaLM(self.config)
         return CausalLM(self.config, self.tp, has_lm_head=not self.is_pooling)
 
     def _triton_ops(self) -> TritonOps | None:

@@ -9,6 +9,14 @@ from typing import Any
 
 from corral_engine.errors import ModelLoadError
 from corral_engine.model.encoder_config import SUPPORTED_ENCODERS, EncoderConfig, load_encoder_config
+from corral_engine.model.family_math import (
+    FAMILY_ARCHITECTURES,
+    GEMMA2,
+    GRANITE,
+    OLMO2,
+    FamilyMath,
+    family_math,
+)
 from corral_engine.model.hf_config import auto_config
 from corral_engine.pooling import (
     causal_implementation,
@@ -33,6 +41,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    *FAMILY_ARCHITECTURES,
     *VISION_ARCHITECTURES,
 )
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -77,7 +86,8 @@ class ModelConfig:
     # Per layer: which entry of hf_config.rope_parameters sets its rotary (Gemma 3's
     # "sliding_attention" / "full_attention"); empty: one set of parameters for every layer.
     rope_kinds: tuple[str, ...] = ()
-    gemma: GemmaMath | None = None  # Gemma 3's departures from the Llama math; None for the others
+    gemma: GemmaMath | None = None  # Gemma 2 and 3's departures from the Llama math; None for the others
+    family: FamilyMath | None = None  # Granite's, OLMo 2's and Gemma 2's others (model/family_math.py)
     # config.json's `architectures` as written: an embedding checkpoint names a base-model class
     # (`Qwen2Model`), which `architecture` maps to the implementation that runs it.
     declared_architectures: tuple[str, ...] = ()
@@ -120,7 +130,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class GemmaMath:
-    """Gemma 3 (transformers' modeling_gemma3): every RMSNorm scales by (1 + weight) in float32;
+    """Gemma 2 and 3 (transformers' modeling_gemma3): every RMSNorm scales by (1 + weight) in float32;
     the attention output and the MLP output are normed before their residual add (four norms a
     layer); the embeddings are multiplied by sqrt(hidden_size) in the model dtype."""
 
@@ -211,7 +221,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if refused is not None:
         raise ModelLoadError(
             f"{config_file}: {refused} is not supported yet ({REFUSED_VISION_ARCHITECTURES[refused]}); "
-            "vision-language models: LlavaForConditionalGeneration (LLaVA-1.5, one image tile)"
+            "vision-language models: LlavaForConditionalGeneration (LLaVA-1.5, one image tile), "
+            "Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration"
         )
     if any(isinstance(a, str) and is_encoder_architecture(a) for a in archs):
         return _encoder_model_config(path, raw)
@@ -246,6 +257,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{config_file}: quantization_config must be an object, got {quantization!r}")
     is_qwen2 = family == "Qwen2ForCausalLM"
     is_gemma = arch in GEMMA3_ARCHITECTURES
+    has_gemma_math = is_gemma or arch == GEMMA2
     attention_bias = bool(getattr(hf, "attention_bias", False))
     hidden_act = _activation(hf, config_file)
     is_matryoshka, matryoshka_dimensions = matryoshka_of(raw)
@@ -266,7 +278,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", OLMO2) or is_gemma,
         tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
         max_position_embeddings=hf.max_position_embeddings,
         sliding_windows=tuple(windows),
@@ -275,10 +287,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         moe=_moe_config(arch, hf, num_layers, config_file) if arch in MOE_ARCHITECTURES else None,
         quantization_config=quantization,
         hidden_act=hidden_act,
-        attention_scale=float(hf.query_pre_attn_scalar) ** -0.5 if is_gemma else None,
+        attention_scale=_attention_scale(arch, hf, has_gemma_math),
         rotary_dim=_rotary_dim(hf, head_dim, config_file),
         rope_kinds=tuple(layer_types) if is_gemma else (),
-        gemma=GemmaMath(embed_scale=hf.hidden_size**0.5) if is_gemma else None,
+        gemma=GemmaMath(embed_scale=hf.hidden_size**0.5) if has_gemma_math else None,
+        family=family_math(arch, hf, config_file),
         declared_architectures=tuple(str(a) for a in archs),
         is_matryoshka=is_matryoshka,
         matryoshka_dimensions=matryoshka_dimensions,
@@ -329,13 +342,21 @@ def _activation(hf: Any, where: Path) -> str:
     return str(act)
 
 
+def _attention_scale(arch: str, hf: Any, has_gemma_math: bool) -> float | None:
+    """The softmax scale where it is not head_dim ** -0.5: Gemma's query_pre_attn_scalar ** -0.5,
+    Granite's attention_multiplier."""
+    if has_gemma_math:
+        return float(hf.query_pre_attn_scalar) ** -0.5
+    return float(hf.attention_multiplier) if arch == GRANITE else None
+
+
 def _check_gemma(hf: Any, where: Path) -> None:
     """Refuse what Gemma 3 checkpoints never set but a Gemma-2-style or embedding config would."""
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(hf, field, None) is not None:
             raise ModelLoadError(
                 f"{where}: {field} {getattr(hf, field)!r} is not supported: logit softcapping is "
-                "Gemma 2's (out of scope); Gemma 3 checkpoints set it to null"
+                "Gemma 2's (Gemma2ForCausalLM); Gemma 3 checkpoints set it to null"
             )
     if getattr(hf, "use_bidirectional_attention", False):
         raise ModelLoadError(

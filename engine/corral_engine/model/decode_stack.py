@@ -21,6 +21,7 @@ from corral_engine.model.native import MAX_BLOCK_SIZE, NativeKernelError
 
 if TYPE_CHECKING:
     from corral_engine.model.llama import MLP, CausalLM, DecoderLayer, Linear
+    from corral_engine.model.norm import RMSNorm
 
 _ptr = ctypes.c_void_p
 
@@ -96,7 +97,8 @@ class DecodeStack:
         self._layers = (_Layer * len(layers))()
         for entry, layer, (k_cache, v_cache) in zip(self._layers, layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, _mlp(layer)
-            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            # An RMSNorm: OLMo 2's pass-through input norm never gets here (`unsupported`).
+            entry.input_norm = cast("RMSNorm", layer.input_layernorm).weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             entry.qkv, entry.qkv_bias = _weights(attn.qkv_proj)
             if attn.q_norm is not None and attn.k_norm is not None:
@@ -165,6 +167,8 @@ def unsupported(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         return "mixture-of-experts layers"
     if config.gemma is not None:  # (1 + w) float32 norms, four a layer, GELU, per-layer rotary
         return "Gemma 3's layers (its norms, GELU MLP and per-layer rotary tables)"
+    if config.family is not None:  # model/family_math.py: multipliers, post-norms, soft-capping
+        return f"{config.architecture}'s layers"
     if config.rotary_dim is not None:
         return "partial rotary embeddings"
     if config.hidden_act != "silu" or config.attention_scale is not None:

@@ -1,6 +1,7 @@
 """The BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa) over ragged batches: token embeddings to
 last hidden states, each sequence attending to all of its own tokens and no other's (no KV cache);
-and the sequence-classification head of a cross-encoder (reranker) on each sequence's first token."""
+and the sequence-classification head of a cross-encoder (reranker) on each sequence's first token,
+or a token classifier's head on every token."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class Encoder(nn.Module):
     """Embeddings (word + position + token type, LayerNorm), then post-LN transformer layers; a
     classifier checkpoint's head in `classifier` (None for an embedding model)."""
 
+    classifier: SequenceClassifier | TokenClassifier | None
+
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config
@@ -28,7 +31,12 @@ class Encoder(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
-        self.classifier = SequenceClassifier(config) if config.num_labels else None
+        if not config.num_labels:
+            self.classifier = None
+        elif config.is_token_classifier:
+            self.classifier = TokenClassifier(config)
+        else:
+            self.classifier = SequenceClassifier(config)
 
     def forward(self, input_ids: Tensor, seq_lens: list[int], token_type_ids: Tensor | None = None) -> Tensor:
         """input_ids [T] (the sequences concatenated, unpadded), seq_lens their lengths, each token's
@@ -78,6 +86,19 @@ class SequenceClassifier(nn.Module):
     def forward(self, first_rows: Tensor) -> Tensor:
         """first_rows [S, H] (each sequence's first token's hidden state) -> logits [S, num_labels]."""
         return self.out(torch.tanh(self.dense(first_rows)))
+
+
+class TokenClassifier(nn.Module):
+    """A token classifier's head (BertForTokenClassification and kin): `num_labels` logits from
+    each token's hidden state (the dropout before it is off at inference)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.out = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, rows: Tensor) -> Tensor:
+        """rows [T, H] -> logits [T, num_labels]."""
+        return self.out(rows)
 
 
 class EncoderLayer(nn.Module):

@@ -1,5 +1,6 @@
-"""What an encoder-only model (BERT, RoBERTa, XLM-RoBERTa; embeddings, or a sequence-classification
-head as rerankers have) needs from config.json, checked once at load time."""
+"""What an encoder-only model (BERT, RoBERTa, XLM-RoBERTa; embeddings, a sequence-classification
+head as rerankers have, or a token-classification head) needs from config.json, checked once at
+load time."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from corral_engine.pooling import (
     ENCODER_ARCHITECTURES,
     is_classifier_architecture,
     is_encoder_architecture,
+    is_token_classifier_architecture,
 )
 
 SUPPORTED_ENCODERS = tuple(ENCODER_ARCHITECTURES)
@@ -45,6 +47,7 @@ class EncoderConfig:
     num_labels: int = 0
     labels: tuple[str | None, ...] = ()  # each output's name (id2label), None where it has none
     problem_type: str | None = None  # transformers': regression, single- or multi-label classification
+    is_token_classifier: bool = False  # the head labels each token (*ForTokenClassification)
 
     @property
     def head_dim(self) -> int:
@@ -136,7 +139,8 @@ def encoder_config_from_hf(hf: Any, arch: str, path: Path, torch_dtype: str | No
 
 
 def _classifier_fields(hf: Any, arch: str, where: Path) -> dict[str, Any]:
-    """A classifier's num_labels, labels and problem_type (none of them for an embedding model)."""
+    """A classifier's num_labels, labels, problem_type and whether it labels each token (none of
+    them for an embedding model)."""
     if not is_classifier_architecture(arch):
         return {}
     num_labels = _int(hf, "num_labels", where)
@@ -147,7 +151,12 @@ def _classifier_fields(hf: Any, arch: str, where: Path) -> dict[str, Any]:
         raise ModelLoadError(
             f"{where}: problem_type {problem_type!r} is not one of {', '.join(PROBLEM_TYPES)}"
         )
-    return {"num_labels": num_labels, "labels": labels, "problem_type": problem_type}
+    return {
+        "num_labels": num_labels,
+        "labels": labels,
+        "problem_type": problem_type,
+        "is_token_classifier": is_token_classifier_architecture(arch),
+    }
 
 
 def _int(hf: Any, name: str, where: Path) -> int:

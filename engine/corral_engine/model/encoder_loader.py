@@ -34,10 +34,16 @@ _ROBERTA_HEAD = {
 }
 
 
+# A token classifier's head: one linear layer on each token, under the same name in every family.
+_TOKEN_HEAD = {"classifier.weight": "classifier.out.weight", "classifier.bias": "classifier.out.bias"}
+
+
 def head_names(config: EncoderConfig) -> dict[str, str]:
     """The classification head's checkpoint names -> the Encoder's (empty without a head)."""
     if not config.num_labels:
         return {}
+    if config.is_token_classifier:
+        return _TOKEN_HEAD
     return _BERT_HEAD if config.architecture.startswith("Bert") else _ROBERTA_HEAD
 
 

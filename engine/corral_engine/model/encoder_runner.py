@@ -1,6 +1,6 @@
 """The runner of an encoder-only model (BERT, RoBERTa, XLM-RoBERTa; --runner pooling): each scheduled
 prompt whole in one forward pass, attended both ways, pooled (or a cross-encoder's classifier
-applied); no KV cache, no sampling."""
+applied), or each token's row kept (vLLM's per-token tasks); no KV cache, no sampling."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.lora import AdapterError, LoraRequest
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.device import probe_cpu, select_device, select_dtype
+from corral_engine.model.encoder import SequenceClassifier, TokenClassifier
 from corral_engine.model.encoder_loader import load_encoder
 from corral_engine.model.pooler import Pooler, PoolSpan
-from corral_engine.pooling_params import PoolingParams
+from corral_engine.pooling_params import PoolingParams, PoolingTask
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class EncoderRunner:
     @torch.inference_mode()
     def pool(self, scheduled: list[ScheduledSeq], pooler: Pooler) -> dict[int, torch.Tensor]:
         """Each scheduled prompt's pooled last hidden state ([H] float32), or a classifier's logits
-        ([num_labels] float32, from its first token), by seq id; the scheduler gives an encoder's
-        prompts whole (SchedulerConfig.can_chunk_prompts)."""
+        ([num_labels] float32, from its first token), or per-token ones ([n, H] or [n, num_labels]
+        for the token tasks), by seq id; the scheduler gives an encoder's prompts whole
+        (SchedulerConfig.can_chunk_prompts)."""
         if not scheduled:
             return {}
         ids: list[int] = []
@@ -67,10 +69,26 @@ class EncoderRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         token_types = torch.tensor(types, dtype=torch.long, device=self.device) if any(types) else None
         hidden = self.model(input_ids, seq_lens, token_types)  # [T, H]
-        if self.model.classifier is None:
-            return pooler.pool(hidden, spans)
-        logits = self.model.classifier(hidden[[span.row_start for span in spans]]).float()  # [S, labels]
-        return {span.seq_id: row for span, row in zip(spans, logits, strict=True)}
+        tasks = [_task(s.seq.request.pooling) for s in scheduled]
+        return self._outputs(hidden, spans, tasks, pooler)
+
+    def _outputs(
+        self, hidden: torch.Tensor, spans: list[PoolSpan], tasks: list[PoolingTask], pooler: Pooler
+    ) -> dict[int, torch.Tensor]:
+        """hidden [T, H] -> each span's output for its task (EmbedSpec.check saw the model serves it)."""
+        classifier = self.model.classifier
+        out = pooler.pool(hidden, [span for span, task in zip(spans, tasks, strict=True) if task == "embed"])
+        firsts = [span for span, task in zip(spans, tasks, strict=True) if task == "classify"]
+        if firsts and isinstance(classifier, SequenceClassifier):
+            logits = classifier(hidden[[span.row_start for span in firsts]]).float()  # [S, labels]
+            out.update((span.seq_id, row) for span, row in zip(firsts, logits, strict=True))
+        for span, task in zip(spans, tasks, strict=True):
+            rows = hidden[span.row_start : span.row_end]  # [n, H], a view
+            if task == "token_embed":
+                out[span.seq_id] = rows.float()
+            elif task == "token_classify" and isinstance(classifier, TokenClassifier):
+                out[span.seq_id] = classifier(rows).float()  # [n, labels]
+        return out
 
     def execute(self, scheduled: list[ScheduledSeq], fill: object = None) -> torch.Tensor:
         """Never called: an encoder engine's steps pool (LLMEngine routes them to `pool`)."""
@@ -90,6 +108,10 @@ class EncoderRunner:
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
+
+
+def _task(params: PoolingParams | None) -> PoolingTask:
+    return "embed" if params is None else params.task
 
 
 def _token_types(params: PoolingParams | None, num_tokens: int, type_vocab_size: int) -> list[int]:

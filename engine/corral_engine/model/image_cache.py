@@ -6,18 +6,19 @@ n > 1 sibling, computes them again when it recomputes those positions."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.model.llava import LlavaLM
+from corral_engine.model.qwen_vl import QwenVLM
+from corral_engine.multimodal import ImageInput
 
 # (seq id, image index): the image's rows, [num_image_tokens, hidden] in the model dtype.
 _Key = tuple[int, int]
 
 
 class ImageEmbeddings:
-    def __init__(self, model: LlavaLM, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: LlavaLM | QwenVLM, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -62,17 +63,16 @@ class ImageEmbeddings:
 
     def _embed_missing(self, scheduled: list[ScheduledSeq]) -> None:
         """Run the vision tower once over every image this step needs and has not embedded."""
-        wanted: list[tuple[_Key, np.ndarray]] = []
+        wanted: list[tuple[_Key, ImageInput]] = []
         for s in scheduled:
             end = s.start + s.num_new_tokens
             for index, m in enumerate(s.seq.request.mm_inputs):
                 key = (s.seq.seq_id, index)
                 if m.offset < end and s.start < m.end and key not in self._cache:
-                    wanted.append((key, m.pixel_values))
+                    wanted.append((key, m))
         if not wanted:
             return
-        pixels = torch.from_numpy(np.stack([p for _, p in wanted])).to(self.device, self.dtype)
-        embedded = self.model.embed_images(pixels)  # [N, num_image_tokens, hidden]
+        embedded = self.model.embed_inputs([m for _, m in wanted], self.device, self.dtype)
         self.num_images_embedded += len(wanted)
         for (key, _), rows in zip(wanted, embedded, strict=True):
             self._cache[key] = rows

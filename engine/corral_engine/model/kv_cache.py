@@ -14,10 +14,11 @@ from typing import Protocol
 
 import torch
 
-from corral_engine.args import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineArgs
+from corral_engine.args import EngineArgs
 from corral_engine.core.scheduler import ScheduledSeq
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import ModelLoadError
+from corral_engine.model_args import DEFAULT_KV_CACHE_MEMORY_BYTES
 from corral_engine.outputs import RequestMetrics
 from corral_engine.sampling_params import SamplingParams
 

@@ -18,9 +18,11 @@ from torch import nn
 
 from corral_engine.model.attention import AttentionContext, paged_attention
 from corral_engine.model.config import ModelConfig
+from corral_engine.model.family_math import final_logits
 from corral_engine.model.int4_ops import int4_linear, pack_for_kernel, unpack_nibbles
 from corral_engine.model.moe import SparseMoeBlock
 from corral_engine.model.native import FusedOps
+from corral_engine.model.norm import NoNorm, RMSNorm
 from corral_engine.model.parallel import TensorParallel, VocabParallelEmbedding
 from corral_engine.model.quant_ops import WEIGHT_DTYPES, fp8_linear, int8_linear
 from corral_engine.model.rotary import Rotary, rotated
@@ -28,58 +30,6 @@ from corral_engine.model.rotary import Rotary, rotated
 if TYPE_CHECKING:
     from corral_engine.model.decode_stack import DecodeStack
     from corral_engine.model.triton_ops import TritonOps  # imports triton: only where it is used
-
-
-class RMSNorm(nn.Module):
-    fused_ops: FusedOps | None = None  # the native bf16 ops, set by the runner where they built
-    triton_ops: TritonOps | None = None  # the GPU's fused elementwise kernels, set by the runner
-
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        # Gemma: scale by (1 + weight) in float32, rounded once at the end; no fused kernel does that.
-        self.unit_offset = unit_offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.unit_offset:
-            scale = 1.0 + self.weight.float()
-            return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).mul_(scale).to(x.dtype)
-        triton_ops = self._triton(x)
-        if triton_ops is not None:
-            return triton_ops.rms_norm(x, self.weight, self.eps)  # one launch, not four
-        ops = self._native(x)
-        if ops is not None:
-            return ops.rms_norm(x, self.weight, self.eps)  # bf16 on the CPU: one pass over memory
-        # Normalise in float32, scale in the model dtype: transformers' order, in one fused kernel.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(x + residual), x + residual): the residual add and the norm after it."""
-        ops = self._triton(x)
-        if ops is not None:
-            return ops.add_rms_norm(x, residual, self.weight, self.eps)
-        native = self._native(x, residual)
-        if native is not None:
-            return native.add_rms_norm(x, residual, self.weight, self.eps)  # one call, not two
-        summed = x + residual
-        return self(summed), summed
-
-    def _native(self, *xs: torch.Tensor) -> FusedOps | None:
-        ops = self.fused_ops
-        usable = (
-            ops is not None
-            and not self.unit_offset
-            and self.weight.dtype == xs[0].dtype
-            and all(ops.supports(x) for x in xs)
-        )
-        return ops if usable else None
-
-    def _triton(self, x: torch.Tensor) -> TritonOps | None:
-        ops = self.triton_ops
-        usable = ops is not None and not self.unit_offset and ops.supports(x) and self.weight.dtype == x.dtype
-        return ops if usable else None
 
 
 class Linear(nn.Linear):
@@ -229,10 +179,15 @@ class Attention(nn.Module):
         # Row-parallel: each rank's partial sum is all-reduced; rank 0 alone adds the bias.
         has_bias = config.o_bias and (tp is None or tp.rank == 0)
         self.o_proj = Linear(q_size, config.hidden_size, bias=has_bias)
-        is_gemma = config.gemma is not None
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, is_gemma) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, is_gemma) if config.qk_norm else None
+        is_gemma, family = config.gemma is not None, config.family
+        # OLMo 2 norms q and k over the whole projection (all heads at once), in float32.
+        self.is_whole_qk_norm = family is not None and family.is_post_norm
+        q_dim, k_dim = (q_size, kv_size) if self.is_whole_qk_norm else (self.head_dim, self.head_dim)
+        fp32, eps = self.is_whole_qk_norm, config.rms_norm_eps
+        self.q_norm = RMSNorm(q_dim, eps, is_gemma, fp32) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps, is_gemma, fp32) if config.qk_norm else None
         self.scale = config.attention_scale or self.head_dim**-0.5
+        self.softcap = None if family is None else family.attn_logit_softcapping  # Gemma 2
 
     def forward(
         self,
@@ -248,7 +203,9 @@ class Attention(nn.Module):
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.is_whole_qk_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+        elif self.q_norm is not None and self.k_norm is not None:
             if self.fused_ops is not None and q.dtype == torch.bfloat16:  # the native norm reads whole rows
                 q, k = q.contiguous(), k.contiguous()
             q = self.q_norm(q)
@@ -264,7 +221,7 @@ class Attention(nn.Module):
             q, k = rotated(q, cos, sin), rotated(k, cos, sin)
         if ctx.unified is None and ctx.kv_write is None:  # those two read any row stride
             v = v.contiguous()
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale, self.window)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale, self.window, self.softcap)
         out = self.o_proj(o.reshape(num_tokens, q_size))  # [T, hidden]
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -308,12 +265,19 @@ class DecoderLayer(nn.Module):
             SparseMoeBlock(config, tp) if config.is_sparse_layer(layer_idx) else MLP(config, tp)
         )
         hidden, eps, is_gemma = config.hidden_size, config.rms_norm_eps, config.gemma is not None
-        self.input_layernorm = RMSNorm(hidden, eps, is_gemma)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, is_gemma)
+        family = config.family
+        is_post = family is not None and family.is_post_norm  # OLMo 2: no norm before a sublayer
+        self.input_layernorm: RMSNorm | NoNorm = NoNorm() if is_post else RMSNorm(hidden, eps, is_gemma)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, is_gemma, is_post)
         # Gemma's "sandwich": the attention output is normed (post_attention_layernorm) before its
-        # residual add, and the MLP has a norm on each side.
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, True) if is_gemma else None
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps, True) if is_gemma else None
+        # residual add, and the MLP has a norm on each side; OLMo 2's, after it only.
+        has_post_mlp = is_gemma or is_post
+        self.pre_feedforward_layernorm = (
+            RMSNorm(hidden, eps, True) if is_gemma else NoNorm() if is_post else None
+        )
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, is_gemma, True) if has_post_mlp else None
+        # Granite scales each sublayer's output before its residual add.
+        self.residual_multiplier = None if family is None else family.residual_multiplier
         self.rope_kind = config.rope_kinds[layer_idx] if config.rope_kinds else None
 
     def forward(self, x, residual, cos, sin, kv_cache, ctx):  # type: ignore[no-untyped-def]
@@ -327,6 +291,10 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, ctx)
         pre_mlp, post_mlp = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
         if pre_mlp is None or post_mlp is None:
+            multiplier = self.residual_multiplier
+            if multiplier is not None:  # Granite
+                h, residual = self.post_attention_layernorm.add_forward(h * multiplier, residual)
+                return self.mlp(h) * multiplier, residual
             h, residual = self.post_attention_layernorm.add_forward(h, residual)
             return self.mlp(h), residual
         h, residual = pre_mlp.add_forward(self.post_attention_layernorm(h), residual)
@@ -348,11 +316,15 @@ class Decoder(nn.Module):
             else VocabParallelEmbedding(tp, config.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma is not None)
+        is_post = config.family is not None and config.family.is_post_norm  # OLMo 2's float32 scale
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma is not None, is_post)
         self.embed_scale = None if config.gemma is None else config.gemma.embed_scale
+        self.embedding_multiplier = None if config.family is None else config.family.embedding_multiplier
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:  # Granite: a Python float, as transformers multiplies
+            return x * self.embedding_multiplier
         if self.embed_scale is None:
             return x
         # Gemma multiplies by sqrt(hidden) rounded to the model dtype, as transformers does.
@@ -409,5 +381,5 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("an embedding model (--runner pooling) computes no logits")
         if self.tp is not None:  # each rank's vocabulary rows, gathered on rank 0 (empty elsewhere)
-            return self.tp.gather_logits(self.lm_head(hidden).float())
-        return self.lm_head(hidden).float()
+            return final_logits(self.tp.gather_logits(self.lm_head(hidden).float()), self.config.family)
+        return final_logits(self.lm_head(hidden).float(), self.config.family)

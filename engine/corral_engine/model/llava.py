@@ -4,17 +4,19 @@ positions are ordinary causal tokens of the text model (same positions, same KV 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from corral_engine.model.config import ModelConfig
 from corral_engine.model.llama import CausalLM, Linear
 from corral_engine.model.vision import VisionTower, activation
-from corral_engine.vision_config import VisionConfig
+from corral_engine.multimodal import ImageInput
+from corral_engine.vision_config import LlavaVisionConfig
 
 
 class MultiModalProjector(nn.Module):
-    def __init__(self, vision: VisionConfig, text_hidden: int) -> None:
+    def __init__(self, vision: LlavaVisionConfig, text_hidden: int) -> None:
         super().__init__()
         self.act = vision.projector_act
         in_features = vision.hidden_size * len(vision.feature_layers)
@@ -31,8 +33,8 @@ class LlavaLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        if config.vision is None:
-            raise ValueError("LlavaLM needs a vision config")
+        if not isinstance(config.vision, LlavaVisionConfig):
+            raise ValueError("LlavaLM needs a LLaVA vision config")
         self.vision_tower = VisionTower(config.vision)
         self.multi_modal_projector = MultiModalProjector(config.vision, config.hidden_size)
 
@@ -42,3 +44,10 @@ class LlavaLM(CausalLM):
         num_images, num_tokens, dim = features.shape
         rows = self.multi_modal_projector(features.reshape(-1, dim))
         return rows.view(num_images, num_tokens, -1)
+
+    def embed_inputs(
+        self, images: list[ImageInput], device: torch.device, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """Each image's rows [num_image_tokens, hidden]: one tower run for all of them."""
+        pixels = torch.from_numpy(np.stack([m.pixel_values for m in images])).to(device, dtype)
+        return list(self.embed_images(pixels))

@@ -24,6 +24,7 @@ from corral_engine.model.moe import Experts
 from corral_engine.model.parallel import EXPERT_PARTS, Cut, ShardPlan
 from corral_engine.model.quant import QuantConfig
 from corral_engine.model.quant_ops import CHECKPOINT_DTYPES, dequantize, quantize_rows
+from corral_engine.qwen_vision_config import QWEN_VL_ARCHITECTURES
 from corral_engine.weight_files import INDEXES, is_weight_file, weight_format
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ _LLAVA_PREFIXES = (
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
+_QWEN_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))  # v5; hub's: ours
 # One expert's projection as hub checkpoints (and transformers' save_pretrained) hold them: Mixtral's
 # block_sparse_moe.experts.N.w1 (gate) / w3 (up) / w2 (down), Qwen3-MoE's mlp.experts.N.gate_proj /
 # up_proj / down_proj. transformers v5's fused in-memory layout (mlp.experts.gate_up_proj, [E, 2I, H])
@@ -144,12 +146,12 @@ def read_cut(part: Any, cut: Cut | list[Cut]) -> torch.Tensor:
     return read[0] if len(read) == 1 else torch.cat(read, dim=pieces[0][0])
 
 
-def llava_name(name: str) -> str:
+def llava_name(name: str, prefixes: tuple[tuple[str, str], ...] = _LLAVA_PREFIXES) -> str:
     """A LLaVA checkpoint's tensor under the engine's names (`model.*` for the text decoder,
     `lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`), from transformers v5's layout
     (`model.language_model.*`, `model.vision_tower.*`) or the hub's older one
-    (`language_model.model.*`, `vision_tower.vision_model.*`)."""
-    for prefix, replacement in _LLAVA_PREFIXES:
+    (`language_model.model.*`, `vision_tower.vision_model.*`); Qwen-VL's by `_QWEN_VL_PREFIXES`."""
+    for prefix, replacement in prefixes:
         if name.startswith(prefix):
             return replacement + name.removeprefix(prefix)
     return name
@@ -160,6 +162,8 @@ def engine_name(name: str, architecture: str) -> str | None:
     multimodal checkpoint's vision tower and projector)."""
     if architecture == "LlavaForConditionalGeneration":
         return llava_name(name)
+    if architecture in QWEN_VL_ARCHITECTURES:
+        return llava_name(name, _QWEN_VL_PREFIXES)
     if name.startswith(_NOT_TEXT_PREFIXES.get(architecture, ())):
         return None
     for prefixes, replacement in _TEXT_MODEL_PREFIXES.get(architecture, ()):

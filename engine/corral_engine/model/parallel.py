@@ -158,6 +158,10 @@ class ShardPlan:
 
 def check_shardable(config: ModelConfig, size: int) -> None:
     """Raise ModelLoadError unless `size` ranks can split this model's heads, MLP and experts evenly."""
+    if size > 1 and config.family is not None and config.family.is_post_norm:
+        raise ModelLoadError(
+            "--tensor-parallel-size is not supported for OLMo 2 yet: its q/k norms span every head"
+        )
     problems = []
     if config.num_heads % size:
         problems.append(f"the {config.num_heads} attention heads")

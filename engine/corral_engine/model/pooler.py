@@ -1,6 +1,6 @@
 """Hidden states -> embeddings (--runner pooling): each sequence's rows pooled by last token, mean
 or CLS, across prefill chunks, then truncated (matryoshka) and normalized; a cross-encoder's
-logits -> its scores.
+logits -> its scores; per-token rows (vLLM's token tasks) finished row by row.
 
 `Pooler.pool` takes hidden rows and per-sequence spans only, so any forward pass that yields
 [T, hidden] rows feeds it: the paged causal decoder chunk by chunk, or an encoder's whole prompts.
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from corral_engine.pooling import PoolingType
-from corral_engine.pooling_params import ClassifierActivation
+from corral_engine.pooling_params import ClassifierActivation, PoolingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,20 +74,31 @@ def finish_vector(vector: torch.Tensor, normalize: bool, dimensions: int | None)
     """The vector a client gets: its first `dimensions` values (matryoshka), normalized to unit
     length when asked (after the cut, so a shortened vector is unit length too)."""
     if dimensions is not None:
-        vector = vector[:dimensions]
+        vector = vector[..., :dimensions]
     if normalize:
-        vector = F.normalize(vector, p=2, dim=-1)
-    return [float(x) for x in vector.tolist()]
+        vector = F.normalize(vector, p=2, dim=-1)  # each row of a per-token [n, H] on its own
+    return [float(x) for x in vector.flatten().tolist()]
+
+
+def finish_output(output: torch.Tensor, params: PoolingParams, default_normalize: bool) -> list[float]:
+    """A runner's output for `params.task` as the client gets it, flat: a vector or a
+    classifier's scores, or each token's row ([n, H] or [n, labels]) finished alike, concatenated.
+    `default_normalize`: the model's pooler config's, where the request leaves it."""
+    if params.task in ("classify", "token_classify"):  # the runner gave the classifier's logits
+        return classifier_scores(output, params.activation)
+    normalize = default_normalize if params.normalize is None else params.normalize
+    return finish_vector(output, normalize, params.dimensions)
 
 
 def classifier_scores(logits: torch.Tensor, activation: ClassifierActivation = "auto") -> list[float]:
     """A classifier's outputs as vLLM's score and classify and sentence-transformers' CrossEncoder
     give them ("auto": the sigmoid of a single label's logit, a relevance score in (0, 1), else
-    softmax over labels); "sigmoid": each label's own; "none": the logits."""
+    softmax over labels); "sigmoid": each label's own; "none": the logits. logits [labels], or
+    [n, labels] a token each (activated row by row, then flattened)."""
     if activation == "none":
         scores = logits
     elif activation == "sigmoid" or logits.shape[-1] == 1:
         scores = torch.sigmoid(logits)
     else:
         scores = torch.softmax(logits, dim=-1)
-    return [float(x) for x in scores.tolist()]
+    return [float(x) for x in scores.flatten().tolist()]

@@ -37,10 +37,12 @@ from corral_engine.model.kv_cache import (
 from corral_engine.model.kv_dtype import kv_cache_dtype
 from corral_engine.model.llava import LlavaLM
 from corral_engine.model.lora import LoraSlots, fast_paths, lora_slot_dtype
+from corral_engine.model.mrope import MropePositions
 from corral_engine.model.native import load_decode_stack_library, load_fused_ops, load_paged_decode
 from corral_engine.model.parallel import TensorParallel
 from corral_engine.model.pooler import Pooler, PoolSpan
 from corral_engine.model.quant import model_quant_config
+from corral_engine.model.qwen_vl import QwenVLM
 from corral_engine.model.sampler import sample_rows
 from corral_engine.sampling_params import SamplingParams
 from corral_engine.settings import EngineSettings
@@ -93,8 +95,13 @@ class ModelRunner:
         kernel = load_paged_decode(settings) if settings.batched_decode and is_cpu else None
         if kernel is not None and not kernel.supports(self.dtype, self.device, self.kv_dtype):
             kernel = None
+        softcap = None if config.family is None else config.family.attn_logit_softcapping
         self.attention_backend = choose_attention_backend(
-            args.attention_backend, self.device.type, kernel is not None, settings.triton_interpret
+            args.attention_backend,
+            self.device.type,
+            kernel is not None,
+            settings.triton_interpret,
+            bool(softcap),
         )
         # Prompt blocks' masked softmax in one native pass, and the KV cache write as row copies,
         # where the fused ops build (bf16).
@@ -137,9 +144,12 @@ class ModelRunner:
         )
         self.model, self.matmul_plan = builder.build()
         # A vision-language model's encoder cache (model/image_cache.py); None for text models.
-        self.images = (
-            ImageEmbeddings(self.model, self.device, self.dtype) if isinstance(self.model, LlavaLM) else None
-        )
+        self.images: ImageEmbeddings | None = None
+        if isinstance(self.model, LlavaLM | QwenVLM):
+            self.images = ImageEmbeddings(self.model, self.device, self.dtype)
+        # Qwen-VL's M-RoPE positions (model/mrope.py); None for every other model.
+        merge = self.model.vision_config.spatial_merge_size if isinstance(self.model, QwenVLM) else 0
+        self.mrope = MropePositions(merge, self.device) if merge else None
         self.graphs: DecodeGraphs | None = None
         kv_per_token = 2 * config.num_layers * self.num_kv_heads * config.head_dim
         bytes_per_block = args.block_size * kv_per_token * self.kv_dtype.itemsize
@@ -236,8 +246,10 @@ class ModelRunner:
             (1, self.config.num_heads, self.config.head_dim), dtype=self.dtype, device=self.device
         )
         k_cache, v_cache = self.kv_caches[0][0], self.kv_caches[0][1]
+        family = self.config.family
+        softcap = None if family is None else family.attn_logit_softcapping  # a constexpr too
         for window in dict.fromkeys(self.config.sliding_windows):  # WINDOW is a constexpr
-            triton_attention.warm_up(q_like, k_cache, v_cache, 1.0, window)
+            triton_attention.warm_up(q_like, k_cache, v_cache, 1.0, window, softcap)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._compiled_variants = triton_attention.compiled_variants()
@@ -302,6 +314,8 @@ class ModelRunner:
             host = self.batches.prepare_unified(scheduled)
             if host.is_plain_decode:
                 pending = None
+                if self.mrope is not None:  # Qwen-VL: decodes past an image run at index + delta
+                    self.mrope.shift_decodes(host.positions, scheduled)
                 if fill is not None:
                     dst, src = fill.targets(scheduled)  # a decode's row is its sequence's index
                     pending = (fill.tokens, dst, src)
@@ -313,7 +327,9 @@ class ModelRunner:
         if fill is not None:
             fill.apply(batch.input_ids, scheduled)
         embeds = self.images.merge(scheduled, batch.input_ids) if has_images and self.images else None
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.ctx, embeds)
+        mrope, positions = self.mrope, batch.positions
+        positions = positions if mrope is None else mrope.positions(scheduled, positions)  # Qwen-VL only
+        hidden = self.model(batch.input_ids, positions, self.kv_caches, batch.ctx, embeds)
         if self._compiled_variants is not None:
             self._watch_compiles(len(batch.input_ids), len(scheduled))
         if batch.logits_indices.numel() == 0:

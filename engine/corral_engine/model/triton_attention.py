@@ -50,6 +50,7 @@ from corral_engine.model.triton_attention_kernels import _attention_kernel, _mer
 _MAX_BLOCK_M = 64  # query rows (queries x heads of a group) per program, before padding to 16
 _TARGET_PROGRAMS = 256  # attention programs that fill a large GPU (an H100 has 132 SMs) twice over
 _MAX_SPLITS = 16
+_LOG2_E = 1.4426950408889634
 
 
 def write_kv(
@@ -95,9 +96,11 @@ def unified_attention(
     scale: float,
     window: int | None,  # query at position p sees keys k with p - k < window (None: all)
     max_query_len: int,  # host bound on queries per sequence: a tile-size hint, never a limit
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2); None: not
 ) -> None:
     """out rows of sequence i = softmax(q K^T * scale) V over its context read through its block
-    table (bottom-right causal, GQA by head // group, optional window); one launch per batch."""
+    table (bottom-right causal, GQA by head // group, optional window, optional soft-capping of
+    the scores); one launch per batch."""
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -111,7 +114,7 @@ def unified_attention(
         compiled=q.device.type != "cpu",
     )  # fmt: skip
     args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window)
-    _attention(*args, max_query_len, num_splits)
+    _attention(*args, max_query_len, num_splits, softcap)
 
 
 def launch_shape(
@@ -142,7 +145,12 @@ def warmup_shapes(group: int, num_kv_heads: int, row_bytes: int) -> list[tuple[i
 
 
 def warm_up(
-    q_like: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None
+    q_like: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None = None,
 ) -> int:
     """Compile every attention variant a batch can launch (`warmup_shapes`) before serving, with
     one small launch each that reads block 0 of the cache into a scratch output; `q_like` gives
@@ -162,7 +170,7 @@ def warm_up(
         seq_lens = torch.tensor([block_q], dtype=torch.int32, device=device)
         block_tables = torch.zeros((1, -(-block_q // block_size)), dtype=torch.int32, device=device)
         args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window)
-        _attention(*args, block_q, num_splits)
+        _attention(*args, block_q, num_splits, softcap)
     return len(shapes)
 
 
@@ -199,6 +207,7 @@ def _attention(
     window: int | None,
     max_query_len: int,
     num_splits: int,
+    softcap: float | None = None,
 ) -> None:
     """unified_attention with the split count chosen: with num_splits > 1 each split attends a
     share of the key tiles into float32 partials, merged by a second kernel."""
@@ -221,7 +230,7 @@ def _attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)  # shapes and host ints only
     launcher(_attention_kernel, q.device)[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, query_start_loc, seq_lens, block_tables,
-        scale * 1.4426950408889634,  # x log2(e): the kernel exponentiates with exp2
+        scale * _LOG2_E,  # the kernel exponentiates with exp2
         num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -233,6 +242,7 @@ def _attention(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         WINDOW=window or 0,
+        SOFTCAP=0.0 if softcap is None else softcap * _LOG2_E,  # in the kernel's log2 units; 0: none
         NUM_SPLITS=num_splits,
         INTERPRET=interpret,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models: fp32 scores

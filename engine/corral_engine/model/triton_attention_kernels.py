@@ -58,10 +58,12 @@ def _attention_kernel(
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out rows of one (query tile, KV head): softmax(q K^T * scale) V over the sequence's keys;
-    with NUM_SPLITS > 1, float32 partials (running max, sum, unnormalised acc) over a key share."""
+    with NUM_SPLITS > 1, float32 partials (running max, sum, unnormalised acc) over a key share.
+    SOFTCAP > 0 (the cap times log2(e)): scores soft-capped, s -> SOFTCAP * tanh(s / SOFTCAP)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,6 +144,10 @@ def _attention_kernel(
             k_t = k_t.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if SOFTCAP > 0:  # a constexpr: uncapped models compile without it
+            # tanh(s / cap) = 1 - 2 / (e^(2 s / cap) + 1) from exp2, inline (the interpreter has no
+            # libdevice tanh, and a compiled kernel calls only jit functions); +-1 past overflow.
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp2(s * (2.8853900817779268 / SOFTCAP)) + 1.0))
         allowed = is_row[:, None] & (k_pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             allowed = allowed & (q_pos[:, None] - k_pos[None, :] < WINDOW)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corral_engine.model.llama import FusedLinear, Linear
-from corral_engine.vision_config import VisionConfig
+from corral_engine.vision_config import LlavaVisionConfig
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,7 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionEmbeddings(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         dim = config.hidden_size
         self.class_embedding = nn.Parameter(torch.empty(dim))
@@ -40,7 +40,7 @@ class VisionEmbeddings(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         dim = config.hidden_size
         self.num_heads = config.num_heads
@@ -57,7 +57,7 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         self.act = config.hidden_act
         self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=True)
@@ -68,7 +68,7 @@ class VisionMLP(nn.Module):
 
 
 class VisionLayer(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         dim, eps = config.hidden_size, config.layer_norm_eps
         self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
@@ -82,7 +82,7 @@ class VisionLayer(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(VisionLayer(config) for _ in range(config.num_layers))
 
@@ -91,7 +91,7 @@ class VisionTower(nn.Module):
     """CLIPVisionModel's parameters under its names (post_layernorm is loaded, never used: LLaVA
     reads inner hidden states)."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         self.config = config
         dim, eps = config.hidden_size, config.layer_norm_eps

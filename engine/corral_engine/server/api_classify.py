@@ -14,7 +14,7 @@ from corral_engine.pooling import classify_activation
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.server import errors
 from corral_engine.server.context import ServerContext, new_id, now_s
-from corral_engine.server.engine_client import labels_of, num_labels_of, problem_type_of, runner_of
+from corral_engine.server.engine_client import embed_spec_of, labels_of, problem_type_of, runner_of
 from corral_engine.server.generation import GenerationRun
 from corral_engine.server.pooling_request import PoolingInputRequest, pooled_finals
 from corral_engine.server.request_fields import REFUSED_COMMON, Refused, check_fields
@@ -45,9 +45,12 @@ class ClassificationRequest(PoolingInputRequest):
 
 def _check_serves_classify(ctx: ServerContext) -> None:
     """A 400 unless the engine serves a sequence classifier, saying what it serves instead."""
-    if num_labels_of(ctx.engine):
+    spec = embed_spec_of(ctx.engine, ctx.model_name)
+    if "classify" in spec.tasks:
         return
-    if runner_of(ctx.engine) == "pooling":
+    if spec.is_token_classifier:
+        what = f"{spec.describe()}; use {spec.routes()}"
+    elif runner_of(ctx.engine) == "pooling":
         what = "an embedding model (--runner pooling); use /v1/embeddings"
     else:
         what = "a text generation model (--runner generate)"

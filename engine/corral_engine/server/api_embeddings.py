@@ -12,11 +12,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from corral_engine.outputs import RequestOutput
-from corral_engine.pooling import classifier_routes
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.server import errors
 from corral_engine.server.context import ServerContext, new_id, now_s
-from corral_engine.server.engine_client import num_labels_of, runner_of
+from corral_engine.server.engine_client import embed_spec_of, runner_of
 from corral_engine.server.generation import GenerationRun
 from corral_engine.server.pooling_request import PoolingInputRequest, pooled_finals
 from corral_engine.server.request_fields import check_fields
@@ -34,11 +33,8 @@ class EmbeddingRequest(PoolingInputRequest):
 def refuse_generation(ctx: ServerContext, api: str) -> None:
     """On a pooling engine, the generation routes are a 400 saying what it serves instead."""
     if runner_of(ctx.engine) == "pooling":
-        if num_labels := num_labels_of(ctx.engine):
-            kind = "a cross-encoder (classification)" if num_labels == 1 else "a classification"
-            what, routes = f"{kind} model", classifier_routes(num_labels)
-        else:
-            what, routes = "an embedding model", "/v1/embeddings"
+        spec = embed_spec_of(ctx.engine, ctx.model_name)
+        what, routes = spec.describe(), spec.routes()
         raise errors.invalid_request(
             f"The model {ctx.model_name} does not support the {api} API: it is {what} "
             f"(--runner pooling); use {routes}."
@@ -61,10 +57,11 @@ async def create_embedding(ctx: ServerContext, request: Request) -> Response:
             "(--runner generate); serve an embedding model with --runner pooling.",
             "model",
         )
-    if num_labels := num_labels_of(ctx.engine):
+    spec = embed_spec_of(ctx.engine, ctx.model_name)
+    if spec.num_labels:
         raise errors.invalid_request(
-            f"The model {ctx.model_name} does not support the Embeddings API: it is a cross-encoder "
-            f"(classification) model; use {classifier_routes(num_labels)}.",
+            f"The model {ctx.model_name} does not support the Embeddings API: it is "
+            f"{spec.describe()}; use {spec.routes()}.",
             "model",
         )
     prompts = await req.tokenize(ctx)

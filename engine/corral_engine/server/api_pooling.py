@@ -1,22 +1,24 @@
-"""POST /pooling: vLLM's generic pooling API for a whole sequence's output, with `task` saying
-which: "embed" (an embedding model's vector, as /v1/embeddings gives it) or "classify" (a
-classifier's activated outputs, as /classify's probs). vLLM's default, per-token outputs
-(token_embed, token_classify), is not computed here: `task` is required."""
+"""POST /pooling: vLLM's generic pooling API, `task` saying which output: "embed" (a vector, as
+/v1/embeddings gives it), "classify" (a classifier's activated outputs, as /classify's probs), or
+one a prompt token: "token_embed" (each token's hidden state, normalized as the model's pooler
+says) or "token_classify" (a token classifier's label probabilities for each token). Without a
+task, the model's own (vLLM's default): embed, classify or token_classify."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, cast, get_args
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from corral_engine.outputs import RequestOutput
 from corral_engine.pooling import classify_activation
-from corral_engine.pooling_params import PoolingParams
+from corral_engine.pooling_params import TOKEN_TASKS, PoolingParams, PoolingTask
 from corral_engine.server import errors
 from corral_engine.server.api_classify import ClassificationRequest
 from corral_engine.server.api_embeddings import encode_vector
 from corral_engine.server.context import ServerContext, new_id, now_s
-from corral_engine.server.engine_client import num_labels_of, problem_type_of, runner_of
+from corral_engine.server.engine_client import embed_spec_of, problem_type_of
 from corral_engine.server.generation import GenerationRun
 from corral_engine.server.pooling_request import pooled_finals
 from corral_engine.server.request_fields import REFUSED_COMMON, Refused, check_fields
@@ -27,44 +29,55 @@ _REFUSED = {
     "messages": Refused("pooling a conversation is not supported; send `input`"),
     "dimensions": Refused("dimensions is not supported on /pooling (vLLM's rule); use /v1/embeddings"),
 }
+_TASKS = get_args(PoolingTask)  # vLLM's: embed, classify, token_embed, token_classify
 
 
 class PoolingRequest(ClassificationRequest):
-    task: str | None = None
+    task: str | None = None  # None: the model's own task (vLLM's default)
     encoding_format: Literal["float", "base64"] = "float"
-    normalize: bool | None = None  # task embed: None leaves it to the model's pooler config
+    # embed and token_embed: None leaves it to use_activation, then the model's pooler config.
+    normalize: bool | None = None
 
     def check_fields(self) -> None:
         check_fields(self.model_extra or {}, _REFUSED)
 
 
-def _served_task(ctx: ServerContext) -> str | None:
-    """The task this engine pools for: classify on a classifier, embed on an embedding model."""
-    if runner_of(ctx.engine) != "pooling":
-        return None
-    return "classify" if num_labels_of(ctx.engine) else "embed"
-
-
 def _params(ctx: ServerContext, req: PoolingRequest) -> PoolingParams:
-    """The request's PoolingParams; a 400 for a task missing or other than the engine's."""
-    served = _served_task(ctx)
-    if served is None:
+    """The request's PoolingParams; a 400 for a task the model does not serve, saying why."""
+    spec = embed_spec_of(ctx.engine, ctx.model_name)
+    if spec.task is None:
         raise errors.invalid_request(
             f"The model {ctx.model_name} does not support the Pooling API: it is a text generation "
             "model (--runner generate).",
             "model",
         )
-    if req.task != served:
-        said = "is required" if req.task is None else f"{req.task!r} is not served"
+    named = req.task or spec.task
+    if named not in _TASKS:
         raise errors.invalid_request(
-            f"task {said}: the model {ctx.model_name} pools for task {served!r}. Per-token outputs "
-            "(vLLM's default, token_embed or token_classify) are not computed by this engine.",
+            f"Unsupported task {named!r}: the pooling tasks are {', '.join(_TASKS)}; the model "
+            f"{ctx.model_name} serves {', '.join(spec.tasks)}.",
             "task",
         )
-    if served == "classify":
+    task = cast(PoolingTask, named)
+    if task not in spec.tasks:
+        raise errors.invalid_request(f"Unsupported task {task!r}: {spec.refusal(task)}.", "task")
+    if task in ("classify", "token_classify"):
         activation = classify_activation(problem_type_of(ctx.engine), req.is_activated())
-        return PoolingParams(task="classify", activation=activation)
-    return PoolingParams(normalize=req.normalize)
+        return PoolingParams(task=task, activation=activation)
+    # vLLM's use_activation is an embedding's normalization; `normalize` (its older name) wins.
+    given = (req.normalize, req.use_activation, req.softmax, req.activation)
+    normalize = next((value for value in given if value is not None), None)
+    return PoolingParams(task=task, normalize=normalize)
+
+
+def _data(out: RequestOutput, task: str, encoding_format: str) -> list[float] | list[list[float]] | str:
+    """One input's output: a vector, or for a token task its rows (one a prompt token), floats or
+    base64 of them all flat (as vLLM encodes a tensor)."""
+    flat = out.embedding or []  # pooled_finals saw each has its output
+    if task not in TOKEN_TASKS or encoding_format == "base64":
+        return encode_vector(flat, encoding_format)
+    width = len(flat) // len(out.prompt_token_ids)
+    return [flat[i : i + width] for i in range(0, len(flat), width)]
 
 
 async def create_pooling(ctx: ServerContext, request: Request) -> Response:
@@ -77,8 +90,8 @@ async def create_pooling(ctx: ServerContext, request: Request) -> Response:
     if finals is None:
         return Response(status_code=499)
     num_tokens = sum(len(out.prompt_token_ids) for out in finals)
-    data = [
-        {"index": i, "object": "pooling", "data": encode_vector(out.embedding or [], req.encoding_format)}
+    data: list[dict[str, Any]] = [
+        {"index": i, "object": "pooling", "data": _data(out, params.task, req.encoding_format)}
         for i, out in enumerate(finals)
     ]
     return JSONResponse(

@@ -2,7 +2,8 @@
 vLLM's APIs over a cross-encoder (a reranker, served with --runner pooling): each pair is one engine
 request, the tokenizer's pair encoding, its token types sent as where the second text starts; or,
 as vLLM does, over an embedding model: each distinct text embedded once, a pair's score the cosine
-similarity of its two vectors."""
+similarity of its two vectors. A cross-encoder's scores are its activated outputs (a sigmoid for
+one label), or with vLLM's `use_activation: false` its raw logits."""
 
 from __future__ import annotations
 
@@ -13,47 +14,54 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from corral_engine.outputs import RequestOutput
-from corral_engine.pooling_params import PoolingParams
+from corral_engine.pooling_params import ClassifierActivation, PoolingParams
 from corral_engine.server import errors
 from corral_engine.server.api_models import _Request
 from corral_engine.server.context import ServerContext, new_id, now_s
-from corral_engine.server.engine_client import num_labels_of, runner_of
+from corral_engine.server.engine_client import embed_spec_of, num_labels_of, runner_of
 from corral_engine.server.generation import GenerationRun
 from corral_engine.server.pooling_request import MAX_INPUTS, pooled_finals, tokenize_inputs, too_long
-from corral_engine.server.request_fields import REFUSED_COMMON, Refused, check_fields
+from corral_engine.server.request_fields import REFUSED_COMMON, check_fields
 
-_ACTIVATED = "scores are the classifier's activated outputs (a sigmoid for one label)"
 # vLLM's score and rerank fields Corral does not implement; a value asking for nothing is accepted.
 _REFUSED = {
     "priority": REFUSED_COMMON["priority"],
     "mm_processor_kwargs": REFUSED_COMMON["mm_processor_kwargs"],
-    **{name: Refused(_ACTIVATED, (None, True)) for name in ("use_activation", "activation", "softmax")},
 }
 Texts = str | list[str]
 # vLLM's: keep at most k tokens of each pair, the longer text cut first (-1: the model's context).
 TruncateTokens = Annotated[int, Field(ge=-1)] | None
 
 
-class ScoreRequest(_Request):
+class _PairRequest(_Request):
     model: str = Field(min_length=1)
-    text_1: Texts
-    text_2: Texts
     truncate_prompt_tokens: TruncateTokens = None
+    # vLLM's: False gives a cross-encoder's raw logits (an embedding model's cosine is unchanged);
+    # activation and softmax are its deprecated names.
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
 
     def check_fields(self) -> None:
         check_fields(self.model_extra or {}, _REFUSED)
 
+    def activation_kind(self) -> ClassifierActivation:
+        """How a cross-encoder's logits become scores: the first of use_activation, softmax,
+        activation given (vLLM's order), else activated."""
+        given = (self.use_activation, self.softmax, self.activation)
+        return "auto" if next((value for value in given if value is not None), True) else "none"
 
-class RerankRequest(_Request):
-    model: str = Field(min_length=1)
+
+class ScoreRequest(_PairRequest):
+    text_1: Texts
+    text_2: Texts
+
+
+class RerankRequest(_PairRequest):
     query: str
     documents: list[str]
     top_n: int = 0  # the best N results; 0 (vLLM's default) or less: all of them
     return_documents: bool = True  # Jina's and Cohere's field; vLLM always returns them
-    truncate_prompt_tokens: TruncateTokens = None
-
-    def check_fields(self) -> None:
-        check_fields(self.model_extra or {}, _REFUSED)
 
 
 def _pairs(text_1: Texts, text_2: Texts, names: tuple[str, str]) -> list[tuple[str, str]]:
@@ -76,7 +84,14 @@ def _pairs(text_1: Texts, text_2: Texts, names: tuple[str, str]) -> list[tuple[s
 def _check_serves_scores(ctx: ServerContext, api: str) -> None:
     """A 400 unless the engine serves a one-label cross-encoder or an embedding model, saying what
     it serves instead."""
-    num_labels = num_labels_of(ctx.engine)
+    spec = embed_spec_of(ctx.engine, ctx.model_name)
+    num_labels = spec.num_labels
+    if spec.is_token_classifier:
+        raise errors.invalid_request(
+            f"The model {ctx.model_name} does not support the {api} API: it is {spec.describe()}; "
+            f"use {spec.routes()}.",
+            "model",
+        )
     if num_labels == 1 or (num_labels == 0 and runner_of(ctx.engine) == "pooling"):
         return
     if num_labels > 1:
@@ -91,7 +106,11 @@ def _check_serves_scores(ctx: ServerContext, api: str) -> None:
 
 
 async def _encode_pairs(
-    ctx: ServerContext, pairs: list[tuple[str, str]], keep: int | None, params: list[str]
+    ctx: ServerContext,
+    pairs: list[tuple[str, str]],
+    keep: int | None,
+    params: list[str],
+    activation: ClassifierActivation,
 ) -> tuple[list[list[int]], list[PoolingParams]]:
     """Each pair's token ids (the tokenizer's pair encoding) and its PoolingParams; a pair longer
     than the context (after truncate_prompt_tokens) is a 400 naming `params[i]`."""
@@ -111,9 +130,8 @@ async def _encode_pairs(
             if len(ids) > max_len:
                 raise too_long(max_len, "pair", len(ids), param)
             prompts.append(ids)
-            pooling.append(
-                PoolingParams(task="classify", second_segment_start=_second_segment(encoded, len(ids)))
-            )
+            start = _second_segment(encoded, len(ids))
+            pooling.append(PoolingParams(task="classify", second_segment_start=start, activation=activation))
         return prompts, pooling
 
     return await ctx.off_loop(encode, sum(len(a) + len(b) for a, b in pairs))
@@ -134,15 +152,16 @@ def _second_segment(encoded: Any, num_tokens: int) -> int | None:
 async def _run_pairs(
     ctx: ServerContext,
     request: Request,
+    req: _PairRequest,
     request_id: str,
     pairs: list[tuple[str, str]],
-    keep: int | None,
     params: list[str],
 ) -> tuple[list[float], int] | None:
     """The pairs' scores in order and the tokens run, or None where the client left first."""
+    keep = req.truncate_prompt_tokens
     if num_labels_of(ctx.engine) == 0:  # an embedding model
         return await _cosine_scores(ctx, request, request_id, pairs, keep, params)
-    prompts, pooling = await _encode_pairs(ctx, pairs, keep, params)
+    prompts, pooling = await _encode_pairs(ctx, pairs, keep, params, req.activation_kind())
     run = GenerationRun(ctx.engine, ctx.metrics, ctx.in_flight, request_id, prompts, pooling)
     finals = await pooled_finals(run, request, "score")
     if finals is None:
@@ -184,7 +203,7 @@ async def create_score(ctx: ServerContext, request: Request) -> Response:
     pairs = _pairs(req.text_1, req.text_2, ("text_1", "text_2"))
     names = ["text_2" if isinstance(req.text_2, str) else f"text_2.{i}" for i in range(len(pairs))]
     request_id = new_id("score")
-    scored = await _run_pairs(ctx, request, request_id, pairs, req.truncate_prompt_tokens, names)
+    scored = await _run_pairs(ctx, request, req, request_id, pairs, names)
     if scored is None:
         return Response(status_code=499)
     scores, num_tokens = scored
@@ -206,7 +225,7 @@ async def create_rerank(ctx: ServerContext, request: Request) -> Response:
     pairs = _pairs(req.query, req.documents, ("query", "documents"))
     names = [f"documents.{i}" for i in range(len(pairs))]
     request_id = new_id("rerank")
-    scored = await _run_pairs(ctx, request, request_id, pairs, req.truncate_prompt_tokens, names)
+    scored = await _run_pairs(ctx, request, req, request_id, pairs, names)
     if scored is None:
         return Response(status_code=499)
     scores, num_tokens = scored

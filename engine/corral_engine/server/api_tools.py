@@ -133,11 +133,12 @@ def plan_tools(
         raise InvalidRequestError(
             '"auto" tool choice needs the server to be started with --tool-call-parser', "tool_choice"
         )
-    parser, names = TOOL_PARSERS[parser_name], frozenset(by_name)
+    parser = TOOL_PARSERS[parser_name]
+    functions = {name: fn.parameters for name, fn in by_name.items()}
     markers = MARKER_TOKENS.get(parser_name, ())
     if not parallel:
-        return ToolPlan(None, lambda: FirstCallOnly(parser(names)), None, new_call_id, markers)
-    return ToolPlan(None, lambda: parser(names), None, new_call_id, markers)
+        return ToolPlan(None, lambda: FirstCallOnly(parser(functions)), None, new_call_id, markers)
+    return ToolPlan(None, lambda: parser(functions), None, new_call_id, markers)
 
 
 def _by_name(tools: list[Tool]) -> dict[str, FunctionDef]:

@@ -89,10 +89,11 @@ async def render_prompt(ctx: ServerContext, req: ChatCompletionRequest, check_fi
 
 
 async def chat_prompt(
-    ctx: ServerContext, req: ChatCompletionRequest
+    ctx: ServerContext, req: ChatCompletionRequest, check_fits: bool = True
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The rendered prompt and its images: each image part's URL read (decoded, or fetched), its
-    `<image>` expanded to the image's placeholder tokens by the engine's image processor."""
+    `<image>` expanded to the image's placeholder tokens by the engine's image processor
+    (`check_fits`: as render_prompt's)."""
     parts = req.image_parts()
     images: ImagePrompts | None = getattr(ctx.engine, "images", None)
     if parts and images is None:
@@ -103,7 +104,7 @@ async def chat_prompt(
         )
     if images is not None and len(parts) > images.max_images:  # before anything is fetched
         check_num_images(len(parts), images.max_images, parts[images.max_images][1])  # the first past it
-    prompt = await render_prompt(ctx, req)
+    prompt = await render_prompt(ctx, req, check_fits)
     if images is None or not parts:
         return prompt, ()
     pil_images = await load_images([ImageRef(url, param) for url, param in parts], images.allowed_hosts)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, Protocol
 
 from corral_engine.outputs import EngineStats, RequestOutput
+from corral_engine.pooling import EmbedSpec, Runner
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
 
@@ -69,6 +70,16 @@ def num_labels_of(engine: object) -> int:
 def labels_of(engine: object) -> tuple[str | None, ...]:
     """A classifier's output names (its `embed` spec's id2label); empty for any other engine."""
     return tuple(getattr(getattr(engine, "embed", None), "labels", ()))
+
+
+def embed_spec_of(engine: object, model_name: str) -> EmbedSpec:
+    """What the engine serves (its `embed` spec: runner, tasks, labels); for an engine without
+    one (a test's fake), a spec of its runner and vector size."""
+    spec = getattr(engine, "embed", None)
+    if isinstance(spec, EmbedSpec):
+        return spec
+    runner: Runner = "pooling" if runner_of(engine) == "pooling" else "generate"
+    return EmbedSpec(model_name, runner, int(getattr(engine, "embedding_size", 0)))
 
 
 def problem_type_of(engine: object) -> str | None:

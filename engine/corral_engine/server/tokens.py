@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 from corral_engine.server import errors
 from corral_engine.server.api_chat import ChatCompletionRequest
 from corral_engine.server.api_models import CompletionRequest, TokenId, _Strict
-from corral_engine.server.chat import render_prompt
+from corral_engine.server.chat import chat_prompt
 from corral_engine.server.completions import tokenize_prompts
 from corral_engine.server.context import ServerContext, read_body
 
@@ -40,11 +40,13 @@ async def _body(ctx: ServerContext, request: Request) -> dict[str, Any]:
 
 
 async def tokenize(ctx: ServerContext, request: Request) -> JSONResponse:
-    """{"prompt"} or {"messages", ...chat fields}; with return_token_strs, each token's text too."""
+    """{"prompt"} or {"messages", ...chat fields}; with return_token_strs, each token's text too.
+    A conversation's images count as the generation routes count them (vLLM counts only the text)."""
     body = await _body(ctx, request)
     want_strs = body.pop("return_token_strs", False) is True
-    if "messages" in body:
-        tokens = await render_prompt(ctx, ChatCompletionRequest.model_validate(body), check_fits=False)
+    if "messages" in body:  # a vision model's images expanded to their placeholder tokens, as served
+        chat = ChatCompletionRequest.model_validate(body)
+        tokens, _ = await chat_prompt(ctx, chat, check_fits=False)
     else:
         prompts = await tokenize_prompts(
             ctx, CompletionRequest.model_validate({"max_tokens": 1, **body}), check_fits=False

@@ -3,9 +3,9 @@ the pieces every parser shares: the reader of one call object and the held-back 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from corral_engine.server.call_scanner import CallScanner
 
@@ -28,6 +28,9 @@ class ArgumentsDelta:
 
 
 ToolEvent = Content | CallStart | ArgumentsDelta
+# A request's functions: each name and its `parameters` schema (a mapping is a collection of the
+# names, which is all most parsers read; qwen3_coder types its values by the schemas).
+ToolSchemas = Mapping[str, Mapping[str, Any] | None]
 
 
 class ToolParser(Protocol):

@@ -5,7 +5,8 @@ A parser is fed a reply's text in pieces and answers with events: content, the s
 own text of them, as it is written). A whole reply is one feed, so a stream's events add up to the
 whole reply's, however the text was split. Content that could still start a call's marker is held
 back until it cannot; text inside a call is never content. A call is a call once it is named,
-whatever follows (a reply cut off by max_tokens ends with a call whose arguments are cut off too).
+whatever follows (a reply cut off by max_tokens ends with a call whose arguments are cut off too);
+a pythonic call is one once its parenthesis closes and it parses.
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ from corral_engine.server.tool_events import (
     Content,
     ToolEvent,
     ToolParser,
+    ToolSchemas,
     held_back,
 )
 from corral_engine.server.tool_parser_mistral import MISTRAL_MARKERS, MistralParser, mistral_call_id
+from corral_engine.server.tool_parser_pythonic import PythonicParser
+from corral_engine.server.tool_parser_qwen3_coder import Qwen3CoderParser
 
 __all__ = ["ArgumentsDelta", "CallStart", "Content", "ToolEvent", "ToolParser"]  # read from here too
 
 
 class ToolParserClass(Protocol):
-    """A parser for a request offering the functions `tool_names` (None: any name)."""
+    """A parser for a request offering the functions `tools` (None: any name)."""
 
-    def __call__(self, tool_names: Collection[str] | None = None) -> ToolParser: ...
+    def __call__(self, tools: ToolSchemas | None = None, /) -> ToolParser: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +288,8 @@ TOOL_PARSERS: dict[str, ToolParserClass] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
+    "pythonic": PythonicParser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 
 CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}  # else default_call_id

@@ -21,6 +21,7 @@ from typing import Any
 from corral_engine.core.sequence import Request
 from corral_engine.errors import EngineDeadError, InvalidRequestError
 from corral_engine.lora import LoraRequest, read_adapter_config
+from corral_engine.multimodal import ImageInput
 from corral_engine.outputs import EngineStats, RequestOutput
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ class AsyncSimEngine(StreamFront):
         self.max_model_len = engine.max_model_len
         self.runner = engine.runner  # the server's `EmbeddingEngine`: generate, or pooling
         self.embedding_size = engine.embedding_size
+        self.embed = engine.embed  # what the server reads of a pooling model: tasks, labels
+        self.images = engine.images  # a vision model's image processor (None: text only), as the engine's
         self.max_waiting = max_waiting
         self.max_lora_rank = max_lora_rank
         self._adds: deque[Request] = deque()
@@ -82,9 +85,11 @@ class AsyncSimEngine(StreamFront):
         *,
         in_group: bool = False,
         lora: LoraRequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """As the engine's: `mm_inputs`, a chat's images built by `images`."""
         self._check_admission(request_id, None if in_group else self.max_waiting)
-        request = self.engine.make_request(request_id, prompt, params, lora=lora)
+        request = self.engine.make_request(request_id, prompt, params, lora=lora, mm_inputs=mm_inputs)
         stream = self._streams.open(request_id, self.abort)
         self._num_handed += 1
         self._adds.append(request)

@@ -6,7 +6,8 @@ long the batch would take on the profile's GPU; `finish_step` commits it (tokens
 sampled per sequence that reached its end, stop rules, outputs). The asyncio front sleeps between
 the two; the fleet benchmark advances a virtual clock instead. An embedding model's replica
 (`pooling`) runs prompts only and ends each request, once its prompt is computed, with a
-pseudo-vector (`sim/embedding.py`).
+pseudo-vector (`sim/embedding.py`). A vision-language checkpoint's replica (`vision`) takes images as
+the engine does and adds its vision tower's time to the steps that embed them (`sim/vision_cost.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from corral_engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfi
 from corral_engine.core.sequence import Request, Sequence
 from corral_engine.errors import InvalidRequestError
 from corral_engine.lora import LoraRequest
+from corral_engine.multimodal import ImageInput
 from corral_engine.output_processor import OutputProcessor
 from corral_engine.outputs import EngineStats, RequestOutput, StepLatencies, TokenLogprob
+from corral_engine.pooling import EmbedSpec
 from corral_engine.pooling_params import PoolingParams
 from corral_engine.request_builder import RequestBuilder
 from corral_engine.sampling_params import SamplingParams
@@ -32,6 +35,8 @@ from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.logprobs import synthetic_logprob
 from corral_engine.sim.lora_cost import LoraCost
 from corral_engine.sim.perf_model import Profile, StepShape
+from corral_engine.sim.vision import SimVision
+from corral_engine.sim.vision_cost import ImageSteps, vision_cost
 
 Prompt = str | list[int]
 
@@ -41,6 +46,7 @@ class SimStep:
     scheduled: SchedulerOutput
     shape: StepShape
     duration_s: float
+    vision_s: float = 0.0  # of duration_s: the vision tower's, embedding this step's new images
 
 
 class SimEngine:
@@ -61,6 +67,7 @@ class SimEngine:
         lora_cost: LoraCost | None = None,
         cache_dtype: str = "auto",
         pooling: SimPooling | None = None,
+        vision: SimVision | None = None,
     ) -> None:
         """`tokenizer`: encode/decode (`LightTokenizer`, or `NullTokenizer` when nothing reads text).
         `is_lean`: timing only, for the fleet benchmark: no stop rules but max_tokens and the
@@ -70,7 +77,8 @@ class SimEngine:
         engine's --max-loras with --enable-lora (0: LoRA off). `lora_cost`: what adapters add to a step
         (slot loads, their products); None: nothing. `cache_dtype`: the engine's --kv-cache-dtype, as
         vllm:cache_config_info labels it (`with_overrides` sized the profile's KV cache for it).
-        `pooling`: an embedding model's (--runner pooling); None: the replica generates."""
+        `pooling`: an embedding model's (--runner pooling); None: the replica generates.
+        `vision`: a vision-language model's images and tower; None: images are refused."""
         self.profile = profile
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -84,6 +92,7 @@ class SimEngine:
         self.pooling = pooling
         self.runner = "generate" if pooling is None else "pooling"
         self.embedding_size = 0 if pooling is None else pooling.embed.embedding_size
+        self.embed = EmbedSpec(served_model_name) if pooling is None else pooling.embed  # tasks, labels
         # As the engine's: an encoder has no prefix cache and admits prompts only whole (the step
         # budget raised to the context length); MEAN and CLS pooling read every position.
         is_whole = pooling is not None and pooling.is_encoder
@@ -111,7 +120,10 @@ class SimEngine:
             self.block_manager,
             self.grammars,
             None if pooling is None else pooling.embed,
+            None if vision is None else vision.images,
         )
+        self.images = None if vision is None else vision.images  # the server builds a chat's images
+        self.image_steps = None if vision is None else ImageSteps(vision_cost(profile, vision.config))
         self._sources: dict[str, list[int]] = {}  # request id -> the ids its outputs cycle through
         self._stats = EngineStats(
             block_size=profile.block_size,
@@ -135,11 +147,13 @@ class SimEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora: LoraRequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] | None = None,
     ) -> Request:
         """Validate and build a request without touching engine state (LLMEngine's own builder:
-        a replica refuses (400) what a real one refuses); its arrival on the simulation's clock."""
+        a replica refuses (400) what a real one refuses); its arrival on the simulation's clock.
+        `mm_inputs`: its images, already built by `images` (the server's chat path)."""
         arrival = self.clock() if arrival_time is None else arrival_time
-        return self._requests.build(request_id, prompt, params, arrival, lora)
+        return self._requests.build(request_id, prompt, params, arrival, lora, mm_inputs)
 
     def insert_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -185,7 +199,8 @@ class SimEngine:
         duration_s = self.profile.step_time_s(shape)
         if self.lora_cost is not None:
             duration_s += self._lora_time_s(self.lora_cost, sched)
-        return SimStep(sched, shape, duration_s)
+        vision_s = 0.0 if self.image_steps is None else self.image_steps.step_time_s(sched.scheduled)
+        return SimStep(sched, shape, duration_s + vision_s, vision_s)
 
     def _lora_time_s(self, cost: LoraCost, sched: SchedulerOutput) -> float:
         """What the step's adapters add: each not in a slot is copied into the least recently used
@@ -312,6 +327,8 @@ class SimEngine:
         request.metrics.finish(self.clock())
         for seq in request.seqs:
             self.output_processor.release(seq.seq_id)
+            if self.image_steps is not None and request.mm_inputs:
+                self.image_steps.release(seq.seq_id)
             reason = seq.finish_reason or "abort"
             self._stats.finished_by_reason[reason] = self._stats.finished_by_reason.get(reason, 0) + 1
         del self.requests[request.request_id]

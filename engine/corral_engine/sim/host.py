@@ -23,6 +23,7 @@ from corral_engine.sim.engine import SimEngine
 from corral_engine.sim.grammar import SimGrammars
 from corral_engine.sim.perf_model import Profile, Roofline, quantized, with_kv_cache_dtype
 from corral_engine.sim.tokenizer import LightTokenizer, read_json_object
+from corral_engine.sim.vision import SimVision
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -160,6 +161,7 @@ class ReplicaSpec:
     adapters: tuple[LoraRequest, ...] = ()  # as --lora-modules (configs checked by the caller)
     allow_runtime_lora_updating: bool = False  # as --allow-runtime-lora-updating
     pooling: SimPooling | None = None  # an embedding model's, as --runner pooling serves it
+    vision: SimVision | None = None  # a vision-language model's images and tower (sim/vision.py)
 
 
 def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
@@ -181,6 +183,7 @@ def build_engines(spec: ReplicaSpec, num_replicas: int) -> list[AsyncSimEngine]:
             max_loras=spec.max_loras,
             cache_dtype=spec.kv_cache_dtype,
             pooling=spec.pooling,
+            vision=spec.vision,
         )
         engines.append(AsyncSimEngine(core, spec.max_waiting, spec.max_lora_rank))
     return engines

@@ -5,6 +5,7 @@ must not (64 replicas share one process and one tokenizer)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 class LightTokenizer:
     """The part of a transformers tokenizer the server and the output processor call: `encode`,
-    `decode`, `apply_chat_template`, and `backend_tokenizer` for their fast paths."""
+    `decode`, `apply_chat_template`, a pair's encoding (calling it), and `backend_tokenizer` for
+    their fast paths."""
 
     clean_up_tokenization_spaces = False  # lets the detokenizer call the Rust decode directly
     split_special_tokens = False
@@ -43,9 +45,27 @@ class LightTokenizer:
         self.vocab_size = self.backend_tokenizer.get_vocab_size()
         self._template: Any = None
         self._source: str | None = None  # the template _template was compiled from
+        self._truncating: Any = None  # a copy that cuts pairs (its settings change per call)
+        self._truncating_lock = threading.Lock()  # tokenizing may run off the event loop
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def __call__(
+        self, text: str, text_pair: str | None = None, truncation: bool = False, max_length: int | None = None
+    ) -> dict[str, list[int]]:
+        """A text's, or a pair's, input_ids and token_type_ids, as a transformers tokenizer gives
+        them (/v1/score's pairs); `truncation` to `max_length` tokens by the Rust tokenizer's
+        longest_first, as transformers' fast tokenizers cut (on a copy: the shared one stays as is)."""
+        if not truncation or max_length is None:
+            encoded = self.backend_tokenizer.encode(text, text_pair)
+        else:
+            with self._truncating_lock:
+                if self._truncating is None:
+                    self._truncating = type(self.backend_tokenizer).from_str(self.backend_tokenizer.to_str())
+                self._truncating.enable_truncation(max_length, strategy="longest_first")
+                encoded = self._truncating.encode(text, text_pair)
+        return {"input_ids": list(encoded.ids), "token_type_ids": list(encoded.type_ids)}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """As transformers decodes: special tokens kept unless told (/tokenize's token_strs,

@@ -1,6 +1,6 @@
 """The deployment dashboard: one served model, chosen with the `model` variable; each replica's load,
 latency and cache, request phases, the gateway's view, LoRA adapters, and the serving processes'
-collector and memory."""
+collector, event loop and memory."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from corral_cli.chartgen.dashboards.panels import (
     quantiles,
 )
 from corral_cli.chartgen.dashboards.phases import phases_row
-from corral_cli.chartgen.dashboards.processes import collector_row, memory_row
+from corral_cli.chartgen.dashboards.processes import collector_row, loop_row, memory_row
 from corral_cli.chartgen.grafana import (
     Dashboard,
     Panel,
@@ -48,6 +48,7 @@ def deployment_drilldown() -> Dashboard:
             _gateway_row(),
             adapters_row(),
             collector_row(),
+            loop_row(),
             memory_row(),
         ),
         variables=(Variable("model", "Model", MODEL_VARIABLE_QUERY),),

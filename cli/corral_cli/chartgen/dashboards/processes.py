@@ -1,13 +1,13 @@
 """The deployment dashboard's rows on the serving processes themselves: time in Python's garbage
-collector, and resident memory, of each engine and each gateway."""
+collector, each gateway's event-loop lag, and resident memory, of each engine and each gateway."""
 
 from __future__ import annotations
 
 from corral_engine import wire
 from corral_gateway import metrics as gw
 
-from corral_cli.chartgen.dashboards.panels import ENGINE_MODEL, MODEL_VAR, REPLICA, engine
-from corral_cli.chartgen.grafana import Panel, Row, Target, rate, sel, sum_by
+from corral_cli.chartgen.dashboards.panels import ENGINE_MODEL, MODEL_VAR, REPLICA, engine, gateway
+from corral_cli.chartgen.grafana import Panel, Row, Target, quantile, rate, sel, sum_by
 
 
 def collector_row() -> Row:
@@ -36,6 +36,42 @@ def collector_row() -> Row:
                 "serves every model), during which every stream through it waits.",
                 share(gw.GC_PAUSE_SECONDS, "{{instance}}"),
                 unit="percentunit",
+            ),
+        ),
+    )
+
+
+def loop_row() -> Row:
+    """How late each gateway's event loop runs, beside the connect timeouts it caused: a connect
+    that timed out while the loop stalled is the gateway's, retried but not held against the replica."""
+    return Row(
+        "Gateway event loop",
+        (
+            Panel(
+                "Event-loop lag per gateway (p50/p99)",
+                "How late each gateway's event loop woke a task due every 50 ms: while it is late, "
+                "every request and stream through that gateway waits (a burst of hundreds of new "
+                "connections on a saturated machine stalled it 0.5-5 s).",
+                tuple(
+                    Target(
+                        quantile(q, gw.EVENT_LOOP_LAG_SECONDS, REPLICA), f"{{{{instance}}}} p{round(q * 100)}"
+                    )
+                    for q in (0.5, 0.99)
+                ),
+                unit="s",
+            ),
+            Panel(
+                "Connect timeouts by cause",
+                "Connects to the model's replicas that timed out: connect_timeout (the replica did not "
+                "answer; counts towards ejecting it) or connect_timeout_loop_stall (the gateway's own "
+                "loop stalled over the timeout; retried, not counted against the replica).",
+                (
+                    Target(
+                        sum_by("reason", rate(gateway(gw.RETRIES_TOTAL, reason="connect_timeout.*"))),
+                        "{{reason}}",
+                    ),
+                ),
+                unit="reqps",
             ),
         ),
     )
