@@ -222,7 +222,8 @@ def prompt_block_rows(
 
     auto: bf16 on a CPU that multiplies bf16 natively (AVX512-BF16, AMX), where oneDNN's batched
     bf16 matmuls beat PyTorch's CPU flash-attention kernel 2.3-2.9x for 128-2,048-token prompts
-    (prompt throughput 1.1-1.8x; measured with AVX512-BF16, AMX unmeasured). Without native bf16
+    (prompt throughput 1.1-1.8x; measured with AVX512-BF16; with AMX the two were level for a
+    2,000-token prompt, docs/engine-speed.md, 2026-12-01). Without native bf16
     a bf16 matmul is emulated and slow, and in float32 the two are level, so SDPA stays there.
     "1": on any CPU; "0": never. `native_softmax`: the blocks' softmax is the native kernel's
     (bf16 only), which takes larger blocks."""
