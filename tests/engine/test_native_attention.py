@@ -56,9 +56,11 @@ def reference(q, k_cache, v_cache, block_tables, ctx_lens, scale, window):  # ty
 )
 @pytest.mark.parametrize(
     ("num_kv_heads", "group", "head_dim", "block_size"),
-    [(4, 3, 64, 16), (2, 1, 128, 8), (1, 4, 32, 5)],  # GQA, MHA with the 128 specialisation, generic
+    # GQA, MHA with the 128 specialisation, generic; then shapes the AMX tiles take where the CPU
+    # has them (two 16-key slices a block, 16 query heads a KV head: a full tile)
+    [(4, 3, 64, 16), (2, 1, 128, 8), (1, 4, 32, 5), (2, 8, 128, 32), (1, 16, 64, 16)],
 )
-@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize("num_seqs", [3, 40], ids=["one-head-per-item", "all-heads-per-item"])
 def test_kernel_matches_the_pytorch_path(
     dtype: torch.dtype,
@@ -124,6 +126,43 @@ def test_kernel_decodes_every_finite_fp8_code_exactly(cache_dtype: torch.dtype) 
     tables = torch.arange(4).view(4, 1)
     got = kernel(q, k_cache, v_cache, tables, torch.ones(4, dtype=torch.long), 0.125, None)
     assert torch.equal(got.view(-1), codes.float())
+
+
+def cpu_has_amx() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " amx_bf16" in cpuinfo.read_text()
+
+
+@needs_compiler
+@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX tiles")
+def test_on_a_cpu_with_amx_the_bf16_kernel_uses_the_tiles() -> None:
+    kernel = native.load_paged_decode(EngineSettings(native_kernels=True))
+    assert kernel is not None
+    bf16 = torch.bfloat16
+    assert kernel.uses_amx(bf16, bf16, block_size=16, group=3, head_dim=64)
+    assert kernel.uses_amx(bf16, bf16, block_size=32, group=16, head_dim=128)
+    # shapes and dtypes the tiles do not take go through the float32 loops
+    assert not kernel.uses_amx(bf16, bf16, block_size=8, group=3, head_dim=64)
+    assert not kernel.uses_amx(bf16, bf16, block_size=16, group=17, head_dim=64)
+    assert not kernel.uses_amx(bf16, bf16, block_size=16, group=3, head_dim=96)
+    assert not kernel.uses_amx(torch.float32, torch.float32, block_size=16, group=3, head_dim=64)
+    assert not kernel.uses_amx(bf16, torch.float8_e4m3fn, block_size=16, group=3, head_dim=64)
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 21])
+def test_bf16_kernel_is_float32_attention_rounded_once(window: int | None) -> None:
+    """Whichever arithmetic runs (AMX tiles or float32 loops), the bf16 kernel's output is the
+    float32 attention of its bf16 inputs, rounded to bf16 once: the AMX path's bf16 products and
+    split probabilities lose nothing a bf16 output can show."""
+    kernel = native.load_paged_decode(EngineSettings(native_kernels=True))
+    assert kernel is not None
+    lens = [1, 15, 16, 17, 63, 200, 333] * 6
+    case = paged_case(lens, 4, 3, 64, 16, torch.bfloat16, seed=11)
+    got = kernel(*case, 0.125, window)
+    want = reference(*(t.float() if t.is_floating_point() else t for t in case), 0.125, window)
+    # one bf16 rounding is 2^-9 relative; allow two, plus an absolute floor for outputs near zero
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
 
 
 @needs_compiler

@@ -45,7 +45,8 @@ class NativeKernelError(RuntimeError):
 
 
 # The paged decode kernel's variants by (queries' dtype, cache's dtype): a cache in the model's
-# dtype, or fp8 (--kv-cache-dtype), read byte by byte into float32 tiles.
+# dtype, or fp8 (--kv-cache-dtype), each value converted to float32 as it is read (bf16 over
+# bf16: AMX tiles where the CPU has them).
 _PAGED_DECODE_FNS = {
     (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
     (torch.float32, torch.float32): "paged_decode_f32",
@@ -69,6 +70,17 @@ class PagedDecode:
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
             fn.argtypes += [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
             self._fns[dtypes] = fn
+        self._amx = lib.paged_decode_amx
+        self._amx.restype = ctypes.c_int
+        self._amx.argtypes = [ctypes.c_int64] * 3
+
+    def uses_amx(
+        self, dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int, group: int, head_dim: int
+    ) -> bool:
+        """Whether calls of these shapes score and sum with AMX tiles on this CPU (bf16 queries over a
+        bf16 cache, block_size % 16 == 0, head_dim % 64 == 0, group <= 16; see paged_decode.c)."""
+        both_bf16 = dtype == cache_dtype == torch.bfloat16
+        return both_bf16 and bool(self._amx(block_size, group, head_dim))
 
     def supports(
         self, dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype | None = None

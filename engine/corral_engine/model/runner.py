@@ -103,6 +103,10 @@ class ModelRunner:
             settings.triton_interpret,
             bool(softcap),
         )
+        group = config.num_heads // config.num_kv_heads
+        amx_shapes = (self.dtype, self.kv_dtype, args.block_size, group, config.head_dim)
+        if kernel is not None and self.attention_backend == "native" and kernel.uses_amx(*amx_shapes):
+            logger.info("paged decode attention scores and sums with AMX tiles")
         # Prompt blocks' masked softmax in one native pass, and the KV cache write as row copies,
         # where the fused ops build (bf16).
         fused = load_fused_ops(settings) if is_cpu and self.dtype == torch.bfloat16 else None
