@@ -68,10 +68,11 @@ class LLMEngine:
         self._load_model(args, graph_capture)
         self._build_scheduler(args)
         # On CPU the sampler's noise comes from the native exponential race (CORRAL_NATIVE_ATTENTION=0:
-        # PyTorch's exponential_, 5-10x slower).
+        # PyTorch's exponential_, 5-10x slower), and its greedy picks from a native argmax.
         fused_ops = load_fused_ops(self.settings) if self.runner.device.type == "cpu" else None
         race = None if fused_ops is None else fused_ops.exponential_race
-        self.sampler = Sampler(args.seed, self.eos_token_ids, race)
+        argmax = None if fused_ops is None else fused_ops.argmax_rows
+        self.sampler = Sampler(args.seed, self.eos_token_ids, race, argmax)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.grammar_masks = StepMasks(self.grammars)
         self.requests: dict[str, Request] = {}

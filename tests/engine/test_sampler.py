@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -303,3 +304,54 @@ def test_a_vanishing_temperature_is_greedy(race: str, temperature: float) -> Non
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(9))
     drawn = Sampler(race=_race(race)).sample(logits, [_seq(params, [], i) for i in range(6)]).token_ids
     assert drawn == logits.argmax(dim=-1).tolist()
+
+
+def _native_argmax() -> Callable[[torch.Tensor], torch.Tensor]:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the native argmax")
+    ops = native.load_fused_ops(EngineSettings(native_kernels=True))
+    assert ops is not None
+    return ops.argmax_rows
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 17), (128, 32000), (5, 151936), (0, 8)])
+def test_native_argmax_picks_what_torch_max_picks(rows: int, vocab: int) -> None:
+    """Greedy rows through the native argmax: torch.max's indices, ties to the first index, a -inf
+    or +inf logit, and a NaN (which torch.max picks) included."""
+    argmax = _native_argmax()
+    gen = torch.Generator().manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, generator=gen)
+    if rows >= 3 and vocab >= 17:
+        logits[0, 5] = logits[0, vocab - 1] = logits[0].max() + 1.0  # a tie: the first wins
+        logits[1, :] = float("-inf")
+        logits[1, 9] = -1e30  # the only finite logit of a masked row
+        logits[2, 3] = float("inf")
+        logits[2, 11] = float("inf")
+    if rows >= 5 and vocab >= 17:
+        logits[3, 12] = float("nan")
+        logits[3, 4] = float("nan")
+        logits[4, :] = 0.0  # all tie
+    got = argmax(logits)
+    assert got.dtype == torch.long and got.tolist() == torch.max(logits, dim=-1).indices.tolist()
+    # a view that is not contiguous is read as its values
+    assert argmax(logits.t().contiguous().t()).tolist() == got.tolist()
+
+
+def test_greedy_rows_take_the_native_argmax_on_cpu_logits() -> None:
+    calls: list[tuple[int, ...]] = []
+    argmax = _native_argmax()
+
+    def counting(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(logits.shape))
+        return argmax(logits)
+
+    sampler = Sampler(argmax=counting)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
+    seqs = [_seq(GREEDY, [], 0), _seq(sampled, [], 1), _seq(GREEDY, [3], 2)]
+    logits = torch.tensor([LOGITS, LOGITS, [0.0, -1.0, 2.0, 9.0, 0.0, 0.0, 0.0, 0.0]])
+    got = sampler.sample(logits, seqs).token_ids
+    assert calls == [(3, VOCAB)]
+    assert got[0] == 1 and got[2] == 3
+    assert got == Sampler().sample(logits, seqs).token_ids  # the same picks as torch.max's
+    with pytest.raises(native.NativeKernelError):
+        argmax(torch.zeros(2, 8, dtype=torch.bfloat16))

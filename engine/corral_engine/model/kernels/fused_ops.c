@@ -1,7 +1,8 @@
 /* Fused elementwise ops for bfloat16 activations on the CPU: one pass over memory instead of the
  * four to six PyTorch makes (float32 round trips, separate multiplies); and a matmul for the few
  * rows of a small decode batch on CPUs without native bf16 (linear_rows_bf16); the sampler's
- * exponential race, on probabilities or on logits (exponential_race_f32, _logits_f32); prompt
+ * exponential race, on probabilities or on logits (exponential_race_f32, _logits_f32), and its
+ * greedy picks (argmax_rows_f32); prompt
  * attention's masked softmax (causal_softmax_bf16); and the KV cache write (write_kv_bf16, at the
  * end).
  *
@@ -328,6 +329,38 @@ int exponential_race_logits_f32(const float *logits, const float *temps, const u
             top = x[v] > top ? x[v] : top;
         }
         out[r] = race_row(x, seeds[r], vocab, 1, temps[r], top / temps[r]);
+    }
+    return 0;
+}
+
+/* The sampler's greedy picks: each row's largest value's index, the first where several tie, and
+ * a NaN anywhere wins (its first index): what torch.max(x, dim=-1).indices gives on the CPU. One
+ * vectorised pass for the maximum (NaN found by its bits: -ffast-math assumes there is none),
+ * then a scan for where it first occurs. */
+static inline int is_nan_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+int argmax_rows_f32(const float *x, int64_t *out, int64_t num_rows, int64_t vocab, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 2)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *row = x + r * vocab;
+        float best = row[0];
+        uint32_t nan = 0;
+        for (int64_t v = 0; v < vocab; v++) {
+            uint32_t u;
+            memcpy(&u, &row[v], sizeof u);
+            nan |= (u & 0x7fffffffu) > 0x7f800000u;
+            best = row[v] > best ? row[v] : best;
+        }
+        int64_t at = 0;
+        if (nan)
+            while (!is_nan_bits(row[at])) at++;
+        else
+            while (row[at] != best) at++;
+        out[r] = at;
     }
     return 0;
 }
