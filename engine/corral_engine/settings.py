@@ -36,6 +36,9 @@ class EngineSettings(BaseSettings):
     # native kernel instead of PyTorch/oneDNN; auto: where the CPU has no native bf16 (1.2-1.6x
     # there); 1: also where it has (keeps each plain bf16 weight beside the packed one: an A/B).
     small_batch_kernel: Switch = Field(default="auto", validation_alias="CORRAL_SMALL_BATCH_KERNEL")
+    # CORRAL_AMX_LINEAR: bf16 Linear layers through Corral's AMX kernel (kernels/amx_linear.c)
+    # instead of oneDNN where the CPU has AMX tiles; auto/1: there, 0: never (an A/B).
+    amx_linear: Switch = Field(default="auto", validation_alias="CORRAL_AMX_LINEAR")
     # CORRAL_LORA_UPCAST: LoRA adapter slots in float32 for a bf16 model; auto: where bf16 matmuls
     # are upcast (a CPU without native bf16), 1: always, 0: slots in the model's dtype (an A/B).
     lora_upcast: Switch = Field(default="auto", validation_alias="CORRAL_LORA_UPCAST")

@@ -18,15 +18,16 @@ from corral_engine.model.config import load_model_config
 from corral_engine.model.device import CpuFeatures, probe_cpu, select_dtype
 from corral_engine.model.llama import Linear
 from corral_engine.model.matmul_plan import NATIVE_BF16_KERNEL_ROWS, UPCAST_MIN_ROWS, MatmulPlan, plan_matmuls
-from corral_engine.model.native import load_fused_ops
+from corral_engine.model.native import load_amx_linear, load_fused_ops
 from corral_engine.settings import EngineSettings, Switch
 
 NATIVE = CpuFeatures(has_native_bf16=True, has_onednn=True)  # AVX512-BF16 or AMX
 EMULATED = CpuFeatures(has_native_bf16=False, has_onednn=True)  # AVX2 (bf16 emulated by oneDNN)
 NO_ONEDNN = CpuFeatures(has_native_bf16=False, has_onednn=False)
+AMX = CpuFeatures(has_native_bf16=True, has_onednn=True, has_amx=True)  # Sapphire Rapids and later
 BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
 FITS, TIGHT = 2**40, 2**10  # memory available now: plenty / not enough for float32 copies
-CPUS = {"native": NATIVE, "emulated": EMULATED, "no-onednn": NO_ONEDNN}
+CPUS = {"native": NATIVE, "emulated": EMULATED, "no-onednn": NO_ONEDNN, "amx": AMX}
 
 
 def _plan(
@@ -48,6 +49,25 @@ def _plan(
         available_bytes=available,
         small_batch_kernel=small,
     )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cpu", "prepack", "amx", "is_cpu", "expected"),
+    [
+        (BF16, AMX, "auto", "auto", True, True),
+        (BF16, AMX, "auto", "1", True, True),
+        (BF16, AMX, "auto", "0", True, False),  # switched off: oneDNN
+        (BF16, AMX, "0", "auto", True, False),  # nothing packed, nothing for the kernel either
+        (F32, AMX, "auto", "auto", True, False),  # bf16 only
+        (BF16, NATIVE, "auto", "auto", True, False),  # AVX512-BF16 without tiles
+        (BF16, AMX, "auto", "auto", False, False),  # never on a GPU
+    ],
+)
+def test_amx_linear(
+    dtype: torch.dtype, cpu: CpuFeatures, prepack: Switch, amx: Switch, is_cpu: bool, expected: bool
+) -> None:
+    plan = plan_matmuls(dtype, is_cpu, cpu, prepack, "auto", 2**20, FITS, amx_linear=amx)
+    assert plan.amx_linear == expected
 
 
 @pytest.mark.parametrize(
@@ -175,15 +195,21 @@ def _assert_applies(runner: runner_mod.ModelRunner, asked: MatmulPlan) -> None:
     assert {m.kernel_rows for m in linears} == {asked.kernel_rows}
     has_kernel = asked.kernel_rows > 0 and load_fused_ops(runner.settings) is not None
     assert {m.fused_ops is not None for m in linears} == {has_kernel}
-    assert {m.packed is not None for m in linears} == {done.prepack}
+    # Packed for oneDNN, or for the AMX kernel where the plan says so and it built (every layer of
+    # the tiny checkpoint has sizes the kernel takes).
+    on_amx = asked.amx_linear and load_amx_linear(runner.settings) is not None
+    assert done.amx_linear == on_amx
+    assert {m.amx_packed is not None for m in linears} == {on_amx}
+    assert {m.packed is not None or m.amx_packed is not None for m in linears} == {done.prepack}
     assert done.prepack == asked.prepack or (asked.prepack and runner.dtype == BF16)
     if runner.dtype == F32 or probe_cpu().has_native_bf16:
         assert done.prepack == asked.prepack  # oneDNN packs these on this CPU
     # The tiny checkpoint's head is untied, so a packed head releases its plain copy.
     assert not runner.config.tie_word_embeddings
     for m in linears:  # the kernel reads the plain weight, so a packed layer keeps it then
-        assert (m.weight.numel() == 0) == (m.packed is not None and not asked.kernel_rows)
-        assert m.packed is not None or m.weight.dtype == runner.dtype
+        is_packed = m.packed is not None or m.amx_packed is not None
+        assert (m.weight.numel() == 0) == (is_packed and not asked.kernel_rows)
+        assert is_packed or m.weight.dtype == runner.dtype
 
 
 @pytest.mark.parametrize("cpu", CPUS.values(), ids=CPUS.keys())

@@ -16,7 +16,7 @@ from corral_engine.model.int4_ops import has_int4_kernel
 from corral_engine.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm
 from corral_engine.model.loader import load_weights
 from corral_engine.model.matmul_plan import MatmulPlan, plan_matmuls
-from corral_engine.model.native import load_fused_ops
+from corral_engine.model.native import load_amx_linear, load_fused_ops
 from corral_engine.model.parallel import TensorParallel
 from corral_engine.model.quant import QuantConfig, QuantPlan, plan_quant
 from corral_engine.model.quant_layers import describe_quantized, quantize_layers, ready
@@ -126,22 +126,40 @@ class ModelBuilder:
             upcast_copy_bytes=sum(m.weight.numel() for m in linears) * 4,
             available_bytes=available_memory_bytes(),
             small_batch_kernel=self.settings.small_batch_kernel,
+            amx_linear=self.settings.amx_linear,
         )
         for note in plan.notes:
             logger.info("%s", note)
         is_packed = plan.prepack
+        # bf16 on a CPU with AMX tiles: Corral's AMX kernel instead of oneDNN, layer by layer where
+        # it takes the weight (and where it built: else oneDNN throughout)
+        amx = load_amx_linear(self.settings) if plan.amx_linear else None
+        num_amx = 0
         for linear in linears:
             linear.upcast_min_rows = plan.upcast_min_rows
             linear.kernel_rows = plan.kernel_rows
             if plan.keep_upcast_copies:
                 linear.prepack_upcast()
             if is_packed:
-                is_shared = linear is model.lm_head and self.config.tie_word_embeddings
-                try:  # the small-batch kernel reads the plain weight
-                    linear.prepack(keep_weight=is_shared or plan.kernel_rows > 0)
+                # the small-batch kernel reads the plain weight
+                keep_weight = (
+                    linear is model.lm_head and self.config.tie_word_embeddings
+                ) or plan.kernel_rows > 0
+                if amx is not None and linear.prepack_amx(amx, keep_weight):
+                    num_amx += 1
+                    continue
+                try:
+                    linear.prepack(keep_weight)
                 except RuntimeError as e:  # e.g. bf16 packing needs AVX512 or AVX-NE-CONVERT
                     logger.info("Linear weights stay unpacked: %s", e)
                     is_packed = False
-        if is_packed:
+        if num_amx:
+            logger.info(
+                "%d of %d Linear layers multiply through AMX tiles (kernels/amx_linear.c)",
+                num_amx,
+                len(linears),
+            )
+        if is_packed and num_amx < len(linears):
             logger.info("Linear weights prepacked for oneDNN (%s)", str(self.dtype).removeprefix("torch."))
-        return dataclasses.replace(plan, prepack=is_packed)  # what was done, not what was asked
+        # what was done, not what was asked
+        return dataclasses.replace(plan, prepack=is_packed, amx_linear=num_amx > 0)

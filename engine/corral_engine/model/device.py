@@ -19,6 +19,7 @@ class CpuFeatures:
 
     has_native_bf16: bool  # AVX512-BF16 or AMX: oneDNN multiplies bf16 natively (else emulates it)
     has_onednn: bool  # this torch has oneDNN (mkldnn), which prepacks Linear weights
+    has_amx: bool = False  # AMX tiles (amx_bf16): Corral's AMX Linear kernel can run here
 
 
 @cache
@@ -28,7 +29,20 @@ def probe_cpu() -> CpuFeatures:
         native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         native_bf16 = False
-    return CpuFeatures(has_native_bf16=native_bf16, has_onednn=torch.backends.mkldnn.is_available())
+    return CpuFeatures(
+        has_native_bf16=native_bf16,
+        has_onednn=torch.backends.mkldnn.is_available(),
+        has_amx=_has_cpu_flag("amx_bf16"),
+    )
+
+
+def _has_cpu_flag(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (Linux; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def select_device(requested: str) -> torch.device:

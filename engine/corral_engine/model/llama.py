@@ -29,6 +29,7 @@ from corral_engine.model.rotary import Rotary, rotated
 
 if TYPE_CHECKING:
     from corral_engine.model.decode_stack import DecodeStack
+    from corral_engine.model.native import AmxLinear
     from corral_engine.model.triton_ops import TritonOps  # imports triton: only where it is used
 
 
@@ -46,6 +47,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (see prepack)
     packed_dtype: torch.dtype | None = None
     upcast_packed: torch.Tensor | None = None  # a float32 copy for upcast batches (see prepack_upcast)
+    amx: AmxLinear | None = None  # the AMX kernel and the weight in its layout (see prepack_amx)
+    amx_packed: torch.Tensor | None = None
     upcast_bias: torch.Tensor | None = None
     # "int8" or "fp8" once `quantize` made this a quantized layer: `weight` in that dtype and the
     # buffer `weight_scale` (float32 [out]); "int4": `weight` uint8 [out, in/2] (two values a
@@ -72,6 +75,13 @@ class Linear(nn.Linear):
             ops = self.fused_ops  # set only where it can read this layer's weight
             if rows < self.kernel_rows and ops is not None and x.dim() == 2 and rows > 0 and ops.supports(x):
                 return ops.linear_rows(x, self.weight, self.bias)
+        if (
+            self.amx is not None
+            and self.amx_packed is not None
+            and x.dim() == 2
+            and x.dtype == torch.bfloat16
+        ):
+            return self.amx(x, self.amx_packed, self.bias, self.out_features)
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed_dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -139,6 +149,20 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def prepack_amx(self, kernel: AmxLinear, keep_weight: bool) -> bool:
+        """Pack the weight once for the AMX kernel, which then multiplies this layer's bf16 batches
+        (those the small-batch kernel does not take); False, and nothing changed, where the kernel
+        does not take this weight (not bf16, a size not a multiple of 32, a bias of another dtype).
+        `keep_weight` as in prepack."""
+        bias_ok = self.bias is None or self.bias.dtype == torch.bfloat16
+        if self.quant is not None or not bias_ok or not kernel.fits(self.weight):
+            return False
+        self.amx_packed = kernel.pack(self.weight)
+        self.amx = kernel
+        if not keep_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return True
 
     def prepack_upcast(self) -> None:
         """For a bf16 weight whose large batches are multiplied in float32 (`upcast_min_rows`): a

@@ -31,6 +31,9 @@ class MatmulPlan:
     # bf16 batches of fewer rows go through the native small-batch kernel (Linear.kernel_rows), which
     # reads the plain weight: a packed layer keeps it too. 0: none.
     kernel_rows: int = 0
+    # bf16 layers through Corral's AMX kernel instead of oneDNN (Linear.prepack_amx), where the
+    # CPU has AMX tiles and the weights are packed; layers it cannot take stay with oneDNN.
+    amx_linear: bool = False
 
 
 def plan_matmuls(
@@ -42,6 +45,7 @@ def plan_matmuls(
     upcast_copy_bytes: int,
     available_bytes: int | None,
     small_batch_kernel: Switch = "auto",
+    amx_linear: Switch = "auto",
 ) -> MatmulPlan:
     """The plan for a model of `dtype` whose float32 weight copies would take `upcast_copy_bytes`.
 
@@ -60,6 +64,9 @@ def plan_matmuls(
       decodes in one native call), when the plain bf16 weights the kernel reads, kept beside the
       packed ones (half of `upcast_copy_bytes`), take at most a quarter of the memory available
       now; "1": also where they would not fit, "0": never (an A/B against oneDNN or PyTorch).
+    - AMX (`amx_linear`): where bf16 weights are packed on a CPU with AMX tiles, they are packed
+      for Corral's AMX kernel instead of oneDNN ("auto" and "1"; 1.07-1.19x a step on two
+      Sapphire Rapids cores, docs/engine-speed.md); "0": oneDNN.
     """
     if not is_cpu or not cpu.has_onednn:
         prepack = "0"  # oneDNN packs only CPU weights
@@ -88,7 +95,8 @@ def plan_matmuls(
     elif wanted and not kernel_rows:
         mib = plain_bytes >> 20
         notes.append(f"bf16 matmuls of every size through oneDNN: plain weights ({mib} MiB) would not fit")
-    return MatmulPlan(upcast_rows, packs, copies, tuple(notes), kernel_rows)
+    amx = packs and is_cpu and dtype == torch.bfloat16 and cpu.has_amx and amx_linear != "0"
+    return MatmulPlan(upcast_rows, packs, copies, tuple(notes), kernel_rows, amx)
 
 
 def _kernel_rows(dtype: torch.dtype, is_cpu: bool, cpu: CpuFeatures, mode: Switch, upcast_rows: int) -> int:

@@ -118,6 +118,64 @@ class PagedDecode:
         return out
 
 
+class AmxLinear:
+    """bf16 Linear layers through AMX tiles (kernels/amx_linear.c): bf16(x W^T + b) with float32
+    sums rounded once, as oneDNN computes it, from a weight packed once into the tiles' layout."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._available = lib.amx_linear_available
+        self._available.restype = ctypes.c_int
+        self._fits = lib.amx_linear_fits
+        self._fits.restype = ctypes.c_int
+        self._fits.argtypes = [ctypes.c_int64] * 2
+        self._pack = lib.amx_linear_pack_bf16
+        self._pack.restype = None
+        self._pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._linear = lib.amx_linear_bf16
+        self._linear.restype = ctypes.c_int
+        self._linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+
+    @property
+    def available(self) -> bool:
+        """This CPU has AMX tiles, the library was built for them and Linux grants them."""
+        return bool(self._available())
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        """A bf16 CPU weight [N, K] the kernel takes (N and K multiples of 32)."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+            return False
+        return bool(self._fits(weight.shape[0], weight.shape[1]))
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight [N, K] in the kernel's tile layout (a flat bf16 tensor of N * K values)."""
+        if not self.fits(weight):
+            raise NativeKernelError(
+                f"amx_linear takes a bf16 [N, K] weight, N, K multiples of 32, not {weight.shape}"
+            )
+        weight = weight.detach().contiguous()
+        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        self._pack(
+            weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads()
+        )
+        return packed
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """F.linear(x, weight, bias) for bf16 rows x [M, K] and `packed` = pack(weight)."""
+        x = x.contiguous()
+        rows, size = x.shape
+        out = x.new_empty((rows, out_features))
+        if rows:
+            failed = self._linear(
+                x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.contiguous().data_ptr(),
+                out.data_ptr(), rows, out_features, size, torch.get_num_threads(),
+            )  # fmt: skip
+            if failed:
+                raise NativeKernelError(f"amx_linear failed ({failed}: 1 no memory for scratch, 2 no AMX)")
+        return out
+
+
 class FusedOps:
     """bf16 elementwise ops in one pass, rounding like the PyTorch expressions they replace."""
 
@@ -321,6 +379,16 @@ class FusedOps:
 def load_paged_decode(settings: EngineSettings) -> PagedDecode | None:
     lib = load_decode_stack_library(settings)
     return PagedDecode(lib) if lib is not None else None
+
+
+@cache
+def load_amx_linear(settings: EngineSettings) -> AmxLinear | None:
+    """The AMX Linear kernel where this CPU has AMX tiles and CORRAL_AMX_LINEAR is not 0."""
+    if settings.amx_linear == "0":
+        return None
+    lib = load_decode_stack_library(settings)
+    kernel = None if lib is None else AmxLinear(lib)
+    return kernel if kernel is not None and kernel.available else None
 
 
 @cache

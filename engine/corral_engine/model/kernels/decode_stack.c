@@ -17,6 +17,7 @@
  *   x = silu_and_mul(h Wgu^T (+ b)) Wdown^T (+ b)
  * and at the end out = add_rms_norm(x, residual) with the final norm's weight.
  */
+#include "amx_linear.c"
 #include "fused_ops.c"
 #include "paged_decode.c"
 

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 
 #define MAX_BLOCK_SIZE 256
@@ -93,37 +94,7 @@ static void softmax_rows(float *scores, int64_t rows, int64_t n) {
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-
-long syscall(long number, ...); /* <unistd.h> declares it only for _GNU_SOURCE / _DEFAULT_SOURCE */
-
-/* Linux gives a process AMX tile state only once it asks (PyTorch's oneDNN may have asked already:
- * asking again is harmless). A race between threads is benign: every asker gets the same answer. */
-static int amx_usable(void) {
-    static int state; /* 0 unknown, 1 granted, -1 refused */
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-    return state > 0;
-}
-
-/* Palette 1, all eight tiles 16 rows of 64 bytes (16 float32, or 32 bf16). Scores use tiles 0-2,
- * values 0-7. Tile state is per thread: each thread configures it and releases it after. */
-static void amx_begin(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed)) cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
-}
-
-static void amx_end(void) { _tile_release(); }
-
+#ifdef HAVE_AMX
 /* Queries of KV heads [0, nh) (G each, bf16 [nh * G][D]) as B tiles: per head and 32-dim chunk,
  * 16 rows (dim pairs) x 16 columns (query heads) x 2 dims. Columns >= G stay zero: the caller
  * zeroes qb once per call. */
@@ -228,9 +199,6 @@ static void amx_values(const uint16_t *v_cache, const int64_t *table, int64_t le
         }
 }
 #else /* no AMX in this build: the float32 loops only */
-static int amx_usable(void) { return 0; }
-static void amx_begin(void) {}
-static void amx_end(void) {}
 static void amx_pack_queries(const uint16_t *q, int64_t nh, int64_t G, int64_t D, uint16_t *qb) {
     (void)q, (void)nh, (void)G, (void)D, (void)qb;
 }
