@@ -22,10 +22,10 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from ab_rounds import alternate_rounds
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.llama import Linear
@@ -80,21 +80,7 @@ def main() -> int:
     prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
-    def run() -> tuple[float, list[list[int]]]:
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
-
-    for on in (False, True):  # warm-up
-        use_amx(on)
-        run()
-    seconds: dict[str, list[float]] = {"onednn": [], "amx": []}
-    tokens: dict[str, list[list[int]]] = {}
-    for round_index in range(args.rounds):
-        for side in ("onednn", "amx") if round_index % 2 == 0 else ("amx", "onednn"):
-            use_amx(side == "amx")
-            elapsed, tokens[side] = run()
-            seconds[side].append(elapsed)
+    seconds, tokens = alternate_rounds(engine, prompts, params, use_amx, ("onednn", "amx"), args.rounds)
     ratios = [a / b for a, b in zip(seconds["onednn"], seconds["amx"], strict=True)]
     result = {
         "args": {k: str(v) for k, v in vars(args).items()},

@@ -24,11 +24,11 @@ import json
 import random
 import statistics
 import sys
-import time
 import types
 from pathlib import Path
 
 import torch
+from ab_rounds import alternate_rounds
 from corral_engine.args import EngineArgs
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.model.llama import Attention, Linear, RMSNorm
@@ -103,21 +103,7 @@ def main() -> int:
     prompts = [[rng.randrange(1, 32_000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
-    def run() -> tuple[float, list[list[int]]]:
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
-
-    for on in (False, True):  # warm-up
-        use_kernels(on)
-        run()
-    seconds: dict[str, list[float]] = {"off": [], "on": []}
-    tokens: dict[str, list[list[int]]] = {}
-    for round_index in range(args.rounds):
-        for side in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
-            use_kernels(side == "on")
-            elapsed, tokens[side] = run()
-            seconds[side].append(elapsed)
+    seconds, tokens = alternate_rounds(engine, prompts, params, use_kernels, ("off", "on"), args.rounds)
     ratios = [off / on for off, on in zip(seconds["off"], seconds["on"], strict=True)]
     result = {
         "args": {k: str(v) for k, v in vars(args).items()},

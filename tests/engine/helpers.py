@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from corral_engine import EngineArgs, SamplingParams
 from corral_engine.llm_engine import LLMEngine
 from corral_engine.lora import LoraRequest
@@ -18,6 +21,9 @@ from bench.gpu.reference import random_prompts
 __all__ = [
     "GREEDY",
     "ODD_MODEL_OVERRIDES",
+    "UNIT_ROUNDOFF",
+    "check_linear_contract",
+    "cpu_has",
     "make_engine",
     "peft_greedy",
     "random_prompts",
@@ -25,6 +31,8 @@ __all__ = [
     "transformers_greedy",
 ]
 
+# bf16 keeps 8 significant bits, so one rounding to nearest is off by at most u = 2^-8 (relative).
+UNIT_ROUNDOFF = 2.0**-8
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # The tiny Llama made awkward for two ranks: one KV head (replicated), biases on every projection
 # (o_proj's and down_proj's added by rank 0 alone), tied embeddings, a vocabulary split unevenly.
@@ -114,3 +122,34 @@ def cached_and_generated(engine: LLMEngine, prompt: Any, params: SamplingParams)
             if out.finished:
                 final[out.request_id] = out
     return final["q"].metrics.num_cached_tokens, final["q"].outputs[0].token_ids
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` for this CPU (False where it cannot be read)."""
+    try:
+        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def check_linear_contract(
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    rows: int,
+    size: int,
+    out: int,
+    bias: bool,
+) -> None:
+    """linear(x, weight, bias) is one rounding of a float32 sum: within bf16's rounding of the
+    exact product, plus what summing `size` float32 terms in any order can add (size * 2^-24 of
+    the sum of |terms|)."""
+    gen = torch.Generator().manual_seed(rows * size)
+    x = torch.randn(rows, size, generator=gen).bfloat16()
+    weight = (torch.randn(out, size, generator=gen) / 8).bfloat16()
+    b = (torch.randn(out, generator=gen) / 4).bfloat16() if bias else None
+    got = linear(x, weight, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
+    bound = UNIT_ROUNDOFF * exact.abs() + (size + 1) * 2.0**-24 * magnitude * (1 + UNIT_ROUNDOFF)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=2e-2, rtol=2e-2)  # PyTorch's own

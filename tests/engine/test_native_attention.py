@@ -13,6 +13,8 @@ from corral_engine.model.attention import DecodeBatch, _decode_attention
 from corral_engine.model.kv_dtype import to_cache
 from corral_engine.settings import EngineSettings
 
+from tests.engine.helpers import cpu_has
+
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the kernel")
 
 
@@ -128,13 +130,8 @@ def test_kernel_decodes_every_finite_fp8_code_exactly(cache_dtype: torch.dtype) 
     assert torch.equal(got.view(-1), codes.float())
 
 
-def cpu_has_amx() -> bool:
-    cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and " amx_bf16" in cpuinfo.read_text()
-
-
 @needs_compiler
-@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX tiles")
+@pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX tiles")
 def test_on_a_cpu_with_amx_the_bf16_kernel_uses_the_tiles() -> None:
     kernel = native.load_paged_decode(EngineSettings(native_kernels=True))
     assert kernel is not None
